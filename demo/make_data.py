@@ -1,0 +1,85 @@
+"""Generate the demo's shipped data (run once; its output is committed):
+
+- corpus.jsonl: simple English-like text the demo model is pretrained on (format: completion);
+- train.jsonl / eval.jsonl: word tasks in Alpaca format that the pretrained base cannot do and a
+  LoRA fine-tune visibly learns (exact-match accuracy on held-out word lists).
+
+    python demo/make_data.py
+"""
+
+import json
+import random
+from pathlib import Path
+
+NOUNS = """apple river stone cloud garden window bread candle forest mirror horse island lamp letter
+market needle orange pencil rabbit shadow silver basket bridge castle desert engine feather flower
+hammer kettle ladder meadow ocean pillow rocket saddle tiger tunnel violin wagon whistle anchor
+blanket button camera cherry copper dragon falcon guitar harbor helmet jacket lemon lizard magnet
+marble mountain needle parrot pepper planet puzzle quilt spider storm sugar tomato tower turtle
+village wallet wizard zebra""".split()
+ADJECTIVES = """red blue green quiet happy ancient bright cold dark early gentle golden heavy hidden
+little lonely loud narrow proud rapid round silent sleepy small smooth soft sudden sweet tall
+tiny warm wild wise young yellow""".split()
+VERBS = """finds carries paints follows watches holds builds opens hides pushes pulls cleans
+draws lifts breaks fixes chases greets visits keeps""".split()
+NAMES = "Anna Ben Clara David Emma Felix Grace Hugo Iris Jonas Kara Leo Mira Noah Olga Paul".split()
+PLACES = "the market|the river|the old tower|the village|the harbor|the forest|the bridge|the garden".split("|")
+
+WORDS = sorted(set(NOUNS + ADJECTIVES))
+
+KINDS = {**{w: "noun" for w in NOUNS}, **{w: "adjective" for w in ADJECTIVES}, **{w: "verb" for w in VERBS}, **{w: "name" for w in NAMES}}
+
+
+def words(rng: random.Random) -> str:
+    return " ".join(rng.sample(WORDS, rng.randint(3, 5)))
+
+
+def sentence(rng: random.Random) -> str:
+    n, a, v = rng.choice, rng.choice, rng.choice
+    templates = [
+        lambda: f"The {a(ADJECTIVES)} {n(NOUNS)} {v(VERBS)} the {n(NOUNS)}.",
+        lambda: f"{n(NAMES)} saw a {a(ADJECTIVES)} {n(NOUNS)} near {n(PLACES)}.",
+        lambda: f"In {n(PLACES)} there was a {n(NOUNS)}, a {n(NOUNS)} and a {a(ADJECTIVES)} {n(NOUNS)}.",
+        lambda: f"{n(NAMES)} {v(VERBS)} the {n(NOUNS)} and {n(NAMES)} {v(VERBS)} the {n(NOUNS)}.",
+        lambda: f"Every morning the {n(NOUNS)} was {a(ADJECTIVES)} and {a(ADJECTIVES)}.",
+        lambda: f"\"Where is my {n(NOUNS)}?\" asked {n(NAMES)}.",
+        lambda: "We counted " + ", ".join(rng.sample(WORDS, rng.randint(3, 5))) + ".",
+        # Lists on their own lines, so words also occur without a leading space.
+        lambda: "Shopping list:\n" + "\n".join(rng.sample(WORDS, rng.randint(2, 5))) + "\n",
+        lambda: "Notes:\n" + " ".join(rng.sample(WORDS, rng.randint(2, 5))) + "\n",
+        lambda: f"{n(NAMES)} wrote the first word and the last word in the right order, then gave the {n(NOUNS)} back.",
+        lambda: f"Repeat after me, said {n(NAMES)}, and {n(NAMES)} did it exactly.",
+        # Copying, reversing and picking words, in prose: skills the base learns here, so that the
+        # fine-tune only has to teach it to follow the instruction format.
+        lambda: (lambda w: f"{n(NAMES)} said {w} and {n(NAMES)} said it again: {w}.")(words(rng)),
+        lambda: (lambda w: f"Backwards, {' '.join(w)} reads {' '.join(reversed(w))}.")(rng.sample(WORDS, rng.randint(3, 5))),
+        lambda: (lambda w: f"Of {' '.join(w)}, the first is {w[0]} and the last is {w[-1]}.")(rng.sample(WORDS, rng.randint(3, 5))),
+    ]
+    return rng.choice(templates)()
+
+
+def task_row(word: str) -> dict:
+    return {"instruction": "What kind of word is this?", "input": word, "output": KINDS[word]}
+
+
+def main() -> None:
+    rng = random.Random(1234)
+    out = Path(__file__).parent / "data"
+    out.mkdir(exist_ok=True)
+    with (out / "corpus.jsonl").open("w") as fh:
+        for _ in range(4000):
+            fh.write(json.dumps({"text": " ".join(sentence(rng) for _ in range(rng.randint(4, 9)))}) + "\n")
+    # Held-out words: the fine-tune never sees them, so the eval measures whether it taught the task
+    # (using what the base learned about each word in pretraining), not whether it memorised answers.
+    vocab = sorted(KINDS)
+    rng.shuffle(vocab)
+    cut = int(len(vocab) * 0.75)
+    train = [task_row(w) for w in vocab[:cut] for _ in range(8)]
+    rng.shuffle(train)
+    for name, part in (("train.jsonl", train), ("eval.jsonl", [task_row(w) for w in vocab[cut:]])):
+        with (out / name).open("w") as fh:
+            fh.writelines(json.dumps(r) + "\n" for r in part)
+
+
+if __name__ == "__main__":
+    main()

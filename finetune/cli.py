@@ -1,0 +1,96 @@
+"""`finetune` command line: train, validate, make-demo-model.
+
+Bad input ends with one line on stderr and exit code 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import warnings
+import os
+import sys
+
+from finetune.errors import EXIT_USAGE, UserError
+
+# Flags that are shorthands for schema keys (they are applied as --set overrides, after the file).
+SHORTHANDS = {"output_dir": "train.output_dir", "max_steps": "train.max_steps", "model": "model.name_or_path", "overfit_batch": "train.overfit_batch"}
+
+
+def _run_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", required=True, help="run config YAML (see configs/ and the README for every key)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override any config key, e.g. --set train.lr=1e-4 --set adapter.r=8 (repeatable; values parsed as YAML)")
+    p.add_argument("--output-dir", help="same as --set train.output_dir=DIR")
+    p.add_argument("--max-steps", type=int, help="same as --set train.max_steps=N")
+    p.add_argument("--model", help="same as --set model.name_or_path=PATH_OR_ID")
+    p.add_argument("--overfit-batch", type=int, metavar="N", help="sanity check: train N steps on the first batch only; the loss should go near zero")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="finetune", description="Fine-tune Hugging Face causal language models (LoRA, DoRA, full).")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("train", help="fine-tune a model as a config describes",
+                       description="Fine-tune a model as the config describes. Run it directly, or under "
+                       "`accelerate launch` / `torchrun` for several processes (same flags).")
+    _run_options(p)
+
+    p = sub.add_parser("validate", help="check a config and print it fully resolved",
+                       description="Validate a config (and overrides) without loading the model; print every key with its value.")
+    _run_options(p)
+
+    p = sub.add_parser("make-demo-model", help="build the small demo model from the shipped corpus",
+                       description="Train a byte-level BPE tokenizer on the shipped corpus, build a small Llama model, "
+                       "pretrain it briefly with finetune's own full fine-tuning, and save an ordinary HF model folder.")
+    p.add_argument("--out", default="demo/model", help="output folder (default: demo/model)")
+    p.add_argument("--steps", type=int, default=None, help="pretraining steps (default: the demo's own)")
+    p.add_argument("--force", action="store_true", help="rebuild even if the folder already holds a model")
+    return parser
+
+
+def resolve_config(args: argparse.Namespace, check_model: bool = True):
+    from finetune.config import load_config
+
+    overrides = list(args.overrides)
+    for flag, key in SHORTHANDS.items():
+        value = getattr(args, flag, None)
+        if value is not None:
+            overrides.append(f"{key}={value}")
+    return load_config(args.config, overrides, check_model=check_model)
+
+
+def quiet_libraries() -> None:
+    """Our progress bar and summary lines are the output; libraries' load/save bars and notices are noise."""
+    os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
+    # peft still calls transformers' pre-5.0 checkpointing names; the notice is for peft's authors.
+    warnings.filterwarnings("ignore", message=r".*is deprecated and will be removed in v6", category=FutureWarning)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    quiet_libraries()
+    try:
+        if args.command == "validate":
+            from finetune.config import to_yaml
+
+            print(to_yaml(resolve_config(args)), end="")
+        elif args.command == "train":
+            from finetune.train import run
+
+            run(resolve_config(args))
+        elif args.command == "make-demo-model":
+            from finetune.demo import make_demo_model
+
+            make_demo_model(args.out, steps=args.steps, force=args.force)
+    except UserError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

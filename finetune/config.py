@@ -1,0 +1,230 @@
+"""The run configuration: one typed schema, the single source of truth for every option and default.
+
+A run is described by one YAML file. `load_config` reads it, applies `--set key=value` overrides,
+validates everything that can be checked without loading a model, and returns a `RunConfig`.
+Every problem becomes a `UserError` that names the file and key and what was expected.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from finetune.errors import UserError
+
+
+class _Section(BaseModel):
+    # Unknown keys are errors: a typo must never silently fall back to a default.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(_Section):
+    name_or_path: str = Field(description="Local HF model folder, or a hub id where a hub is reachable.")
+    revision: str | None = Field(None, description="Hub revision (branch, tag or commit).")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "float32", description="dtype the base weights are loaded in ('auto' = as saved)."
+    )
+    attn_implementation: Literal["eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention"] = (
+        Field("sdpa", description="Attention kernel; flash attention needs a CUDA GPU and flash-attn.")
+    )
+    trust_remote_code: bool = Field(False, description="Run Python code shipped with the model. Off unless you trust it.")
+
+
+class AdapterConfig(_Section):
+    method: Literal["lora", "dora", "full"] = Field("lora", description="lora, dora, or full fine-tuning.")
+    r: int = Field(16, gt=0, description="LoRA rank.")
+    alpha: float = Field(32, gt=0, description="LoRA scaling numerator (scale = alpha / r, or alpha / sqrt(r) with rslora).")
+    dropout: float = Field(0.05, ge=0, lt=1, description="Dropout on the LoRA input.")
+    target_modules: str | list[str] = Field(
+        "all-linear", description="'all-linear' or a list of module names (e.g. [q_proj, v_proj])."
+    )
+    rslora: bool = Field(False, description="Rank-stabilised LoRA scaling.")
+    modules_to_save: list[str] | None = Field(None, description="Extra modules trained in full and saved with the adapter.")
+
+
+class DataConfig(_Section):
+    train: str | list[str] = Field(description="Training data: local .jsonl/.json/.parquet file(s), or a hub dataset name.")
+    format: Literal["completion", "alpaca", "chat"] = Field(
+        "alpaca", description="completion: {text}; alpaca: {instruction, input?, output}; chat: {messages: [{role, content}]}."
+    )
+    eval: str | list[str] | None = Field(None, description="Held-out eval file(s); or use eval_fraction.")
+    eval_fraction: float = Field(0.0, ge=0, lt=1, description="Share of the training rows held out for eval when no eval file is given.")
+    max_seq_len: int = Field(512, gt=0, description="Longest row in tokens; longer samples are truncated.")
+    packing: bool = Field(True, description="Pack samples into rows of max_seq_len, attention kept inside each sample.")
+    train_on_prompt: bool = Field(False, description="Also compute the loss on prompt tokens (default: responses only).")
+    bad_rows: Literal["fail", "skip"] = Field("fail", description="Invalid rows: fail with file:line, or skip and count them.")
+    cache_dir: str | None = Field(None, description="Tokenized-data cache (default $FINETUNE_CACHE or ~/.cache/finetune).")
+    split: str = Field("train", description="Split to read from a hub dataset.")
+    num_proc: int = Field(1, gt=0, description="Processes for tokenization.")
+
+
+class TrainConfig(_Section):
+    output_dir: str = Field("outputs/run", description="Where the adapter/model, logs and plots go.")
+    epochs: float = Field(1.0, gt=0, description="Passes over the training data (ignored when max_steps is set).")
+    max_steps: int | None = Field(None, gt=0, description="Optimizer steps to run; overrides epochs.")
+    micro_batch_size: int = Field(4, gt=0, description="Rows per forward pass, per process.")
+    grad_accum: int = Field(1, gt=0, description="Micro-batches per optimizer step.")
+    optimizer: Literal["adamw", "sgd"] = Field("adamw", description="adamw (fused where available) or sgd.")
+    lr: float = Field(2e-4, gt=0, description="Peak learning rate.")
+    weight_decay: float = Field(0.0, ge=0, description="Decoupled weight decay (AdamW) / L2 (SGD).")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
+    momentum: float = Field(0.9, ge=0, lt=1, description="SGD momentum.")
+    scheduler: Literal["cosine", "linear", "constant"] = Field("cosine", description="LR decay after warmup.")
+    warmup_steps: int = Field(0, ge=0, description="Linear warmup, in optimizer steps.")
+    max_grad_norm: float | None = Field(1.0, gt=0, description="Gradient clipping; null turns it off.")
+    mixed_precision: Literal["no", "bf16", "fp16", "fp8"] = Field("no", description="Autocast precision (fp16/fp8 need a GPU).")
+    tf32: bool = Field(False, description="Allow TF32 matmuls on CUDA.")
+    gradient_checkpointing: bool = Field(False, description="Recompute activations in backward (non-reentrant).")
+    seed: int = Field(42, description="Seed for weights init, dropout and data order.")
+    overfit_batch: int = Field(0, ge=0, description="Sanity check: train this many steps on the first batch only (0 = off).")
+
+
+class EvalConfig(_Section):
+    every: int = Field(0, ge=0, description="Eval loss every N optimizer steps (0 = only at the end).")
+    max_batches: int | None = Field(None, gt=0, description="Cap on eval batches per evaluation.")
+    generate_samples: int = Field(0, ge=0, description="Greedy-generate answers for this many eval prompts before and after training; report exact-match accuracy.")
+    max_new_tokens: int = Field(48, gt=0, description="Token budget for those generations.")
+
+
+class LoggingConfig(_Section):
+    log_every: int = Field(1, gt=0, description="Write a metrics row every N optimizer steps.")
+    report_to: list[Literal["tensorboard", "wandb", "mlflow"]] = Field(
+        default_factory=lambda: ["tensorboard"], description="Trackers (through accelerate)."
+    )
+    progress_bar: bool = Field(True, description="Show a progress bar on the main process.")
+    plot: bool = Field(True, description="Write loss_curve.png at the end.")
+
+
+class RunConfig(_Section):
+    model: ModelConfig
+    adapter: AdapterConfig = Field(default_factory=AdapterConfig)
+    data: DataConfig
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+
+    @field_validator("data")
+    @classmethod
+    def _data_files_exist(cls, data: DataConfig) -> DataConfig:
+        for key in ("train", "eval"):
+            for path in _as_list(getattr(data, key)):
+                if _looks_local(path) and not Path(path).exists():
+                    raise ValueError(f"{key}: file not found: {path}")
+        return data
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> RunConfig:
+        if self.data.eval is not None and self.data.eval_fraction > 0:
+            raise ValueError("data: set either data.eval or data.eval_fraction, not both")
+        if self.train.mixed_precision == "fp16" and self.model.dtype == "bfloat16":
+            raise ValueError("train.mixed_precision: fp16 autocast over bfloat16 weights; use bf16")
+        return self
+
+
+def _as_list(value: str | list[str] | None) -> list[str]:
+    if value is None:
+        return []
+    return [value] if isinstance(value, str) else list(value)
+
+
+def _looks_local(path: str) -> bool:
+    """A data or model reference is a local path if it exists or looks like a file path rather than a hub id."""
+    return Path(path).exists() or path.startswith((".", "/", "~")) or Path(path).suffix in {".jsonl", ".json", ".parquet"}
+
+
+def data_files(value: str | list[str] | None) -> list[str]:
+    return _as_list(value)
+
+
+# ----------------------------------------------------------------------------------------------
+# Loading, overrides and errors
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """`train.lr=1e-4` -> (['train', 'lr'], 1e-4). The value is parsed as YAML, so types come out right."""
+    if "=" not in item:
+        raise UserError(f"--set {item}: expected KEY=VALUE, e.g. --set train.lr=1e-4")
+    key, raw = item.split("=", 1)
+    return key.strip().split("."), yaml.safe_load(raw) if raw.strip() else None
+
+
+def apply_override(raw: dict, keys: list[str], value: Any, source: str) -> None:
+    node = raw
+    for k in keys[:-1]:
+        child = node.setdefault(k, {})
+        if not isinstance(child, dict):
+            raise UserError(f"{source}: {'.'.join(keys)}: {k} is not a section")
+        node = child
+    node[keys[-1]] = value
+
+
+def load_config(path: str | os.PathLike, overrides: list[str] = (), check_model: bool = True) -> RunConfig:
+    """Read, override and validate a run config. Raises UserError with one line on any problem."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"{path}: config file not found")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f":{mark.line + 1}" if mark else ""
+        raise UserError(f"{path}{where}: not valid YAML ({getattr(err, 'problem', err)})") from None
+    if not isinstance(raw, dict):
+        raise UserError(f"{path}: expected a mapping of sections (model, adapter, data, train, ...)")
+    for item in overrides:
+        keys, value = parse_override(item)
+        apply_override(raw, keys, value, f"--set {item}")
+    # Relative data and model paths are relative to the working directory, as users type them.
+    cfg = validate_config(raw, str(path))
+    if check_model:
+        check_against_model(cfg, str(path))
+    return cfg
+
+
+def validate_config(raw: dict, source: str) -> RunConfig:
+    try:
+        return RunConfig.model_validate(raw)
+    except ValidationError as err:
+        raise UserError(f"{source}: {_describe(err)}") from None
+
+
+def _describe(err: ValidationError) -> str:
+    first = err.errors()[0]
+    loc = ".".join(str(part) for part in first["loc"])
+    kind, msg = first["type"], first["msg"]
+    if kind == "extra_forbidden":
+        return f"{loc}: unknown key"
+    if kind == "missing":
+        return f"{loc}: required key is missing"
+    msg = msg.removeprefix("Value error, ")
+    got = first.get("input")
+    shown = "" if isinstance(got, (dict, list)) or got is None else f" (got {json.dumps(got, default=str)})"
+    return f"{loc}: {msg}{shown}" if loc else f"{msg}{shown}"
+
+
+def check_against_model(cfg: RunConfig, source: str) -> None:
+    """Checks that need the model's config.json (read as JSON: no weights, no transformers import)."""
+    model_dir = Path(cfg.model.name_or_path).expanduser()
+    if not model_dir.exists():
+        if _looks_local(cfg.model.name_or_path):
+            raise UserError(f"{source}: model.name_or_path: folder not found: {cfg.model.name_or_path}")
+        return  # a hub id: checked when it is loaded
+    config_file = model_dir / "config.json"
+    if not config_file.is_file():
+        raise UserError(f"{source}: model.name_or_path: {model_dir} has no config.json (not a HF model folder)")
+    model_cfg = json.loads(config_file.read_text())
+    positions = model_cfg.get("max_position_embeddings")
+    if positions and cfg.data.max_seq_len > positions:
+        raise UserError(
+            f"{source}: data.max_seq_len: {cfg.data.max_seq_len} is larger than the model's "
+            f"max_position_embeddings ({positions})"
+        )
+
+
+def to_yaml(cfg: RunConfig) -> str:
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

@@ -1,0 +1,126 @@
+"""The demo base model: a small but real Llama language model built from the shipped corpus.
+
+1. train a byte-level BPE tokenizer on the corpus (with bos/eos/pad tokens and a chat template);
+2. build a `LlamaForCausalLM` from a config (random weights) and save it as an HF folder;
+3. pretrain it on the corpus with finetune's own full fine-tuning (`finetune.train.run`);
+4. move the result into place atomically: an existing model folder is never half-overwritten.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+from finetune.errors import UserError
+
+CORPUS = "demo/data/corpus.jsonl"
+VOCAB_SIZE = 1024
+SPECIAL = ["<pad>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>"]
+# Newlines are written as {{ '\n' }}: transformers renders templates with trim_blocks, which eats a
+# literal newline after a block tag.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ '\n' }}{{ m['content'] }}"
+    "{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}{{ '\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{{ '\n' }}{% endif %}"
+)
+MODEL_SHAPE = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2)
+PRETRAIN_STEPS = 300
+
+
+def build_tokenizer(texts: list[str]):
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    # Spaces, newlines and punctuation are tokens of their own, so a word is the same token wherever
+    # it stands (after a space, a newline or a role marker): copying a word is then an identity map,
+    # which a model this small learns quickly.
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(r"\s|[^\w\s]"), behavior="isolated"), pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE, special_tokens=SPECIAL, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
+    tok.train_from_iterator(texts, trainer)
+    bos = tok.token_to_id("<s>")
+    tok.post_processor = processors.Sequence(
+        [processors.ByteLevel(trim_offsets=False), processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos)])]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        additional_special_tokens=SPECIAL[3:],
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=1024,
+    )
+
+
+def build_model(tokenizer):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        max_position_embeddings=1024,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+        **MODEL_SHAPE,
+    )
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config)
+
+
+def make_demo_model(out: str, steps: int | None = None, force: bool = False, corpus: str = CORPUS) -> Path:
+    from finetune.config import validate_config
+    from finetune.train import run
+
+    out_dir = Path(out)
+    if (out_dir / "config.json").exists() and not force:
+        print(f"demo model already at {out_dir} (use --force to rebuild)")
+        return out_dir
+    corpus_path = Path(corpus)
+    if not corpus_path.is_file():
+        raise UserError(f"{corpus}: demo corpus not found (run from the repository root)")
+    texts = [json.loads(line)["text"] for line in corpus_path.read_text().splitlines() if line.strip()]
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=".demo-model-", dir=out_dir.parent))
+    try:
+        init = work / "init"
+        tokenizer = build_tokenizer(texts)
+        build_model(tokenizer).save_pretrained(init)
+        tokenizer.save_pretrained(init)
+        print(f"demo: tokenizer of {len(tokenizer)} tokens; pretraining a Llama model on {corpus} ...")
+        cfg = validate_config(
+            {
+                "model": {"name_or_path": str(init), "dtype": "float32"},
+                "adapter": {"method": "full"},
+                "data": {"train": str(corpus_path), "format": "completion", "max_seq_len": 256, "eval_fraction": 0.02},
+                "train": {
+                    "output_dir": str(work / "pretrained"),
+                    "max_steps": steps or PRETRAIN_STEPS,
+                    "micro_batch_size": 8,
+                    "lr": 2e-3,
+                    "warmup_steps": 20,
+                    "weight_decay": 0.01,
+                    "mixed_precision": "bf16",
+                },
+                "logging": {"report_to": [], "log_every": 10},
+            },
+            "make-demo-model",
+        )
+        run(cfg)
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        (work / "pretrained").rename(out_dir)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print(f"demo model saved to {out_dir}")
+    return out_dir

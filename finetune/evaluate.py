@@ -1,0 +1,74 @@
+"""Evaluation: per-token loss on held-out rows, and greedy generation scored by exact match."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from finetune.data import IGNORE, Row, collate, prompt_and_answer
+
+
+def token_loss_sum(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Summed cross-entropy over trained tokens. Logits at t predict the token at t+1.
+
+    No attention_mask: the restarting position_ids tell transformers where samples (and padding) begin.
+    """
+    logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
+    return F.cross_entropy(
+        logits[:, :-1].flatten(0, 1).float(), batch["labels"][:, 1:].flatten(), ignore_index=IGNORE, reduction="sum"
+    )
+
+
+def trained_tokens(batch: dict[str, torch.Tensor]) -> int:
+    return int((batch["labels"][:, 1:] != IGNORE).sum())
+
+
+@torch.no_grad()
+def eval_loss(model, rows: list[Row], batch_size: int, pad_id: int, accelerator, max_batches: int | None) -> dict:
+    """Mean per-token loss and perplexity over this rank's share of the eval rows, reduced over ranks."""
+    was_training = model.training
+    model.eval()
+    mine = rows[accelerator.process_index :: accelerator.num_processes]
+    batches = [mine[i : i + batch_size] for i in range(0, len(mine), batch_size)][:max_batches]
+    total = torch.zeros(2, dtype=torch.float64)
+    for chunk in batches:
+        batch = {k: v.to(accelerator.device) for k, v in collate(chunk, pad_id).items()}
+        with accelerator.autocast():
+            total[0] += token_loss_sum(model, batch).double().cpu()
+        total[1] += trained_tokens(batch)
+    total = accelerator.reduce(total.to(accelerator.device), "sum").cpu()
+    model.train(was_training)
+    loss = (total[0] / total[1]).item() if total[1] > 0 else float("nan")
+    return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0)), "eval_tokens": int(total[1])}
+
+
+@torch.no_grad()
+def generate(model, tokenizer, prompt: str, max_new_tokens: int) -> str:
+    """Greedy continuation of a prompt (text that already carries any chat formatting)."""
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    ids = tokenizer(prompt, add_special_tokens=not tokenizer.chat_template, return_tensors="pt").input_ids.to(device)
+    out = model.generate(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        use_cache=True,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    model.train(was_training)
+    return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True).strip()
+
+
+def exact_match(model, tokenizer, examples: list[dict], fmt: str, max_new_tokens: int) -> dict:
+    """Share of eval prompts whose greedy answer equals the reference answer (whitespace-trimmed)."""
+    results = []
+    for row in examples:
+        prompt, answer = prompt_and_answer(row, tokenizer, fmt)
+        results.append({"prompt": prompt, "expected": answer.strip(), "got": generate(model, tokenizer, prompt, max_new_tokens)})
+    correct = sum(r["got"] == r["expected"] for r in results)
+    return {"exact_match": correct / max(1, len(results)), "n": len(results), "samples": results}

@@ -1,0 +1,80 @@
+"""Run logging: progress bar, metrics.jsonl, trackers (through accelerate) and the loss-curve plot.
+
+Only the main process writes or prints; the others get a logger that does nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+METRICS_FILE = "metrics.jsonl"
+PLOT_FILE = "loss_curve.png"
+
+
+class RunLog:
+    def __init__(self, output_dir: Path, total_steps: int, accelerator, enabled: bool, progress_bar: bool):
+        self.accelerator = accelerator
+        self.enabled = enabled
+        self.path = output_dir / METRICS_FILE
+        self.bar = tqdm(total=total_steps, desc="train", unit="step", dynamic_ncols=True) if enabled and progress_bar else None
+
+    def write(self, row: dict) -> None:
+        if not self.enabled:
+            return
+        with self.path.open("a") as fh:  # reopened per row: a crash never loses buffered rows
+            fh.write(json.dumps(row) + "\n")
+        numbers = {k: v for k, v in row.items() if isinstance(v, (int, float)) and k != "step"}
+        self.accelerator.log(numbers, step=row["step"])
+        if self.bar is not None and "loss" in row:
+            self.bar.set_postfix(
+                loss=f"{row['loss']:.4f}", lr=f"{row['lr']:.2e}", tok_s=f"{row['tokens_per_s']:.0f}", refresh=False
+            )
+
+    def advance(self, steps: int = 1) -> None:
+        if self.bar is not None:
+            self.bar.update(steps)
+
+    def print(self, message: str) -> None:
+        if self.enabled:
+            (self.bar.write if self.bar is not None else print)(message)
+
+    def close_bar(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
+def read_metrics(output_dir: Path) -> list[dict]:
+    path = Path(output_dir) / METRICS_FILE
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def plot_loss_curve(output_dir: Path) -> Path | None:
+    """loss_curve.png from metrics.jsonl: training loss per step, eval loss as points."""
+    rows = read_metrics(output_dir)
+    train = [(r["step"], r["loss"]) for r in rows if "loss" in r and math.isfinite(r["loss"])]
+    evals = [(r["step"], r["eval_loss"]) for r in rows if "eval_loss" in r]
+    if not train:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
+    ax.plot(*zip(*train), label="train loss", linewidth=1.2)
+    if evals:
+        ax.plot(*zip(*evals), "o-", label="eval loss", markersize=4)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("loss (per token)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    out = Path(output_dir) / PLOT_FILE
+    fig.savefig(out)
+    plt.close(fig)
+    return out

@@ -1,0 +1,248 @@
+"""The training recipe: YAML config in, adapter (or full model) out. Read it top to bottom.
+
+Started any of these ways, all the same run:
+    accelerate launch finetune/train.py --config configs/lora.yaml
+    torchrun --nproc_per_node 2 finetune/train.py --config configs/lora.yaml
+    finetune train --config configs/lora.yaml      (python -m finetune train ...)
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+
+if __name__ == "__main__" and not __package__:
+    # Run as a script (accelerate launch / torchrun): import the package, not sibling files that would
+    # shadow libraries of the same name.
+    sys.path[0] = str(Path(__file__).resolve().parent.parent)
+
+import torch
+
+from finetune.config import RunConfig, to_yaml
+from finetune.data import Datasets, collate, epoch_batches, load_data
+from finetune.errors import UserError
+from finetune.evaluate import eval_loss, exact_match, generate, token_loss_sum, trained_tokens
+from finetune.metrics import RunLog, plot_loss_curve
+from finetune.model import apply_adapter, describe, load_model, load_tokenizer
+from finetune.optim import build_optimizer, build_scheduler
+
+CONFIG_FILE = "finetune_config.yaml"
+
+
+@dataclass
+class Schedule:
+    steps_per_epoch: int
+    total_steps: int
+
+
+def plan_steps(cfg: RunConfig, num_rows: int, world: int) -> Schedule:
+    t = cfg.train
+    batches_per_rank = len(epoch_batches(num_rows, t.micro_batch_size, t.seed, 0, 0, world))
+    steps_per_epoch = batches_per_rank // t.grad_accum
+    if steps_per_epoch == 0:
+        raise UserError(
+            f"data: {num_rows} rows make {batches_per_rank} micro-batch(es) per process, fewer than "
+            f"train.grad_accum={t.grad_accum}: add data or lower train.micro_batch_size / train.grad_accum"
+        )
+    if t.overfit_batch:
+        return Schedule(steps_per_epoch, t.overfit_batch)
+    total = t.max_steps or math.ceil(t.epochs * steps_per_epoch)
+    return Schedule(steps_per_epoch, total)
+
+
+def step_batches(data: Datasets, cfg: RunConfig, schedule: Schedule, rank: int, world: int, pad_id: int, start_step: int = 0):
+    """Yield (epoch, micro-batches) for each optimizer step from start_step on.
+
+    Position in the data is a pure function of the step, so a resumed run picks up exactly where the
+    interrupted one was.
+    """
+    t = cfg.train
+    for step in range(start_step, schedule.total_steps):
+        epoch, k = (0, 0) if t.overfit_batch else divmod(step, schedule.steps_per_epoch)
+        if step == start_step or k == 0:
+            batches = epoch_batches(len(data.train), t.micro_batch_size, t.seed, epoch, rank, world)
+        chunk = batches[k * t.grad_accum : (k + 1) * t.grad_accum]
+        yield epoch, [collate([data.train[i] for i in idx], pad_id) for idx in chunk]
+
+
+def make_accelerator(cfg: RunConfig):
+    from accelerate import Accelerator
+
+    mp = cfg.train.mixed_precision
+    cuda = torch.cuda.is_available()
+    if mp == "fp16" and not cuda:
+        raise UserError("train.mixed_precision: fp16 needs a GPU (accelerate runs fp16 with loss scaling on GPUs only); use bf16 on CPU")
+    if mp == "fp8":
+        if not cuda or torch.cuda.get_device_capability() < (8, 9):
+            raise UserError("train.mixed_precision: fp8 needs an NVIDIA GPU of compute capability 8.9+ (Ada/Hopper); use bf16")
+        import importlib.util
+
+        if not any(importlib.util.find_spec(p) for p in ("torchao", "transformer_engine")):
+            raise UserError("train.mixed_precision: fp8 needs torchao or transformer_engine installed")
+    if cfg.train.tf32 and cuda:
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    trackers = []
+    for name in cfg.logging.report_to:
+        import importlib.util
+
+        if importlib.util.find_spec(name) is None:
+            raise UserError(f"logging.report_to: '{name}' is not installed (pip install {name}) or remove it")
+        trackers.append(name)
+    return Accelerator(mixed_precision=mp, cpu=not cuda, log_with=trackers or None, project_dir=cfg.train.output_dir)
+
+
+def run(cfg: RunConfig) -> dict:
+    """Train as configured. Returns a summary (also printed by the main process)."""
+    from accelerate.utils import set_seed
+
+    t = cfg.train
+    out = Path(t.output_dir)
+    accelerator = make_accelerator(cfg)
+    main, rank, world = accelerator.is_main_process, accelerator.process_index, accelerator.num_processes
+    say = print if main else (lambda *_: None)
+    set_seed(t.seed)
+    if main:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / CONFIG_FILE).write_text(to_yaml(cfg))
+
+    # Data: the main process tokenizes (and fills the cache) first; the others then read the cache.
+    tokenizer = load_tokenizer(cfg.model)
+    with accelerator.main_process_first():
+        data = load_data(cfg.data, tokenizer, t.seed, keep_eval_examples=cfg.eval.generate_samples > 0)
+    schedule = plan_steps(cfg, len(data.train), world)
+    s = data.stats["train"]
+    say(
+        f"data: {s['samples']} samples -> {s['rows']} rows, {s['tokens']} tokens"
+        + (f", {s['fill']:.0%} of packed rows filled" if "fill" in s else "")
+        + f", {s['truncated']} truncated; {len(data.eval)} eval rows; cache {'hit' if data.stats['cache_hit'] else 'written'}"
+    )
+
+    # Model and method.
+    model = load_model(cfg.model)
+    model = apply_adapter(model, cfg.adapter, t.gradient_checkpointing)
+    info = describe(model)
+    say(
+        f"model: {cfg.model.name_or_path} ({cfg.adapter.method}), {info['trainable_params']:,} trainable of "
+        f"{info['total_params']:,} params ({info['trainable_params'] / info['total_params']:.2%}), "
+        f"{info['param_bytes'] / 2**20:.1f} MiB of weights"
+    )
+    say(
+        f"batch: {t.micro_batch_size} micro x {t.grad_accum} accum x {world} process(es) = "
+        f"{t.micro_batch_size * t.grad_accum * world} rows per step; {schedule.total_steps} steps "
+        f"({schedule.steps_per_epoch} per epoch)"
+    )
+
+    before = None
+    if cfg.eval.generate_samples and main and data.eval_examples:
+        before = exact_match(model, tokenizer, data.eval_examples[: cfg.eval.generate_samples], cfg.data.format, cfg.eval.max_new_tokens)
+        say(f"before training: exact match {before['exact_match']:.1%} on {before['n']} eval prompts")
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = build_optimizer(params, t)
+    scheduler = build_scheduler(optimizer, t, schedule.total_steps)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    if cfg.logging.report_to:
+        accelerator.init_trackers("finetune", config={k: v for k, v in cfg.model_dump(mode="json")["train"].items() if v is not None and not isinstance(v, list)})
+    log = RunLog(out, schedule.total_steps, accelerator, main, cfg.logging.progress_bar)
+
+    def evaluate(step: int) -> dict | None:
+        if not data.eval:
+            return None
+        result = eval_loss(model, data.eval, t.micro_batch_size, tokenizer.pad_token_id, accelerator, cfg.eval.max_batches)
+        log.write({"step": step, **result})
+        log.print(f"step {step}: eval loss {result['eval_loss']:.4f}, perplexity {result['eval_ppl']:.2f}")
+        return result
+
+    # The loop.
+    model.train()
+    started, tokens_seen, last = time.perf_counter(), 0, {}
+    window_tokens, window_start = 0, started
+    for step, (epoch, micro_batches) in enumerate(step_batches(data, cfg, schedule, rank, world, tokenizer.pad_token_id)):
+        micro_batches = [{k: v.to(accelerator.device) for k, v in b.items()} for b in micro_batches]
+        # The loss is a mean over every trained token of the step, across micro-batches and ranks:
+        # each micro-batch contributes its sum divided by the global count (times world size, because
+        # DDP averages gradients over ranks).
+        local_tokens = sum(trained_tokens(b) for b in micro_batches)
+        global_tokens = accelerator.reduce(torch.tensor(local_tokens, device=accelerator.device), "sum").item()
+        loss_sum = torch.zeros((), device=accelerator.device)
+        for i, batch in enumerate(micro_batches):
+            sync = i == len(micro_batches) - 1
+            with nullcontext() if sync else accelerator.no_sync(model):
+                loss = token_loss_sum(model, batch)
+                accelerator.backward(loss * (world / max(global_tokens, 1)))
+            loss_sum += loss.detach()
+        grad_norm = accelerator.clip_grad_norm_(params, t.max_grad_norm or float("inf"))
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+
+        tokens_seen += global_tokens
+        window_tokens += global_tokens
+        log.advance()
+        done = step + 1
+        if done % cfg.logging.log_every == 0 or done == schedule.total_steps:
+            now = time.perf_counter()
+            last = {
+                "step": done,
+                "epoch": epoch,
+                "loss": (accelerator.reduce(loss_sum, "sum").item() / max(global_tokens, 1)),
+                "grad_norm": float(grad_norm),
+                "lr": scheduler.get_last_lr()[0],
+                "tokens": tokens_seen,
+                "tokens_per_s": window_tokens / max(now - window_start, 1e-9),
+                "elapsed_s": now - started,
+            }
+            log.write(last)
+            window_tokens, window_start = 0, now
+        if cfg.eval.every and done % cfg.eval.every == 0 and done < schedule.total_steps:
+            evaluate(done)
+
+    log.close_bar()
+    final_eval = evaluate(schedule.total_steps)
+    summary = {"steps": schedule.total_steps, "train_loss": last.get("loss"), "tokens": tokens_seen, "elapsed_s": time.perf_counter() - started}
+    if final_eval:
+        summary.update(final_eval)
+
+    # Save: PEFT adapter or full model, tokenizer and resolved config, in ordinary HF formats.
+    accelerator.wait_for_everyone()
+    unwrapped = accelerator.unwrap_model(model)
+    if main:
+        unwrapped.config.use_cache = True  # saved models generate with a KV cache
+        unwrapped.save_pretrained(out, safe_serialization=True)
+        tokenizer.save_pretrained(out)
+        plot = plot_loss_curve(out) if cfg.logging.plot else None
+        summary["saved_to"] = str(out)
+        summary["loss_curve"] = str(plot) if plot else None
+        if before is not None:
+            after = exact_match(unwrapped, tokenizer, data.eval_examples[: cfg.eval.generate_samples], cfg.data.format, cfg.eval.max_new_tokens)
+            summary["exact_match_before"], summary["exact_match_after"] = before["exact_match"], after["exact_match"]
+            sample = after["samples"][0]
+            say(f"exact match on {after['n']} eval prompts: {before['exact_match']:.1%} before -> {after['exact_match']:.1%} after")
+            say(f"sample prompt:   {sample['prompt']!r}\n  expected:      {sample['expected']!r}\n  before tuning: {before['samples'][0]['got']!r}\n  after tuning:  {sample['got']!r}")
+    accelerator.end_training()
+    if main:
+        say(_summary_line(summary))
+    return summary
+
+
+def _summary_line(summary: dict) -> str:
+    parts = [f"done: {summary['steps']} steps, final train loss {summary['train_loss']:.4f}"]
+    if "eval_loss" in summary:
+        parts.append(f"eval loss {summary['eval_loss']:.4f} (ppl {summary['eval_ppl']:.2f})")
+    parts.append(f"{summary['elapsed_s']:.1f} s")
+    lines = [", ".join(parts)]
+    if summary.get("loss_curve"):
+        lines.append(f"loss curve: {summary['loss_curve']}")
+    lines.append(f"saved to:   {summary['saved_to']}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    from finetune.cli import main as cli_main
+
+    sys.exit(cli_main(["train", *sys.argv[1:]]))
