@@ -86,6 +86,7 @@ class TrainConfig(_Section):
 
 class EvalConfig(_Section):
     every: int = Field(0, ge=0, description="Eval loss every N optimizer steps (0 = only at the end).")
+    on_start: bool = Field(False, description="Also evaluate before the first step (a baseline for the curve).")
     max_batches: int | None = Field(None, gt=0, description="Cap on eval batches per evaluation.")
     generate_samples: int = Field(0, ge=0, description="Greedy-generate answers for this many eval prompts before and after training; report exact-match accuracy.")
     max_new_tokens: int = Field(48, gt=0, description="Token budget for those generations.")

@@ -8,6 +8,7 @@ Started any of these ways, all the same run:
 
 from __future__ import annotations
 
+import json
 import math
 import sys
 import time
@@ -25,12 +26,19 @@ import torch
 from finetune.config import RunConfig, to_yaml
 from finetune.data import Datasets, collate, epoch_batches, load_data
 from finetune.errors import UserError
-from finetune.evaluate import eval_loss, exact_match, generate, token_loss_sum, trained_tokens
+from finetune.evaluate import eval_loss, exact_match, token_loss_sum, trained_tokens
 from finetune.metrics import RunLog, plot_loss_curve
 from finetune.model import apply_adapter, describe, load_model, load_tokenizer
 from finetune.optim import build_optimizer, build_scheduler
 
 CONFIG_FILE = "finetune_config.yaml"
+SUMMARY_FILE = "summary.json"
+
+
+@dataclass
+class RunResult:
+    summary: dict
+    model: torch.nn.Module  # the trained model, unwrapped (PEFT model for adapters)
 
 
 @dataclass
@@ -158,6 +166,9 @@ def run(cfg: RunConfig) -> dict:
         log.print(f"step {step}: eval loss {result['eval_loss']:.4f}, perplexity {result['eval_ppl']:.2f}")
         return result
 
+    if cfg.eval.on_start:
+        evaluate(0)
+
     # The loop.
     model.train()
     started, tokens_seen, last = time.perf_counter(), 0, {}
@@ -211,6 +222,8 @@ def run(cfg: RunConfig) -> dict:
     # Save: PEFT adapter or full model, tokenizer and resolved config, in ordinary HF formats.
     accelerator.wait_for_everyone()
     unwrapped = accelerator.unwrap_model(model)
+    summary["world_size"] = world
+    summary["replicas_identical"] = replicas_identical(params, accelerator)
     if main:
         unwrapped.config.use_cache = True  # saved models generate with a KV cache
         unwrapped.save_pretrained(out, safe_serialization=True)
@@ -226,8 +239,18 @@ def run(cfg: RunConfig) -> dict:
             say(f"sample prompt:   {sample['prompt']!r}\n  expected:      {sample['expected']!r}\n  before tuning: {before['samples'][0]['got']!r}\n  after tuning:  {sample['got']!r}")
     accelerator.end_training()
     if main:
+        (out / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
         say(_summary_line(summary))
-    return summary
+    return RunResult(summary, unwrapped)
+
+
+def replicas_identical(params: list[torch.nn.Parameter], accelerator) -> bool:
+    """True when every rank holds the same trained weights (replicas that drift apart are a silent bug)."""
+    with torch.no_grad():
+        flat = torch.cat([p.detach().double().flatten() for p in params])
+        local = torch.stack([flat.sum(), flat.abs().sum(), (flat * torch.arange(len(flat), dtype=flat.dtype)).sum()])
+    gathered = accelerator.gather(local.to(accelerator.device)[None]).cpu()
+    return bool((gathered == gathered[0]).all())
 
 
 def _summary_line(summary: dict) -> str:

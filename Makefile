@@ -1,0 +1,38 @@
+# make demo  : install, build the demo model if absent, fine-tune it with LoRA (a few minutes on CPU)
+# make test  : install what is missing, then run the test suite
+VENV    ?= .venv
+PY      := $(VENV)/bin/python
+PIP     := $(VENV)/bin/pip
+# The CPU wheel where there is no CUDA: on this project's machines `pip install torch==2.13.0` finds
+# the CPU build on disk. Elsewhere, set TORCH_PIP_ARGS (e.g. a CPU index URL) to avoid a CUDA download.
+TORCH_VERSION  ?= 2.13.0
+TORCH_PIP_ARGS ?=
+export FINETUNE_CACHE ?= $(CURDIR)/.cache/finetune
+
+.PHONY: install demo test clean help
+
+help:
+	@echo "make demo   - install, build the demo model, fine-tune it (LoRA) and show before/after"
+	@echo "make test   - install what is missing, run the tests"
+	@echo "make clean  - remove outputs and the demo model (keeps .venv)"
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q $(TORCH_PIP_ARGS) torch==$(TORCH_VERSION)
+	# Keep the torch just installed: a looser pin would let pip swap in another build.
+	$(PIP) install -q -e ".[test]" "torch==$$($(PY) -c 'import torch; print(torch.__version__)')"
+	touch $@
+
+demo/model/config.json: | install
+	$(VENV)/bin/finetune make-demo-model --out demo/model
+
+demo: install demo/model/config.json
+	$(VENV)/bin/finetune train --config configs/demo.yaml
+
+test: install
+	$(PY) -m pytest -q tests
+
+clean:
+	rm -rf outputs demo/model .cache
