@@ -1,8 +1,10 @@
 """Generate the demo's shipped data (run once; its output is committed):
 
 - corpus.jsonl: simple English-like text the demo model is pretrained on (format: completion);
-- train.jsonl / eval.jsonl: word tasks in Alpaca format that the pretrained base cannot do and a
-  LoRA fine-tune visibly learns (exact-match accuracy on held-out word lists).
+- train.jsonl / eval.jsonl: "What kind of word is this?" in Alpaca format (noun, adjective, verb or
+  name). The pretrained base does not follow the instruction; a LoRA fine-tune learns to, and the
+  eval words are never in the fine-tuning data, so exact-match accuracy on them shows that the
+  fine-tune taught the task on top of what the base learned about each word in pretraining.
 
     python demo/make_data.py
 """
@@ -25,13 +27,7 @@ draws lifts breaks fixes chases greets visits keeps""".split()
 NAMES = "Anna Ben Clara David Emma Felix Grace Hugo Iris Jonas Kara Leo Mira Noah Olga Paul".split()
 PLACES = "the market|the river|the old tower|the village|the harbor|the forest|the bridge|the garden".split("|")
 
-WORDS = sorted(set(NOUNS + ADJECTIVES))
-
 KINDS = {**{w: "noun" for w in NOUNS}, **{w: "adjective" for w in ADJECTIVES}, **{w: "verb" for w in VERBS}, **{w: "name" for w in NAMES}}
-
-
-def words(rng: random.Random) -> str:
-    return " ".join(rng.sample(WORDS, rng.randint(3, 5)))
 
 
 def sentence(rng: random.Random) -> str:
@@ -43,17 +39,10 @@ def sentence(rng: random.Random) -> str:
         lambda: f"{n(NAMES)} {v(VERBS)} the {n(NOUNS)} and {n(NAMES)} {v(VERBS)} the {n(NOUNS)}.",
         lambda: f"Every morning the {n(NOUNS)} was {a(ADJECTIVES)} and {a(ADJECTIVES)}.",
         lambda: f"\"Where is my {n(NOUNS)}?\" asked {n(NAMES)}.",
-        lambda: "We counted " + ", ".join(rng.sample(WORDS, rng.randint(3, 5))) + ".",
-        # Lists on their own lines, so words also occur without a leading space.
-        lambda: "Shopping list:\n" + "\n".join(rng.sample(WORDS, rng.randint(2, 5))) + "\n",
-        lambda: "Notes:\n" + " ".join(rng.sample(WORDS, rng.randint(2, 5))) + "\n",
-        lambda: f"{n(NAMES)} wrote the first word and the last word in the right order, then gave the {n(NOUNS)} back.",
-        lambda: f"Repeat after me, said {n(NAMES)}, and {n(NAMES)} did it exactly.",
-        # Copying, reversing and picking words, in prose: skills the base learns here, so that the
-        # fine-tune only has to teach it to follow the instruction format.
-        lambda: (lambda w: f"{n(NAMES)} said {w} and {n(NAMES)} said it again: {w}.")(words(rng)),
-        lambda: (lambda w: f"Backwards, {' '.join(w)} reads {' '.join(reversed(w))}.")(rng.sample(WORDS, rng.randint(3, 5))),
-        lambda: (lambda w: f"Of {' '.join(w)}, the first is {w[0]} and the last is {w[-1]}.")(rng.sample(WORDS, rng.randint(3, 5))),
+        lambda: "We counted " + ", ".join(rng.sample(NOUNS, rng.randint(3, 5))) + ".",
+        lambda: "Shopping list:\n" + "\n".join(rng.sample(NOUNS, rng.randint(2, 5))) + "\n",
+        lambda: f"The {n(NOUNS)} looked {a(ADJECTIVES)}, then {a(ADJECTIVES)}.",
+        lambda: f"{n(NAMES)} felt {a(ADJECTIVES)} today.",
     ]
     return rng.choice(templates)()
 

@@ -229,3 +229,20 @@ def check_against_model(cfg: RunConfig, source: str) -> None:
 
 def to_yaml(cfg: RunConfig) -> str:
     return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+
+
+def reference_markdown() -> str:
+    """Every config key with its type, default and meaning, as Markdown tables (the README's reference)."""
+    lines = []
+    for section, field in RunConfig.model_fields.items():
+        schema = field.annotation
+        lines += [f"**`{section}`**", "", "| key | default | meaning |", "| --- | --- | --- |"]
+        for key, f in schema.model_fields.items():
+            if f.is_required():
+                default = "*required*"
+            else:
+                value = f.default_factory() if f.default_factory else f.default
+                default = f"`{json.dumps(value)}`"
+            lines.append(f"| `{section}.{key}` | {default} | {f.description or ''} |")
+        lines.append("")
+    return "\n".join(lines)

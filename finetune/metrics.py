@@ -20,6 +20,8 @@ class RunLog:
         self.accelerator = accelerator
         self.enabled = enabled
         self.path = output_dir / METRICS_FILE
+        if enabled:
+            self.path.write_text("")  # a new run starts a new log; rows of an earlier run in this dir would mix in
         self.bar = tqdm(total=total_steps, desc="train", unit="step", dynamic_ncols=True) if enabled and progress_bar else None
 
     def write(self, row: dict) -> None:

@@ -234,9 +234,9 @@ def run(cfg: RunConfig) -> dict:
         if before is not None:
             after = exact_match(unwrapped, tokenizer, data.eval_examples[: cfg.eval.generate_samples], cfg.data.format, cfg.eval.max_new_tokens)
             summary["exact_match_before"], summary["exact_match_after"] = before["exact_match"], after["exact_match"]
-            sample = after["samples"][0]
             say(f"exact match on {after['n']} eval prompts: {before['exact_match']:.1%} before -> {after['exact_match']:.1%} after")
-            say(f"sample prompt:   {sample['prompt']!r}\n  expected:      {sample['expected']!r}\n  before tuning: {before['samples'][0]['got']!r}\n  after tuning:  {sample['got']!r}")
+            for b, a in list(zip(before["samples"], after["samples"]))[:3]:
+                say(f"  prompt {a['prompt']!r}\n    expected {a['expected']!r} | before tuning {b['got']!r} | after tuning {a['got']!r}")
     accelerator.end_training()
     if main:
         (out / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")

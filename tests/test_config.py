@@ -99,3 +99,13 @@ def test_every_command_has_help():
     for cmd in ([], ["train"], ["validate"], ["make-demo-model"]):
         result = run_cli(*cmd, "--help")
         assert result.returncode == 0 and "usage:" in result.stdout
+
+
+def test_readme_reference_matches_schema():
+    from finetune.config import reference_markdown
+
+    readme = (REPO / "README.md").read_text()
+    start, end = "<!-- config-reference:start -->\n", "<!-- config-reference:end -->"
+    assert readme[readme.index(start) + len(start) : readme.index(end)].strip() == reference_markdown().strip(), (
+        "README config reference is stale: regenerate it from finetune.config.reference_markdown()"
+    )

@@ -160,3 +160,26 @@ def test_every_rank_gets_the_same_number_of_batches():
     a = epoch_batches(50, 4, seed=1, epoch=0, rank=0, world=1)
     assert a == epoch_batches(50, 4, seed=1, epoch=0, rank=0, world=1)  # order is a function of (seed, epoch)
     assert a != epoch_batches(50, 4, seed=1, epoch=1, rank=0, world=1)
+
+
+def test_parquet_and_json_read_like_jsonl(tmp_path):
+    import datasets
+
+    rows = [{"instruction": f"q{i}", "input": "", "output": f"a{i}"} for i in range(5)]
+    datasets.Dataset.from_list(rows).to_parquet(str(tmp_path / "d.parquet"))
+    (tmp_path / "d.json").write_text(json.dumps(rows))
+    assert read_rows([str(tmp_path / "d.parquet")], "alpaca", "fail") == rows
+    assert read_rows([str(tmp_path / "d.json")], "alpaca", "fail") == rows
+
+
+def test_eval_fraction_holds_out_a_seeded_share(tmp_path, tok):
+    total = 60
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps({"instruction": f"word {i}", "output": f"answer {i}"}) + "\n" for i in range(total)))
+    cfg = DataConfig(train=str(path), eval_fraction=0.1, format="alpaca", max_seq_len=128, packing=False, cache_dir=str(tmp_path / "cache"))
+    data = load_data(cfg, tok, seed=3, keep_eval_examples=True)
+    assert len(data.eval) == int(total * 0.1) and len(data.train) == total - len(data.eval)
+    assert len(data.eval_examples) == len(data.eval)
+    eval_ids = {tuple(r.input_ids) for r in data.eval}
+    assert not eval_ids & {tuple(r.input_ids) for r in data.train}  # nothing held out is trained on
+    assert {r["output"] for r in data.eval_examples} == {tok.decode([t for t, l in zip(r.input_ids, r.labels) if l != -100]).removesuffix("</s>\n") for r in data.eval}

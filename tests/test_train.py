@@ -142,3 +142,20 @@ def test_two_processes_train_together(tmp_path, tiny_model_dir, launcher):
     assert summary["replicas_identical"] is True
     assert "= 8 rows per step" in result.stdout  # 2 micro x 2 accum x 2 processes
     assert result.stdout.count("done: 3 steps") == 1  # only rank 0 reports
+
+
+def test_gradient_checkpointing_with_lora_gives_the_same_step(tmp_path, tiny_model_dir):
+    """Non-reentrant checkpointing with a frozen base still reaches the adapters, with identical losses."""
+    runs = []
+    for ckpt in (False, True):
+        from accelerate.state import AcceleratorState
+
+        AcceleratorState._reset_state(True)
+        cfg = base_config(tiny_model_dir, tmp_path / f"out{ckpt}", train={"max_steps": 3, "gradient_checkpointing": ckpt})
+        result = run(validate_config(cfg, "test"))
+        losses = [r["loss"] for r in read_jsonl(tmp_path / f"out{ckpt}" / "metrics.jsonl") if "loss" in r]
+        runs.append((losses, {k: v.detach().clone() for k, v in result.model.named_parameters() if "lora_" in k}))
+    assert runs[0][0] == pytest.approx(runs[1][0], rel=1e-5)
+    assert runs[0][1].keys() == runs[1][1].keys() and runs[0][1]
+    for name, value in runs[0][1].items():
+        assert torch.allclose(value, runs[1][1][name], atol=1e-6), name
