@@ -23,6 +23,14 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+class QuantizationConfig(_Section):
+    bits: Literal[4, 8] = Field(4, description="4 (QLoRA: NF4/FP4 through bitsandbytes) or 8 (LLM.int8).")
+    quant_type: Literal["nf4", "fp4"] = Field("nf4", description="4-bit data type; NF4 is QLoRA's.")
+    double_quant: bool = Field(True, description="4-bit: quantize the quantization constants too (~0.4 bit/param saved).")
+    compute_dtype: Literal["bfloat16", "float32", "float16"] = Field("bfloat16", description="4-bit: dtype the dequantized weights are multiplied in.")
+    skip_modules: list[str] | None = Field(None, description="Modules left unquantized besides transformers' defaults (lm_head is always kept).")
+
+
 class ModelConfig(_Section):
     name_or_path: str = Field(description="Local HF model folder, or a hub id where a hub is reachable.")
     revision: str | None = Field(None, description="Hub revision (branch, tag or commit).")
@@ -33,6 +41,7 @@ class ModelConfig(_Section):
         Field("sdpa", description="Attention kernel; flash attention needs a CUDA GPU and flash-attn.")
     )
     trust_remote_code: bool = Field(False, description="Run Python code shipped with the model. Off unless you trust it.")
+    quantization: QuantizationConfig | None = Field(None, description="Load the base quantized (QLoRA / 8-bit); adapters train on top.")
 
 
 class AdapterConfig(_Section):
@@ -69,7 +78,10 @@ class TrainConfig(_Section):
     max_steps: int | None = Field(None, gt=0, description="Optimizer steps to run; overrides epochs.")
     micro_batch_size: int = Field(4, gt=0, description="Rows per forward pass, per process.")
     grad_accum: int = Field(1, gt=0, description="Micro-batches per optimizer step.")
-    optimizer: Literal["adamw", "sgd"] = Field("adamw", description="adamw (fused where available) or sgd.")
+    optimizer: Literal["adamw", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit", "lion", "lion_8bit", "sgd"] = Field(
+        "adamw", description="adamw (torch, fused where available); *_8bit, paged_*, lion* through bitsandbytes; sgd."
+    )
+    optimizer_offload: bool = Field(False, description="Keep optimizer states in CPU RAM (torchao CPUOffloadOptimizer; CUDA only).")
     lr: float = Field(2e-4, gt=0, description="Peak learning rate.")
     weight_decay: float = Field(0.0, ge=0, description="Decoupled weight decay (AdamW) / L2 (SGD).")
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
@@ -122,6 +134,8 @@ class RunConfig(_Section):
     def _cross_checks(self) -> RunConfig:
         if self.data.eval is not None and self.data.eval_fraction > 0:
             raise ValueError("data: set either data.eval or data.eval_fraction, not both")
+        if self.model.quantization is not None and self.adapter.method == "full":
+            raise ValueError("model.quantization: quantized weights cannot be fully fine-tuned; use adapter.method lora or dora (QLoRA)")
         if self.train.mixed_precision == "fp16" and self.model.dtype == "bfloat16":
             raise ValueError("train.mixed_precision: fp16 autocast over bfloat16 weights; use bf16")
         return self
@@ -235,14 +249,22 @@ def reference_markdown() -> str:
     """Every config key with its type, default and meaning, as Markdown tables (the README's reference)."""
     lines = []
     for section, field in RunConfig.model_fields.items():
-        schema = field.annotation
         lines += [f"**`{section}`**", "", "| key | default | meaning |", "| --- | --- | --- |"]
-        for key, f in schema.model_fields.items():
-            if f.is_required():
-                default = "*required*"
-            else:
-                value = f.default_factory() if f.default_factory else f.default
-                default = f"`{json.dumps(value)}`"
-            lines.append(f"| `{section}.{key}` | {default} | {f.description or ''} |")
+        lines += _reference_rows(section, field.annotation)
         lines.append("")
     return "\n".join(lines)
+
+
+def _reference_rows(prefix: str, schema: type[BaseModel]) -> list[str]:
+    rows = []
+    for key, f in schema.model_fields.items():
+        if f.is_required():
+            default = "*required*"
+        else:
+            value = f.default_factory() if f.default_factory else f.default
+            default = f"`{json.dumps(value)}`"
+        rows.append(f"| `{prefix}.{key}` | {default} | {f.description or ''} |")
+        nested = [a for a in getattr(f.annotation, "__args__", (f.annotation,)) if isinstance(a, type) and issubclass(a, BaseModel)]
+        for sub in nested:
+            rows += _reference_rows(f"{prefix}.{key}", sub)
+    return rows

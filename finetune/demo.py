@@ -25,7 +25,7 @@ CHAT_TEMPLATE = (
     "{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}{{ '\n' }}{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{{ '\n' }}{% endif %}"
 )
-MODEL_SHAPE = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2)
+MODEL_SHAPE = dict(hidden_size=256, intermediate_size=704, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2)
 PRETRAIN_STEPS = 300
 
 

@@ -6,10 +6,12 @@ Any local HF folder or hub id goes through the same calls; nothing here knows ab
 from __future__ import annotations
 
 import importlib.util
+import json
+from pathlib import Path
 
 import torch
 
-from finetune.config import AdapterConfig, ModelConfig
+from finetune.config import AdapterConfig, ModelConfig, RunConfig
 from finetune.errors import UserError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
@@ -27,6 +29,38 @@ def load_tokenizer(cfg: ModelConfig):
     return tok
 
 
+def check_supported(cfg: RunConfig) -> None:
+    """Refuse, before anything loads, what this machine's hardware or libraries cannot run."""
+    check_attention(cfg.model)
+    q, cuda = cfg.model.quantization, torch.cuda.is_available()
+    if q is None:
+        return
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise UserError("model.quantization: needs bitsandbytes (pip install bitsandbytes)")
+    if not cuda:
+        if q.bits == 8 and cfg.adapter.method == "dora":
+            raise UserError("model.quantization: 8-bit + DoRA fails inside bitsandbytes' int8 matmul on CPU; use bits: 4 (QDoRA) or adapter.method: lora")
+        if "float16" in (q.compute_dtype, cfg.model.dtype):
+            raise UserError("model.quantization: float16 compute with a quantized base is GPU-only; use bfloat16 or float32 on CPU")
+        if q.bits == 4:
+            # bitsandbytes' CPU 4-bit kernel repacks weights in blocks of 32 output features (at eval).
+            dims = _linear_out_dims(cfg.model)
+            odd = sorted(k for k, v in dims.items() if v % 32)
+            if odd:
+                raise UserError(f"model.quantization: 4-bit on CPU needs layer widths divisible by 32; {', '.join(f'{k}={dims[k]}' for k in odd)} is not")
+
+
+def _linear_out_dims(cfg: ModelConfig) -> dict[str, int]:
+    """Output widths of a decoder's linear layers, from config.json (empty if not a local folder)."""
+    path = Path(cfg.name_or_path).expanduser() / "config.json"
+    if not path.is_file():
+        return {}
+    c = json.loads(path.read_text())
+    head_dim = c.get("head_dim") or c.get("hidden_size", 0) // max(1, c.get("num_attention_heads", 1))
+    kv = c.get("num_key_value_heads") or c.get("num_attention_heads", 0)
+    return {k: v for k, v in {"hidden_size": c.get("hidden_size"), "intermediate_size": c.get("intermediate_size"), "kv_heads*head_dim": kv * head_dim}.items() if v}
+
+
 def check_attention(cfg: ModelConfig) -> None:
     if cfg.attn_implementation.startswith("flash_attention"):
         if not torch.cuda.is_available():
@@ -36,10 +70,29 @@ def check_attention(cfg: ModelConfig) -> None:
             raise UserError(f"model.attn_implementation: {cfg.attn_implementation} needs the '{package}' package installed")
 
 
-def load_model(cfg: ModelConfig):
+def quantization_config(cfg: ModelConfig):
+    from transformers import BitsAndBytesConfig
+
+    q = cfg.quantization
+    if q.bits == 8:
+        return BitsAndBytesConfig(load_in_8bit=True, llm_int8_skip_modules=q.skip_modules)
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type=q.quant_type,
+        bnb_4bit_use_double_quant=q.double_quant,
+        bnb_4bit_compute_dtype=DTYPES[q.compute_dtype],
+        llm_int8_skip_modules=q.skip_modules,
+    )
+
+
+def load_model(cfg: ModelConfig, device: torch.device | str = "cpu"):
+    """The base model. A quantized base is placed on `device` while loading (bitsandbytes quantizes
+    as it places); a plain one is moved later by accelerate."""
     from transformers import AutoModelForCausalLM
 
-    check_attention(cfg)
+    extra = {}
+    if cfg.quantization is not None:
+        extra = {"quantization_config": quantization_config(cfg), "device_map": {"": str(device)}}
     try:
         model = AutoModelForCausalLM.from_pretrained(
             cfg.name_or_path,
@@ -48,11 +101,30 @@ def load_model(cfg: ModelConfig):
             attn_implementation=cfg.attn_implementation,
             trust_remote_code=cfg.trust_remote_code,
             use_safetensors=True,
+            **extra,
         )
     except (OSError, ValueError) as err:
         raise UserError(f"model.name_or_path: cannot load '{cfg.name_or_path}': {str(err).splitlines()[0]}") from None
+    if cfg.quantization is not None:
+        from peft import prepare_model_for_kbit_training
+
+        # Freezes the base and upcasts the unquantized parts (norms, embeddings, lm_head) to fp32, as
+        # peft recommends for stable k-bit training. Checkpointing is set up in apply_adapter.
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+        if str(device) == "cpu":
+            _keep_one_cpu_4bit_path(model)
     model.config.use_cache = False  # no KV cache while training; generation turns it on per call
     return model
+
+
+def _keep_one_cpu_4bit_path(model) -> None:
+    """bitsandbytes 0.50 on an avx512-bf16 CPU repacks a 4-bit weight in place the first time it runs
+    in eval mode without grad, and from then on computes that layer with a bf16 kernel that has no
+    autograd support, in training too: the first eval would silently change the logits (~4e-2) and
+    the gradients of every later step. Keeping every layer on the training path avoids both."""
+    for module in model.modules():
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
 
 
 def apply_adapter(model, cfg: AdapterConfig, gradient_checkpointing: bool):
@@ -83,11 +155,26 @@ def apply_adapter(model, cfg: AdapterConfig, gradient_checkpointing: bool):
 
 
 def describe(model) -> dict:
-    """Parameter counts and bytes in memory, for the run summary."""
+    """Parameter counts, bytes in memory and, for a quantized base, what stayed unquantized."""
     total = trainable = nbytes = 0
     for p in model.parameters():
-        total += p.numel()
+        # A 4-bit weight is stored as packed uint8 (two values a byte): count values, not bytes.
+        numel = p.numel() * 2 if getattr(p, "quant_state", None) is not None else p.numel()
+        total += numel
         nbytes += p.numel() * p.element_size()
         if p.requires_grad:
-            trainable += p.numel()
-    return {"total_params": total, "trainable_params": trainable, "param_bytes": nbytes}
+            trainable += numel
+    info = {"total_params": total, "trainable_params": trainable, "param_bytes": nbytes}
+    quantized, kept = 0, {}
+    for name, module in model.named_modules():
+        if not any(True for _ in module.parameters(recurse=False)) or "lora_" in name or "magnitude" in name:
+            continue  # containers, and the adapter itself
+        if type(module).__name__ in ("Linear4bit", "Linear8bitLt"):
+            quantized += 1
+        else:
+            short = name.split(".")[-1]
+            kept[short] = kept.get(short, 0) + 1
+    if quantized:
+        info["quantized_linears"] = quantized
+        info["unquantized"] = ", ".join(f"{k} x{v}" if v > 1 else k for k, v in sorted(kept.items()))
+    return info

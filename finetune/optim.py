@@ -2,9 +2,35 @@
 
 from __future__ import annotations
 
+import importlib.util
+import warnings
+
 import torch
 
 from finetune.config import TrainConfig
+from finetune.errors import UserError
+
+# Optimizers that bitsandbytes provides: config name -> class name in bitsandbytes.optim.
+BNB_OPTIMIZERS = {
+    "adamw_8bit": "AdamW8bit",
+    "paged_adamw_8bit": "PagedAdamW8bit",
+    "paged_adamw_32bit": "PagedAdamW32bit",
+    "lion": "Lion",
+    "lion_8bit": "Lion8bit",
+}
+
+
+def check_optimizer(cfg: TrainConfig) -> None:
+    """Refuse, before loading, an optimizer this machine cannot run."""
+    if cfg.optimizer in BNB_OPTIMIZERS and importlib.util.find_spec("bitsandbytes") is None:
+        raise UserError(f"train.optimizer: {cfg.optimizer} needs bitsandbytes (pip install bitsandbytes)")
+    if cfg.optimizer_offload:
+        if not torch.cuda.is_available():
+            raise UserError("train.optimizer_offload: offloading optimizer states to CPU needs a CUDA GPU (on a CPU they are already there)")
+        if cfg.optimizer != "adamw":
+            raise UserError("train.optimizer_offload: works with optimizer adamw only")
+        if importlib.util.find_spec("torchao") is None:
+            raise UserError("train.optimizer_offload: needs torchao (pip install torchao)")
 
 
 def build_optimizer(params: list[torch.nn.Parameter], cfg: TrainConfig) -> torch.optim.Optimizer:
@@ -14,6 +40,17 @@ def build_optimizer(params: list[torch.nn.Parameter], cfg: TrainConfig) -> torch
     groups = [g for g in ({"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
     if cfg.optimizer == "sgd":
         return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum)
+    if cfg.optimizer in BNB_OPTIMIZERS:
+        import bitsandbytes as bnb
+
+        if cfg.optimizer.startswith("paged") and not torch.cuda.is_available():
+            print(f"note: {cfg.optimizer} pages its states only on CUDA; here it runs unpaged")
+            warnings.filterwarnings("ignore", message="Paged optimizers are not supported on CPU")
+        return getattr(bnb.optim, BNB_OPTIMIZERS[cfg.optimizer])(groups, lr=cfg.lr, betas=cfg.betas)
+    if cfg.optimizer_offload:
+        from torchao.optim import CPUOffloadOptimizer
+
+        return CPUOffloadOptimizer(groups, torch.optim.AdamW, lr=cfg.lr, betas=cfg.betas, fused=True)
     try:
         return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, fused=True)
     except (RuntimeError, TypeError):  # fused kernels need float params on a supported device

@@ -28,8 +28,8 @@ from finetune.data import Datasets, collate, epoch_batches, load_data
 from finetune.errors import UserError
 from finetune.evaluate import eval_loss, exact_match, token_loss_sum, trained_tokens
 from finetune.metrics import RunLog, plot_loss_curve
-from finetune.model import apply_adapter, describe, load_model, load_tokenizer
-from finetune.optim import build_optimizer, build_scheduler
+from finetune.model import apply_adapter, check_supported, describe, load_model, load_tokenizer
+from finetune.optim import build_optimizer, build_scheduler, check_optimizer
 
 CONFIG_FILE = "finetune_config.yaml"
 SUMMARY_FILE = "summary.json"
@@ -110,6 +110,8 @@ def run(cfg: RunConfig) -> dict:
 
     t = cfg.train
     out = Path(t.output_dir)
+    check_supported(cfg)
+    check_optimizer(t)
     accelerator = make_accelerator(cfg)
     main, rank, world = accelerator.is_main_process, accelerator.process_index, accelerator.num_processes
     say = print if main else (lambda *_: None)
@@ -131,14 +133,18 @@ def run(cfg: RunConfig) -> dict:
     )
 
     # Model and method.
-    model = load_model(cfg.model)
+    model = load_model(cfg.model, accelerator.device)
     model = apply_adapter(model, cfg.adapter, t.gradient_checkpointing)
     info = describe(model)
+    q = cfg.model.quantization
+    method = cfg.adapter.method if q is None else f"{cfg.adapter.method} on a {q.bits}-bit base" + (f" ({q.quant_type})" if q.bits == 4 else "")
     say(
-        f"model: {cfg.model.name_or_path} ({cfg.adapter.method}), {info['trainable_params']:,} trainable of "
+        f"model: {cfg.model.name_or_path} ({method}), {info['trainable_params']:,} trainable of "
         f"{info['total_params']:,} params ({info['trainable_params'] / info['total_params']:.2%}), "
         f"{info['param_bytes'] / 2**20:.1f} MiB of weights"
     )
+    if "unquantized" in info:
+        say(f"quantized: {info['quantized_linears']} linear layers; kept in {cfg.model.dtype if cfg.model.dtype != 'auto' else 'their'} precision: {info['unquantized']}")
     say(
         f"batch: {t.micro_batch_size} micro x {t.grad_accum} accum x {world} process(es) = "
         f"{t.micro_batch_size * t.grad_accum * world} rows per step; {schedule.total_steps} steps "
