@@ -40,6 +40,15 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Validate a config (and overrides) without loading the model; print every key with its value.")
     _run_options(p)
 
+    p = sub.add_parser("plan", help="estimate memory per device before launching",
+                       description="Estimate the memory a run needs per device (weights, gradients, optimizer states, "
+                       "activations) from the model's config.json alone, say whether it fits, and which switch would make it fit.")
+    _run_options(p)
+    p.add_argument("--gpus", type=int, default=1, metavar="N", help="devices the run is spread over (default 1)")
+    p.add_argument("--gpu-mem", metavar="SIZE", help="memory per device, e.g. 80GiB (default: this machine's GPU, else its available RAM)")
+    p.add_argument("--sharding", choices=["none", "zero2", "zero3"], default="none",
+                   help="none/DDP; zero2: gradients+optimizer split over devices; zero3 (or FSDP): weights too")
+
     p = sub.add_parser("make-demo-model", help="build the small demo model from the shipped corpus",
                        description="Train a byte-level BPE tokenizer on the shipped corpus, build a small Llama model, "
                        "pretrain it briefly with finetune's own full fine-tuning, and save an ordinary HF model folder.")
@@ -82,6 +91,14 @@ def main(argv: list[str] | None = None) -> int:
             from finetune.train import run
 
             run(resolve_config(args))
+        elif args.command == "plan":
+            from finetune import plan
+
+            cfg = resolve_config(args)
+            gpu = args.gpu_mem is not None or __import__("torch").cuda.is_available()
+            budget, where = (plan.parse_size(args.gpu_mem), "GPU") if args.gpu_mem else plan.available_memory()
+            result = plan.make_plan(cfg, devices=args.gpus, sharding=args.sharding, gpu=gpu)
+            print(plan.render(result, budget, where, plan.alternatives(cfg, result, gpu)))
         elif args.command == "make-demo-model":
             from finetune.demo import make_demo_model
 

@@ -48,7 +48,10 @@ def build_optimizer(params: list[torch.nn.Parameter], cfg: TrainConfig) -> torch
             warnings.filterwarnings("ignore", message="Paged optimizers are not supported on CPU")
         return getattr(bnb.optim, BNB_OPTIMIZERS[cfg.optimizer])(groups, lr=cfg.lr, betas=cfg.betas)
     if cfg.optimizer_offload:
-        from torchao.optim import CPUOffloadOptimizer
+        try:
+            from torchao.optim import CPUOffloadOptimizer
+        except ImportError:  # torchao releases before the API left the prototype namespace
+            from torchao.prototype.low_bit_optim import CPUOffloadOptimizer
 
         return CPUOffloadOptimizer(groups, torch.optim.AdamW, lr=cfg.lr, betas=cfg.betas, fused=True)
     try:

@@ -133,6 +133,7 @@ def run(cfg: RunConfig) -> dict:
     )
 
     # Model and method.
+    rss_before_model = current_rss()
     model = load_model(cfg.model, accelerator.device)
     model = apply_adapter(model, cfg.adapter, t.gradient_checkpointing)
     info = describe(model)
@@ -172,6 +173,7 @@ def run(cfg: RunConfig) -> dict:
         log.print(f"step {step}: eval loss {result['eval_loss']:.4f}, perplexity {result['eval_ppl']:.2f}")
         return result
 
+    reset_peak_rss()
     if cfg.eval.on_start:
         evaluate(0)
 
@@ -229,6 +231,9 @@ def run(cfg: RunConfig) -> dict:
     accelerator.wait_for_everyone()
     unwrapped = accelerator.unwrap_model(model)
     summary["world_size"] = world
+    # Memory held by model, optimizer and activations while training (compare with `finetune plan`).
+    summary["rss_before_model_mib"] = rss_before_model / 2**20
+    summary["peak_rss_mib"] = peak_rss() / 2**20
     summary["replicas_identical"] = replicas_identical(params, accelerator)
     if main:
         unwrapped.config.use_cache = True  # saved models generate with a KV cache
@@ -248,6 +253,34 @@ def run(cfg: RunConfig) -> dict:
         (out / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
         say(_summary_line(summary))
     return RunResult(summary, unwrapped)
+
+
+def _proc_status(key: str) -> int:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def current_rss() -> int:
+    """Resident memory of this process now, in bytes (Linux; 0 elsewhere)."""
+    return _proc_status("VmRSS")
+
+
+def peak_rss() -> int:
+    """Highest resident memory since the last reset_peak_rss(), in bytes (Linux; 0 elsewhere)."""
+    return _proc_status("VmHWM")
+
+
+def reset_peak_rss() -> None:
+    """Start measuring the peak afresh (excludes loading transients, such as quantizing a checkpoint)."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
 
 
 def replicas_identical(params: list[torch.nn.Parameter], accelerator) -> bool:

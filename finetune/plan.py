@@ -1,0 +1,243 @@
+"""Memory planner: what a run will need per device, from the model's config.json alone.
+
+The arithmetic (bytes per parameter, per token) is spelled out in the README with a worked 7B
+example. Rows: weights, gradients, optimizer states, activations (with or without checkpointing) and,
+on GPUs, a reserve for the CUDA context and allocator slack.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from finetune.config import RunConfig
+from finetune.errors import UserError
+
+GiB = 2**30
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "auto": 2}
+# Optimizer state bytes per trainable parameter (None: same as the parameter's own bytes, twice).
+OPTIMIZER_STATE_BYTES = {"adamw": None, "paged_adamw_32bit": 8, "adamw_8bit": 2, "paged_adamw_8bit": 2, "lion": 4, "lion_8bit": 1}
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+GPU_RESERVE = 1.0 * GiB  # CUDA context + caching-allocator slack, measured-ish; 0 on CPU
+BNB_BLOCK = 64  # bitsandbytes 4-bit block size
+
+
+@dataclass(frozen=True)
+class Shape:
+    vocab: int
+    hidden: int
+    layers: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    tied: bool
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    def linear_dims(self) -> dict[str, tuple[int, int]]:
+        """(in, out) of each decoder linear layer."""
+        h, i, q = self.hidden, self.intermediate, self.heads * self.head_dim
+        return {"q_proj": (h, q), "k_proj": (h, self.kv_dim), "v_proj": (h, self.kv_dim), "o_proj": (q, h),
+                "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+
+    @property
+    def linear_params(self) -> int:
+        return self.layers * sum(a * b for a, b in self.linear_dims().values())
+
+    @property
+    def other_params(self) -> int:
+        """Embeddings, lm_head and norms: never quantized."""
+        return self.vocab * self.hidden * (1 if self.tied else 2) + (2 * self.layers + 1) * self.hidden
+
+
+def read_shape(model_path: str) -> Shape:
+    path = Path(model_path).expanduser() / "config.json"
+    if not path.is_file():
+        raise UserError(f"plan: {path} not found: the planner reads a local model folder's config.json")
+    c = json.loads(path.read_text())
+    c = c.get("text_config", c)
+    try:
+        heads = c["num_attention_heads"]
+        return Shape(
+            vocab=c["vocab_size"], hidden=c["hidden_size"], layers=c["num_hidden_layers"], intermediate=c["intermediate_size"],
+            heads=heads, kv_heads=c.get("num_key_value_heads") or heads, head_dim=c.get("head_dim") or c["hidden_size"] // heads,
+            tied=bool(c.get("tie_word_embeddings", False)),
+        )
+    except KeyError as err:
+        raise UserError(f"plan: {path} lacks {err.args[0]} (the planner knows Llama-style decoders)") from None
+
+
+@dataclass(frozen=True)
+class Setup:
+    """The knobs the planner varies when it looks for a plan that fits."""
+
+    method: str  # full | lora | dora | qlora | qdora | 8bit-lora
+    bits: int | None
+    weight_bytes: int
+    optimizer: str
+    micro_batch: int
+    seq_len: int
+    activation_bytes: int
+    checkpointing: bool
+    sharding: str  # none | zero2 | zero3
+    devices: int
+
+
+def setup_from_config(cfg: RunConfig, devices: int, sharding: str = "none") -> Setup:
+    q = cfg.model.quantization
+    mp = cfg.train.mixed_precision
+    weight_bytes = DTYPE_BYTES[cfg.model.dtype]
+    return Setup(
+        method=cfg.adapter.method, bits=q.bits if q else None, weight_bytes=weight_bytes, optimizer=cfg.train.optimizer,
+        micro_batch=cfg.train.micro_batch_size, seq_len=cfg.data.max_seq_len,
+        activation_bytes=2 if mp in ("bf16", "fp16", "fp8") or weight_bytes == 2 else 4,
+        checkpointing=cfg.train.gradient_checkpointing, sharding=sharding, devices=devices,
+    )
+
+
+def trainable_params(shape: Shape, cfg: RunConfig) -> int:
+    if cfg.adapter.method == "full":
+        return shape.linear_params + shape.other_params
+    targets = LINEARS if cfg.adapter.target_modules == "all-linear" else [t for t in cfg.adapter.target_modules if t in LINEARS]
+    dims = shape.linear_dims()
+    per_layer = sum(cfg.adapter.r * (dims[t][0] + dims[t][1]) + (dims[t][1] if cfg.adapter.method == "dora" else 0) for t in targets)
+    return shape.layers * per_layer
+
+
+def estimate(shape: Shape, cfg: RunConfig, s: Setup) -> dict[str, float]:
+    """Bytes per device, by row."""
+    n_train = trainable_params(shape, cfg)
+    full = s.method == "full"
+    # Weights. A quantized base keeps its non-linear parts in fp32 (peft's prepare_model_for_kbit_training).
+    if s.bits == 4:
+        per_param = 0.5 + (1 / BNB_BLOCK + 4 / (BNB_BLOCK * 256) if cfg.model.quantization.double_quant else 4 / BNB_BLOCK)
+        base = shape.linear_params * per_param + shape.other_params * 4
+    elif s.bits == 8:
+        base = shape.linear_params * 1 + shape.layers * sum(o for _, o in shape.linear_dims().values()) * 4 + shape.other_params * 4
+    else:
+        base = (shape.linear_params + shape.other_params) * s.weight_bytes
+    adapter = 0 if full else n_train * 4  # peft keeps adapter weights in fp32
+    param_bytes = s.weight_bytes if full else 4
+    grads = n_train * param_bytes
+    state = OPTIMIZER_STATE_BYTES.get(s.optimizer)
+    if s.optimizer == "sgd":
+        state = param_bytes if cfg.train.momentum > 0 else 0
+    optimizer = n_train * (2 * param_bytes if state is None else state)
+    # Sharding: ZeRO-2 splits gradients and optimizer states, ZeRO-3/FSDP the weights too.
+    if s.sharding in ("zero2", "zero3"):
+        grads, optimizer = grads / s.devices, optimizer / s.devices
+    weights = base + adapter
+    if s.sharding == "zero3":
+        weights = weights / s.devices
+    return {"weights": weights, "gradients": grads, "optimizer states": optimizer, "activations": activations(shape, s)}
+
+
+def activations(shape: Shape, s: Setup) -> float:
+    """Saved tensors of the forward pass, per device, plus the loss's logits.
+
+    Per decoder layer and token a Llama block keeps about 9*h + 3*kv + 4*i values for its backward
+    (norm inputs/outputs, q/k/v and their rotated copies, attention output, residuals, the gate, up,
+    activation and product of the MLP). With checkpointing only each block's input (fp32 residual)
+    is kept; in the backward one block is rebuilt and its gradients live beside it (two blocks'
+    worth). The loss keeps the logits, an fp32 copy and their log-softmax: (a + 8) bytes per
+    vocabulary entry per token.
+    """
+    tokens = s.micro_batch * s.seq_len
+    per_layer = (9 * shape.hidden + 3 * shape.kv_dim + 4 * shape.intermediate) * s.activation_bytes * tokens
+    logits = tokens * shape.vocab * (s.activation_bytes + 8)
+    if s.checkpointing:
+        return shape.layers * tokens * shape.hidden * 4 + 2 * per_layer + logits
+    return shape.layers * per_layer + logits
+
+
+@dataclass
+class Plan:
+    rows: dict[str, float]
+    total: float
+    setup: Setup
+    trainable: int
+    total_params: int
+
+
+def make_plan(cfg: RunConfig, devices: int = 1, sharding: str = "none", gpu: bool = False, setup: Setup | None = None) -> Plan:
+    shape = read_shape(cfg.model.name_or_path)
+    setup = setup or setup_from_config(cfg, devices, sharding)
+    rows = estimate(shape, cfg, setup)
+    if gpu:
+        rows["CUDA context + allocator slack"] = GPU_RESERVE
+    return Plan(rows, sum(rows.values()), setup, trainable_params(shape, cfg), shape.linear_params + shape.other_params)
+
+
+def alternatives(cfg: RunConfig, plan: Plan, gpu: bool) -> list[tuple[str, Plan]]:
+    """Single switches that shrink the plan, each re-planned."""
+    s = plan.setup
+    options = []
+    if not s.checkpointing:
+        options.append(("train.gradient_checkpointing: true", replace(s, checkpointing=True)))
+    if s.micro_batch > 1:
+        options.append((f"train.micro_batch_size: {max(1, s.micro_batch // 2)} (raise grad_accum to keep the batch)", replace(s, micro_batch=max(1, s.micro_batch // 2))))
+    if s.optimizer in ("adamw", "paged_adamw_32bit"):
+        options.append(("train.optimizer: adamw_8bit", replace(s, optimizer="adamw_8bit")))
+    if s.devices > 1 and s.sharding != "zero3":
+        options.append((f"ZeRO-3 / FSDP over {s.devices} devices", replace(s, sharding="zero3")))
+    out = [(label, make_plan(cfg, gpu=gpu, setup=alt)) for label, alt in options]
+    if s.bits is None and cfg.adapter.method != "full":
+        from finetune.config import QuantizationConfig
+
+        q = cfg.model_copy(deep=True)
+        q.model.quantization = QuantizationConfig()
+        out.append(("model.quantization: {bits: 4} (QLoRA)", make_plan(q, gpu=gpu, setup=replace(s, bits=4))))
+    return sorted(out, key=lambda item: item[1].total)
+
+
+def parse_size(text: str) -> float:
+    units = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+    t = text.strip().upper().replace(" ", "")
+    number = t.rstrip("KMGTIB")
+    try:
+        return float(number) * units[t[len(number):]]
+    except (KeyError, ValueError):
+        raise UserError(f"plan: --gpu-mem {text}: expected a size like 80GiB or 24GB") from None
+
+
+def available_memory() -> tuple[float, str]:
+    """Memory of one device here: the GPU's, else this machine's available RAM."""
+    import torch
+
+    if torch.cuda.is_available():
+        return float(torch.cuda.get_device_properties(0).total_memory), torch.cuda.get_device_name(0)
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return float(line.split()[1]) * 1024, "CPU RAM (available)"
+    return math.inf, "CPU RAM"
+
+
+def render(plan: Plan, budget: float, where: str, alts: list[tuple[str, Plan]]) -> str:
+    s = plan.setup
+    method = s.method if s.bits is None else f"{s.method} on a {s.bits}-bit base"
+    unit, scale = ("GiB", GiB) if plan.total >= GiB else ("MiB", 2**20)
+    lines = [
+        f"plan: {method}, {plan.trainable:,} trainable of {plan.total_params:,} params, optimizer {s.optimizer}, "
+        f"micro-batch {s.micro_batch} x {s.seq_len} tokens, activations in {8 * s.activation_bytes}-bit, "
+        f"checkpointing {'on' if s.checkpointing else 'off'}, sharding {s.sharding} over {s.devices} device(s)",
+        "",
+        f"| {'per device':<32} | {unit:>9} |",
+        f"| {'-' * 32} | {'-' * 9} |",
+    ]
+    lines += [f"| {name:<32} | {value / scale:>9.2f} |" for name, value in plan.rows.items()]
+    lines.append(f"| {'total':<32} | {plan.total / scale:>9.2f} |")
+    fits = plan.total <= budget
+    lines += ["", f"{where}: {budget / GiB:.1f} GiB per device -> {'fits' if fits else 'does NOT fit'}"]
+    if not fits:
+        good = [(label, p) for label, p in alts if p.total <= budget]
+        if good:
+            lines.append("switches that make it fit:")
+            lines += [f"  - {label}: {p.total / GiB:.2f} GiB" for label, p in good]
+        else:
+            lines.append("no single switch makes it fit; combine them or use more devices (--gpus N with ZeRO-3/FSDP)")
+    return "\n".join(lines)

@@ -1,0 +1,91 @@
+"""The memory planner: hand-checkable 7B figures, and agreement with measured memory on this machine."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from conftest import REPO, base_config, run_cli, write_config
+from finetune.config import load_config, validate_config
+from finetune.plan import GiB, make_plan
+
+N_LINEAR = 32 * (4 * 4096 * 4096 + 3 * 4096 * 11008)  # q, k, v, o + gate, up, down
+N_OTHER = 2 * 32000 * 4096 + (2 * 32 + 1) * 4096  # embeddings, lm_head, norms
+N = N_LINEAR + N_OTHER
+
+
+def test_7b_full_finetune_matches_the_hand_computed_figures():
+    assert N == 6_738_415_616  # Llama-2-7B's well-known count
+    plan = make_plan(load_config(REPO / "docs/examples/plan-7b-full.yaml", check_model=False))
+    assert plan.rows["weights"] == 4 * N  # fp32
+    assert plan.rows["gradients"] == 4 * N
+    assert plan.rows["optimizer states"] == 8 * N  # AdamW: two fp32 moments -> 16 bytes/param in all
+    tokens, layer = 2048, (9 * 4096 + 3 * 4096 + 4 * 11008) * 2 * 2048  # bf16 activations
+    assert plan.rows["activations"] == 32 * tokens * 4096 * 4 + 2 * layer + tokens * 32000 * (2 + 8)
+    assert round(plan.total / GiB, 2) == 102.73
+
+
+def test_7b_qlora_matches_the_hand_computed_figures():
+    plan = make_plan(load_config(REPO / "docs/examples/plan-7b-qlora.yaml", check_model=False))
+    lora = 32 * 16 * (4 * (4096 + 4096) + 2 * (4096 + 11008) + (11008 + 4096))
+    assert plan.trainable == lora == 39_976_960
+    nf4_double_quant = 0.5 + 1 / 64 + 4 / (64 * 256)  # 4-bit values + 8-bit absmax per 64 + fp32 per 256 blocks
+    assert plan.rows["weights"] == pytest.approx(N_LINEAR * nf4_double_quant + N_OTHER * 4 + lora * 4, rel=1e-12)
+    assert plan.rows["gradients"] == lora * 4
+    assert plan.rows["optimizer states"] == lora * 2  # 8-bit AdamW: two 1-byte moments
+
+
+@pytest.fixture(scope="module")
+def mid_model_dir(tmp_path_factory, demo_tokenizer_dir):
+    """~20M parameters: big enough that model memory dominates what the process itself uses."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(demo_tokenizer_dir)
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=512, intermediate_size=1408, num_hidden_layers=6, num_attention_heads=8,
+                         max_position_embeddings=1024, tie_word_embeddings=False)
+    out = tmp_path_factory.mktemp("mid-model")
+    LlamaForCausalLM(config).save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+MEASURED = {
+    "full": {"adapter": {"method": "full"}},
+    "lora": {},
+    "lora+checkpointing": {"train": {"gradient_checkpointing": True}},
+    "qlora": {"model": {"quantization": {"bits": 4, "compute_dtype": "float32"}}},
+    "qlora+checkpointing": {"model": {"quantization": {"bits": 4, "compute_dtype": "float32"}}, "train": {"gradient_checkpointing": True}},
+}
+
+
+@pytest.mark.parametrize("name", list(MEASURED))
+def test_plan_matches_measured_peak_memory(tmp_path, mid_model_dir, name):
+    """Planned total vs (peak RSS - RSS before the model loaded), within 25%.
+
+    glibc keeps freed blocks of a dynamically raised size in its heap, which inflates RSS well past
+    the live tensors; a fixed mmap threshold makes RSS track what is really held."""
+    cfg = base_config(mid_model_dir, tmp_path / "out", data={"max_seq_len": 512, "eval": None}, train={"max_steps": 3, "micro_batch_size": 4})
+    for section, values in MEASURED[name].items():
+        cfg.setdefault(section, {}).update(values)
+    result = run_cli("train", "--config", str(write_config(tmp_path / "c.yaml", cfg)), env={"MALLOC_MMAP_THRESHOLD_": "131072"})
+    assert result.returncode == 0, result.stderr[-2000:]
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    measured = (summary["peak_rss_mib"] - summary["rss_before_model_mib"]) * 2**20
+    planned = make_plan(validate_config(cfg, "test")).total
+    print(f"{name}: planned {planned / 2**20:.0f} MiB, measured {measured / 2**20:.0f} MiB")
+    assert 0.75 < planned / measured < 1.25, (planned / 2**20, measured / 2**20)
+
+
+def test_plan_command_says_what_would_fit():
+    result = run_cli("plan", "--config", "docs/examples/plan-7b-full.yaml", "--gpu-mem", "80GiB")
+    assert result.returncode == 0, result.stderr
+    assert "does NOT fit" in result.stdout and "train.optimizer: adamw_8bit" in result.stdout
+    assert "| total" in result.stdout
+    result = run_cli("plan", "--config", "docs/examples/plan-7b-full.yaml", "--gpus", "8", "--gpu-mem", "80GiB")
+    assert "ZeRO-3 / FSDP over 8 devices" in result.stdout
+    result = run_cli("plan", "--config", "docs/examples/plan-7b-qlora.yaml", "--gpu-mem", "24GiB")
+    assert "-> fits" in result.stdout
+    result = run_cli("plan", "--config", "docs/examples/plan-7b-qlora.yaml", "--gpu-mem", "lots")
+    assert result.returncode == 2 and "expected a size like 80GiB" in result.stderr
