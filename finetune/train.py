@@ -63,7 +63,7 @@ def plan_steps(cfg: RunConfig, num_rows: int, world: int) -> Schedule:
 
 
 def step_batches(data: Datasets, cfg: RunConfig, schedule: Schedule, rank: int, world: int, pad_id: int, start_step: int = 0):
-    """Yield (epoch, micro-batches) for each optimizer step from start_step on.
+    """Yield (epoch, micro-batches, real tokens) for each optimizer step from start_step on.
 
     Position in the data is a pure function of the step, so a resumed run picks up exactly where the
     interrupted one was.
@@ -74,7 +74,8 @@ def step_batches(data: Datasets, cfg: RunConfig, schedule: Schedule, rank: int, 
         if step == start_step or k == 0:
             batches = epoch_batches(len(data.train), t.micro_batch_size, t.seed, epoch, rank, world)
         chunk = batches[k * t.grad_accum : (k + 1) * t.grad_accum]
-        yield epoch, [collate([data.train[i] for i in idx], pad_id) for idx in chunk]
+        real = sum(len(data.train[i].input_ids) for idx in chunk for i in idx)  # padding excluded
+        yield epoch, [collate([data.train[i] for i in idx], pad_id) for idx in chunk], real
 
 
 def make_accelerator(cfg: RunConfig):
@@ -181,13 +182,13 @@ def run(cfg: RunConfig) -> dict:
     model.train()
     started, tokens_seen, last = time.perf_counter(), 0, {}
     window_tokens, window_start = 0, started
-    for step, (epoch, micro_batches) in enumerate(step_batches(data, cfg, schedule, rank, world, tokenizer.pad_token_id)):
+    for step, (epoch, micro_batches, real_tokens) in enumerate(step_batches(data, cfg, schedule, rank, world, tokenizer.pad_token_id)):
         micro_batches = [{k: v.to(accelerator.device) for k, v in b.items()} for b in micro_batches]
         # The loss is a mean over every trained token of the step, across micro-batches and ranks:
         # each micro-batch contributes its sum divided by the global count (times world size, because
         # DDP averages gradients over ranks).
-        local_tokens = sum(trained_tokens(b) for b in micro_batches)
-        global_tokens = accelerator.reduce(torch.tensor(local_tokens, device=accelerator.device), "sum").item()
+        local = torch.tensor([sum(trained_tokens(b) for b in micro_batches), real_tokens], device=accelerator.device)
+        global_tokens, global_real = accelerator.reduce(local, "sum").tolist()
         loss_sum = torch.zeros((), device=accelerator.device)
         for i, batch in enumerate(micro_batches):
             sync = i == len(micro_batches) - 1
@@ -200,8 +201,8 @@ def run(cfg: RunConfig) -> dict:
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
 
-        tokens_seen += global_tokens
-        window_tokens += global_tokens
+        tokens_seen += global_real
+        window_tokens += global_real
         log.advance()
         done = step + 1
         if done % cfg.logging.log_every == 0 or done == schedule.total_steps:
