@@ -8,6 +8,7 @@ Started any of these ways, all the same run:
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import sys
@@ -88,8 +89,6 @@ def make_accelerator(cfg: RunConfig):
     if mp == "fp8":
         if not cuda or torch.cuda.get_device_capability() < (8, 9):
             raise UserError("train.mixed_precision: fp8 needs an NVIDIA GPU of compute capability 8.9+ (Ada/Hopper); use bf16")
-        import importlib.util
-
         if not any(importlib.util.find_spec(p) for p in ("torchao", "transformer_engine")):
             raise UserError("train.mixed_precision: fp8 needs torchao or transformer_engine installed")
     if cfg.train.tf32 and cuda:
@@ -97,15 +96,13 @@ def make_accelerator(cfg: RunConfig):
         torch.backends.cudnn.allow_tf32 = True
     trackers = []
     for name in cfg.logging.report_to:
-        import importlib.util
-
         if importlib.util.find_spec(name) is None:
             raise UserError(f"logging.report_to: '{name}' is not installed (pip install {name}) or remove it")
         trackers.append(name)
     return Accelerator(mixed_precision=mp, cpu=not cuda, log_with=trackers or None, project_dir=cfg.train.output_dir)
 
 
-def run(cfg: RunConfig) -> dict:
+def run(cfg: RunConfig) -> RunResult:
     """Train as configured. Returns a summary (also printed by the main process)."""
     from accelerate.utils import set_seed
 
