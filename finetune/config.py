@@ -113,6 +113,14 @@ class LoggingConfig(_Section):
     plot: bool = Field(True, description="Write loss_curve.png at the end.")
 
 
+class DistributedConfig(_Section):
+    strategy: Literal["ddp", "fsdp"] = Field(
+        "ddp", description="With several processes: ddp (replicas, accelerate) or fsdp (torch FSDP2 fully_shard per decoder layer)."
+    )
+    fsdp_reshard_after_forward: bool = Field(True, description="FSDP: free gathered weights after forward (full shard); false keeps them (less communication, more memory).")
+    fsdp_cpu_offload: bool = Field(False, description="FSDP: keep sharded parameters, gradients and optimizer states in CPU RAM (GPU runs).")
+
+
 class RunConfig(_Section):
     model: ModelConfig
     adapter: AdapterConfig = Field(default_factory=AdapterConfig)
@@ -120,6 +128,7 @@ class RunConfig(_Section):
     train: TrainConfig = Field(default_factory=TrainConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    distributed: DistributedConfig = Field(default_factory=DistributedConfig)
 
     @field_validator("data")
     @classmethod
@@ -134,6 +143,12 @@ class RunConfig(_Section):
     def _cross_checks(self) -> RunConfig:
         if self.data.eval is not None and self.data.eval_fraction > 0:
             raise ValueError("data: set either data.eval or data.eval_fraction, not both")
+        if self.distributed.strategy == "fsdp" and self.eval.generate_samples:
+            raise ValueError("eval.generate_samples: not available with distributed.strategy fsdp (the model is sharded); set it to 0")
+        if self.distributed.strategy == "fsdp" and self.train.mixed_precision in ("fp16", "fp8"):
+            raise ValueError("train.mixed_precision: fsdp runs no/bf16 here (fp16 would need a sharded grad scaler); use bf16")
+        if self.distributed.strategy == "fsdp" and self.model.quantization is not None:
+            raise ValueError("distributed.strategy: fsdp with a quantized base is not supported yet; use ddp")
         if self.model.quantization is not None and self.adapter.method == "full":
             raise ValueError("model.quantization: quantized weights cannot be fully fine-tuned; use adapter.method lora or dora (QLoRA)")
         if self.train.mixed_precision == "fp16" and self.model.dtype == "bfloat16":

@@ -30,11 +30,19 @@ def eval_loss(model, rows: list[Row], batch_size: int, pad_id: int, accelerator,
     """Mean per-token loss and perplexity over this rank's share of the eval rows, reduced over ranks."""
     was_training = model.training
     model.eval()
-    mine = rows[accelerator.process_index :: accelerator.num_processes]
-    batches = [mine[i : i + batch_size] for i in range(0, len(mine), batch_size)][:max_batches]
+    world = accelerator.num_processes
+    mine = rows[accelerator.process_index :: world]
+    # Every rank runs the same number of forward passes (a sharded model gathers weights in each);
+    # a rank with fewer rows repeats a row with its labels ignored.
+    count = math.ceil(math.ceil(len(rows) / world) / batch_size)
+    count = min(count, max_batches) if max_batches else count
     total = torch.zeros(2, dtype=torch.float64)
-    for chunk in batches:
-        batch = {k: v.to(accelerator.device) for k, v in collate(chunk, pad_id).items()}
+    for b in range(count):
+        chunk = mine[b * batch_size : (b + 1) * batch_size]
+        batch = collate(chunk or rows[:1], pad_id)
+        if not chunk:
+            batch["labels"].fill_(IGNORE)
+        batch = {k: v.to(accelerator.device) for k, v in batch.items()}
         with accelerator.autocast():
             total[0] += token_loss_sum(model, batch).double().cpu()
         total[1] += trained_tokens(batch)

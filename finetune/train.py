@@ -26,6 +26,7 @@ import torch
 
 from finetune.config import RunConfig, to_yaml
 from finetune.data import Datasets, collate, epoch_batches, load_data
+from finetune.distributed import full_state_dict, local_numel, shard_fsdp2
 from finetune.errors import UserError
 from finetune.evaluate import eval_loss, exact_match, token_loss_sum, trained_tokens
 from finetune.metrics import RunLog, plot_loss_curve
@@ -99,6 +100,9 @@ def make_accelerator(cfg: RunConfig):
         if importlib.util.find_spec(name) is None:
             raise UserError(f"logging.report_to: '{name}' is not installed (pip install {name}) or remove it")
         trackers.append(name)
+    # Under FSDP the shards' MixedPrecisionPolicy does what autocast would.
+    if cfg.distributed.strategy == "fsdp":
+        mp = "no"
     return Accelerator(mixed_precision=mp, cpu=not cuda, log_with=trackers or None, project_dir=cfg.train.output_dir)
 
 
@@ -155,10 +159,14 @@ def run(cfg: RunConfig) -> RunResult:
         before = exact_match(model, tokenizer, data.eval_examples[: cfg.eval.generate_samples], cfg.data.format, cfg.eval.max_new_tokens)
         say(f"before training: exact match {before['exact_match']:.1%} on {before['n']} eval prompts")
 
+    # Spread the model over the processes, then build the optimizer on what each process holds.
+    fsdp = cfg.distributed.strategy == "fsdp" and world > 1
+    model = shard_fsdp2(model, cfg, accelerator.device, world) if fsdp else accelerator.prepare(model)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = build_optimizer(params, t)
     scheduler = build_scheduler(optimizer, t, schedule.total_steps)
-    model, optimizer = accelerator.prepare(model, optimizer)
+    if not fsdp:
+        optimizer = accelerator.prepare(optimizer)
     if cfg.logging.report_to:
         accelerator.init_trackers("finetune", config={k: v for k, v in cfg.model_dump(mode="json")["train"].items() if v is not None and not isinstance(v, list)})
     log = RunLog(out, schedule.total_steps, accelerator, main, cfg.logging.progress_bar)
@@ -188,12 +196,17 @@ def run(cfg: RunConfig) -> RunResult:
         global_tokens, global_real = accelerator.reduce(local, "sum").tolist()
         loss_sum = torch.zeros((), device=accelerator.device)
         for i, batch in enumerate(micro_batches):
-            sync = i == len(micro_batches) - 1
-            with nullcontext() if sync else accelerator.no_sync(model):
+            sync = i == len(micro_batches) - 1  # gradients are reduced across ranks once per step
+            if fsdp:
+                model.set_requires_gradient_sync(sync)
+            with nullcontext() if sync or fsdp else accelerator.no_sync(model):
                 loss = token_loss_sum(model, batch)
                 accelerator.backward(loss * (world / max(global_tokens, 1)))
             loss_sum += loss.detach()
-        grad_norm = accelerator.clip_grad_norm_(params, t.max_grad_norm or float("inf"))
+        if fsdp:
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, t.max_grad_norm or float("inf")).full_tensor()
+        else:
+            grad_norm = accelerator.clip_grad_norm_(params, t.max_grad_norm or float("inf"))
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
@@ -232,10 +245,14 @@ def run(cfg: RunConfig) -> RunResult:
     # Memory held by model, optimizer and activations while training (compare with `finetune plan`).
     summary["rss_before_model_mib"] = rss_before_model / 2**20
     summary["peak_rss_mib"] = peak_rss() / 2**20
-    summary["replicas_identical"] = replicas_identical(params, accelerator)
+    summary["strategy"] = "fsdp" if fsdp else ("ddp" if world > 1 else "single")
+    summary["param_numel_per_rank"] = accelerator.gather(torch.tensor([local_numel(params)], device=accelerator.device)).tolist()
+    summary["replicas_identical"] = None if fsdp else replicas_identical(params, accelerator)
+    # Sharded weights are gathered into one ordinary state dict (all ranks take part), saved by rank 0.
+    state_dict = full_state_dict(model) if fsdp else None
     if main:
         unwrapped.config.use_cache = True  # saved models generate with a KV cache
-        unwrapped.save_pretrained(out, safe_serialization=True)
+        unwrapped.save_pretrained(out, safe_serialization=True, state_dict=state_dict)
         tokenizer.save_pretrained(out)
         plot = plot_loss_curve(out) if cfg.logging.plot else None
         summary["saved_to"] = str(out)
