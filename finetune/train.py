@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import os
 import sys
 import time
 from contextlib import nullcontext
@@ -24,6 +25,7 @@ if __name__ == "__main__" and not __package__:
 
 import torch
 
+from finetune import faults
 from finetune.config import RunConfig, to_yaml
 from finetune.data import Datasets, collate, epoch_batches, load_data
 from finetune.distributed import full_state_dict, local_numel, shard_fsdp2
@@ -80,6 +82,21 @@ def step_batches(data: Datasets, cfg: RunConfig, schedule: Schedule, rank: int, 
         yield epoch, [collate([data.train[i] for i in idx], pad_id) for idx in chunk], real
 
 
+def check_launcher_strategy(cfg: RunConfig) -> None:
+    """An accelerate config that asks for FSDP or DeepSpeed must agree with the run config: never a
+    silent fall-back to DDP. finetune applies the strategy itself, so accelerate's own plugin is
+    switched off once the two agree."""
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() in ("1", "true"):
+        raise UserError("accelerate config asks for DeepSpeed, which finetune does not run yet; use configs/accelerate/fsdp.yaml or ddp.yaml")
+    if os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true"):
+        if cfg.distributed.strategy != "fsdp":
+            raise UserError(
+                f"accelerate config asks for FSDP but the run config has distributed.strategy: {cfg.distributed.strategy}; "
+                "set distributed.strategy: fsdp (finetune applies FSDP2 itself)"
+            )
+        os.environ["ACCELERATE_USE_FSDP"] = "false"
+
+
 def make_accelerator(cfg: RunConfig):
     from accelerate import Accelerator
 
@@ -100,6 +117,7 @@ def make_accelerator(cfg: RunConfig):
         if importlib.util.find_spec(name) is None:
             raise UserError(f"logging.report_to: '{name}' is not installed (pip install {name}) or remove it")
         trackers.append(name)
+    check_launcher_strategy(cfg)
     # Under FSDP the shards' MixedPrecisionPolicy does what autocast would.
     if cfg.distributed.strategy == "fsdp":
         mp = "no"
@@ -188,6 +206,7 @@ def run(cfg: RunConfig) -> RunResult:
     started, tokens_seen, last = time.perf_counter(), 0, {}
     window_tokens, window_start = 0, started
     for step, (epoch, micro_batches, real_tokens) in enumerate(step_batches(data, cfg, schedule, rank, world, tokenizer.pad_token_id)):
+        faults.inject(step, rank)
         micro_batches = [{k: v.to(accelerator.device) for k, v in b.items()} for b in micro_batches]
         # The loss is a mean over every trained token of the step, across micro-batches and ranks:
         # each micro-batch contributes its sum divided by the global count (times world size, because

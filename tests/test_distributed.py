@@ -69,3 +69,33 @@ def test_fsdp_gathered_adapter_loads_in_one_process_and_equals_the_trained_one(t
         untuned = base(input_ids=ids, use_cache=False).logits
     assert (logits[0] - logits[1]).abs().max() < 1e-4
     assert (logits[0] - untuned).abs().max() > 1e-3  # not an empty or partial adapter
+
+
+def test_a_rank_that_raises_stops_the_whole_job_quickly(tmp_path, tiny_model_dir):
+    import time
+
+    cfg = base_config(tiny_model_dir, tmp_path / "out", train={"max_steps": 200, "micro_batch_size": 2})
+    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "FINETUNE_FAULT": "raise@3:rank=1"}
+    started = time.monotonic()
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "finetune/train.py",
+                             "--config", str(write_config(tmp_path / "c.yaml", cfg))], cwd=REPO, capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode != 0
+    assert "injected fault on rank 1 at step 3" in result.stderr
+    assert time.monotonic() - started < 60  # no hang in a collective until a timeout
+    assert not (tmp_path / "out" / "summary.json").exists()
+
+
+@pytest.mark.parametrize("strategy,ok", [("ddp", False), ("fsdp", True)])
+def test_accelerate_fsdp_config_needs_the_run_config_to_agree(tmp_path, tiny_model_dir, strategy, ok):
+    cfg = base_config(tiny_model_dir, tmp_path / "out", train={"max_steps": 2, "micro_batch_size": 2}, distributed={"strategy": strategy})
+    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", "configs/accelerate/fsdp.yaml",
+                             "--main_process_port", "29613", "finetune/train.py", "--config", str(write_config(tmp_path / "c.yaml", cfg))],
+                            cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+    if ok:
+        assert result.returncode == 0, result.stderr[-3000:]
+        summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+        assert summary["strategy"] == "fsdp" and summary["world_size"] == 2
+    else:
+        assert result.returncode != 0
+        assert "accelerate config asks for FSDP but the run config has distributed.strategy: ddp" in result.stderr

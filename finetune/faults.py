@@ -1,0 +1,42 @@
+"""Test-only fault injection, so tests can make real processes fail the way clusters do.
+
+Set FINETUNE_FAULT to `KIND@STEP[:rank=R]`, e.g. `raise@2:rank=1` (rank 1 raises at the start of
+optimizer step 2). Kinds: `raise` (an exception), `kill` (SIGKILL itself, as the OOM killer would).
+Unset, it costs one dict lookup per step.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str
+    step: int
+    rank: int | None
+
+
+def parse(spec: str | None) -> Fault | None:
+    if not spec:
+        return None
+    head, _, tail = spec.partition(":")
+    kind, _, step = head.partition("@")
+    rank = int(tail.split("=", 1)[1]) if tail.startswith("rank=") else None
+    if kind not in ("raise", "kill") or not step.isdigit():
+        raise ValueError(f"FINETUNE_FAULT={spec}: expected KIND@STEP[:rank=R] with KIND raise or kill")
+    return Fault(kind, int(step), rank)
+
+
+FAULT = parse(os.environ.get("FINETUNE_FAULT"))
+
+
+def inject(step: int, rank: int) -> None:
+    """Called at the start of each optimizer step."""
+    if FAULT is None or FAULT.step != step or (FAULT.rank is not None and FAULT.rank != rank):
+        return
+    if FAULT.kind == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    raise RuntimeError(f"injected fault on rank {rank} at step {step} (FINETUNE_FAULT)")
