@@ -14,7 +14,8 @@ import sys
 from finetune.errors import EXIT_USAGE, UserError
 
 # Flags that are shorthands for schema keys (they are applied as --set overrides, after the file).
-SHORTHANDS = {"output_dir": "train.output_dir", "max_steps": "train.max_steps", "model": "model.name_or_path", "overfit_batch": "train.overfit_batch"}
+SHORTHANDS = {"output_dir": "train.output_dir", "max_steps": "train.max_steps", "model": "model.name_or_path",
+              "overfit_batch": "train.overfit_batch", "save_every": "checkpoint.save_every", "resume": "checkpoint.resume"}
 
 
 def _run_options(p: argparse.ArgumentParser) -> None:
@@ -25,6 +26,8 @@ def _run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-steps", type=int, help="same as --set train.max_steps=N")
     p.add_argument("--model", help="same as --set model.name_or_path=PATH_OR_ID")
     p.add_argument("--overfit-batch", type=int, metavar="N", help="sanity check: train N steps on the first batch only; the loss should go near zero")
+    p.add_argument("--save-every", type=int, metavar="N", help="same as --set checkpoint.save_every=N")
+    p.add_argument("--resume", metavar="auto|never|PATH", help="same as --set checkpoint.resume=...")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -113,6 +113,12 @@ class LoggingConfig(_Section):
     plot: bool = Field(True, description="Write loss_curve.png at the end.")
 
 
+class CheckpointConfig(_Section):
+    save_every: int = Field(0, ge=0, description="Save a checkpoint every N optimizer steps (0 = none; the final output is always saved).")
+    keep_last: int = Field(2, ge=1, description="Complete checkpoints to keep; older ones are deleted once a newer one is complete.")
+    resume: str = Field("auto", description="auto: resume from the newest complete checkpoint in output_dir/checkpoints; never; or a checkpoint path.")
+
+
 class DistributedConfig(_Section):
     strategy: Literal["ddp", "fsdp"] = Field(
         "ddp", description="With several processes: ddp (replicas, accelerate) or fsdp (torch FSDP2 fully_shard per decoder layer)."
@@ -129,6 +135,7 @@ class RunConfig(_Section):
     eval: EvalConfig = Field(default_factory=EvalConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
 
     @field_validator("data")
     @classmethod
@@ -145,6 +152,8 @@ class RunConfig(_Section):
             raise ValueError("data: set either data.eval or data.eval_fraction, not both")
         if self.distributed.strategy == "fsdp" and self.eval.generate_samples:
             raise ValueError("eval.generate_samples: not available with distributed.strategy fsdp (the model is sharded); set it to 0")
+        if self.distributed.strategy == "fsdp" and self.checkpoint.save_every:
+            raise ValueError("checkpoint.save_every: checkpoints of fsdp runs are not supported yet; use ddp or save_every: 0")
         if self.distributed.strategy == "fsdp" and self.train.mixed_precision in ("fp16", "fp8"):
             raise ValueError("train.mixed_precision: fsdp runs no/bf16 here (fp16 would need a sharded grad scaler); use bf16")
         if self.distributed.strategy == "fsdp" and self.model.quantization is not None:

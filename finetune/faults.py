@@ -1,8 +1,9 @@
 """Test-only fault injection, so tests can make real processes fail the way clusters do.
 
-Set FINETUNE_FAULT to `KIND@STEP[:rank=R]`, e.g. `raise@2:rank=1` (rank 1 raises at the start of
-optimizer step 2). Kinds: `raise` (an exception), `kill` (SIGKILL itself, as the OOM killer would).
-Unset, it costs one dict lookup per step.
+Set FINETUNE_FAULT to `KIND@STEP[:rank=R]`, e.g. `raise@2:rank=1`: rank 1 raises once 2 optimizer
+steps are done, before the third. Kinds: `raise` (an exception), `kill` (SIGKILL itself, as the OOM killer would).
+A fault fires in the first attempt only: after torchrun restarts the workers
+(TORCHELASTIC_RESTART_COUNT > 0) the run goes on cleanly. Unset, it costs one comparison per step.
 """
 
 from __future__ import annotations
@@ -30,11 +31,11 @@ def parse(spec: str | None) -> Fault | None:
     return Fault(kind, int(step), rank)
 
 
-FAULT = parse(os.environ.get("FINETUNE_FAULT"))
+FAULT = parse(os.environ.get("FINETUNE_FAULT")) if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" else None
 
 
 def inject(step: int, rank: int) -> None:
-    """Called at the start of each optimizer step."""
+    """Called before each optimizer step, with the number of steps done."""
     if FAULT is None or FAULT.step != step or (FAULT.rank is not None and FAULT.rank != rank):
         return
     if FAULT.kind == "kill":

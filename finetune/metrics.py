@@ -16,13 +16,17 @@ PLOT_FILE = "loss_curve.png"
 
 
 class RunLog:
-    def __init__(self, output_dir: Path, total_steps: int, accelerator, enabled: bool, progress_bar: bool):
+    def __init__(self, output_dir: Path, total_steps: int, accelerator, enabled: bool, progress_bar: bool, start_step: int = 0):
         self.accelerator = accelerator
         self.enabled = enabled
         self.path = output_dir / METRICS_FILE
         if enabled:
-            self.path.write_text("")  # a new run starts a new log; rows of an earlier run in this dir would mix in
-        self.bar = tqdm(total=total_steps, desc="train", unit="step", dynamic_ncols=True) if enabled and progress_bar else None
+            # A new run starts a new log; a resumed one keeps the rows up to where it resumes.
+            kept = [r for r in read_metrics(output_dir) if r["step"] <= start_step] if start_step else []
+            self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        self.bar = (
+            tqdm(total=total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True) if enabled and progress_bar else None
+        )
 
     def write(self, row: dict) -> None:
         if not self.enabled:

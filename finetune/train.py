@@ -25,7 +25,7 @@ if __name__ == "__main__" and not __package__:
 
 import torch
 
-from finetune import faults
+from finetune import checkpoint, faults
 from finetune.config import RunConfig, to_yaml
 from finetune.data import Datasets, collate, epoch_batches, load_data
 from finetune.distributed import full_state_dict, local_numel, shard_fsdp2
@@ -187,7 +187,8 @@ def run(cfg: RunConfig) -> RunResult:
         optimizer = accelerator.prepare(optimizer)
     if cfg.logging.report_to:
         accelerator.init_trackers("finetune", config={k: v for k, v in cfg.model_dump(mode="json")["train"].items() if v is not None and not isinstance(v, list)})
-    log = RunLog(out, schedule.total_steps, accelerator, main, cfg.logging.progress_bar)
+    start_step, tokens_seen = resume(cfg, model, optimizer, scheduler, accelerator, say)
+    log = RunLog(out, schedule.total_steps, accelerator, main, cfg.logging.progress_bar, start_step)
 
     def evaluate(step: int) -> dict | None:
         if not data.eval:
@@ -198,14 +199,15 @@ def run(cfg: RunConfig) -> RunResult:
         return result
 
     reset_peak_rss()
-    if cfg.eval.on_start:
+    if cfg.eval.on_start and start_step == 0:
         evaluate(0)
 
     # The loop.
     model.train()
-    started, tokens_seen, last = time.perf_counter(), 0, {}
+    started, last = time.perf_counter(), {}
     window_tokens, window_start = 0, started
-    for step, (epoch, micro_batches, real_tokens) in enumerate(step_batches(data, cfg, schedule, rank, world, tokenizer.pad_token_id)):
+    batches = step_batches(data, cfg, schedule, rank, world, tokenizer.pad_token_id, start_step)
+    for step, (epoch, micro_batches, real_tokens) in enumerate(batches, start=start_step):
         faults.inject(step, rank)
         micro_batches = [{k: v.to(accelerator.device) for k, v in b.items()} for b in micro_batches]
         # The loss is a mean over every trained token of the step, across micro-batches and ranks:
@@ -250,6 +252,11 @@ def run(cfg: RunConfig) -> RunResult:
             window_tokens, window_start = 0, now
         if cfg.eval.every and done % cfg.eval.every == 0 and done < schedule.total_steps:
             evaluate(done)
+        if cfg.checkpoint.save_every and done % cfg.checkpoint.save_every == 0 and done < schedule.total_steps:
+            saved = checkpoint.save(out, done, model, optimizer, scheduler, {"tokens": tokens_seen, "epoch": epoch},
+                                    to_yaml(cfg), accelerator, cfg.checkpoint.keep_last)
+            if saved:
+                log.print(f"step {done}: checkpoint saved to {saved}")
 
     log.close_bar()
     final_eval = evaluate(schedule.total_steps)
@@ -324,6 +331,34 @@ def replicas_identical(params: list[torch.nn.Parameter], accelerator) -> bool:
         local = torch.stack([flat.sum(), flat.abs().sum(), (flat * torch.arange(len(flat), dtype=flat.dtype)).sum()])
     gathered = accelerator.gather(local.to(accelerator.device)[None]).cpu()
     return bool((gathered == gathered[0]).all())
+
+
+def resume(cfg: RunConfig, model, optimizer, scheduler, accelerator, say) -> tuple[int, int]:
+    """(step, tokens seen) to start from: 0 for a fresh run, else those of the checkpoint restored."""
+    choice = cfg.checkpoint.resume
+    if choice == "never":
+        return 0, 0
+    if choice == "auto":
+        found = checkpoint.find_latest(cfg.train.output_dir)
+        if found is None:
+            return 0, 0
+        for line in found.skipped:
+            say(line)
+        path = found.path
+        if path is None:
+            say("no complete checkpoint to resume from: starting afresh")
+            return 0, 0
+    else:
+        path = Path(choice)
+        problem = checkpoint.verify(path) if path.is_dir() else "not a folder"
+        if problem:
+            raise UserError(f"checkpoint.resume: {choice}: {problem}")
+    try:
+        state = checkpoint.restore(path, model, optimizer, scheduler, accelerator)
+    except ValueError as err:
+        raise UserError(f"checkpoint.resume: {err}") from None
+    say(f"resumed from {path} at step {state['step']}")
+    return state["step"], state["tokens"]
 
 
 def _summary_line(summary: dict) -> str:

@@ -1,0 +1,182 @@
+"""Checkpoints: atomic, verified, and enough to resume a run exactly.
+
+A checkpoint is a folder `OUTPUT/checkpoints/step-NNNNNN` holding the trained weights
+(safetensors), optimizer and scheduler states, every rank's RNG states, the trainer state (step,
+tokens) and the resolved config. It is written under a temporary name, fsynced, given a manifest of
+every file's size and sha256, and only then renamed into place: a folder with that name and a
+matching manifest is complete; anything else is skipped (and reported) when resuming.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+MANIFEST = "manifest.json"
+WEIGHTS = "trainable.safetensors"
+
+
+def checkpoint_root(output_dir: str | Path) -> Path:
+    return Path(output_dir) / "checkpoints"
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# ----------------------------------------------------------------------------------------------
+# RNG states: plain tensors and lists only, so they load with torch.load(weights_only=True).
+
+
+def rng_state() -> dict:
+    np_state = np.random.get_state()
+    state = {
+        "python": random.getstate(),
+        "numpy": [np_state[0], torch.from_numpy(np_state[1].copy()), *np_state[2:]],
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, *rest = state["numpy"]
+    np.random.set_state((kind, keys.numpy(), *rest))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# ----------------------------------------------------------------------------------------------
+# Saving
+
+
+def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: p.detach().contiguous().cpu() for name, p in model.named_parameters() if p.requires_grad}
+
+
+def save(output_dir: str | Path, step: int, model, optimizer, scheduler, trainer_state: dict, config_yaml: str,
+         accelerator, keep_last: int) -> Path | None:
+    """Write the checkpoint of `step` (every rank calls this; rank 0 writes all but the RNG files)."""
+    from safetensors.torch import save_file
+
+    root = checkpoint_root(output_dir)
+    final = root / f"step-{step:06d}"
+    tmp = root / f".step-{step:06d}.tmp"
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    accelerator.wait_for_everyone()
+    torch.save(rng_state(), tmp / f"rng-rank{accelerator.process_index}.pt")
+    if accelerator.is_main_process:
+        save_file(trainable_state(accelerator.unwrap_model(model)), tmp / WEIGHTS)
+        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
+        (tmp / "trainer_state.json").write_text(json.dumps({**trainer_state, "step": step, "world_size": accelerator.num_processes}))
+        (tmp / "finetune_config.yaml").write_text(config_yaml)
+    accelerator.wait_for_everyone()
+    if not accelerator.is_main_process:
+        return None
+    files = sorted(p for p in tmp.iterdir() if p.is_file())
+    for path in files:
+        _fsync(path)
+    manifest = {p.name: {"size": p.stat().st_size, "sha256": _sha256(p)} for p in files}
+    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+    _fsync(tmp / MANIFEST)
+    if final.exists():  # the same step saved again (a resumed run): replace it only now it is complete
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    _fsync(root)
+    _retain(root, keep_last)
+    return final
+
+
+def _retain(root: Path, keep_last: int) -> None:
+    """Keep the newest `keep_last` complete checkpoints; never delete the only valid one."""
+    complete = [p for p in sorted(root.glob("step-*")) if verify(p) is None]
+    for old in complete[: max(0, len(complete) - max(1, keep_last))]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# Finding and restoring
+
+
+def verify(path: Path) -> str | None:
+    """None when the checkpoint is complete and intact, else why not."""
+    manifest = path / MANIFEST
+    if not manifest.is_file():
+        return "no manifest (an interrupted save)"
+    try:
+        entries = json.loads(manifest.read_text())
+    except json.JSONDecodeError:
+        return "unreadable manifest"
+    for name, want in entries.items():
+        file = path / name
+        if not file.is_file():
+            return f"{name} is missing"
+        if file.stat().st_size != want["size"]:
+            return f"{name} has {file.stat().st_size} bytes, expected {want['size']}"
+        if _sha256(file) != want["sha256"]:
+            return f"{name} fails its checksum"
+    return None
+
+
+@dataclass
+class Found:
+    path: Path
+    skipped: list[str]  # one line per newer checkpoint that could not be used
+
+
+def find_latest(output_dir: str | Path) -> Found | None:
+    """The newest complete checkpoint, with a line for every newer one that is incomplete or corrupt."""
+    skipped = []
+    for path in sorted(checkpoint_root(output_dir).glob("step-*"), reverse=True):
+        problem = verify(path)
+        if problem is None:
+            return Found(path, skipped)
+        skipped.append(f"checkpoint {path} skipped: {problem}")
+    return Found(None, skipped) if skipped else None
+
+
+def restore(path: Path, model, optimizer, scheduler, accelerator) -> dict:
+    """Load a checkpoint into the run; returns its trainer state."""
+    from safetensors.torch import load_file
+
+    weights = load_file(path / WEIGHTS)
+    params = dict(accelerator.unwrap_model(model).named_parameters())
+    missing = sorted(set(weights) ^ {n for n, p in params.items() if p.requires_grad})
+    if missing:
+        raise ValueError(f"{path}: its weights do not match this model's trainable parameters (e.g. {missing[0]})")
+    with torch.no_grad():
+        for name, value in weights.items():
+            params[name].copy_(value)
+    optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
+    scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
+    rng_file = path / f"rng-rank{accelerator.process_index}.pt"
+    if rng_file.exists():  # absent when resuming at a larger world size: that rank starts fresh
+        set_rng_state(torch.load(rng_file, weights_only=True))
+    return json.loads((path / "trainer_state.json").read_text())

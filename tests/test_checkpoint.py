@@ -1,0 +1,77 @@
+"""Checkpoints: kill -9 and resume with identical losses; corrupted checkpoints are skipped."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from conftest import base_config, read_jsonl, run_cli, write_config
+
+
+def _losses(out):
+    return {r["step"]: r["loss"] for r in read_jsonl(out / "metrics.jsonl") if "loss" in r}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, tiny_model_dir):
+    """An uninterrupted run: 12 steps with dropout (so RNG state matters) and AdamW."""
+    tmp = tmp_path_factory.mktemp("reference")
+    cfg = base_config(tiny_model_dir, tmp / "out", adapter={"dropout": 0.1}, data={"eval": None}, train={"max_steps": 12})
+    result = run_cli("train", "--config", str(write_config(tmp / "c.yaml", cfg)))
+    assert result.returncode == 0, result.stderr[-2000:]
+    return cfg, _losses(tmp / "out")
+
+
+def _run(tmp_path, cfg, *extra, env=None):
+    return run_cli("train", "--config", str(write_config(tmp_path / "c.yaml", cfg)), *extra, env=env)
+
+
+def test_kill_9_then_resume_gives_the_same_losses(tmp_path, reference):
+    cfg, expected = reference
+    cfg = {**cfg, "train": {**cfg["train"], "output_dir": str(tmp_path / "out")}}
+    killed = _run(tmp_path, cfg, "--save-every", "4", env={"FINETUNE_FAULT": "kill@9"})
+    assert killed.returncode == -9  # SIGKILL at the start of step 9, after the checkpoint of step 8
+    assert sorted(p.name for p in (tmp_path / "out" / "checkpoints").iterdir()) == ["step-000004", "step-000008"]
+    resumed = _run(tmp_path, cfg, "--save-every", "4")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "resumed from" in resumed.stdout and "step-000008 at step 8" in resumed.stdout
+    losses = _losses(tmp_path / "out")
+    assert losses == expected  # bitwise: the same floats, step for step
+    assert json.loads((tmp_path / "out" / "summary.json").read_text())["steps"] == 12
+
+
+@pytest.mark.parametrize("damage", ["truncate", "delete", "no-manifest"])
+def test_a_damaged_newest_checkpoint_is_reported_and_the_previous_one_used(tmp_path, reference, damage):
+    cfg, expected = reference
+    cfg = {**cfg, "train": {**cfg["train"], "output_dir": str(tmp_path / "out")}}
+    killed = _run(tmp_path, cfg, "--save-every", "4", env={"FINETUNE_FAULT": "kill@9"})
+    assert killed.returncode == -9
+    newest = tmp_path / "out" / "checkpoints" / "step-000008"
+    if damage == "truncate":
+        path = newest / "optimizer.pt"
+        path.write_bytes(path.read_bytes()[:100])
+    elif damage == "delete":
+        os.remove(newest / "trainable.safetensors")
+    else:
+        os.remove(newest / "manifest.json")
+    resumed = _run(tmp_path, cfg, "--save-every", "4")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert f"checkpoint {newest} skipped" in resumed.stdout
+    assert "step-000004 at step 4" in resumed.stdout
+    assert _losses(tmp_path / "out") == expected
+
+
+def test_retention_keeps_the_last_k(tmp_path, tiny_model_dir):
+    cfg = base_config(tiny_model_dir, tmp_path / "out", data={"eval": None}, train={"max_steps": 10},
+                      checkpoint={"save_every": 2, "keep_last": 2})
+    assert _run(tmp_path, cfg).returncode == 0
+    assert sorted(p.name for p in (tmp_path / "out" / "checkpoints").iterdir()) == ["step-000006", "step-000008"]
+
+
+def test_resume_from_a_bad_path_is_one_line(tmp_path, tiny_model_dir):
+    cfg = base_config(tiny_model_dir, tmp_path / "out", checkpoint={"resume": str(tmp_path / "nope")})
+    result = _run(tmp_path, cfg)
+    assert result.returncode == 2 and "checkpoint.resume" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
