@@ -118,6 +118,13 @@ class CheckpointConfig(_Section):
     keep_last: int = Field(2, ge=1, description="Complete checkpoints to keep; older ones are deleted once a newer one is complete.")
     resume: str = Field("auto", description="auto: resume from the newest complete checkpoint in output_dir/checkpoints; never; or a checkpoint path.")
 
+    @field_validator("resume")
+    @classmethod
+    def _resume_path_exists(cls, value: str) -> str:
+        if value not in ("auto", "never") and not Path(value).expanduser().is_dir():
+            raise ValueError(f"expected auto, never or a checkpoint folder; no folder {value}")
+        return value
+
 
 class DistributedConfig(_Section):
     strategy: Literal["ddp", "fsdp"] = Field(

@@ -73,5 +73,15 @@ def test_retention_keeps_the_last_k(tmp_path, tiny_model_dir):
 def test_resume_from_a_bad_path_is_one_line(tmp_path, tiny_model_dir):
     cfg = base_config(tiny_model_dir, tmp_path / "out", checkpoint={"resume": str(tmp_path / "nope")})
     result = _run(tmp_path, cfg)
-    assert result.returncode == 2 and "checkpoint.resume" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    assert result.returncode == 2 and result.stderr.strip().splitlines() == [
+        f"error: {tmp_path / 'c.yaml'}: checkpoint.resume: expected auto, never or a checkpoint folder; no folder {tmp_path / 'nope'} (got \"{tmp_path / 'nope'}\")"
+    ]  # refused before anything is tokenized or loaded
+
+
+def test_resume_from_a_damaged_checkpoint_path_is_refused(tmp_path, tiny_model_dir):
+    (tmp_path / "ckpt").mkdir()
+    cfg = base_config(tiny_model_dir, tmp_path / "out", checkpoint={"resume": str(tmp_path / "ckpt")})
+    result = _run(tmp_path, cfg)
+    assert result.returncode == 2 and result.stderr.strip().splitlines()[-1] == (
+        f"error: checkpoint.resume: {tmp_path / 'ckpt'}: no manifest (an interrupted save)")
 
