@@ -14,6 +14,7 @@ import bisect
 import hashlib
 import json
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -248,7 +249,10 @@ def tokenized_samples(cfg: DataConfig, tokenizer, sources: list[str], role: str)
     datasets.disable_progress_bars()
     ds.save_to_disk(str(tmp))
     datasets.enable_progress_bars()
-    os.replace(tmp, path) if not path.exists() else None
+    if path.exists():  # another process filled the same entry meanwhile: keep theirs
+        shutil.rmtree(tmp, ignore_errors=True)
+    else:
+        os.replace(tmp, path)
     return ds["input_ids"], ds["labels"], False
 
 
