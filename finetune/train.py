@@ -293,6 +293,11 @@ def run(cfg: RunConfig) -> RunResult:
     if main:
         (out / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
         say(_summary_line(summary))
+    if torch.distributed.is_initialized():
+        # Tear the process group down before exit: left to interpreter shutdown, gloo's threads can
+        # abort a rank ("terminate called without an active exception") after a successful run.
+        accelerator.wait_for_everyone()
+        torch.distributed.destroy_process_group()
     return RunResult(summary, unwrapped)
 
 
