@@ -22,7 +22,7 @@ $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q $(TORCH_PIP_ARGS) torch==$(TORCH_VERSION)
 	# Keep the torch just installed: a looser pin would let pip swap in another build.
-	$(PIP) install -q -e ".[test]" "torch==$$($(PY) -c 'import torch; print(torch.__version__)')"
+	$(PIP) install -q -e ".[test,deepspeed]" "torch==$$($(PY) -c 'import torch; print(torch.__version__)')"
 	touch $@
 
 demo/model/config.json: | install

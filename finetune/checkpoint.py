@@ -2,7 +2,9 @@
 
 A checkpoint is a folder `OUTPUT/checkpoints/step-NNNNNN` holding the trained weights
 (safetensors), optimizer and scheduler states, every rank's RNG states, the trainer state (step,
-tokens) and the resolved config. It is written under a temporary name, fsynced, given a manifest of
+tokens) and the resolved config. The weights and optimizer state of a sharded run are written by
+every rank in its engine's format instead: `sharded/` (torch.distributed.checkpoint, FSDP), which
+any world size can load, or `deepspeed/` (ZeRO), which loads at the same world size. It is written under a temporary name, fsynced, given a manifest of
 every file's size and sha256, and only then renamed into place: a folder with that name and a
 matching manifest is complete; anything else is skipped (and reported) when resuming.
 """
@@ -22,6 +24,8 @@ import torch
 
 MANIFEST = "manifest.json"
 WEIGHTS = "trainable.safetensors"
+SHARDED = "sharded"
+DEEPSPEED = "deepspeed"
 
 
 def checkpoint_root(output_dir: str | Path) -> Path:
@@ -78,9 +82,19 @@ def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: p.detach().contiguous().cpu() for name, p in model.named_parameters() if p.requires_grad}
 
 
+def _sharded_state(model, optimizer) -> dict:
+    """Trainable weights and optimizer state keyed by parameter name, as this rank holds them."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    weights, optim = get_state_dict(model, optimizer, options=StateDictOptions(ignore_frozen_params=True))
+    return {"model": weights, "optimizer": optim}
+
+
 def save(output_dir: str | Path, step: int, model, optimizer, scheduler, trainer_state: dict, config_yaml: str,
-         accelerator, keep_last: int) -> Path | None:
-    """Write the checkpoint of `step` (every rank calls this; rank 0 writes all but the RNG files)."""
+         accelerator, keep_last: int, layout: str = "full") -> Path | None:
+    """Write the checkpoint of `step` (every rank calls this; rank 0 writes all but the RNG files and,
+    for layout "dcp" or "deepspeed", each rank its own shards)."""
+    import torch.distributed.checkpoint as dcp
     from safetensors.torch import save_file
 
     root = checkpoint_root(output_dir)
@@ -91,19 +105,24 @@ def save(output_dir: str | Path, step: int, model, optimizer, scheduler, trainer
         tmp.mkdir(parents=True)
     accelerator.wait_for_everyone()
     torch.save(rng_state(), tmp / f"rng-rank{accelerator.process_index}.pt")
+    if layout == "dcp":
+        dcp.save(_sharded_state(model, optimizer), checkpoint_id=tmp / SHARDED)
+    elif layout == "deepspeed":
+        model.save_checkpoint(tmp / DEEPSPEED, tag="state", save_latest=False, exclude_frozen_parameters=True)
     if accelerator.is_main_process:
-        save_file(trainable_state(accelerator.unwrap_model(model)), tmp / WEIGHTS)
-        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        if layout == "full":
+            save_file(trainable_state(accelerator.unwrap_model(model)), tmp / WEIGHTS)
+            torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
         torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
         (tmp / "trainer_state.json").write_text(json.dumps({**trainer_state, "step": step, "world_size": accelerator.num_processes}))
         (tmp / "finetune_config.yaml").write_text(config_yaml)
     accelerator.wait_for_everyone()
     if not accelerator.is_main_process:
         return None
-    files = sorted(p for p in tmp.iterdir() if p.is_file())
+    files = sorted(p for p in tmp.rglob("*") if p.is_file())
     for path in files:
         _fsync(path)
-    manifest = {p.name: {"size": p.stat().st_size, "sha256": _sha256(p)} for p in files}
+    manifest = {str(p.relative_to(tmp)): {"size": p.stat().st_size, "sha256": _sha256(p)} for p in files}
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
     _fsync(tmp / MANIFEST)
     if final.exists():  # the same step saved again (a resumed run): replace it only now it is complete
@@ -116,7 +135,7 @@ def save(output_dir: str | Path, step: int, model, optimizer, scheduler, trainer
 
 def _retain(root: Path, keep_last: int) -> None:
     """Keep the newest `keep_last` complete checkpoints; never delete the only valid one."""
-    complete = [p for p in sorted(root.glob("step-*")) if verify(p) is None]
+    complete = [p for p in sorted(root.glob("step-*")) if verify(p, checksums=False) is None]
     for old in complete[: max(0, len(complete) - max(1, keep_last))]:
         shutil.rmtree(old, ignore_errors=True)
 
@@ -125,8 +144,9 @@ def _retain(root: Path, keep_last: int) -> None:
 # Finding and restoring
 
 
-def verify(path: Path) -> str | None:
-    """None when the checkpoint is complete and intact, else why not."""
+def verify(path: Path, checksums: bool = True) -> str | None:
+    """None when the checkpoint is complete and intact, else why not. Without checksums: complete
+    and of the right sizes (cheap enough to run after every save)."""
     manifest = path / MANIFEST
     if not manifest.is_file():
         return "no manifest (an interrupted save)"
@@ -140,7 +160,7 @@ def verify(path: Path) -> str | None:
             return f"{name} is missing"
         if file.stat().st_size != want["size"]:
             return f"{name} has {file.stat().st_size} bytes, expected {want['size']}"
-        if _sha256(file) != want["sha256"]:
+        if checksums and _sha256(file) != want["sha256"]:
             return f"{name} fails its checksum"
     return None
 
@@ -162,10 +182,35 @@ def find_latest(output_dir: str | Path) -> Found | None:
     return Found(None, skipped) if skipped else None
 
 
-def restore(path: Path, model, optimizer, scheduler, accelerator) -> dict:
-    """Load a checkpoint into the run; returns its trainer state."""
-    from safetensors.torch import load_file
+def restore(path: Path, model, optimizer, scheduler, accelerator, layout: str = "full") -> dict:
+    """Load a checkpoint into the run; returns its trainer state.
 
+    A DCP checkpoint loads into a run of any world size, sharded or not (DCP reshards); the others
+    into a run of the same layout."""
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    if (path / SHARDED).is_dir():
+        if layout == "deepspeed":
+            raise ValueError(f"{path} was written by an FSDP run; resume it with distributed.strategy: fsdp (any process count)")
+        state = _sharded_state(model, optimizer)
+        try:
+            dcp.load(state, checkpoint_id=path / SHARDED)
+        except Exception as err:  # DCP names the first key it cannot match
+            raise ValueError(f"{path}: its weights do not match this model's trainable parameters ({str(err).splitlines()[0][:200]})") from None
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                       options=StateDictOptions(ignore_frozen_params=True, strict=False))  # frozen weights come from the base
+        return _restore_rest(path, scheduler, accelerator)
+    if (path / DEEPSPEED).is_dir():
+        written = json.loads((path / "trainer_state.json").read_text())
+        if layout != "deepspeed" or written["world_size"] != accelerator.num_processes:
+            raise ValueError(f"{path} was written by DeepSpeed ZeRO with {written['world_size']} processes; "
+                             "resume it with the same distributed.strategy and process count (or start afresh)")
+        model.load_checkpoint(path / DEEPSPEED, tag="state", load_module_strict=False, load_lr_scheduler_states=False)
+        return _restore_rest(path, scheduler, accelerator)
+    if layout != "full":
+        raise ValueError(f"{path} was written by an unsharded run; resume it with distributed.strategy: ddp (or start afresh)")
     weights = load_file(path / WEIGHTS)
     params = dict(accelerator.unwrap_model(model).named_parameters())
     missing = sorted(set(weights) ^ {n for n, p in params.items() if p.requires_grad})
@@ -175,6 +220,10 @@ def restore(path: Path, model, optimizer, scheduler, accelerator) -> dict:
         for name, value in weights.items():
             params[name].copy_(value)
     optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
+    return _restore_rest(path, scheduler, accelerator)
+
+
+def _restore_rest(path: Path, scheduler, accelerator) -> dict:
     scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
     rng_file = path / f"rng-rank{accelerator.process_index}.pt"
     if rng_file.exists():  # absent when resuming at a larger world size: that rank starts fresh

@@ -127,8 +127,9 @@ class CheckpointConfig(_Section):
 
 
 class DistributedConfig(_Section):
-    strategy: Literal["ddp", "fsdp"] = Field(
-        "ddp", description="With several processes: ddp (replicas, accelerate) or fsdp (torch FSDP2 fully_shard per decoder layer)."
+    strategy: Literal["ddp", "fsdp", "zero2", "zero3", "zero3_offload"] = Field(
+        "ddp", description="With several processes: ddp (replicas, accelerate), fsdp (torch FSDP2 fully_shard per decoder layer), "
+        "zero2 / zero3 (DeepSpeed ZeRO: optimizer+gradients / also parameters sharded), zero3_offload (ZeRO-3 with parameters and optimizer in CPU RAM)."
     )
     fsdp_reshard_after_forward: bool = Field(True, description="FSDP: free gathered weights after forward (full shard); false keeps them (less communication, more memory).")
     fsdp_cpu_offload: bool = Field(False, description="FSDP: keep sharded parameters, gradients and optimizer states in CPU RAM (GPU runs).")
@@ -157,14 +158,15 @@ class RunConfig(_Section):
     def _cross_checks(self) -> RunConfig:
         if self.data.eval is not None and self.data.eval_fraction > 0:
             raise ValueError("data: set either data.eval or data.eval_fraction, not both")
-        if self.distributed.strategy == "fsdp" and self.eval.generate_samples:
-            raise ValueError("eval.generate_samples: not available with distributed.strategy fsdp (the model is sharded); set it to 0")
-        if self.distributed.strategy == "fsdp" and self.checkpoint.save_every:
-            raise ValueError("checkpoint.save_every: checkpoints of fsdp runs are not supported yet; use ddp or save_every: 0")
-        if self.distributed.strategy == "fsdp" and self.train.mixed_precision in ("fp16", "fp8"):
-            raise ValueError("train.mixed_precision: fsdp runs no/bf16 here (fp16 would need a sharded grad scaler); use bf16")
-        if self.distributed.strategy == "fsdp" and self.model.quantization is not None:
-            raise ValueError("distributed.strategy: fsdp with a quantized base is not supported yet; use ddp")
+        strategy = self.distributed.strategy
+        if strategy in ("fsdp", "zero3", "zero3_offload") and self.eval.generate_samples:
+            raise ValueError(f"eval.generate_samples: not available with distributed.strategy {strategy} (the parameters are sharded); set it to 0")
+        if strategy != "ddp" and self.train.mixed_precision in ("fp16", "fp8"):
+            raise ValueError(f"train.mixed_precision: {strategy} runs no/bf16 here (fp16 would need a sharded grad scaler); use bf16")
+        if strategy != "ddp" and self.model.quantization is not None:
+            raise ValueError(f"distributed.strategy: {strategy} with a quantized base is not supported yet; use ddp")
+        if strategy.startswith("zero") and self.train.optimizer not in ("adamw", "sgd"):
+            raise ValueError(f"train.optimizer: {self.train.optimizer} is not tested under DeepSpeed ZeRO; use adamw or sgd")
         if self.model.quantization is not None and self.adapter.method == "full":
             raise ValueError("model.quantization: quantized weights cannot be fully fine-tuned; use adapter.method lora or dora (QLoRA)")
         if self.train.mixed_precision == "fp16" and self.model.dtype == "bfloat16":

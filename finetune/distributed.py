@@ -1,7 +1,9 @@
-"""How the model is spread over processes: DDP replicas (through accelerate) or FSDP2 shards.
+"""How the model is spread over processes: DDP replicas (through accelerate), FSDP2 shards or
+DeepSpeed ZeRO partitions.
 
-FSDP2 is applied by calling torch's `fully_shard` directly: accelerate's FSDP plugin silently
-becomes DDP on a CPU (shared/notes/cpu-facts.md), and the same calls run on gloo and nccl.
+FSDP2 and ZeRO are applied by calling torch's `fully_shard` and `deepspeed.initialize` directly:
+accelerate's FSDP plugin silently becomes DDP on a CPU and accelerate + DeepSpeed fails there
+(shared/notes/cpu-facts.md); the same calls run on gloo and nccl.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from finetune.config import RunConfig
+from finetune.errors import UserError
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -39,6 +42,73 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
-def local_numel(params: list[torch.nn.Parameter]) -> int:
-    """Elements this rank holds (its shard, for FSDP DTensors)."""
-    return sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in params)
+ZERO_STAGES = {"zero2": 2, "zero3": 3, "zero3_offload": 3}
+
+
+def check_strategy(cfg: RunConfig) -> None:
+    """Refuse, before loading, a strategy whose engine is missing."""
+    import importlib.util
+
+    if cfg.distributed.strategy in ZERO_STAGES and importlib.util.find_spec("deepspeed") is None:
+        raise UserError(f"distributed.strategy: {cfg.distributed.strategy} needs DeepSpeed (pip install 'finetune[deepspeed]')")
+
+
+def deepspeed_config(cfg: RunConfig, world: int) -> dict:
+    """The DeepSpeed config for a ZeRO strategy, derived from the run config (nothing to keep in sync)."""
+    t, strategy = cfg.train, cfg.distributed.strategy
+    zero = {"stage": ZERO_STAGES[strategy], "contiguous_gradients": True, "overlap_comm": False}
+    if strategy == "zero3_offload":
+        pin = torch.cuda.is_available()
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": pin}
+        zero["offload_param"] = {"device": "cpu", "pin_memory": pin}
+    return {
+        "train_micro_batch_size_per_gpu": t.micro_batch_size,
+        "gradient_accumulation_steps": t.grad_accum,
+        "train_batch_size": t.micro_batch_size * t.grad_accum * world,
+        "gradient_clipping": t.max_grad_norm or 0.0,
+        "bf16": {"enabled": t.mixed_precision == "bf16"},
+        "zero_optimization": zero,
+        "zero_allow_untested_optimizer": True,  # our optimizer, built by optim.py
+        "zero_force_ds_cpu_optimizer": False,
+        "steps_per_print": 2**62,
+    }
+
+
+def zero3_loading(cfg: RunConfig, world: int):
+    """Under ZeRO-3, from_pretrained partitions the weights as it loads while this object is alive
+    (transformers' documented route); no process then holds the whole model."""
+    if ZERO_STAGES.get(cfg.distributed.strategy) != 3 or world == 1:
+        return None
+    import deepspeed
+    from transformers.integrations import HfDeepSpeedConfig
+
+    deepspeed.init_distributed()  # adopts the process group accelerate made, so the config sees the world size
+    return HfDeepSpeedConfig(deepspeed_config(cfg, world))
+
+
+def init_deepspeed(model: torch.nn.Module, optimizer: torch.optim.Optimizer, cfg: RunConfig, world: int):
+    import deepspeed
+
+    engine, ds_optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=deepspeed_config(cfg, world))
+    return engine, ds_optimizer
+
+
+def gathered_trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Full state dict with the trainable weights gathered from their ZeRO-3 partitions (a
+    collective: every rank calls it). Frozen partitioned weights are left out: an adapter does not
+    need them, and under full fine-tuning every weight is trainable."""
+    import deepspeed
+
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    with deepspeed.zero.GatheredParameters(trainable, modifier_rank=None):
+        state = model.state_dict(keep_vars=True)
+        return {k: v.detach().cpu().clone() for k, v in state.items() if v.requires_grad or not hasattr(v, "ds_id")}
+
+
+def local_numel(model: torch.nn.Module, params: list[torch.nn.Parameter]) -> int:
+    """Trainable elements whose state this rank holds: its FSDP shard, its ZeRO-3 partition, its
+    ZeRO-2 partition of the fp32 master weights, or everything for DDP."""
+    zero_optimizer = getattr(model, "optimizer", None)
+    if hasattr(zero_optimizer, "single_partition_of_fp32_groups"):  # ZeRO-1/2
+        return sum(t.numel() for t in zero_optimizer.single_partition_of_fp32_groups)
+    return sum(p.to_local().numel() if hasattr(p, "to_local") else p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel() for p in params)

@@ -159,9 +159,10 @@ def describe(model) -> dict:
     total = trainable = nbytes = 0
     for p in model.parameters():
         # A 4-bit weight is stored as packed uint8 (two values a byte): count values, not bytes.
-        numel = p.numel() * 2 if getattr(p, "quant_state", None) is not None else p.numel()
+        numel = getattr(p, "ds_numel", p.numel())  # a ZeRO-3 partitioned parameter is empty here
+        numel = numel * 2 if getattr(p, "quant_state", None) is not None else numel
         total += numel
-        nbytes += p.numel() * p.element_size()
+        nbytes += getattr(p, "ds_numel", p.numel()) * p.element_size()
         if p.requires_grad:
             trainable += numel
     info = {"total_params": total, "trainable_params": trainable, "param_bytes": nbytes}

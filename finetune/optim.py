@@ -33,10 +33,12 @@ def check_optimizer(cfg: TrainConfig) -> None:
             raise UserError("train.optimizer_offload: needs torchao (pip install torchao)")
 
 
-def build_optimizer(params: list[torch.nn.Parameter], cfg: TrainConfig) -> torch.optim.Optimizer:
+def build_optimizer(params: list[torch.nn.Parameter], cfg: TrainConfig, zero_offload: bool = False) -> torch.optim.Optimizer:
     # Weight decay on matrices only: decaying norms and biases hurts and no peer does it.
-    decay = [p for p in params if p.ndim >= 2]
-    no_decay = [p for p in params if p.ndim < 2]
+    # (A ZeRO-3 partitioned parameter keeps its true shape in ds_shape.)
+    matrix = {id(p) for p in params if len(getattr(p, "ds_shape", p.shape)) >= 2}
+    decay = [p for p in params if id(p) in matrix]
+    no_decay = [p for p in params if id(p) not in matrix]
     groups = [g for g in ({"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
     if cfg.optimizer == "sgd":
         return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum)
@@ -47,6 +49,11 @@ def build_optimizer(params: list[torch.nn.Parameter], cfg: TrainConfig) -> torch
             print(f"note: {cfg.optimizer} pages its states only on CUDA; here it runs unpaged")
             warnings.filterwarnings("ignore", message="Paged optimizers are not supported on CPU")
         return getattr(bnb.optim, BNB_OPTIMIZERS[cfg.optimizer])(groups, lr=cfg.lr, betas=cfg.betas)
+    if zero_offload and cfg.optimizer == "adamw":
+        # DeepSpeed's vectorised CPU Adam, what ZeRO-Offload is built around (JIT-compiled on first use).
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        return DeepSpeedCPUAdam(groups, lr=cfg.lr, betas=cfg.betas, adamw_mode=True)
     if cfg.optimizer_offload:
         try:
             from torchao.optim import CPUOffloadOptimizer

@@ -25,10 +25,14 @@ if __name__ == "__main__" and not __package__:
 
 import torch
 
+if not torch.cuda.is_available():
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # else DeepSpeed warns about it on every import
+
 from finetune import checkpoint, faults
 from finetune.config import RunConfig, to_yaml
 from finetune.data import Datasets, collate, epoch_batches, load_data
-from finetune.distributed import full_state_dict, local_numel, shard_fsdp2
+from finetune.distributed import (ZERO_STAGES, check_strategy, full_state_dict, gathered_trainable_state, init_deepspeed, local_numel,
+                                  shard_fsdp2, zero3_loading)
 from finetune.errors import UserError
 from finetune.evaluate import eval_loss, exact_match, token_loss_sum, trained_tokens
 from finetune.metrics import RunLog, plot_loss_curve
@@ -86,15 +90,22 @@ def check_launcher_strategy(cfg: RunConfig) -> None:
     """An accelerate config that asks for FSDP or DeepSpeed must agree with the run config: never a
     silent fall-back to DDP. finetune applies the strategy itself, so accelerate's own plugin is
     switched off once the two agree."""
-    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() in ("1", "true"):
-        raise UserError("accelerate config asks for DeepSpeed, which finetune does not run yet; use configs/accelerate/fsdp.yaml or ddp.yaml")
-    if os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true"):
-        if cfg.distributed.strategy != "fsdp":
-            raise UserError(
-                f"accelerate config asks for FSDP but the run config has distributed.strategy: {cfg.distributed.strategy}; "
-                "set distributed.strategy: fsdp (finetune applies FSDP2 itself)"
-            )
-        os.environ["ACCELERATE_USE_FSDP"] = "false"
+    env = os.environ
+    asked = None
+    if env.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true"):
+        asked, flag = "fsdp", "ACCELERATE_USE_FSDP"
+    if env.get("ACCELERATE_USE_DEEPSPEED", "").lower() in ("1", "true"):
+        stage = env.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", "2")
+        offload = any(env.get(f"ACCELERATE_DEEPSPEED_OFFLOAD_{k}_DEVICE", "none") not in ("", "none") for k in ("OPTIMIZER", "PARAM"))
+        asked, flag = f"zero{stage}" + ("_offload" if offload else ""), "ACCELERATE_USE_DEEPSPEED"
+    if asked is None:
+        return
+    if cfg.distributed.strategy != asked:
+        offered = "ddp, fsdp, zero2, zero3, zero3_offload"
+        fix = f"set distributed.strategy: {asked}" if asked in offered.split(", ") else f"use an accelerate config for one of: {offered}"
+        raise UserError(f"accelerate config asks for {asked} but the run config has distributed.strategy: {cfg.distributed.strategy}; "
+                        f"{fix} (finetune applies the strategy itself)")
+    env[flag] = "false"
 
 
 def make_accelerator(cfg: RunConfig):
@@ -118,8 +129,8 @@ def make_accelerator(cfg: RunConfig):
             raise UserError(f"logging.report_to: '{name}' is not installed (pip install {name}) or remove it")
         trackers.append(name)
     check_launcher_strategy(cfg)
-    # Under FSDP the shards' MixedPrecisionPolicy does what autocast would.
-    if cfg.distributed.strategy == "fsdp":
+    # Under FSDP the shards' MixedPrecisionPolicy, under ZeRO DeepSpeed's bf16 mode, do what autocast would.
+    if cfg.distributed.strategy != "ddp":
         mp = "no"
     return Accelerator(mixed_precision=mp, cpu=not cuda, log_with=trackers or None, project_dir=cfg.train.output_dir)
 
@@ -132,6 +143,7 @@ def run(cfg: RunConfig) -> RunResult:
     out = Path(t.output_dir)
     check_supported(cfg)
     check_optimizer(t)
+    check_strategy(cfg)
     accelerator = make_accelerator(cfg)
     main, rank, world = accelerator.is_main_process, accelerator.process_index, accelerator.num_processes
     say = print if main else (lambda *_: None)
@@ -152,8 +164,11 @@ def run(cfg: RunConfig) -> RunResult:
         + f", {s['truncated']} truncated; {len(data.eval)} eval rows; cache {'hit' if data.stats['cache_hit'] else 'written'}"
     )
 
-    # Model and method.
+    # Model and method. Sharding strategies apply with several processes; one process runs plainly.
+    strategy = cfg.distributed.strategy if world > 1 else "single"
+    fsdp, zero = strategy == "fsdp", strategy in ZERO_STAGES
     rss_before_model = current_rss()
+    zero3_partitioning = zero3_loading(cfg, world)  # noqa: F841  (must stay alive while loading)
     model = load_model(cfg.model, accelerator.device)
     model = apply_adapter(model, cfg.adapter, t.gradient_checkpointing)
     info = describe(model)
@@ -178,16 +193,21 @@ def run(cfg: RunConfig) -> RunResult:
         say(f"before training: exact match {before['exact_match']:.1%} on {before['n']} eval prompts")
 
     # Spread the model over the processes, then build the optimizer on what each process holds.
-    fsdp = cfg.distributed.strategy == "fsdp" and world > 1
-    model = shard_fsdp2(model, cfg, accelerator.device, world) if fsdp else accelerator.prepare(model)
+    if fsdp:
+        model = shard_fsdp2(model, cfg, accelerator.device, world)
+    elif not zero:
+        model = accelerator.prepare(model)
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = build_optimizer(params, t)
-    scheduler = build_scheduler(optimizer, t, schedule.total_steps)
-    if not fsdp:
+    optimizer = build_optimizer(params, t, zero_offload=strategy == "zero3_offload")
+    scheduler = build_scheduler(optimizer, t, schedule.total_steps)  # drives the lr of the groups DeepSpeed wraps too
+    if zero:
+        model, optimizer = init_deepspeed(model, optimizer, cfg, world)
+    elif not fsdp:
         optimizer = accelerator.prepare(optimizer)
+    layout = "dcp" if fsdp else "deepspeed" if zero else "full"
     if cfg.logging.report_to:
         accelerator.init_trackers("finetune", config={k: v for k, v in cfg.model_dump(mode="json")["train"].items() if v is not None and not isinstance(v, list)})
-    start_step, tokens_seen = resume(cfg, model, optimizer, scheduler, accelerator, say)
+    start_step, tokens_seen = resume(cfg, model, optimizer, scheduler, accelerator, say, layout)
     log = RunLog(out, schedule.total_steps, accelerator, main, cfg.logging.progress_bar, start_step)
 
     def evaluate(step: int) -> dict | None:
@@ -220,17 +240,25 @@ def run(cfg: RunConfig) -> RunResult:
             sync = i == len(micro_batches) - 1  # gradients are reduced across ranks once per step
             if fsdp:
                 model.set_requires_gradient_sync(sync)
-            with nullcontext() if sync or fsdp else accelerator.no_sync(model):
+            with nullcontext() if sync or fsdp or zero else accelerator.no_sync(model):
                 loss = token_loss_sum(model, batch)
-                accelerator.backward(loss * (world / max(global_tokens, 1)))
+                scaled = loss * (world / max(global_tokens, 1))
+                if zero:
+                    model.backward(scaled, scale_wrt_gas=False)  # already normalised over the whole step
+                    model.step()  # DeepSpeed reduces, clips and updates at the last micro-batch only
+                else:
+                    accelerator.backward(scaled)
             loss_sum += loss.detach()
-        if fsdp:
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, t.max_grad_norm or float("inf")).full_tensor()
+        if zero:
+            grad_norm = model.get_global_grad_norm()
         else:
-            grad_norm = accelerator.clip_grad_norm_(params, t.max_grad_norm or float("inf"))
-        optimizer.step()
+            if fsdp:
+                grad_norm = torch.nn.utils.clip_grad_norm_(params, t.max_grad_norm or float("inf")).full_tensor()
+            else:
+                grad_norm = accelerator.clip_grad_norm_(params, t.max_grad_norm or float("inf"))
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
         scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
 
         tokens_seen += global_real
         window_tokens += global_real
@@ -254,7 +282,7 @@ def run(cfg: RunConfig) -> RunResult:
             evaluate(done)
         if cfg.checkpoint.save_every and done % cfg.checkpoint.save_every == 0 and done < schedule.total_steps:
             saved = checkpoint.save(out, done, model, optimizer, scheduler, {"tokens": tokens_seen, "epoch": epoch},
-                                    to_yaml(cfg), accelerator, cfg.checkpoint.keep_last)
+                                    to_yaml(cfg), accelerator, cfg.checkpoint.keep_last, layout)
             if saved:
                 log.print(f"step {done}: checkpoint saved to {saved}")
 
@@ -266,16 +294,16 @@ def run(cfg: RunConfig) -> RunResult:
 
     # Save: PEFT adapter or full model, tokenizer and resolved config, in ordinary HF formats.
     accelerator.wait_for_everyone()
-    unwrapped = accelerator.unwrap_model(model)
+    unwrapped = model.module if zero else accelerator.unwrap_model(model)
     summary["world_size"] = world
     # Memory held by model, optimizer and activations while training (compare with `finetune plan`).
     summary["rss_before_model_mib"] = rss_before_model / 2**20
     summary["peak_rss_mib"] = peak_rss() / 2**20
-    summary["strategy"] = "fsdp" if fsdp else ("ddp" if world > 1 else "single")
-    summary["param_numel_per_rank"] = accelerator.gather(torch.tensor([local_numel(params)], device=accelerator.device)).tolist()
-    summary["replicas_identical"] = None if fsdp else replicas_identical(params, accelerator)
+    summary["strategy"] = strategy
+    summary["param_numel_per_rank"] = accelerator.gather(torch.tensor([local_numel(model, params)], device=accelerator.device)).tolist()
+    summary["replicas_identical"] = replicas_identical(params, accelerator) if strategy in ("ddp", "single") else None
     # Sharded weights are gathered into one ordinary state dict (all ranks take part), saved by rank 0.
-    state_dict = full_state_dict(model) if fsdp else None
+    state_dict = full_state_dict(model) if fsdp else gathered_trainable_state(unwrapped) if zero else None
     if main:
         unwrapped.config.use_cache = True  # saved models generate with a KV cache
         unwrapped.save_pretrained(out, safe_serialization=True, state_dict=state_dict)
@@ -338,7 +366,7 @@ def replicas_identical(params: list[torch.nn.Parameter], accelerator) -> bool:
     return bool((gathered == gathered[0]).all())
 
 
-def resume(cfg: RunConfig, model, optimizer, scheduler, accelerator, say) -> tuple[int, int]:
+def resume(cfg: RunConfig, model, optimizer, scheduler, accelerator, say, layout: str) -> tuple[int, int]:
     """(step, tokens seen) to start from: 0 for a fresh run, else those of the checkpoint restored."""
     choice = cfg.checkpoint.resume
     if choice == "never":
@@ -359,7 +387,7 @@ def resume(cfg: RunConfig, model, optimizer, scheduler, accelerator, say) -> tup
         if problem:
             raise UserError(f"checkpoint.resume: {choice}: {problem}")
     try:
-        state = checkpoint.restore(path, model, optimizer, scheduler, accelerator)
+        state = checkpoint.restore(path, model, optimizer, scheduler, accelerator, layout)
     except ValueError as err:
         raise UserError(f"checkpoint.resume: {err}") from None
     say(f"resumed from {path} at step {state['step']}")

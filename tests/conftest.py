@@ -17,6 +17,17 @@ DEMO_DATA = REPO / "demo" / "data"
 os.environ.setdefault("FINETUNE_CACHE", str(REPO / ".cache" / "finetune-tests"))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# DeepSpeed JIT-compiles its CPU ops (shared-memory comm, CPU Adam) on first use: build them once
+# per checkout, not once per test run.
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+_SHM_BEFORE = set(Path("/dev/shm").glob("deepspeed_*")) if Path("/dev/shm").is_dir() else set()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """DeepSpeed's CPU comm leaves shared-memory buffers behind; remove those this session made."""
+    for leftover in set(Path("/dev/shm").glob("deepspeed_*")) - _SHM_BEFORE if Path("/dev/shm").is_dir() else ():
+        leftover.unlink(missing_ok=True)
 
 
 def run_cli(*args: str, cwd: Path = REPO, env: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:

@@ -1,4 +1,5 @@
-"""DDP and FSDP2 over gloo with 2 real processes, against one process with the same global batch."""
+"""DDP, FSDP2 and DeepSpeed ZeRO over gloo with 2 real processes, against one process with the same
+global batch."""
 
 from __future__ import annotations
 
@@ -13,19 +14,26 @@ import torch
 from conftest import REPO, base_config, read_jsonl, run_cli, write_config
 
 
-def _train(tmp_path, name, model_dir, method, nproc, strategy="ddp"):
+def _train(tmp_path, name, model_dir, method, nproc, strategy="ddp", accelerate_config=None, **sections):
     out = tmp_path / name
     # Global batch 4 rows either way: 1 process x micro 4, or 2 processes x micro 2 (the same rows).
     cfg = base_config(model_dir, out, adapter={"method": method}, data={"eval": None},
                       train={"max_steps": 4, "micro_batch_size": 4 // nproc, "lr": 1e-2 if method != "full" else 1e-3},
                       distributed={"strategy": strategy})
+    for name, values in sections.items():
+        cfg.setdefault(name, {}).update(values)
     config = str(write_config(tmp_path / f"{name}.yaml", cfg))
     if nproc == 1:
         result = run_cli("train", "--config", config)
     else:
         env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
-        result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-                                 "finetune/train.py", "--config", config], cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+        launcher = ["torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
+        if accelerate_config:
+            launcher = ["accelerate.commands.launch", "--config_file", f"configs/accelerate/{accelerate_config}.yaml", "--main_process_port", "29613"]
+        result = subprocess.run([sys.executable, "-m", *launcher, "finetune/train.py", "--config", config],
+                                cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+        if accelerate_config and accelerate_config != strategy:
+            return result
     assert result.returncode == 0, result.stderr[-3000:]
     losses = [r["loss"] for r in read_jsonl(out / "metrics.jsonl") if "loss" in r]
     return out, losses, json.loads((out / "summary.json").read_text())
@@ -37,7 +45,7 @@ def single(tmp_path_factory, tiny_model_dir):
     return {m: _train(tmp, f"single-{m}", tiny_model_dir, m, 1) for m in ("lora", "full")}
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "zero2", "zero3", "zero3_offload"])
 @pytest.mark.parametrize("method", ["lora", "full"])
 def test_two_processes_match_one(tmp_path, tiny_model_dir, single, strategy, method):
     out, losses, summary = _train(tmp_path, "two", tiny_model_dir, method, 2, strategy)
@@ -47,17 +55,18 @@ def test_two_processes_match_one(tmp_path, tiny_model_dir, single, strategy, met
     assert losses == pytest.approx(ref_losses, rel=1e-4, abs=1e-5), (losses, ref_losses)
     trainable = ref["param_numel_per_rank"][0]
     shards = summary["param_numel_per_rank"]
-    if strategy == "fsdp":  # really sharded: each rank holds about half
+    if strategy != "ddp":  # really sharded: each rank holds about half (of the fp32 master weights for zero2)
         assert all(n <= trainable / 2 + 1024 for n in shards) and sum(shards) >= trainable, (shards, trainable)
     else:
         assert shards == [trainable, trainable] and summary["replicas_identical"] is True
 
 
-def test_fsdp_gathered_adapter_loads_in_one_process_and_equals_the_trained_one(tmp_path, tiny_model_dir, single):
+@pytest.mark.parametrize("strategy", ["fsdp", "zero3"])
+def test_gathered_adapter_loads_in_one_process_and_equals_the_trained_one(tmp_path, tiny_model_dir, single, strategy):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    out, _, _ = _train(tmp_path, "fsdp", tiny_model_dir, "lora", 2, "fsdp")
+    out, _, _ = _train(tmp_path, strategy, tiny_model_dir, "lora", 2, strategy)
     ids = torch.randint(5, 200, (2, 24))
     logits = []
     for adapter in (out, single["lora"][0]):
@@ -69,6 +78,39 @@ def test_fsdp_gathered_adapter_loads_in_one_process_and_equals_the_trained_one(t
         untuned = base(input_ids=ids, use_cache=False).logits
     assert (logits[0] - logits[1]).abs().max() < 1e-4
     assert (logits[0] - untuned).abs().max() > 1e-3  # not an empty or partial adapter
+
+
+def test_fsdp_checkpoint_resumes_at_two_and_at_one_process(tmp_path, tiny_model_dir):
+    """DCP writes one shard file per rank; a 2-process and a 1-process run (same global batch: micro 2
+    x accum 2) both resume from it and continue with the uninterrupted run's losses."""
+    import shutil
+
+    full, losses, _ = _train(tmp_path, "full", tiny_model_dir, "lora", 2, "fsdp", checkpoint={"save_every": 2})
+    saved = full / "checkpoints" / "step-000002"
+    assert sorted(p.name for p in (saved / "sharded").iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    for nproc in (2, 1):
+        out = tmp_path / f"resumed-{nproc}"
+        shutil.copytree(saved, out / "checkpoints" / saved.name)
+        extra = {"train": {"max_steps": 4, "micro_batch_size": 2, "grad_accum": 2 // nproc, "lr": 1e-2}}
+        _, resumed, _ = _train(tmp_path, f"resumed-{nproc}", tiny_model_dir, "lora", nproc, "fsdp", **extra)
+        assert resumed == pytest.approx(losses[2:], rel=1e-5), (nproc, resumed, losses)
+
+
+def test_zero3_checkpoint_resumes_at_the_same_world_size_and_is_refused_at_another(tmp_path, tiny_model_dir):
+    import shutil
+
+    full, losses, _ = _train(tmp_path, "full", tiny_model_dir, "lora", 2, "zero3", checkpoint={"save_every": 2})
+    saved = full / "checkpoints" / "step-000002"
+    assert sorted(p.name for p in (saved / "deepspeed" / "state").iterdir() if "optim_states" in p.name) == [
+        "zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
+    shutil.copytree(saved, tmp_path / "resumed" / "checkpoints" / saved.name)
+    _, resumed, _ = _train(tmp_path, "resumed", tiny_model_dir, "lora", 2, "zero3")
+    assert resumed == pytest.approx(losses[2:], rel=1e-5), (resumed, losses)
+
+    cfg = base_config(tiny_model_dir, tmp_path / "one", distributed={"strategy": "zero3"}, checkpoint={"resume": str(saved)})
+    result = run_cli("train", "--config", str(write_config(tmp_path / "one.yaml", cfg)))
+    assert result.returncode == 2
+    assert "was written by DeepSpeed ZeRO with 2 processes; resume it with the same distributed.strategy and process count" in result.stderr
 
 
 def test_a_rank_that_raises_stops_the_whole_job_quickly(tmp_path, tiny_model_dir):
@@ -85,17 +127,15 @@ def test_a_rank_that_raises_stops_the_whole_job_quickly(tmp_path, tiny_model_dir
     assert not (tmp_path / "out" / "summary.json").exists()
 
 
-@pytest.mark.parametrize("strategy,ok", [("ddp", False), ("fsdp", True)])
-def test_accelerate_fsdp_config_needs_the_run_config_to_agree(tmp_path, tiny_model_dir, strategy, ok):
-    cfg = base_config(tiny_model_dir, tmp_path / "out", train={"max_steps": 2, "micro_batch_size": 2}, distributed={"strategy": strategy})
-    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
-    result = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", "configs/accelerate/fsdp.yaml",
-                             "--main_process_port", "29613", "finetune/train.py", "--config", str(write_config(tmp_path / "c.yaml", cfg))],
-                            cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
-    if ok:
-        assert result.returncode == 0, result.stderr[-3000:]
-        summary = json.loads((tmp_path / "out" / "summary.json").read_text())
-        assert summary["strategy"] == "fsdp" and summary["world_size"] == 2
+@pytest.mark.parametrize("accelerate_config,strategy", [("fsdp", "fsdp"), ("fsdp", "ddp"), ("zero3", "zero3"), ("zero3_offload", "zero3")])
+def test_accelerate_launch_config_leads_to_that_strategy_or_is_refused(tmp_path, tiny_model_dir, single, accelerate_config, strategy):
+    """accelerate launch --config_file gives the run torchrun gives (same losses), or a refusal when
+    the accelerate config and the run config disagree: never a silent fall-back to DDP."""
+    result = _train(tmp_path, "acc", tiny_model_dir, "lora", 2, strategy, accelerate_config=accelerate_config)
+    if accelerate_config == strategy:
+        _, losses, summary = result
+        assert summary["strategy"] == strategy and summary["world_size"] == 2
+        assert losses == pytest.approx(single["lora"][1], rel=1e-4, abs=1e-5)
     else:
         assert result.returncode != 0
-        assert "accelerate config asks for FSDP but the run config has distributed.strategy: ddp" in result.stderr
+        assert f"accelerate config asks for {accelerate_config} but the run config has distributed.strategy: {strategy}" in result.stderr
