@@ -9,11 +9,12 @@ TORCH_VERSION  ?= 2.13.0
 TORCH_PIP_ARGS ?=
 export FINETUNE_CACHE ?= $(CURDIR)/.cache/finetune
 
-.PHONY: install demo test clean help
+.PHONY: install demo test bench-fsdp-load clean help
 
 help:
 	@echo "make demo   - install, build the demo model, fine-tune it (LoRA) and show before/after"
 	@echo "make test   - install what is missing, run the tests"
+	@echo "make bench-fsdp-load - RAM used loading a 0.8 GB model in 1 process vs 2 (ddp, fsdp)"
 	@echo "make clean  - remove outputs and the demo model (keeps .venv)"
 
 install: $(VENV)/.installed
@@ -33,6 +34,9 @@ demo: install demo/model/config.json
 
 test: install
 	$(PY) -m pytest -q tests
+
+bench-fsdp-load: install
+	$(PY) bench/fsdp_load.py
 
 clean:
 	rm -rf outputs demo/model .cache

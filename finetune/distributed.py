@@ -20,6 +20,11 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def shard_fsdp2(model: torch.nn.Module, cfg: RunConfig, device: torch.device, world: int) -> torch.nn.Module:
+    """Shard the model over the processes. Rank 0 holds the loaded model; the others hold a meta-device
+    skeleton (load_model(skeleton=True)), so one full copy exists on a node, not one per process.
+    After sharding, rank 0 sends every rank its shards of the weights (and the buffers)."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
@@ -29,9 +34,16 @@ def shard_fsdp2(model: torch.nn.Module, cfg: RunConfig, device: torch.device, wo
     policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32) if low else MixedPrecisionPolicy()
     offload = CPUOffloadPolicy() if cfg.distributed.fsdp_cpu_offload else OffloadPolicy()
     kwargs = dict(mesh=mesh, mp_policy=policy, offload_policy=offload, reshard_after_forward=cfg.distributed.fsdp_reshard_after_forward)
+    full = model.state_dict() if dist.get_rank() == 0 else {}  # keeps rank 0's full weights alive until sent
     for layer in decoder_layers(model):
         fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)
+    if dist.get_rank() != 0:
+        model.to_empty(device=device)  # room for this rank's shards, filled from rank 0 next
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    del full
+    for buffer in model.buffers():  # not in the state dict when non-persistent (rotary frequencies)
+        dist.broadcast(buffer, src=0)
     return model
 
 

@@ -85,11 +85,22 @@ def quantization_config(cfg: ModelConfig):
     )
 
 
-def load_model(cfg: ModelConfig, device: torch.device | str = "cpu"):
+def load_model(cfg: ModelConfig, device: torch.device | str = "cpu", skeleton: bool = False):
     """The base model. A quantized base is placed on `device` while loading (bitsandbytes quantizes
-    as it places); a plain one is moved later by accelerate."""
-    from transformers import AutoModelForCausalLM
+    as it places); a plain one is moved later by accelerate.
 
+    skeleton: build the architecture on the meta device without reading or allocating any weight
+    (the FSDP ranks that receive their shards from rank 0)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if skeleton:
+        config = AutoConfig.from_pretrained(cfg.name_or_path, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
+        dtype = (getattr(config, "dtype", None) or torch.float32) if cfg.dtype == "auto" else DTYPES[cfg.dtype]
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=cfg.attn_implementation,
+                                                     trust_remote_code=cfg.trust_remote_code)
+        model.config.use_cache = False
+        return model
     extra = {}
     if cfg.quantization is not None:
         extra = {"quantization_config": quantization_config(cfg), "device_map": {"": str(device)}}

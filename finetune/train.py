@@ -86,6 +86,22 @@ def step_batches(data: Datasets, cfg: RunConfig, schedule: Schedule, rank: int, 
         yield epoch, [collate([data.train[i] for i in idx], pad_id) for idx in chunk], real
 
 
+FIRST_STEPS_CHECKED = 10
+
+
+def check_first_steps(step: int, loss: float) -> None:
+    """A loss of exactly 0 or not finite in the first steps means nothing useful is being trained
+    (peers' sharded QLoRA setups have trained for days at loss 0 with NaN gradient norms): stop before
+    the update is applied and before more of the allocation is spent. Every rank sees the same
+    reduced loss, so all stop together."""
+    if loss == 0.0 or not math.isfinite(loss):
+        raise UserError(
+            f"step {step + 1}: the training loss is {loss} in the first {FIRST_STEPS_CHECKED} steps, so the model is not learning; "
+            "stopped. Usual causes: a learning rate far too high, fp16 overflow, every label masked, or a quantized base whose "
+            "storage dtype does not match what the sharding strategy flattens"
+        )
+
+
 def check_launcher_strategy(cfg: RunConfig) -> None:
     """An accelerate config that asks for FSDP or DeepSpeed must agree with the run config: never a
     silent fall-back to DDP. finetune applies the strategy itself, so accelerate's own plugin is
@@ -168,8 +184,9 @@ def run(cfg: RunConfig) -> RunResult:
     strategy = cfg.distributed.strategy if world > 1 else "single"
     fsdp, zero = strategy == "fsdp", strategy in ZERO_STAGES
     rss_before_model = current_rss()
+    reset_peak_rss()
     zero3_partitioning = zero3_loading(cfg, world)  # noqa: F841  (must stay alive while loading)
-    model = load_model(cfg.model, accelerator.device)
+    model = load_model(cfg.model, accelerator.device, skeleton=fsdp and rank != 0)
     model = apply_adapter(model, cfg.adapter, t.gradient_checkpointing)
     info = describe(model)
     q = cfg.model.quantization
@@ -205,6 +222,7 @@ def run(cfg: RunConfig) -> RunResult:
     elif not fsdp:
         optimizer = accelerator.prepare(optimizer)
     layout = "dcp" if fsdp else "deepspeed" if zero else "full"
+    load_peak_rss = peak_rss()
     if cfg.logging.report_to:
         accelerator.init_trackers("finetune", config={k: v for k, v in cfg.model_dump(mode="json")["train"].items() if v is not None and not isinstance(v, list)})
     start_step, tokens_seen = resume(cfg, model, optimizer, scheduler, accelerator, say, layout)
@@ -241,7 +259,7 @@ def run(cfg: RunConfig) -> RunResult:
             if fsdp:
                 model.set_requires_gradient_sync(sync)
             with nullcontext() if sync or fsdp or zero else accelerator.no_sync(model):
-                loss = token_loss_sum(model, batch)
+                loss = token_loss_sum(model, batch) * faults.loss_factor(step, rank)
                 scaled = loss * (world / max(global_tokens, 1))
                 if zero:
                     model.backward(scaled, scale_wrt_gas=False)  # already normalised over the whole step
@@ -249,6 +267,8 @@ def run(cfg: RunConfig) -> RunResult:
                 else:
                     accelerator.backward(scaled)
             loss_sum += loss.detach()
+        if step - start_step < FIRST_STEPS_CHECKED:
+            check_first_steps(step, accelerator.reduce(loss_sum.clone(), "sum").item() / max(global_tokens, 1))
         if zero:
             grad_norm = model.get_global_grad_norm()
         else:
@@ -298,6 +318,7 @@ def run(cfg: RunConfig) -> RunResult:
     summary["world_size"] = world
     # Memory held by model, optimizer and activations while training (compare with `finetune plan`).
     summary["rss_before_model_mib"] = rss_before_model / 2**20
+    summary["load_peak_rss_mib"] = accelerator.gather(torch.tensor([load_peak_rss / 2**20], device=accelerator.device)).tolist()
     summary["peak_rss_mib"] = peak_rss() / 2**20
     summary["strategy"] = strategy
     summary["param_numel_per_rank"] = accelerator.gather(torch.tensor([local_numel(model, params)], device=accelerator.device)).tolist()

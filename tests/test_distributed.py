@@ -139,3 +139,13 @@ def test_accelerate_launch_config_leads_to_that_strategy_or_is_refused(tmp_path,
     else:
         assert result.returncode != 0
         assert f"accelerate config asks for {accelerate_config} but the run config has distributed.strategy: {strategy}" in result.stderr
+
+
+def test_a_nan_loss_on_one_rank_stops_every_rank(tmp_path, tiny_model_dir):
+    """The first-steps guard looks at the loss reduced over ranks, so all ranks stop at the same step."""
+    cfg = base_config(tiny_model_dir, tmp_path / "out", train={"max_steps": 6, "micro_batch_size": 2}, distributed={"strategy": "fsdp"})
+    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "FINETUNE_FAULT": "nan@1:rank=1"}
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "finetune/train.py",
+                             "--config", str(write_config(tmp_path / "c.yaml", cfg))], cwd=REPO, capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode != 0
+    assert result.stderr.count("error: step 2: the training loss is nan") == 2, result.stderr[-3000:]

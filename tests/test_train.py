@@ -159,3 +159,13 @@ def test_gradient_checkpointing_with_lora_gives_the_same_step(tmp_path, tiny_mod
     assert runs[0][1].keys() == runs[1][1].keys() and runs[0][1]
     for name, value in runs[0][1].items():
         assert torch.allclose(value, runs[1][1][name], atol=1e-6), name
+
+
+def test_a_nan_loss_in_the_first_steps_stops_the_run_before_the_update(tmp_path, tiny_model_dir):
+    cfg = base_config(tiny_model_dir, tmp_path / "out", train={"max_steps": 6, "micro_batch_size": 2})
+    result = run_cli("train", "--config", str(write_config(tmp_path / "c.yaml", cfg)), env={"FINETUNE_FAULT": "nan@2"})
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "error: step 3: the training loss is nan in the first 10 steps, so the model is not learning; stopped" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert len(read_jsonl(tmp_path / "out" / "metrics.jsonl")) == 2  # steps 1-2 logged, nothing after
+    assert not (tmp_path / "out" / "adapter_model.safetensors").exists()
