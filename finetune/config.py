@@ -163,8 +163,12 @@ class RunConfig(_Section):
             raise ValueError(f"eval.generate_samples: not available with distributed.strategy {strategy} (the parameters are sharded); set it to 0")
         if strategy != "ddp" and self.train.mixed_precision in ("fp16", "fp8"):
             raise ValueError(f"train.mixed_precision: {strategy} runs no/bf16 here (fp16 would need a sharded grad scaler); use bf16")
-        if strategy != "ddp" and self.model.quantization is not None:
-            raise ValueError(f"distributed.strategy: {strategy} with a quantized base is not supported yet; use ddp")
+        q = self.model.quantization
+        if strategy == "fsdp" and q is not None:
+            raise ValueError("distributed.strategy: fsdp cannot shard a quantized base (FSDP2's DTensors drop bitsandbytes' "
+                             "quantization state); use zero3 (ZeRO-3 + QLoRA) or ddp")
+        if strategy.startswith("zero") and q is not None and q.bits == 8:
+            raise ValueError(f"model.quantization: an 8-bit base is not supported under {strategy}; use bits: 4 (QLoRA) or distributed.strategy: ddp")
         if strategy.startswith("zero") and self.train.optimizer not in ("adamw", "sgd"):
             raise ValueError(f"train.optimizer: {self.train.optimizer} is not tested under DeepSpeed ZeRO; use adamw or sgd")
         if self.model.quantization is not None and self.adapter.method == "full":

@@ -70,7 +70,10 @@ def check_attention(cfg: ModelConfig) -> None:
             raise UserError(f"model.attn_implementation: {cfg.attn_implementation} needs the '{package}' package installed")
 
 
-def quantization_config(cfg: ModelConfig):
+def quantization_config(cfg: ModelConfig, partitioned: bool = False):
+    """partitioned: ZeRO-3 will split the weights over processes. The packed 4-bit values are then
+    stored in the dtype of the other weights (bnb_4bit_quant_storage), as the bitsandbytes and
+    transformers docs prescribe for sharded QLoRA, so they are partitioned like any other weight."""
     from transformers import BitsAndBytesConfig
 
     q = cfg.quantization
@@ -81,6 +84,7 @@ def quantization_config(cfg: ModelConfig):
         bnb_4bit_quant_type=q.quant_type,
         bnb_4bit_use_double_quant=q.double_quant,
         bnb_4bit_compute_dtype=DTYPES[q.compute_dtype],
+        bnb_4bit_quant_storage=(DTYPES[cfg.dtype] if cfg.dtype != "auto" else torch.float32) if partitioned else torch.uint8,
         llm_int8_skip_modules=q.skip_modules,
     )
 
@@ -103,7 +107,12 @@ def load_model(cfg: ModelConfig, device: torch.device | str = "cpu", skeleton: b
         return model
     extra = {}
     if cfg.quantization is not None:
-        extra = {"quantization_config": quantization_config(cfg), "device_map": {"": str(device)}}
+        from transformers.integrations import is_deepspeed_zero3_enabled
+
+        partitioned = is_deepspeed_zero3_enabled()  # ZeRO-3 places the weights itself: no device_map
+        extra = {"quantization_config": quantization_config(cfg, partitioned)}
+        if not partitioned:
+            extra["device_map"] = {"": str(device)}
     try:
         model = AutoModelForCausalLM.from_pretrained(
             cfg.name_or_path,
@@ -171,7 +180,8 @@ def describe(model) -> dict:
     for p in model.parameters():
         # A 4-bit weight is stored as packed uint8 (two values a byte): count values, not bytes.
         numel = getattr(p, "ds_numel", p.numel())  # a ZeRO-3 partitioned parameter is empty here
-        numel = numel * 2 if getattr(p, "quant_state", None) is not None else numel
+        if getattr(p, "quant_state", None) is not None:  # packed 4-bit values: two per byte of storage
+            numel = numel * p.element_size() * 2
         total += numel
         nbytes += getattr(p, "ds_numel", p.numel()) * p.element_size()
         if p.requires_grad:

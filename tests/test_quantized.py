@@ -60,6 +60,8 @@ def test_8bit_base_with_lora_trains(tmp_path, demo_model_dir):
     ({"model": {"quantization": QLORA}, "adapter": {"method": "full"}}, "quantized weights cannot be fully fine-tuned"),
     ({"model": {"quantization": {**QLORA, "compute_dtype": "float16"}}}, "float16 compute with a quantized base is GPU-only"),
     ({"train": {"optimizer_offload": True}}, "needs a CUDA GPU"),
+    ({"model": {"quantization": QLORA}, "distributed": {"strategy": "fsdp"}}, "fsdp cannot shard a quantized base"),
+    ({"model": {"quantization": {"bits": 8}}, "distributed": {"strategy": "zero3"}}, "an 8-bit base is not supported under zero3"),
 ])
 def test_impossible_combinations_refused_before_loading(tmp_path, tiny_model_dir, sections, words):
     if torch.cuda.is_available():
@@ -96,3 +98,34 @@ def test_each_optimizer_steps(tmp_path, tiny_model_dir, optimizer):
     after = run(cfg).model.state_dict()
     moved = max((after[k] - before[k]).abs().max().item() for k in before)
     assert 1e-5 < moved < 0.1, moved  # it stepped, and by about lr per step (not blown up)
+
+
+@pytest.mark.parametrize("strategy", ["zero3", "zero3_offload"])
+def test_qlora_under_zero3_matches_one_process_and_partitions_the_4bit_base(tmp_path, tiny_model_dir, strategy):
+    """ZeRO-3 + QLoRA with 2 processes (4-bit values stored in the weights' dtype so ZeRO partitions
+    them): the same per-step losses as one QLoRA process with the same global batch."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    losses = {}
+    for nproc in (1, 2):
+        out = tmp_path / f"p{nproc}"
+        cfg = base_config(tiny_model_dir, out, model={"quantization": {**QLORA, "compute_dtype": "float32"}}, data={"eval": None},
+                          train={"max_steps": 4, "micro_batch_size": 4 // nproc, "lr": 1e-2}, distributed={"strategy": strategy})
+        config = str(write_config(tmp_path / f"p{nproc}.yaml", cfg))
+        if nproc == 1:
+            result = run_cli("train", "--config", config)
+        else:
+            env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
+            result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                                     "finetune/train.py", "--config", config], cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+        assert result.returncode == 0, result.stderr[-3000:]
+        losses[nproc] = [r["loss"] for r in read_jsonl(out / "metrics.jsonl") if "loss" in r]
+    assert losses[2] == pytest.approx(losses[1], rel=1e-4), losses
+    assert "lora on a 4-bit base" in result.stdout
+    summary = json.loads((tmp_path / "p2" / "summary.json").read_text())
+    assert summary["strategy"] == strategy and summary["param_numel_per_rank"] == [8192, 8192]  # half of the LoRA weights each
