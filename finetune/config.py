@@ -132,6 +132,8 @@ class DistributedConfig(_Section):
         "zero2 / zero3 (DeepSpeed ZeRO: optimizer+gradients / also parameters sharded), zero3_offload (ZeRO-3 with parameters and optimizer in CPU RAM)."
     )
     fsdp_reshard_after_forward: bool = Field(True, description="FSDP: free gathered weights after forward (full shard); false keeps them (less communication, more memory).")
+    fsdp_shard_size: int | None = Field(None, gt=0, description="FSDP: processes that share one sharded copy (default: all). "
+                                        "Set it to the GPUs per node for hybrid sharding (HSDP): shard within a node, replicate across nodes.")
     fsdp_cpu_offload: bool = Field(False, description="FSDP: keep sharded parameters, gradients and optimizer states in CPU RAM (GPU runs).")
 
 

@@ -28,7 +28,12 @@ def shard_fsdp2(model: torch.nn.Module, cfg: RunConfig, device: torch.device, wo
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-    mesh = init_device_mesh(device.type, (world,))
+    shard = cfg.distributed.fsdp_shard_size or world
+    if world % shard:
+        raise UserError(f"distributed.fsdp_shard_size: {shard} does not divide the {world} processes")
+    # 1-D mesh: full shard. 2-D (replicate, shard): HSDP, gradients all-reduced across the replicas.
+    mesh = init_device_mesh(device.type, (world,)) if shard == world else \
+        init_device_mesh(device.type, (world // shard, shard), mesh_dim_names=("replicate", "shard"))
     low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.train.mixed_precision)
     # Compute in low precision, reduce gradients in fp32: the usual FSDP mixed-precision recipe.
     policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32) if low else MixedPrecisionPolicy()

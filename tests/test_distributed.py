@@ -61,6 +61,13 @@ def test_two_processes_match_one(tmp_path, tiny_model_dir, single, strategy, met
         assert shards == [trainable, trainable] and summary["replicas_identical"] is True
 
 
+def test_hybrid_fsdp_replicates_across_groups(tmp_path, tiny_model_dir, single):
+    """HSDP with shards of 1 process over 2 processes: two replicas (a 2-D mesh), the same losses."""
+    _, losses, summary = _train(tmp_path, "hsdp", tiny_model_dir, "lora", 2, "fsdp", distributed={"fsdp_shard_size": 1})
+    assert losses == pytest.approx(single["lora"][1], rel=1e-4, abs=1e-5)
+    assert summary["param_numel_per_rank"] == [single["lora"][2]["param_numel_per_rank"][0]] * 2
+
+
 @pytest.mark.parametrize("strategy", ["fsdp", "zero3"])
 def test_gathered_adapter_loads_in_one_process_and_equals_the_trained_one(tmp_path, tiny_model_dir, single, strategy):
     from peft import PeftModel
