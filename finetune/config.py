@@ -127,8 +127,8 @@ class CheckpointConfig(_Section):
 
 
 class DistributedConfig(_Section):
-    strategy: Literal["ddp", "fsdp", "zero2", "zero3", "zero3_offload"] = Field(
-        "ddp", description="With several processes: ddp (replicas, accelerate), fsdp (torch FSDP2 fully_shard per decoder layer), "
+    strategy: Literal["none", "ddp", "fsdp", "zero2", "zero3", "zero3_offload"] = Field(
+        "ddp", description="none (one process only), or with several processes: ddp (replicas, accelerate), fsdp (torch FSDP2 fully_shard per decoder layer), "
         "zero2 / zero3 (DeepSpeed ZeRO: optimizer+gradients / also parameters sharded), zero3_offload (ZeRO-3 with parameters and optimizer in CPU RAM)."
     )
     fsdp_reshard_after_forward: bool = Field(True, description="FSDP: free gathered weights after forward (full shard); false keeps them (less communication, more memory).")
@@ -163,7 +163,7 @@ class RunConfig(_Section):
         strategy = self.distributed.strategy
         if strategy in ("fsdp", "zero3", "zero3_offload") and self.eval.generate_samples:
             raise ValueError(f"eval.generate_samples: not available with distributed.strategy {strategy} (the parameters are sharded); set it to 0")
-        if strategy != "ddp" and self.train.mixed_precision in ("fp16", "fp8"):
+        if strategy not in ("ddp", "none") and self.train.mixed_precision in ("fp16", "fp8"):
             raise ValueError(f"train.mixed_precision: {strategy} runs no/bf16 here (fp16 would need a sharded grad scaler); use bf16")
         q = self.model.quantization
         if strategy == "fsdp" and q is not None:

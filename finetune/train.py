@@ -145,8 +145,9 @@ def make_accelerator(cfg: RunConfig):
             raise UserError(f"logging.report_to: '{name}' is not installed (pip install {name}) or remove it")
         trackers.append(name)
     check_launcher_strategy(cfg)
-    # Under FSDP the shards' MixedPrecisionPolicy, under ZeRO DeepSpeed's bf16 mode, do what autocast would.
-    if cfg.distributed.strategy != "ddp":
+    # Under FSDP the shards' MixedPrecisionPolicy, under ZeRO DeepSpeed's bf16 mode, do what autocast would
+    # (sharding applies with several processes only; launchers set WORLD_SIZE).
+    if cfg.distributed.strategy not in ("ddp", "none") and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         mp = "no"
     return Accelerator(mixed_precision=mp, cpu=not cuda, log_with=trackers or None, project_dir=cfg.train.output_dir)
 
@@ -162,6 +163,8 @@ def run(cfg: RunConfig) -> RunResult:
     check_strategy(cfg)
     accelerator = make_accelerator(cfg)
     main, rank, world = accelerator.is_main_process, accelerator.process_index, accelerator.num_processes
+    if cfg.distributed.strategy == "none" and world > 1:
+        raise UserError(f"distributed.strategy: none, but {world} processes were started; choose ddp, fsdp or a zero strategy, or start one process")
     say = print if main else (lambda *_: None)
     set_seed(t.seed)
     if main:

@@ -42,11 +42,11 @@ def _train(tmp_path, name, model_dir, method, nproc, strategy="ddp", accelerate_
 @pytest.fixture(scope="module")
 def single(tmp_path_factory, tiny_model_dir):
     tmp = tmp_path_factory.mktemp("single")
-    return {m: _train(tmp, f"single-{m}", tiny_model_dir, m, 1) for m in ("lora", "full")}
+    return {m: _train(tmp, f"single-{m}", tiny_model_dir, m, 1) for m in ("lora", "full", "dora")}
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "zero2", "zero3", "zero3_offload"])
-@pytest.mark.parametrize("method", ["lora", "full"])
+@pytest.mark.parametrize("strategy,method", [(s, m) for s in ("ddp", "fsdp", "zero2", "zero3", "zero3_offload") for m in ("lora", "full")]
+                         + [("fsdp", "dora"), ("zero3", "dora")])
 def test_two_processes_match_one(tmp_path, tiny_model_dir, single, strategy, method):
     out, losses, summary = _train(tmp_path, "two", tiny_model_dir, method, 2, strategy)
     _, ref_losses, ref = single[method]
