@@ -68,6 +68,8 @@ def check_strategy(cfg: RunConfig) -> None:
 
     if cfg.distributed.strategy in ZERO_STAGES and importlib.util.find_spec("deepspeed") is None:
         raise UserError(f"distributed.strategy: {cfg.distributed.strategy} needs DeepSpeed (pip install 'finetune[deepspeed]')")
+    if cfg.distributed.fsdp_cpu_offload and not torch.cuda.is_available():
+        raise UserError("distributed.fsdp_cpu_offload: needs a GPU (without one the shards already live in CPU RAM); set it to false")
 
 
 def deepspeed_config(cfg: RunConfig, world: int) -> dict:
