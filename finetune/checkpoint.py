@@ -134,10 +134,21 @@ def save(output_dir: str | Path, step: int, model, optimizer, scheduler, trainer
 
 
 def _retain(root: Path, keep_last: int) -> None:
-    """Keep the newest `keep_last` complete checkpoints; never delete the only valid one."""
+    """Keep the newest `keep_last` complete checkpoints and the newest one the guard called good;
+    never delete the only valid one."""
     complete = [p for p in sorted(root.glob("step-*")) if verify(p, checksums=False) is None]
-    for old in complete[: max(0, len(complete) - max(1, keep_last))]:
-        shutil.rmtree(old, ignore_errors=True)
+    good = [p for p in complete if _is_good(p)]
+    keep = set(complete[-max(1, keep_last):]) | set(good[-1:])
+    for old in complete:
+        if old not in keep:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def _is_good(path: Path) -> bool:
+    try:
+        return json.loads((path / "trainer_state.json").read_text()).get("good", True)
+    except (OSError, json.JSONDecodeError):
+        return False
 
 
 # ----------------------------------------------------------------------------------------------
@@ -180,6 +191,42 @@ def find_latest(output_dir: str | Path) -> Found | None:
             return Found(path, skipped)
         skipped.append(f"checkpoint {path} skipped: {problem}")
     return Found(None, skipped) if skipped else None
+
+
+def find_good(output_dir: str | Path, before_step: int) -> Path | None:
+    """The newest complete checkpoint at or before `before_step` that the guard called good (a
+    rollback target)."""
+    for path in sorted(checkpoint_root(output_dir).glob("step-*"), reverse=True):
+        if int(path.name.split("-")[1]) <= before_step and _is_good(path) and verify(path) is None:
+            return path
+    return None
+
+
+# ----------------------------------------------------------------------------------------------
+# Restart-loop detection: how many starts in a row resumed from the same place with the same config.
+
+def starts_file(output_dir: str | Path) -> Path:
+    return Path(output_dir) / "starts.json"
+
+
+def count_starts(output_dir: str | Path, step: int, config_yaml: str) -> int:
+    """Which start in a row from `step` with this config this one is (1 for the first)."""
+    try:
+        record = json.loads(starts_file(output_dir).read_text())
+    except (OSError, json.JSONDecodeError):
+        return 1
+    same = record.get("step") == step and record.get("config") == hashlib.sha256(config_yaml.encode()).hexdigest()
+    return record.get("count", 0) + 1 if same else 1
+
+
+def record_start(output_dir: str | Path, step: int, config_yaml: str, count: int) -> None:
+    path = starts_file(output_dir)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"step": step, "config": hashlib.sha256(config_yaml.encode()).hexdigest(), "count": count}))
+
+
+def clear_starts(output_dir: str | Path) -> None:
+    starts_file(output_dir).unlink(missing_ok=True)
 
 
 def restore(path: Path, model, optimizer, scheduler, accelerator, layout: str = "full") -> dict:

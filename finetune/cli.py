@@ -11,7 +11,7 @@ import warnings
 import os
 import sys
 
-from finetune.errors import EXIT_USAGE, UserError
+from finetune.errors import UserError
 
 # Flags that are shorthands for schema keys (they are applied as --set overrides, after the file).
 SHORTHANDS = {"output_dir": "train.output_dir", "max_steps": "train.max_steps", "model": "model.name_or_path",
@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
             make_demo_model(args.out, steps=args.steps, force=args.force)
     except UserError as err:
         print(f"error: {err}", file=sys.stderr)
-        return EXIT_USAGE
+        return err.exit_code
     return 0
 
 

@@ -89,6 +89,7 @@ class TrainConfig(_Section):
     scheduler: Literal["cosine", "linear", "constant"] = Field("cosine", description="LR decay after warmup.")
     warmup_steps: int = Field(0, ge=0, description="Linear warmup, in optimizer steps.")
     max_grad_norm: float | None = Field(1.0, gt=0, description="Gradient clipping; null turns it off.")
+    skip_data: list[tuple[int, int]] = Field([], description="Data to skip by hand, as [[from_step, batches], ...]: from that optimizer step on, that many steps' batches are left out (manual recovery after a spike).")
     mixed_precision: Literal["no", "bf16", "fp16", "fp8"] = Field("no", description="Autocast precision (fp16/fp8 need a GPU).")
     tf32: bool = Field(False, description="Allow TF32 matmuls on CUDA.")
     gradient_checkpointing: bool = Field(False, description="Recompute activations in backward (non-reentrant).")
@@ -115,6 +116,9 @@ class LoggingConfig(_Section):
 
 class CheckpointConfig(_Section):
     save_every: int = Field(0, ge=0, description="Save a checkpoint every N optimizer steps (0 = none; the final output is always saved).")
+    save_every_minutes: float = Field(0, ge=0, description="Also save when this many minutes have passed since the last save (0 = off).")
+    allow_config_change: bool = Field(False, description="Resume even when settings that change the run (model, adapter, data, batch) differ from the checkpoint's.")
+    max_restarts_without_progress: int = Field(3, ge=1, description="Refuse to start again after this many starts in a row resumed from the same checkpoint.")
     keep_last: int = Field(2, ge=1, description="Complete checkpoints to keep; older ones are deleted once a newer one is complete.")
     resume: str = Field("auto", description="auto: resume from the newest complete checkpoint in output_dir/checkpoints; never; or a checkpoint path.")
 
@@ -124,6 +128,25 @@ class CheckpointConfig(_Section):
         if value not in ("auto", "never") and not Path(value).expanduser().is_dir():
             raise ValueError(f"expected auto, never or a checkpoint folder; no folder {value}")
         return value
+
+
+class GuardConfig(_Section):
+    enabled: bool = Field(True, description="Watch every step for non-finite losses, spikes and drift, and repair (skip, roll back, stop).")
+    window: int = Field(50, gt=1, description="Steps of history for the spike statistics, the anomaly count and the drift test.")
+    min_history: int = Field(20, gt=0, description="Healthy steps needed before spikes are judged.")
+    loss_spike_sigmas: float = Field(6.0, gt=0, description="A loss this many standard deviations above the recent mean is a spike.")
+    grad_spike_sigmas: float = Field(10.0, gt=0, description="The same for the gradient norm.")
+    drift: float = Field(0.5, ge=0, description="Roll back when the mean loss of the newer half window exceeds the older half's by this fraction (0 = off).")
+    skips_before_rollback: int = Field(3, gt=0, description="Skipped steps within the window that trigger a rollback.")
+    lr_backoff: float = Field(0.5, gt=0, le=1, description="LR multiplier applied at each rollback.")
+    clip_after_rollback: float | None = Field(None, gt=0, description="Gradient clipping after a rollback (OPT went from 1.0 to 0.3); null keeps train.max_grad_norm.")
+    max_rollbacks: int = Field(3, ge=0, description="Rollbacks before the run stops with a message.")
+
+
+class WatchdogConfig(_Section):
+    factor: float = Field(20.0, gt=1, description="A step taking this many times the median recent step is hung.")
+    min_seconds: float = Field(600.0, gt=0, description="...and at least this many seconds (first steps, evals and saves are not timed).")
+    enabled: bool = Field(True, description="Dump every thread's stack and exit with code 4 when a step hangs (a stuck collective, a dead peer).")
 
 
 class DistributedConfig(_Section):
@@ -146,6 +169,8 @@ class RunConfig(_Section):
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    guard: GuardConfig = Field(default_factory=GuardConfig)
+    watchdog: WatchdogConfig = Field(default_factory=WatchdogConfig)
 
     @field_validator("data")
     @classmethod
@@ -215,6 +240,36 @@ def apply_override(raw: dict, keys: list[str], value: Any, source: str) -> None:
             raise UserError(f"{source}: {'.'.join(keys)}: {k} is not a section")
         node = child
     node[keys[-1]] = value
+
+
+# Settings that may differ between a checkpoint and the run resuming it: how the run is observed,
+# how long it goes on, and the knobs OPT's and PaLM's teams turned when they restarted by hand.
+CHANGEABLE_ON_RESUME = (
+    "logging.", "eval.", "checkpoint.", "guard.", "watchdog.", "distributed.", "data.cache_dir", "data.num_proc",
+    "train.output_dir", "train.max_steps", "train.epochs", "train.lr", "train.warmup_steps", "train.scheduler",
+    "train.max_grad_norm", "train.skip_data",
+)
+
+
+def config_changes(saved: dict, cfg: RunConfig) -> tuple[list[str], list[str]]:
+    """(changes that alter what is trained, harmless changes) from a checkpoint's config to this one."""
+    old, new = _flatten(saved), _flatten(cfg.model_dump(mode="json"))
+    breaking, harmless = [], []
+    for key in sorted(set(old) | set(new)):
+        if old.get(key) != new.get(key):
+            line = f"{key}: {json.dumps(old.get(key))} -> {json.dumps(new.get(key))}"
+            (harmless if key.startswith(CHANGEABLE_ON_RESUME) else breaking).append(line)
+    return breaking, harmless
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict:
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[prefix + key] = value
+    return flat
 
 
 def load_config(path: str | os.PathLike, overrides: list[str] = (), check_model: bool = True) -> RunConfig:

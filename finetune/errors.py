@@ -1,7 +1,27 @@
-"""The one error type for bad input: the CLI prints its message on one line and exits with code 2."""
+"""How a run ends when it cannot go on: one line on stderr and a documented exit code, never a traceback.
+
+  2   bad input (config, data, paths): UserError
+  3   the loss-divergence guard gave up after its rollbacks: Stopped
+  4   the hang watchdog found a step stuck far longer than the recent ones (stacks are in the log)
+  75  preempted (SIGTERM/SIGUSR1): a checkpoint was saved first; start the same command to resume
+"""
 
 EXIT_USAGE = 2
+EXIT_DIVERGED = 3
+EXIT_HUNG = 4
+EXIT_PREEMPTED = 75  # EX_TEMPFAIL: "try again later", what a requeue does
 
 
 class UserError(Exception):
     """Bad input from the user (config, data, paths). The message names the file/key and what was expected."""
+
+    exit_code = EXIT_USAGE
+
+
+class Stopped(UserError):
+    """The run stopped itself (diverged beyond what the guard repairs, or preempted): the message
+    says what was seen and where to start again."""
+
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code

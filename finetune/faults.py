@@ -1,8 +1,11 @@
 """Test-only fault injection, so tests can make real processes fail the way clusters do.
 
-Set FINETUNE_FAULT to `KIND@STEP[:rank=R]`, e.g. `raise@2:rank=1`: rank 1 raises once 2 optimizer
-steps are done, before the third. Kinds: `raise` (an exception), `kill` (SIGKILL itself, as the OOM
-killer would), `nan` (that step's loss becomes NaN, as a broken kernel or bad batch would make it).
+Set FINETUNE_FAULT to `KIND@STEP[:rank=R]` (or `KIND@FIRST-LAST`), e.g. `raise@2:rank=1`: rank 1
+raises once 2 optimizer steps are done, before the third. Kinds:
+  raise   an exception                          kill   SIGKILL itself, as the OOM killer would
+  hang    sleep inside the step (a stuck peer)  nan / spike   the loss of the batches of data
+          step(s) STEP becomes NaN / 1000x, as a bad batch would make it (keyed to the data, so
+          batches skipped after a rollback are not seen again)
 A fault fires in the first attempt only: after torchrun restarts the workers
 (TORCHELASTIC_RESTART_COUNT > 0) the run goes on cleanly. Unset, it costs one comparison per step.
 """
@@ -11,13 +14,17 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from dataclasses import dataclass
+
+KINDS = ("raise", "kill", "hang", "nan", "spike")
 
 
 @dataclass(frozen=True)
 class Fault:
     kind: str
-    step: int
+    first: int
+    last: int
     rank: int | None
 
 
@@ -25,29 +32,35 @@ def parse(spec: str | None) -> Fault | None:
     if not spec:
         return None
     head, _, tail = spec.partition(":")
-    kind, _, step = head.partition("@")
+    kind, _, steps = head.partition("@")
+    first, _, last = steps.partition("-")
     rank = int(tail.split("=", 1)[1]) if tail.startswith("rank=") else None
-    if kind not in ("raise", "kill", "nan") or not step.isdigit():
-        raise ValueError(f"FINETUNE_FAULT={spec}: expected KIND@STEP[:rank=R] with KIND raise, kill or nan")
-    return Fault(kind, int(step), rank)
+    if kind not in KINDS or not first.isdigit() or not (last or first).isdigit():
+        raise ValueError(f"FINETUNE_FAULT={spec}: expected KIND@STEP[-LAST][:rank=R] with KIND one of {', '.join(KINDS)}")
+    return Fault(kind, int(first), int(last or first), rank)
 
 
 FAULT = parse(os.environ.get("FINETUNE_FAULT")) if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" else None
 
 
 def _due(step: int, rank: int, kinds: tuple[str, ...]) -> bool:
-    return FAULT is not None and FAULT.kind in kinds and FAULT.step == step and (FAULT.rank is None or FAULT.rank == rank)
+    return (FAULT is not None and FAULT.kind in kinds and FAULT.first <= step <= FAULT.last
+            and (FAULT.rank is None or FAULT.rank == rank))
 
 
-def loss_factor(step: int, rank: int) -> float:
-    """What this step's loss is multiplied by: 1, or NaN when a `nan` fault is due."""
-    return float("nan") if _due(step, rank, ("nan",)) else 1.0
+def loss_factor(data_step: int, rank: int) -> float:
+    """What the loss of the batches of `data_step` is multiplied by: 1 unless a nan/spike fault is due."""
+    if _due(data_step, rank, ("nan",)):
+        return float("nan")
+    return 1000.0 if _due(data_step, rank, ("spike",)) else 1.0
 
 
 def inject(step: int, rank: int) -> None:
-    """Called before each optimizer step, with the number of steps done."""
-    if not _due(step, rank, ("raise", "kill")):
+    """Called at the start of each optimizer step, with the number of steps done."""
+    if not _due(step, rank, ("raise", "kill", "hang")):
         return
     if FAULT.kind == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
+    if FAULT.kind == "hang":
+        time.sleep(3600)
     raise RuntimeError(f"injected fault on rank {rank} at step {step} (FINETUNE_FAULT)")

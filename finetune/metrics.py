@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from pathlib import Path
 
 from tqdm.auto import tqdm
 
 METRICS_FILE = "metrics.jsonl"
+EVENTS_FILE = "events.jsonl"
 PLOT_FILE = "loss_curve.png"
 
 
@@ -20,6 +22,8 @@ class RunLog:
         self.accelerator = accelerator
         self.enabled = enabled
         self.path = output_dir / METRICS_FILE
+        self.events_path = output_dir / EVENTS_FILE
+        self.step = start_step
         if enabled:
             # A new run starts a new log; a resumed one keeps the rows up to where it resumes.
             kept = [r for r in read_metrics(output_dir) if r["step"] <= start_step] if start_step else []
@@ -40,9 +44,24 @@ class RunLog:
                 loss=f"{row['loss']:.4f}", lr=f"{row['lr']:.2e}", tok_s=f"{row['tokens_per_s']:.0f}", refresh=False
             )
 
+    def event(self, kind: str, step: int | None, message: str) -> None:
+        """Something happened that a person should know about (a skip, a rollback, a restart, a
+        damaged checkpoint, a preemption): one line on the console and one row in events.jsonl,
+        which is kept across restarts."""
+        if not self.enabled:
+            return
+        with self.events_path.open("a") as fh:
+            fh.write(json.dumps({"time": time.time(), "step": step, "event": kind, "message": message}) + "\n")
+        self.print(f"[{kind}] {message}")
+
     def advance(self, steps: int = 1) -> None:
+        """Move the progress bar (back, too, after a rollback)."""
+        self.step += steps
         if self.bar is not None:
             self.bar.update(steps)
+
+    def position(self) -> int:
+        return self.step
 
     def print(self, message: str) -> None:
         if self.enabled:

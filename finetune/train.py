@@ -8,6 +8,7 @@ Started any of these ways, all the same run:
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import math
@@ -15,7 +16,7 @@ import os
 import sys
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 if __name__ == "__main__" and not __package__:
@@ -33,11 +34,13 @@ from finetune.config import RunConfig, to_yaml
 from finetune.data import Datasets, collate, epoch_batches, load_data
 from finetune.distributed import (ZERO_STAGES, check_strategy, full_state_dict, gathered_trainable_state, init_deepspeed, local_numel,
                                   shard_fsdp2, zero3_loading)
-from finetune.errors import UserError
+from finetune.errors import EXIT_DIVERGED, EXIT_PREEMPTED, Stopped, UserError
+from finetune.guard import Guard, Verdict, data_step
 from finetune.evaluate import eval_loss, exact_match, token_loss_sum, trained_tokens
 from finetune.metrics import RunLog, plot_loss_curve
 from finetune.model import apply_adapter, check_supported, describe, load_model, load_tokenizer
 from finetune.optim import build_optimizer, build_scheduler, check_optimizer
+from finetune.supervise import Preemption, Watchdog
 
 CONFIG_FILE = "finetune_config.yaml"
 SUMMARY_FILE = "summary.json"
@@ -70,20 +73,22 @@ def plan_steps(cfg: RunConfig, num_rows: int, world: int) -> Schedule:
     return Schedule(steps_per_epoch, total)
 
 
-def step_batches(data: Datasets, cfg: RunConfig, schedule: Schedule, rank: int, world: int, pad_id: int, start_step: int = 0):
-    """Yield (epoch, micro-batches, real tokens) for each optimizer step from start_step on.
+@functools.lru_cache(maxsize=2)
+def _epoch_batches(num_rows: int, micro_batch_size: int, seed: int, epoch: int, rank: int, world: int) -> list[list[int]]:
+    return epoch_batches(num_rows, micro_batch_size, seed, epoch, rank, world)
 
-    Position in the data is a pure function of the step, so a resumed run picks up exactly where the
-    interrupted one was.
+
+def batches_at(data: Datasets, cfg: RunConfig, schedule: Schedule, position: int, rank: int, world: int, pad_id: int):
+    """(epoch, micro-batches, real tokens) for the data step `position` on this rank.
+
+    A pure function of the position: a resumed or rolled-back run reads exactly what it should.
     """
     t = cfg.train
-    for step in range(start_step, schedule.total_steps):
-        epoch, k = (0, 0) if t.overfit_batch else divmod(step, schedule.steps_per_epoch)
-        if step == start_step or k == 0:
-            batches = epoch_batches(len(data.train), t.micro_batch_size, t.seed, epoch, rank, world)
-        chunk = batches[k * t.grad_accum : (k + 1) * t.grad_accum]
-        real = sum(len(data.train[i].input_ids) for idx in chunk for i in idx)  # padding excluded
-        yield epoch, [collate([data.train[i] for i in idx], pad_id) for idx in chunk], real
+    epoch, k = (0, 0) if t.overfit_batch else divmod(position, schedule.steps_per_epoch)
+    batches = _epoch_batches(len(data.train), t.micro_batch_size, t.seed, epoch, rank, world)
+    chunk = batches[k * t.grad_accum : (k + 1) * t.grad_accum]
+    real = sum(len(data.train[i].input_ids) for idx in chunk for i in idx)  # padding excluded
+    return epoch, [collate([data.train[i] for i in idx], pad_id) for idx in chunk], real
 
 
 FIRST_STEPS_CHECKED = 10
@@ -228,8 +233,16 @@ def run(cfg: RunConfig) -> RunResult:
     load_peak_rss = peak_rss()
     if cfg.logging.report_to:
         accelerator.init_trackers("finetune", config={k: v for k, v in cfg.model_dump(mode="json")["train"].items() if v is not None and not isinstance(v, list)})
-    start_step, tokens_seen = resume(cfg, model, optimizer, scheduler, accelerator, say, layout)
+    resumed = resume(cfg, model, optimizer, scheduler, accelerator, layout)
+    start_step, tokens_seen = resumed.step, resumed.tokens
     log = RunLog(out, schedule.total_steps, accelerator, main, cfg.logging.progress_bar, start_step)
+    for kind, message in resumed.events:
+        log.event(kind, start_step, message)
+    guard = Guard(cfg.guard, resumed.guard_state)
+    set_base_lr(scheduler, t.lr * guard.state.lr_scale)  # the config's LR wins over the checkpoint's (OPT's logbook)
+    watchdog = Watchdog(cfg.watchdog, on_hang=lambda message: log.event("hang", watchdog.step, message))
+    preemption = Preemption()
+    last_save = time.monotonic()
 
     def evaluate(step: int) -> dict | None:
         if not data.eval:
@@ -239,17 +252,44 @@ def run(cfg: RunConfig) -> RunResult:
         log.print(f"step {step}: eval loss {result['eval_loss']:.4f}, perplexity {result['eval_ppl']:.2f}")
         return result
 
+    def save(step: int, epoch: int) -> None:
+        trainer_state = {"tokens": tokens_seen, "epoch": epoch, "guard": guard.state_dict(), "good": guard.is_healthy(step)}
+        saved = checkpoint.save(out, step, model, optimizer, scheduler, trainer_state, to_yaml(cfg), accelerator,
+                                cfg.checkpoint.keep_last, layout)
+        if saved:
+            log.print(f"step {step}: checkpoint saved to {saved}")
+
+    def roll_back(trouble_step: int, verdict: Verdict) -> tuple[int, int]:
+        """Back to the newest good checkpoint before the trouble, with a lower LR and the data that led
+        to the trouble skipped; or stop with what was seen."""
+        target = checkpoint.find_good(out, trouble_step)
+        if verdict.action == "stop" or target is None:
+            where = f"the last good checkpoint is {target}" if target else "there is no good checkpoint to roll back to (set checkpoint.save_every)"
+            log.event("stop", trouble_step, f"guard: {verdict.reason}; {where}")
+            raise Stopped(f"step {trouble_step + 1}: training diverged: {verdict.reason}; {where}. Start again from it by hand with a "
+                          "lower train.lr and/or train.skip_data (see events.jsonl)", EXIT_DIVERGED)
+        state = checkpoint.restore(target, model, optimizer, scheduler, accelerator, layout)
+        guard.rolled_back(state["step"], trouble_step)
+        set_base_lr(scheduler, t.lr * guard.state.lr_scale)
+        log.event("rollback", trouble_step, f"guard: {verdict.reason}; rolled back to {target.name}, LR x{guard.state.lr_scale:g} "
+                  f"(now {t.lr * guard.state.lr_scale:.3g}), batches of steps {state['step'] + 1}-{trouble_step + 1} skipped"
+                  + (f", clipping at {guard.state.max_grad_norm}" if guard.state.max_grad_norm else ""))
+        return state["step"], state["tokens"]
+
     reset_peak_rss()
     if cfg.eval.on_start and start_step == 0:
         evaluate(0)
 
-    # The loop.
+    # The loop. `step` counts optimizer steps done; the data it reads is a function of it.
     model.train()
     started, last = time.perf_counter(), {}
     window_tokens, window_start = 0, started
-    batches = step_batches(data, cfg, schedule, rank, world, tokenizer.pad_token_id, start_step)
-    for step, (epoch, micro_batches, real_tokens) in enumerate(batches, start=start_step):
+    step = start_step
+    while step < schedule.total_steps:
+        watchdog.start_step(step)
         faults.inject(step, rank)
+        position = data_step(step, guard.state.skip_windows + [list(w) for w in t.skip_data])
+        epoch, micro_batches, real_tokens = batches_at(data, cfg, schedule, position, rank, world, tokenizer.pad_token_id)
         micro_batches = [{k: v.to(accelerator.device) for k, v in b.items()} for b in micro_batches]
         # The loss is a mean over every trained token of the step, across micro-batches and ranks:
         # each micro-batch contributes its sum divided by the global count (times world size, because
@@ -262,7 +302,7 @@ def run(cfg: RunConfig) -> RunResult:
             if fsdp:
                 model.set_requires_gradient_sync(sync)
             with nullcontext() if sync or fsdp or zero else accelerator.no_sync(model):
-                loss = token_loss_sum(model, batch) * faults.loss_factor(step, rank)
+                loss = token_loss_sum(model, batch) * faults.loss_factor(position, rank)
                 scaled = loss * (world / max(global_tokens, 1))
                 if zero:
                     model.backward(scaled, scale_wrt_gas=False)  # already normalised over the whole step
@@ -270,29 +310,43 @@ def run(cfg: RunConfig) -> RunResult:
                 else:
                     accelerator.backward(scaled)
             loss_sum += loss.detach()
+        # One host sync per step: the guard judges the step before it is applied.
+        step_loss = accelerator.reduce(loss_sum, "sum").item() / max(global_tokens, 1)
         if step - start_step < FIRST_STEPS_CHECKED:
-            check_first_steps(step, accelerator.reduce(loss_sum.clone(), "sum").item() / max(global_tokens, 1))
+            check_first_steps(step, step_loss)
         if zero:
-            grad_norm = model.get_global_grad_norm()
+            grad_norm = model.get_global_grad_norm()  # DeepSpeed has applied the step already: no skip rung
         else:
-            if fsdp:
-                grad_norm = torch.nn.utils.clip_grad_norm_(params, t.max_grad_norm or float("inf")).full_tensor()
-            else:
-                grad_norm = accelerator.clip_grad_norm_(params, t.max_grad_norm or float("inf"))
-            optimizer.step()
+            clip = guard.state.max_grad_norm or t.max_grad_norm or float("inf")
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, clip).full_tensor() if fsdp else accelerator.clip_grad_norm_(params, clip)
+        verdict = guard.check(step, step_loss, float(grad_norm))
+        if not zero:
+            if verdict.action == "apply":
+                optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-        scheduler.step()
+        if verdict.action in ("rollback", "stop"):
+            watchdog.end_step()
+            step, tokens_seen = roll_back(step, verdict)
+            log.advance(step - log.position())
+            continue
+        if verdict.action == "skip" and zero:
+            log.event("anomaly", step, f"guard: step {step + 1}: {verdict.reason} (DeepSpeed applied it already: only rollbacks help)")
+        elif verdict.action == "skip":
+            log.event("skip", step, f"guard: step {step + 1} not applied: {verdict.reason}")
+        if verdict.action == "apply" or zero:
+            scheduler.step()
+        watchdog.end_step()
 
         tokens_seen += global_real
         window_tokens += global_real
+        step += 1
         log.advance()
-        done = step + 1
-        if done % cfg.logging.log_every == 0 or done == schedule.total_steps:
+        if step % cfg.logging.log_every == 0 or step == schedule.total_steps:
             now = time.perf_counter()
             last = {
-                "step": done,
+                "step": step,
                 "epoch": epoch,
-                "loss": (accelerator.reduce(loss_sum, "sum").item() / max(global_tokens, 1)),
+                "loss": step_loss,
                 "grad_norm": float(grad_norm),
                 "lr": scheduler.get_last_lr()[0],
                 "tokens": tokens_seen,
@@ -301,13 +355,22 @@ def run(cfg: RunConfig) -> RunResult:
             }
             log.write(last)
             window_tokens, window_start = 0, now
-        if cfg.eval.every and done % cfg.eval.every == 0 and done < schedule.total_steps:
-            evaluate(done)
-        if cfg.checkpoint.save_every and done % cfg.checkpoint.save_every == 0 and done < schedule.total_steps:
-            saved = checkpoint.save(out, done, model, optimizer, scheduler, {"tokens": tokens_seen, "epoch": epoch},
-                                    to_yaml(cfg), accelerator, cfg.checkpoint.keep_last, layout)
-            if saved:
-                log.print(f"step {done}: checkpoint saved to {saved}")
+        if cfg.eval.every and step % cfg.eval.every == 0 and step < schedule.total_steps:
+            evaluate(step)
+        # Every rank must agree to save or stop: one small all-reduce carries the signal and the clock.
+        minutes = cfg.checkpoint.save_every_minutes
+        flags = torch.tensor([preemption.signal is not None, minutes > 0 and time.monotonic() - last_save > 60 * minutes], device=accelerator.device)
+        preempted, time_due = (accelerator.reduce(flags.float(), "sum") > 0).tolist() if world > 1 else flags.tolist()
+        every = cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0
+        if step < schedule.total_steps and (every or time_due or preempted):
+            save(step, epoch)
+            last_save = time.monotonic()
+        if preempted and step < schedule.total_steps:
+            log.event("preempted", step, f"{preemption.name or 'a signal on another rank'}: checkpoint saved at step {step}; "
+                      f"exiting with code {EXIT_PREEMPTED}, start the same command to resume")
+            log.close_bar()
+            _finish_distributed(accelerator)
+            raise Stopped(f"preempted at step {step}: checkpoint saved; start the same command to resume", EXIT_PREEMPTED)
 
     log.close_bar()
     final_eval = evaluate(schedule.total_steps)
@@ -345,12 +408,26 @@ def run(cfg: RunConfig) -> RunResult:
     if main:
         (out / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
         say(_summary_line(summary))
+    checkpoint.clear_starts(out) if main else None
+    _finish_distributed(accelerator)
+    return RunResult(summary, unwrapped)
+
+
+def _finish_distributed(accelerator) -> None:
     if torch.distributed.is_initialized():
         # Tear the process group down before exit: left to interpreter shutdown, gloo's threads can
         # abort a rank ("terminate called without an active exception") after a successful run.
         accelerator.wait_for_everyone()
         torch.distributed.destroy_process_group()
-    return RunResult(summary, unwrapped)
+
+
+def set_base_lr(scheduler, lr: float) -> None:
+    """Make `lr` the schedule's peak from now on, also after restoring a checkpoint that stored another."""
+    scheduler.base_lrs = [lr] * len(scheduler.base_lrs)
+    for group, factor in zip(scheduler.optimizer.param_groups, scheduler.lr_lambdas):
+        group["initial_lr"] = lr
+        group["lr"] = lr * factor(scheduler.last_epoch)
+    scheduler._last_lr = [g["lr"] for g in scheduler.optimizer.param_groups]
 
 
 def _proc_status(key: str) -> int:
@@ -390,32 +467,76 @@ def replicas_identical(params: list[torch.nn.Parameter], accelerator) -> bool:
     return bool((gathered == gathered[0]).all())
 
 
-def resume(cfg: RunConfig, model, optimizer, scheduler, accelerator, say, layout: str) -> tuple[int, int]:
-    """(step, tokens seen) to start from: 0 for a fresh run, else those of the checkpoint restored."""
+@dataclass
+class Resumed:
+    step: int = 0
+    tokens: int = 0
+    guard_state: dict | None = None
+    events: list[tuple[str, str]] = field(default_factory=list)  # (kind, message) for events.jsonl
+
+
+def resume(cfg: RunConfig, model, optimizer, scheduler, accelerator, layout: str) -> Resumed:
+    """Where to start: a fresh run, or the checkpoint restored (auto: the newest complete one)."""
+    result = Resumed()
     choice = cfg.checkpoint.resume
-    if choice == "never":
-        return 0, 0
+    path = None
     if choice == "auto":
         found = checkpoint.find_latest(cfg.train.output_dir)
-        if found is None:
-            return 0, 0
-        for line in found.skipped:
-            say(line)
-        path = found.path
-        if path is None:
-            say("no complete checkpoint to resume from: starting afresh")
-            return 0, 0
-    else:
+        if found is not None:
+            result.events += [("checkpoint_skipped", line) for line in found.skipped]
+            path = found.path
+            if path is None:
+                result.events.append(("restart", "no complete checkpoint to resume from: starting afresh"))
+    elif choice != "never":
         path = Path(choice)
         problem = checkpoint.verify(path) if path.is_dir() else "not a folder"
         if problem:
             raise UserError(f"checkpoint.resume: {choice}: {problem}")
+    if path is not None:
+        check_config_change(path, cfg, result)
+    _check_restart_loop(cfg, path, accelerator)
+    if path is None:
+        return result
     try:
         state = checkpoint.restore(path, model, optimizer, scheduler, accelerator, layout)
     except ValueError as err:
         raise UserError(f"checkpoint.resume: {err}") from None
-    say(f"resumed from {path} at step {state['step']}")
-    return state["step"], state["tokens"]
+    result.step, result.tokens, result.guard_state = state["step"], state["tokens"], state.get("guard")
+    result.events.append(("restart", f"resumed from {path} at step {state['step']}"))
+    return result
+
+
+def check_config_change(path: Path, cfg: RunConfig, result: Resumed) -> None:
+    """Settings that change what is trained must match the checkpoint's; the rest may change (and a
+    new LR or clipping then wins over the checkpoint's)."""
+    import yaml
+
+    from finetune.config import config_changes
+
+    breaking, harmless = config_changes(yaml.safe_load((path / CONFIG_FILE).read_text()) or {}, cfg)
+    if breaking and not cfg.checkpoint.allow_config_change:
+        raise UserError(f"checkpoint.resume: {path} was written with a different config: {'; '.join(breaking[:4])}. "
+                        "Start in a new train.output_dir, or set checkpoint.allow_config_change: true to resume anyway")
+    if breaking or harmless:
+        result.events.append(("config_change", "resuming with changed settings: " + "; ".join(breaking + harmless)))
+
+
+def _check_restart_loop(cfg: RunConfig, path: Path | None, accelerator) -> None:
+    """Refuse to start for the N+1-th time in a row from the same checkpoint with the same config:
+    each of those starts crashed before saving anything newer."""
+    if cfg.checkpoint.resume == "never":
+        return
+    step = int(path.name.split("-")[-1]) if path is not None and path.name.startswith("step-") else 0
+    starts = checkpoint.count_starts(cfg.train.output_dir, step, to_yaml(cfg))
+    accelerator.wait_for_everyone()  # every rank has read the record before it changes
+    if starts > cfg.checkpoint.max_restarts_without_progress:
+        raise Stopped(
+            f"restart loop: {starts - 1} starts in a row resumed from {'step ' + str(step) if step else 'the beginning'} and "
+            f"crashed before saving a newer checkpoint (checkpoint.max_restarts_without_progress: "
+            f"{cfg.checkpoint.max_restarts_without_progress}); find the cause in the logs, then delete "
+            f"{checkpoint.starts_file(cfg.train.output_dir)} to try again", EXIT_DIVERGED)
+    if accelerator.is_main_process:
+        checkpoint.record_start(cfg.train.output_dir, step, to_yaml(cfg), starts)
 
 
 def _summary_line(summary: dict) -> str:

@@ -34,6 +34,7 @@ def test_demo_config_learns(tmp_path, demo_model_dir):
     for key in ("step", "loss", "grad_norm", "lr", "tokens_per_s", "elapsed_s"):
         assert all(key in r for r in steps), key
     assert (out / "adapter_model.safetensors").is_file() and (out / "adapter_config.json").is_file()
+    assert not (out / "events.jsonl").exists()  # the guard's defaults never fire on a healthy run
     assert (out / "tokenizer.json").is_file() and (out / "finetune_config.yaml").is_file()
     assert (out / "loss_curve.png").stat().st_size > 1000
     assert list((out / "finetune").glob("events.out.tfevents.*")), "tensorboard events"

@@ -1,0 +1,86 @@
+"""What watches a run from the side: the hang watchdog and the preemption signals.
+
+Watchdog: a daemon thread times each optimizer step. A step running longer than `factor` times the
+median of the recent ones (and at least `min_seconds`) is hung (a stuck collective, a dead peer):
+every thread's stack goes to stderr and the process exits with code 4, so an elastic agent or Slurm
+restarts the job instead of it idling until the wall-clock limit. Evals and saves happen between
+steps and are not timed.
+
+Preemption: SIGTERM (what Slurm, Kubernetes and torchrun send first) and SIGUSR1 (Slurm's
+`--signal`) only set a flag; the loop sees it at the end of the step, saves a checkpoint and exits
+with code 75.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import signal
+import statistics
+import sys
+import threading
+import time
+from collections import deque
+
+from finetune.config import WatchdogConfig
+from finetune.errors import EXIT_HUNG
+
+PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+class Watchdog:
+    def __init__(self, cfg: WatchdogConfig, on_hang=lambda message: None, poll_s: float = 0.5):
+        self.cfg = cfg
+        self.on_hang = on_hang  # writes the event (main process) before the exit
+        self.durations: deque[float] = deque(maxlen=20)
+        self.step: int | None = None
+        self.started: float | None = None
+        self.poll_s = poll_s
+        if cfg.enabled:
+            threading.Thread(target=self._watch, name="finetune-watchdog", daemon=True).start()
+
+    def start_step(self, step: int) -> None:
+        self.step, self.started = step, time.monotonic()
+
+    def end_step(self) -> None:
+        if self.started is not None:
+            self.durations.append(time.monotonic() - self.started)
+        self.started = None
+
+    def limit(self) -> float:
+        typical = statistics.median(self.durations) if self.durations else 0.0
+        return max(self.cfg.min_seconds, self.cfg.factor * typical)
+
+    def _watch(self) -> None:
+        while True:
+            time.sleep(self.poll_s)
+            started = self.started
+            if started is None:
+                continue
+            elapsed, limit = time.monotonic() - started, self.limit()
+            if elapsed > limit:
+                message = (f"watchdog: step {self.step + 1} has run {elapsed:.0f} s, over the {limit:.0f} s limit "
+                           f"(max of watchdog.min_seconds and {self.cfg.factor:g} x the median recent step); "
+                           f"stacks of every thread follow, then exit code {EXIT_HUNG}")
+                print(message, file=sys.stderr, flush=True)
+                self.on_hang(message)
+                faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+                sys.stderr.flush()
+                os._exit(EXIT_HUNG)
+
+
+class Preemption:
+    """Remembers the first SIGTERM/SIGUSR1; the loop decides when to act on it."""
+
+    def __init__(self):
+        self.signal: int | None = None
+        if threading.current_thread() is threading.main_thread():
+            for sig in PREEMPT_SIGNALS:
+                signal.signal(sig, self._remember)
+
+    def _remember(self, signum, frame) -> None:
+        self.signal = self.signal or signum
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signal).name if self.signal else ""

@@ -1,0 +1,151 @@
+"""Fault tolerance beyond checkpoints: the divergence guard's ladder, preemption, the hang watchdog,
+restart loops, config changes on resume and manual recovery. Real runs, real signals."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import REPO, base_config, read_jsonl, run_cli, write_config
+
+
+def _cfg(tiny_model_dir, out, steps=40, **sections):
+    cfg = base_config(tiny_model_dir, out, data={"eval": None}, train={"max_steps": steps, "micro_batch_size": 2, "lr": 5e-3})
+    for name, values in sections.items():
+        cfg.setdefault(name, {}).update(values)
+    return cfg
+
+
+def _train(tmp_path, cfg, *extra, env=None, name="c"):
+    return run_cli("train", "--config", str(write_config(tmp_path / f"{name}.yaml", cfg)), *extra, env=env)
+
+
+def _events(out):
+    path = out / "events.jsonl"
+    return read_jsonl(path) if path.exists() else []
+
+
+def _losses(out):
+    return {r["step"]: r["loss"] for r in read_jsonl(out / "metrics.jsonl") if "loss" in r}
+
+
+def test_poisoned_batches_are_skipped_then_rolled_back_with_lower_lr(tmp_path, tiny_model_dir):
+    """NaN losses on the batches of data steps 23-25: skip, skip, then roll back to step 20 with half
+    the LR and those batches skipped; the run finishes with finite, falling loss."""
+    out = tmp_path / "out"
+    cfg = _cfg(tiny_model_dir, out, checkpoint={"save_every": 10})
+    result = _train(tmp_path, cfg, env={"FINETUNE_FAULT": "nan@23-25"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    kinds = [e["event"] for e in _events(out)]
+    assert kinds == ["skip", "skip", "rollback"], _events(out)
+    rollback = _events(out)[-1]["message"]
+    assert "rolled back to step-000020" in rollback and "LR x0.5" in rollback and "steps 21-26 skipped" in rollback
+    rows = [r for r in read_jsonl(out / "metrics.jsonl") if "loss" in r]
+    after = rows[-20:]  # steps 21-40, trained after the rollback (the abandoned ones stay in the log)
+    assert [r["step"] for r in after] == list(range(21, 41))
+    assert all(r["loss"] == r["loss"] and r["loss"] < 1e3 for r in after)  # finite
+    lr = {r["step"]: r["lr"] for r in after}
+    reference = _train(tmp_path, _cfg(tiny_model_dir, tmp_path / "healthy"), name="healthy")
+    assert reference.returncode == 0
+    healthy_lr = {r["step"]: r["lr"] for r in read_jsonl(tmp_path / "healthy" / "metrics.jsonl") if "lr" in r}
+    assert lr[30] == pytest.approx(0.5 * healthy_lr[30], rel=1e-6)  # the same schedule at half the peak
+    losses = _losses(out)
+    assert losses[40] < losses[1] and len(losses) == 40
+    assert not _events(tmp_path / "healthy")  # a healthy run triggers nothing
+
+
+def test_a_single_spike_is_skipped_and_the_run_goes_on(tmp_path, tiny_model_dir):
+    out = tmp_path / "out"
+    result = _train(tmp_path, _cfg(tiny_model_dir, out), env={"FINETUNE_FAULT": "spike@30"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    events = _events(out)
+    assert [e["event"] for e in events] == ["skip"] and "loss spike" in events[0]["message"], events
+    assert events[0]["step"] == 30
+
+
+def test_the_guard_stops_after_its_rollbacks_with_the_checkpoint_to_start_from(tmp_path, tiny_model_dir):
+    out = tmp_path / "out"
+    cfg = _cfg(tiny_model_dir, out, checkpoint={"save_every": 10}, guard={"max_rollbacks": 1})
+    result = _train(tmp_path, cfg, env={"FINETUNE_FAULT": "nan@23-200"})
+    assert result.returncode == 3, result.stderr[-3000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: step") and "training diverged" in last and "last good checkpoint is" in last, last
+    assert [e["event"] for e in _events(out)] == ["skip", "skip", "rollback", "skip", "skip", "stop"]
+
+
+def test_sigterm_saves_exits_75_and_resumes_exactly(tmp_path, tiny_model_dir):
+    reference = tmp_path / "reference"
+    assert _train(tmp_path, _cfg(tiny_model_dir, reference, steps=300), name="ref").returncode == 0
+    out = tmp_path / "out"
+    config = write_config(tmp_path / "c.yaml", _cfg(tiny_model_dir, out, steps=300))
+    job = subprocess.Popen([sys.executable, "-m", "finetune", "train", "--config", str(config)], cwd=REPO,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = out / "metrics.jsonl"
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 20):
+        assert job.poll() is None, job.communicate()[1][-2000:]
+        time.sleep(0.05)
+    job.send_signal(signal.SIGTERM)
+    _, stderr = job.communicate(timeout=60)
+    assert job.returncode == 75, stderr[-2000:]
+    saved = sorted((out / "checkpoints").iterdir())
+    assert len(saved) == 1
+    step = int(saved[0].name.split("-")[1])
+    assert 20 <= step < 300 and "preempted at step" in stderr
+    assert [e["event"] for e in _events(out)] == ["preempted"]
+    resumed = run_cli("train", "--config", str(config))
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert _losses(out) == _losses(reference)  # bitwise, before and after the preemption
+
+
+def test_a_hung_step_is_caught_by_the_watchdog_with_stacks(tmp_path, tiny_model_dir):
+    out = tmp_path / "out"
+    cfg = _cfg(tiny_model_dir, out, watchdog={"min_seconds": 3})
+    started = time.monotonic()
+    result = _train(tmp_path, cfg, env={"FINETUNE_FAULT": "hang@15"})
+    assert result.returncode == 4, result.stderr[-3000:]
+    assert time.monotonic() - started < 90
+    assert "watchdog: step 16 has run" in result.stderr
+    assert "Thread" in result.stderr and "faults.py" in result.stderr  # every thread's stack, down to the stuck line
+    assert [e["event"] for e in _events(out)] == ["hang"]
+
+
+def test_a_restart_loop_without_progress_stops(tmp_path, tiny_model_dir):
+    out = tmp_path / "out"
+    cfg = _cfg(tiny_model_dir, out, checkpoint={"save_every": 5, "max_restarts_without_progress": 2})
+    # The first start saves step 5 and crashes at 7; the next two resume from 5 and crash again.
+    codes = [_train(tmp_path, cfg, env={"FINETUNE_FAULT": "raise@7"}).returncode for _ in range(3)]
+    assert codes == [1, 1, 1]
+    fourth = _train(tmp_path, cfg, env={"FINETUNE_FAULT": "raise@7"})
+    assert fourth.returncode == 3
+    assert "restart loop: 2 starts in a row resumed from step 5" in fourth.stderr
+    assert fourth.stderr.strip().splitlines()[-1].startswith("error: restart loop")
+
+
+def test_resume_refuses_a_changed_model_setting_but_takes_a_new_lr(tmp_path, tiny_model_dir):
+    out = tmp_path / "out"
+    cfg = _cfg(tiny_model_dir, out, steps=10, checkpoint={"save_every": 5})
+    assert _train(tmp_path, cfg, env={"FINETUNE_FAULT": "raise@7"}).returncode == 1
+    changed = _cfg(tiny_model_dir, out, steps=10, checkpoint={"save_every": 5}, adapter={"r": 4})
+    result = _train(tmp_path, changed, name="changed")
+    assert result.returncode == 2
+    assert "was written with a different config: adapter.r: 8 -> 4" in result.stderr
+    # Manual recovery, OPT-style: a new LR, and a window of data skipped, from the command line.
+    result = _train(tmp_path, cfg, "--set", "train.lr=1e-3", "--set", "train.skip_data=[[5,3]]")
+    assert result.returncode == 0, result.stderr[-2000:]
+    lrs = {r["step"]: r["lr"] for r in read_jsonl(out / "metrics.jsonl") if "lr" in r}
+    assert lrs[6] < 1e-3 < lrs[4]  # the new peak LR took over from the checkpoint's 5e-3
+    assert any("train.lr: 0.005 -> 0.001" in e["message"] for e in _events(out))
+
+
+def test_time_based_saves(tmp_path, tiny_model_dir):
+    out = tmp_path / "out"
+    cfg = _cfg(tiny_model_dir, out, steps=30, checkpoint={"save_every_minutes": 0.0001, "keep_last": 100})
+    result = _train(tmp_path, cfg)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert len(list((out / "checkpoints").glob("step-*"))) == 29  # after every step but the last
