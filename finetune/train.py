@@ -129,6 +129,25 @@ def check_launcher_strategy(cfg: RunConfig) -> None:
     env[flag] = "false"
 
 
+def join_restarted_workers() -> None:
+    """After torchrun restarts its workers, join them through a store prefix of their own.
+
+    Seen with torch 2.13 + gloo (shared/notes/cpu-facts.md): restarted workers read the dead workers'
+    addresses, left in the agent's store under the same keys, and fail or hang in connectFullMesh.
+    A prefix per restart keeps every attempt's keys apart. accelerate then adopts this group.
+    """
+    import torch.distributed as dist
+
+    restart, world = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    if restart == 0 or world == 1 or dist.is_initialized() or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return
+    from datetime import timedelta
+
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False, timeout=timedelta(minutes=10))
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", store=dist.PrefixStore(f"finetune/restart-{restart}/", store),
+                            rank=int(os.environ["RANK"]), world_size=world)
+
+
 def make_accelerator(cfg: RunConfig):
     from accelerate import Accelerator
 
@@ -150,6 +169,7 @@ def make_accelerator(cfg: RunConfig):
             raise UserError(f"logging.report_to: '{name}' is not installed (pip install {name}) or remove it")
         trackers.append(name)
     check_launcher_strategy(cfg)
+    join_restarted_workers()
     # Under FSDP the shards' MixedPrecisionPolicy, under ZeRO DeepSpeed's bf16 mode, do what autocast would
     # (sharding applies with several processes only; launchers set WORLD_SIZE).
     if cfg.distributed.strategy not in ("ddp", "none") and int(os.environ.get("WORLD_SIZE", "1")) > 1:

@@ -149,3 +149,39 @@ def test_time_based_saves(tmp_path, tiny_model_dir):
     result = _train(tmp_path, cfg)
     assert result.returncode == 0, result.stderr[-2000:]
     assert len(list((out / "checkpoints").glob("step-*"))) == 29  # after every step but the last
+
+
+def _torchrun(tmp_path, cfg, name, *flags, env=None):
+    config = write_config(tmp_path / f"{name}.yaml", cfg)
+    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *flags,
+                             "finetune/train.py", "--config", str(config)], cwd=REPO, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def test_torchrun_restarts_a_killed_rank_and_the_job_resumes_by_itself(tmp_path, tiny_model_dir):
+    """Rank 1 is SIGKILLed at step 7; torchrun's elastic agent restarts both workers, which resume
+    from the checkpoint of step 5 and finish with the uninterrupted run's losses."""
+    cfg = _cfg(tiny_model_dir, tmp_path / "reference", steps=20, checkpoint={"save_every": 5})
+    reference = _torchrun(tmp_path, cfg, "reference")
+    assert reference.wait(timeout=300) == 0, reference.communicate()[1][-3000:]
+    cfg = _cfg(tiny_model_dir, tmp_path / "out", steps=20, checkpoint={"save_every": 5})
+    job = _torchrun(tmp_path, cfg, "restarted", "--max-restarts", "1", env={"FINETUNE_FAULT": "kill@7:rank=1"})
+    stdout, stderr = job.communicate(timeout=300)
+    assert job.returncode == 0, stderr[-3000:]
+    assert "resumed from" in stdout and "step-000005 at step 5" in stdout
+    assert _losses(tmp_path / "out") == pytest.approx(_losses(tmp_path / "reference"), rel=1e-6)
+
+
+def test_sigterm_to_torchrun_makes_every_rank_save_the_same_step(tmp_path, tiny_model_dir):
+    cfg = _cfg(tiny_model_dir, tmp_path / "out", steps=2000, distributed={"strategy": "fsdp"})
+    job = _torchrun(tmp_path, cfg, "c")
+    metrics = tmp_path / "out" / "metrics.jsonl"
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 10):
+        assert job.poll() is None, job.communicate()[1][-2000:]
+        time.sleep(0.1)
+    job.send_signal(signal.SIGTERM)  # torchrun passes it on to both workers
+    _, stderr = job.communicate(timeout=120)
+    assert stderr.count("error: preempted at step") == 2, stderr[-3000:]
+    saved = sorted((tmp_path / "out" / "checkpoints").iterdir())
+    assert len(saved) == 1 and sorted(p.name for p in (saved[0] / "sharded").iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
