@@ -114,6 +114,8 @@ def save(output_dir: str | Path, step: int, model, optimizer, scheduler, trainer
             save_file(trainable_state(accelerator.unwrap_model(model)), tmp / WEIGHTS)
             torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
         torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
+        if getattr(accelerator, "scaler", None) is not None:  # fp16 on a GPU: the dynamic loss scale
+            torch.save(accelerator.scaler.state_dict(), tmp / "scaler.pt")
         (tmp / "trainer_state.json").write_text(json.dumps({**trainer_state, "step": step, "world_size": accelerator.num_processes}))
         (tmp / "finetune_config.yaml").write_text(config_yaml)
     accelerator.wait_for_everyone()
@@ -272,6 +274,8 @@ def restore(path: Path, model, optimizer, scheduler, accelerator, layout: str = 
 
 def _restore_rest(path: Path, scheduler, accelerator) -> dict:
     scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
+    if (path / "scaler.pt").exists() and getattr(accelerator, "scaler", None) is not None:
+        accelerator.scaler.load_state_dict(torch.load(path / "scaler.pt", weights_only=True))
     rng_file = path / f"rng-rank{accelerator.process_index}.pt"
     if rng_file.exists():  # absent when resuming at a larger world size: that rank starts fresh
         set_rng_state(torch.load(rng_file, weights_only=True))
