@@ -243,11 +243,14 @@ def apply_override(raw: dict, keys: list[str], value: Any, source: str) -> None:
 
 
 # Settings that may differ between a checkpoint and the run resuming it: how the run is observed,
-# how long it goes on, and the knobs OPT's and PaLM's teams turned when they restarted by hand.
+# how long it goes on, how it is spread, and the knobs OPT's and PaLM's teams turned when they
+# restarted by hand. Anything else (model, adapter, data, seed, optimizer) changes what is trained.
 CHANGEABLE_ON_RESUME = (
     "logging.", "eval.", "checkpoint.", "guard.", "watchdog.", "distributed.", "data.cache_dir", "data.num_proc",
     "train.output_dir", "train.max_steps", "train.epochs", "train.lr", "train.warmup_steps", "train.scheduler",
     "train.max_grad_norm", "train.skip_data",
+    # Batch shape: resuming at another world size (DCP reshards) means another micro-batch/accumulation.
+    "train.micro_batch_size", "train.grad_accum",
 )
 
 

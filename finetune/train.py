@@ -428,7 +428,8 @@ def run(cfg: RunConfig) -> RunResult:
     if main:
         (out / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
         say(_summary_line(summary))
-    checkpoint.clear_starts(out) if main else None
+    if main:
+        checkpoint.clear_starts(out)  # a finished run ends any restart loop
     _finish_distributed(accelerator)
     return RunResult(summary, unwrapped)
 

@@ -116,7 +116,8 @@ def test_zero3_checkpoint_resumes_at_the_same_world_size_and_is_refused_at_anoth
     _, resumed, _ = _train(tmp_path, "resumed", tiny_model_dir, "lora", 2, "zero3")
     assert resumed == pytest.approx(losses[2:], rel=1e-5), (resumed, losses)
 
-    cfg = base_config(tiny_model_dir, tmp_path / "one", distributed={"strategy": "zero3"}, checkpoint={"resume": str(saved)})
+    cfg = base_config(tiny_model_dir, tmp_path / "one", data={"eval": None}, train={"max_steps": 4, "micro_batch_size": 4, "lr": 1e-2},
+                      distributed={"strategy": "zero3"}, checkpoint={"resume": str(saved)})
     result = run_cli("train", "--config", str(write_config(tmp_path / "one.yaml", cfg)))
     assert result.returncode == 2
     assert "was written by DeepSpeed ZeRO with 2 processes; resume it with the same distributed.strategy and process count" in result.stderr
