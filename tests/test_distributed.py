@@ -45,12 +45,28 @@ def single(tmp_path_factory, tiny_model_dir):
     return {m: _train(tmp, f"single-{m}", tiny_model_dir, m, 1) for m in ("lora", "full", "dora")}
 
 
+@pytest.fixture(scope="module")
+def two_process_runs(tmp_path_factory, tiny_model_dir):
+    """2-process LoRA runs by strategy, shared by the tests that only read their outputs."""
+    runs = {}
+
+    def get(strategy):
+        if strategy not in runs:
+            runs[strategy] = _train(tmp_path_factory.mktemp(strategy), "two", tiny_model_dir, "lora", 2, strategy)
+        return runs[strategy]
+
+    return get
+
+
 @pytest.mark.parametrize("strategy,method", [(s, m) for s in ("ddp", "fsdp", "zero2", "zero3", "zero3_offload") for m in ("lora", "full")]
                          + [("fsdp", "dora"), ("zero3", "dora")])
-def test_two_processes_match_one(tmp_path, tiny_model_dir, single, strategy, method):
+def test_two_processes_match_one(tmp_path, tiny_model_dir, single, two_process_runs, strategy, method):
     # Activation checkpointing per decoder layer under FSDP changes nothing either.
     extra = {"train": {"gradient_checkpointing": True}} if (strategy, method) == ("fsdp", "dora") else {}
-    out, losses, summary = _train(tmp_path, "two", tiny_model_dir, method, 2, strategy, **extra)
+    if method == "lora":
+        out, losses, summary = two_process_runs(strategy)
+    else:
+        out, losses, summary = _train(tmp_path, "two", tiny_model_dir, method, 2, strategy, **extra)
     _, ref_losses, ref = single[method]
     assert summary["world_size"] == 2 and summary["strategy"] == strategy
     assert len(losses) == len(ref_losses) == 4
@@ -71,11 +87,11 @@ def test_hybrid_fsdp_replicates_across_groups(tmp_path, tiny_model_dir, single):
 
 
 @pytest.mark.parametrize("strategy", ["fsdp", "zero3"])
-def test_gathered_adapter_loads_in_one_process_and_equals_the_trained_one(tmp_path, tiny_model_dir, single, strategy):
+def test_gathered_adapter_loads_in_one_process_and_equals_the_trained_one(tiny_model_dir, single, two_process_runs, strategy):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    out, _, _ = _train(tmp_path, strategy, tiny_model_dir, "lora", 2, strategy)
+    out, _, _ = two_process_runs(strategy)
     ids = torch.randint(5, 200, (2, 24))
     logits = []
     for adapter in (out, single["lora"][0]):
