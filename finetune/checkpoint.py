@@ -2,11 +2,12 @@
 
 A checkpoint is a folder `OUTPUT/checkpoints/step-NNNNNN` holding the trained weights
 (safetensors), optimizer and scheduler states, every rank's RNG states, the trainer state (step,
-tokens) and the resolved config. The weights and optimizer state of a sharded run are written by
-every rank in its engine's format instead: `sharded/` (torch.distributed.checkpoint, FSDP), which
-any world size can load, or `deepspeed/` (ZeRO), which loads at the same world size. It is written under a temporary name, fsynced, given a manifest of
-every file's size and sha256, and only then renamed into place: a folder with that name and a
-matching manifest is complete; anything else is skipped (and reported) when resuming.
+tokens, guard state) and the resolved config. The weights and optimizer state of a sharded run are
+written by every rank in its engine's format instead: `sharded/` (torch.distributed.checkpoint,
+FSDP), which any world size can load, or `deepspeed/` (ZeRO), which loads at the same world size.
+It is written under a temporary name, fsynced, given a manifest of every file's size and sha256,
+and only then renamed into place: a folder with that name and a matching manifest is complete;
+anything else is skipped (and reported) when resuming.
 """
 
 from __future__ import annotations
@@ -256,6 +257,8 @@ def restore(path: Path, model, optimizer, scheduler, accelerator, layout: str = 
         if layout != "deepspeed" or written["world_size"] != accelerator.num_processes:
             raise ValueError(f"{path} was written by DeepSpeed ZeRO with {written['world_size']} processes; "
                              "resume it with the same distributed.strategy and process count (or start afresh)")
+        # DeepSpeed unpickles its own files (torch.load weights_only=False): only ever files this
+        # package wrote, whose checksums verify() has just matched against the manifest.
         model.load_checkpoint(path / DEEPSPEED, tag="state", load_module_strict=False, load_lr_scheduler_states=False)
         return _restore_rest(path, scheduler, accelerator)
     if layout != "full":
