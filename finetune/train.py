@@ -212,7 +212,6 @@ def run(cfg: RunConfig) -> RunResult:
     strategy = cfg.distributed.strategy if world > 1 else "single"
     fsdp, zero = strategy == "fsdp", strategy in ZERO_STAGES
     rss_before_model = current_rss()
-    reset_peak_rss()
     zero3_partitioning = zero3_loading(cfg, world)  # noqa: F841  (must stay alive while loading)
     model = load_model(cfg.model, accelerator.device, skeleton=fsdp and rank != 0)
     model = apply_adapter(model, cfg.adapter, t.gradient_checkpointing)
@@ -250,7 +249,6 @@ def run(cfg: RunConfig) -> RunResult:
     elif not fsdp:
         optimizer = accelerator.prepare(optimizer)
     layout = "dcp" if fsdp else "deepspeed" if zero else "full"
-    load_peak_rss = peak_rss()
     if cfg.logging.report_to:
         accelerator.init_trackers("finetune", config={k: v for k, v in cfg.model_dump(mode="json")["train"].items() if v is not None and not isinstance(v, list)})
     resumed = resume(cfg, model, optimizer, scheduler, accelerator, layout)
@@ -330,8 +328,13 @@ def run(cfg: RunConfig) -> RunResult:
                 else:
                     accelerator.backward(scaled)
             loss_sum += loss.detach()
-        # One host sync per step: the guard judges the step before it is applied.
-        step_loss = accelerator.reduce(loss_sum, "sum").item() / max(global_tokens, 1)
+        # One all-reduce and host sync per step: the guard judges the step before it is applied, and
+        # every rank must agree to save or stop (the preemption signal and the save clock ride along).
+        minutes = cfg.checkpoint.save_every_minutes
+        due = minutes > 0 and time.monotonic() - last_save > 60 * minutes
+        local = torch.stack([loss_sum.float(), loss_sum.new_tensor(float(preemption.signal is not None)), loss_sum.new_tensor(float(due))])
+        total_loss, preempted, time_due = accelerator.reduce(local, "sum").tolist()
+        step_loss, preempted, time_due = total_loss / max(global_tokens, 1), preempted > 0, time_due > 0
         if step - start_step < FIRST_STEPS_CHECKED:
             check_first_steps(step, step_loss)
         if zero:
@@ -377,10 +380,6 @@ def run(cfg: RunConfig) -> RunResult:
             window_tokens, window_start = 0, now
         if cfg.eval.every and step % cfg.eval.every == 0 and step < schedule.total_steps:
             evaluate(step)
-        # Every rank must agree to save or stop: one small all-reduce carries the signal and the clock.
-        minutes = cfg.checkpoint.save_every_minutes
-        flags = torch.tensor([preemption.signal is not None, minutes > 0 and time.monotonic() - last_save > 60 * minutes], device=accelerator.device)
-        preempted, time_due = (accelerator.reduce(flags.float(), "sum") > 0).tolist() if world > 1 else flags.tolist()
         every = cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0
         if step < schedule.total_steps and (every or time_due or preempted):
             save(step, epoch)
@@ -404,7 +403,6 @@ def run(cfg: RunConfig) -> RunResult:
     summary["world_size"] = world
     # Memory held by model, optimizer and activations while training (compare with `finetune plan`).
     summary["rss_before_model_mib"] = rss_before_model / 2**20
-    summary["load_peak_rss_mib"] = accelerator.gather(torch.tensor([load_peak_rss / 2**20], device=accelerator.device)).tolist()
     summary["peak_rss_mib"] = peak_rss() / 2**20
     summary["strategy"] = strategy
     summary["param_numel_per_rank"] = accelerator.gather(torch.tensor([local_numel(model, params)], device=accelerator.device)).tolist()
