@@ -9,12 +9,13 @@ TORCH_VERSION  ?= 2.13.0
 TORCH_PIP_ARGS ?=
 export FINETUNE_CACHE ?= $(CURDIR)/.cache/finetune
 
-.PHONY: install demo test bench-fsdp-load clean help
+.PHONY: install demo test bench-fsdp-load bench-load clean help
 
 help:
 	@echo "make demo   - install, build the demo model, fine-tune it (LoRA) and show before/after"
 	@echo "make test   - install what is missing, run the tests"
 	@echo "make bench-fsdp-load - RAM used loading a 0.8 GB model in 1 process vs 2 (ddp, fsdp)"
+	@echo "make bench-load - load times of a 0.9 GB model: disk cold/warm, staged in RAM, vs a plain read"
 	@echo "make clean  - remove outputs and the demo model (keeps .venv)"
 
 install: $(VENV)/.installed
@@ -37,6 +38,9 @@ test: install
 
 bench-fsdp-load: install
 	$(PY) bench/fsdp_load.py
+
+bench-load: install
+	$(PY) bench/load.py
 
 clean:
 	rm -rf outputs demo/model .cache

@@ -11,7 +11,7 @@ twice):
   2 processes, distributed.strategy: fsdp   rank 0 loads, the others build a meta-device skeleton
                                             and receive only their shards
 
-Usage: python bench/fsdp_load.py [--layers 16] [--hidden 1024]   (make bench-load-fsdp)
+Usage: python bench/fsdp_load.py [--layers 16] [--hidden 1024]   (make bench-fsdp-load)
 Prints a markdown table and writes it to bench/results/fsdp_load.md.
 """
 
@@ -26,26 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-DATA = REPO / "demo" / "data"
-
-
-def build_model(out: Path, layers: int, hidden: int) -> float:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from finetune.demo import build_tokenizer
-
-    texts = [json.loads(line)["text"] for line in (DATA / "corpus.jsonl").read_text().splitlines()[:1500]]
-    tok = build_tokenizer(texts)
-    config = LlamaConfig(vocab_size=len(tok), hidden_size=hidden, intermediate_size=hidden * 11 // 4, num_hidden_layers=layers,
-                         num_attention_heads=hidden // 64, num_key_value_heads=hidden // 64, max_position_embeddings=512,
-                         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config)
-    model.save_pretrained(out)
-    tok.save_pretrained(out)
-    return sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
+from common import DATA, REPO, build_model, report
 
 
 def run(model_dir: Path, work: Path, name: str, nproc: int, strategy: str) -> dict:
@@ -136,11 +117,7 @@ def main() -> None:
     base = rows[0]["node"]
     for r in rows:
         lines.append(f"| {r['name']} | {r['before']:.0f} | {' / '.join(f'{p:.0f}' for p in r['peaks'])} | {r['node']:.0f} | {r['node'] / base:.2f} |")
-    table = "\n".join(lines)
-    print(table)
-    results = REPO / "bench" / "results"
-    results.mkdir(parents=True, exist_ok=True)
-    (results / "fsdp_load.md").write_text(table + "\n")
+    report("fsdp_load", lines)
 
 
 if __name__ == "__main__":

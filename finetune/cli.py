@@ -1,4 +1,4 @@
-"""`finetune` command line: train, validate, make-demo-model.
+"""`finetune` command line: train, validate, plan, stage, make-demo-model.
 
 Bad input ends with one line on stderr and exit code 2, never a traceback.
 """
@@ -11,6 +11,7 @@ import warnings
 import os
 import sys
 
+from finetune.config import DEFAULT_RAMDISK, ModelConfig
 from finetune.errors import UserError
 
 # Flags that are shorthands for schema keys (they are applied as --set overrides, after the file).
@@ -52,6 +53,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sharding", choices=["none", "zero2", "zero3"], default="none",
                    help="none/DDP; zero2: gradients+optimizer split over devices; zero3 (or FSDP): weights too")
 
+    p = sub.add_parser("stage", help="copy a model into RAM once so runs load it in seconds; list or evict copies",
+                       description="Copy a model folder (safetensors weights, configs, tokenizer) to a RAM-backed folder, verify it "
+                       "with checksums, and reuse it while the source is unchanged (same sizes and mtimes). Runs with "
+                       "model.ramdisk set do this themselves; one process per node copies, the others wait. Evicting a copy "
+                       "does not disturb runs that are using it: they keep its pages until they exit.")
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--model", metavar="PATH_OR_ID", help="the model folder (or hub id) to stage")
+    what.add_argument("--list", action="store_true", help="show what is staged, its size, source and whether it is current")
+    what.add_argument("--evict", nargs="?", const="", metavar="NAME|SOURCE",
+                      help="remove the copy of one model (its staged name or source path); with no value, remove all")
+    p.add_argument("--root", default=DEFAULT_RAMDISK, help=f"staging folder on a tmpfs/ramfs mount (default {DEFAULT_RAMDISK})")
+    p.add_argument("--reserve-gib", type=float, default=ModelConfig.model_fields["ramdisk_reserve_gib"].default,
+                   help="refuse to stage if less than this much RAM would stay available (default %(default)s)")
+    p.add_argument("--revision", help="hub revision, for a hub id")
+    p.add_argument("--verify", action="store_true", help="also compare checksums of the source and the copy; re-stage on a mismatch")
+
     p = sub.add_parser("make-demo-model", help="build the small demo model from the shipped corpus",
                        description="Train a byte-level BPE tokenizer on the shipped corpus, build a small Llama model, "
                        "pretrain it briefly with finetune's own full fine-tuning, and save an ordinary HF model folder.")
@@ -82,6 +99,25 @@ def quiet_libraries() -> None:
     warnings.filterwarnings("ignore", message=r".*is deprecated and will be removed in v6", category=FutureWarning)
 
 
+def run_stage(args: argparse.Namespace) -> None:
+    from finetune import stage
+
+    if args.list:
+        rows = stage.listing(args.root)
+        print(f"{'staged copy':<40} {'GiB':>7}  {'staged at':<19}  {'state':<24} source")
+        for r in rows:
+            print(f"{r['name']:<40} {r['bytes'] / 2**30:>7.2f}  {r['staged_at']:<19}  {r['state']:<24} {r['source']}")
+        print(f"{len(rows)} staged under {args.root}" if rows else f"nothing staged under {args.root}")
+    elif args.evict is not None:
+        removed = stage.evict(args.root, args.evict or None)
+        print(f"evicted {len(removed)}: {', '.join(removed)}" if removed else f"nothing staged under {args.root}")
+    else:
+        staged = stage.stage(args.model, args.root, args.reserve_gib, args.revision, verify=args.verify)
+        verb = f"staged in {staged.seconds:.1f} s (verified)" if staged.copied else "already staged and current"
+        print(f"{staged.path}: {staged.nbytes / 2**30:.2f} GiB, {verb}; set model.ramdisk: {args.root} "
+              f"(or true for the default) to load from it")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     quiet_libraries()
@@ -102,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
             budget, where = (plan.parse_size(args.gpu_mem), "GPU") if args.gpu_mem else plan.available_memory()
             result = plan.make_plan(cfg, devices=args.gpus, sharding=args.sharding, gpu=gpu)
             print(plan.render(result, budget, where, plan.alternatives(cfg, result, gpu)))
+        elif args.command == "stage":
+            run_stage(args)
         elif args.command == "make-demo-model":
             from finetune.demo import make_demo_model
 

@@ -31,6 +31,9 @@ class QuantizationConfig(_Section):
     skip_modules: list[str] | None = Field(None, description="Modules left unquantized besides transformers' defaults (lm_head is always kept).")
 
 
+DEFAULT_RAMDISK = "/dev/shm/finetune"
+
+
 class ModelConfig(_Section):
     name_or_path: str = Field(description="Local HF model folder, or a hub id where a hub is reachable.")
     revision: str | None = Field(None, description="Hub revision (branch, tag or commit).")
@@ -42,6 +45,14 @@ class ModelConfig(_Section):
     )
     trust_remote_code: bool = Field(False, description="Run Python code shipped with the model. Off unless you trust it.")
     quantization: QuantizationConfig | None = Field(None, description="Load the base quantized (QLoRA / 8-bit); adapters train on top.")
+    ramdisk: bool | str = Field(False, description="Stage the model folder in RAM once (true: /dev/shm/finetune, or a tmpfs path) and load "
+                                "from there; later runs reuse the copy. Falls back to the source, with a warning, if it does not fit.")
+    ramdisk_reserve_gib: float = Field(4.0, ge=0, description="RAM that must stay available after staging; else the run loads from the source.")
+
+    @property
+    def ramdisk_root(self) -> str | None:
+        """Where the model is staged, or None when staging is off."""
+        return DEFAULT_RAMDISK if self.ramdisk is True else (self.ramdisk or None)
 
 
 class AdapterConfig(_Section):
@@ -177,7 +188,7 @@ class RunConfig(_Section):
     def _data_files_exist(cls, data: DataConfig) -> DataConfig:
         for key in ("train", "eval"):
             for path in _as_list(getattr(data, key)):
-                if _looks_local(path) and not Path(path).exists():
+                if looks_local(path) and not Path(path).exists():
                     raise ValueError(f"{key}: file not found: {path}")
         return data
 
@@ -211,7 +222,7 @@ def _as_list(value: str | list[str] | None) -> list[str]:
     return [value] if isinstance(value, str) else list(value)
 
 
-def _looks_local(path: str) -> bool:
+def looks_local(path: str) -> bool:
     """A data or model reference is a local path if it exists or looks like a file path rather than a hub id."""
     return Path(path).exists() or path.startswith((".", "/", "~")) or Path(path).suffix in {".jsonl", ".json", ".parquet"}
 
@@ -246,7 +257,7 @@ def apply_override(raw: dict, keys: list[str], value: Any, source: str) -> None:
 # how long it goes on, how it is spread, and the knobs OPT's and PaLM's teams turned when they
 # restarted by hand. Anything else (model, adapter, data, seed, optimizer) changes what is trained.
 CHANGEABLE_ON_RESUME = (
-    "logging.", "eval.", "checkpoint.", "guard.", "watchdog.", "distributed.", "data.cache_dir", "data.num_proc",
+    "logging.", "eval.", "checkpoint.", "model.ramdisk", "guard.", "watchdog.", "distributed.", "data.cache_dir", "data.num_proc",
     "train.output_dir", "train.max_steps", "train.epochs", "train.lr", "train.warmup_steps", "train.scheduler",
     "train.max_grad_norm", "train.skip_data",
     # Batch shape: resuming at another world size (DCP reshards) means another micro-batch/accumulation.
@@ -323,7 +334,7 @@ def check_against_model(cfg: RunConfig, source: str) -> None:
     """Checks that need the model's config.json (read as JSON: no weights, no transformers import)."""
     model_dir = Path(cfg.model.name_or_path).expanduser()
     if not model_dir.exists():
-        if _looks_local(cfg.model.name_or_path):
+        if looks_local(cfg.model.name_or_path):
             raise UserError(f"{source}: model.name_or_path: folder not found: {cfg.model.name_or_path}")
         return  # a hub id: checked when it is loaded
     config_file = model_dir / "config.json"

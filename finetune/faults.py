@@ -6,6 +6,7 @@ raises once 2 optimizer steps are done, before the third. Kinds:
   hang    sleep inside the step (a stuck peer)  nan / spike   the loss of the batches of data
           step(s) STEP becomes NaN / 1000x, as a bad batch would make it (keyed to the data, so
           batches skipped after a rollback are not seen again)
+  kill-staging@N   SIGKILL itself once N chunks of a ramdisk staging copy are written (a half copy)
 A fault fires in the first attempt only: after torchrun restarts the workers
 (TORCHELASTIC_RESTART_COUNT > 0) the run goes on cleanly. Unset, it costs one comparison per step.
 """
@@ -17,7 +18,7 @@ import signal
 import time
 from dataclasses import dataclass
 
-KINDS = ("raise", "kill", "hang", "nan", "spike")
+KINDS = ("raise", "kill", "hang", "nan", "spike", "kill-staging")
 
 
 @dataclass(frozen=True)
@@ -64,3 +65,8 @@ def inject(step: int, rank: int) -> None:
     if FAULT.kind == "hang":
         time.sleep(3600)
     raise RuntimeError(f"injected fault on rank {rank} at step {step} (FINETUNE_FAULT)")
+
+
+def inject_staging(chunks_written: int) -> None:
+    if FAULT is not None and FAULT.kind == "kill-staging" and chunks_written >= FAULT.first:
+        os.kill(os.getpid(), signal.SIGKILL)

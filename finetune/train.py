@@ -40,6 +40,7 @@ from finetune.evaluate import eval_loss, exact_match, token_loss_sum, trained_to
 from finetune.metrics import RunLog, plot_loss_curve
 from finetune.model import apply_adapter, check_supported, describe, load_model, load_tokenizer
 from finetune.optim import build_optimizer, build_scheduler, check_optimizer
+from finetune.stage import staged_model
 from finetune.supervise import Preemption, Watchdog
 
 CONFIG_FILE = "finetune_config.yaml"
@@ -196,8 +197,11 @@ def run(cfg: RunConfig) -> RunResult:
         out.mkdir(parents=True, exist_ok=True)
         (out / CONFIG_FILE).write_text(to_yaml(cfg))
 
+    # One process per node copies the model to RAM (model.ramdisk); everything loads from that copy.
+    model_cfg = staged_model(cfg.model, say=print if world == 1 else lambda m: print(f"[rank {rank}] {m}"))
+
     # Data: the main process tokenizes (and fills the cache) first; the others then read the cache.
-    tokenizer = load_tokenizer(cfg.model)
+    tokenizer = load_tokenizer(model_cfg)
     with accelerator.main_process_first():
         data = load_data(cfg.data, tokenizer, t.seed, keep_eval_examples=cfg.eval.generate_samples > 0)
     schedule = plan_steps(cfg, len(data.train), world)
@@ -213,7 +217,8 @@ def run(cfg: RunConfig) -> RunResult:
     fsdp, zero = strategy == "fsdp", strategy in ZERO_STAGES
     rss_before_model = current_rss()
     zero3_partitioning = zero3_loading(cfg, world)  # noqa: F841  (must stay alive while loading)
-    model = load_model(cfg.model, accelerator.device, skeleton=fsdp and rank != 0)
+    model = load_model(model_cfg, accelerator.device, skeleton=fsdp and rank != 0)
+    model.name_or_path = model.config.name_or_path = cfg.model.name_or_path  # saved configs name the source, not a RAM copy
     model = apply_adapter(model, cfg.adapter, t.gradient_checkpointing)
     info = describe(model)
     q = cfg.model.quantization
@@ -405,6 +410,7 @@ def run(cfg: RunConfig) -> RunResult:
     summary["rss_before_model_mib"] = rss_before_model / 2**20
     summary["peak_rss_mib"] = peak_rss() / 2**20
     summary["strategy"] = strategy
+    summary["model_loaded_from"] = model_cfg.name_or_path
     summary["param_numel_per_rank"] = accelerator.gather(torch.tensor([local_numel(model, params)], device=accelerator.device)).tolist()
     summary["replicas_identical"] = replicas_identical(params, accelerator) if strategy in ("ddp", "single") else None
     # Sharded weights are gathered into one ordinary state dict (all ranks take part), saved by rank 0.

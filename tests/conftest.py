@@ -94,6 +94,17 @@ def demo_model_dir(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.fixture(scope="session")
+def ram_root() -> Path:
+    """A staging root on the RAM-backed /dev/shm (as model.ramdisk uses), removed at the end."""
+    import shutil
+    import uuid
+
+    root = Path("/dev/shm") / f"finetune-tests-{uuid.uuid4().hex[:8]}"
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
 def base_config(model_dir: Path, out_dir: Path, **sections) -> dict:
     cfg = {
         "model": {"name_or_path": str(model_dir)},

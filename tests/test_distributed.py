@@ -35,6 +35,8 @@ def _train(tmp_path, name, model_dir, method, nproc, strategy="ddp", accelerate_
         if accelerate_config and accelerate_config != strategy:
             return result
     assert result.returncode == 0, result.stderr[-3000:]
+    if nproc > 1:
+        (out / "console.log").write_text(result.stdout + result.stderr)
     losses = [r["loss"] for r in read_jsonl(out / "metrics.jsonl") if "loss" in r]
     return out, losses, json.loads((out / "summary.json").read_text())
 
@@ -46,13 +48,15 @@ def single(tmp_path_factory, tiny_model_dir):
 
 
 @pytest.fixture(scope="module")
-def two_process_runs(tmp_path_factory, tiny_model_dir):
-    """2-process LoRA runs by strategy, shared by the tests that only read their outputs."""
+def two_process_runs(tmp_path_factory, tiny_model_dir, ram_root):
+    """2-process LoRA runs by strategy, shared by the tests that only read their outputs. The ddp run
+    stages the model in RAM (model.ramdisk): both ranks start at once, one copies, both load it."""
     runs = {}
 
     def get(strategy):
         if strategy not in runs:
-            runs[strategy] = _train(tmp_path_factory.mktemp(strategy), "two", tiny_model_dir, "lora", 2, strategy)
+            staging = {"model": {"ramdisk": str(ram_root / "ddp")}} if strategy == "ddp" else {}
+            runs[strategy] = _train(tmp_path_factory.mktemp(strategy), "two", tiny_model_dir, "lora", 2, strategy, **staging)
         return runs[strategy]
 
     return get
@@ -77,6 +81,18 @@ def test_two_processes_match_one(tmp_path, tiny_model_dir, single, two_process_r
         assert all(n <= trainable / 2 + 1024 for n in shards) and sum(shards) >= trainable, (shards, trainable)
     else:
         assert shards == [trainable, trainable] and summary["replicas_identical"] is True
+
+
+def test_two_ranks_stage_one_ram_copy_and_both_load_it(two_process_runs, ram_root):
+    """The losses of this run equal one process loading from disk (test_two_processes_match_one)."""
+    from finetune.stage import staged_name
+
+    out, _, summary = two_process_runs("ddp")
+    console = (out / "console.log").read_text()
+    staged = [line for line in console.splitlines() if "ramdisk: staged" in line]
+    reused = [line for line in console.splitlines() if "ramdisk: reusing the staged copy" in line]
+    assert len(staged) == len(reused) == 1, console[-3000:]
+    assert summary["model_loaded_from"].startswith(str(ram_root / "ddp"))
 
 
 def test_hybrid_fsdp_replicates_across_groups(tmp_path, tiny_model_dir, single):

@@ -15,17 +15,20 @@ QLORA = {"bits": 4, "quant_type": "nf4", "double_quant": True, "compute_dtype": 
 
 
 @pytest.mark.parametrize("method", ["lora", "dora"])
-def test_qlora_learns_and_the_adapter_reloads_on_a_fresh_4bit_base(tmp_path, demo_model_dir, method):
+def test_qlora_learns_and_the_adapter_reloads_on_a_fresh_4bit_base(tmp_path, demo_model_dir, ram_root, method):
+    """Trained from a staged RAM copy of the base (model.ramdisk); reloaded on one quantized from the source."""
     from peft import PeftModel
 
     out = tmp_path / "out"
     # fp32 compute here so that "identical logits" can be checked to 1e-5 (bf16 rounds at ~1e-2).
     cfg = validate_config(base_config(
-        demo_model_dir, out, model={"quantization": {**QLORA, "compute_dtype": "float32"}}, adapter={"method": method, "r": 8},
+        demo_model_dir, out, model={"quantization": {**QLORA, "compute_dtype": "float32"}, "ramdisk": str(ram_root / "qlora")},
+        adapter={"method": method, "r": 8},
         train={"max_steps": 25, "micro_batch_size": 8, "lr": 3e-3, "warmup_steps": 3},
         eval={"on_start": True},
     ), "test")
     result = run(cfg)
+    assert result.summary["model_loaded_from"].startswith(str(ram_root / "qlora"))
     evals = [r["eval_loss"] for r in read_jsonl(out / "metrics.jsonl") if "eval_loss" in r]
     assert evals[-1] < 0.5 * evals[0], evals
 
