@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from conftest import DEMO_DATA, REPO, base_config, run_cli, write_config
+from conftest import REPO, base_config, run_cli, write_config
 
 
 def _bad(cfg: dict, keys: list[str], value) -> dict:

@@ -85,8 +85,6 @@ def test_two_processes_match_one(tmp_path, tiny_model_dir, single, two_process_r
 
 def test_two_ranks_stage_one_ram_copy_and_both_load_it(two_process_runs, ram_root):
     """The losses of this run equal one process loading from disk (test_two_processes_match_one)."""
-    from finetune.stage import staged_name
-
     out, _, summary = two_process_runs("ddp")
     console = (out / "console.log").read_text()
     staged = [line for line in console.splitlines() if "ramdisk: staged" in line]

@@ -3,7 +3,6 @@ restart loops, config changes on resume and manual recovery. Real runs, real sig
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
