@@ -11,7 +11,6 @@ import subprocess
 import sys
 import time
 
-
 from conftest import REPO, base_config, read_jsonl, run_cli
 from finetune.config import validate_config
 from finetune.stage import MANIFEST, PARTIAL, source_files, staged_name
