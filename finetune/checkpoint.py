@@ -263,16 +263,41 @@ def restore(path: Path, model, optimizer, scheduler, accelerator, layout: str = 
         return _restore_rest(path, scheduler, accelerator)
     if layout != "full":
         raise ValueError(f"{path} was written by an unsharded run; resume it with distributed.strategy: ddp (or start afresh)")
-    weights = load_file(path / WEIGHTS)
-    params = dict(accelerator.unwrap_model(model).named_parameters())
+    _copy_trainable(load_file(path / WEIGHTS), accelerator.unwrap_model(model), path)
+    optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
+    return _restore_rest(path, scheduler, accelerator)
+
+
+def _copy_trainable(weights: dict[str, torch.Tensor], model, path: Path) -> None:
+    params = dict(model.named_parameters())
     missing = sorted(set(weights) ^ {n for n, p in params.items() if p.requires_grad})
     if missing:
         raise ValueError(f"{path}: its weights do not match this model's trainable parameters (e.g. {missing[0]})")
     with torch.no_grad():
         for name, value in weights.items():
             params[name].copy_(value)
-    optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
-    return _restore_rest(path, scheduler, accelerator)
+
+
+def load_trainable(path: Path, model) -> None:
+    """Only the trained weights of a checkpoint of any layout, into an unsharded model in this
+    process (finetune merge / generate on a checkpoint mid-run)."""
+    from safetensors.torch import load_file
+
+    if (path / SHARDED).is_dir():
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+
+        state = {"model": get_model_state_dict(model, options=StateDictOptions(ignore_frozen_params=True))}
+        dcp.load(state, checkpoint_id=path / SHARDED)  # reads only these keys: no optimizer state
+        set_model_state_dict(model, state["model"], options=StateDictOptions(strict=False))
+    elif (path / DEEPSPEED).is_dir():
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        # Unpickles DeepSpeed's own files: callers verify() the manifest first, as restore does.
+        weights = get_fp32_state_dict_from_zero_checkpoint(path / DEEPSPEED, tag="state", exclude_frozen_parameters=True)
+        _copy_trainable(weights, model, path)
+    else:
+        _copy_trainable(load_file(path / WEIGHTS), model, path)
 
 
 def _restore_rest(path: Path, scheduler, accelerator) -> dict:

@@ -3,12 +3,14 @@
   2   bad input (config, data, paths): UserError
   3   the loss-divergence guard gave up after its rollbacks: Stopped
   4   the hang watchdog found a step stuck far longer than the recent ones (stacks are in the log)
+  5   finetune merge: the saved model's logits are not those of base+adapter (nothing was written)
   75  preempted (SIGTERM/SIGUSR1): a checkpoint was saved first; start the same command to resume
 """
 
 EXIT_USAGE = 2
 EXIT_DIVERGED = 3
 EXIT_HUNG = 4
+EXIT_MERGE_CHECK = 5
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: "try again later", what a requeue does
 
 

@@ -26,9 +26,6 @@ if __name__ == "__main__" and not __package__:
 
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # else DeepSpeed warns about it on every import
-
 from finetune import checkpoint, faults
 from finetune.config import RunConfig, to_yaml
 from finetune.data import Datasets, collate, epoch_batches, load_data

@@ -1,0 +1,247 @@
+"""Merge an adapter into its base, write an ordinary HF model folder, and prove it equals base+adapter.
+
+The steps, holding at most one full-precision copy of the weights at a time:
+  1. the tuned model as trained (base, 4-bit for QLoRA, + adapter): reference logits on a few texts,
+     and the base's own logits with the adapter switched off (how far the adapter moves them)
+  2. the merged model: LoRA/DoRA merged into a float32 base (for QLoRA: the dequantized 4-bit base,
+     or the original weights; both are measured, the closer one is written unless chosen)
+  3. saved (sharded safetensors + index, config, generation config, tokenizer) under a temporary
+     name, reloaded with plain transformers, compared with the reference, and only then renamed to
+     the output folder; a failed check leaves no output folder
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from finetune import checkpoint
+from finetune.config import ModelConfig, RunConfig, load_config
+from finetune.errors import EXIT_MERGE_CHECK, Stopped, UserError
+from finetune.model import DTYPES, apply_adapter, load_model, load_tokenizer
+
+OUT_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+# Max |logit difference| allowed between the saved model and base+adapter, by the dtype written: the
+# rounding of the weights to that dtype, over a few hundred tokens, stays well inside these.
+TOLERANCE = {"fp32": 1e-3, "bf16": 0.25, "fp16": 0.05}
+REPORT = "merge_report.json"
+FALLBACK_PROMPTS = ["The quick brown fox jumps over the lazy dog.", "Question: what is two plus two?\nAnswer:",
+                    "Once upon a time, in a small village,"]
+
+
+@dataclass
+class Adapter:
+    path: Path
+    base: str
+    run: RunConfig | None  # the training run's config, when the folder carries it (finetune outputs)
+    from_checkpoint: bool
+
+    @property
+    def quantized(self) -> bool:
+        return self.run is not None and self.run.model.quantization is not None
+
+
+def find_adapter(path: str, base: str | None) -> Adapter:
+    """What --adapter points at: a PEFT adapter folder, or a finetune checkpoint mid-run."""
+    folder = Path(path).expanduser()
+    if not folder.is_dir():
+        raise UserError(f"--adapter: no such folder: {path}")
+    run = load_config(folder / "finetune_config.yaml", check_model=False) if (folder / "finetune_config.yaml").is_file() else None
+    if (folder / "adapter_config.json").is_file():
+        saved_base = json.loads((folder / "adapter_config.json").read_text()).get("base_model_name_or_path")
+        chosen = base or saved_base
+        if not chosen:
+            raise UserError(f"--adapter: {folder}/adapter_config.json names no base model; give --base")
+        return Adapter(folder, chosen, run, False)
+    if (folder / checkpoint.MANIFEST).is_file() and run is not None:
+        problem = checkpoint.verify(folder)
+        if problem:
+            raise UserError(f"--adapter: checkpoint {folder} is damaged: {problem}")
+        if run.adapter.method == "full":
+            raise UserError(f"--adapter: {folder} is a full fine-tuning checkpoint: it holds the trained weights, there is no adapter to merge")
+        return Adapter(folder, base or run.model.name_or_path, run, True)
+    raise UserError(f"--adapter: {folder} is neither a PEFT adapter (adapter_config.json) nor a finetune checkpoint")
+
+
+def load_base(adapter: Adapter, quantized: bool):
+    """The base model: as the run trained it (quantized, with its dtype) or in float32."""
+    if quantized:
+        return load_model(adapter.run.model.model_copy(update={"name_or_path": adapter.base, "ramdisk": False}))
+    return load_model(ModelConfig(name_or_path=adapter.base, dtype="float32"))
+
+
+def attach(base, adapter: Adapter):
+    """base + the trained adapter weights, as a PeftModel in eval mode."""
+    from peft import PeftModel
+
+    try:
+        if not adapter.from_checkpoint:
+            return PeftModel.from_pretrained(base, adapter.path).eval()
+        model = apply_adapter(base, adapter.run.adapter, gradient_checkpointing=False)
+        checkpoint.load_trainable(adapter.path, model)
+        return model.eval()
+    except (RuntimeError, ValueError, KeyError) as err:  # shape or name mismatch with this base
+        lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+        why = next((line for line in lines if "mismatch" in line), lines[0] if lines else type(err).__name__)
+        raise UserError(f"--adapter: {adapter.path} does not fit the base {adapter.base}: {why[:300]}") from None
+
+
+def check_texts(adapter: Adapter, tokenizer, prompts_file: str | None, n: int = 4) -> list[str]:
+    """Texts to compare logits on: --check-prompts (one per line), else the run's first training
+    samples (prompt and answer), else a few generic sentences."""
+    if prompts_file:
+        path = Path(prompts_file).expanduser()
+        if not path.is_file():
+            raise UserError(f"--check-prompts: no such file: {prompts_file}")
+        texts = [line for line in path.read_text().splitlines() if line.strip()]
+        if not texts:
+            raise UserError(f"--check-prompts: {prompts_file} holds no prompts (one per line expected)")
+        return texts
+    if adapter.run is not None:
+        from finetune.data import prompt_and_answer, read_rows
+
+        d = adapter.run.data
+        try:
+            rows = read_rows(d.train if isinstance(d.train, list) else [d.train], d.format, "skip")[:n]
+            if d.format == "completion":
+                return [row["text"] for row in rows]
+            return ["".join(prompt_and_answer(row, tokenizer, d.format)) for row in rows]
+        except (UserError, OSError):
+            pass  # the training data moved: fall back to generic prompts
+    return FALLBACK_PROMPTS
+
+
+@torch.no_grad()
+def logits_on(model, tokenizer, texts: list[str]) -> list[torch.Tensor]:
+    out = []
+    for text in texts:
+        ids = tokenizer(text, return_tensors="pt").input_ids[:, :256]
+        out.append(model(input_ids=ids, use_cache=False).logits[0].float())
+    return out
+
+
+def distance(a: list[torch.Tensor], b: list[torch.Tensor]) -> dict:
+    diffs = [(x - y).abs() for x, y in zip(a, b)]
+    return {"max": max(float(d.max()) for d in diffs), "mean": sum(float(d.sum()) for d in diffs) / sum(d.numel() for d in diffs)}
+
+
+def merged_model(adapter: Adapter, qlora_base: str):
+    """A float32 model with the adapter merged in. qlora_base: 'dequantized' merges into the 4-bit
+    weights the adapter was trained against, 'original' into the base's own weights."""
+    if adapter.quantized and qlora_base == "dequantized":
+        base = load_base(adapter, quantized=True).dequantize(dtype=torch.float32).float()
+    else:
+        base = load_base(adapter, quantized=False)
+    return attach(base, adapter).merge_and_unload()
+
+
+def merge(adapter_path: str, out: str, base: str | None = None, dtype: str | None = None, max_shard_size: str = "5GB",
+          qlora_base: str | None = None, prompts_file: str | None = None, tolerance: float | None = None, say=print) -> dict:
+    """Merge, save, verify; returns the report (also written as OUT/merge_report.json)."""
+    adapter = find_adapter(adapter_path, base)
+    final, tmp = _output_folders(out)
+    try:
+        tokenizer = load_tokenizer(ModelConfig(name_or_path=tokenizer_source(adapter)))
+        texts = check_texts(adapter, tokenizer, prompts_file)
+
+        # 1. The reference: base + adapter exactly as trained.
+        tuned = attach(load_base(adapter, quantized=adapter.quantized), adapter)
+        reference = logits_on(tuned, tokenizer, texts)
+        with tuned.disable_adapter():
+            untuned = logits_on(tuned, tokenizer, texts)
+        dtype = dtype or _stored_dtype(adapter.base)
+        tolerance = tolerance if tolerance is not None else max(TOLERANCE[dtype], TOLERANCE["bf16"] if _bf16_compute(adapter) else 0)
+        report = {"adapter": str(adapter.path), "base": adapter.base, "dtype": dtype, "check_texts": len(texts),
+                  "adapter_effect": distance(untuned, reference), "tolerance_max": tolerance}
+
+        # 2. The merged model. A float base merges in place; for QLoRA both bases are measured, one at a
+        # time, and the closer one (or the one asked for) is kept.
+        model = tuned.merge_and_unload() if not adapter.quantized else None
+        del tuned
+        gc.collect()
+        if adapter.quantized:
+            variants, report["qlora_bases"] = ["original", "dequantized"], {}
+            for variant in variants:
+                model = merged_model(adapter, variant)
+                report["qlora_bases"][variant] = d = distance(logits_on(model, tokenizer, texts), reference)
+                say(f"QLoRA merged into the {variant} base: logits differ from the 4-bit model + adapter by max {d['max']:.4g}, mean {d['mean']:.4g}")
+                if variant != variants[-1]:
+                    del model
+                    gc.collect()
+            report["qlora_base"] = chosen = qlora_base or min(variants, key=lambda v: report["qlora_bases"][v]["max"])
+            if chosen != variants[-1]:
+                del model
+                gc.collect()
+                model = merged_model(adapter, chosen)
+
+        # 3. Save under a temporary name, reload with plain transformers, compare, then publish.
+        _save(model.to(OUT_DTYPES[dtype]), tokenizer, tmp, max_shard_size)
+        del model
+        gc.collect()
+        from transformers import AutoModelForCausalLM
+
+        reloaded = AutoModelForCausalLM.from_pretrained(tmp, dtype=OUT_DTYPES[dtype]).eval()
+        report["merged_vs_tuned"] = distance(logits_on(reloaded, tokenizer, texts), reference)
+        del reloaded
+        m, effect = report["merged_vs_tuned"], report["adapter_effect"]
+        report["passed"] = m["max"] <= tolerance and m["max"] < effect["max"]
+        (tmp / REPORT).write_text(json.dumps(report, indent=2) + "\n")
+        if not report["passed"]:
+            raise Stopped(f"merge check failed: the saved model's logits differ from base+adapter by up to {m['max']:.4g} "
+                          f"(tolerance {tolerance:g}; the adapter itself moves them by up to {effect['max']:.4g}); nothing "
+                          f"written to {final}. Raise --tolerance to accept it", exit_code=EXIT_MERGE_CHECK)
+        if final.is_dir():
+            final.rmdir()  # it was empty
+        tmp.rename(final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # gone already when it became the output
+    return report
+
+
+def _output_folders(out: str) -> tuple[Path, Path]:
+    """The output folder (which must not hold anything yet) and the temporary one written first."""
+    final = Path(out).expanduser()
+    if final.exists() and (not final.is_dir() or any(final.iterdir())):
+        raise UserError(f"--out: {final} already exists and is not empty; choose a new folder or remove it")
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = final.parent / f".{final.name}.partial-{os.getpid()}"
+        tmp.mkdir()
+    except OSError as err:
+        raise UserError(f"--out: cannot write to {final.parent}: {err.strerror or err}") from None
+    return final, tmp
+
+
+def tokenizer_source(adapter: Adapter) -> str:
+    """The tokenizer the run saved next to its adapter (with any chat template it set), else the base's."""
+    for folder in (adapter.path, adapter.path.parent.parent):  # an adapter folder, or OUTPUT/checkpoints/step-N
+        if (folder / "tokenizer_config.json").is_file():
+            return str(folder)
+    return adapter.base
+
+
+def _stored_dtype(base: str) -> str:
+    """The dtype the base was saved in, as a --dtype name (float32 if its config does not say)."""
+    from transformers import AutoConfig
+
+    saved = AutoConfig.from_pretrained(base).dtype
+    saved = DTYPES.get(saved, saved) if isinstance(saved, str) else saved
+    return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(saved, "fp32")
+
+
+def _bf16_compute(adapter: Adapter) -> bool:
+    """Whether the reference itself ran in bf16 (a 4-bit base computing in bf16): its own rounding
+    then bounds how close any merged model can get."""
+    return adapter.quantized and adapter.run.model.quantization.compute_dtype != "float32"
+
+
+def _save(model, tokenizer, folder: Path, max_shard_size: str) -> None:
+    model.config.use_cache = True  # a merged model is for generation
+    model.save_pretrained(folder, safe_serialization=True, max_shard_size=max_shard_size)
+    tokenizer.save_pretrained(folder)
