@@ -101,7 +101,7 @@ def test_hybrid_fsdp_replicates_across_groups(tmp_path, tiny_model_dir, single):
 
 
 @pytest.mark.parametrize("strategy", ["fsdp", "zero3"])
-def test_gathered_adapter_loads_in_one_process_and_equals_the_trained_one(tiny_model_dir, single, two_process_runs, strategy):
+def test_gathered_adapter_loads_in_one_process_and_equals_the_trained_one(tmp_path, tiny_model_dir, single, two_process_runs, strategy):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -117,6 +117,7 @@ def test_gathered_adapter_loads_in_one_process_and_equals_the_trained_one(tiny_m
         untuned = base(input_ids=ids, use_cache=False).logits
     assert (logits[0] - logits[1]).abs().max() < 1e-4
     assert (logits[0] - untuned).abs().max() > 1e-3  # not an empty or partial adapter
+    _merges_cleanly(out, tmp_path / "merged")
 
 
 def test_fsdp_checkpoint_resumes_at_two_and_at_one_process(tmp_path, tiny_model_dir):
@@ -133,6 +134,15 @@ def test_fsdp_checkpoint_resumes_at_two_and_at_one_process(tmp_path, tiny_model_
         extra = {"train": {"max_steps": 4, "micro_batch_size": 2, "grad_accum": 2 // nproc, "lr": 1e-2}}
         _, resumed, _ = _train(tmp_path, f"resumed-{nproc}", tiny_model_dir, "lora", nproc, "fsdp", **extra)
         assert resumed == pytest.approx(losses[2:], rel=1e-5), (nproc, resumed, losses)
+    _merges_cleanly(saved, tmp_path / "merged")  # the DCP shards, read in one process
+
+
+def _merges_cleanly(adapter, out) -> None:
+    """finetune merge of a sharded run's adapter or checkpoint: equal to base+adapter, and not empty."""
+    from finetune.merge import merge
+
+    report = merge(str(adapter), str(out), dtype="fp32")
+    assert report["passed"] and report["merged_vs_tuned"]["max"] < 1e-4 and report["adapter_effect"]["max"] > 1e-3, report
 
 
 def test_zero3_checkpoint_resumes_at_the_same_world_size_and_is_refused_at_another(tmp_path, tiny_model_dir):
@@ -151,6 +161,7 @@ def test_zero3_checkpoint_resumes_at_the_same_world_size_and_is_refused_at_anoth
     result = run_cli("train", "--config", str(write_config(tmp_path / "one.yaml", cfg)))
     assert result.returncode == 2
     assert "was written by DeepSpeed ZeRO with 2 processes; resume it with the same distributed.strategy and process count" in result.stderr
+    _merges_cleanly(saved, tmp_path / "merged")  # DeepSpeed's partitioned files, gathered in one process
 
 
 def test_a_rank_that_raises_stops_the_whole_job_quickly(tmp_path, tiny_model_dir):
