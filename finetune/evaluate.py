@@ -5,24 +5,9 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 
 from finetune.data import IGNORE, Row, collate, prompt_and_answer
-
-
-def token_loss_sum(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Summed cross-entropy over trained tokens. Logits at t predict the token at t+1.
-
-    No attention_mask: the restarting position_ids tell transformers where samples (and padding) begin.
-    """
-    logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
-    return F.cross_entropy(
-        logits[:, :-1].flatten(0, 1).float(), batch["labels"][:, 1:].flatten(), ignore_index=IGNORE, reduction="sum"
-    )
-
-
-def trained_tokens(batch: dict[str, torch.Tensor]) -> int:
-    return int((batch["labels"][:, 1:] != IGNORE).sum())
+from finetune.loss import token_loss_sum, trained_tokens
 
 
 @torch.no_grad()
@@ -53,23 +38,30 @@ def eval_loss(model, rows: list[Row], batch_size: int, pad_id: int, accelerator,
 
 
 @torch.no_grad()
-def generate(model, tokenizer, prompt: str, max_new_tokens: int) -> str:
-    """Greedy continuation of a prompt (text that already carries any chat formatting)."""
+def generate(model, tokenizer, prompt: str, max_new_tokens: int, add_special_tokens: bool | None = None, temperature: float = 0.0,
+             streamer=None) -> str:
+    """The continuation of a prompt: greedy unless temperature > 0, streamed to `streamer` if given.
+
+    add_special_tokens: default, only when the tokenizer has no chat template (prompts rendered with
+    one already carry the special tokens they need)."""
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
-    ids = tokenizer(prompt, add_special_tokens=not tokenizer.chat_template, return_tensors="pt").input_ids.to(device)
+    add = not tokenizer.chat_template if add_special_tokens is None else add_special_tokens
+    ids = tokenizer(prompt, add_special_tokens=add, return_tensors="pt").input_ids.to(device)
+    sampling = {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
     out = model.generate(
         input_ids=ids,
         attention_mask=torch.ones_like(ids),
         max_new_tokens=max_new_tokens,
-        do_sample=False,
         use_cache=True,
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
+        streamer=streamer,
+        **sampling,
     )
     model.train(was_training)
-    return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True).strip()
+    return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
 
 
 def exact_match(model, tokenizer, examples: list[dict], fmt: str, max_new_tokens: int) -> dict:
@@ -77,6 +69,6 @@ def exact_match(model, tokenizer, examples: list[dict], fmt: str, max_new_tokens
     results = []
     for row in examples:
         prompt, answer = prompt_and_answer(row, tokenizer, fmt)
-        results.append({"prompt": prompt, "expected": answer.strip(), "got": generate(model, tokenizer, prompt, max_new_tokens)})
+        results.append({"prompt": prompt, "expected": answer.strip(), "got": generate(model, tokenizer, prompt, max_new_tokens).strip()})
     correct = sum(r["got"] == r["expected"] for r in results)
     return {"exact_match": correct / max(1, len(results)), "n": len(results), "samples": results}

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import importlib.util
 import json
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
 
+from finetune.attention import register as register_packed_sdpa
 from finetune.config import AdapterConfig, ModelConfig, RunConfig
 from finetune.errors import UserError
 
@@ -97,11 +99,13 @@ def load_model(cfg: ModelConfig, device: torch.device | str = "cpu", skeleton: b
     (the FSDP ranks that receive their shards from rank 0)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    # sdpa, run per packed sample while training (finetune/attention.py); plain sdpa otherwise.
+    attn = register_packed_sdpa() if cfg.attn_implementation == "sdpa" else cfg.attn_implementation
     if skeleton:
         config = AutoConfig.from_pretrained(cfg.name_or_path, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
         dtype = (getattr(config, "dtype", None) or torch.float32) if cfg.dtype == "auto" else DTYPES[cfg.dtype]
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=cfg.attn_implementation,
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn,
                                                      trust_remote_code=cfg.trust_remote_code)
         model.config.use_cache = False
         return model
@@ -118,7 +122,7 @@ def load_model(cfg: ModelConfig, device: torch.device | str = "cpu", skeleton: b
             cfg.name_or_path,
             revision=cfg.revision,
             dtype=DTYPES[cfg.dtype],
-            attn_implementation=cfg.attn_implementation,
+            attn_implementation=attn,
             trust_remote_code=cfg.trust_remote_code,
             use_safetensors=True,
             **extra,
@@ -172,6 +176,17 @@ def apply_adapter(model, cfg: AdapterConfig, gradient_checkpointing: bool):
         return get_peft_model(model, lora)
     except ValueError as err:
         raise UserError(f"adapter.target_modules: {str(err).splitlines()[0]}") from None
+
+
+def adapter_input_casting_off(model, mixed_precision: str):
+    """Context for the training forward. peft casts each adapter input to the adapter's fp32; under
+    bf16 autocast the adapter's matmuls then run in bf16 all the same, so that cast is a copy of every
+    activation for nothing. Off inside the forward under autocast only: without autocast it is needed."""
+    if mixed_precision != "bf16" or not hasattr(model, "peft_config") and not hasattr(getattr(model, "module", None), "peft_config"):
+        return nullcontext()
+    from peft.helpers import disable_input_dtype_casting
+
+    return disable_input_dtype_casting(model)
 
 
 def describe(model) -> dict:

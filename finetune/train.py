@@ -33,9 +33,10 @@ from finetune.distributed import (ZERO_STAGES, check_strategy, full_state_dict, 
                                   shard_fsdp2, zero3_loading)
 from finetune.errors import EXIT_DIVERGED, EXIT_PREEMPTED, Stopped, UserError
 from finetune.guard import Guard, Verdict, data_step
-from finetune.evaluate import eval_loss, exact_match, token_loss_sum, trained_tokens
+from finetune.evaluate import eval_loss, exact_match
+from finetune.loss import token_loss_sum, trained_tokens
 from finetune.metrics import RunLog, plot_loss_curve
-from finetune.model import apply_adapter, check_supported, describe, load_model, load_tokenizer
+from finetune.model import adapter_input_casting_off, apply_adapter, check_supported, describe, load_model, load_tokenizer
 from finetune.optim import build_optimizer, build_scheduler, check_optimizer
 from finetune.stage import staged_model
 from finetune.supervise import Preemption, Watchdog
@@ -185,6 +186,7 @@ def run(cfg: RunConfig) -> RunResult:
     check_optimizer(t)
     check_strategy(cfg)
     accelerator = make_accelerator(cfg)
+    keep_freed_memory()
     main, rank, world = accelerator.is_main_process, accelerator.process_index, accelerator.num_processes
     if cfg.distributed.strategy == "none" and world > 1:
         raise UserError(f"distributed.strategy: none, but {world} processes were started; choose ddp, fsdp or a zero strategy, or start one process")
@@ -302,6 +304,7 @@ def run(cfg: RunConfig) -> RunResult:
 
     # The loop. `step` counts optimizer steps done; the data it reads is a function of it.
     model.train()
+    mp = "no" if fsdp or zero else t.mixed_precision  # autocast runs in the forward (accelerate) only outside sharding
     started, last = time.perf_counter(), {}
     window_tokens, window_start = 0, started
     step = start_step
@@ -321,7 +324,7 @@ def run(cfg: RunConfig) -> RunResult:
             sync = i == len(micro_batches) - 1  # gradients are reduced across ranks once per step
             if fsdp:
                 model.set_requires_gradient_sync(sync)
-            with nullcontext() if sync or fsdp or zero else accelerator.no_sync(model):
+            with nullcontext() if sync or fsdp or zero else accelerator.no_sync(model), adapter_input_casting_off(model, mp):
                 loss = token_loss_sum(model, batch) * faults.loss_factor(position, rank)
                 scaled = loss * (world / max(global_tokens, 1))
                 if zero:
@@ -377,6 +380,7 @@ def run(cfg: RunConfig) -> RunResult:
                 "tokens": tokens_seen,
                 "tokens_per_s": window_tokens / max(now - window_start, 1e-9),
                 "elapsed_s": now - started,
+                "time": time.time(),
             }
             log.write(last)
             window_tokens, window_start = 0, now
@@ -450,6 +454,27 @@ def set_base_lr(scheduler, lr: float) -> None:
         group["initial_lr"] = lr
         group["lr"] = lr * factor(scheduler.last_epoch)
     scheduler._last_lr = [g["lr"] for g in scheduler.optimizer.param_groups]
+
+
+def keep_freed_memory() -> None:
+    """CPU runs: let glibc keep freed memory for reuse instead of returning it to the kernel.
+
+    A training step allocates and frees the same large activations every time. Served by mmap, each
+    comes back as fresh pages whose first touch faults: on the VMs measured (shared/notes/cpu-facts.md)
+    that made large elementwise ops 4-8x slower than on reused memory. RSS then stays near its peak
+    between steps instead of dipping; the peak itself is what the step needs either way.
+    """
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    if torch.cuda.is_available() or not name or not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(name)
+    if hasattr(libc, "mallopt"):
+        M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4
+        libc.mallopt(M_MMAP_MAX, 0)  # large blocks from the heap, not from fresh mmaps
+        libc.mallopt(M_TRIM_THRESHOLD, 2**30 - 1)  # do not hand freed heap back (which would fault again)
 
 
 def _proc_status(key: str) -> int:

@@ -1,0 +1,119 @@
+"""The training loss: summed cross-entropy over the trained tokens only.
+
+Two savings over `model(...).logits` + cross-entropy, both exact:
+- logits are computed only where a label is trained (transformers' `logits_to_keep` mask): with the
+  prompt masked, as in instruction tuning, that skips a large share of the lm_head work;
+- where the lm_head is a plain linear layer of a known architecture and the model is not sharded,
+  `linear_cross_entropy` takes the loss and its gradients a chunk of tokens at a time, so the
+  (tokens x vocab) logits never exist in full, in fp32 or at all after the forward.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from finetune.data import IGNORE
+
+# Architectures whose logits are exactly lm_head(final hidden state): no soft-capping or scaling.
+PLAIN_HEAD_MODELS = {"llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "olmo", "olmo2"}
+CHUNK_ELEMENTS = 2**23  # logits held at once: 32 MiB in fp32
+
+
+def trained_tokens(batch: dict[str, torch.Tensor]) -> int:
+    return int((batch["labels"][:, 1:] != IGNORE).sum())
+
+
+def token_loss_sum(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Summed cross-entropy over trained tokens. Logits at t predict the token at t+1.
+
+    No attention_mask: the restarting position_ids tell transformers where samples (and padding) begin.
+    """
+    labels = batch["labels"]
+    keep = torch.zeros_like(labels, dtype=torch.bool)
+    keep[:, :-1] = labels[:, 1:] != IGNORE
+    targets = labels[:, 1:][keep[:, :-1]]
+    inputs = {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"], "use_cache": False}
+    parts = fusable_parts(model)
+    if parts is None:
+        logits = model(**inputs, logits_to_keep=keep).logits
+        return F.cross_entropy(logits.float(), targets, reduction="sum")
+    decoder, head = parts
+    captured = []
+
+    def grab(_module, _args, out):
+        # Inside the forward, where accelerate's autocast (if any) is on: the head would run in its dtype.
+        device = out[0].device.type
+        captured.append((out[0], torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None))
+
+    hook = decoder.register_forward_hook(grab)
+    try:
+        model(**inputs, logits_to_keep=torch.zeros_like(keep))  # the lm_head sees no rows
+    finally:
+        hook.remove()
+    hidden, autocast_dtype = captured[0]
+    hidden, weight = hidden[keep], head.weight
+    if autocast_dtype is not None:
+        hidden, weight = hidden.to(autocast_dtype), weight.to(autocast_dtype)
+    return linear_cross_entropy(hidden, weight, targets)
+
+
+def fusable_parts(model) -> tuple[torch.nn.Module, torch.nn.Linear] | None:
+    """(decoder, lm_head) when the loss may bypass the model's logits; None to take the plain path."""
+    inner = getattr(model, "module", model)  # DDP
+    base = inner.get_base_model() if hasattr(inner, "get_base_model") else inner  # peft
+    if getattr(base.config, "model_type", None) not in PLAIN_HEAD_MODELS or not hasattr(base, "get_decoder"):
+        return None
+    head = base.get_output_embeddings()
+    weight = getattr(head, "weight", None)
+    if type(head) is not torch.nn.Linear or head.bias is not None or weight is None:
+        return None  # an adapter on the head itself, or a head with more to it
+    if hasattr(weight, "ds_id") or type(weight) is not torch.nn.Parameter:
+        return None  # DeepSpeed-partitioned or FSDP-sharded: the weight is whole only inside the forward
+    return base.get_decoder(), head
+
+
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """sum(cross_entropy(hidden @ weight.T, targets)), computed in chunks of tokens.
+
+    Same arithmetic as the plain path (logits in the weights' dtype, softmax in fp32), but the gradient
+    is taken in the forward, chunk by chunk, and only d(hidden) (and d(weight) if it trains) is kept.
+    """
+    with_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    return _LinearCrossEntropy.apply(hidden, weight, targets, with_grad)
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, with_grad):
+        need_hidden, need_weight = with_grad and hidden.requires_grad, with_grad and weight.requires_grad
+        ctx.weight_dtype = weight.dtype
+        grad_hidden = torch.empty_like(hidden) if need_hidden else None
+        wide = torch.promote_types(weight.dtype, torch.float32)  # softmax and d(weight) sums: fp32 at least
+        grad_weight = torch.zeros_like(weight, dtype=wide) if need_weight else None
+        total = torch.zeros((), dtype=wide, device=hidden.device)
+        chunk = max(1, CHUNK_ELEMENTS // weight.shape[0])
+        for start in range(0, hidden.shape[0], chunk):
+            h, t = hidden[start : start + chunk], targets[start : start + chunk]
+            log_probs = torch.log_softmax(h @ weight.t(), dim=-1, dtype=wide)
+            total -= log_probs.gather(1, t[:, None]).sum()
+            if need_hidden or need_weight:
+                probs = log_probs.exp_()  # d(loss)/d(logits) = softmax - one_hot, in the same memory
+                probs[torch.arange(len(t), device=t.device), t] -= 1.0
+                g = probs.to(weight.dtype)
+                if need_hidden:
+                    grad_hidden[start : start + chunk] = g @ weight
+                if need_weight:
+                    grad_weight += g.t().to(wide) @ h.to(wide)
+        ctx.save_for_backward(grad_hidden, grad_weight)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        return (
+            grad_hidden * grad_total.to(grad_hidden.dtype) if grad_hidden is not None else None,
+            (grad_weight * grad_total).to(ctx.weight_dtype) if grad_weight is not None else None,
+            None,
+            None,
+        )

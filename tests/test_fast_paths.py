@@ -1,0 +1,119 @@
+"""The trainer's speed-ups change no number: chunked linear cross-entropy, logits on trained tokens
+only, and sdpa run per packed sample all give the losses and gradients of the plain paths."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from finetune import loss
+from finetune.attention import PACKED_SDPA, register, sample_bounds
+from finetune.data import IGNORE, collate, pack, tokenize_row
+
+
+@pytest.mark.parametrize("weight_trains", [False, True])
+def test_linear_cross_entropy_equals_cross_entropy(monkeypatch, weight_trains):
+    monkeypatch.setattr(loss, "CHUNK_ELEMENTS", 7 * 50)  # 7 tokens a chunk: several chunks and a ragged last one
+    torch.manual_seed(0)
+    hidden = torch.randn(30, 16, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(50, 16, dtype=torch.float64, requires_grad=weight_trains)
+    targets = torch.randint(0, 50, (30,))
+    fused = loss.linear_cross_entropy(hidden, weight, targets) * 0.5
+    fused.backward()
+    grads = hidden.grad.clone(), weight.grad.clone() if weight_trains else None
+    hidden.grad, weight.grad = None, None
+    plain = F.cross_entropy(hidden @ weight.t(), targets, reduction="sum") * 0.5
+    plain.backward()
+    assert abs(fused.item() - plain.item()) < 1e-9
+    assert torch.allclose(grads[0], hidden.grad, atol=1e-12)
+    if weight_trains:
+        assert torch.allclose(grads[1], weight.grad, atol=1e-12)
+    with torch.no_grad():  # eval: the loss only
+        assert abs(loss.linear_cross_entropy(hidden, weight, targets).item() - 2 * plain.item()) < 1e-9
+
+
+def _packed_batch(model_dir):
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    rows = [{"instruction": "What kind of word is this?", "input": w, "output": k}
+            for w, k in [("apple", "noun"), ("red", "adjective"), ("finds", "verb"), ("Anna", "name"), ("tiger", "noun"), ("blue", "adjective")]]
+    samples = [tokenize_row(r, tok, "alpaca", False) for r in rows]
+    samples = [(s["input_ids"], [IGNORE] + s["labels"][1:]) for s in samples]
+    packed = pack(samples[:4], max_seq_len=256) + pack(samples[4:], max_seq_len=256)
+    return collate(packed, tok.pad_token_id)  # two rows, the shorter padded (a segment of its own)
+
+
+def _loss_and_grads(model, batch):
+    model.zero_grad()
+    value = loss.token_loss_sum(model, batch)
+    value.backward()
+    return value.item(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+@pytest.mark.parametrize("method", ["lora", "full"])
+def test_trained_token_loss_equals_full_logits_loss(tiny_model_dir, monkeypatch, method):
+    """token_loss_sum's fused path == logits of every position + cross-entropy (the textbook loss)."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation="eager")
+    if method == "lora":
+        model = get_peft_model(model, LoraConfig(r=4, target_modules="all-linear", lora_dropout=0.0, init_lora_weights=False))
+    model.train()
+    batch = _packed_batch(tiny_model_dir)
+    assert loss.fusable_parts(model) is not None
+    fused = _loss_and_grads(model, batch)
+
+    def textbook(model, batch):
+        logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
+        return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), batch["labels"][:, 1:].flatten(), ignore_index=IGNORE, reduction="sum")
+
+    monkeypatch.setattr(loss, "token_loss_sum", textbook)
+    plain = _loss_and_grads(model, batch)
+    assert abs(fused[0] - plain[0]) < 1e-4 * plain[0]
+    assert fused[1].keys() == plain[1].keys() and len(fused[1]) > 0
+    for name, grad in plain[1].items():
+        assert torch.allclose(fused[1][name], grad, atol=1e-5), (name, (fused[1][name] - grad).abs().max())
+    monkeypatch.undo()
+    monkeypatch.setattr(loss, "fusable_parts", lambda model: None)  # the logits_to_keep path of other architectures
+    kept = _loss_and_grads(model, batch)
+    assert abs(kept[0] - plain[0]) < 1e-4 * plain[0]
+
+
+def test_packed_sdpa_equals_masked_attention_in_training(tiny_model_dir):
+    """Per-sample sdpa (GQA model, padded second row) == eager attention over the block-diagonal mask:
+    logits and gradients; outside training it is plain sdpa."""
+    batch = _packed_batch(tiny_model_dir)
+    assert [len(b) for b in sample_bounds(batch["position_ids"])] == [5, 4]  # 4 samples | 2 samples + pad
+    results = {}
+    for impl in ("eager", register()):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation=impl).train()
+        assert model.config._attn_implementation == impl
+        logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
+        logits.float().pow(2).mean().backward()
+        results[impl] = logits.detach(), {n: p.grad for n, p in model.named_parameters()}
+    (eager_logits, eager_grads), (packed_logits, packed_grads) = results["eager"], results[PACKED_SDPA]
+    assert torch.allclose(packed_logits, eager_logits, atol=1e-5), (packed_logits - eager_logits).abs().max()
+    for name, grad in eager_grads.items():
+        assert torch.allclose(packed_grads[name], grad, atol=1e-5), name
+    model.eval()
+    with torch.no_grad():
+        again = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
+    assert torch.allclose(again, eager_logits, atol=1e-5)
+
+
+def test_fused_loss_follows_autocast_inside_the_forward(tiny_model_dir, monkeypatch):
+    """fp32 base under bf16 autocast applied to the forward (as accelerate does): the fused loss
+    computes the head in bf16 like the model's own lm_head would, not in fp32."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation="eager").train()
+    model.forward = torch.autocast("cpu", dtype=torch.bfloat16)(model.forward)
+    batch = _packed_batch(tiny_model_dir)
+    fused = _loss_and_grads(model, batch)
+    monkeypatch.setattr(loss, "fusable_parts", lambda model: None)
+    kept = _loss_and_grads(model, batch)
+    assert abs(fused[0] - kept[0]) < 1e-3 * kept[0], (fused[0], kept[0])
+    head = fused[1]["lm_head.weight"]
+    assert head.dtype == torch.float32 and torch.allclose(head, kept[1]["lm_head.weight"], atol=2e-2 * head.abs().max().item())
