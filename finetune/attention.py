@@ -43,17 +43,16 @@ def packed_sdpa_forward(module, query, key, value, attention_mask, dropout: floa
     if not module.training or position_ids is None or query.shape[2] != key.shape[2] or position_ids.dim() != 2:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     gqa = key.shape[1] != query.shape[1]
-    rows = []
     if position_ids.shape[0] != query.shape[0]:
         position_ids = position_ids.expand(query.shape[0], -1)
+    # Each sample's output goes straight to its place in the (B, L, H, D) result: no concatenation
+    # and transposed copy of the whole output per layer.
+    out = query.new_empty(query.shape[0], query.shape[2], query.shape[1], query.shape[3])
     for b, bounds in enumerate(sample_bounds(position_ids)):
-        parts = [
-            F.scaled_dot_product_attention(query[b : b + 1, :, s:e], key[b : b + 1, :, s:e], value[b : b + 1, :, s:e],
-                                           dropout_p=dropout, is_causal=True, scale=scaling, enable_gqa=gqa)
-            for s, e in zip(bounds, bounds[1:])
-        ]
-        rows.append(torch.cat(parts, dim=2) if len(parts) > 1 else parts[0])
-    return torch.cat(rows).transpose(1, 2).contiguous(), None
+        for s, e in zip(bounds, bounds[1:]):
+            out[b, s:e] = F.scaled_dot_product_attention(query[b : b + 1, :, s:e], key[b : b + 1, :, s:e], value[b : b + 1, :, s:e],
+                                                         dropout_p=dropout, is_causal=True, scale=scaling, enable_gqa=gqa)[0].transpose(0, 1)
+    return out, None
 
 
 def register() -> str:

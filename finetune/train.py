@@ -186,7 +186,6 @@ def run(cfg: RunConfig) -> RunResult:
     check_optimizer(t)
     check_strategy(cfg)
     accelerator = make_accelerator(cfg)
-    keep_freed_memory()
     main, rank, world = accelerator.is_main_process, accelerator.process_index, accelerator.num_processes
     if cfg.distributed.strategy == "none" and world > 1:
         raise UserError(f"distributed.strategy: none, but {world} processes were started; choose ddp, fsdp or a zero strategy, or start one process")
@@ -298,6 +297,7 @@ def run(cfg: RunConfig) -> RunResult:
                   + (f", clipping at {guard.state.max_grad_norm}" if guard.state.max_grad_norm else ""))
         return state["step"], state["tokens"]
 
+    keep_freed_memory()
     reset_peak_rss()
     if cfg.eval.on_start and start_step == 0:
         evaluate(0)
@@ -461,17 +461,19 @@ def keep_freed_memory() -> None:
 
     A training step allocates and frees the same large activations every time. Served by mmap, each
     comes back as fresh pages whose first touch faults: on the VMs measured (shared/notes/cpu-facts.md)
-    that made large elementwise ops 4-8x slower than on reused memory. RSS then stays near its peak
-    between steps instead of dipping; the peak itself is what the step needs either way.
+    that made large elementwise ops 4-8x slower than on reused memory. Set just before the loop, after
+    what loading freed is handed back, so RSS then tracks what training holds. Left alone when the
+    user set glibc's MALLOC_* variables (their choice wins).
     """
     import ctypes
     import ctypes.util
 
     name = ctypes.util.find_library("c")
-    if torch.cuda.is_available() or not name or not sys.platform.startswith("linux"):
+    if torch.cuda.is_available() or not name or not sys.platform.startswith("linux") or any(k.startswith("MALLOC_") for k in os.environ):
         return
     libc = ctypes.CDLL(name)
-    if hasattr(libc, "mallopt"):
+    if hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)
         M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4
         libc.mallopt(M_MMAP_MAX, 0)  # large blocks from the heap, not from fresh mmaps
         libc.mallopt(M_TRIM_THRESHOLD, 2**30 - 1)  # do not hand freed heap back (which would fault again)
