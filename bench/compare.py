@@ -81,7 +81,7 @@ def make_samples(n: int, seed: int, max_words: int) -> list[dict]:
     return rows
 
 
-def prepare(work: Path, sizes: Sizes, args) -> dict:
+def prepare(work: Path, sizes: Sizes) -> dict:
     sys.path.insert(0, str(REPO))
     from transformers import AutoTokenizer
 
@@ -360,7 +360,7 @@ def main(argv: list[str] | None = None) -> None:
     if unknown:
         p.error(f"--runners: unknown {', '.join(sorted(unknown))}; choose from {', '.join(RUNNERS)}")
 
-    settings = prepare(work, sizes, args)
+    settings = prepare(work, sizes)
     results: dict[str, list[dict]] = {r: [] for r in runners}
     for repeat in range(args.repeats):  # interleaved, so a slow spell of the machine hits every runner alike
         for runner in runners:

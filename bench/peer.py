@@ -17,8 +17,8 @@ import time
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--trainer", choices=["hf", "trl"], required=True)
-    p.add_argument("--precision", choices=["fp32", "bf16-autocast", "bf16"], required=True,
-                   help="fp32 weights; fp32 weights + bf16 autocast (TrainingArguments.bf16); or bf16 weights + bf16 autocast")
+    p.add_argument("--precision", choices=["fp32", "bf16"], required=True,
+                   help="fp32 weights; or bf16 weights + bf16 autocast (TrainingArguments.bf16)")
     p.add_argument("--collator", choices=["padded", "flatten"], required=True,
                    help="pad each batch to its longest sample, or flatten the batch into one padding-free row")
     p.add_argument("--work", required=True, help="the harness's folder: model/, tokens.jsonl, settings.json")
@@ -41,7 +41,8 @@ def main() -> None:
     real_tokens = [0]  # counted as the collator builds each batch: padding excluded
 
     class Timing(TrainerCallback):
-        steps: list[dict] = []
+        def __init__(self):
+            self.steps: list[dict] = []
 
         def on_step_end(self, _args, state, _control, **_kwargs):
             self.steps.append({"step": state.global_step, "time": time.time(), "tokens": real_tokens[0]})
@@ -84,9 +85,8 @@ def main() -> None:
     trainer.data_collator = counting_collator  # read when train() builds its dataloader
     trainer.train()
     trainer.model.save_pretrained(args.out)
-    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     with open(args.result, "w") as fh:
-        json.dump({"steps": timing.steps, "train_losses": losses}, fh)
+        json.dump({"steps": timing.steps}, fh)
 
 
 if __name__ == "__main__":

@@ -179,10 +179,10 @@ def apply_adapter(model, cfg: AdapterConfig, gradient_checkpointing: bool):
 
 
 def adapter_input_casting_off(model, mixed_precision: str):
-    """Context for the training forward. peft casts each adapter input to the adapter's fp32; under
-    bf16 autocast the adapter's matmuls then run in bf16 all the same, so that cast is a copy of every
-    activation for nothing. Off inside the forward under autocast only: without autocast it is needed."""
-    if mixed_precision != "bf16" or not hasattr(model, "peft_config") and not hasattr(getattr(model, "module", None), "peft_config"):
+    """Context for training under accelerate's autocast. peft casts each adapter input to the adapter's
+    fp32; under bf16 autocast the adapter's matmuls then run in bf16 all the same, so that cast is a
+    copy of every activation for nothing. Only where every forward is autocast: without it the cast is needed."""
+    if mixed_precision != "bf16":
         return nullcontext()
     from peft.helpers import disable_input_dtype_casting
 

@@ -15,7 +15,7 @@ import math
 import os
 import sys
 import time
-from contextlib import nullcontext
+from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -304,7 +304,10 @@ def run(cfg: RunConfig) -> RunResult:
 
     # The loop. `step` counts optimizer steps done; the data it reads is a function of it.
     model.train()
-    mp = "no" if fsdp or zero else t.mixed_precision  # autocast runs in the forward (accelerate) only outside sharding
+    # Set once for the loop (not per micro-batch: it walks every module); lifted before the
+    # generation checks after it, which run outside autocast.
+    casting = ExitStack()
+    casting.enter_context(adapter_input_casting_off(model, accelerator.mixed_precision))
     started, last = time.perf_counter(), {}
     window_tokens, window_start = 0, started
     step = start_step
@@ -324,7 +327,7 @@ def run(cfg: RunConfig) -> RunResult:
             sync = i == len(micro_batches) - 1  # gradients are reduced across ranks once per step
             if fsdp:
                 model.set_requires_gradient_sync(sync)
-            with nullcontext() if sync or fsdp or zero else accelerator.no_sync(model), adapter_input_casting_off(model, mp):
+            with nullcontext() if sync or fsdp or zero else accelerator.no_sync(model):
                 loss = token_loss_sum(model, batch) * faults.loss_factor(position, rank)
                 scaled = loss * (world / max(global_tokens, 1))
                 if zero:
@@ -398,6 +401,7 @@ def run(cfg: RunConfig) -> RunResult:
             raise Stopped(f"preempted at step {step}: checkpoint saved; start the same command to resume", EXIT_PREEMPTED)
 
     log.close_bar()
+    casting.close()
     final_eval = evaluate(schedule.total_steps)
     summary = {"steps": schedule.total_steps, "train_loss": last.get("loss"), "tokens": tokens_seen, "elapsed_s": time.perf_counter() - started}
     if final_eval:
