@@ -1,5 +1,5 @@
 """The trainer's speed-ups change no number: chunked linear cross-entropy, logits on trained tokens
-only, and sdpa run per packed sample all give the losses and gradients of the plain paths."""
+only, and attention run per packed sample all give the losses and gradients of the plain paths."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from finetune import loss
+from finetune import attention, loss
 from finetune.attention import PACKED_SDPA, register, sample_bounds
 from finetune.data import IGNORE, collate, pack, tokenize_row
 
@@ -81,9 +81,11 @@ def test_trained_token_loss_equals_full_logits_loss(tiny_model_dir, monkeypatch,
     assert abs(kept[0] - plain[0]) < 1e-4 * plain[0]
 
 
-def test_packed_sdpa_equals_masked_attention_in_training(tiny_model_dir):
-    """Per-sample sdpa (GQA model, padded second row) == eager attention over the block-diagonal mask:
-    logits and gradients; outside training it is plain sdpa."""
+@pytest.mark.parametrize("short_sample", [attention.SHORT_SAMPLE, 0], ids=["causal_attention", "torch-sdpa"])
+def test_packed_sdpa_equals_masked_attention_in_training(tiny_model_dir, monkeypatch, short_sample):
+    """Per-sample attention (GQA model, padded second row), by our kernel or torch's, == eager attention
+    over the block-diagonal mask: logits and gradients; outside training it is plain sdpa."""
+    monkeypatch.setattr(attention, "SHORT_SAMPLE", short_sample)
     batch = _packed_batch(tiny_model_dir)
     assert [len(b) for b in sample_bounds(batch["position_ids"])] == [5, 4]  # 4 samples | 2 samples + pad
     results = {}
@@ -117,3 +119,35 @@ def test_fused_loss_follows_autocast_inside_the_forward(tiny_model_dir, monkeypa
     assert abs(fused[0] - kept[0]) < 1e-3 * kept[0], (fused[0], kept[0])
     head = fused[1]["lm_head.weight"]
     assert head.dtype == torch.float32 and torch.allclose(head, kept[1]["lm_head.weight"], atol=2e-2 * head.abs().max().item())
+
+
+def test_causal_attention_in_bf16_is_as_close_to_exact_as_eager_attention():
+    """Against a float64 reference: output and q/k/v gradients in bf16 no further off than textbook
+    bf16 attention (transformers' eager: fp32 softmax, bf16 matmuls); fp32 inputs under bf16 autocast
+    compute in bf16 and hand back fp32 gradients."""
+    torch.manual_seed(0)
+    heads, length, dim = 4, 200, 32
+    q, k, v = (torch.randn(heads, length, dim, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    grad_out = torch.randn(heads, length, dim, dtype=torch.float64)
+    exact_out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    exact_out.backward(grad_out)
+    exact = [exact_out.detach(), q.grad, k.grad, v.grad]
+
+    def errors(fn):
+        inputs = [x.detach().to(torch.bfloat16).requires_grad_() for x in (q, k, v)]
+        out = fn(*inputs)
+        out.backward(grad_out.to(out.dtype))
+        return [((got.double() - e).abs().max() / e.abs().max()).item() for got, e in zip([out.detach()] + [x.grad for x in inputs], exact)]
+
+    def eager(q, k, v):
+        scores = (q @ k.transpose(1, 2) * dim**-0.5).masked_fill(torch.ones(length, length, dtype=torch.bool).triu(1), float("-inf"))
+        return torch.softmax(scores, -1, dtype=torch.float32).to(q.dtype) @ v
+
+    ours, textbook = errors(lambda q, k, v: attention.causal_attention(q, k, v, dim**-0.5)), errors(eager)
+    assert all(o <= 1.1 * t for o, t in zip(ours, textbook)) and max(ours) < 0.01, (ours, textbook)
+
+    fp32 = [x.detach().float().requires_grad_() for x in (q, k, v)]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = attention.causal_attention(*fp32, dim**-0.5)
+    out.float().sum().backward()
+    assert out.dtype == torch.bfloat16 and all(x.grad.dtype == torch.float32 for x in fp32)
