@@ -82,10 +82,10 @@ _masks: dict[tuple, torch.Tensor] = {}
 
 
 def _causal_mask(length: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """-inf above the diagonal: a view into one SHORT_SAMPLE² mask per dtype and device."""
+    """-inf above the diagonal: a view into one mask per dtype and device, as long as the longest sample yet."""
     key = (dtype, device)
     if key not in _masks or _masks[key].shape[0] < length:
-        _masks[key] = torch.full((max(length, SHORT_SAMPLE),) * 2, float("-inf"), dtype=dtype, device=device).triu(1)
+        _masks[key] = torch.full((length, length), float("-inf"), dtype=dtype, device=device).triu(1)
     return _masks[key][:length, :length]
 
 

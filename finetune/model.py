@@ -137,6 +137,7 @@ def load_model(cfg: ModelConfig, device: torch.device | str = "cpu", skeleton: b
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
         if str(device) == "cpu":
             _keep_one_cpu_4bit_path(model)
+            _own_unquantized_weights(model)
     model.config.use_cache = False  # no KV cache while training; generation turns it on per call
     return model
 
@@ -149,6 +150,17 @@ def _keep_one_cpu_4bit_path(model) -> None:
     for module in model.modules():
         if hasattr(module, "support_avx512bf16_for_cpu"):
             module.support_avx512bf16_for_cpu = False
+
+
+def _own_unquantized_weights(model) -> None:
+    """On CPU the parts left unquantized (embeddings, norms, lm_head) can still be views of the
+    safetensors file's memory map, which then keeps the whole file resident: the full-precision
+    weights that were just quantized. Own copies of those few tensors let the mapping go."""
+    import bitsandbytes as bnb
+
+    for param in model.parameters():
+        if not isinstance(param, (bnb.nn.Params4bit, bnb.nn.Int8Params)) and not hasattr(param, "ds_id"):  # ZeRO-3 owns its shards
+            param.data = param.data.clone()
 
 
 def apply_adapter(model, cfg: AdapterConfig, gradient_checkpointing: bool):

@@ -473,11 +473,14 @@ def keep_freed_memory() -> None:
     import ctypes.util
 
     name = ctypes.util.find_library("c")
-    if torch.cuda.is_available() or not name or not sys.platform.startswith("linux") or any(k.startswith("MALLOC_") for k in os.environ):
+    if not name or not sys.platform.startswith("linux"):
         return
     libc = ctypes.CDLL(name)
-    if hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim"):
-        libc.malloc_trim(0)
+    if hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)  # what loading freed goes back first, whatever the settings
+    if torch.cuda.is_available() or any(k.startswith("MALLOC_") for k in os.environ):
+        return
+    if hasattr(libc, "mallopt"):
         M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4
         libc.mallopt(M_MMAP_MAX, 0)  # large blocks from the heap, not from fresh mmaps
         libc.mallopt(M_TRIM_THRESHOLD, 2**30 - 1)  # do not hand freed heap back (which would fault again)

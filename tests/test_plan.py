@@ -61,11 +61,11 @@ MEASURED = {
 
 @pytest.mark.parametrize("name", list(MEASURED))
 def test_plan_matches_measured_peak_memory(tmp_path, mid_model_dir, name):
-    """Planned total vs (peak RSS - RSS before the model loaded), within 25%.
+    """Planned total vs (peak RSS - RSS before the model loaded), within 20%.
 
     glibc keeps freed blocks of a dynamically raised size in its heap, which inflates RSS well past
     the live tensors; a fixed mmap threshold makes RSS track what is really held."""
-    cfg = base_config(mid_model_dir, tmp_path / "out", data={"max_seq_len": 512, "eval": None}, train={"max_steps": 3, "micro_batch_size": 4})
+    cfg = base_config(mid_model_dir, tmp_path / "out", data={"max_seq_len": 512, "eval": None}, train={"max_steps": 2, "micro_batch_size": 4})
     for section, values in MEASURED[name].items():
         cfg.setdefault(section, {}).update(values)
     result = run_cli("train", "--config", str(write_config(tmp_path / "c.yaml", cfg)), env={"MALLOC_MMAP_THRESHOLD_": "131072"})
@@ -74,7 +74,7 @@ def test_plan_matches_measured_peak_memory(tmp_path, mid_model_dir, name):
     measured = (summary["peak_rss_mib"] - summary["rss_before_model_mib"]) * 2**20
     planned = make_plan(validate_config(cfg, "test")).total
     print(f"{name}: planned {planned / 2**20:.0f} MiB, measured {measured / 2**20:.0f} MiB")
-    assert 0.75 < planned / measured < 1.25, (planned / 2**20, measured / 2**20)
+    assert 0.8 < planned / measured < 1.2, (planned / 2**20, measured / 2**20)
 
 
 def test_plan_command_says_what_would_fit():
