@@ -301,7 +301,7 @@ def table(results: dict[str, list[dict]], settings: dict, sizes: Sizes, ceiling:
         "|---|---|---|---|---|---|---|---|",
     ]
     for name, m in med.items():
-        how = ("finetune train: bf16 base, fp32 LoRA, bf16 autocast, packed rows, per-sample sdpa, loss on trained tokens only"
+        how = ("finetune train: bf16 base, fp32 LoRA, bf16 autocast, packed rows, per-sample attention, loss on trained tokens only"
                if name == "finetune" else PEERS[name][3])
         vs = f"{m['tok_s'] / med[best]['tok_s']:.2f}x" if best else "-"
         lines.append(f"| {name} | {how} | {m['tok_s']:.0f} | {vs} | {m['first_step_s']:.1f} | {m['peak_rss_mib']:.0f} | "
