@@ -72,8 +72,9 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     Computes in the dtype sdpa would (autocast's, if on), softmax accumulating in fp32 as sdpa does."""
     device = q.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else q.dtype
-    if k.shape[0] != q.shape[0]:  # grouped-query attention: autograd sums the repeated heads' gradients
-        k, v = k.repeat_interleave(q.shape[0] // k.shape[0], 0), v.repeat_interleave(q.shape[0] // v.shape[0], 0)
+    groups = q.shape[0] // k.shape[0]
+    if groups > 1:  # grouped-query attention: autograd sums the repeated heads' gradients
+        k, v = k.repeat_interleave(groups, 0), v.repeat_interleave(groups, 0)
     with torch.autocast(device, enabled=False):
         return _CausalAttention.apply(q.to(dtype), k.to(dtype), v.to(dtype), scale)
 

@@ -466,8 +466,8 @@ def keep_freed_memory() -> None:
     A training step allocates and frees the same large activations every time. Served by mmap, each
     comes back as fresh pages whose first touch faults: on the VMs measured (shared/notes/cpu-facts.md)
     that made large elementwise ops 4-8x slower than on reused memory. Set just before the loop, after
-    what loading freed is handed back, so RSS then tracks what training holds. Left alone when the
-    user set glibc's MALLOC_* variables (their choice wins).
+    what loading freed is handed back (always), so RSS then tracks what training holds. The tuning is
+    left alone when the user set glibc's MALLOC_* variables (their choice wins).
     """
     import ctypes
     import ctypes.util
