@@ -35,7 +35,7 @@ demo: install demo/model/config.json
 	$(VENV)/bin/finetune train --config configs/demo.yaml
 
 test: install
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=15 tests
 
 bench: install
 	$(PY) -c "import trl" 2>/dev/null || $(PIP) install -q -e ".[bench]" "torch==$$($(PY) -c 'import torch; print(torch.__version__)')"

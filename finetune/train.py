@@ -433,20 +433,20 @@ def run(cfg: RunConfig) -> RunResult:
             say(f"exact match on {after['n']} eval prompts: {before['exact_match']:.1%} before -> {after['exact_match']:.1%} after")
             for b, a in list(zip(before["samples"], after["samples"]))[:3]:
                 say(f"  prompt {a['prompt']!r}\n    expected {a['expected']!r} | before tuning {b['got']!r} | after tuning {a['got']!r}")
-    accelerator.end_training()
     if main:
         (out / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
         say(_summary_line(summary))
-    if main:
         checkpoint.clear_starts(out)  # a finished run ends any restart loop
     _finish_distributed(accelerator)
+    accelerator.end_training()  # trackers; the process group is already gone
     return RunResult(summary, unwrapped)
 
 
 def _finish_distributed(accelerator) -> None:
+    """Every rank waits for the others, then the process group goes. Called before accelerate's
+    end_training, which would tear the group down without waiting (a rank with nothing to save would
+    leave while the main one still writes). The rank's exit itself is `cli.exit_rank`."""
     if torch.distributed.is_initialized():
-        # Tear the process group down before exit: left to interpreter shutdown, gloo's threads can
-        # abort a rank ("terminate called without an active exception") after a successful run.
         accelerator.wait_for_everyone()
         torch.distributed.destroy_process_group()
 

@@ -34,7 +34,7 @@ def _train(tmp_path, name, model_dir, method, nproc, strategy="ddp", accelerate_
                                 cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
         if accelerate_config and accelerate_config != strategy:
             return result
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     if nproc > 1:
         (out / "console.log").write_text(result.stdout + result.stderr)
     losses = [r["loss"] for r in read_jsonl(out / "metrics.jsonl") if "loss" in r]
@@ -56,7 +56,10 @@ def two_process_runs(tmp_path_factory, tiny_model_dir, ram_root):
     def get(strategy):
         if strategy not in runs:
             staging = {"model": {"ramdisk": str(ram_root / "ddp")}} if strategy == "ddp" else {}
+            runs[strategy] = None  # a failed run fails the first test that asked for it, and is not retried
             runs[strategy] = _train(tmp_path_factory.mktemp(strategy), "two", tiny_model_dir, "lora", 2, strategy, **staging)
+        if runs[strategy] is None:
+            pytest.fail(f"the shared 2-process {strategy} run failed (see the first test that used it)")
         return runs[strategy]
 
     return get
