@@ -6,9 +6,9 @@ keeps the CPU kernels off their causal fast path. Here each sample runs as its o
 Σ len² / 2 work, the way flash-attention's varlen kernels treat packed rows on GPUs.
 
 On CPU, samples up to SHORT_SAMPLE tokens take `causal_attention` instead of torch's CPU flash
-kernel, whose backward ran at ~25 GFLOP/s here on ~200-token samples: four batched matmuls at the
-bf16 matmul rate and one elementwise pass, 2x faster fwd+bwd on such samples, for
-heads x len² saved probabilities per sample (the reason for the length cap).
+kernel, whose backward ran at ~25 GFLOP/s here on ~200-token samples: batched matmuls at the bf16
+matmul rate around an fp32 softmax, 1.6x faster fwd+bwd on such samples, for heads x len² fp32
+probabilities saved per sample (the reason for the length cap).
 
 Registered with transformers' AttentionInterface under PACKED_SDPA; models load with it when the
 config asks for sdpa. Outside training (eval, generation with a KV cache or padding) it is plain sdpa.
@@ -91,23 +91,26 @@ def _causal_mask(length: int, dtype: torch.dtype, device: torch.device) -> torch
 
 
 class _CausalAttention(torch.autograd.Function):
+    """Textbook attention's numerics (transformers' eager): matmuls in the input dtype, softmax and its
+    backward in fp32 from fp32 probabilities. Not flash-attention's rowsum(dO ∘ O) shortcut: with
+    bf16 O and dP, where a row puts nearly all its weight on one key (an attention sink, common in
+    trained models) that sum and dP round apart and their difference is all error; it made the demo's
+    gradient norm spike 20x and its run stop."""
+
     @staticmethod
     def forward(ctx, q, k, v, scale):
         scores = torch.baddbmm(_causal_mask(q.shape[1], q.dtype, q.device), q, k.transpose(1, 2), alpha=scale)
-        probs = torch.softmax(scores, dim=-1)
-        out = torch.bmm(probs, v)
-        ctx.save_for_backward(q, k, v, probs, out)
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
+        ctx.save_for_backward(q, k, v, probs)
         ctx.scale = scale
-        return out
+        return torch.bmm(probs.to(q.dtype), v)
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, probs, out = ctx.saved_tensors
-        grad_v = torch.bmm(probs.transpose(1, 2), grad_out)
-        # Softmax backward as flash-attention does it: rowsum(dP ∘ P) == rowsum(dO ∘ O), a (L, D)
-        # product instead of an (L, L) one; then dS = P ∘ (dP - rowsum), in place.
-        row = (grad_out.float() * out.float()).sum(-1, keepdim=True)  # fp32: the subtraction below rounds once
-        grad_scores = torch.bmm(grad_out, v.transpose(1, 2)).sub_(row).mul_(probs)
+        q, k, v, probs = ctx.saved_tensors
+        grad_v = torch.bmm(probs.to(q.dtype).transpose(1, 2), grad_out)
+        grad_probs = torch.bmm(grad_out, v.transpose(1, 2)).float()
+        grad_scores = torch.ops.aten._softmax_backward_data(grad_probs, probs, -1, torch.float32).to(q.dtype)
         grad_q = torch.bmm(grad_scores, k).mul_(ctx.scale)
         grad_k = torch.bmm(grad_scores.transpose(1, 2), q).mul_(ctx.scale)
         return grad_q, grad_k, grad_v, None
