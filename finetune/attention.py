@@ -69,7 +69,7 @@ def packed_sdpa_forward(module, query, key, value, attention_mask, dropout: floa
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """softmax(q kᵀ · scale + causal mask) v for one sample: q (H, L, D), k/v (H_kv, L, D) -> (H, L, D).
 
-    Computes in the dtype sdpa would (autocast's, if on), softmax accumulating in fp32 as sdpa does."""
+    Computes in the dtype sdpa would (autocast's, if on), the softmax in fp32."""
     device = q.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else q.dtype
     groups = q.shape[0] // k.shape[0]
@@ -108,6 +108,7 @@ class _CausalAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, probs = ctx.saved_tensors
+        # The input-dtype probabilities are cast again, not saved: one len² tensor per sample, not two.
         grad_v = torch.bmm(probs.to(q.dtype).transpose(1, 2), grad_out)
         grad_probs = torch.bmm(grad_out, v.transpose(1, 2)).float()
         grad_scores = torch.ops.aten._softmax_backward_data(grad_probs, probs, -1, torch.float32).to(q.dtype)
