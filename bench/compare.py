@@ -12,8 +12,9 @@ process, repeated; medians are reported. Per run:
                     the same real tokens seen, so speed is never bought with a worse model
   MFU               model FLOPs per second over the measured bf16 matmul ceiling on the model's shapes
 
-Also measured: that ceiling, and import + load + first step of a bare script (what start-up costs at
-the least). Writes bench/results/compare.md and compare.png.
+Also measured: that ceiling, import + load + first step of a bare script (what start-up costs at the
+least), and what finetune's steps would take doing nothing but their matmuls (bench/matmuls.py: a
+bound on its throughput with torch's kernels here). Writes bench/results/compare.md and compare.png.
 
 Usage: python bench/compare.py [--repeats 3] [--runners finetune,hf-bf16-flatten,...] [--quick]   (make bench)
 """
@@ -259,6 +260,13 @@ def bare_first_step(work: Path, rows: int) -> float:
     return json.loads(log.read_text().strip().splitlines()[-1])["time"] - start
 
 
+def matmul_bound(work: Path, steps: int) -> dict:
+    """finetune's matmuls alone, timed one by one here (bench/matmuls.py): tokens, seconds, per kind."""
+    log = work / "matmuls.log"
+    spawn([sys.executable, str(REPO / "bench" / "matmuls.py"), "--config", str(work / "finetune.yaml"), "--steps", str(steps)], log)
+    return json.loads(log.read_text().strip().splitlines()[-1])
+
+
 def flops_per_token(sizes: Sizes, settings: dict) -> float:
     """Model FLOPs per real token for LoRA on a frozen base: 2N forward + 2N for the input gradients
     of each frozen linear layer (no weight gradients), 6 per adapter parameter; the lm_head counts for
@@ -281,7 +289,7 @@ def cpu_name() -> str:
         return platform.machine()
 
 
-def table(results: dict[str, list[dict]], settings: dict, sizes: Sizes, ceiling: dict, bare: float, repeats: int) -> list[str]:
+def table(results: dict[str, list[dict]], settings: dict, sizes: Sizes, ceiling: dict, bare: float, bound: dict | None, repeats: int) -> list[str]:
     med = {name: {k: statistics.median(r[k] for r in runs) for k in ("tok_s", "first_step_s", "peak_rss_mib", "eval_loss")}
            for name, runs in results.items()}
     peers = [n for n in med if n != "finetune"]
@@ -318,6 +326,16 @@ def table(results: dict[str, list[dict]], settings: dict, sizes: Sizes, ceiling:
         f"({settings['peer_micro_batch']} samples x {settings['peer_grad_accum']}). Real tokens trained: "
         + ", ".join(f"{n} {r[0]['tokens']:,}" for n, r in results.items()) + ".",
     ]
+    if bound:
+        per_k = 1000 / bound["tokens"]
+        bound_tok_s = bound["tokens"] / bound["seconds"]
+        kinds = ", ".join(f"{k} {v['seconds'] * per_k:.3f} s at {v['gflop'] / v['seconds']:.0f} GFLOP/s" for k, v in bound["kinds"].items())
+        lines.append(
+            f"Matmuls alone (bench/matmuls.py): per 1,000 real tokens finetune's steps do "
+            f"{sum(v['gflop'] for v in bound['kinds'].values()) * per_k:.0f} GFLOP of matmuls, forward and backward; timed one by "
+            f"one here they take {bound['seconds'] * per_k:.3f} s ({kinds}). A step doing nothing else would reach {bound_tok_s:.0f} tok/s"
+            + (f", {bound_tok_s / med[best]['tok_s']:.2f}x the best peer; finetune reaches {med['finetune']['tok_s'] / bound_tok_s:.0%} "
+               "of that." if best and "finetune" in med else "."))
     return lines
 
 
@@ -371,8 +389,10 @@ def main(argv: list[str] | None = None) -> None:
                   f"peak RSS {result['peak_rss_mib']:.0f} MiB, eval loss {result['eval_loss']:.4f}", flush=True)
     ceiling = machine_ceiling(sizes)
     bare = statistics.median(bare_first_step(work, settings["peer_micro_batch"]) for _ in range(args.repeats))
-    (work / "results.json").write_text(json.dumps({"results": results, "settings": settings, "ceiling": ceiling, "bare": bare}, indent=1))
-    report(name, table(results, settings, sizes, ceiling, bare, args.repeats), args.results)
+    bound = matmul_bound(work, steps=2 if args.quick else 4) if "finetune" in results else None
+    (work / "results.json").write_text(json.dumps({"results": results, "settings": settings, "ceiling": ceiling, "bare": bare,
+                                                   "matmuls": bound}, indent=1))
+    report(name, table(results, settings, sizes, ceiling, bare, bound, args.repeats), args.results)
     plot(results, args.results / f"{name}.png")
 
 

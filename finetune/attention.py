@@ -52,31 +52,30 @@ def packed_sdpa_forward(module, query, key, value, attention_mask, dropout: floa
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     if position_ids.shape[0] != query.shape[0]:
         position_ids = position_ids.expand(query.shape[0], -1)
+    spans = [(b, s, e) for b, bounds in enumerate(sample_bounds(position_ids)) for s, e in zip(bounds, bounds[1:])]
+    ours = query.device.type == "cpu" and dropout == 0.0
+    short, long = [], []
+    for span in spans:
+        (short if ours and span[2] - span[1] <= SHORT_SAMPLE else long).append(span)
     # Each sample's output goes straight to its place in the (B, L, H, D) result: no concatenation
     # and transposed copy of the whole output per layer.
-    out = query.new_empty(query.shape[0], query.shape[2], query.shape[1], query.shape[3])
-    for b, bounds in enumerate(sample_bounds(position_ids)):
-        for s, e in zip(bounds, bounds[1:]):
-            q, k, v = query[b, :, s:e], key[b, :, s:e], value[b, :, s:e]
-            if query.device.type == "cpu" and e - s <= SHORT_SAMPLE and dropout == 0.0:
-                out[b, s:e] = causal_attention(q, k, v, scale).transpose(0, 1)
-            else:
-                out[b, s:e] = F.scaled_dot_product_attention(q[None], k[None], v[None], dropout_p=dropout, is_causal=True,
-                                                             scale=scale, enable_gqa=gqa)[0].transpose(0, 1)
+    batch, heads, length, dim = query.shape
+    out = causal_attention(query, key, value, short, scale) if short else query.new_empty(batch, length, heads, dim)
+    for b, s, e in long:
+        out[b, s:e] = F.scaled_dot_product_attention(query[b : b + 1, :, s:e], key[b : b + 1, :, s:e], value[b : b + 1, :, s:e],
+                                                     dropout_p=dropout, is_causal=True, scale=scale, enable_gqa=gqa)[0].transpose(0, 1)
     return out, None
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """softmax(q kᵀ · scale + causal mask) v for one sample: q (H, L, D), k/v (H_kv, L, D) -> (H, L, D).
+def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, spans: list[tuple[int, int, int]], scale: float) -> torch.Tensor:
+    """softmax(q kᵀ · scale + causal mask) v for each sample (row, start, end) of a packed batch:
+    query (B, H, L, D), key/value (B, H_kv, L, D) -> (B, L, H, D), zero outside the spans.
 
     Computes in the dtype sdpa would (autocast's, if on), the softmax in fp32."""
-    device = q.device.type
-    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else q.dtype
-    groups = q.shape[0] // k.shape[0]
-    if groups > 1:  # grouped-query attention: autograd sums the repeated heads' gradients
-        k, v = k.repeat_interleave(groups, 0), v.repeat_interleave(groups, 0)
+    device = query.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else query.dtype
     with torch.autocast(device, enabled=False):
-        return _CausalAttention.apply(q.to(dtype), k.to(dtype), v.to(dtype), scale)
+        return _CausalAttention.apply(query.to(dtype), key.to(dtype), value.to(dtype), spans, scale)
 
 
 _masks: dict[tuple, torch.Tensor] = {}
@@ -95,26 +94,48 @@ class _CausalAttention(torch.autograd.Function):
     backward in fp32 from fp32 probabilities. Not flash-attention's rowsum(dO ∘ O) shortcut: with
     bf16 O and dP, where a row puts nearly all its weight on one key (an attention sink, common in
     trained models) that sum and dP round apart and their difference is all error; it made the demo's
-    gradient norm spike 20x and its run stop."""
+    gradient norm spike 20x and its run stop.
+
+    One function for all samples of the batch, not one per sample: autograd would otherwise hand each
+    sample's gradient back as a zero-filled tensor the size of the whole batch, and add them all up."""
 
     @staticmethod
-    def forward(ctx, q, k, v, scale):
-        scores = torch.baddbmm(_causal_mask(q.shape[1], q.dtype, q.device), q, k.transpose(1, 2), alpha=scale)
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
-        ctx.save_for_backward(q, k, v, probs)
-        ctx.scale = scale
-        return torch.bmm(probs.to(q.dtype), v)
+    def forward(ctx, query, key, value, spans, scale):
+        batch, heads, length, dim = query.shape
+        groups = heads // key.shape[1]
+        out = query.new_zeros(batch, length, heads, dim)
+        probs = []
+        for b, s, e in spans:
+            q, k, v = query[b, :, s:e], key[b, :, s:e], value[b, :, s:e]
+            if groups > 1:  # grouped-query attention: the backward sums the repeated heads' gradients
+                k, v = k.repeat_interleave(groups, 0), v.repeat_interleave(groups, 0)
+            scores = torch.baddbmm(_causal_mask(e - s, q.dtype, q.device), q, k.transpose(1, 2), alpha=scale)
+            probs.append(torch.softmax(scores, dim=-1, dtype=torch.float32))
+            out[b, s:e] = torch.bmm(probs[-1].to(q.dtype), v).transpose(0, 1)
+        ctx.save_for_backward(query, key, value, *probs)
+        ctx.spans, ctx.scale = spans, scale
+        return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, probs = ctx.saved_tensors
-        # The input-dtype probabilities are cast again, not saved: one len² tensor per sample, not two.
-        grad_v = torch.bmm(probs.to(q.dtype).transpose(1, 2), grad_out)
-        grad_probs = torch.bmm(grad_out, v.transpose(1, 2)).float()
-        grad_scores = torch.ops.aten._softmax_backward_data(grad_probs, probs, -1, torch.float32).to(q.dtype)
-        grad_q = torch.bmm(grad_scores, k).mul_(ctx.scale)
-        grad_k = torch.bmm(grad_scores.transpose(1, 2), q).mul_(ctx.scale)
-        return grad_q, grad_k, grad_v, None
+        query, key, value, *probs = ctx.saved_tensors
+        groups = query.shape[1] // key.shape[1]
+        grad_query, grad_key, grad_value = torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value)
+        for (b, s, e), p in zip(ctx.spans, probs):
+            q, k, v = query[b, :, s:e], key[b, :, s:e], value[b, :, s:e]
+            if groups > 1:
+                k, v = k.repeat_interleave(groups, 0), v.repeat_interleave(groups, 0)
+            g = grad_out[b, s:e].transpose(0, 1)
+            # The input-dtype probabilities are cast again, not saved: one len² tensor per sample, not two.
+            grad_v = torch.bmm(p.to(q.dtype).transpose(1, 2), g)
+            grad_probs = torch.bmm(g, v.transpose(1, 2)).float()
+            grad_scores = torch.ops.aten._softmax_backward_data(grad_probs, p, -1, torch.float32).to(q.dtype)
+            grad_query[b, :, s:e] = torch.bmm(grad_scores, k).mul_(ctx.scale)
+            grad_k = torch.bmm(grad_scores.transpose(1, 2), q).mul_(ctx.scale)
+            if groups > 1:
+                grad_k, grad_v = (x.unflatten(0, (-1, groups)).sum(1) for x in (grad_k, grad_v))
+            grad_key[b, :, s:e], grad_value[b, :, s:e] = grad_k, grad_v
+        return grad_query, grad_key, grad_value, None, None
 
 
 def register() -> str:

@@ -151,11 +151,14 @@ def test_causal_attention_in_bf16_is_as_close_to_exact_as_eager_attention(sink):
         scores = (q @ k.transpose(1, 2) * dim**-0.5).masked_fill(torch.ones(length, length, dtype=torch.bool).triu(1), float("-inf"))
         return torch.softmax(scores, -1, dtype=torch.float32).to(q.dtype) @ v
 
-    ours, textbook = errors(lambda q, k, v: attention.causal_attention(q, k, v, dim**-0.5)), errors(eager)
+    def ours(q, k, v):  # one sample as a packed batch of one row
+        return attention.causal_attention(q[None], k[None], v[None], [(0, 0, length)], dim**-0.5)[0].transpose(0, 1)
+
+    ours, textbook = errors(ours), errors(eager)
     assert all(o <= 1.1 * t for o, t in zip(ours, textbook)) and (sink or max(ours) < 0.01), (ours, textbook)
 
     fp32 = [x.detach().float().requires_grad_() for x in (q, k, v)]
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        out = attention.causal_attention(*fp32, dim**-0.5)
+        out = attention.causal_attention(*(x[None] for x in fp32), [(0, 0, length)], dim**-0.5)
     out.float().sum().backward()
     assert out.dtype == torch.bfloat16 and all(x.grad.dtype == torch.float32 for x in fp32)
