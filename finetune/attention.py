@@ -75,7 +75,7 @@ def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     device = query.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else query.dtype
     with torch.autocast(device, enabled=False):
-        return _CausalAttention.apply(query.to(dtype), key.to(dtype), value.to(dtype), spans, scale)
+        return _CausalAttention.apply(query, key, value, spans, scale, dtype)
 
 
 _masks: dict[tuple, torch.Tensor] = {}
@@ -100,20 +100,17 @@ class _CausalAttention(torch.autograd.Function):
     sample's gradient back as a zero-filled tensor the size of the whole batch, and add them all up."""
 
     @staticmethod
-    def forward(ctx, query, key, value, spans, scale):
+    def forward(ctx, query, key, value, spans, scale, dtype):
         batch, heads, length, dim = query.shape
-        groups = heads // key.shape[1]
-        out = query.new_zeros(batch, length, heads, dim)
+        out = query.new_zeros(batch, length, heads, dim, dtype=dtype)
         probs = []
         for b, s, e in spans:
-            q, k, v = query[b, :, s:e], key[b, :, s:e], value[b, :, s:e]
-            if groups > 1:  # grouped-query attention: the backward sums the repeated heads' gradients
-                k, v = k.repeat_interleave(groups, 0), v.repeat_interleave(groups, 0)
-            scores = torch.baddbmm(_causal_mask(e - s, q.dtype, q.device), q, k.transpose(1, 2), alpha=scale)
+            q, k, v = _sample(query, key, value, b, s, e, dtype)
+            scores = torch.baddbmm(_causal_mask(e - s, dtype, q.device), q, k.transpose(1, 2), alpha=scale)
             probs.append(torch.softmax(scores, dim=-1, dtype=torch.float32))
-            out[b, s:e] = torch.bmm(probs[-1].to(q.dtype), v).transpose(0, 1)
+            out[b, s:e] = torch.bmm(probs[-1].to(dtype), v).transpose(0, 1)
         ctx.save_for_backward(query, key, value, *probs)
-        ctx.spans, ctx.scale = spans, scale
+        ctx.spans, ctx.scale, ctx.dtype = spans, scale, dtype
         return out
 
     @staticmethod
@@ -122,20 +119,30 @@ class _CausalAttention(torch.autograd.Function):
         groups = query.shape[1] // key.shape[1]
         grad_query, grad_key, grad_value = torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value)
         for (b, s, e), p in zip(ctx.spans, probs):
-            q, k, v = query[b, :, s:e], key[b, :, s:e], value[b, :, s:e]
-            if groups > 1:
-                k, v = k.repeat_interleave(groups, 0), v.repeat_interleave(groups, 0)
+            q, k, v = _sample(query, key, value, b, s, e, ctx.dtype)
             g = grad_out[b, s:e].transpose(0, 1)
             # The input-dtype probabilities are cast again, not saved: one len² tensor per sample, not two.
-            grad_v = torch.bmm(p.to(q.dtype).transpose(1, 2), g)
+            grad_v = torch.bmm(p.to(ctx.dtype).transpose(1, 2), g)
             grad_probs = torch.bmm(g, v.transpose(1, 2)).float()
-            grad_scores = torch.ops.aten._softmax_backward_data(grad_probs, p, -1, torch.float32).to(q.dtype)
+            grad_scores = torch.ops.aten._softmax_backward_data(grad_probs, p, -1, torch.float32).to(ctx.dtype)
             grad_query[b, :, s:e] = torch.bmm(grad_scores, k).mul_(ctx.scale)
             grad_k = torch.bmm(grad_scores.transpose(1, 2), q).mul_(ctx.scale)
+            # The heads that shared a key/value head add up in the inputs' dtype (fp32 under autocast
+            # with fp32 weights), as autograd would sum them after the cast back.
+            grad_k, grad_v = grad_k.to(key.dtype), grad_v.to(value.dtype)
             if groups > 1:
                 grad_k, grad_v = (x.unflatten(0, (-1, groups)).sum(1) for x in (grad_k, grad_v))
             grad_key[b, :, s:e], grad_value[b, :, s:e] = grad_k, grad_v
-        return grad_query, grad_key, grad_value, None, None
+        return grad_query, grad_key, grad_value, None, None, None
+
+
+def _sample(query, key, value, b: int, s: int, e: int, dtype: torch.dtype):
+    """One sample's q, k, v in the compute dtype; grouped-query keys and values repeated per query head."""
+    q, k, v = query[b, :, s:e], key[b, :, s:e], value[b, :, s:e]
+    groups = q.shape[0] // k.shape[0]
+    if groups > 1:
+        k, v = k.repeat_interleave(groups, 0), v.repeat_interleave(groups, 0)
+    return q.to(dtype), k.to(dtype), v.to(dtype)
 
 
 def register() -> str:
