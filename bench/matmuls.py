@@ -25,6 +25,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 OPS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default, torch.ops.aten.baddbmm.default}
+ADDING = {torch.ops.aten.addmm.default, torch.ops.aten.baddbmm.default}  # their first operand is the term added
 
 
 class RecordMatmuls(TorchDispatchMode):
@@ -37,7 +38,7 @@ class RecordMatmuls(TorchDispatchMode):
         if func in OPS:
             operands = tuple((tuple(a.shape), tuple(a.stride()), str(a.dtype).removeprefix("torch.")) for a in args if isinstance(a, torch.Tensor))
             scalars = tuple(sorted(kwargs.items()))
-            self.calls[(str(func), operands, scalars)] += 1
+            self.calls[(func, operands, scalars)] += 1
         return func(*args, **kwargs)
 
 
@@ -65,15 +66,14 @@ def kind(operands: tuple, rank: int, vocab: int) -> str:
     return "head" if vocab in dims else "lora" if rank in dims else "base"
 
 
-def flops(func: str, operands: tuple) -> int:
-    a, b = (operands[1:] if "baddbmm" in func or "addmm" in func else operands)[:2]
+def flops(func, operands: tuple) -> int:
+    a, b = (operands[1:] if func in ADDING else operands)[:2]
     batch = a[0][0] if len(a[0]) == 3 else 1
     return 2 * batch * a[0][-2] * a[0][-1] * b[0][-1]
 
 
-def time_alone(func: str, operands: tuple, scalars: tuple, reps: int = 3) -> float:
+def time_alone(op, operands: tuple, scalars: tuple, reps: int = 3) -> float:
     """Median seconds of one call on fresh operands of the recorded layout (warm, as in a loop)."""
-    op = {str(f): f for f in OPS}[func]
     args = [torch.empty_strided(shape, stride, dtype=getattr(torch, dtype)).normal_() for shape, stride, dtype in operands]
     op(*args, **dict(scalars))
     times = []
