@@ -10,8 +10,13 @@ kernel, whose backward ran at ~25 GFLOP/s here on ~200-token samples: batched ma
 matmul rate around an fp32 softmax, 1.6x faster fwd+bwd on such samples, for heads x len² fp32
 probabilities saved per sample (the reason for the length cap).
 
+Sliding-window layers (Mistral, Qwen2, Phi-3, Gemma 2/3) pass `sliding_window`: each query then sees
+itself and the `sliding_window - 1` keys before it, as transformers' masks define it. Logit soft-capping
+(Gemma 2) is not done here: `model.load_model` runs such models with eager attention instead.
+
 Registered with transformers' AttentionInterface under PACKED_SDPA; models load with it when the
-config asks for sdpa. Outside training (eval, generation with a KV cache or padding) it is plain sdpa.
+config asks for sdpa. Outside training (eval, generation with a KV cache or padding) it is plain sdpa,
+whose mask transformers builds with the windows and sample boundaries.
 """
 
 from __future__ import annotations
@@ -45,10 +50,14 @@ def packed_sdpa_forward(module, query, key, value, attention_mask, dropout: floa
     """query (B, H, L, D), key/value (B, H_kv, L, D) -> (B, L, H, D), as transformers' sdpa returns."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    unsupported = [k for k in ("softcap", "s_aux") if kwargs.get(k) is not None]
+    if unsupported:  # load_model picks eager attention for these models; reaching here would be silently wrong
+        raise NotImplementedError(f"{PACKED_SDPA} does not implement {', '.join(unsupported)}; load this model with eager attention")
     position_ids = kwargs.get("position_ids")
     if not module.training or position_ids is None or query.shape[2] != key.shape[2] or position_ids.dim() != 2:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     gqa = key.shape[1] != query.shape[1]
+    window = kwargs.get("sliding_window")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     if position_ids.shape[0] != query.shape[0]:
         position_ids = position_ids.expand(query.shape[0], -1)
@@ -60,32 +69,43 @@ def packed_sdpa_forward(module, query, key, value, attention_mask, dropout: floa
     # Each sample's output goes straight to its place in the (B, L, H, D) result: no concatenation
     # and transposed copy of the whole output per layer.
     batch, heads, length, dim = query.shape
-    out = causal_attention(query, key, value, short, scale) if short else query.new_empty(batch, length, heads, dim)
+    out = causal_attention(query, key, value, short, scale, window) if short else query.new_empty(batch, length, heads, dim)
     for b, s, e in long:
-        out[b, s:e] = F.scaled_dot_product_attention(query[b : b + 1, :, s:e], key[b : b + 1, :, s:e], value[b : b + 1, :, s:e],
-                                                     dropout_p=dropout, is_causal=True, scale=scale, enable_gqa=gqa)[0].transpose(0, 1)
+        banded = window is not None and window < e - s
+        mask = _allowed(e - s, window, query.device) if banded else None
+        out[b, s:e] = F.scaled_dot_product_attention(query[b : b + 1, :, s:e], key[b : b + 1, :, s:e], value[b : b + 1, :, s:e], attn_mask=mask,
+                                                     dropout_p=dropout, is_causal=not banded, scale=scale, enable_gqa=gqa)[0].transpose(0, 1)
     return out, None
 
 
-def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, spans: list[tuple[int, int, int]], scale: float) -> torch.Tensor:
+def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, spans: list[tuple[int, int, int]], scale: float,
+                     window: int | None = None) -> torch.Tensor:
     """softmax(q kᵀ · scale + causal mask) v for each sample (row, start, end) of a packed batch:
     query (B, H, L, D), key/value (B, H_kv, L, D) -> (B, L, H, D), zero outside the spans.
+    window: a query sees only the `window` most recent keys (itself included), as in sliding-window layers.
 
     Computes in the dtype sdpa would (autocast's, if on), the softmax in fp32."""
     device = query.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else query.dtype
     with torch.autocast(device, enabled=False):
-        return _CausalAttention.apply(query, key, value, spans, scale, dtype)
+        return _CausalAttention.apply(query, key, value, spans, scale, dtype, window)
+
+
+def _allowed(length: int, window: int | None, device: torch.device) -> torch.Tensor:
+    """True where query i may see key j: j <= i, and i - j < window when there is a window."""
+    ones = torch.ones(length, length, dtype=torch.bool, device=device)
+    return ones.tril() if window is None else ones.tril() & ~ones.tril(-window)
 
 
 _masks: dict[tuple, torch.Tensor] = {}
 
 
-def _causal_mask(length: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """-inf above the diagonal: a view into one mask per dtype and device, as long as the longest sample yet."""
-    key = (dtype, device)
+def _causal_mask(length: int, dtype: torch.dtype, device: torch.device, window: int | None) -> torch.Tensor:
+    """-inf where a query may not look: a view into one mask per dtype, device and window, as long as the
+    longest sample yet (a band's top-left corner is the band of a shorter sample)."""
+    key = (dtype, device, window)
     if key not in _masks or _masks[key].shape[0] < length:
-        _masks[key] = torch.full((length, length), float("-inf"), dtype=dtype, device=device).triu(1)
+        _masks[key] = torch.zeros(length, length, dtype=dtype, device=device).masked_fill_(~_allowed(length, window, device), float("-inf"))
     return _masks[key][:length, :length]
 
 
@@ -100,13 +120,13 @@ class _CausalAttention(torch.autograd.Function):
     sample's gradient back as a zero-filled tensor the size of the whole batch, and add them all up."""
 
     @staticmethod
-    def forward(ctx, query, key, value, spans, scale, dtype):
+    def forward(ctx, query, key, value, spans, scale, dtype, window):
         batch, heads, length, dim = query.shape
         out = query.new_zeros(batch, length, heads, dim, dtype=dtype)
         probs = []
         for b, s, e in spans:
             q, k, v = _sample(query, key, value, b, s, e, dtype)
-            scores = torch.baddbmm(_causal_mask(e - s, dtype, q.device), q, k.transpose(1, 2), alpha=scale)
+            scores = torch.baddbmm(_causal_mask(e - s, dtype, q.device, window), q, k.transpose(1, 2), alpha=scale)
             probs.append(torch.softmax(scores, dim=-1, dtype=torch.float32))
             out[b, s:e] = torch.bmm(probs[-1].to(dtype), v).transpose(0, 1)
         ctx.save_for_backward(query, key, value, *probs)
@@ -133,7 +153,7 @@ class _CausalAttention(torch.autograd.Function):
             if groups > 1:
                 grad_k, grad_v = (x.unflatten(0, (-1, groups)).sum(1) for x in (grad_k, grad_v))
             grad_key[b, :, s:e], grad_value[b, :, s:e] = grad_k, grad_v
-        return grad_query, grad_key, grad_value, None, None, None
+        return grad_query, grad_key, grad_value, None, None, None, None
 
 
 def _sample(query, key, value, b: int, s: int, e: int, dtype: torch.dtype):

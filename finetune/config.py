@@ -32,6 +32,7 @@ class QuantizationConfig(_Section):
 
 
 DEFAULT_RAMDISK = "/dev/shm/finetune"
+CHAT_TEMPLATES = ("chatml", "llama3", "alpaca")  # built-in templates (finetune/chat.py)
 
 
 class ModelConfig(_Section):
@@ -77,10 +78,20 @@ class DataConfig(_Section):
     max_seq_len: int = Field(512, gt=0, description="Longest row in tokens; longer samples are truncated.")
     packing: bool = Field(True, description="Pack samples into rows of max_seq_len, attention kept inside each sample.")
     train_on_prompt: bool = Field(False, description="Also compute the loss on prompt tokens (default: responses only).")
+    chat_template: str | None = Field(None, description="Template that renders chat rows (and alpaca rows, where there is one): null = the "
+                                      "model's own; chatml, llama3 or alpaca (built-in, with generation markers); or a .jinja file.")
     bad_rows: Literal["fail", "skip"] = Field("fail", description="Invalid rows: fail with file:line, or skip and count them.")
     cache_dir: str | None = Field(None, description="Tokenized-data cache (default $FINETUNE_CACHE or ~/.cache/finetune).")
     split: str = Field("train", description="Split to read from a hub dataset.")
     num_proc: int = Field(1, gt=0, description="Processes for tokenization.")
+
+
+    @field_validator("chat_template")
+    @classmethod
+    def _template_known(cls, value: str | None) -> str | None:
+        if value is not None and value not in CHAT_TEMPLATES and not Path(value).expanduser().is_file():
+            raise ValueError(f"expected {', '.join(CHAT_TEMPLATES)} or a Jinja template file; no file {value}")
+        return value
 
 
 class TrainConfig(_Section):
@@ -104,6 +115,8 @@ class TrainConfig(_Section):
     mixed_precision: Literal["no", "bf16", "fp16", "fp8"] = Field("no", description="Autocast precision (fp16/fp8 need a GPU).")
     tf32: bool = Field(False, description="Allow TF32 matmuls on CUDA.")
     gradient_checkpointing: bool = Field(False, description="Recompute activations in backward (non-reentrant).")
+    router_aux_loss_coef: float | None = Field(None, ge=0, description="Mixture-of-experts models: weight of the router's load-balancing loss "
+                                               "added to the training loss (null: the model config's router_aux_loss_coef; 0: off).")
     seed: int = Field(42, description="Seed for weights init, dropout and data order.")
     overfit_batch: int = Field(0, ge=0, description="Sanity check: train this many steps on the first batch only (0 = off).")
 

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from finetune.chat import assistant_mask, render
 from finetune.config import DataConfig, data_files
 from finetune.errors import UserError
 
@@ -153,28 +154,6 @@ def _alpaca_prompt(row: dict) -> str:
     )
 
 
-def _render(tokenizer, messages: list[dict], add_generation_prompt: bool = False) -> str:
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
-
-
-def _chat_sample(tokenizer, messages: list[dict]) -> tuple[list[int], list[bool]]:
-    """Token ids of the rendered conversation, and which tokens belong to assistant replies.
-
-    Assistant spans are found as character ranges between the render of the conversation up to the
-    reply (with the generation prompt) and the render including it; tokens starting inside a span are
-    trained. This works with any chat template whose renders are prefix-consistent.
-    """
-    full = _render(tokenizer, messages)
-    spans = []
-    for i, msg in enumerate(messages):
-        if msg["role"] == "assistant":
-            start = len(_render(tokenizer, messages[:i], add_generation_prompt=True)) if i else 0
-            spans.append((start, len(_render(tokenizer, messages[: i + 1]))))
-    enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
-    trained = [any(s <= a < e for s, e in spans) for a, _ in enc["offset_mapping"]]
-    return enc["input_ids"], trained
-
-
 def tokenize_row(row: dict, tokenizer, fmt: str, train_on_prompt: bool) -> dict:
     """One row -> {'input_ids', 'labels'} (not yet truncated)."""
     if fmt == "completion":
@@ -183,7 +162,7 @@ def tokenize_row(row: dict, tokenizer, fmt: str, train_on_prompt: bool) -> dict:
             ids = ids + [tokenizer.eos_token_id]
         trained = [True] * len(ids)
     elif fmt == "chat" or tokenizer.chat_template:
-        ids, trained = _chat_sample(tokenizer, row["messages"] if fmt == "chat" else _alpaca_messages(row))
+        ids, trained = assistant_mask(tokenizer, row["messages"] if fmt == "chat" else _alpaca_messages(row))
     else:  # alpaca without a chat template: the classic Alpaca prompt
         prompt = tokenizer(_alpaca_prompt(row), add_special_tokens=True)["input_ids"]
         answer = tokenizer(row["output"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
@@ -197,10 +176,10 @@ def prompt_and_answer(row: dict, tokenizer, fmt: str) -> tuple[str, str]:
     if fmt == "chat":
         last = max(i for i, m in enumerate(row["messages"]) if m["role"] == "assistant")
         msgs = row["messages"]
-        return _render(tokenizer, msgs[:last], add_generation_prompt=True), msgs[last]["content"]
+        return render(tokenizer, msgs[:last], add_generation_prompt=True), msgs[last]["content"]
     if fmt == "alpaca":
         if tokenizer.chat_template:
-            return _render(tokenizer, _alpaca_messages(row)[:1], add_generation_prompt=True), row["output"]
+            return render(tokenizer, _alpaca_messages(row)[:1], add_generation_prompt=True), row["output"]
         return _alpaca_prompt(row), row["output"]
     raise ValueError("completion rows have no prompt/answer split")
 

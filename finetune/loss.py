@@ -10,13 +10,14 @@ Two savings over `model(...).logits` + cross-entropy, both exact:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
+from finetune import families
 from finetune.data import IGNORE
 
-# Architectures whose logits are exactly lm_head(final hidden state): no soft-capping or scaling.
-PLAIN_HEAD_MODELS = {"llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "olmo", "olmo2"}
 # Logits held at once: 16 MiB in fp32. Each chunk reads the whole head weight twice, so smaller chunks
 # make the matmuls memory-bound (8 MiB ran the bench's steps ~6% slower); much larger ones leave the cache.
 CHUNK_ELEMENTS = 2**22
@@ -26,8 +27,20 @@ def trained_tokens(batch: dict[str, torch.Tensor]) -> int:
     return int((batch["labels"][:, 1:] != IGNORE).sum())
 
 
+@dataclass
+class Losses:
+    tokens: torch.Tensor  # cross-entropy summed over the trained tokens
+    router: torch.Tensor | None = None  # mixture-of-experts models: the router's load-balancing loss of this forward
+
+
 def token_loss_sum(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Summed cross-entropy over trained tokens. Logits at t predict the token at t+1.
+    """Summed cross-entropy over trained tokens. Logits at t predict the token at t+1."""
+    return losses(model, batch).tokens
+
+
+def losses(model, batch: dict[str, torch.Tensor], router: bool = False) -> Losses:
+    """The cross-entropy sum and, with `router`, the MoE router's auxiliary loss (as the model computes
+    it with output_router_logits; transformers adds it only when labels are passed, which we do not).
 
     No attention_mask: the restarting position_ids tell transformers where samples (and padding) begin.
     """
@@ -36,10 +49,12 @@ def token_loss_sum(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     keep[:, :-1] = labels[:, 1:] != IGNORE
     targets = labels[:, 1:][keep[:, :-1]]
     inputs = {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"], "use_cache": False}
+    if router:
+        inputs["output_router_logits"] = True
     parts = fusable_parts(model)
     if parts is None:
-        logits = model(**inputs, logits_to_keep=keep).logits
-        return F.cross_entropy(logits.float(), targets, reduction="sum")
+        out = model(**inputs, logits_to_keep=keep)
+        return Losses(F.cross_entropy(out.logits.float(), targets, reduction="sum"), out.aux_loss if router else None)
     decoder, head = parts
     captured = []
 
@@ -50,21 +65,21 @@ def token_loss_sum(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
 
     hook = decoder.register_forward_hook(grab)
     try:
-        model(**inputs, logits_to_keep=torch.zeros_like(keep))  # the lm_head sees no rows
+        out = model(**inputs, logits_to_keep=torch.zeros_like(keep))  # the lm_head sees no rows
     finally:
         hook.remove()
     hidden, autocast_dtype = captured[0]
     hidden, weight = hidden[keep], head.weight
     if autocast_dtype is not None:
         hidden, weight = hidden.to(autocast_dtype), weight.to(autocast_dtype)
-    return linear_cross_entropy(hidden, weight, targets)
+    return Losses(linear_cross_entropy(hidden, weight, targets), out.aux_loss if router else None)
 
 
 def fusable_parts(model) -> tuple[torch.nn.Module, torch.nn.Linear] | None:
     """(decoder, lm_head) when the loss may bypass the model's logits; None to take the plain path."""
     inner = getattr(model, "module", model)  # DDP
     base = inner.get_base_model() if hasattr(inner, "get_base_model") else inner  # peft
-    if getattr(base.config, "model_type", None) not in PLAIN_HEAD_MODELS or not hasattr(base, "get_decoder"):
+    if not hasattr(base, "get_decoder") or not families.plain_head(base.config.to_dict()):
         return None
     head = base.get_output_embeddings()
     weight = getattr(head, "weight", None)

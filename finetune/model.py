@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from finetune import families
 from finetune.attention import register as register_packed_sdpa
 from finetune.config import AdapterConfig, ModelConfig, RunConfig
 from finetune.errors import UserError
@@ -91,7 +92,20 @@ def quantization_config(cfg: ModelConfig, partitioned: bool = False):
     )
 
 
-def load_model(cfg: ModelConfig, device: torch.device | str = "cpu", skeleton: bool = False):
+def attention_for(cfg: ModelConfig, config: dict) -> tuple[str, str | None]:
+    """The attn_implementation to load with, and a notice where it is not the one configured.
+
+    sdpa runs per packed sample while training (finetune/attention.py) and as plain sdpa otherwise;
+    models that soft-cap attention logits (Gemma 2) run eager attention, which does it, instead."""
+    if cfg.attn_implementation != "sdpa":
+        return cfg.attn_implementation, None
+    if families.attention_softcap(config):
+        return "eager", (f"model: {config.get('model_type')} soft-caps its attention logits, which sdpa cannot do: "
+                         "using eager attention (model.attn_implementation: flash_attention_2 on a GPU also does it)")
+    return register_packed_sdpa(), None
+
+
+def load_model(cfg: ModelConfig, device: torch.device | str = "cpu", skeleton: bool = False, say=print):
     """The base model. A quantized base is placed on `device` while loading (bitsandbytes quantizes
     as it places); a plain one is moved later by accelerate.
 
@@ -99,10 +113,14 @@ def load_model(cfg: ModelConfig, device: torch.device | str = "cpu", skeleton: b
     (the FSDP ranks that receive their shards from rank 0)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    # sdpa, run per packed sample while training (finetune/attention.py); plain sdpa otherwise.
-    attn = register_packed_sdpa() if cfg.attn_implementation == "sdpa" else cfg.attn_implementation
-    if skeleton:
+    try:
         config = AutoConfig.from_pretrained(cfg.name_or_path, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
+    except (OSError, ValueError) as err:
+        raise UserError(f"model.name_or_path: cannot read the config of '{cfg.name_or_path}': {str(err).splitlines()[0]}") from None
+    attn, notice = attention_for(cfg, config.to_dict())
+    if notice:
+        say(notice)
+    if skeleton:
         dtype = (getattr(config, "dtype", None) or torch.float32) if cfg.dtype == "auto" else DTYPES[cfg.dtype]
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn,
@@ -120,6 +138,7 @@ def load_model(cfg: ModelConfig, device: torch.device | str = "cpu", skeleton: b
     try:
         model = AutoModelForCausalLM.from_pretrained(
             cfg.name_or_path,
+            config=config,
             revision=cfg.revision,
             dtype=DTYPES[cfg.dtype],
             attn_implementation=attn,
@@ -163,7 +182,7 @@ def _own_unquantized_weights(model) -> None:
             param.data = param.data.clone()
 
 
-def apply_adapter(model, cfg: AdapterConfig, gradient_checkpointing: bool):
+def apply_adapter(model, cfg: AdapterConfig, gradient_checkpointing: bool, say=print):
     """Wrap the model for the chosen method. Returns the model to train."""
     if gradient_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
@@ -174,20 +193,59 @@ def apply_adapter(model, cfg: AdapterConfig, gradient_checkpointing: bool):
     if gradient_checkpointing:
         # With a frozen embedding nothing before the first checkpointed block needs grad.
         model.enable_input_require_grads()
+    modules, parameters = lora_targets(model, cfg.target_modules)
+    if parameters and cfg.method == "dora":
+        if cfg.target_modules != "all-linear":
+            raise UserError("adapter.target_modules: DoRA cannot adapt fused expert weights (peft); use adapter.method: lora for the experts")
+        say("adapter: DoRA cannot adapt the experts' fused weights (peft): the experts stay frozen; adapter.method: lora adapts them")
+        parameters = []
+    dropout = cfg.dropout
+    if parameters and dropout:
+        if "dropout" in cfg.model_fields_set:
+            raise UserError(f"adapter.dropout: peft's LoRA on fused expert weights ({', '.join(parameters)}) takes no dropout; set it to 0")
+        say(f"adapter: LoRA on the experts' fused weights takes no dropout: adapter.dropout {dropout} -> 0 for this model")
+        dropout = 0.0
     lora = LoraConfig(
         task_type="CAUSAL_LM",
         r=cfg.r,
         lora_alpha=cfg.alpha,
-        lora_dropout=cfg.dropout,
-        target_modules=cfg.target_modules,
+        lora_dropout=dropout,
+        target_modules=modules,
+        target_parameters=parameters or None,
         use_dora=cfg.method == "dora",
         use_rslora=cfg.rslora,
         modules_to_save=cfg.modules_to_save,
     )
     try:
         return get_peft_model(model, lora)
-    except ValueError as err:
-        raise UserError(f"adapter.target_modules: {str(err).splitlines()[0]}") from None
+    except (ValueError, TypeError) as err:
+        raise UserError(f"adapter: {str(err).splitlines()[0]}") from None
+
+
+ROUTERS = {"gate", "router", "shared_expert_gate"}  # in an MoE model, the linear layers that pick experts
+
+
+def lora_targets(model, wanted: str | list[str]) -> tuple[str | list[str], list[str]]:
+    """(target_modules, target_parameters) for peft.
+
+    all-linear: peft's own, except in mixture-of-experts models, where peft's choice varies by family
+    (Mixtral's router and experts but Qwen2-MoE's shared-expert gate and no experts): there every
+    linear layer but the head and the routers, and the experts' fused 3-D weights. In a list, the name
+    `experts` stands for those expert weights; any other name must match some linear layer."""
+    head = model.get_output_embeddings()
+    linears = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear) and m is not head}
+    experts = sorted({f"{module.rsplit('.', 1)[-1]}.{p}" for module, m in model.named_modules() if module.endswith("experts")
+                      for p, w in m.named_parameters(recurse=False) if w.dim() == 3})
+    if wanted == "all-linear":
+        return (sorted(linears - ROUTERS), experts) if experts else ("all-linear", [])
+    named = [t for t in wanted if t != "experts"]
+    missing = [t for t in named if t.rsplit(".", 1)[-1] not in linears]
+    if missing or ("experts" in wanted and not experts):
+        kind = model.config.model_type
+        raise UserError(f"adapter.target_modules: {', '.join(missing) or 'experts'} matches no layer of this {kind} model; its linear layers are "
+                        f"{', '.join(sorted(linears))}" + (" and its experts (name: experts)" if experts else "")
+                        + (" (Phi-3 fuses q/k/v into qkv_proj and gate/up into gate_up_proj)" if kind == "phi3" else ""))
+    return named, experts if "experts" in wanted else []
 
 
 def adapter_input_casting_off(model, mixed_precision: str):

@@ -26,7 +26,8 @@ if __name__ == "__main__" and not __package__:
 
 import torch
 
-from finetune import checkpoint, faults
+from finetune import checkpoint, families, faults
+from finetune.chat import choose_template
 from finetune.config import RunConfig, to_yaml
 from finetune.data import Datasets, collate, epoch_batches, load_data
 from finetune.distributed import (ZERO_STAGES, check_strategy, full_state_dict, gathered_trainable_state, init_deepspeed, local_numel,
@@ -34,7 +35,7 @@ from finetune.distributed import (ZERO_STAGES, check_strategy, full_state_dict, 
 from finetune.errors import EXIT_DIVERGED, EXIT_PREEMPTED, Stopped, UserError
 from finetune.guard import Guard, Verdict, data_step
 from finetune.evaluate import eval_loss, exact_match
-from finetune.loss import token_loss_sum, trained_tokens
+from finetune.loss import losses, trained_tokens
 from finetune.metrics import RunLog, plot_loss_curve
 from finetune.model import adapter_input_casting_off, apply_adapter, check_supported, describe, load_model, load_tokenizer
 from finetune.optim import build_optimizer, build_scheduler, check_optimizer
@@ -200,6 +201,7 @@ def run(cfg: RunConfig) -> RunResult:
 
     # Data: the main process tokenizes (and fills the cache) first; the others then read the cache.
     tokenizer = load_tokenizer(model_cfg)
+    choose_template(tokenizer, cfg.data.chat_template, chat_data=cfg.data.format == "chat", say=say)
     with accelerator.main_process_first():
         data = load_data(cfg.data, tokenizer, t.seed, keep_eval_examples=cfg.eval.generate_samples > 0)
     schedule = plan_steps(cfg, len(data.train), world)
@@ -215,9 +217,10 @@ def run(cfg: RunConfig) -> RunResult:
     fsdp, zero = strategy == "fsdp", strategy in ZERO_STAGES
     rss_before_model = current_rss()
     zero3_partitioning = zero3_loading(cfg, world)  # noqa: F841  (must stay alive while loading)
-    model = load_model(model_cfg, accelerator.device, skeleton=fsdp and rank != 0)
+    model = load_model(model_cfg, accelerator.device, skeleton=fsdp and rank != 0, say=say)
     model.name_or_path = model.config.name_or_path = cfg.model.name_or_path  # saved configs name the source, not a RAM copy
-    model = apply_adapter(model, cfg.adapter, t.gradient_checkpointing)
+    router_coef = families.router_aux_loss_coef(model.config.to_dict()) if t.router_aux_loss_coef is None else t.router_aux_loss_coef
+    model = apply_adapter(model, cfg.adapter, t.gradient_checkpointing, say=say)
     info = describe(model)
     q = cfg.model.quantization
     method = cfg.adapter.method if q is None else f"{cfg.adapter.method} on a {q.bits}-bit base" + (f" ({q.quant_type})" if q.bits == 4 else "")
@@ -322,14 +325,18 @@ def run(cfg: RunConfig) -> RunResult:
         # DDP averages gradients over ranks).
         local = torch.tensor([sum(trained_tokens(b) for b in micro_batches), real_tokens], device=accelerator.device)
         global_tokens, global_real = accelerator.reduce(local, "sum").tolist()
-        loss_sum = torch.zeros((), device=accelerator.device)
+        loss_sum, router_sum = torch.zeros((), device=accelerator.device), torch.zeros((), device=accelerator.device)
         for i, batch in enumerate(micro_batches):
             sync = i == len(micro_batches) - 1  # gradients are reduced across ranks once per step
             if fsdp:
                 model.set_requires_gradient_sync(sync)
             with nullcontext() if sync or fsdp or zero else accelerator.no_sync(model):
-                loss = token_loss_sum(model, batch) * faults.loss_factor(position, rank)
+                parts = losses(model, batch, router=router_coef > 0)
+                loss = parts.tokens * faults.loss_factor(position, rank)
                 scaled = loss * (world / max(global_tokens, 1))
+                if parts.router is not None:  # MoE load balancing: its mean over the step's forwards, as the model weighs it
+                    scaled = scaled + parts.router * (router_coef / len(micro_batches))
+                    router_sum += parts.router.detach()
                 if zero:
                     model.backward(scaled, scale_wrt_gas=False)  # already normalised over the whole step
                     model.step()  # DeepSpeed reduces, clips and updates at the last micro-batch only
@@ -340,8 +347,9 @@ def run(cfg: RunConfig) -> RunResult:
         # every rank must agree to save or stop (the preemption signal and the save clock ride along).
         minutes = cfg.checkpoint.save_every_minutes
         due = minutes > 0 and time.monotonic() - last_save > 60 * minutes
-        local = torch.stack([loss_sum.float(), loss_sum.new_tensor(float(preemption.signal is not None)), loss_sum.new_tensor(float(due))])
-        total_loss, preempted, time_due = accelerator.reduce(local, "sum").tolist()
+        local = torch.stack([loss_sum.float(), loss_sum.new_tensor(float(preemption.signal is not None)), loss_sum.new_tensor(float(due)),
+                             router_sum.float()])
+        total_loss, preempted, time_due, router_loss = accelerator.reduce(local, "sum").tolist()
         step_loss, preempted, time_due = total_loss / max(global_tokens, 1), preempted > 0, time_due > 0
         if step - start_step < FIRST_STEPS_CHECKED:
             check_first_steps(step, step_loss)
@@ -385,6 +393,8 @@ def run(cfg: RunConfig) -> RunResult:
                 "elapsed_s": now - started,
                 "time": time.time(),
             }
+            if router_coef > 0:
+                last["router_aux_loss"] = router_loss / (len(micro_batches) * world)
             log.write(last)
             window_tokens, window_start = 0, now
         if cfg.eval.every and step % cfg.eval.every == 0 and step < schedule.total_steps:

@@ -32,10 +32,11 @@ def test_alpaca_mask_trains_only_the_response(tok):
     sample = tokenize_row(row, tok, "alpaca", train_on_prompt=False)
     prompt, response = _spans(tok, sample)
     assert "What kind of word is this?" in prompt and "apple" in prompt and "<|assistant|>" in prompt
-    assert response == "noun</s>\n"
+    assert response == "noun</s>"  # the newline between turns is not the answer
     labels = sample["labels"]
     first = next(i for i, l in enumerate(labels) if l != IGNORE)
-    assert all(l == IGNORE for l in labels[:first]) and IGNORE not in labels[first:]  # one contiguous response
+    last = max(i for i, l in enumerate(labels) if l != IGNORE)
+    assert all(l == IGNORE for l in labels[:first] + labels[last + 1 :]) and IGNORE not in labels[first:last]  # one contiguous response
     # Response labels are the token ids themselves.
     trained = [(i, l) for i, l in zip(sample["input_ids"], sample["labels"]) if l != IGNORE]
     assert trained and all(i == l for i, l in trained)
@@ -182,4 +183,4 @@ def test_eval_fraction_holds_out_a_seeded_share(tmp_path, tok):
     assert len(data.eval_examples) == len(data.eval)
     eval_ids = {tuple(r.input_ids) for r in data.eval}
     assert not eval_ids & {tuple(r.input_ids) for r in data.train}  # nothing held out is trained on
-    assert {r["output"] for r in data.eval_examples} == {tok.decode([t for t, l in zip(r.input_ids, r.labels) if l != -100]).removesuffix("</s>\n") for r in data.eval}
+    assert {r["output"] for r in data.eval_examples} == {tok.decode([t for t, l in zip(r.input_ids, r.labels) if l != -100]).removesuffix("</s>") for r in data.eval}

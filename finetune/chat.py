@@ -1,0 +1,164 @@
+"""Chat templates: which one renders the conversations, and which of its tokens are the assistant's.
+
+The loss mask comes from the template's own output, never from guesses about its markup:
+1. a template with generation markers (`{% generation %}`, as the built-ins here have) says itself
+   which characters are the assistant's (transformers' `return_assistant_tokens_mask`);
+2. otherwise each assistant turn is what the template adds after the generation prompt, found by
+   rendering the conversation up to that turn, when those renders are prefixes of the whole one;
+3. where the template rewrites earlier turns (Qwen3 drops the `<think>` blocks of past answers, some
+   templates trim or re-order), each assistant message is located in the final text, in order, with
+   the end-of-turn token that follows it; a message that cannot be found stops with one line.
+
+Trained: what the model must write after the generation prompt, up to and including the end-of-turn
+token; never the whitespace that separates turns, the role headers or any other message.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from finetune.errors import UserError
+
+# Built-in templates, for models that have none or to replace theirs (data.chat_template). Each marks
+# the assistant's part with generation markers, so the loss mask comes from the template itself.
+BUILTIN = {
+    "chatml": (
+        "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' }}"
+        "{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] + '<|im_end|>' }}{% endgeneration %}{{ '\\n' }}"
+        "{% else %}{{ m['content'] + '<|im_end|>\\n' }}{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    ),
+    "llama3": (
+        "{{ bos_token }}{% for m in messages %}{{ '<|start_header_id|>' + m['role'] + '<|end_header_id|>\\n\\n' }}"
+        "{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] + '<|eot_id|>' }}{% endgeneration %}"
+        "{% else %}{{ m['content'] + '<|eot_id|>' }}{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}"
+    ),
+    "alpaca": (
+        "{% if bos_token %}{{ bos_token }}{% endif %}{% for m in messages %}"
+        "{% if m['role'] == 'system' %}{{ m['content'] + '\\n\\n' }}"
+        "{% elif m['role'] == 'assistant' %}{{ '### Response:\\n' }}{% generation %}{{ m['content'] + eos_token }}{% endgeneration %}{{ '\\n\\n' }}"
+        "{% else %}{{ '### Instruction:\\n' + m['content'] + '\\n\\n' }}{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '### Response:\\n' }}{% endif %}"
+    ),
+}
+# The tokens a built-in is written in, the first being its end of turn; the tokenizer must know them.
+BUILTIN_TOKENS = {"chatml": ["<|im_end|>", "<|im_start|>"], "llama3": ["<|eot_id|>", "<|start_header_id|>", "<|end_header_id|>"]}
+GENERATION_MARKER = re.compile(r"\{%-?\s*generation\s*-?%\}")
+
+
+def choose_template(tokenizer, choice: str | None, chat_data: bool, say=print) -> None:
+    """Give the tokenizer the template data.chat_template names (None: keep the model's own).
+
+    With a built-in whose end of turn is not the tokenizer's EOS, that token becomes the EOS, so that
+    generation stops at the end of an answer (LLaMA-Factory does the same)."""
+    if choice is not None:
+        if choice in BUILTIN:
+            missing = [t for t in BUILTIN_TOKENS.get(choice, []) if not _is_one_token(tokenizer, t)]
+            if missing:
+                raise UserError(f"data.chat_template: {choice} is written in tokens this tokenizer does not have ({', '.join(missing)}); "
+                                "use alpaca (works with any tokenizer) or a .jinja file of your own")
+            tokenizer.chat_template = BUILTIN[choice]
+            end = BUILTIN_TOKENS.get(choice, [None])[0]
+            if end and tokenizer.eos_token != end:
+                say(f"data.chat_template: {choice}: the tokenizer's EOS becomes {end} (was {tokenizer.eos_token}), where answers end")
+                tokenizer.eos_token = end
+        else:
+            path = Path(choice).expanduser()
+            try:
+                tokenizer.chat_template = path.read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as err:
+                raise UserError(f"data.chat_template: {choice}: cannot read it as a Jinja template file ({err.__class__.__name__})") from None
+    if chat_data and not tokenizer.chat_template:
+        raise UserError("data.chat_template: the model's tokenizer has no chat template to render chat rows; "
+                        f"set data.chat_template to one of {', '.join(BUILTIN)} or a .jinja file")
+
+
+def _is_one_token(tokenizer, text: str) -> bool:
+    return len(tokenizer(text, add_special_tokens=False)["input_ids"]) == 1
+
+
+def render(tokenizer, messages: list[dict], add_generation_prompt: bool = False) -> str:
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    except Exception as err:  # noqa: BLE001 - a template's own raise_exception() or a Jinja error: the template refuses this row
+        raise UserError(f"data: the chat template cannot render a row: {str(err).splitlines()[0] if str(err) else type(err).__name__}") from None
+
+
+def assistant_mask(tokenizer, messages: list[dict]) -> tuple[list[int], list[bool]]:
+    """Token ids of the rendered conversation, and for each token whether it is trained."""
+    if GENERATION_MARKER.search(tokenizer.chat_template or ""):
+        enc = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+        return list(enc["input_ids"]), [bool(m) for m in enc["assistant_masks"]]
+    full = render(tokenizer, messages)
+    spans = assistant_spans(tokenizer, messages, full)
+    enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+    # A token that overlaps an answer is trained: sentencepiece's "▁answer" carries the space before it.
+    return enc["input_ids"], [any(a < e and b > s for s, e in spans) for a, b in enc["offset_mapping"]]
+
+
+def assistant_spans(tokenizer, messages: list[dict], full: str) -> list[tuple[int, int]]:
+    """Character ranges of `full` (the whole conversation rendered) that the assistant writes."""
+    spans, cursor = [], 0
+    for i, msg in enumerate(messages):
+        if msg["role"] == "system":
+            continue  # templates move system prompts (Mistral's into the last user turn): no landmark
+        if msg["role"] != "assistant":
+            found = _locate(full, msg["content"], cursor)  # an answer is searched for after the turns before it
+            cursor = found[1] if found else cursor
+            continue
+        span = _turn_by_prefixes(tokenizer, messages, i, full)
+        if span is None or span[0] < cursor:
+            span = _located_turn(tokenizer, full, msg["content"], cursor)
+        if span is None:
+            raise UserError(f"data: the chat template rewrites assistant message {i} so that its text is not in the rendered "
+                            "conversation; give the template generation markers ({% generation %}) or set data.chat_template")
+        spans.append(span)
+        cursor = span[1]
+    return spans
+
+
+def _turn_by_prefixes(tokenizer, messages: list[dict], i: int, full: str) -> tuple[int, int] | None:
+    """What the template adds for message i after the generation prompt, if both renders are
+    prefixes of the whole conversation; whitespace around it (between turns) excluded."""
+    try:
+        before = render(tokenizer, messages[:i], add_generation_prompt=True) if i else ""
+    except UserError:  # templates that refuse a conversation with no user turn yet
+        return None
+    upto = render(tokenizer, messages[: i + 1]).rstrip()
+    if not (full.startswith(before) and full.startswith(upto)) or not upto[len(before):].strip():
+        return None
+    added = upto[len(before):]
+    return len(before) + len(added) - len(added.lstrip()), len(upto)
+
+
+def _locate(full: str, content: str, cursor: int) -> tuple[int, int] | None:
+    """Where a message's text stands in `full` after `cursor`: as written, or stripped, or, for a
+    reasoning model's past answer whose <think> block the template dropped, its final part."""
+    for text in dict.fromkeys((content, content.strip(), content.split("</think>")[-1].strip())):
+        at = full.find(text, cursor) if text else -1
+        if at >= 0:
+            return at, at + len(text)
+    return None
+
+
+def _located_turn(tokenizer, full: str, content: str, cursor: int) -> tuple[int, int] | None:
+    found = _locate(full, content, cursor)
+    if found is None:
+        return None
+    start, end = found
+    # The end-of-turn token right after the answer is trained too: it is how the model learns to stop.
+    added = [t.content for t in tokenizer.added_tokens_decoder.values() if t.special]
+    specials = sorted({t for t in tokenizer.all_special_tokens + added if t}, key=len, reverse=True)
+    after = next((t for t in specials if full.startswith(t, end)), "")
+    return start, end + len(after)
+
+
+def ends_turns(tokenizer) -> bool:
+    """Whether the template closes an assistant turn with a special token (else a model trained on it
+    never learns to stop)."""
+    probe = [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "Hi"}]
+    ids, trained = assistant_mask(tokenizer, probe)
+    last = max((k for k, t in enumerate(trained) if t), default=None)
+    return last is not None and ids[last] in set(tokenizer.all_special_ids)

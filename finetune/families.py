@@ -1,0 +1,120 @@
+"""What differs between model families, read from a model's config (a dict: config.json or
+`model.config.to_dict()`). One place for it, no torch: the planner, the loader, the loss and the
+adapter all ask here instead of testing model types of their own.
+
+The families tested (tests/test_families.py): Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3, Phi-3,
+Mixtral, Qwen2-MoE, Qwen3-MoE. Other decoders with the same config keys work the same way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Linear:
+    """One linear layer of the decoder, summed over layers (and experts): `copies` instances of
+    (fan_in -> fan_out), of which `active` run for each token."""
+
+    name: str
+    fan_in: int
+    fan_out: int
+    copies: int
+    active: int
+    expert: bool = False  # a slice of a fused 3-D experts parameter, not an nn.Linear
+    router: bool = False
+
+    @property
+    def params(self) -> int:
+        return self.fan_in * self.fan_out * self.copies
+
+
+def text_config(config: dict) -> dict:
+    """The language model's part of a config (multimodal configs nest it)."""
+    return config.get("text_config") or config
+
+
+def attention_softcap(config: dict) -> float | None:
+    """Logit soft-capping inside attention (Gemma 2): sdpa kernels cannot do it."""
+    return text_config(config).get("attn_logit_softcapping")
+
+
+def plain_head(config: dict) -> bool:
+    """Whether the logits are exactly lm_head(final hidden state): no soft-capping or scaling of them."""
+    c = text_config(config)
+    scaled = any(c.get(k) not in (None, 1, 1.0) for k in ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale"))
+    return not scaled and c.get("model_type") in PLAIN_HEAD_MODELS
+
+
+# Causal LMs whose forward ends in a bias-free lm_head over the last hidden state (the fused loss checks
+# the head module itself too). Gemma 2's default final soft-capping is caught by plain_head's key check.
+PLAIN_HEAD_MODELS = {"llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3_text", "olmo", "olmo2",
+                     "mixtral", "qwen2_moe", "qwen3_moe"}
+
+
+def num_experts(config: dict) -> int:
+    c = text_config(config)
+    return int(c.get("num_local_experts") or c.get("num_experts") or 0)
+
+
+def router_aux_loss_coef(config: dict) -> float:
+    """The coefficient of the router's load-balancing loss that the model's config asks for (0: dense)."""
+    return float(text_config(config).get("router_aux_loss_coef") or 0.0) if num_experts(config) else 0.0
+
+
+def sparse_layers(config: dict) -> list[bool]:
+    """For each decoder layer: does its MLP route to experts (Qwen-MoE may keep some layers dense)?"""
+    c = text_config(config)
+    n, experts = c["num_hidden_layers"], num_experts(config)
+    step, dense = c.get("decoder_sparse_step") or 1, set(c.get("mlp_only_layers") or [])
+    return [bool(experts) and i not in dense and (i + 1) % step == 0 for i in range(n)]
+
+
+def unsupported(config: dict) -> str | None:
+    """Why finetune cannot plan or train this architecture correctly, or None."""
+    c = text_config(config)
+    for key in ("n_routed_experts", "n_shared_experts", "first_k_dense_replace", "kv_lora_rank"):
+        if c.get(key) is not None:
+            return f"'{c.get('model_type')}' ({key}): DeepSeek-style MoE/MLA layers are not supported yet"
+    return None
+
+
+def linear_layers(config: dict) -> list[Linear]:
+    """Every linear layer of the decoder stack with its shape and count (embeddings and head excluded).
+
+    Phi-3 fuses q/k/v into qkv_proj and gate/up into gate_up_proj; MoE models hold their experts as
+    fused 3-D parameters (gate_up_proj, down_proj per expert) and route each token to a few of them."""
+    c = text_config(config)
+    h, heads = c["hidden_size"], c["num_attention_heads"]
+    head_dim = c.get("head_dim") or h // heads
+    q, kv = heads * head_dim, (c.get("num_key_value_heads") or heads) * head_dim
+    sparse = sparse_layers(config)
+    layers, moe = len(sparse), sum(sparse)
+    dense = layers - moe
+    fused = c.get("model_type") == "phi3"
+    out = [Linear("qkv_proj", h, q + 2 * kv, layers, layers)] if fused else [
+        Linear("q_proj", h, q, layers, layers), Linear("k_proj", h, kv, layers, layers), Linear("v_proj", h, kv, layers, layers)]
+    out.append(Linear("o_proj", q, h, layers, layers))
+    i = c.get("intermediate_size") or 0
+    if dense:
+        out += [Linear("gate_up_proj", h, 2 * i, dense, dense)] if fused else [
+            Linear("gate_proj", h, i, dense, dense), Linear("up_proj", h, i, dense, dense)]
+        out.append(Linear("down_proj", i, h, dense, dense))
+    if moe:
+        experts, k = num_experts(config), c.get("num_experts_per_tok") or 1
+        m = c.get("moe_intermediate_size") or i
+        out += [Linear("gate", h, experts, moe, moe, router=True),
+                Linear("experts.gate_up_proj", h, 2 * m, moe * experts, moe * k, expert=True),
+                Linear("experts.down_proj", m, h, moe * experts, moe * k, expert=True)]
+        s = c.get("shared_expert_intermediate_size") or 0
+        if s:
+            out += [Linear("shared_expert.gate_proj", h, s, moe, moe), Linear("shared_expert.up_proj", h, s, moe, moe),
+                    Linear("shared_expert.down_proj", s, h, moe, moe), Linear("shared_expert_gate", h, 1, moe, moe, router=True)]
+    return out
+
+
+def all_linear_targets(config: dict) -> list[Linear]:
+    """What adapter.target_modules: all-linear trains: every linear layer and expert weight of the
+    decoder, but not the routers (LoRA on a router moves the load balance it was trained for; peft's
+    own all-linear takes some routers and not others) and not the head."""
+    return [layer for layer in linear_layers(config) if not layer.router]

@@ -1,0 +1,214 @@
+"""The family matrix: every architecture users bring, as a tiny model built from its transformers
+config class, trains with LoRA and in full, and finetune's fast paths (per-sample packed attention,
+fused loss, logits on trained tokens only) give the losses and gradients of the library's eager
+forward run on each sample alone — on rows longer than the sliding window, packed and unpacked."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from conftest import base_config, read_jsonl
+from finetune import attention, families, loss
+from finetune.config import AdapterConfig, ModelConfig, validate_config
+from finetune.data import IGNORE, Row, collate
+from finetune.model import apply_adapter, load_model
+from finetune.train import run
+
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+WINDOW = 8  # sliding windows far shorter than the samples below
+# name: (model_type, what the config adds to TINY). Each is the feature that family brings.
+FAMILIES = {
+    "llama3": ("llama", dict(vocab_size=128256, rope_theta=500000.0)),  # GQA, 128k vocabulary, untied head
+    "llama-tied": ("llama", dict(tie_word_embeddings=True)),  # Llama 3.2 1B/3B tie the head to the embeddings
+    "mistral": ("mistral", dict(sliding_window=WINDOW)),
+    "qwen2": ("qwen2", dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1)),  # q/k/v biases; layer 1 slides
+    "qwen3": ("qwen3", dict(head_dim=16)),  # q/k norms
+    "gemma2": ("gemma2", dict(sliding_window=WINDOW, head_dim=16, query_pre_attn_scalar=16)),  # soft-capping (50/30), alternating windows
+    "gemma3": ("gemma3_text", dict(sliding_window=WINDOW, head_dim=16, query_pre_attn_scalar=16, layer_types=["sliding_attention", "full_attention"])),
+    "phi3": ("phi3", dict(sliding_window=WINDOW)),  # fused qkv_proj and gate_up_proj
+    "mixtral": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2)),
+    "qwen2-moe": ("qwen2_moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64,
+                                    mlp_only_layers=[0])),  # a dense first layer, a shared expert
+    "qwen3-moe": ("qwen3_moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=16)),
+}
+MOE = [name for name, (kind, extra) in FAMILIES.items() if "experts" in json.dumps(extra)]
+
+
+@pytest.fixture(scope="module")
+def family_dirs(tmp_path_factory, demo_tokenizer_dir):
+    """name -> a saved random tiny model of that family, with the demo tokenizer."""
+    tok = AutoTokenizer.from_pretrained(demo_tokenizer_dir)
+    made = {}
+
+    def get(name: str):
+        if name not in made:
+            kind, extra = FAMILIES[name]
+            ids = dict(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+            config = AutoConfig.for_model(kind, **{"vocab_size": len(tok), **TINY, **ids, **extra})
+            torch.manual_seed(0)
+            out = tmp_path_factory.mktemp(name)
+            AutoModelForCausalLM.from_config(config).save_pretrained(out)
+            tok.save_pretrained(out)
+            made[name] = out
+        return made[name]
+
+    return get
+
+
+def _samples(vocab: int) -> list[tuple[list[int], list[int]]]:
+    """Five samples of 9-40 tokens (most longer than the window), prompts masked, first token never trained."""
+    gen = torch.Generator().manual_seed(1)
+    out = []
+    for n in (30, 12, 25, 9, 40):
+        ids = torch.randint(3, min(vocab, 700), (n,), generator=gen).tolist()
+        out.append((ids, [IGNORE] * (n // 3) + ids[n // 3 :]))
+    return out
+
+
+def _batch(samples, packed: bool) -> dict[str, torch.Tensor]:
+    rows = []
+    for group in ([samples[:3], samples[3:]] if packed else [[s] for s in samples]):
+        ids = [t for s in group for t in s[0]]
+        rows.append(Row(ids, [t for s in group for t in s[1]], [p for s in group for p in range(len(s[0]))]))
+    return collate(rows, pad_id=0)
+
+
+def _grads(model) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _textbook(model, samples) -> tuple[float, dict]:
+    """The library's eager attention and full logits, one sample at a time, plain cross-entropy."""
+    model.set_attn_implementation("eager")
+    model.zero_grad()
+    total = 0.0
+    for ids, labels in samples:
+        logits = model(input_ids=torch.tensor([ids]), use_cache=False).logits[0, :-1]
+        value = F.cross_entropy(logits.float(), torch.tensor(labels[1:]), ignore_index=IGNORE, reduction="sum")
+        value.backward()
+        total += value.item()
+    return total, _grads(model)
+
+
+def _load(model_dir, method: str):
+    model = load_model(ModelConfig(name_or_path=str(model_dir)), say=lambda _: None)
+    if method == "lora":
+        model = apply_adapter(model, AdapterConfig(r=4, dropout=0.0), gradient_checkpointing=False)
+        with torch.no_grad():  # adapters that change the output, so their gradients are not all alike
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0, 0.05, generator=torch.Generator().manual_seed(len(name)))
+    return model.train()
+
+
+@pytest.mark.parametrize("kernel", ["causal_attention", "torch-sdpa"])
+@pytest.mark.parametrize("method", ["lora", "full"])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_fast_paths_equal_eager_attention_on_each_sample_alone(family_dirs, monkeypatch, family, method, kernel):
+    if kernel == "torch-sdpa":
+        if method == "lora":
+            pytest.skip("the kernel choice does not depend on the method")
+        monkeypatch.setattr(attention, "SHORT_SAMPLE", 0)  # every sample through torch's sdpa (with a band mask where it slides)
+    model = _load(family_dirs(family), method)
+    samples = _samples(model.config.vocab_size)
+    expected_impl = "eager" if family == "gemma2" else attention.PACKED_SDPA  # soft-capping: eager, said in one line
+    assert model.config._attn_implementation == expected_impl
+    assert (loss.fusable_parts(model) is None) == (family == "gemma2")  # Gemma 2 soft-caps its logits too
+    results = {}
+    for packed in (True, False):
+        model.zero_grad()
+        value = loss.token_loss_sum(model, _batch(samples, packed))
+        value.backward()
+        results[packed] = value.item(), _grads(model)
+    with torch.no_grad():  # eval: plain sdpa over transformers' own masks (windows, sample boundaries)
+        evaluated = loss.token_loss_sum(model.eval(), _batch(samples, packed=True)).item()
+    reference, reference_grads = _textbook(model.train(), samples)
+    assert reference_grads and all(len(r[1]) == len(reference_grads) for r in results.values())
+    for value, grads in [*results.values(), (evaluated, reference_grads)]:
+        assert abs(value - reference) < 2e-6 * reference, (value, reference)
+        for name, grad in reference_grads.items():
+            scale = grad.abs().max().item() + 1e-12
+            assert (grads[name] - grad).abs().max().item() < 2e-5 * scale, (name, (grads[name] - grad).abs().max().item(), scale)
+
+
+@pytest.mark.parametrize("family", MOE)
+def test_router_loss_is_trained_as_the_library_computes_it(family_dirs, family):
+    """Mixture of experts: CE mean + coefficient x load-balancing loss, with gradients, equals the
+    model's own loss with labels and output_router_logits — the term the fused loss used to drop."""
+    model = _load(family_dirs(family), "lora")
+    coef = families.router_aux_loss_coef(model.config.to_dict())
+    assert coef > 0
+    batch = _batch(_samples(model.config.vocab_size), packed=True)
+    tokens = loss.trained_tokens(batch)
+    parts = loss.losses(model, batch, router=True)
+    assert parts.router is not None and parts.router.item() > 0
+    (parts.tokens / tokens + coef * parts.router).backward()
+    ours = _grads(model)
+    model.zero_grad()
+    model.set_attn_implementation("eager")
+    theirs = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], labels=batch["labels"], output_router_logits=True,
+                   use_cache=False)
+    theirs.loss.backward()
+    assert abs((parts.tokens / tokens + coef * parts.router).item() - theirs.loss.item()) < 1e-5
+    assert abs(parts.router.item() - theirs.aux_loss.item()) < 1e-6
+    for name, grad in _grads(model).items():
+        assert torch.allclose(ours[name], grad, atol=2e-5 * (grad.abs().max().item() + 1e-12)), name
+    router_param = next(n for n in ours if "experts" in n)  # the experts carry adapters (peft target_parameters)
+    assert ours[router_param].abs().sum() > 0
+
+
+@pytest.mark.parametrize("method", ["lora", "full"])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_every_family_trains(tmp_path, family_dirs, family, method):
+    """A few real optimizer steps through train.run on one batch: the loss falls; MoE runs report their
+    router loss; a LoRA adapter saved by the run reloads onto its base with the trained model's logits."""
+    from peft import PeftModel
+
+    base = family_dirs(family)
+    cfg = base_config(base, tmp_path / "out", adapter={"method": method, "dropout": 0.0},
+                      train={"overfit_batch": 16, "lr": 1e-2, "scheduler": "constant", "micro_batch_size": 2}, data={"eval": None, "max_seq_len": 64})
+    result = run(validate_config(cfg, "test"))
+    rows = [r for r in read_jsonl(tmp_path / "out" / "metrics.jsonl") if "loss" in r]
+    assert len(rows) == 16 and rows[-1]["loss"] < 0.92 * rows[0]["loss"], [r["loss"] for r in rows]
+    assert all(("router_aux_loss" in r) == (family in MOE) for r in rows)
+    if method == "lora":
+        trained = result.model.eval()
+        ids = torch.tensor([_samples(trained.config.vocab_size)[0][0]])
+        reloaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), tmp_path / "out").eval()
+        with torch.no_grad():
+            assert torch.allclose(trained(input_ids=ids).logits, reloaded(input_ids=ids).logits, atol=1e-5)
+
+
+def test_phi3_target_names_say_what_the_model_has(family_dirs):
+    from finetune.errors import UserError
+
+    model = load_model(ModelConfig(name_or_path=str(family_dirs("phi3"))), say=lambda _: None)
+    with pytest.raises(UserError, match=r"q_proj, v_proj matches no layer of this phi3 model; its linear layers are down_proj, gate_up_proj, "
+                                        r"o_proj, qkv_proj \(Phi-3 fuses"):
+        apply_adapter(model, AdapterConfig(target_modules=["q_proj", "v_proj"]), gradient_checkpointing=False)
+    peft_model = apply_adapter(model, AdapterConfig(target_modules=["qkv_proj"]), gradient_checkpointing=False)
+    assert {n.split(".")[-4] for n, p in peft_model.named_parameters() if p.requires_grad} == {"qkv_proj"}
+
+
+def test_moe_adapter_targets_and_dropout(family_dirs):
+    """all-linear on an MoE model: attention and experts (fused 3-D weights), never the router; the
+    default dropout, which peft cannot apply to expert weights, becomes 0 with a notice, an explicit
+    one is refused; DoRA leaves the experts out with a notice."""
+    from finetune.errors import UserError
+
+    said = []
+    model = apply_adapter(load_model(ModelConfig(name_or_path=str(family_dirs("mixtral"))), say=said.append), AdapterConfig(), False, say=said.append)
+    adapted = {n.split(".base_layer")[0].split(".lora_")[0].split("layers.0.")[-1] for n, p in model.named_parameters() if p.requires_grad and "layers.0." in n}
+    assert adapted == {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.experts"}, adapted
+    assert any("no dropout" in line for line in said)
+    fresh = load_model(ModelConfig(name_or_path=str(family_dirs("qwen3-moe"))), say=lambda _: None)
+    with pytest.raises(UserError, match="adapter.dropout: peft's LoRA on fused expert weights"):
+        apply_adapter(fresh, AdapterConfig(dropout=0.1), False)
+    said.clear()
+    dora = apply_adapter(fresh, AdapterConfig(method="dora"), False, say=said.append)
+    assert not any("experts" in n for n, p in dora.named_parameters() if p.requires_grad) and any("DoRA" in line for line in said)
