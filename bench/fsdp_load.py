@@ -43,7 +43,7 @@ def run(model_dir: Path, work: Path, name: str, nproc: int, strategy: str) -> di
     }
     config = work / f"{name}.yaml"
     config.write_text(yaml.safe_dump(cfg))
-    # glibc keeps freed large blocks mapped otherwise, and RSS would count them (cpu-facts.md).
+    # glibc keeps freed large blocks mapped otherwise, and RSS would count them (docs/platform-notes.md).
     env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "131072"}
     if nproc == 1:
         cmd = [sys.executable, "-m", "finetune", "train", "--config", str(config)]

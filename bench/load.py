@@ -122,7 +122,7 @@ def main() -> None:
         warm["staged fp32"].append(probe("load", staged, "float32"))
     floor = median_of(warm["floor"])
     # Cold runs last: on this VM, dropping the page cache leaves a tmpfs file's pages 3-5x slower to
-    # map until it is rewritten (shared/notes/cpu-facts.md), which would taint the staged rows.
+    # map until it is rewritten (docs/platform-notes.md), which would taint the staged rows.
     cold = []
     for _ in range(args.repeat):
         if not drop_caches():

@@ -48,8 +48,9 @@ BUILTIN_TOKENS = {"chatml": ["<|im_end|>", "<|im_start|>"], "llama3": ["<|eot_id
 GENERATION_MARKER = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 
-def choose_template(tokenizer, choice: str | None, chat_data: bool, say=print) -> None:
-    """Give the tokenizer the template data.chat_template names (None: keep the model's own).
+def choose_template(tokenizer, choice: str | None, fmt: str, say=print) -> None:
+    """Give the tokenizer the template data.chat_template names (None: keep the model's own), for rows
+    of format `fmt`.
 
     With a built-in whose end of turn is not the tokenizer's EOS, that token becomes the EOS, so that
     generation stops at the end of an answer (LLaMA-Factory does the same)."""
@@ -70,9 +71,11 @@ def choose_template(tokenizer, choice: str | None, chat_data: bool, say=print) -
                 tokenizer.chat_template = path.read_text(encoding="utf-8")
             except (OSError, UnicodeDecodeError) as err:
                 raise UserError(f"data.chat_template: {choice}: cannot read it as a Jinja template file ({err.__class__.__name__})") from None
-    if chat_data and not tokenizer.chat_template:
+    if fmt == "chat" and not tokenizer.chat_template:
         raise UserError("data.chat_template: the model's tokenizer has no chat template to render chat rows; "
                         f"set data.chat_template to one of {', '.join(BUILTIN)} or a .jinja file")
+    if fmt != "completion" and tokenizer.chat_template and not ends_turns(tokenizer):
+        say("data: the chat template ends answers with no special token: the model will not learn where an answer stops")
 
 
 def _is_one_token(tokenizer, text: str) -> bool:
@@ -159,6 +162,9 @@ def ends_turns(tokenizer) -> bool:
     """Whether the template closes an assistant turn with a special token (else a model trained on it
     never learns to stop)."""
     probe = [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "Hi"}]
-    ids, trained = assistant_mask(tokenizer, probe)
+    try:
+        ids, trained = assistant_mask(tokenizer, probe)
+    except UserError:  # a template that refuses this conversation: judged on real rows instead
+        return True
     last = max((k for k, t in enumerate(trained) if t), default=None)
     return last is not None and ids[last] in set(tokenizer.all_special_ids)

@@ -3,7 +3,7 @@ DeepSpeed ZeRO partitions.
 
 FSDP2 and ZeRO are applied by calling torch's `fully_shard` and `deepspeed.initialize` directly:
 accelerate's FSDP plugin silently becomes DDP on a CPU and accelerate + DeepSpeed fails there
-(shared/notes/cpu-facts.md); the same calls run on gloo and nccl.
+(docs/platform-notes.md); the same calls run on gloo and nccl.
 """
 
 from __future__ import annotations

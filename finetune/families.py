@@ -113,8 +113,21 @@ def linear_layers(config: dict) -> list[Linear]:
     return out
 
 
-def all_linear_targets(config: dict) -> list[Linear]:
-    """What adapter.target_modules: all-linear trains: every linear layer and expert weight of the
-    decoder, but not the routers (LoRA on a router moves the load balance it was trained for; peft's
-    own all-linear takes some routers and not others) and not the head."""
-    return [layer for layer in linear_layers(config) if not layer.router]
+def small_params(config: dict) -> int:
+    """Norm weights and biases of the decoder: few, never quantized, but counted so that totals match
+    the published ones (Gemma 2/3 have four norms a layer, Qwen3 and Gemma 3 norm queries and keys,
+    Qwen2 has q/k/v biases)."""
+    c = text_config(config)
+    kind, h, layers = c.get("model_type"), c["hidden_size"], c["num_hidden_layers"]
+    heads = c["num_attention_heads"]
+    head_dim = c.get("head_dim") or h // heads
+    q, kv = heads * head_dim, (c.get("num_key_value_heads") or heads) * head_dim
+    per_layer = h * (4 if kind in ("gemma2", "gemma3_text") else 2)
+    if kind in ("qwen3", "qwen3_moe", "gemma3_text"):
+        per_layer += 2 * head_dim
+    if kind in ("qwen2", "qwen2_moe"):
+        per_layer += q + 2 * kv
+    elif c.get("attention_bias"):
+        per_layer += q + 2 * kv + h
+    return layers * per_layer + h  # + the final norm
+

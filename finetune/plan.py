@@ -12,14 +12,15 @@ import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from finetune import families
 from finetune.config import RunConfig
 from finetune.errors import UserError
+from finetune.families import Linear
 
 GiB = 2**30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "auto": 2}
 # Optimizer state bytes per trainable parameter (None: same as the parameter's own bytes, twice).
 OPTIMIZER_STATE_BYTES = {"adamw": None, "paged_adamw_32bit": 8, "adamw_8bit": 2, "paged_adamw_8bit": 2, "lion": 4, "lion_8bit": 1}
-LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 GPU_RESERVE = 1.0 * GiB  # CUDA context + caching-allocator slack, measured-ish; 0 on CPU
 BNB_BLOCK = 64  # bitsandbytes 4-bit block size
 
@@ -29,47 +30,58 @@ class Shape:
     vocab: int
     hidden: int
     layers: int
-    intermediate: int
-    heads: int
-    kv_heads: int
-    head_dim: int
+    kv_dim: int
+    mlp_width: int  # the MLP's intermediate width a token passes through, averaged over layers (MoE: its experts' and the shared one's)
     tied: bool
-
-    @property
-    def kv_dim(self) -> int:
-        return self.kv_heads * self.head_dim
-
-    def linear_dims(self) -> dict[str, tuple[int, int]]:
-        """(in, out) of each decoder linear layer."""
-        h, i, q = self.hidden, self.intermediate, self.heads * self.head_dim
-        return {"q_proj": (h, q), "k_proj": (h, self.kv_dim), "v_proj": (h, self.kv_dim), "o_proj": (q, h),
-                "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+    linears: tuple[Linear, ...]  # every linear layer and expert weight of the decoder (families.linear_layers)
+    norms_and_biases: int
 
     @property
     def linear_params(self) -> int:
-        return self.layers * sum(a * b for a, b in self.linear_dims().values())
+        return sum(layer.params for layer in self.linears)
+
+    @property
+    def active_params(self) -> int:
+        """Parameters a token passes through: with experts, only the routed ones."""
+        return sum(layer.fan_in * layer.fan_out * layer.active for layer in self.linears) + self.other_params
 
     @property
     def other_params(self) -> int:
-        """Embeddings, lm_head and norms: never quantized."""
-        return self.vocab * self.hidden * (1 if self.tied else 2) + (2 * self.layers + 1) * self.hidden
+        """Embeddings, lm_head, norms and biases: never quantized."""
+        return self.vocab * self.hidden * (1 if self.tied else 2) + self.norms_and_biases
+
+    @property
+    def quantizable_params(self) -> int:
+        """What bitsandbytes quantizes: nn.Linear layers. Fused 3-D expert weights and routers are not
+        (transformers 5.23 + bitsandbytes 0.50), and peft's k-bit preparation keeps them in fp32."""
+        return sum(layer.params for layer in self.linears if not (layer.expert or layer.router))
 
 
 def read_shape(model_path: str) -> Shape:
     path = Path(model_path).expanduser() / "config.json"
     if not path.is_file():
         raise UserError(f"plan: {path} not found: the planner reads a local model folder's config.json")
-    c = json.loads(path.read_text())
-    c = c.get("text_config", c)
     try:
+        config = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError):
+        raise UserError(f"plan: {path} is not a JSON config") from None
+    if not isinstance(config, dict):
+        raise UserError(f"plan: {path}: expected a JSON object")
+    why = families.unsupported(config)
+    if why:
+        raise UserError(f"plan: {path}: {why}")
+    c = families.text_config(config)
+    try:
+        linears = families.linear_layers(config)
         heads = c["num_attention_heads"]
-        return Shape(
-            vocab=c["vocab_size"], hidden=c["hidden_size"], layers=c["num_hidden_layers"], intermediate=c["intermediate_size"],
-            heads=heads, kv_heads=c.get("num_key_value_heads") or heads, head_dim=c.get("head_dim") or c["hidden_size"] // heads,
-            tied=bool(c.get("tie_word_embeddings", False)),
-        )
+        head_dim = c.get("head_dim") or c["hidden_size"] // heads
+        ups = [layer for layer in linears if layer.name.endswith("up_proj")]
+        width = sum(layer.fan_out // (2 if "gate_up" in layer.name else 1) * layer.active for layer in ups) // c["num_hidden_layers"]
+        return Shape(vocab=c["vocab_size"], hidden=c["hidden_size"], layers=c["num_hidden_layers"],
+                     kv_dim=(c.get("num_key_value_heads") or heads) * head_dim, mlp_width=width,
+                     tied=bool(c.get("tie_word_embeddings", False)), linears=tuple(linears), norms_and_biases=families.small_params(config))
     except KeyError as err:
-        raise UserError(f"plan: {path} lacks {err.args[0]} (the planner knows Llama-style decoders)") from None
+        raise UserError(f"plan: {path} lacks {err.args[0]} (the planner knows decoder-only transformers)") from None
 
 
 @dataclass(frozen=True)
@@ -100,13 +112,22 @@ def setup_from_config(cfg: RunConfig, devices: int, sharding: str = "none") -> S
     )
 
 
+def adapted(shape: Shape, cfg: RunConfig) -> list[Linear]:
+    """The layers LoRA/DoRA wraps, as model.lora_targets chooses them: all-linear is every linear layer
+    and expert weight but the routers; DoRA cannot wrap expert weights."""
+    wanted = cfg.adapter.target_modules
+    if wanted == "all-linear":
+        layers = [l for l in shape.linears if not l.router]
+    else:
+        layers = [l for l in shape.linears if (l.expert and "experts" in wanted) or (not l.expert and l.name.rsplit(".", 1)[-1] in wanted)]
+    return [l for l in layers if not (l.expert and cfg.adapter.method == "dora")]
+
+
 def trainable_params(shape: Shape, cfg: RunConfig) -> int:
     if cfg.adapter.method == "full":
         return shape.linear_params + shape.other_params
-    targets = LINEARS if cfg.adapter.target_modules == "all-linear" else [t for t in cfg.adapter.target_modules if t in LINEARS]
-    dims = shape.linear_dims()
-    per_layer = sum(cfg.adapter.r * (dims[t][0] + dims[t][1]) + (dims[t][1] if cfg.adapter.method == "dora" else 0) for t in targets)
-    return shape.layers * per_layer
+    r, dora = cfg.adapter.r, cfg.adapter.method == "dora"
+    return sum((r * (l.fan_in + l.fan_out) + (l.fan_out if dora else 0)) * l.copies for l in adapted(shape, cfg))
 
 
 def estimate(shape: Shape, cfg: RunConfig, s: Setup) -> dict[str, float]:
@@ -114,11 +135,13 @@ def estimate(shape: Shape, cfg: RunConfig, s: Setup) -> dict[str, float]:
     n_train = trainable_params(shape, cfg)
     full = s.method == "full"
     # Weights. A quantized base keeps its non-linear parts in fp32 (peft's prepare_model_for_kbit_training).
+    kept = shape.linear_params - shape.quantizable_params + shape.other_params  # left unquantized, in fp32
     if s.bits == 4:
         per_param = 0.5 + (1 / BNB_BLOCK + 4 / (BNB_BLOCK * 256) if cfg.model.quantization.double_quant else 4 / BNB_BLOCK)
-        base = shape.linear_params * per_param + shape.other_params * 4
+        base = shape.quantizable_params * per_param + kept * 4
     elif s.bits == 8:
-        base = shape.linear_params * 1 + shape.layers * sum(o for _, o in shape.linear_dims().values()) * 4 + shape.other_params * 4
+        scales = sum(l.fan_out * l.copies for l in shape.linears if not (l.expert or l.router)) * 4  # one fp32 scale per output row
+        base = shape.quantizable_params * 1 + scales + kept * 4
     else:
         base = (shape.linear_params + shape.other_params) * s.weight_bytes
     adapter = 0 if full else n_train * 4  # peft keeps adapter weights in fp32
@@ -142,13 +165,14 @@ def activations(shape: Shape, s: Setup) -> float:
 
     Per decoder layer and token a Llama block keeps about 9*h + 3*kv + 4*i values for its backward
     (norm inputs/outputs, q/k/v and their rotated copies, attention output, residuals, the gate, up,
-    activation and product of the MLP). With checkpointing only each block's input (fp32 residual)
+    activation and product of the MLP; i is the MLP width a token passes through, with experts the
+    routed ones' and the shared one's). With checkpointing only each block's input (fp32 residual)
     is kept; in the backward one block is rebuilt and its gradients live beside it (two blocks'
     worth). The loss keeps the logits, an fp32 copy and their log-softmax: (a + 8) bytes per
     vocabulary entry per token.
     """
     tokens = s.micro_batch * s.seq_len
-    per_layer = (9 * shape.hidden + 3 * shape.kv_dim + 4 * shape.intermediate) * s.activation_bytes * tokens
+    per_layer = (9 * shape.hidden + 3 * shape.kv_dim + 4 * shape.mlp_width) * s.activation_bytes * tokens
     logits = tokens * shape.vocab * (s.activation_bytes + 8)
     if s.checkpointing:
         return shape.layers * tokens * shape.hidden * 4 + 2 * per_layer + logits
@@ -162,6 +186,8 @@ class Plan:
     setup: Setup
     trainable: int
     total_params: int
+    active_params: int  # per token: differs from total_params with experts
+    unquantized_experts: int  # expert and router weights a quantized base keeps in full precision
 
 
 def make_plan(cfg: RunConfig, devices: int = 1, sharding: str = "none", gpu: bool = False, setup: Setup | None = None) -> Plan:
@@ -170,7 +196,8 @@ def make_plan(cfg: RunConfig, devices: int = 1, sharding: str = "none", gpu: boo
     rows = estimate(shape, cfg, setup)
     if gpu:
         rows["CUDA context + allocator slack"] = GPU_RESERVE
-    return Plan(rows, sum(rows.values()), setup, trainable_params(shape, cfg), shape.linear_params + shape.other_params)
+    return Plan(rows, sum(rows.values()), setup, trainable_params(shape, cfg), shape.linear_params + shape.other_params, shape.active_params,
+                shape.linear_params - shape.quantizable_params)
 
 
 def alternatives(cfg: RunConfig, plan: Plan, gpu: bool) -> list[tuple[str, Plan]]:
@@ -222,7 +249,8 @@ def render(plan: Plan, budget: float, where: str, alts: list[tuple[str, Plan]]) 
     method = s.method if s.bits is None else f"{s.method} on a {s.bits}-bit base"
     unit, scale = ("GiB", GiB) if plan.total >= GiB else ("MiB", 2**20)
     lines = [
-        f"plan: {method}, {plan.trainable:,} trainable of {plan.total_params:,} params, optimizer {s.optimizer}, "
+        f"plan: {method}, {plan.trainable:,} trainable of {plan.total_params:,} params"
+        + (f" ({plan.active_params:,} active per token)" if plan.active_params != plan.total_params else "") + f", optimizer {s.optimizer}, "
         f"micro-batch {s.micro_batch} x {s.seq_len} tokens, activations in {8 * s.activation_bytes}-bit, "
         f"checkpointing {'on' if s.checkpointing else 'off'}, sharding {s.sharding} over {s.devices} device(s)",
         "",
@@ -231,6 +259,8 @@ def render(plan: Plan, budget: float, where: str, alts: list[tuple[str, Plan]]) 
     ]
     lines += [f"| {name:<32} | {value / scale:>9.2f} |" for name, value in plan.rows.items()]
     lines.append(f"| {'total':<32} | {plan.total / scale:>9.2f} |")
+    if s.bits and plan.unquantized_experts:
+        lines.append(f"note: bitsandbytes quantizes nn.Linear layers only: {plan.unquantized_experts:,} expert and router parameters stay in fp32")
     fits = plan.total <= budget
     lines += ["", f"{where}: {budget / GiB:.1f} GiB per device -> {'fits' if fits else 'does NOT fit'}"]
     if not fits:

@@ -132,7 +132,7 @@ def check_launcher_strategy(cfg: RunConfig) -> None:
 def join_restarted_workers() -> None:
     """After torchrun restarts its workers, join them through a store prefix of their own.
 
-    Seen with torch 2.13 + gloo (shared/notes/cpu-facts.md): restarted workers read the dead workers'
+    Seen with torch 2.13 + gloo (docs/platform-notes.md): restarted workers read the dead workers'
     addresses, left in the agent's store under the same keys, and fail or hang in connectFullMesh.
     A prefix per restart keeps every attempt's keys apart. accelerate then adopts this group.
     """
@@ -201,7 +201,7 @@ def run(cfg: RunConfig) -> RunResult:
 
     # Data: the main process tokenizes (and fills the cache) first; the others then read the cache.
     tokenizer = load_tokenizer(model_cfg)
-    choose_template(tokenizer, cfg.data.chat_template, chat_data=cfg.data.format == "chat", say=say)
+    choose_template(tokenizer, cfg.data.chat_template, cfg.data.format, say=say)
     with accelerator.main_process_first():
         data = load_data(cfg.data, tokenizer, t.seed, keep_eval_examples=cfg.eval.generate_samples > 0)
     schedule = plan_steps(cfg, len(data.train), world)
@@ -414,6 +414,8 @@ def run(cfg: RunConfig) -> RunResult:
     casting.close()
     final_eval = evaluate(schedule.total_steps)
     summary = {"steps": schedule.total_steps, "train_loss": last.get("loss"), "tokens": tokens_seen, "elapsed_s": time.perf_counter() - started}
+    if "router_aux_loss" in last:
+        summary["router_aux_loss"] = last["router_aux_loss"]
     if final_eval:
         summary.update(final_eval)
 
@@ -474,7 +476,7 @@ def keep_freed_memory() -> None:
     """CPU runs: let glibc keep freed memory for reuse instead of returning it to the kernel.
 
     A training step allocates and frees the same large activations every time. Served by mmap, each
-    comes back as fresh pages whose first touch faults: on the VMs measured (shared/notes/cpu-facts.md)
+    comes back as fresh pages whose first touch faults: on the VMs measured (docs/platform-notes.md)
     that made large elementwise ops 4-8x slower than on reused memory. Set just before the loop, after
     what loading freed is handed back (always), so RSS then tracks what training holds. The tuning is
     left alone when the user set glibc's MALLOC_* variables (their choice wins).

@@ -127,14 +127,18 @@ def test_chat_template_choice(tok, tmp_path):
     assert set(BUILTIN) == set(CHAT_TEMPLATES)
     tok.chat_template = None
     with pytest.raises(UserError, match="data.chat_template: the model's tokenizer has no chat template"):
-        choose_template(tok, None, chat_data=True)
-    choose_template(tok, None, chat_data=False)  # alpaca rows without a template take the classic prompt
-    choose_template(tok, "llama3", chat_data=True, say=lambda _: None)
+        choose_template(tok, None, "chat")
+    choose_template(tok, None, "alpaca")  # alpaca rows without a template take the classic prompt
+    choose_template(tok, "llama3", "chat", say=lambda _: None)
     assert tok.chat_template == BUILTIN["llama3"] and tok.eos_token == "<|eot_id|>"
     jinja = tmp_path / "t.jinja"
     jinja.write_text(GEMMA_LIKE)
-    choose_template(tok, str(jinja), chat_data=True)
+    choose_template(tok, str(jinja), "chat")
     assert tok.chat_template == GEMMA_LIKE
+    said = []
+    jinja.write_text(PLAIN_TEXT)
+    choose_template(tok, str(jinja), "chat", say=said.append)
+    assert said == ["data: the chat template ends answers with no special token: the model will not learn where an answer stops"]
     plain = AutoTokenizer.from_pretrained(tok.name_or_path)  # the demo tokenizer: no <|im_end|> token
     with pytest.raises(UserError, match=r"chatml is written in tokens this tokenizer does not have \(<\|im_end\|>, <\|im_start\|>\)"):
-        choose_template(plain, "chatml", chat_data=True)
+        choose_template(plain, "chatml", "chat")

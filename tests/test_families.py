@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from conftest import base_config, read_jsonl
+from conftest import REPO, base_config, read_jsonl
 from finetune import attention, families, loss
 from finetune.config import AdapterConfig, ModelConfig, validate_config
 from finetune.data import IGNORE, Row, collate
@@ -106,19 +106,21 @@ def _load(model_dir, method: str):
     return model.train()
 
 
-@pytest.mark.parametrize("kernel", ["causal_attention", "torch-sdpa"])
-@pytest.mark.parametrize("method", ["lora", "full"])
+@pytest.mark.parametrize("method, variant", [("lora", "causal_attention"), ("full", "causal_attention"), ("full", "torch-sdpa"),
+                                             ("full", "logits-to-keep")])
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_fast_paths_equal_eager_attention_on_each_sample_alone(family_dirs, monkeypatch, family, method, kernel):
-    if kernel == "torch-sdpa":
-        if method == "lora":
-            pytest.skip("the kernel choice does not depend on the method")
-        monkeypatch.setattr(attention, "SHORT_SAMPLE", 0)  # every sample through torch's sdpa (with a band mask where it slides)
+def test_fast_paths_equal_eager_attention_on_each_sample_alone(family_dirs, monkeypatch, family, method, variant):
+    """causal_attention: our CPU kernel and the fused loss; torch-sdpa: every sample through torch's sdpa
+    (a band mask where it slides); logits-to-keep: the model's own head on the trained positions."""
+    if variant == "torch-sdpa":
+        monkeypatch.setattr(attention, "SHORT_SAMPLE", 0)
     model = _load(family_dirs(family), method)
     samples = _samples(model.config.vocab_size)
     expected_impl = "eager" if family == "gemma2" else attention.PACKED_SDPA  # soft-capping: eager, said in one line
     assert model.config._attn_implementation == expected_impl
     assert (loss.fusable_parts(model) is None) == (family == "gemma2")  # Gemma 2 soft-caps its logits too
+    if variant == "logits-to-keep":
+        monkeypatch.setattr(loss, "fusable_parts", lambda model: None)
     results = {}
     for packed in (True, False):
         model.zero_grad()
@@ -175,7 +177,7 @@ def test_every_family_trains(tmp_path, family_dirs, family, method):
     result = run(validate_config(cfg, "test"))
     rows = [r for r in read_jsonl(tmp_path / "out" / "metrics.jsonl") if "loss" in r]
     assert len(rows) == 16 and rows[-1]["loss"] < 0.92 * rows[0]["loss"], [r["loss"] for r in rows]
-    assert all(("router_aux_loss" in r) == (family in MOE) for r in rows)
+    assert all(("router_aux_loss" in r) == (family in MOE) for r in rows) and ("router_aux_loss" in result.summary) == (family in MOE)
     if method == "lora":
         trained = result.model.eval()
         ids = torch.tensor([_samples(trained.config.vocab_size)[0][0]])
@@ -212,3 +214,51 @@ def test_moe_adapter_targets_and_dropout(family_dirs):
     said.clear()
     dora = apply_adapter(fresh, AdapterConfig(method="dora"), False, say=said.append)
     assert not any("experts" in n for n, p in dora.named_parameters() if p.requires_grad) and any("DoRA" in line for line in said)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_plan_counts_what_the_model_holds(family_dirs, tmp_path, family):
+    """finetune plan, from config.json alone, counts the parameters the loaded model has, and the
+    adapter parameters peft creates for LoRA and DoRA (experts included, routers not)."""
+    from finetune.plan import make_plan
+
+    model_dir = family_dirs(family)
+    for method in ("full", "lora", "dora"):
+        cfg = validate_config(base_config(model_dir, tmp_path, adapter={"method": method, "dropout": 0.0}), "test")
+        model = apply_adapter(load_model(cfg.model, say=lambda _: None), cfg.adapter, False, say=lambda _: None)
+        plan = make_plan(cfg)
+        assert plan.trainable == sum(p.numel() for p in model.parameters() if p.requires_grad), method
+        if method == "full":
+            assert plan.total_params == sum(p.numel() for p in model.parameters())
+    assert (plan.active_params < plan.total_params) == (family in MOE)
+
+
+def test_plan_counts_published_models():
+    """Totals for the shapes of real checkpoints (docs/examples/*/config.json) equal their published
+    parameter counts; Mixtral 8x7B is 46.7B parameters with 12.9B active per token."""
+    from finetune.plan import read_shape
+
+    published = {"mixtral-8x7b": (46_702_792_704, 12_879_925_248), "qwen3-30b-a3b": (30_532_122_624, 3_353_032_704),
+                 "llama-3.1-8b": (8_030_261_248, None), "qwen2.5-7b": (7_615_616_512, None), "gemma-2-9b": (9_241_705_984, None),
+                 "gemma-3-1b": (999_885_952, None), "phi-3-mini-4k": (3_821_079_552, None), "qwen3-8b": (8_190_735_360, None)}
+    for name, (total, active) in published.items():
+        shape = read_shape(str(REPO / "docs" / "examples" / name))
+        assert shape.linear_params + shape.other_params == total, name
+        assert shape.active_params == (active or total), name
+
+
+PRESETS = sorted((REPO / "configs" / "presets").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("preset", PRESETS, ids=[p.stem for p in PRESETS])
+def test_presets_validate_and_plan_against_their_model_shape(preset, capsys):
+    """Each preset names the shape it was written for (docs/examples/NAME, a real config.json, no
+    weights): it validates against it (max_seq_len, keys) and plans, MoE totals included."""
+    from finetune.cli import main
+
+    text = preset.read_text()
+    shape = text.split("--model ", 1)[1].split()[0]
+    assert main(["validate", "--config", str(preset), "--model", shape]) == 0
+    assert main(["plan", "--config", str(preset), "--model", shape, "--gpu-mem", "80GiB"]) == 0
+    out = capsys.readouterr().out
+    assert "| total" in out and ("active per token" in out) == ("experts" in (REPO / shape / "config.json").read_text())
