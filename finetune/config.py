@@ -85,7 +85,6 @@ class DataConfig(_Section):
     split: str = Field("train", description="Split to read from a hub dataset.")
     num_proc: int = Field(1, gt=0, description="Processes for tokenization.")
 
-
     @field_validator("chat_template")
     @classmethod
     def _template_known(cls, value: str | None) -> str | None:
