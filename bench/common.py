@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -11,7 +12,7 @@ DATA = REPO / "demo" / "data"
 sys.path.insert(0, str(REPO))
 
 
-def build_model(out: Path, layers: int, hidden: int, dtype: str = "float32", vocab: int | None = None) -> float:
+def build_model(out: Path, layers: int, hidden: int, dtype: str = "float32", vocab: int | None = None, positions: int = 512) -> float:
     """A Llama-architecture model with random weights and the demo tokenizer, saved as an HF folder. MiB of weights.
 
     vocab: embedding rows (default: the tokenizer's); a real model's 32k+ makes the lm_head's share real."""
@@ -23,7 +24,7 @@ def build_model(out: Path, layers: int, hidden: int, dtype: str = "float32", voc
     texts = [json.loads(line)["text"] for line in (DATA / "corpus.jsonl").read_text().splitlines()[:1500]]
     tok = build_tokenizer(texts)
     config = LlamaConfig(vocab_size=vocab or len(tok), hidden_size=hidden, intermediate_size=hidden * 11 // 4, num_hidden_layers=layers,
-                         num_attention_heads=hidden // 64, num_key_value_heads=hidden // 64, max_position_embeddings=512,
+                         num_attention_heads=hidden // 64, num_key_value_heads=hidden // 64, max_position_embeddings=positions,
                          bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).to(getattr(torch, dtype))
@@ -38,3 +39,53 @@ def report(name: str, lines: list[str], results: Path = REPO / "bench" / "result
     print(table)
     results.mkdir(parents=True, exist_ok=True)
     (results / f"{name}.md").write_text(table + "\n")
+
+
+def watch(job, is_worker, every: float = 0.02) -> tuple[list[float], float]:
+    """Sample a running job until it ends: (peak RSS of each worker process, MiB, highest first; peak
+    of the node's total PSS over the job's processes, MiB). PSS splits pages that processes share
+    (a memory-mapped file) among them instead of counting them once per process."""
+    peaks: dict[int, float] = {}
+    node_peak = 0.0
+    while job.poll() is None:
+        procs = _descendants(job.pid)
+        workers = [pid for pid in procs if is_worker(pid)]
+        for pid in workers:
+            peaks[pid] = max(peaks.get(pid, 0.0), _kib(pid, "status", "VmRSS") / 1024)
+        node_peak = max(node_peak, sum(_kib(pid, "smaps_rollup", "Pss") for pid in {*procs, job.pid}) / 1024)
+        time.sleep(every)
+    return sorted(peaks.values(), reverse=True), node_peak
+
+
+def cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")
+    except OSError:
+        return ""
+
+
+def _descendants(pid: int) -> list[int]:
+    children = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found or [pid]
+
+
+def _kib(pid: int, file: str, key: str) -> int:
+    try:
+        for line in Path(f"/proc/{pid}/{file}").read_text().splitlines():
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+

@@ -86,7 +86,8 @@ def prepare(work: Path, sizes: Sizes) -> dict:
     sys.path.insert(0, str(REPO))
     from transformers import AutoTokenizer
 
-    from finetune.data import pack, prepare_samples, tokenize_row
+    from finetune.packing import pack
+    from finetune.rows import IGNORE, tokenize_row
 
     model = work / "model"
     if not (model / "config.json").exists():
@@ -97,7 +98,9 @@ def prepare(work: Path, sizes: Sizes) -> dict:
         rows = make_samples(n, seed, max_words)
         (work / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
         tokenized = [tokenize_row(r, tokenizer, "alpaca", train_on_prompt=False) for r in rows]
-        samples, _ = prepare_samples([t["input_ids"] for t in tokenized], [t["labels"] for t in tokenized], sizes.max_seq_len)
+        # As finetune's data step cuts them: to max_seq_len, first label masked, none without a trained token.
+        samples = [(t["input_ids"][: sizes.max_seq_len], [IGNORE] + t["labels"][1 : sizes.max_seq_len]) for t in tokenized]
+        samples = [s for s in samples if any(x != IGNORE for x in s[1])]
         name = "tokens" if name == "train" else "eval_tokens"
         (work / f"{name}.jsonl").write_text("".join(json.dumps({"input_ids": i, "labels": l}) + "\n" for i, l in samples))
     samples = [json.loads(line) for line in (work / "tokens.jsonl").read_text().splitlines()]
@@ -106,7 +109,7 @@ def prepare(work: Path, sizes: Sizes) -> dict:
     # samples into rows of max_seq_len and takes as many rows a step as make the same number of steps
     # (the same tokens per step on average, the same schedule), in micro-batches that leave no
     # remainder (finetune drops a last incomplete step, the peers do not): both see every token.
-    rows = len(pack([(r["input_ids"], r["labels"]) for r in samples], sizes.max_seq_len))
+    rows = len(pack(lengths, sizes.max_seq_len)[1]) - 1
     peer_micro = sizes.samples_per_step // 2
     peer_steps = -(-len(samples) // peer_micro) // 2
     fits = [(m, a) for a in (2, 1) for m in range(1, 9) if -(-rows // m) % a == 0]

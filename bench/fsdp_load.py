@@ -23,10 +23,9 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-from common import DATA, REPO, build_model, report
+from common import DATA, REPO, build_model, cmdline, report, watch
 
 
 def run(model_dir: Path, work: Path, name: str, nproc: int, strategy: str) -> dict:
@@ -51,53 +50,13 @@ def run(model_dir: Path, work: Path, name: str, nproc: int, strategy: str) -> di
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), "finetune/train.py", "--config", str(config)]
     log = (work / f"{name}.log").open("w")
     job = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env)
-    peaks: dict[int, float] = {}
-    node_peak = 0.0
-    while job.poll() is None:
-        workers = [pid for pid in _descendants(job.pid) if _is_python_worker(pid)]
-        for pid in workers:
-            peaks[pid] = max(peaks.get(pid, 0.0), _kib(pid, "status", "VmRSS") / 1024)
-        node_peak = max(node_peak, sum(_kib(pid, "smaps_rollup", "Pss") for pid in {*workers, job.pid}) / 1024)
-        time.sleep(0.02)
+    peaks, node_peak = watch(job, lambda pid: "train" in cmdline(pid))
     if job.returncode != 0:
         sys.exit(f"{name} failed; see {log.name}")
     # torchrun's own agent process is small and not a worker: only processes that ran the training count.
-    ranked = sorted(peaks.values(), reverse=True)[:nproc]
+    ranked = peaks[:nproc]
     before = json.loads((out / "summary.json").read_text())["rss_before_model_mib"]
     return {"name": name, "peaks": ranked, "node": node_peak, "before": before}
-
-
-def _descendants(pid: int) -> list[int]:
-    children = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found or [pid]
-
-
-def _is_python_worker(pid: int) -> bool:
-    try:
-        return "train" in Path(f"/proc/{pid}/cmdline").read_text()
-    except OSError:
-        return False
-
-
-def _kib(pid: int, file: str, key: str) -> int:
-    try:
-        for line in Path(f"/proc/{pid}/{file}").read_text().splitlines():
-            if line.startswith(key + ":"):
-                return int(line.split()[1])
-    except OSError:
-        pass
-    return 0
 
 
 def main() -> None:

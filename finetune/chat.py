@@ -91,14 +91,56 @@ def render(tokenizer, messages: list[dict], add_generation_prompt: bool = False)
 
 def assistant_mask(tokenizer, messages: list[dict]) -> tuple[list[int], list[bool]]:
     """Token ids of the rendered conversation, and for each token whether it is trained."""
+    result = assistant_masks(tokenizer, [messages])[0]
+    if isinstance(result, str):
+        raise UserError(result)
+    return result
+
+
+def assistant_masks(tokenizer, conversations: list[list[dict]]) -> list[tuple[list[int], list[bool]] | str]:
+    """assistant_mask for many conversations, tokenized in one batch call; a conversation the template
+    cannot render or mask gets the reason instead."""
     if GENERATION_MARKER.search(tokenizer.chat_template or ""):
-        enc = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
-        return list(enc["input_ids"]), [bool(m) for m in enc["assistant_masks"]]
-    full = render(tokenizer, messages)
-    spans = assistant_spans(tokenizer, messages, full)
-    enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
-    # A token that overlaps an answer is trained: sentencepiece's "▁answer" carries the space before it.
-    return enc["input_ids"], [any(a < e and b > s for s, e in spans) for a, b in enc["offset_mapping"]]
+        out = []
+        for messages in conversations:
+            try:
+                enc = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+                out.append((list(enc["input_ids"]), [bool(m) for m in enc["assistant_masks"]]))
+            except Exception as err:  # noqa: BLE001 - the template refuses this conversation
+                out.append(f"data: the chat template cannot render a row: {str(err).splitlines()[0] if str(err) else type(err).__name__}")
+        return out
+    texts, spans, out = [], [], []
+    for messages in conversations:
+        try:
+            full = render(tokenizer, messages)
+            spans.append(assistant_spans(tokenizer, messages, full))
+            texts.append(full)
+            out.append(None)
+        except UserError as err:
+            out.append(str(err))
+    if not texts:
+        return out
+    batch = tokenizer(texts, add_special_tokens=False)
+    done = 0
+    for i, result in enumerate(out):
+        if result is None:
+            ids = batch["input_ids"][done]
+            out[i] = ids, _token_mask(batch, done, len(ids), spans[done])
+            done += 1
+    return out
+
+
+def _token_mask(batch, index: int, length: int, spans: list[tuple[int, int]]) -> list[bool]:
+    """Which tokens of text `index` of a batch encoding overlap the character spans: a token that
+    overlaps an answer is trained (sentencepiece's "▁answer" carries the space before it). Found from
+    each span's first and last character, not token by token."""
+    mask = [False] * length
+    for s, e in spans:
+        first = next((t for c in range(s, e) if (t := batch.char_to_token(index, c)) is not None), None)
+        last = next((t for c in range(e - 1, s - 1, -1) if (t := batch.char_to_token(index, c)) is not None), None)
+        if first is not None:
+            mask[first : last + 1] = [True] * (last + 1 - first)
+    return mask
 
 
 def assistant_spans(tokenizer, messages: list[dict], full: str) -> list[tuple[int, int]]:
@@ -129,7 +171,7 @@ def _turn_by_prefixes(tokenizer, messages: list[dict], i: int, full: str) -> tup
         before = render(tokenizer, messages[:i], add_generation_prompt=True) if i else ""
     except UserError:  # templates that refuse a conversation with no user turn yet
         return None
-    upto = render(tokenizer, messages[: i + 1]).rstrip()
+    upto = (full if i == len(messages) - 1 else render(tokenizer, messages[: i + 1])).rstrip()
     if not (full.startswith(before) and full.startswith(upto)) or not upto[len(before):].strip():
         return None
     added = upto[len(before):]

@@ -27,10 +27,11 @@ MANIFEST = "manifest.json"
 WEIGHTS = "trainable.safetensors"
 SHARDED = "sharded"
 DEEPSPEED = "deepspeed"
+CHECKPOINTS = "checkpoints"  # under a run's output_dir
 
 
 def checkpoint_root(output_dir: str | Path) -> Path:
-    return Path(output_dir) / "checkpoints"
+    return Path(output_dir) / CHECKPOINTS
 
 
 def _sha256(path: Path) -> str:

@@ -106,7 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "pretrain it briefly with finetune's own full fine-tuning, and save an ordinary HF model folder.")
     p.add_argument("--out", default="demo/model", help="output folder (default: demo/model)")
     p.add_argument("--steps", type=int, default=None, help="pretraining steps (default: the demo's own)")
-    p.add_argument("--force", action="store_true", help="rebuild even if the folder already holds a model")
+    p.add_argument("--overwrite", action="store_true", help="build even if the folder already holds files: the demo model's files "
+                   "are replaced, any others are kept")
     return parser
 
 
@@ -191,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "make-demo-model":
             from finetune.demo import make_demo_model
 
-            make_demo_model(args.out, steps=args.steps, force=args.force)
+            make_demo_model(args.out, steps=args.steps, overwrite=args.overwrite)
     except UserError as err:
         print(f"error: {err}", file=sys.stderr)
         code = err.exit_code

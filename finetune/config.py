@@ -68,12 +68,20 @@ class AdapterConfig(_Section):
     modules_to_save: list[str] | None = Field(None, description="Extra modules trained in full and saved with the adapter.")
 
 
+class SourceConfig(_Section):
+    path: str = Field(description="A local .jsonl/.json/.parquet file, or a hub dataset name.")
+    format: Literal["completion", "alpaca", "chat"] | None = Field(None, description="This source's format (null: data.format).")
+    weight: float = Field(1.0, gt=0, description="Sampling weight: 2 repeats every sample twice, 0.5 takes a seeded half, 1.5 both.")
+    bad_rows: Literal["fail", "skip"] | None = Field(None, description="This source's bad-row policy (null: data.bad_rows).")
+
+
 class DataConfig(_Section):
-    train: str | list[str] = Field(description="Training data: local .jsonl/.json/.parquet file(s), or a hub dataset name.")
+    train: str | list[str | SourceConfig] = Field(description="Training data: local .jsonl/.json/.parquet file(s) or hub dataset names, "
+                                                  "or a list of sources {path, format, weight, bad_rows} to mix.")
     format: Literal["completion", "alpaca", "chat"] = Field(
         "alpaca", description="completion: {text}; alpaca: {instruction, input?, output}; chat: {messages: [{role, content}]}."
     )
-    eval: str | list[str] | None = Field(None, description="Held-out eval file(s); or use eval_fraction.")
+    eval: str | list[str | SourceConfig] | None = Field(None, description="Held-out eval file(s) or sources; or use eval_fraction.")
     eval_fraction: float = Field(0.0, ge=0, lt=1, description="Share of the training rows held out for eval when no eval file is given.")
     max_seq_len: int = Field(512, gt=0, description="Longest row in tokens; longer samples are truncated.")
     packing: bool = Field(True, description="Pack samples into rows of max_seq_len, attention kept inside each sample.")
@@ -83,7 +91,8 @@ class DataConfig(_Section):
     bad_rows: Literal["fail", "skip"] = Field("fail", description="Invalid rows: fail with file:line, or skip and count them.")
     cache_dir: str | None = Field(None, description="Tokenized-data cache (default $FINETUNE_CACHE or ~/.cache/finetune).")
     split: str = Field("train", description="Split to read from a hub dataset.")
-    num_proc: int = Field(1, gt=0, description="Processes for tokenization.")
+    num_proc: int | None = Field(None, gt=0, description="Processes for tokenization (null: every core for sources of 10,000+ rows, else 1).")
+    tokenize_wait_minutes: float = Field(120, gt=0, description="How long a process waits for another one tokenizing the same data on this node.")
 
     @field_validator("chat_template")
     @classmethod
@@ -199,7 +208,11 @@ class RunConfig(_Section):
     @classmethod
     def _data_files_exist(cls, data: DataConfig) -> DataConfig:
         for key in ("train", "eval"):
-            for path in _as_list(getattr(data, key)):
+            sources = _as_list(getattr(data, key))
+            if key == "train" and not sources:
+                raise ValueError("train: the list of training sources is empty")
+            for source in sources:
+                path = source.path if isinstance(source, SourceConfig) else source
                 if looks_local(path) and not Path(path).exists():
                     raise ValueError(f"{key}: file not found: {path}")
         return data
@@ -228,7 +241,7 @@ class RunConfig(_Section):
         return self
 
 
-def _as_list(value: str | list[str] | None) -> list[str]:
+def _as_list(value: str | list | None) -> list:
     if value is None:
         return []
     return [value] if isinstance(value, str) else list(value)
@@ -239,8 +252,10 @@ def looks_local(path: str) -> bool:
     return Path(path).exists() or path.startswith((".", "/", "~")) or Path(path).suffix in {".jsonl", ".json", ".parquet"}
 
 
-def data_files(value: str | list[str] | None) -> list[str]:
-    return _as_list(value)
+def data_sources(value, data: DataConfig) -> list[SourceConfig]:
+    """data.train or data.eval as sources, each with its format and bad-row policy filled in."""
+    return [SourceConfig(path=s, format=data.format, bad_rows=data.bad_rows) if isinstance(s, str)
+            else s.model_copy(update={"format": s.format or data.format, "bad_rows": s.bad_rows or data.bad_rows}) for s in _as_list(value)]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -269,7 +284,7 @@ def apply_override(raw: dict, keys: list[str], value: Any, source: str) -> None:
 # how long it goes on, how it is spread, and the knobs OPT's and PaLM's teams turned when they
 # restarted by hand. Anything else (model, adapter, data, seed, optimizer) changes what is trained.
 CHANGEABLE_ON_RESUME = (
-    "logging.", "eval.", "checkpoint.", "model.ramdisk", "guard.", "watchdog.", "distributed.", "data.cache_dir", "data.num_proc",
+    "logging.", "eval.", "checkpoint.", "model.ramdisk", "guard.", "watchdog.", "distributed.", "data.cache_dir", "data.num_proc", "data.tokenize_wait_minutes",
     "train.output_dir", "train.max_steps", "train.epochs", "train.lr", "train.warmup_steps", "train.scheduler",
     "train.max_grad_norm", "train.skip_data",
     # Batch shape: resuming at another world size (DCP reshards) means another micro-batch/accumulation.

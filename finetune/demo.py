@@ -9,11 +9,13 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import tempfile
 from pathlib import Path
 
 from finetune.errors import UserError
+from finetune.locks import LOCK_FILE
 
 CORPUS = "demo/data/corpus.jsonl"
 VOCAB_SIZE = 1024
@@ -77,14 +79,20 @@ def build_model(tokenizer):
     return LlamaForCausalLM(config)
 
 
-def make_demo_model(out: str, steps: int | None = None, force: bool = False, corpus: str = CORPUS) -> Path:
+def make_demo_model(out: str, steps: int | None = None, overwrite: bool = False, corpus: str = CORPUS) -> Path:
     from finetune.config import validate_config
     from finetune.train import run
 
     out_dir = Path(out)
-    if (out_dir / "config.json").exists() and not force:
-        print(f"demo model already at {out_dir} (use --force to rebuild)")
-        return out_dir
+    if out_dir.exists() and not out_dir.is_dir():
+        raise UserError(f"make-demo-model: --out {out_dir} is a file; expected a folder")
+    held = sorted(p.name for p in out_dir.iterdir()) if out_dir.is_dir() else []
+    if held and not overwrite:
+        if (out_dir / "config.json").exists():
+            print(f"demo model already at {out_dir} (--overwrite rebuilds it)")
+            return out_dir
+        raise UserError(f"make-demo-model: --out {out_dir} holds files ({', '.join(held[:3])}); choose an empty folder, or pass "
+                        "--overwrite to write the demo model's files there (the others are kept)")
     corpus_path = Path(corpus)
     if not corpus_path.is_file():
         raise UserError(f"{corpus}: demo corpus not found (run from the repository root)")
@@ -117,9 +125,10 @@ def make_demo_model(out: str, steps: int | None = None, force: bool = False, cor
             "make-demo-model",
         )
         run(cfg)
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        (work / "pretrained").rename(out_dir)
+        out_dir.mkdir(exist_ok=True)
+        for made in (work / "pretrained").iterdir():  # file by file: what else the folder holds stays
+            if made.is_file() and made.name != LOCK_FILE:
+                os.replace(made, out_dir / made.name)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print(f"demo model saved to {out_dir}")

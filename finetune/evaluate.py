@@ -6,17 +6,18 @@ import math
 
 import torch
 
-from finetune.data import IGNORE, Row, collate, prompt_and_answer
 from finetune.loss import token_loss_sum, trained_tokens
+from finetune.packing import Split
+from finetune.rows import IGNORE, prompt_and_answer
 
 
 @torch.no_grad()
-def eval_loss(model, rows: list[Row], batch_size: int, pad_id: int, accelerator, max_batches: int | None) -> dict:
+def eval_loss(model, rows: Split, batch_size: int, pad_id: int, accelerator, max_batches: int | None) -> dict:
     """Mean per-token loss and perplexity over this rank's share of the eval rows, reduced over ranks."""
     was_training = model.training
     model.eval()
     world = accelerator.num_processes
-    mine = rows[accelerator.process_index :: world]
+    mine = list(range(accelerator.process_index, len(rows), world))
     # Every rank runs the same number of forward passes (a sharded model gathers weights in each);
     # a rank with fewer rows repeats a row with its labels ignored.
     count = math.ceil(math.ceil(len(rows) / world) / batch_size)
@@ -24,7 +25,7 @@ def eval_loss(model, rows: list[Row], batch_size: int, pad_id: int, accelerator,
     total = torch.zeros(2, dtype=torch.float64)
     for b in range(count):
         chunk = mine[b * batch_size : (b + 1) * batch_size]
-        batch = collate(chunk or rows[:1], pad_id)
+        batch = rows.batch(chunk or [0], pad_id)
         if not chunk:
             batch["labels"].fill_(IGNORE)
         batch = {k: v.to(accelerator.device) for k, v in batch.items()}

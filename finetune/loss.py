@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from finetune import families
-from finetune.data import IGNORE
+from finetune.rows import IGNORE
 
 # Logits held at once: 16 MiB in fp32. Each chunk reads the whole head weight twice, so smaller chunks
 # make the matmuls memory-bound (8 MiB ran the bench's steps ~6% slower); much larger ones leave the cache.

@@ -104,14 +104,18 @@ def check_texts(adapter: Adapter, tokenizer, prompts_file: str | None, n: int = 
             raise UserError(f"--check-prompts: {prompts_file} holds no prompts (one per line expected)")
         return texts
     if adapter.run is not None:
-        from finetune.data import prompt_and_answer, read_rows
+        from itertools import islice
 
-        d = adapter.run.data
+        from finetune.config import data_sources
+        from finetune.rows import Skipped, checked_rows, prompt_and_answer
+
+        source = data_sources(adapter.run.data.train, adapter.run.data)[0]
         try:
-            rows = read_rows(d.train if isinstance(d.train, list) else [d.train], d.format, "skip")[:n]
-            if d.format == "completion":
+            rows = [row for _, row in islice(checked_rows(source.path, source.format, "skip", Skipped()), n)]  # the first n: no full read
+            if rows and source.format == "completion":
                 return [row["text"] for row in rows]
-            return ["".join(prompt_and_answer(row, tokenizer, d.format)) for row in rows]
+            if rows:
+                return ["".join(prompt_and_answer(row, tokenizer, source.format)) for row in rows]
         except (UserError, OSError):
             pass  # the training data moved: fall back to generic prompts
     return FALLBACK_PROMPTS

@@ -16,19 +16,18 @@ themselves (copied only when written), so ranks on a node share one copy of a fr
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import os
 import shutil
 import sys
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass
 from fnmatch import fnmatch
 from pathlib import Path
 
 from finetune import faults
+from finetune.locks import exclusive
 from finetune.config import DEFAULT_RAMDISK, ModelConfig, looks_local
 from finetune.errors import UserError
 
@@ -149,15 +148,8 @@ def check_room(root: Path, nbytes: int, reserve_gib: float) -> None:
                             f"available, less than model.ramdisk_reserve_gib={reserve_gib:g}")
 
 
-@contextmanager
 def locked(root: Path, name: str, say=print):
-    with open(root / f"{name}.lock", "w") as lock:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            say(f"ramdisk: another process is staging {name}; waiting for it")
-            fcntl.flock(lock, fcntl.LOCK_EX)  # released by the kernel even if that process is killed
-        yield
+    return exclusive(root / f"{name}.lock", f"ramdisk: another process is staging {name}; waiting for it", say=say)
 
 
 def stage(name_or_path: str, root: str | Path, reserve_gib: float, revision: str | None = None, verify: bool = False,

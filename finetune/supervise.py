@@ -84,3 +84,19 @@ class Preemption:
     @property
     def name(self) -> str:
         return signal.Signals(self.signal).name if self.signal else ""
+
+
+def stop_with_launcher() -> None:
+    """A worker of torchrun / accelerate launch gets SIGTERM when its launcher dies (Linux's parent-death
+    signal): it then saves at the end of its step, like any preempted run, and exits. Without it, the
+    workers of a SIGKILLed agent train on to the end, orphans that a restarted job would race for the
+    same output directory (docs/platform-notes.md)."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import ctypes.util
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() == 1:  # the launcher died before the signal was armed
+        os.kill(os.getpid(), signal.SIGTERM)

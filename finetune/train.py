@@ -29,18 +29,20 @@ import torch
 from finetune import checkpoint, families, faults
 from finetune.chat import choose_template
 from finetune.config import RunConfig, to_yaml
-from finetune.data import Datasets, collate, epoch_batches, load_data
+from finetune.data import Datasets, load_data
+from finetune.packing import epoch_batches
 from finetune.distributed import (ZERO_STAGES, check_strategy, full_state_dict, gathered_trainable_state, init_deepspeed, local_numel,
                                   shard_fsdp2, zero3_loading)
 from finetune.errors import EXIT_DIVERGED, EXIT_PREEMPTED, Stopped, UserError
 from finetune.guard import Guard, Verdict, data_step
 from finetune.evaluate import eval_loss, exact_match
+from finetune.locks import LOCK_FILE, hold_output_dir, release_output_dir
 from finetune.loss import losses, trained_tokens
 from finetune.metrics import RunLog, plot_loss_curve
 from finetune.model import adapter_input_casting_off, apply_adapter, check_supported, describe, load_model, load_tokenizer
 from finetune.optim import build_optimizer, build_scheduler, check_optimizer
 from finetune.stage import staged_model
-from finetune.supervise import Preemption, Watchdog
+from finetune.supervise import Preemption, Watchdog, stop_with_launcher
 
 CONFIG_FILE = "finetune_config.yaml"
 SUMMARY_FILE = "summary.json"
@@ -87,8 +89,8 @@ def batches_at(data: Datasets, cfg: RunConfig, schedule: Schedule, position: int
     epoch, k = (0, 0) if t.overfit_batch else divmod(position, schedule.steps_per_epoch)
     batches = _epoch_batches(len(data.train), t.micro_batch_size, t.seed, epoch, rank, world)
     chunk = batches[k * t.grad_accum : (k + 1) * t.grad_accum]
-    real = sum(len(data.train[i].input_ids) for idx in chunk for i in idx)  # padding excluded
-    return epoch, [collate([data.train[i] for i in idx], pad_id) for idx in chunk], real
+    real = sum(data.train.tokens(idx) for idx in chunk)  # padding excluded
+    return epoch, [data.train.batch(idx, pad_id) for idx in chunk], real
 
 
 FIRST_STEPS_CHECKED = 10
@@ -178,8 +180,40 @@ def make_accelerator(cfg: RunConfig):
 
 
 def run(cfg: RunConfig) -> RunResult:
-    """Train as configured. Returns a summary (also printed by the main process)."""
+    """Train as configured. Returns a summary (also printed by the main process).
+
+    The main process holds the output directory's lock for the whole run: one run per directory."""
+    lock = claim_output_dir(Path(cfg.train.output_dir)) if int(os.environ.get("RANK", "0")) == 0 else None
+    try:
+        return _run(cfg)
+    finally:
+        if lock is not None:
+            release_output_dir(lock)
+
+
+def claim_output_dir(out: Path):
+    """Create and lock the output directory. A directory with files of its own that is not a finetune
+    run's is refused: a run writes README.md, config.json and more, and must not replace a user's."""
+    if out.exists() and not out.is_dir():
+        raise UserError(f"train.output_dir: {out} is a file; expected a folder (or a path to create)")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise UserError(f"train.output_dir: cannot create {out} ({err.strerror})") from None
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise UserError(f"train.output_dir: {out} is not writable")
+    ours = {CONFIG_FILE, LOCK_FILE, checkpoint.CHECKPOINTS}  # a run's, or checkpoints brought here to resume from
+    names = {p.name for p in out.iterdir()}
+    if names and not names & ours:
+        raise UserError(f"train.output_dir: {out} holds files that are not a finetune run's ({', '.join(sorted(names)[:3])}); "
+                        "choose an empty or new folder")
+    return hold_output_dir(out)
+
+
+def _run(cfg: RunConfig) -> RunResult:
     from accelerate.utils import set_seed
+
+    stop_with_launcher()
 
     t = cfg.train
     out = Path(t.output_dir)
@@ -193,24 +227,27 @@ def run(cfg: RunConfig) -> RunResult:
     say = print if main else (lambda *_: None)
     set_seed(t.seed)
     if main:
-        out.mkdir(parents=True, exist_ok=True)
         (out / CONFIG_FILE).write_text(to_yaml(cfg))
 
     # One process per node copies the model to RAM (model.ramdisk); everything loads from that copy.
     model_cfg = staged_model(cfg.model, say=print if world == 1 else lambda m: print(f"[rank {rank}] {m}"))
 
-    # Data: the main process tokenizes (and fills the cache) first; the others then read the cache.
+    # Data: one process per node tokenizes (and fills the cache) while the others wait for its lock;
+    # then all of them memory-map the same files.
     tokenizer = load_tokenizer(model_cfg)
     choose_template(tokenizer, cfg.data.chat_template, cfg.data.format, say=say)
-    with accelerator.main_process_first():
-        data = load_data(cfg.data, tokenizer, t.seed, keep_eval_examples=cfg.eval.generate_samples > 0)
+    data = load_data(cfg.data, tokenizer, t.seed, eval_examples=cfg.eval.generate_samples if main else 0,
+                     say=print if world == 1 else lambda m: print(f"[rank {rank}] {m}"))
     schedule = plan_steps(cfg, len(data.train), world)
     s = data.stats["train"]
     say(
         f"data: {s['samples']} samples -> {s['rows']} rows, {s['tokens']} tokens"
         + (f", {s['fill']:.0%} of packed rows filled" if "fill" in s else "")
-        + f", {s['truncated']} truncated; {len(data.eval)} eval rows; cache {'hit' if data.stats['cache_hit'] else 'written'}"
+        + f", {s['truncated']} truncated; {len(data.eval) if data.eval else 0} eval rows; cache {'hit' if data.stats['cache_hit'] else 'written'} ({data.stats['seconds']:.1f} s)"
     )
+    if len(s["sources"]) > 1:
+        for source in s["sources"]:
+            say(f"  {source['path']}: {source['samples']} samples, {source['tokens']} tokens")
 
     # Model and method. Sharding strategies apply with several processes; one process runs plainly.
     strategy = cfg.distributed.strategy if world > 1 else "single"

@@ -9,7 +9,7 @@ from transformers import AutoTokenizer
 
 from finetune.chat import BUILTIN, assistant_mask, choose_template, ends_turns
 from finetune.config import CHAT_TEMPLATES
-from finetune.data import tokenize_row
+from finetune.rows import tokenize_row
 from finetune.errors import UserError
 
 # Qwen3's rule, written small: the <think> block of an answer is rendered only after the last user

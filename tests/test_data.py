@@ -1,17 +1,23 @@
-"""Data: loss masks, packing exactness, padding-free batches, bad rows, the tokenization cache."""
+"""Data: loss masks, packing exactness, padding-free batches, bad rows, the tokenization cache,
+mixing sources, one tokenization per node."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
+import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from conftest import base_config
+from conftest import DEMO_DATA, REPO, base_config
 from finetune.config import DataConfig
-from finetune.data import IGNORE, build_rows, collate, epoch_batches, load_data, pack, prepare_samples, read_rows, tokenize_row
+from finetune.data import load_data
 from finetune.errors import UserError
+from finetune.packing import Row, collate, epoch_batches, pack
+from finetune.rows import IGNORE, read_rows, tokenize_row
 
 
 @pytest.fixture(scope="module")
@@ -69,32 +75,69 @@ def test_completion_trains_every_token_and_ends_with_eos(tok):
     assert IGNORE not in sample["labels"]
 
 
-def test_first_token_of_each_sample_is_never_trained():
-    samples, stats = prepare_samples([[5, 6, 7], [8, 9]], [[5, 6, 7], [8, 9]], max_seq_len=8)
-    assert [s[1] for s in samples] == [[IGNORE, 6, 7], [IGNORE, 9]]
-    assert stats["truncated"] == 0
+def _alpaca(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
 
 
-def test_truncation_and_dropping_samples_without_targets():
-    samples, stats = prepare_samples([[1, 2, 3, 4, 5], [1, 2, 3]], [[1, 2, 3, 4, 5], [IGNORE, IGNORE, IGNORE]], max_seq_len=3)
-    assert samples == [([1, 2, 3], [IGNORE, 2, 3])]
-    assert stats == {"samples": 1, "truncated": 1, "dropped_no_target": 1}
+def _samples_of(split) -> list[tuple[tuple, tuple]]:
+    """Every sample of every row of a split, as (ids, labels), cut at the position restarts."""
+    out = []
+    for row in split.rows(range(len(split))):
+        starts = list(np.flatnonzero(np.asarray(row.position_ids) == 0)) + [len(row.input_ids)]
+        out += [(tuple(row.input_ids[s:e]), tuple(row.labels[s:e])) for s, e in zip(starts, starts[1:])]
+    return out
 
 
-def test_packing_fills_rows_and_keeps_every_token():
-    samples = [([i] * n, [i] * n) for i, n in enumerate([5, 3, 7, 2, 6, 1, 4], start=1)]
-    rows = pack(samples, max_seq_len=8)
-    assert all(len(r.input_ids) <= 8 for r in rows)
+def test_first_token_masked_truncation_and_samples_without_targets(tmp_path, tok):
+    """Every sample's first label is masked; a long answer is cut to max_seq_len; a prompt longer than
+    max_seq_len leaves nothing to train and the sample is dropped."""
+    rows = [{"instruction": "Name it.", "output": "fine"}, {"instruction": "Say it.", "output": "word " * 60},
+            {"instruction": "word " * 60, "output": "late"}]
+    cfg = DataConfig(train=_alpaca(tmp_path / "d.jsonl", rows), max_seq_len=32, packing=False, cache_dir=str(tmp_path / "cache"))
+    data = load_data(cfg, tok, seed=0)
+    assert data.stats["train"] | {"sources": None} == {"samples": 2, "truncated": 2, "dropped_no_target": 1, "rows": 2,
+                                                      "tokens": len(tokenize_row(rows[0], tok, "alpaca", False)["input_ids"]) + 32,
+                                                      "sources": None}
+    for ids, labels in _samples_of(data.train):
+        assert labels[0] == IGNORE and len(ids) <= 32
+        assert all(l in (IGNORE, i) for i, l in zip(ids, labels))
+
+
+def test_pipeline_batches_equal_the_rows_tokenized_one_by_one(tmp_path, tok):
+    """Unpacked, the memory-mapped pipeline yields token for token what tokenize_row gives each demo
+    row (first label masked); packed, its rows hold exactly those samples, each whole, once."""
+    cfg = DataConfig(train=str(DEMO_DATA / "train.jsonl"), max_seq_len=128, packing=False, cache_dir=str(tmp_path / "cache"))
+    data = load_data(cfg, tok, seed=0)
+    expected = []
+    for line in (DEMO_DATA / "train.jsonl").read_text().splitlines():
+        t = tokenize_row(json.loads(line), tok, "alpaca", False)
+        expected.append((tuple(t["input_ids"][:128]), tuple([IGNORE] + t["labels"][1:128])))
+    assert _samples_of(data.train) == expected
+    batch = data.train.batch([3, 0], tok.pad_token_id)
+    assert batch["input_ids"][0, : len(expected[3][0])].tolist() == list(expected[3][0])
+    packed = load_data(cfg.model_copy(update={"packing": True}), tok, seed=0)
+    assert sorted(_samples_of(packed.train)) == sorted(expected)
+    assert len(packed.train) < len(expected) / 2.5 and packed.stats["train"]["fill"] > 0.8
+    assert max(packed.train.row_lengths) <= 128
+
+
+def test_packing_fills_rows_and_keeps_every_sample():
+    lengths = np.array([5, 3, 7, 2, 6, 1, 4])
+    order, offsets = pack(lengths, max_seq_len=8)
+    rows = [order[a:b] for a, b in zip(offsets, offsets[1:])]
     assert len(rows) == 4  # 28 tokens in rows of 8: best fit needs exactly 4
-    assert sorted(t for r in rows for t in r.input_ids) == sorted(t for s in samples for t in s[0])
-    for r in rows:  # positions restart at every sample
-        starts = [i for i, p in enumerate(r.position_ids) if p == 0]
-        assert len(starts) == len({t for t in r.input_ids})
+    assert sorted(order.tolist()) == list(range(7)) and all(lengths[r].sum() <= 8 for r in rows)
+    assert np.array_equal(pack(lengths, 8)[0], order)  # deterministic
+    big = np.random.default_rng(0).integers(1, 500, 200_000)
+    order, offsets = pack(big, 512)
+    assert sorted(order.tolist()) == list(range(len(big))) and np.add.reduceat(big[order], offsets[:-1]).max() <= 512
+    assert big.sum() / (512 * (len(offsets) - 1)) > 0.99  # best fit leaves almost no room
 
 
 def test_padding_free_batches_pad_only_to_their_longest_row():
-    rows = build_rows([([1, 2, 3], [IGNORE, 2, 3]), ([4, 5], [IGNORE, 5]), ([6] * 9, [IGNORE] + [6] * 8)], 64, packing=False)
-    batch = collate(rows[:2], pad_id=0)
+    rows = [Row([1, 2, 3], [IGNORE, 2, 3], [0, 1, 2]), Row([4, 5], [IGNORE, 5], [0, 1])]
+    batch = collate(rows, pad_id=0)
     assert batch["input_ids"].shape == (2, 3)  # not max_seq_len
     assert batch["labels"][1].tolist() == [IGNORE, 5, IGNORE]
     assert batch["position_ids"][1].tolist() == [0, 1, 0]  # the pad is its own segment
@@ -105,8 +148,8 @@ def test_packed_logits_equal_each_sample_alone(tiny_model_dir, tok):
     rows = [{"instruction": "What kind of word is this?", "input": w, "output": k}
             for w, k in [("apple", "noun"), ("red", "adjective"), ("finds", "verb"), ("Anna", "name"), ("tiger", "noun")]]
     samples = [tokenize_row(r, tok, "alpaca", False) for r in rows]
-    packed = pack([(s["input_ids"], s["labels"]) for s in samples], max_seq_len=256)
-    assert len(packed) == 1 and len(packed[0].input_ids) == sum(len(s["input_ids"]) for s in samples)
+    packed = [Row(sum((s["input_ids"] for s in samples), []), sum((s["labels"] for s in samples), []),
+                  sum((list(range(len(s["input_ids"]))) for s in samples), []))]
     for impl in ("sdpa", "eager"):
         model.config._attn_implementation = impl
         batch = collate(packed, tok.pad_token_id)
@@ -148,10 +191,28 @@ def test_tokenized_data_is_cached(tmp_path, tok):
     first = load_data(cfg, tok, seed=0)
     second = load_data(cfg, tok, seed=0)
     assert not first.stats["cache_hit"] and second.stats["cache_hit"]
-    assert [r.input_ids for r in first.train] == [r.input_ids for r in second.train]
+    assert _samples_of(first.train) == _samples_of(second.train)
+    assert len(list((tmp_path / "cache" / "tokenized").glob("pack-*.npz"))) == 2  # train and eval layouts, reused
     # A change in settings is a different cache entry.
     third = load_data(cfg.model_copy(update={"train_on_prompt": True}), tok, seed=0)
     assert not third.stats["cache_hit"]
+
+
+def test_a_cached_data_set_is_memory_mapped_not_held(tmp_path, tok):
+    """20,000 rows from the cache: Arrow allocates nothing for the tokens (they stay in the mapped
+    files); what the process holds is per sample (lengths, layout), not per token."""
+    import pyarrow as pa
+
+    words = (DEMO_DATA / "corpus.jsonl").read_text().split()[:5000]
+    rows = [{"instruction": "Repeat.", "output": " ".join(words[i % 4000 : i % 4000 + 40])} for i in range(20_000)]
+    cfg = DataConfig(train=_alpaca(tmp_path / "big.jsonl", rows), max_seq_len=256, cache_dir=str(tmp_path / "cache"), num_proc=1)
+    load_data(cfg, tok, seed=0)
+    before = pa.total_allocated_bytes()
+    data = load_data(cfg, tok, seed=0)
+    assert data.stats["cache_hit"] and data.stats["train"]["tokens"] > 1_000_000
+    assert pa.total_allocated_bytes() - before < 2**20
+    assert isinstance(data.train.order, np.ndarray) and isinstance(data.train.samples, np.ndarray)
+    assert data.train.batch([0, 1], tok.pad_token_id)["input_ids"].shape[1] <= 256
 
 
 def test_every_rank_gets_the_same_number_of_batches():
@@ -175,12 +236,68 @@ def test_parquet_and_json_read_like_jsonl(tmp_path):
 
 def test_eval_fraction_holds_out_a_seeded_share(tmp_path, tok):
     total = 60
-    path = tmp_path / "rows.jsonl"
-    path.write_text("".join(json.dumps({"instruction": f"word {i}", "output": f"answer {i}"}) + "\n" for i in range(total)))
-    cfg = DataConfig(train=str(path), eval_fraction=0.1, format="alpaca", max_seq_len=128, packing=False, cache_dir=str(tmp_path / "cache"))
-    data = load_data(cfg, tok, seed=3, keep_eval_examples=True)
+    path = _alpaca(tmp_path / "rows.jsonl", [{"instruction": f"word {i}", "output": f"answer {i}"} for i in range(total)])
+    cfg = DataConfig(train=path, eval_fraction=0.1, format="alpaca", max_seq_len=128, packing=False, cache_dir=str(tmp_path / "cache"))
+    data = load_data(cfg, tok, seed=3, eval_examples=100)
     assert len(data.eval) == int(total * 0.1) and len(data.train) == total - len(data.eval)
     assert len(data.eval_examples) == len(data.eval)
-    eval_ids = {tuple(r.input_ids) for r in data.eval}
-    assert not eval_ids & {tuple(r.input_ids) for r in data.train}  # nothing held out is trained on
-    assert {r["output"] for r in data.eval_examples} == {tok.decode([t for t, l in zip(r.input_ids, r.labels) if l != -100]).removesuffix("</s>") for r in data.eval}
+    held = _samples_of(data.eval)
+    assert not set(held) & set(_samples_of(data.train))  # nothing held out is trained on
+    assert {r["output"] for r in data.eval_examples} == {tok.decode([t for t, l in zip(*s) if l != -100]).removesuffix("</s>") for s in held}
+    assert _samples_of(load_data(cfg, tok, seed=3).eval) == held and _samples_of(load_data(cfg, tok, seed=4).eval) != held
+
+
+def test_mixing_sources_by_weight_and_naming_a_bad_one(tmp_path, tok):
+    """data.train as sources with their own format and weight: 2 repeats every sample, 0.5 takes a
+    seeded half; the summary counts each; a bad row names its own source and line."""
+    a = _alpaca(tmp_path / "a.jsonl", [{"instruction": f"q{i}", "output": f"a{i}"} for i in range(10)])
+    b = _alpaca(tmp_path / "b.jsonl", [{"text": f"plain text number {i}"} for i in range(40)])
+    cfg = DataConfig(train=[{"path": a, "weight": 2}, {"path": b, "format": "completion", "weight": 0.5}], max_seq_len=64, packing=False,
+                     cache_dir=str(tmp_path / "cache"))
+    data = load_data(cfg, tok, seed=0)
+    assert [s["samples"] for s in data.stats["train"]["sources"]] == [20, 20] and len(data.train) == 40
+    again = load_data(cfg, tok, seed=0)
+    assert _samples_of(again.train) == _samples_of(data.train)  # the half is seeded
+    (tmp_path / "b.jsonl").write_text('{"text": "fine"}\n{"txt": "typo"}\n')
+    with pytest.raises(UserError, match=rf"{tmp_path / 'b.jsonl'}:2: missing field 'text'"):
+        load_data(cfg, tok, seed=0)
+    skip = DataConfig(**{**cfg.model_dump(), "train": [{"path": a, "weight": 2}, {"path": b, "format": "completion", "bad_rows": "skip"}]})
+    assert load_data(skip, tok, seed=0).stats["train"]["sources"][1]["samples"] == 1
+
+
+def test_unreadable_inputs_fail_with_one_line(tmp_path):
+    (tmp_path / "dir.jsonl").mkdir()
+    with pytest.raises(UserError, match="dir.jsonl: is a folder"):
+        read_rows([str(tmp_path / "dir.jsonl")], "alpaca", "fail")
+    (tmp_path / "bytes.jsonl").write_bytes(b'{"instruction": "a", "output": "b"}\n\xff\xfe{"x": 1}\n')
+    with pytest.raises(UserError, match=r"bytes.jsonl:2: not UTF-8 text"):
+        read_rows([str(tmp_path / "bytes.jsonl")], "alpaca", "fail")
+    (tmp_path / "junk.parquet").write_bytes(b"PAR1 not really")
+    with pytest.raises(UserError, match="junk.parquet: not a readable Parquet file"):
+        read_rows([str(tmp_path / "junk.parquet")], "alpaca", "fail")
+
+
+TOKENIZE = """
+import sys, time
+from transformers import AutoTokenizer
+from finetune.config import DataConfig
+from finetune.data import load_data
+tok = AutoTokenizer.from_pretrained(sys.argv[1])
+data = load_data(DataConfig(train=sys.argv[2], cache_dir=sys.argv[3], max_seq_len=128), tok, seed=0)
+print("HIT" if data.stats["cache_hit"] else "WROTE", data.stats["train"]["tokens"])
+"""
+
+
+def test_two_processes_on_a_node_tokenize_once(tmp_path, demo_tokenizer_dir):
+    """Started together, one process tokenizes; the other says it waits, then maps the same files."""
+    rows = [{"instruction": f"question {i}", "output": " ".join(["answer"] * (i % 50 + 1))} for i in range(30_000)]
+    path = _alpaca(tmp_path / "d.jsonl", rows)
+    procs = [subprocess.Popen([sys.executable, "-c", TOKENIZE, str(demo_tokenizer_dir), path, str(tmp_path / "cache")], cwd=REPO,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    results = sorted(out.strip().splitlines()[-1].split()[0] for out in outs)
+    assert results == ["HIT", "WROTE"], outs
+    assert len({out.strip().splitlines()[-1].split()[1] for out in outs}) == 1
+    assert sum("another process is tokenizing" in out for out in outs) == 1
+    assert sum("tokenizing " in out and "examples" in out for out in outs) == 1  # one progress bar: one tokenization

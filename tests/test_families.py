@@ -15,7 +15,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from conftest import REPO, base_config, read_jsonl
 from finetune import attention, families, loss
 from finetune.config import AdapterConfig, ModelConfig, validate_config
-from finetune.data import IGNORE, Row, collate
+from finetune.packing import Row, collate
+from finetune.rows import IGNORE
 from finetune.model import apply_adapter, load_model
 from finetune.train import run
 

@@ -10,7 +10,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from finetune import attention, loss
 from finetune.attention import PACKED_SDPA, register, sample_bounds
-from finetune.data import IGNORE, collate, pack, tokenize_row
+from finetune.packing import Row, collate
+from finetune.rows import IGNORE, tokenize_row
 
 
 @pytest.mark.parametrize("weight_trains", [False, True])
@@ -40,7 +41,8 @@ def _packed_batch(model_dir):
             for w, k in [("apple", "noun"), ("red", "adjective"), ("finds", "verb"), ("Anna", "name"), ("tiger", "noun"), ("blue", "adjective")]]
     samples = [tokenize_row(r, tok, "alpaca", False) for r in rows]
     samples = [(s["input_ids"], [IGNORE] + s["labels"][1:]) for s in samples]
-    packed = pack(samples[:4], max_seq_len=256) + pack(samples[4:], max_seq_len=256)
+    packed = [Row(sum((s[0] for s in group), []), sum((s[1] for s in group), []), sum((list(range(len(s[0]))) for s in group), []))
+              for group in (samples[:4], samples[4:])]
     return collate(packed, tok.pad_token_id)  # two rows, the shorter padded (a segment of its own)
 
 

@@ -7,7 +7,7 @@ import torch
 
 from conftest import base_config, read_jsonl, run_cli, write_config
 from finetune.config import validate_config
-from finetune.data import collate, load_data
+from finetune.data import load_data
 from finetune.model import load_model, load_tokenizer
 from finetune.train import run
 
@@ -38,7 +38,7 @@ def test_qlora_learns_and_the_adapter_reloads_on_a_fresh_4bit_base(tmp_path, dem
     assert adapter_bytes < 0.12 * base_bytes
 
     tok = load_tokenizer(cfg.model)
-    batch = collate(load_data(cfg.data, tok, 0).eval[:2], tok.pad_token_id)
+    batch = load_data(cfg.data, tok, 0).eval.batch([0, 1], tok.pad_token_id)
     fresh = PeftModel.from_pretrained(load_model(cfg.model), out).eval()
     trained = result.model.eval()
     kwargs = dict(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False)

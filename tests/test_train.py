@@ -12,7 +12,7 @@ import torch
 
 from conftest import REPO, base_config, read_jsonl, run_cli, write_config
 from finetune.config import validate_config
-from finetune.data import collate, load_data
+from finetune.data import load_data
 from finetune.model import load_tokenizer
 from finetune.train import run
 
@@ -60,7 +60,7 @@ def test_saved_adapter_reloads_with_identical_logits(tmp_path, tiny_model_dir, m
     cfg = validate_config(base_config(tiny_model_dir, tmp_path / "out", adapter={"method": method}, train={"max_steps": 3, "lr": 1e-2}), "test")
     trained = run(cfg).model.eval()
     tok = load_tokenizer(cfg.model)
-    batch = collate(load_data(cfg.data, tok, 0).eval[:2], tok.pad_token_id)
+    batch = load_data(cfg.data, tok, 0).eval.batch([0, 1], tok.pad_token_id)
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     reloaded = PeftModel.from_pretrained(base, tmp_path / "out").eval()
     untuned = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()

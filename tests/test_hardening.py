@@ -1,0 +1,119 @@
+"""Hardening with real processes: one run per output directory, workers that outlive their launcher
+stop, and no command deletes or overwrites files it did not write."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from conftest import REPO, base_config, read_jsonl, run_cli, write_config
+from finetune.checkpoint import verify
+from finetune.locks import LOCK_FILE
+
+
+def _cfg(model_dir, out, steps=400):
+    return base_config(model_dir, out, train={"max_steps": steps, "lr": 1e-3}, data={"eval": None}, watchdog={"enabled": False})
+
+
+def _wait_for_rows(metrics: Path, job, rows: int) -> None:
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= rows):
+        assert job.poll() is None, job.communicate()
+        time.sleep(0.05)
+
+
+def test_a_second_run_on_the_same_output_dir_is_refused(tmp_path, tiny_model_dir):
+    out = tmp_path / "out"
+    config = write_config(tmp_path / "c.yaml", _cfg(tiny_model_dir, out))
+    first = subprocess.Popen([sys.executable, "-m", "finetune", "train", "--config", str(config)], cwd=REPO, text=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        _wait_for_rows(out / "metrics.jsonl", first, 2)
+        second = run_cli("train", "--config", str(config), timeout=120)
+        assert second.returncode == 2 and "Traceback" not in second.stderr
+        holder = json.loads((out / LOCK_FILE).read_text())
+        assert holder["pid"] == first.pid and holder["host"] == socket.gethostname()
+        assert second.stderr.strip() == (f"error: train.output_dir: {out} is in use by another run (pid {first.pid} on {holder['host']}, "
+                                         f"started {holder['started']}); wait for it to end, or choose another train.output_dir")
+        assert first.poll() is None  # the first run goes on, its files untouched by the second
+    finally:
+        first.kill()
+        first.communicate()
+    rows = [r["step"] for r in read_jsonl(out / "metrics.jsonl") if "loss" in r]
+    assert rows == sorted(rows) and len(rows) == len(set(rows))
+
+
+def test_the_lock_of_a_run_that_died_is_taken_over(tmp_path, tiny_model_dir):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / LOCK_FILE).write_text(json.dumps({"host": socket.gethostname(), "pid": 999999, "started": "2026-01-01 00:00:00"}))
+    result = run_cli("train", "--config", str(write_config(tmp_path / "c.yaml", _cfg(tiny_model_dir, out, steps=2))))
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert f"taking over the lock of a run that has ended (pid 999999 on {socket.gethostname()}, started 2026-01-01 00:00:00)" in result.stdout
+    assert (out / LOCK_FILE).read_text() == ""  # released at the end
+
+
+def test_workers_stop_when_their_launcher_is_killed(tmp_path, tiny_model_dir):
+    """SIGKILL to the torchrun agent: both workers get SIGTERM (parent-death signal), save one complete
+    checkpoint together and exit within seconds; the output directory is free again."""
+    out = tmp_path / "out"
+    config = write_config(tmp_path / "c.yaml", _cfg(tiny_model_dir, out, steps=3000))
+    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
+    agent = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "finetune/train.py",
+                              "--config", str(config)], cwd=REPO, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    _wait_for_rows(out / "metrics.jsonl", agent, 5)
+    workers = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _parent(int(p.name)) == agent.pid]
+    assert len(workers) == 2
+    agent.kill()
+    agent.communicate()
+    killed = time.monotonic()
+    while any(Path(f"/proc/{pid}").exists() and _parent(pid) != 0 and _state(pid) != "Z" for pid in workers):
+        assert time.monotonic() - killed < 60, "orphaned workers are still running"
+        time.sleep(0.1)
+    print(f"workers gone {time.monotonic() - killed:.1f} s after the agent was killed")
+    saved = list((out / "checkpoints").iterdir())
+    assert len(saved) == 1 and verify(saved[0]) is None and not [p for p in (out / "checkpoints").iterdir() if p.name.startswith(".")]
+    assert [e["event"] for e in read_jsonl(out / "events.jsonl")] == ["preempted"]
+    assert (out / LOCK_FILE).read_text() == ""
+
+
+def _parent(pid: int) -> int:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError):
+        return 0
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "Z"
+
+
+def test_train_refuses_a_folder_of_someone_elses_files(tmp_path, tiny_model_dir):
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "README.md").write_text("my notes")
+    result = run_cli("train", "--config", str(write_config(tmp_path / "c.yaml", _cfg(tiny_model_dir, out, steps=2))))
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert f"train.output_dir: {out} holds files that are not a finetune run's (README.md)" in result.stderr
+    assert [p.name for p in out.iterdir()] == ["README.md"] and (out / "README.md").read_text() == "my notes"
+
+
+def test_make_demo_model_keeps_what_the_folder_held(tmp_path):
+    out = tmp_path / "model"
+    out.mkdir()
+    (out / "notes.txt").write_text("keep me")
+    refused = run_cli("make-demo-model", "--out", str(out), "--steps", "2")
+    assert refused.returncode == 2 and "holds files (notes.txt)" in refused.stderr and "--overwrite" in refused.stderr
+    assert [p.name for p in out.iterdir()] == ["notes.txt"]
+    built = run_cli("make-demo-model", "--out", str(out), "--steps", "2", "--overwrite")
+    assert built.returncode == 0, built.stderr[-2000:]
+    assert (out / "notes.txt").read_text() == "keep me" and (out / "config.json").is_file() and (out / "model.safetensors").is_file()
+    assert not (out / LOCK_FILE).exists()
