@@ -73,7 +73,7 @@ def finetune(name: str, model: Path, data: Path, cache: Path, nproc: int = 1) ->
     shutil.rmtree(out, ignore_errors=True)
     cfg = {"model": {"name_or_path": str(model)}, "adapter": {"method": "lora", "r": 8},
            "data": {"train": str(data), "format": "alpaca", "max_seq_len": MAX_SEQ_LEN},
-           "train": {"output_dir": str(out), "max_steps": 2, "micro_batch_size": 1},
+           "train": {"output_dir": str(out / "run"), "max_steps": 2, "micro_batch_size": 1},
            "logging": {"report_to": [], "progress_bar": False, "plot": False}, "eval": {"every": 0}}
     out.mkdir(parents=True)
     (out / "run.yaml").write_text(yaml.safe_dump(cfg))
@@ -87,7 +87,7 @@ def finetune(name: str, model: Path, data: Path, cache: Path, nproc: int = 1) ->
     text = (out / "log.txt").read_text()
     if job.returncode != 0:
         sys.exit(f"{name} failed:\n{text[-3000:]}")
-    first = next(json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if '"loss"' in line)
+    first = next(json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines() if '"loss"' in line)
     data_line = re.search(r"data: (\d+) samples -> (\d+) rows, (\d+) tokens.*\(([\d.]+) s\)", text)
     return {"name": name, "first_step": first["time"] - started, "data_s": float(data_line.group(4)), "rss": peaks[:nproc], "pss": node,
             "rows": int(data_line.group(1)), "packed_rows": int(data_line.group(2)), "tokens": int(data_line.group(3)),

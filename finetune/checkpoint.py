@@ -167,9 +167,13 @@ def verify(path: Path, checksums: bool = True) -> str | None:
         return "no manifest (an interrupted save)"
     try:
         entries = json.loads(manifest.read_text())
-    except json.JSONDecodeError:
+    except (ValueError, UnicodeDecodeError, OSError):
         return "unreadable manifest"
+    if not isinstance(entries, dict) or not entries:
+        return "manifest is not a list of files with their sizes and checksums"
     for name, want in entries.items():
+        if not isinstance(want, dict) or not isinstance(want.get("size"), int) or not isinstance(want.get("sha256"), str):
+            return f"manifest entry {name} lacks its size or checksum"
         file = path / name
         if not file.is_file():
             return f"{name} is missing"

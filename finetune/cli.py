@@ -8,9 +8,10 @@ from __future__ import annotations
 import argparse
 import atexit
 import logging
-import warnings
 import os
+import re
 import sys
+import warnings
 from typing import NoReturn
 
 from finetune.config import DEFAULT_RAMDISK, ModelConfig
@@ -33,8 +34,34 @@ def _run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resume", metavar="auto|never|PATH", help="same as --set checkpoint.resume=...")
 
 
+def _number(kind, low, expected: str):
+    """An argparse type: a number of this kind, at least `low` (above it when expected says so)."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number; expected {expected}") from None
+        if value < low or (value == low and "above" in expected):
+            raise argparse.ArgumentTypeError(f"expected {expected}")
+        return value
+    return parse
+
+
+def _size(text: str) -> str:
+    if not re.fullmatch(r"\d+(\.\d+)?\s*([KMGT]i?)?B", text.strip(), re.IGNORECASE):
+        raise argparse.ArgumentTypeError(f"{text}: expected a size like 5GB or 500MB")
+    return text
+
+
+class _Parser(argparse.ArgumentParser):
+    """Usage errors as one line, like every other bad input (argparse prints its usage first)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="finetune", description="Fine-tune Hugging Face causal language models (LoRA, DoRA, full).")
+    parser = _Parser(prog="finetune", description="Fine-tune Hugging Face causal language models (LoRA, DoRA, full).")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("train", help="fine-tune a model as a config describes",
@@ -50,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Estimate the memory a run needs per device (weights, gradients, optimizer states, "
                        "activations) from the model's config.json alone, say whether it fits, and which switch would make it fit.")
     _run_options(p)
-    p.add_argument("--gpus", type=int, default=1, metavar="N", help="devices the run is spread over (default 1)")
+    p.add_argument("--gpus", type=_number(int, 1, "at least 1"), default=1, metavar="N", help="devices the run is spread over (default 1)")
     p.add_argument("--gpu-mem", metavar="SIZE", help="memory per device, e.g. 80GiB (default: this machine's GPU, else its available RAM)")
     p.add_argument("--sharding", choices=["none", "zero2", "zero3"], default="none",
                    help="none/DDP; zero2: gradients+optimizer split over devices; zero3 (or FSDP): weights too")
@@ -66,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     what.add_argument("--evict", nargs="?", const="", metavar="NAME|SOURCE",
                       help="remove the copy of one model (its staged name or source path); with no value, remove all")
     p.add_argument("--root", default=DEFAULT_RAMDISK, help=f"staging folder on a tmpfs/ramfs mount (default {DEFAULT_RAMDISK})")
-    p.add_argument("--reserve-gib", type=float, default=ModelConfig.model_fields["ramdisk_reserve_gib"].default,
+    p.add_argument("--reserve-gib", type=_number(float, 0, "0 or more"), default=ModelConfig.model_fields["ramdisk_reserve_gib"].default,
                    help="refuse to stage if less than this much RAM would stay available (default %(default)s)")
     p.add_argument("--revision", help="hub revision, for a hub id")
     p.add_argument("--verify", action="store_true", help="also compare checksums of the source and the copy; re-stage on a mismatch")
@@ -81,12 +108,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, metavar="DIR", help="new folder for the merged model (must not exist or be empty)")
     p.add_argument("--base", metavar="PATH_OR_ID", help="base model (default: the one the adapter names)")
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="dtype written (default: the base's stored dtype)")
-    p.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard, e.g. 5GB, 500MB (default 5GB)")
+    p.add_argument("--max-shard-size", type=_size, default="5GB", help="largest safetensors shard, e.g. 5GB, 500MB (default 5GB)")
     p.add_argument("--qlora-base", choices=["dequantized", "original"],
                    help="QLoRA: merge into the dequantized 4-bit weights the adapter was trained on, or the original ones "
                    "(default: whichever reproduces 4-bit+adapter more closely; both are measured and reported)")
     p.add_argument("--check-prompts", metavar="FILE", help="texts to compare logits on, one per line (default: training samples)")
-    p.add_argument("--tolerance", type=float, help="largest |logit difference| accepted (default by dtype: fp32 1e-3, fp16 0.05, "
+    p.add_argument("--tolerance", type=_number(float, 0, "a number above 0"), help="largest |logit difference| accepted (default by dtype: fp32 1e-3, fp16 0.05, "
                    "bf16 0.25; 0.25 too when the 4-bit reference computes in bf16)")
 
     p = sub.add_parser("generate", help="try a model or an adapter on a prompt (tokens stream as they come)",
@@ -98,14 +125,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--base", metavar="PATH_OR_ID", help="with --adapter: another base than the one it names")
     p.add_argument("--prompt", required=True, help="the prompt text")
     p.add_argument("--chat", action="store_true", help="send the prompt as a user turn through the tokenizer's chat template")
-    p.add_argument("--max-new-tokens", type=int, default=128, help="most tokens to generate (default 128)")
-    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy (default)")
+    p.add_argument("--max-new-tokens", type=_number(int, 1, "at least 1"), default=128, help="most tokens to generate (default 128)")
+    p.add_argument("--temperature", type=_number(float, 0, "0 (greedy) or more"), default=0.0, help="sampling temperature; 0 = greedy (default)")
 
     p = sub.add_parser("make-demo-model", help="build the small demo model from the shipped corpus",
                        description="Train a byte-level BPE tokenizer on the shipped corpus, build a small Llama model, "
                        "pretrain it briefly with finetune's own full fine-tuning, and save an ordinary HF model folder.")
     p.add_argument("--out", default="demo/model", help="output folder (default: demo/model)")
-    p.add_argument("--steps", type=int, default=None, help="pretraining steps (default: the demo's own)")
+    p.add_argument("--steps", type=_number(int, 1, "at least 1"), default=None, help="pretraining steps (default: the demo's own)")
     p.add_argument("--overwrite", action="store_true", help="build even if the folder already holds files: the demo model's files "
                    "are replaced, any others are kept")
     return parser

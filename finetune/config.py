@@ -67,6 +67,13 @@ class AdapterConfig(_Section):
     rslora: bool = Field(False, description="Rank-stabilised LoRA scaling.")
     modules_to_save: list[str] | None = Field(None, description="Extra modules trained in full and saved with the adapter.")
 
+    @field_validator("target_modules")
+    @classmethod
+    def _some_targets(cls, value: str | list[str]) -> str | list[str]:
+        if isinstance(value, list) and not value:
+            raise ValueError("name at least one module, or all-linear")
+        return value
+
 
 class SourceConfig(_Section):
     path: str = Field(description="A local .jsonl/.json/.parquet file, or a hub dataset name.")
@@ -83,7 +90,7 @@ class DataConfig(_Section):
     )
     eval: str | list[str | SourceConfig] | None = Field(None, description="Held-out eval file(s) or sources; or use eval_fraction.")
     eval_fraction: float = Field(0.0, ge=0, lt=1, description="Share of the training rows held out for eval when no eval file is given.")
-    max_seq_len: int = Field(512, gt=0, description="Longest row in tokens; longer samples are truncated.")
+    max_seq_len: int = Field(512, ge=2, description="Longest row in tokens; longer samples are truncated.")
     packing: bool = Field(True, description="Pack samples into rows of max_seq_len, attention kept inside each sample.")
     train_on_prompt: bool = Field(False, description="Also compute the loss on prompt tokens (default: responses only).")
     chat_template: str | None = Field(None, description="Template that renders chat rows (and alpaca rows, where there is one): null = the "
@@ -127,6 +134,11 @@ class TrainConfig(_Section):
                                                "added to the training loss (null: the model config's router_aux_loss_coef; 0: off).")
     seed: int = Field(42, description="Seed for weights init, dropout and data order.")
     overfit_batch: int = Field(0, ge=0, description="Sanity check: train this many steps on the first batch only (0 = off).")
+
+    @field_validator("mixed_precision", mode="before")
+    @classmethod
+    def _yaml_no(cls, value):
+        return "no" if value is False else value  # YAML reads an unquoted `no` as false
 
 
 class EvalConfig(_Section):
@@ -267,7 +279,13 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     if "=" not in item:
         raise UserError(f"--set {item}: expected KEY=VALUE, e.g. --set train.lr=1e-4")
     key, raw = item.split("=", 1)
-    return key.strip().split("."), yaml.safe_load(raw) if raw.strip() else None
+    keys = key.strip().split(".")
+    if not all(k.strip() for k in keys):
+        raise UserError(f"--set {item}: the key is empty (expected KEY=VALUE, e.g. --set train.lr=1e-4)")
+    try:
+        return keys, yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError as err:
+        raise UserError(f"--set {item}: not a plain YAML value ({getattr(err, 'problem', None) or str(err).splitlines()[0]})") from None
 
 
 def apply_override(raw: dict, keys: list[str], value: Any, source: str) -> None:
@@ -319,7 +337,9 @@ def load_config(path: str | os.PathLike, overrides: list[str] = (), check_model:
     if not path.is_file():
         raise UserError(f"{path}: config file not found")
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
+        raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except UnicodeDecodeError:
+        raise UserError(f"{path}: not UTF-8 text") from None
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f":{mark.line + 1}" if mark else ""
@@ -364,16 +384,28 @@ def check_against_model(cfg: RunConfig, source: str) -> None:
         if looks_local(cfg.model.name_or_path):
             raise UserError(f"{source}: model.name_or_path: folder not found: {cfg.model.name_or_path}")
         return  # a hub id: checked when it is loaded
-    config_file = model_dir / "config.json"
-    if not config_file.is_file():
-        raise UserError(f"{source}: model.name_or_path: {model_dir} has no config.json (not a HF model folder)")
-    model_cfg = json.loads(config_file.read_text())
+    model_cfg = read_model_config(model_dir, f"{source}: model.name_or_path")
+    model_cfg = model_cfg.get("text_config") or model_cfg
     positions = model_cfg.get("max_position_embeddings")
     if positions and cfg.data.max_seq_len > positions:
         raise UserError(
             f"{source}: data.max_seq_len: {cfg.data.max_seq_len} is larger than the model's "
             f"max_position_embeddings ({positions})"
         )
+
+
+def read_model_config(folder: Path, what: str) -> dict:
+    """A model folder's config.json as a dict, or one line saying what is wrong with it."""
+    path = Path(folder).expanduser() / "config.json"
+    if not path.is_file():
+        raise UserError(f"{what}: {path.parent} has no config.json (not a HF model folder)")
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError):
+        raise UserError(f"{what}: {path} is not valid JSON") from None
+    if not isinstance(config, dict):
+        raise UserError(f"{what}: {path}: expected a JSON object")
+    return config
 
 
 def to_yaml(cfg: RunConfig) -> str:

@@ -53,7 +53,7 @@ def load_data(cfg: DataConfig, tokenizer, seed: int, eval_examples: int = 0, say
     train_sources = data_sources(cfg.train, cfg)
     train = _tokenized(train_sources, cfg, tokenizer, say)
     stats: dict = {"cache_hit": train.cached}
-    picked = [np.arange(a, b) for a, b in train.ranges]
+    picked = [np.arange(a, b, dtype=np.int32 if b < 2**31 else np.int64) for a, b in train.ranges]
     held = np.zeros(0, dtype=np.int64)
     if cfg.eval_fraction > 0:
         import torch
@@ -97,8 +97,8 @@ def _tokenized(sources: list[SourceConfig], cfg: DataConfig, tokenizer, say) -> 
         start += len(table)
         cached = cached and hit
     full = pa.concat_tables(tables)
-    lengths = full.column("length").to_numpy().astype(np.int64)
-    first = full.column("first_target").to_numpy().astype(np.int64)
+    lengths = full.column("length").to_numpy()  # int32: per sample, never per token
+    first = full.column("first_target").to_numpy()
     cut = np.minimum(lengths, cfg.max_seq_len)
     return _Samples(full, keys, ranges, cut, lengths > cfg.max_seq_len, (first >= 1) & (first < cut), cached)
 
@@ -127,8 +127,8 @@ def _split(source: _Samples, samples: np.ndarray, cfg: DataConfig, seed: int, ro
 
 def _layout(source: _Samples, samples: np.ndarray, lengths: np.ndarray, cfg: DataConfig, seed: int, role: str) -> tuple[np.ndarray, np.ndarray]:
     """pack(), cached next to the tokens: keyed by the entries, the samples taken and max_seq_len."""
-    h = hashlib.sha256(json.dumps([PACK_VERSION, source.keys, role, cfg.max_seq_len]).encode())
-    h.update(np.ascontiguousarray(samples).tobytes())
+    h = hashlib.sha256(json.dumps([PACK_VERSION, source.keys, role, cfg.max_seq_len, str(samples.dtype)]).encode())
+    h.update(memoryview(np.ascontiguousarray(samples)))
     path = cache_root(cfg) / f"pack-{h.hexdigest()[:24]}.npz"
     if path.exists():
         with np.load(path) as saved:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import sys
-
+from pathlib import Path
 
 from finetune.config import ModelConfig
 from finetune.errors import UserError
@@ -15,6 +15,8 @@ from finetune.model import load_model, load_tokenizer
 def load(model_dir: str | None, adapter_dir: str | None, base: str | None = None):
     """(model, tokenizer): a model folder (merged or full fine-tune) as saved, or base + adapter as trained."""
     if model_dir:
+        if not Path(model_dir).expanduser().is_dir():
+            raise UserError(f"--model: folder not found: {model_dir}")
         cfg = ModelConfig(name_or_path=model_dir, dtype="auto")
         return load_model(cfg).eval(), load_tokenizer(cfg)
     adapter = find_adapter(adapter_dir, base)

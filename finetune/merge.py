@@ -54,7 +54,7 @@ def find_adapter(path: str, base: str | None) -> Adapter:
         raise UserError(f"--adapter: no such folder: {path}")
     run = load_config(folder / "finetune_config.yaml", check_model=False) if (folder / "finetune_config.yaml").is_file() else None
     if (folder / "adapter_config.json").is_file():
-        saved_base = json.loads((folder / "adapter_config.json").read_text()).get("base_model_name_or_path")
+        saved_base = _adapter_config(folder / "adapter_config.json").get("base_model_name_or_path")
         chosen = base or saved_base
         if not chosen:
             raise UserError(f"--adapter: {folder}/adapter_config.json names no base model; give --base")
@@ -67,6 +67,16 @@ def find_adapter(path: str, base: str | None) -> Adapter:
             raise UserError(f"--adapter: {folder} is a full fine-tuning checkpoint: it holds the trained weights, there is no adapter to merge")
         return Adapter(folder, base or run.model.name_or_path, run, True)
     raise UserError(f"--adapter: {folder} is neither a PEFT adapter (adapter_config.json) nor a finetune checkpoint")
+
+
+def _adapter_config(path: Path) -> dict:
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError):
+        raise UserError(f"--adapter: {path} is not valid JSON") from None
+    if not isinstance(config, dict):
+        raise UserError(f"--adapter: {path}: expected a JSON object")
+    return config
 
 
 def load_base(adapter: Adapter, quantized: bool):

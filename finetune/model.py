@@ -6,7 +6,6 @@ Any local HF folder or hub id goes through the same calls; nothing here knows ab
 from __future__ import annotations
 
 import importlib.util
-import json
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -14,7 +13,7 @@ import torch
 
 from finetune import families
 from finetune.attention import register as register_packed_sdpa
-from finetune.config import AdapterConfig, ModelConfig, RunConfig
+from finetune.config import AdapterConfig, ModelConfig, RunConfig, looks_local, read_model_config
 from finetune.errors import UserError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
@@ -25,8 +24,8 @@ def load_tokenizer(cfg: ModelConfig):
 
     try:
         tok = AutoTokenizer.from_pretrained(cfg.name_or_path, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
-    except (OSError, ValueError) as err:
-        raise UserError(f"model.name_or_path: cannot load a tokenizer from '{cfg.name_or_path}': {str(err).splitlines()[0]}") from None
+    except Exception as err:  # noqa: BLE001 - a missing, garbage or unreadable tokenizer raises many types; all mean "this folder's tokenizer"
+        raise UserError(f"model.name_or_path: cannot load a tokenizer from '{cfg.name_or_path}': {_first_line(err)}") from None
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     return tok
@@ -55,10 +54,9 @@ def check_supported(cfg: RunConfig) -> None:
 
 def _linear_out_dims(cfg: ModelConfig) -> dict[str, int]:
     """Output widths of a decoder's linear layers, from config.json (empty if not a local folder)."""
-    path = Path(cfg.name_or_path).expanduser() / "config.json"
-    if not path.is_file():
+    if not (Path(cfg.name_or_path).expanduser() / "config.json").is_file():
         return {}
-    c = json.loads(path.read_text())
+    c = read_model_config(Path(cfg.name_or_path), "model.name_or_path")
     head_dim = c.get("head_dim") or c.get("hidden_size", 0) // max(1, c.get("num_attention_heads", 1))
     kv = c.get("num_key_value_heads") or c.get("num_attention_heads", 0)
     return {k: v for k, v in {"hidden_size": c.get("hidden_size"), "intermediate_size": c.get("intermediate_size"), "kv_heads*head_dim": kv * head_dim}.items() if v}
@@ -113,10 +111,12 @@ def load_model(cfg: ModelConfig, device: torch.device | str = "cpu", skeleton: b
     (the FSDP ranks that receive their shards from rank 0)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    if looks_local(cfg.name_or_path):
+        read_model_config(Path(cfg.name_or_path), "model.name_or_path")  # one line for a missing or garbage config.json
     try:
         config = AutoConfig.from_pretrained(cfg.name_or_path, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
     except (OSError, ValueError) as err:
-        raise UserError(f"model.name_or_path: cannot read the config of '{cfg.name_or_path}': {str(err).splitlines()[0]}") from None
+        raise UserError(f"model.name_or_path: cannot read the config of '{cfg.name_or_path}': {_first_line(err)}") from None
     attn, notice = attention_for(cfg, config.to_dict())
     if notice:
         say(notice)
@@ -146,8 +146,8 @@ def load_model(cfg: ModelConfig, device: torch.device | str = "cpu", skeleton: b
             use_safetensors=True,
             **extra,
         )
-    except (OSError, ValueError) as err:
-        raise UserError(f"model.name_or_path: cannot load '{cfg.name_or_path}': {str(err).splitlines()[0]}") from None
+    except Exception as err:  # noqa: BLE001 - missing, truncated, garbage or mis-shaped weights: the folder's fault, said in one line
+        raise UserError(f"model.name_or_path: cannot load '{cfg.name_or_path}': {_first_line(err)}") from None
     if cfg.quantization is not None:
         from peft import prepare_model_for_kbit_training
 
@@ -159,6 +159,11 @@ def load_model(cfg: ModelConfig, device: torch.device | str = "cpu", skeleton: b
             _own_unquantized_weights(model)
     model.config.use_cache = False  # no KV cache while training; generation turns it on per call
     return model
+
+
+def _first_line(err: Exception) -> str:
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    return lines[0] if lines else type(err).__name__
 
 
 def _keep_one_cpu_4bit_path(model) -> None:
@@ -194,6 +199,11 @@ def apply_adapter(model, cfg: AdapterConfig, gradient_checkpointing: bool, say=p
         # With a frozen embedding nothing before the first checkpointed block needs grad.
         model.enable_input_require_grads()
     modules, parameters = lora_targets(model, cfg.target_modules)
+    names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+    unknown = [m for m in cfg.modules_to_save or [] if m.rsplit(".", 1)[-1] not in names]
+    if unknown:
+        raise UserError(f"adapter.modules_to_save: {', '.join(unknown)} matches no module of this {model.config.model_type} model "
+                        f"(e.g. {', '.join(sorted(n for n in names if n and not n.isdigit())[:6])})")
     if parameters and cfg.method == "dora":
         if cfg.target_modules != "all-linear":
             raise UserError("adapter.target_modules: DoRA cannot adapt fused expert weights (peft); use adapter.method: lora for the experts")

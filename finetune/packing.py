@@ -107,7 +107,8 @@ def pack(lengths: np.ndarray, max_seq_len: int) -> tuple[np.ndarray, np.ndarray]
             todo, pos = todo - placed, pos + placed
     by_row = np.argsort(row_of, kind="stable")  # rows in the order they were opened; samples in the order placed
     offsets = np.searchsorted(row_of[by_row], np.arange(next_row + 1))
-    return order[by_row], offsets
+    index = np.int32 if len(lengths) < 2**31 else np.int64  # per sample: half the memory where it fits
+    return order[by_row].astype(index), offsets
 
 
 def unpacked(count: int) -> tuple[np.ndarray, np.ndarray]:
@@ -122,7 +123,7 @@ class Split:
     def __init__(self, table, samples: np.ndarray, lengths: np.ndarray, order: np.ndarray, offsets: np.ndarray):
         self.samples, self.lengths = samples, lengths  # lengths: of the cut samples
         self.order, self.offsets = order, offsets
-        self.row_lengths = np.add.reduceat(lengths[order], offsets[:-1]) if len(order) else np.zeros(0, dtype=np.int64)
+        self.row_lengths = np.add.reduceat(lengths[order].astype(np.int64), offsets[:-1]) if len(order) else np.zeros(0, dtype=np.int64)
         self.columns = {name: _Column(table.column(name)) for name in ("input_ids", "labels")}
 
     def __len__(self) -> int:

@@ -7,13 +7,12 @@ on GPUs, a reserve for the CUDA context and allocator slack.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from finetune import families
-from finetune.config import RunConfig
+from finetune.config import RunConfig, read_model_config
 from finetune.errors import UserError
 from finetune.families import Linear
 
@@ -61,12 +60,7 @@ def read_shape(model_path: str) -> Shape:
     path = Path(model_path).expanduser() / "config.json"
     if not path.is_file():
         raise UserError(f"plan: {path} not found: the planner reads a local model folder's config.json")
-    try:
-        config = json.loads(path.read_text())
-    except (ValueError, UnicodeDecodeError):
-        raise UserError(f"plan: {path} is not a JSON config") from None
-    if not isinstance(config, dict):
-        raise UserError(f"plan: {path}: expected a JSON object")
+    config = read_model_config(path.parent, "plan")
     why = families.unsupported(config)
     if why:
         raise UserError(f"plan: {path}: {why}")
@@ -82,6 +76,8 @@ def read_shape(model_path: str) -> Shape:
                      tied=bool(c.get("tie_word_embeddings", False)), linears=tuple(linears), norms_and_biases=families.small_params(config))
     except KeyError as err:
         raise UserError(f"plan: {path} lacks {err.args[0]} (the planner knows decoder-only transformers)") from None
+    except (TypeError, ValueError, ZeroDivisionError):
+        raise UserError(f"plan: {path}: a size in it is not a positive number") from None
 
 
 @dataclass(frozen=True)
@@ -227,9 +223,12 @@ def parse_size(text: str) -> float:
     t = text.strip().upper().replace(" ", "")
     number = t.rstrip("KMGTIB")
     try:
-        return float(number) * units[t[len(number):]]
+        size = float(number) * units[t[len(number):]]
     except (KeyError, ValueError):
-        raise UserError(f"plan: --gpu-mem {text}: expected a size like 80GiB or 24GB") from None
+        size = 0.0
+    if not size > 0:
+        raise UserError(f"--gpu-mem {text}: expected a size like 80GiB or 24GB")
+    return size
 
 
 def available_memory() -> tuple[float, str]:

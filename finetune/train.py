@@ -28,7 +28,7 @@ import torch
 
 from finetune import checkpoint, families, faults
 from finetune.chat import choose_template
-from finetune.config import RunConfig, to_yaml
+from finetune.config import RunConfig, looks_local, to_yaml
 from finetune.data import Datasets, load_data
 from finetune.packing import epoch_batches
 from finetune.distributed import (ZERO_STAGES, check_strategy, full_state_dict, gathered_trainable_state, init_deepspeed, local_numel,
@@ -255,7 +255,10 @@ def _run(cfg: RunConfig) -> RunResult:
     rss_before_model = current_rss()
     zero3_partitioning = zero3_loading(cfg, world)  # noqa: F841  (must stay alive while loading)
     model = load_model(model_cfg, accelerator.device, skeleton=fsdp and rank != 0, say=say)
-    model.name_or_path = model.config.name_or_path = cfg.model.name_or_path  # saved configs name the source, not a RAM copy
+    # Saved configs name the source, not a RAM copy; a local one by its absolute path, so that the adapter
+    # loads from any directory (AutoPeftModelForCausalLM reads it); hub ids stay as they are.
+    base = str(Path(cfg.model.name_or_path).expanduser().resolve()) if looks_local(cfg.model.name_or_path) else cfg.model.name_or_path
+    model.name_or_path = model.config.name_or_path = base
     router_coef = families.router_aux_loss_coef(model.config.to_dict()) if t.router_aux_loss_coef is None else t.router_aux_loss_coef
     model = apply_adapter(model, cfg.adapter, t.gradient_checkpointing, say=say)
     info = describe(model)
@@ -465,6 +468,7 @@ def _run(cfg: RunConfig) -> RunResult:
     summary["peak_rss_mib"] = peak_rss() / 2**20
     summary["strategy"] = strategy
     summary["model_loaded_from"] = model_cfg.name_or_path
+    summary["base_model"] = base  # what the adapter needs (adapter_config.json names it too)
     summary["param_numel_per_rank"] = accelerator.gather(torch.tensor([local_numel(model, params)], device=accelerator.device)).tolist()
     summary["replicas_identical"] = replicas_identical(params, accelerator) if strategy in ("ddp", "single") else None
     # Sharded weights are gathered into one ordinary state dict (all ranks take part), saved by rank 0.
@@ -475,6 +479,7 @@ def _run(cfg: RunConfig) -> RunResult:
         tokenizer.save_pretrained(out)
         plot = plot_loss_curve(out) if cfg.logging.plot else None
         summary["saved_to"] = str(out)
+        summary["adapter"] = cfg.adapter.method != "full"
         summary["loss_curve"] = str(plot) if plot else None
         if before is not None:
             after = exact_match(unwrapped, tokenizer, data.eval_examples[: cfg.eval.generate_samples], cfg.data.format, cfg.eval.max_new_tokens)
@@ -652,7 +657,7 @@ def _summary_line(summary: dict) -> str:
     lines = [", ".join(parts)]
     if summary.get("loss_curve"):
         lines.append(f"loss curve: {summary['loss_curve']}")
-    lines.append(f"saved to:   {summary['saved_to']}")
+    lines.append(f"saved to:   {summary['saved_to']}" + (f" (an adapter for {summary['base_model']})" if summary.get("adapter") else ""))
     return "\n".join(lines)
 
 
