@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -364,8 +365,10 @@ def validate_config(raw: dict, source: str) -> RunConfig:
 
 
 def _describe(err: ValidationError) -> str:
-    first = err.errors()[0]
-    loc = ".".join(str(part) for part in first["loc"])
+    # With a union (a data source is a path or a {path, ...} mapping) pydantic reports every branch;
+    # the deepest location is the branch the input was meant for.
+    first = max(err.errors(), key=lambda e: len(e["loc"]))
+    loc = ".".join(str(part) for part in first["loc"] if not (isinstance(part, str) and _UNION_TAG.match(part)))
     kind, msg = first["type"], first["msg"]
     if kind == "extra_forbidden":
         return f"{loc}: unknown key"
@@ -375,6 +378,9 @@ def _describe(err: ValidationError) -> str:
     got = first.get("input")
     shown = "" if isinstance(got, (dict, list)) or got is None else f" (got {json.dumps(got, default=str)})"
     return f"{loc}: {msg}{shown}" if loc else f"{msg}{shown}"
+
+
+_UNION_TAG = re.compile(r"^(str|int|float|bool|list\[.*\]|dict\[.*\]|tuple\[.*\]|[A-Z]\w*Config)$")  # a union branch's name in a location
 
 
 def check_against_model(cfg: RunConfig, source: str) -> None:

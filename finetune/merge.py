@@ -58,6 +58,8 @@ def find_adapter(path: str, base: str | None) -> Adapter:
         chosen = base or saved_base
         if not chosen:
             raise UserError(f"--adapter: {folder}/adapter_config.json names no base model; give --base")
+        if not any((folder / name).is_file() for name in ("adapter_model.safetensors", "adapter_model.bin")):
+            raise UserError(f"--adapter: {folder} has adapter_config.json but no adapter_model.safetensors")
         return Adapter(folder, chosen, run, False)
     if (folder / checkpoint.MANIFEST).is_file() and run is not None:
         problem = checkpoint.verify(folder)

@@ -24,6 +24,7 @@ ALPACA_PROMPT = (
     "### Instruction:\n{instruction}\n\n{input_block}### Response:\n"
 )
 CHAT_ROLES = {"system", "user", "assistant", "tool"}
+FORMATS = ("alpaca", "chat", "completion")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -152,7 +153,9 @@ def checked_rows(source: str, fmt: str, bad_rows: str, skipped: Skipped, split: 
         if problem is None:
             yield number, row
         elif bad_rows == "fail":
-            raise UserError(f"{where(source, number)}: {problem} (format '{fmt}'; set data.bad_rows: skip to skip bad rows)")
+            other = [f for f in FORMATS if f != fmt and not isinstance(row, _Invalid) and _row_problem(row, f) is None]
+            hint = f"this row looks like format '{other[0]}': set data.format: {other[0]}" if other else "set data.bad_rows: skip to skip bad rows"
+            raise UserError(f"{where(source, number)}: {problem} (format '{fmt}'; {hint})")
         else:
             skipped.add(f"{where(source, number)}: {problem}")
 

@@ -94,7 +94,7 @@ def _build(source: SourceConfig, cfg: DataConfig, tokenizer, work: Path, say) ->
     skipped = Skipped()
     rows_file = work / "rows.arrow"
     features = datasets.Features({"row": datasets.Value("string"), "line": datasets.Value("int64")})
-    with ArrowWriter(features=features, path=str(rows_file)) as writer, tqdm(desc=f"reading {source.path}", unit=" rows") as bar:
+    with ArrowWriter(features=features, path=str(rows_file)) as writer, tqdm(desc=f"reading {source.path}", unit=" rows", delay=2) as bar:
         batch = {"row": [], "line": []}
         for number, row in checked_rows(source.path, source.format, source.bad_rows, skipped, cfg.split):
             batch["row"].append(json.dumps(row, ensure_ascii=False))

@@ -68,6 +68,7 @@ class Case:
         folder.mkdir()
         (folder / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": str(self.model), "peft_type": "LORA", "r": 2,
                                                                 "lora_alpha": 4, "target_modules": ["q_proj"]}))
+        (folder / "adapter_model.safetensors").write_bytes(b"")  # what these cases test comes before the weights are read
         return folder
 
 
@@ -104,7 +105,7 @@ def _cases():
     add("data-train-missing-key", lambda k: k.train(data={"train": None}), "data.train: required key is missing")
     add("section-not-a-mapping", lambda k: k.train(train=5), "train: Input should be a valid dictionary")
     # Data
-    add("data-train-empty-list", lambda k: k.train(data={"train": []}), "data.train: the list of training sources is empty")
+    add("data-train-empty-list", lambda k: k.train(data={"train": []}), "train: the list of training sources is empty")
     add("data-file-missing", lambda k: k.train(data={"train": str(k.tmp / "none.jsonl")}), "train: file not found")
     add("data-folder-named-jsonl", lambda k: k.train(data={"train": (k.tmp.joinpath("d.jsonl").mkdir(), str(k.tmp / "d.jsonl"))[1]}),
         "d.jsonl: is a folder")
@@ -119,8 +120,9 @@ def _cases():
     add("data-field-not-text", lambda k: k.train(data={"train": k.rows("d.jsonl", [{**GOOD_ROW, "output": 5}])}),
         "d.jsonl:1: field 'output' must be a string")
     add("data-row-not-object", lambda k: k.train(data={"train": k.rows("d.jsonl", [[1, 2]])}), "d.jsonl:1: expected a JSON object")
-    add("data-chat-rows-as-alpaca", lambda k: k.train(data={"train": k.rows("d.jsonl", [{"messages": [{"role": "user", "content": "a"}]}])}),
-        "d.jsonl:1: missing field 'instruction'")
+    add("data-chat-rows-as-alpaca", lambda k: k.train(data={"train": k.rows("d.jsonl", [{"messages": [{"role": "user", "content": "a"},
+                                                                                                        {"role": "assistant", "content": "b"}]}])}),
+        "d.jsonl:1: missing field 'instruction' (format 'alpaca'; this row looks like format 'chat': set data.format: chat)")
     add("data-chat-bad-role", lambda k: k.train(data={"format": "chat", "train": k.rows("d.jsonl", [{"messages": [{"role": "bot", "content": "a"}]}])}),
         "d.jsonl:1: messages[0] must be")
     add("data-chat-no-answer", lambda k: k.train(data={"format": "chat", "train": k.rows("d.jsonl", [{"messages": [{"role": "user", "content": "a"}]}])}),
@@ -269,7 +271,9 @@ def _cases():
         "adapter_config.json is not valid JSON")
     add("merge-adapter-config-list", lambda k: ["merge", "--adapter", str(Path(k.file("a/adapter_config.json", "[]")).parent), "--out", str(k.tmp / "m")],
         "adapter_config.json: expected a JSON object")
-    add("merge-adapter-weights-missing", lambda k: ["merge", "--adapter", str(k.adapter()), "--out", str(k.tmp / "m")], "--adapter:")
+    add("merge-adapter-weights-missing", lambda k: ["merge", "--adapter", str((k.adapter() / "adapter_model.safetensors").unlink() or k.tmp / "adapter"),
+                                                    "--out", str(k.tmp / "m")],
+        "has adapter_config.json but no adapter_model.safetensors")
     add("merge-out-a-file", lambda k: ["merge", "--adapter", str(k.adapter()), "--out", k.file("m.txt", "mine")], "--out:")
     add("merge-out-not-empty", lambda k: ["merge", "--adapter", str(k.adapter()), "--out", str(Path(k.file("m/x.txt", "mine")).parent)],
         "already exists and is not empty")
@@ -320,10 +324,21 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, tiny_model_dir, capsys, buil
         code = main(argv)
     except SystemExit as exit:  # argparse's own errors
         code = exit.code
-    err = capsys.readouterr().err.strip()
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    errors = [line for line in lines if line.startswith("error: ")]
     assert code == 2, err
-    assert err.count("\n") == 0 and err.startswith("error: ") and "Traceback" not in err, err
-    assert expect in err, err
+    assert len(errors) == 1 and lines[-1] == errors[0] and "Traceback" not in err, err  # progress bars may come before it
+    assert expect in errors[0], errors[0]
     after = _snapshot(tmp_path, tiny_model_dir)
     changed = {p for p in after if after[p] != before.get(p)} | (set(before) - set(after))
     assert all(p.is_relative_to(tmp_path) and p.relative_to(tmp_path).parts[0] in OUTPUTS for p in changed), changed
+
+
+def test_what_the_user_plainly_meant_is_accepted(tmp_path, tiny_model_dir, capsys):
+    """YAML reads an unquoted `no` as false: train.mixed_precision: no still means no autocast."""
+    case = Case(tmp_path, tiny_model_dir)
+    assert main(["validate", "--config", case.config(), "--set", "train.mixed_precision=no"]) == 0
+    assert "mixed_precision: 'no'" in capsys.readouterr().out
+    assert main(["validate", "--config", case.config("model: {name_or_path: %s}\ndata: {train: %s, max_seq_len: 128}\ntrain: {mixed_precision: no}\n"
+                                                     % (tiny_model_dir, DEMO_DATA / "train.jsonl"))]) == 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -117,3 +118,28 @@ def test_make_demo_model_keeps_what_the_folder_held(tmp_path):
     assert built.returncode == 0, built.stderr[-2000:]
     assert (out / "notes.txt").read_text() == "keep me" and (out / "config.json").is_file() and (out / "model.safetensors").is_file()
     assert not (out / LOCK_FILE).exists()
+
+
+def test_an_adapter_loads_from_anywhere(tmp_path, tiny_model_dir):
+    """The config names the base relatively (as users write it); the saved adapter names it by its
+    absolute path, so AutoPeftModelForCausalLM loads it from any directory, and the summary says so."""
+    import torch
+    from peft import AutoPeftModelForCausalLM
+
+    work = tmp_path / "project"
+    shutil.copytree(tiny_model_dir, work / "models" / "base")
+    cfg = _cfg("models/base", "runs/out", steps=2)
+    result = run_cli("train", "--config", str(write_config(work / "c.yaml", cfg)), cwd=work)
+    assert result.returncode == 0, result.stderr[-2000:]
+    base = str((work / "models" / "base").resolve())
+    assert json.loads((work / "runs" / "out" / "adapter_config.json").read_text())["base_model_name_or_path"] == base
+    assert json.loads((work / "runs" / "out" / "summary.json").read_text())["base_model"] == base
+    assert f"(an adapter for {base})" in result.stdout
+    elsewhere = os.getcwd()
+    try:
+        os.chdir(tmp_path)
+        model = AutoPeftModelForCausalLM.from_pretrained(work / "runs" / "out")
+    finally:
+        os.chdir(elsewhere)
+    with torch.no_grad():
+        assert model(input_ids=torch.tensor([[1, 2, 3]])).logits.shape[-1] == model.config.vocab_size
