@@ -147,7 +147,8 @@ def load_model(cfg: ModelConfig, device: torch.device | str = "cpu", skeleton: b
             **extra,
         )
     except Exception as err:  # noqa: BLE001 - missing, truncated, garbage or mis-shaped weights: the folder's fault, said in one line
-        raise UserError(f"model.name_or_path: cannot load '{cfg.name_or_path}': {_first_line(err)}") from None
+        why = "its weights have other shapes than its config.json says" if "mismatched_sizes" in str(err) else _first_line(err)
+        raise UserError(f"model.name_or_path: cannot load '{cfg.name_or_path}': {why}") from None
     if cfg.quantization is not None:
         from peft import prepare_model_for_kbit_training
 
