@@ -160,18 +160,6 @@ def checked_rows(source: str, fmt: str, bad_rows: str, skipped: Skipped, split: 
             skipped.add(f"{where(source, number)}: {problem}")
 
 
-def read_rows(sources: list[str], fmt: str, bad_rows: str, split: str = "train") -> list[dict]:
-    """All usable rows of a few small sources in memory (eval prompts, merge checks): bad rows fail or
-    are skipped and counted."""
-    skipped = Skipped()
-    rows = [row for source in sources for _, row in checked_rows(source, fmt, bad_rows, skipped, split)]
-    if skipped.count:
-        print(f"data: skipped {skipped.count} bad row(s); first: {skipped.first}")
-    if not rows:
-        raise UserError(f"data: no usable rows in {', '.join(sources)}")
-    return rows
-
-
 # ----------------------------------------------------------------------------------------------
 # Turning rows into token ids with a loss mask
 

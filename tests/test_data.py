@@ -17,7 +17,7 @@ from finetune.config import DataConfig
 from finetune.data import load_data
 from finetune.errors import UserError
 from finetune.packing import Row, collate, epoch_batches, pack
-from finetune.rows import IGNORE, read_rows, tokenize_row
+from finetune.rows import IGNORE, Skipped, checked_rows, tokenize_row
 
 
 @pytest.fixture(scope="module")
@@ -73,6 +73,12 @@ def test_completion_trains_every_token_and_ends_with_eos(tok):
     sample = tokenize_row({"text": "The red apple."}, tok, "completion", train_on_prompt=False)
     assert sample["input_ids"][0] == tok.bos_token_id and sample["input_ids"][-1] == tok.eos_token_id
     assert IGNORE not in sample["labels"]
+
+
+def read_rows(sources: list[str], fmt: str, bad_rows: str) -> list[dict]:
+    """Every usable row of the sources, as the data step reads them."""
+    skipped = Skipped()
+    return [row for source in sources for _, row in checked_rows(source, fmt, bad_rows, skipped)]
 
 
 def _alpaca(path, rows):
@@ -171,12 +177,14 @@ def test_bad_rows_fail_with_file_and_line(tmp_path):
         read_rows([str(path)], "alpaca", "fail")
 
 
-def test_bad_rows_skipped_and_counted(tmp_path, capsys):
+def test_bad_rows_skipped_and_counted(tmp_path, tok):
     path = tmp_path / "rows.jsonl"
     path.write_text('{"instruction": "a", "output": "b"}\nnot json\n{"text": "x"}\n{"messages": []}\n{"instruction": "c", "output": "d"}\n')
-    rows = read_rows([str(path)], "alpaca", "skip")
-    assert [r["output"] for r in rows] == ["b", "d"]
-    assert "skipped 3 bad row(s)" in capsys.readouterr().out
+    assert [r["output"] for r in read_rows([str(path)], "alpaca", "skip")] == ["b", "d"]
+    said = []
+    data = load_data(DataConfig(train=str(path), bad_rows="skip", cache_dir=str(tmp_path / "cache")), tok, seed=0, say=said.append)
+    assert data.stats["train"]["samples"] == 2
+    assert said == [f"data: skipped 3 bad row(s) of {path}; first: {path}:2: invalid JSON (Expecting value)"]
 
 
 def test_chat_rows_checked(tmp_path):
