@@ -106,6 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "and written to OUT/merge_report.json, and above the tolerance nothing is written (exit 5).")
     p.add_argument("--adapter", required=True, metavar="DIR", help="adapter folder (OUTPUT, or OUTPUT/checkpoints/step-N)")
     p.add_argument("--out", required=True, metavar="DIR", help="new folder for the merged model (must not exist or be empty)")
+    p.add_argument("--overwrite", action="store_true", help="--out may hold an earlier merge: its files are replaced, any others kept")
     p.add_argument("--base", metavar="PATH_OR_ID", help="base model (default: the one the adapter names)")
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="dtype written (default: the base's stored dtype)")
     p.add_argument("--max-shard-size", type=_size, default="5GB", help="largest safetensors shard, e.g. 5GB, 500MB (default 5GB)")
@@ -202,7 +203,8 @@ def main(argv: list[str] | None = None) -> int:
             from finetune.merge import merge
 
             report = merge(args.adapter, args.out, base=args.base, dtype=args.dtype, max_shard_size=args.max_shard_size,
-                           qlora_base=args.qlora_base, prompts_file=args.check_prompts, tolerance=args.tolerance)
+                           qlora_base=args.qlora_base, prompts_file=args.check_prompts, tolerance=args.tolerance,
+                           overwrite=args.overwrite)
             m, e = report["merged_vs_tuned"], report["adapter_effect"]
             print(f"merged {report['adapter']} into {report['base']} ({report['dtype']}"
                   + (f", QLoRA: {report['qlora_base']} base" if "qlora_base" in report else "") + f") -> {args.out}\n"

@@ -158,10 +158,13 @@ def merged_model(adapter: Adapter, qlora_base: str):
 
 
 def merge(adapter_path: str, out: str, base: str | None = None, dtype: str | None = None, max_shard_size: str = "5GB",
-          qlora_base: str | None = None, prompts_file: str | None = None, tolerance: float | None = None, say=print) -> dict:
-    """Merge, save, verify; returns the report (also written as OUT/merge_report.json)."""
+          qlora_base: str | None = None, prompts_file: str | None = None, tolerance: float | None = None, overwrite: bool = False,
+          say=print) -> dict:
+    """Merge, save, verify; returns the report (also written as OUT/merge_report.json).
+
+    overwrite: OUT may hold an earlier merge: its files (listed in its report) are replaced, nothing else."""
     adapter = find_adapter(adapter_path, base)
-    final, tmp = _output_folders(out)
+    final, tmp = _output_folders(out, overwrite)
     try:
         tokenizer = load_tokenizer(ModelConfig(name_or_path=tokenizer_source(adapter)))
         texts = check_texts(adapter, tokenizer, prompts_file)
@@ -207,24 +210,26 @@ def merge(adapter_path: str, out: str, base: str | None = None, dtype: str | Non
         del reloaded
         m, effect = report["merged_vs_tuned"], report["adapter_effect"]
         report["passed"] = m["max"] <= tolerance and m["max"] < effect["max"]
+        report["files"] = sorted(p.name for p in tmp.iterdir()) + [REPORT]
         (tmp / REPORT).write_text(json.dumps(report, indent=2) + "\n")
         if not report["passed"]:
             raise Stopped(f"merge check failed: the saved model's logits differ from base+adapter by up to {m['max']:.4g} "
                           f"(tolerance {tolerance:g}; the adapter itself moves them by up to {effect['max']:.4g}); nothing "
                           f"written to {final}. Raise --tolerance to accept it", exit_code=EXIT_MERGE_CHECK)
-        if final.is_dir():
-            final.rmdir()  # it was empty
-        tmp.rename(final)
+        _publish(tmp, final)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # gone already when it became the output
     return report
 
 
-def _output_folders(out: str) -> tuple[Path, Path]:
-    """The output folder (which must not hold anything yet) and the temporary one written first."""
+def _output_folders(out: str, overwrite: bool) -> tuple[Path, Path]:
+    """The output folder (new, empty, or with --overwrite an earlier merge's) and the temporary one written first."""
     final = Path(out).expanduser()
-    if final.exists() and (not final.is_dir() or any(final.iterdir())):
-        raise UserError(f"--out: {final} already exists and is not empty; choose a new folder or remove it")
+    if final.exists() and not final.is_dir():
+        raise UserError(f"--out: {final} is a file; expected a new folder")
+    if final.is_dir() and any(final.iterdir()) and not (overwrite and _earlier_merge(final)):
+        why = "holds files that are not a finetune merge's" if overwrite else "already exists and is not empty"
+        raise UserError(f"--out: {final} {why}; choose a new folder" + ("" if overwrite else " (or --overwrite an earlier merge there)"))
     try:
         final.parent.mkdir(parents=True, exist_ok=True)
         tmp = final.parent / f".{final.name}.partial-{os.getpid()}"
@@ -232,6 +237,29 @@ def _output_folders(out: str) -> tuple[Path, Path]:
     except OSError as err:
         raise UserError(f"--out: cannot write to {final.parent}: {err.strerror or err}") from None
     return final, tmp
+
+
+def _earlier_merge(folder: Path) -> list[str]:
+    """The files an earlier merge wrote into `folder`, as its report lists them ([] if there is none)."""
+    try:
+        files = json.loads((folder / REPORT).read_text()).get("files")
+    except (OSError, ValueError, AttributeError):
+        return []
+    return [name for name in files if isinstance(name, str) and "/" not in name] if isinstance(files, list) else []
+
+
+def _publish(tmp: Path, final: Path) -> None:
+    """The checked merge takes its place: renamed to `final`, or (--overwrite) file by file into it,
+    after the earlier merge's own files, and only those, are removed."""
+    if not final.is_dir() or not any(final.iterdir()):
+        if final.is_dir():
+            final.rmdir()
+        tmp.rename(final)
+        return
+    for name in _earlier_merge(final):
+        (final / name).unlink(missing_ok=True)
+    for made in tmp.iterdir():
+        os.replace(made, final / made.name)
 
 
 def tokenizer_source(adapter: Adapter) -> str:

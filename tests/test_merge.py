@@ -149,3 +149,22 @@ def test_bad_merges_say_why_in_one_line_and_leave_nothing(tmp_path, tiny_model_d
 def test_merge_help_explains_the_check():
     out = subprocess.run([sys.executable, "-m", "finetune", "merge", "--help"], capture_output=True, text=True, cwd=REPO)
     assert out.returncode == 0 and "merge_report.json" in out.stdout and "--qlora-base" in out.stdout
+
+
+def test_overwrite_replaces_an_earlier_merge_and_nothing_else(tmp_path, lora_run, capsys):
+    out = tmp_path / "merged"
+    assert main(["merge", "--adapter", str(lora_run), "--out", str(out), "--dtype", "fp32", "--max-shard-size", "100KB"]) == 0
+    first_shards = {p.name for p in out.glob("model-*.safetensors")}
+    (out / "notes.txt").write_text("mine")
+    assert main(["merge", "--adapter", str(lora_run), "--out", str(out)]) == 2
+    assert "already exists and is not empty; choose a new folder (or --overwrite an earlier merge there)" in capsys.readouterr().err
+    assert main(["merge", "--adapter", str(lora_run), "--out", str(out), "--dtype", "fp32", "--overwrite"]) == 0  # one 5GB shard now
+    assert (out / "notes.txt").read_text() == "mine"
+    assert not first_shards & {p.name for p in out.iterdir()} and (out / "model.safetensors").is_file()
+    report = json.loads((out / "merge_report.json").read_text())
+    assert set(report["files"]) == {p.name for p in out.iterdir()} - {"notes.txt"}
+    stranger = tmp_path / "stranger"
+    stranger.mkdir()
+    (stranger / "a.txt").write_text("x")
+    assert main(["merge", "--adapter", str(lora_run), "--out", str(stranger), "--overwrite"]) == 2
+    assert "holds files that are not a finetune merge's" in capsys.readouterr().err
