@@ -138,21 +138,34 @@ def save(output_dir: str | Path, step: int, model, optimizer, scheduler, trainer
 
 
 def _retain(root: Path, keep_last: int) -> None:
-    """Keep the newest `keep_last` complete checkpoints and the newest one the guard called good;
-    never delete the only valid one."""
+    """Keep the newest `keep_last` complete checkpoints, the newest one the guard called good, and the
+    newest good one from no later than the run's best loss level (where a drift rolls back to, and
+    what a run that ended worse points to); never delete the only valid one."""
     complete = [p for p in sorted(root.glob("step-*")) if verify(p, checksums=False) is None]
     good = [p for p in complete if _is_good(p)]
-    keep = set(complete[-max(1, keep_last):]) | set(good[-1:])
+    best = _trainer_state(complete[-1]).get("guard", {}).get("best") if complete else None
+    before_best = [p for p in good if best and step_of(p) <= best[0]]
+    keep = set(complete[-max(1, keep_last):]) | set(good[-1:]) | set(before_best[-1:])
     for old in complete:
         if old not in keep:
             shutil.rmtree(old, ignore_errors=True)
 
 
-def _is_good(path: Path) -> bool:
+def step_of(path: Path) -> int:
+    return int(path.name.split("-")[1])
+
+
+def _trainer_state(path: Path) -> dict:
     try:
-        return json.loads((path / "trainer_state.json").read_text()).get("good", True)
+        state = json.loads((path / "trainer_state.json").read_text())
     except (OSError, json.JSONDecodeError):
-        return False
+        return {}
+    return state if isinstance(state, dict) else {}
+
+
+def _is_good(path: Path) -> bool:
+    state = _trainer_state(path)
+    return bool(state) and state.get("good", True) is not False
 
 
 # ----------------------------------------------------------------------------------------------
@@ -205,7 +218,7 @@ def find_good(output_dir: str | Path, before_step: int) -> Path | None:
     """The newest complete checkpoint at or before `before_step` that the guard called good (a
     rollback target)."""
     for path in sorted(checkpoint_root(output_dir).glob("step-*"), reverse=True):
-        if int(path.name.split("-")[1]) <= before_step and _is_good(path) and verify(path) is None:
+        if step_of(path) <= before_step and _is_good(path) and verify(path) is None:
             return path
     return None
 

@@ -15,7 +15,7 @@ import warnings
 from typing import NoReturn
 
 from finetune.config import DEFAULT_RAMDISK, ModelConfig
-from finetune.errors import UserError
+from finetune.errors import UserError, record_exit
 
 # Flags that are shorthands for schema keys (they are applied as --set overrides, after the file).
 SHORTHANDS = {"output_dir": "train.output_dir", "max_steps": "train.max_steps", "model": "model.name_or_path",
@@ -188,6 +188,9 @@ def main(argv: list[str] | None = None) -> int:
 
             print(to_yaml(resolve_config(args)), end="")
         elif args.command == "train":
+            from finetune.supervise import watch_preemption
+
+            watch_preemption()  # before the heavy imports: a SIGTERM during start-up still ends with 75
             from finetune.train import run
 
             run(resolve_config(args))
@@ -225,6 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as err:
         print(f"error: {err}", file=sys.stderr)
         code = err.exit_code
+        record_exit(code)
     else:
         code = 0
     if args.command == "train" and int(os.environ.get("WORLD_SIZE", "1")) > 1:

@@ -178,10 +178,14 @@ class CheckpointConfig(_Section):
 class GuardConfig(_Section):
     enabled: bool = Field(True, description="Watch every step for non-finite losses, spikes and drift, and repair (skip, roll back, stop).")
     window: int = Field(50, gt=1, description="Steps of history for the spike statistics, the anomaly count and the drift test.")
-    min_history: int = Field(20, gt=0, description="Healthy steps needed before spikes are judged.")
-    loss_spike_sigmas: float = Field(6.0, gt=0, description="A loss this many standard deviations above the recent mean is a spike.")
-    grad_spike_sigmas: float = Field(10.0, gt=0, description="The same for the gradient norm.")
-    drift: float = Field(0.5, ge=0, description="Roll back when the mean loss of the newer half window exceeds the older half's by this fraction (0 = off).")
+    min_history: int = Field(20, gt=0, description="Healthy steps needed before anything but non-finite values is judged.")
+    loss_spike_ratio: float = Field(3.0, gt=1, description="A spike: a loss this many times the recent median loss...")
+    loss_spike_sigmas: float = Field(6.0, gt=0, description="...and this many robust deviations (1.4826 x median absolute deviation) above it.")
+    grad_spike_ratio: float = Field(100.0, gt=1, description="A gradient norm this many times the recent median is a spike too (clipping bounds lesser ones).")
+    drift: float = Field(0.1, ge=0, description="Roll back when the loss level (median of the last 10 steps) rises this fraction above its lowest "
+                         "within the window, or ends the run that far above the run's best (0 = off)...")
+    drift_sigmas: float = Field(4.0, gt=0, description="...and the rise is this many times the level's own noise (from the window's robust "
+                                "deviation), so that noisy small batches do not read as a drift.")
     skips_before_rollback: int = Field(3, gt=0, description="Skipped steps within the window that trigger a rollback.")
     lr_backoff: float = Field(0.5, gt=0, le=1, description="LR multiplier applied at each rollback.")
     clip_after_rollback: float | None = Field(None, gt=0, description="Gradient clipping after a rollback (OPT went from 1.0 to 0.3); null keeps train.max_grad_norm.")

@@ -7,11 +7,26 @@
   75  preempted (SIGTERM/SIGUSR1): a checkpoint was saved first; start the same command to resume
 """
 
+import os
+
 EXIT_USAGE = 2
 EXIT_DIVERGED = 3
 EXIT_HUNG = 4
 EXIT_MERGE_CHECK = 5
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: "try again later", what a requeue does
+EXIT_FILE_VAR = "FINETUNE_EXIT_FILE"
+
+
+def record_exit(code: int) -> None:
+    """Leave a rank's documented exit code where the launch scripts read it: torchrun reports any
+    failed worker as its own exit 1, and a preempted job must still end with 75 to be requeued."""
+    path = os.environ.get(EXIT_FILE_VAR)
+    if path and code:
+        try:
+            with open(path, "w") as fh:
+                fh.write(f"{code}\n")
+        except OSError:
+            pass
 
 
 class UserError(Exception):

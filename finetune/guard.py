@@ -1,11 +1,27 @@
 """The loss-divergence guard: watches every step and repairs what it can, cheapest rung first.
 
-  rung 1, skip:      a non-finite or spiking step is not applied (no optimizer or scheduler step).
-  rung 2, roll back: after `skips_before_rollback` such steps within `window` steps, or a sustained
-                     upward drift, the loop restores the last good checkpoint, multiplies the LR by
-                     `lr_backoff`, skips the data between that checkpoint and the trouble, optionally
-                     tightens clipping, and goes on (what OPT-175B's and PaLM's teams did by hand).
+  rung 1, skip:      a non-finite step, or a wild spike (the loss `loss_spike_ratio` times its recent
+                     median and `loss_spike_sigmas` robust deviations above it; the gradient norm
+                     `grad_spike_ratio` times its median), is not applied (no optimizer or scheduler step).
+  rung 2, roll back: after `skips_before_rollback` such steps within `window` steps, or a drift (the
+                     level, the median loss of the last DRIFT_STEPS steps, more than `drift` above its
+                     lowest in the last `window` steps), the loop restores the last good checkpoint from
+                     before the trouble, multiplies the LR by `lr_backoff`, skips the data between that
+                     checkpoint and the trouble, optionally tightens clipping, and goes on (what
+                     OPT-175B's and PaLM's teams did by hand).
   rung 3, stop:      after `max_rollbacks` rollbacks, or with no good checkpoint to go back to.
+
+Every statistic is a median of the per-token loss: a healthy run's odd hard batch (2x the loss, 20x
+the gradient norm were seen on the demo) moves nothing, and the early steep descent does not widen the
+band for the rest of the run. A rollback takes the guard back to the history it had at that
+checkpoint, so the steps after it are judged against the good state at once: a divergence that comes
+back is caught again and leads to the next rung. At the end of the run the level is compared with
+the best of the whole run (`finish`): a run never ends with exit 0 on weights that drifted worse.
+
+Bounds (from `min_history` steps on; before that only non-finite values are judged): a loss level
+more than (1 + drift) times its lowest of the last `window` steps is caught once DRIFT_STEPS // 2 + 1
+of the last DRIFT_STEPS losses are that high, i.e. within 6 steps of the rise; a spike is skipped at
+once, and the `skips_before_rollback`-th spike within `window` steps rolls back.
 
 This module only decides; train.py acts. Its state is plain JSON, saved in every checkpoint.
 """
@@ -18,16 +34,17 @@ from dataclasses import asdict, dataclass, field
 
 from finetune.config import GuardConfig
 
-# A spike must also be this far above the recent mean, so that a very steady loss (tiny std) does
-# not turn ordinary batch-to-batch noise into "spikes".
-MIN_LOSS_RISE = 0.25
-MIN_GRAD_RISE = 1.0
+DRIFT_STEPS = 10  # the level is the median loss of this many steps
+MAD_TO_SIGMA = 1.4826  # a normal distribution's standard deviation per median absolute deviation
+MIN_SPREAD = 0.02  # robust deviations are at least this share of the level: a flat loss has no zero band
+BEST_TOLERANCE = 0.05  # final weights within this share of the best level count as the best seen
 
 
 @dataclass
 class Verdict:
     action: str  # "apply", "skip", "rollback" or "stop"
     reason: str = ""
+    before_step: int | None = None  # roll back to a checkpoint saved at or before this step
 
 
 APPLY = Verdict("apply")
@@ -35,21 +52,34 @@ APPLY = Verdict("apply")
 
 @dataclass
 class GuardState:
-    history: list[list[float]] = field(default_factory=list)  # [loss, grad_norm] of recent healthy steps
+    history: list[list[float]] = field(default_factory=list)  # [step, loss, grad_norm] of recent healthy steps
     anomalies: list[int] = field(default_factory=list)  # recent steps that were skipped
     rollbacks: int = 0
     lr_scale: float = 1.0
     max_grad_norm: float | None = None  # tightened clipping after a rollback, if configured
     skip_windows: list[list[int]] = field(default_factory=list)  # [from_step, batches]: data skipped from that step on
+    best: list[float] | None = None  # [step, level]: the lowest level of the run so far
 
 
 class Guard:
+    """Judges each step before it is applied. For example, a NaN is skipped:
+
+    >>> from finetune.config import GuardConfig
+    >>> guard = Guard(GuardConfig())
+    >>> guard.check(0, float("nan"), 1.0).action
+    'skip'
+    >>> guard.check(1, 2.5, 1.0).action
+    'apply'
+    """
+
     def __init__(self, cfg: GuardConfig, state: dict | None = None):
         self.cfg = cfg
         self.state = GuardState(**state) if state else GuardState()
+        # Checkpoints written before steps were kept in the history: [loss, grad_norm] rows.
+        self.state.history = [h if len(h) == 3 else [-1, *h] for h in self.state.history]
 
     def check(self, step: int, loss: float, grad_norm: float) -> Verdict:
-        """Judge one step before it is applied."""
+        """Judge optimizer step `step` (0-based) from its loss and gradient norm."""
         cfg, s = self.cfg, self.state
         if not cfg.enabled:
             return APPLY
@@ -57,44 +87,75 @@ class Guard:
         if reason:
             s.anomalies = [a for a in s.anomalies if a > step - cfg.window] + [step]
             if len(s.anomalies) >= cfg.skips_before_rollback:
-                return self._escalate(f"{len(s.anomalies)} anomalous steps within {cfg.window} (last: {reason})")
+                return self._escalate(f"{len(s.anomalies)} anomalous steps within {cfg.window} (last: {reason})", step)
             return Verdict("skip", reason)
-        s.history = (s.history + [[loss, grad_norm]])[-cfg.window :]
-        drift = self._drift()
-        if drift:
-            return self._escalate(drift)
-        return APPLY
+        s.history = (s.history + [[step, loss, grad_norm]])[-(cfg.window + DRIFT_STEPS) :]
+        levels = self._levels()
+        if levels and (s.best is None or levels[-1][1] < s.best[1]):
+            s.best = list(levels[-1])
+        return self._drift(levels, step)
+
+    def finish(self, step: int) -> Verdict:
+        """The verdict on the final weights: a run whose level ended more than `drift` above the best
+        of the whole run is treated as a drift caught at its last step."""
+        level, best = self.level(), self.state.best
+        if not self.cfg.enabled or not self.cfg.drift or level is None or best is None or not self._risen(level, best[1]):
+            return APPLY
+        return self._escalate(f"the run ended at loss level {level:.4g}, above its best {best[1]:.4g} (step {int(best[0]) + 1}) "
+                              f"by more than guard.drift={self.cfg.drift:g}", int(best[0]))
 
     def _anomaly(self, loss: float, grad_norm: float) -> str:
         if not math.isfinite(loss) or not math.isfinite(grad_norm):
             return f"non-finite loss {loss} / grad norm {grad_norm}"
-        if len(self.state.history) < self.cfg.min_history:
+        cfg, history = self.cfg, self.state.history[-self.cfg.window :]
+        if len(history) < cfg.min_history:
             return ""
-        for value, column, sigmas, rise, name in ((loss, 0, self.cfg.loss_spike_sigmas, MIN_LOSS_RISE, "loss"),
-                                                  (grad_norm, 1, self.cfg.grad_spike_sigmas, MIN_GRAD_RISE, "grad norm")):
-            recent = [h[column] for h in self.state.history]
-            mean, std = statistics.fmean(recent), statistics.pstdev(recent)
-            if value > mean + sigmas * std and value > (1 + rise) * mean:
-                return f"{name} spike {value:.4g} (recent mean {mean:.4g}, std {std:.2g})"
+        median, spread = _median_and_spread([h[1] for h in history])
+        if loss > cfg.loss_spike_ratio * median and loss > median + cfg.loss_spike_sigmas * spread:
+            return f"loss spike {loss:.4g} (recent median {median:.4g}, robust deviation {spread:.2g})"
+        grad_median = statistics.median(h[2] for h in history)
+        if grad_norm > cfg.grad_spike_ratio * grad_median:
+            return f"grad norm spike {grad_norm:.4g} (recent median {grad_median:.4g})"
         return ""
 
-    def _drift(self) -> str:
-        cfg, history = self.cfg, self.state.history
-        if not cfg.drift or len(history) < cfg.window:
-            return ""
-        half = len(history) // 2
-        before, after = statistics.fmean(h[0] for h in history[:half]), statistics.fmean(h[0] for h in history[half:])
-        if after > (1 + cfg.drift) * before:
-            return f"loss drifted up from {before:.4g} to {after:.4g} over {cfg.window} steps"
-        return ""
+    def _levels(self) -> list[tuple[int, float]]:
+        """(step, level) for each of the last `window` steps of history that has DRIFT_STEPS before it."""
+        h = self.state.history
+        first = max(DRIFT_STEPS, len(h) - self.cfg.window + 1)
+        return [(int(h[end - 1][0]), statistics.median(x[1] for x in h[end - DRIFT_STEPS : end])) for end in range(first, len(h) + 1)]
 
-    def _escalate(self, reason: str) -> Verdict:
+    def level(self) -> float | None:
+        """The loss now: the median of the last DRIFT_STEPS healthy steps (None before there are as many)."""
+        levels = self._levels()
+        return levels[-1][1] if levels else None
+
+    def _drift(self, levels: list[tuple[int, float]], step: int) -> Verdict:
+        if not self.cfg.drift or len(self.state.history) < self.cfg.min_history or not levels:
+            return APPLY
+        lowest_step, lowest = min(levels, key=lambda sl: sl[1])
+        now = levels[-1][1]
+        if not self._risen(now, lowest):
+            return APPLY
+        # Back to the good state: a checkpoint from no later than the lowest level.
+        return self._escalate(f"loss drifted up to {now:.4g} (median of the last {DRIFT_STEPS} steps) from {lowest:.4g}, "
+                              f"its lowest within {self.cfg.window} steps (step {lowest_step + 1})", lowest_step)
+
+    def _risen(self, level: float, reference: float) -> bool:
+        """Is `level` a real rise above `reference`: `drift` above it, and clear of the level's noise (a
+        median of DRIFT_STEPS losses wanders by about 1.25 x their spread / sqrt(DRIFT_STEPS)), so that
+        noisy small batches do not read as a drift."""
+        noise = 1.25 * _median_and_spread([h[1] for h in self.state.history[-self.cfg.window :]])[1] / math.sqrt(DRIFT_STEPS)
+        return level > (1 + self.cfg.drift) * reference and level - reference > self.cfg.drift_sigmas * noise
+
+    def _escalate(self, reason: str, before_step: int) -> Verdict:
         if self.state.rollbacks >= self.cfg.max_rollbacks:
-            return Verdict("stop", f"{reason}, after {self.state.rollbacks} rollback(s)")
-        return Verdict("rollback", reason)
+            return Verdict("stop", f"{reason}, after {self.state.rollbacks} rollback(s)", before_step)
+        return Verdict("rollback", reason, before_step)
 
-    def rolled_back(self, to_step: int, trouble_step: int) -> None:
-        """Record a rollback to the checkpoint of `to_step` because of trouble at `trouble_step`."""
+    def rolled_back(self, to_step: int, trouble_step: int, saved: dict | None = None) -> None:
+        """Record a rollback to the checkpoint of `to_step` because of trouble at `trouble_step`.
+        `saved`: the guard state stored in that checkpoint: its history and best level (the good state
+        before the trouble) are what the next steps are judged against."""
         s = self.state
         s.rollbacks += 1
         s.lr_scale *= self.cfg.lr_backoff
@@ -102,16 +163,38 @@ class Guard:
             s.max_grad_norm = self.cfg.clip_after_rollback
         # The batches from the checkpoint up to the trouble are not seen again.
         s.skip_windows.append([to_step, trouble_step - to_step + 1])
-        s.history, s.anomalies = [], []
+        then = Guard(self.cfg, saved).state if saved is not None else s
+        s.history = [h for h in then.history if h[0] < to_step]
+        s.best = then.best if then.best is None or then.best[0] < to_step else None
+        s.anomalies = []
 
     def is_healthy(self, step: int) -> bool:
         """A checkpoint at `step` is a good rollback target when no anomaly was seen in the window before it."""
         return not any(a > step - self.cfg.window for a in self.state.anomalies)
 
+    def report(self) -> dict:
+        """For the summary: the final level against the best of the run, and whether it is the best."""
+        level, best = self.level(), self.state.best
+        final_is_best = None if level is None or best is None else level <= (1 + BEST_TOLERANCE) * best[1]
+        return {"final_loss_level": level, "best_loss_level": best[1] if best else None,
+                "best_level_step": int(best[0]) + 1 if best else None, "final_is_best": final_is_best,
+                "rollbacks": self.state.rollbacks, "lr_scale": self.state.lr_scale}
+
     def state_dict(self) -> dict:
         return asdict(self.state)
 
 
+def _median_and_spread(values: list[float]) -> tuple[float, float]:
+    """The median and a robust standard deviation (from the median absolute deviation, at least
+    MIN_SPREAD of the median)."""
+    median = statistics.median(values)
+    return median, max(MAD_TO_SIGMA * statistics.median(abs(x - median) for x in values), MIN_SPREAD * abs(median))
+
+
 def data_step(step: int, windows: list[list[int]]) -> int:
-    """Which step's batches optimizer step `step` trains on, once skipped windows are left out."""
+    """Which step's batches optimizer step `step` trains on, once skipped windows are left out.
+
+    >>> data_step(25, [[20, 6]])  # after a rollback to step 20 that skipped 6 steps' batches
+    31
+    """
     return step + sum(count for start, count in windows if step >= start)

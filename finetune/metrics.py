@@ -14,7 +14,23 @@ from tqdm.auto import tqdm
 
 METRICS_FILE = "metrics.jsonl"
 EVENTS_FILE = "events.jsonl"
+RANK_EVENTS = "events.rank*.jsonl"  # a rank's own events, until the main process merges them
 PLOT_FILE = "loss_curve.png"
+
+
+def write_event(path: Path, kind: str, step: int | None, message: str) -> None:
+    with path.open("a") as fh:
+        fh.write(json.dumps({"time": time.time(), "step": step, "event": kind, "message": message}) + "\n")
+
+
+def merge_rank_events(output_dir: Path) -> None:
+    """Fold what other ranks wrote on their own (a hang their watchdog saw) into events.jsonl, in time order."""
+    files = sorted(output_dir.glob(RANK_EVENTS))
+    rows = [json.loads(line) for f in files for line in f.read_text().splitlines() if line.strip()]
+    with (output_dir / EVENTS_FILE).open("a") as fh:
+        fh.writelines(json.dumps(r) + "\n" for r in sorted(rows, key=lambda r: r["time"]))
+    for f in files:
+        f.unlink()
 
 
 class RunLog:
@@ -23,8 +39,10 @@ class RunLog:
         self.enabled = enabled
         self.path = output_dir / METRICS_FILE
         self.events_path = output_dir / EVENTS_FILE
+        self.rank_events_path = output_dir / RANK_EVENTS.replace("*", str(accelerator.process_index))
         self.step = start_step
         if enabled:
+            merge_rank_events(output_dir)
             # A new run starts a new log; a resumed one keeps the rows up to where it resumes.
             kept = [r for r in read_metrics(output_dir) if r["step"] <= start_step] if start_step else []
             self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
@@ -44,14 +62,16 @@ class RunLog:
                 loss=f"{row['loss']:.4f}", lr=f"{row['lr']:.2e}", tok_s=f"{row['tokens_per_s']:.0f}", refresh=False
             )
 
-    def event(self, kind: str, step: int | None, message: str) -> None:
+    def event(self, kind: str, step: int | None, message: str, any_rank: bool = False) -> None:
         """Something happened that a person should know about (a skip, a rollback, a restart, a
         damaged checkpoint, a preemption): one line on the console and one row in events.jsonl,
-        which is kept across restarts."""
+        which is kept across restarts. `any_rank`: what one rank alone sees (a hang) is written by
+        that rank to a file of its own, which the main process folds in when it next starts."""
         if not self.enabled:
+            if any_rank:
+                write_event(self.rank_events_path, kind, step, message)
             return
-        with self.events_path.open("a") as fh:
-            fh.write(json.dumps({"time": time.time(), "step": step, "event": kind, "message": message}) + "\n")
+        write_event(self.events_path, kind, step, message)
         self.print(f"[{kind}] {message}")
 
     def advance(self, steps: int = 1) -> None:

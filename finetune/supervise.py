@@ -23,7 +23,7 @@ import time
 from collections import deque
 
 from finetune.config import WatchdogConfig
-from finetune.errors import EXIT_HUNG
+from finetune.errors import EXIT_HUNG, EXIT_PREEMPTED, Stopped, record_exit
 
 PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
@@ -66,6 +66,7 @@ class Watchdog:
                 self.on_hang(message)
                 faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
                 sys.stderr.flush()
+                record_exit(EXIT_HUNG)
                 os._exit(EXIT_HUNG)
 
 
@@ -84,6 +85,24 @@ class Preemption:
     @property
     def name(self) -> str:
         return signal.Signals(self.signal).name if self.signal else ""
+
+    def stop_if_signalled(self, when: str) -> None:
+        """Before the loop there is nothing to save: a signal then ends the run at once, with the same
+        exit code as a preemption in the loop, so that a requeue starts it again."""
+        if self.signal is not None:
+            raise Stopped(f"preempted ({self.name}) {when}: nothing to save yet; start the same command to begin", EXIT_PREEMPTED)
+
+
+_PREEMPTION: Preemption | None = None
+
+
+def watch_preemption() -> Preemption:
+    """The process's one Preemption, listening from the first call on (`finetune train` calls it
+    before the heavy imports, so a signal during start-up is not the default exit 143)."""
+    global _PREEMPTION
+    if _PREEMPTION is None:
+        _PREEMPTION = Preemption()
+    return _PREEMPTION
 
 
 def stop_with_launcher() -> None:

@@ -13,6 +13,7 @@ import importlib.util
 import json
 import math
 import os
+import signal
 import sys
 import time
 from contextlib import ExitStack, nullcontext
@@ -38,11 +39,11 @@ from finetune.guard import Guard, Verdict, data_step
 from finetune.evaluate import eval_loss, exact_match
 from finetune.locks import LOCK_FILE, hold_output_dir, release_output_dir
 from finetune.loss import losses, trained_tokens
-from finetune.metrics import RunLog, plot_loss_curve
+from finetune.metrics import EVENTS_FILE, RunLog, plot_loss_curve, write_event
 from finetune.model import adapter_input_casting_off, apply_adapter, check_supported, describe, load_model, load_tokenizer
 from finetune.optim import build_optimizer, build_scheduler, check_optimizer
 from finetune.stage import staged_model
-from finetune.supervise import Preemption, Watchdog, stop_with_launcher
+from finetune.supervise import Watchdog, stop_with_launcher, watch_preemption
 
 CONFIG_FILE = "finetune_config.yaml"
 SUMMARY_FILE = "summary.json"
@@ -213,6 +214,7 @@ def claim_output_dir(out: Path):
 def _run(cfg: RunConfig) -> RunResult:
     from accelerate.utils import set_seed
 
+    preemption = watch_preemption()
     stop_with_launcher()
 
     t = cfg.train
@@ -238,6 +240,7 @@ def _run(cfg: RunConfig) -> RunResult:
     choose_template(tokenizer, cfg.data.chat_template, cfg.data.format, say=say)
     data = load_data(cfg.data, tokenizer, t.seed, eval_examples=cfg.eval.generate_samples if main else 0,
                      say=print if world == 1 else lambda m: print(f"[rank {rank}] {m}"))
+    starting(preemption, out, main, "while the data loaded")
     schedule = plan_steps(cfg, len(data.train), world)
     s = data.stats["train"]
     say(
@@ -304,8 +307,7 @@ def _run(cfg: RunConfig) -> RunResult:
         log.event(kind, start_step, message)
     guard = Guard(cfg.guard, resumed.guard_state)
     set_base_lr(scheduler, t.lr * guard.state.lr_scale)  # the config's LR wins over the checkpoint's (OPT's logbook)
-    watchdog = Watchdog(cfg.watchdog, on_hang=lambda message: log.event("hang", watchdog.step, message))
-    preemption = Preemption()
+    watchdog = Watchdog(cfg.watchdog, on_hang=lambda message: log.event("hang", watchdog.step, f"rank {rank}: {message}", any_rank=True))
     last_save = time.monotonic()
 
     def evaluate(step: int) -> dict | None:
@@ -326,20 +328,24 @@ def _run(cfg: RunConfig) -> RunResult:
     def roll_back(trouble_step: int, verdict: Verdict) -> tuple[int, int]:
         """Back to the newest good checkpoint before the trouble, with a lower LR and the data that led
         to the trouble skipped; or stop with what was seen."""
-        target = checkpoint.find_good(out, trouble_step)
+        target = checkpoint.find_good(out, trouble_step if verdict.before_step is None else min(trouble_step, verdict.before_step))
         if verdict.action == "stop" or target is None:
             where = f"the last good checkpoint is {target}" if target else "there is no good checkpoint to roll back to (set checkpoint.save_every)"
             log.event("stop", trouble_step, f"guard: {verdict.reason}; {where}")
             raise Stopped(f"step {trouble_step + 1}: training diverged: {verdict.reason}; {where}. Start again from it by hand with a "
                           "lower train.lr and/or train.skip_data (see events.jsonl)", EXIT_DIVERGED)
         state = checkpoint.restore(target, model, optimizer, scheduler, accelerator, layout)
-        guard.rolled_back(state["step"], trouble_step)
+        guard.rolled_back(state["step"], trouble_step, saved=state.get("guard"))
         set_base_lr(scheduler, t.lr * guard.state.lr_scale)
         log.event("rollback", trouble_step, f"guard: {verdict.reason}; rolled back to {target.name}, LR x{guard.state.lr_scale:g} "
                   f"(now {t.lr * guard.state.lr_scale:.3g}), batches of steps {state['step'] + 1}-{trouble_step + 1} skipped"
                   + (f", clipping at {guard.state.max_grad_norm}" if guard.state.max_grad_norm else ""))
         return state["step"], state["tokens"]
 
+    # Every rank agrees whether a signal came during set-up (there is nothing to save yet).
+    if accelerator.reduce(torch.tensor(float(preemption.signal is not None), device=accelerator.device), "sum").item():
+        preemption.signal = preemption.signal or signal.SIGTERM
+        starting(preemption, out, main, "before the first step" + (" (on some rank)" if world > 1 else ""))
     keep_freed_memory()
     reset_peak_rss()
     if cfg.eval.on_start and start_step == 0:
@@ -449,6 +455,11 @@ def _run(cfg: RunConfig) -> RunResult:
             log.close_bar()
             _finish_distributed(accelerator)
             raise Stopped(f"preempted at step {step}: checkpoint saved; start the same command to resume", EXIT_PREEMPTED)
+        if step == schedule.total_steps:  # the final weights must not have drifted worse than the run's best
+            verdict = guard.finish(step - 1)
+            if verdict.action != "apply":
+                step, tokens_seen = roll_back(step - 1, verdict)
+                log.advance(step - log.position())
 
     log.close_bar()
     casting.close()
@@ -458,6 +469,13 @@ def _run(cfg: RunConfig) -> RunResult:
         summary["router_aux_loss"] = last["router_aux_loss"]
     if final_eval:
         summary.update(final_eval)
+    summary.update(guard.report())
+    if summary["final_is_best"] is False:
+        score = functools.partial(eval_loss, model, data.eval, t.micro_batch_size, tokenizer.pad_token_id, accelerator, cfg.eval.max_batches)
+        summary.update(last_good(out, int(guard.state.best[0]), score if data.eval and layout == "full" else None, accelerator.unwrap_model(model)))
+        say(f"the final weights are not the best seen: loss level {summary['final_loss_level']:.4g} vs {summary['best_loss_level']:.4g} at "
+            f"step {summary['best_level_step']}; the last good checkpoint before it: {summary['last_good_checkpoint']}"
+            + (f" (eval loss {summary['last_good_eval_loss']:.4f})" if summary.get("last_good_eval_loss") is not None else ""))
 
     # Save: PEFT adapter or full model, tokenizer and resolved config, in ordinary HF formats.
     accelerator.wait_for_everyone()
@@ -494,6 +512,30 @@ def _run(cfg: RunConfig) -> RunResult:
     _finish_distributed(accelerator)
     accelerator.end_training()  # trackers; the process group is already gone
     return RunResult(summary, unwrapped)
+
+
+def starting(preemption, out: Path, main: bool, when: str) -> None:
+    """A preemption signal during set-up ends the run now, exit 75, and says so in events.jsonl."""
+    try:
+        preemption.stop_if_signalled(when)
+    except Stopped as stopped:
+        if main:
+            write_event(out / EVENTS_FILE, "preempted", None, str(stopped))
+        raise
+
+
+def last_good(out: Path, best_step: int, evaluate, model) -> dict:
+    """Where the final weights are not the best seen: the newest good checkpoint from before the best
+    level, and (unsharded runs with eval data) its eval loss, the final weights put back after."""
+    path = checkpoint.find_good(out, best_step)
+    result = {"last_good_checkpoint": str(path) if path else None, "last_good_eval_loss": None}
+    if path is None or evaluate is None:
+        return result
+    final = checkpoint.trainable_state(model)
+    checkpoint.load_trainable(path, model)
+    result["last_good_eval_loss"] = evaluate()["eval_loss"]
+    model.load_state_dict(final, strict=False)
+    return result
 
 
 def _finish_distributed(accelerator) -> None:
@@ -595,8 +637,9 @@ def resume(cfg: RunConfig, model, optimizer, scheduler, accelerator, layout: str
         if found is not None:
             result.events += [("checkpoint_skipped", line) for line in found.skipped]
             path = found.path
-            if path is None:
-                result.events.append(("restart", "no complete checkpoint to resume from: starting afresh"))
+        if path is None and (found is not None or checkpoint.starts_file(cfg.train.output_dir).exists()):
+            # an earlier start of this run ended (killed, crashed) before it saved a complete checkpoint
+            result.events.append(("restart", "no complete checkpoint to resume from: starting afresh"))
     elif choice != "never":
         path = Path(choice)
         problem = checkpoint.verify(path) if path.is_dir() else "not a folder"
@@ -636,7 +679,7 @@ def _check_restart_loop(cfg: RunConfig, path: Path | None, accelerator) -> None:
     each of those starts crashed before saving anything newer."""
     if cfg.checkpoint.resume == "never":
         return
-    step = int(path.name.split("-")[-1]) if path is not None and path.name.startswith("step-") else 0
+    step = checkpoint.step_of(path) if path is not None and path.name.startswith("step-") else 0
     starts = checkpoint.count_starts(cfg.train.output_dir, step, to_yaml(cfg))
     accelerator.wait_for_everyone()  # every rank has read the record before it changes
     if starts > cfg.checkpoint.max_restarts_without_progress:

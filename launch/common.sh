@@ -18,8 +18,27 @@ setup_cpu_if_needed() {
     fi
 }
 
+# Runs the launcher and ends with the run's own exit code. torchrun reports any failed worker as its
+# own exit 1; the workers leave their documented code (75 preempted, 3 diverged, 4 hung, 2 bad input)
+# in FINETUNE_EXIT_FILE, and that is what this script exits with, so a scheduler can requeue on 75.
+# Signals sent to this script (TERM, INT, USR1) go on to the launcher, which passes them to the workers.
 run_or_print() {
     echo "launch: $*" >&2
     if [ "${DRY_RUN:-0}" = "1" ]; then return 0; fi
-    exec "$@"
+    FINETUNE_EXIT_FILE="$(mktemp "${TMPDIR:-/tmp}/finetune-exit.XXXXXX")"
+    export FINETUNE_EXIT_FILE
+    "$@" &
+    local child=$! rc=0
+    trap 'kill -TERM "$child" 2>/dev/null' TERM INT
+    trap 'kill -USR1 "$child" 2>/dev/null' USR1
+    while :; do
+        rc=0
+        wait "$child" || rc=$?
+        kill -0 "$child" 2>/dev/null || break  # wait returned for a signal: the launcher still runs
+    done
+    if [ "$rc" != 0 ] && [ -s "$FINETUNE_EXIT_FILE" ]; then
+        rc="$(head -n 1 "$FINETUNE_EXIT_FILE")"
+    fi
+    rm -f "$FINETUNE_EXIT_FILE"
+    exit "$rc"
 }

@@ -12,6 +12,7 @@ import time
 import pytest
 
 from conftest import REPO, base_config, read_jsonl, run_cli, write_config
+from finetune.guard import DRIFT_STEPS
 
 
 def _cfg(tiny_model_dir, out, steps=40, **sections):
@@ -184,3 +185,113 @@ def test_sigterm_to_torchrun_makes_every_rank_save_the_same_step(tmp_path, tiny_
     assert stderr.count("error: preempted at step") == 2, stderr[-3000:]
     saved = sorted((tmp_path / "out" / "checkpoints").iterdir())
     assert len(saved) == 1 and sorted(p.name for p in (saved[0] / "sharded").iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+
+
+# ----------------------------------------------------------------------------------------------
+# Real divergences (not injected values): each is caught within the guard's stated bound and the run
+# ends recovered (final eval loss within 5% of the healthy run's) or stopped with exit 3.
+
+
+
+
+def _scenario_cfg(tiny_model_dir, out, steps=80, **sections):
+    cfg = _cfg(tiny_model_dir, out, steps=steps, checkpoint={"save_every": 10, "keep_last": 2}, **sections)
+    cfg["data"]["eval"] = str(REPO / "demo" / "data" / "eval.jsonl")
+    cfg["eval"] = {"max_batches": 8}
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def healthy_run(tmp_path_factory, tiny_model_dir):
+    tmp_path = tmp_path_factory.mktemp("healthy")
+    out = tmp_path / "out"
+    result = _train(tmp_path, _scenario_cfg(tiny_model_dir, out))
+    assert result.returncode == 0, result.stderr[-3000:]
+    return out
+
+
+def _summary(out):
+    import json
+
+    return json.loads((out / "summary.json").read_text())
+
+
+def _ended_recovered_or_stopped(result, out, healthy):
+    if result.returncode == 0:
+        summary = _summary(out)
+        assert summary["eval_loss"] < 1.05 * _summary(healthy)["eval_loss"], summary
+        assert summary["final_is_best"] is True, summary
+    else:
+        assert result.returncode == 3, result.stderr[-3000:]
+        assert _events(out)[-1]["event"] == "stop" and "last good checkpoint is" in result.stderr
+
+
+def test_a_healthy_run_triggers_nothing_and_ends_on_its_best_weights(healthy_run):
+    assert not _events(healthy_run)
+    summary = _summary(healthy_run)
+    assert summary["final_is_best"] is True and summary["rollbacks"] == 0
+    assert summary["final_loss_level"] <= 1.05 * summary["best_loss_level"]
+
+
+def test_the_lr_raised_100x_on_resume_is_caught_after_every_rollback(tmp_path, tiny_model_dir, healthy_run):
+    """The issue's bad day: a run stopped at step 30 is resumed with 100x its learning rate. The guard
+    rolls back, halves the LR, and keeps judging after each rollback until the run recovers or stops."""
+    out = tmp_path / "out"
+    cfg = _scenario_cfg(tiny_model_dir, out)
+    assert _train(tmp_path, cfg, env={"FINETUNE_FAULT": "raise@30"}).returncode == 1
+    result = _train(tmp_path, cfg, "--set", "train.lr=0.5")
+    events = [e for e in _events(out) if e["event"] in ("skip", "rollback", "stop")]
+    print([(e["step"], e["event"], e["message"][:120]) for e in events])
+    assert events and events[0]["step"] - 30 <= DRIFT_STEPS, events  # the loss takes a few steps to cross the threshold
+    assert any(e["event"] in ("rollback", "stop") for e in events)
+    _ended_recovered_or_stopped(result, out, healthy_run)
+
+
+def test_a_learning_rate_too_high_from_the_start_is_caught(tmp_path, tiny_model_dir, healthy_run):
+    out = tmp_path / "out"
+    result = _train(tmp_path, _scenario_cfg(tiny_model_dir, out, train={"lr": 0.3}))
+    events = [e for e in _events(out) if e["event"] in ("skip", "rollback", "stop")]
+    print(result.returncode, [(e["step"], e["event"], e["message"][:120]) for e in events])
+    assert events, result.stderr[-2000:]
+    _ended_recovered_or_stopped(result, out, healthy_run)
+
+
+# ----------------------------------------------------------------------------------------------
+# Events that must reach events.jsonl and exit codes that must reach the scheduler.
+
+
+def test_a_restart_from_scratch_is_an_event(tmp_path, tiny_model_dir):
+    """Killed before its first save completed: the next start has nothing to resume from and says so."""
+    out = tmp_path / "out"
+    cfg = _cfg(tiny_model_dir, out, steps=8, checkpoint={"save_every": 5})
+    assert _train(tmp_path, cfg, env={"FINETUNE_FAULT": "kill@3"}).returncode == -signal.SIGKILL
+    assert _train(tmp_path, cfg).returncode == 0
+    assert [(e["event"], e["message"]) for e in _events(out)] == [("restart", "no complete checkpoint to resume from: starting afresh")]
+
+
+def test_sigterm_before_the_loop_exits_75_with_an_event(tmp_path, tiny_model_dir):
+    out = tmp_path / "out"
+    config = write_config(tmp_path / "c.yaml", _cfg(tiny_model_dir, out))
+    job = subprocess.Popen([sys.executable, "-m", "finetune", "train", "--config", str(config)], cwd=REPO,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    while not (out / "finetune_config.yaml").exists():  # the run has started its set-up
+        assert job.poll() is None, job.communicate()[1][-2000:]
+        time.sleep(0.01)
+    job.send_signal(signal.SIGTERM)
+    _, stderr = job.communicate(timeout=120)
+    assert job.returncode == 75, stderr[-2000:]
+    assert "nothing to save yet" in stderr.strip().splitlines()[-1]
+    assert [e["event"] for e in _events(out)] == ["preempted"] and not (out / "checkpoints").exists()
+
+
+def test_a_hang_on_another_rank_reaches_the_events(tmp_path, tiny_model_dir):
+    """Rank 1 hangs at step 6: its watchdog writes the event to a file of its own, the job restarts,
+    and the new main process folds it into events.jsonl."""
+    out = tmp_path / "out"
+    cfg = _cfg(tiny_model_dir, out, steps=10, watchdog={"min_seconds": 3})
+    job = _torchrun(tmp_path, cfg, "hang", "--max-restarts", "1", env={"FINETUNE_FAULT": "hang@5:rank=1"})
+    _, stderr = job.communicate(timeout=300)
+    assert job.returncode == 0, stderr[-3000:]
+    hangs = [e for e in _events(out) if e["event"] == "hang"]
+    assert any(e["message"].startswith("rank 1: watchdog: step 6 has run") for e in hangs), _events(out)
+    assert not list(out.glob("events.rank*.jsonl"))

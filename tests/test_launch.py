@@ -62,3 +62,23 @@ def test_slurm_script_takes_the_rendezvous_from_slurm(tmp_path):
     result = subprocess.run(["bash", "launch/slurm.sbatch", "--config", "configs/lora.yaml"], cwd=REPO, capture_output=True, text=True, env=env)
     assert result.returncode == 0, result.stderr
     assert "--nnodes 2" in result.stderr and "--rdzv_endpoint gpu-a:24242" in result.stderr and "--rdzv_id 4242" in result.stderr
+
+
+def test_a_preempted_job_ends_with_75_through_the_launch_script(tmp_path, tiny_model_dir):
+    """torchrun itself exits 1 when its workers stop with 75; the script exits with the run's own code,
+    which is what a scheduler requeues on."""
+    import signal
+    import time
+
+    cfg = base_config(tiny_model_dir, tmp_path / "out", train={"max_steps": 2000, "micro_batch_size": 2})
+    cmd = ["bash", "launch/single_node.sh", "--nproc", "2", "--", "--config", str(write_config(tmp_path / "c.yaml", cfg))]
+    job = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    metrics = tmp_path / "out" / "metrics.jsonl"
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 5):
+        assert job.poll() is None, job.communicate()[1][-2000:]
+        time.sleep(0.1)
+    job.send_signal(signal.SIGTERM)
+    _, stderr = job.communicate(timeout=120)
+    assert job.returncode == 75, stderr[-3000:]
+    assert stderr.count("error: preempted at step") == 2
+    assert len(list((tmp_path / "out" / "checkpoints").glob("step-*"))) == 1
