@@ -37,7 +37,7 @@ from finetune.config import GuardConfig
 DRIFT_STEPS = 10  # the level is the median loss of this many steps
 MAD_TO_SIGMA = 1.4826  # a normal distribution's standard deviation per median absolute deviation
 MIN_SPREAD = 0.02  # robust deviations are at least this share of the level: a flat loss has no zero band
-BEST_TOLERANCE = 0.05  # final weights within this share of the best level count as the best seen
+BEST_TOLERANCE = 0.05  # final weights within this share of the best level (or its noise) count as the best seen
 
 
 @dataclass
@@ -140,12 +140,13 @@ class Guard:
         return self._escalate(f"loss drifted up to {now:.4g} (median of the last {DRIFT_STEPS} steps) from {lowest:.4g}, "
                               f"its lowest within {self.cfg.window} steps (step {lowest_step + 1})", lowest_step)
 
-    def _risen(self, level: float, reference: float) -> bool:
-        """Is `level` a real rise above `reference`: `drift` above it, and clear of the level's noise (a
-        median of DRIFT_STEPS losses wanders by about 1.25 x their spread / sqrt(DRIFT_STEPS)), so that
-        noisy small batches do not read as a drift."""
+    def _risen(self, level: float, reference: float, fraction: float | None = None) -> bool:
+        """Is `level` a real rise above `reference`: `fraction` (default `drift`) above it, and clear of
+        the level's noise (a median of DRIFT_STEPS losses wanders by about 1.25 x their spread /
+        sqrt(DRIFT_STEPS)), so that noisy small batches do not read as a drift."""
         noise = 1.25 * _median_and_spread([h[1] for h in self.state.history[-self.cfg.window :]])[1] / math.sqrt(DRIFT_STEPS)
-        return level > (1 + self.cfg.drift) * reference and level - reference > self.cfg.drift_sigmas * noise
+        fraction = self.cfg.drift if fraction is None else fraction
+        return level > (1 + fraction) * reference and level - reference > self.cfg.drift_sigmas * noise
 
     def _escalate(self, reason: str, before_step: int) -> Verdict:
         if self.state.rollbacks >= self.cfg.max_rollbacks:
@@ -175,7 +176,7 @@ class Guard:
     def report(self) -> dict:
         """For the summary: the final level against the best of the run, and whether it is the best."""
         level, best = self.level(), self.state.best
-        final_is_best = None if level is None or best is None else level <= (1 + BEST_TOLERANCE) * best[1]
+        final_is_best = None if level is None or best is None else not self._risen(level, best[1], BEST_TOLERANCE)
         return {"final_loss_level": level, "best_loss_level": best[1] if best else None,
                 "best_level_step": int(best[0]) + 1 if best else None, "final_is_best": final_is_best,
                 "rollbacks": self.state.rollbacks, "lr_scale": self.state.lr_scale}

@@ -26,7 +26,15 @@ def write_event(path: Path, kind: str, step: int | None, message: str) -> None:
 def merge_rank_events(output_dir: Path) -> None:
     """Fold what other ranks wrote on their own (a hang their watchdog saw) into events.jsonl, in time order."""
     files = sorted(output_dir.glob(RANK_EVENTS))
-    rows = [json.loads(line) for f in files for line in f.read_text().splitlines() if line.strip()]
+    if not files:
+        return
+    rows = []
+    for f in files:
+        for line in f.read_text(errors="replace").splitlines():
+            try:
+                rows.append(json.loads(line))
+            except ValueError:  # a rank killed in the middle of a line
+                continue
     with (output_dir / EVENTS_FILE).open("a") as fh:
         fh.writelines(json.dumps(r) + "\n" for r in sorted(rows, key=lambda r: r["time"]))
     for f in files:

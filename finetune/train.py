@@ -103,10 +103,10 @@ def check_first_steps(step: int, loss: float) -> None:
     the update is applied and before more of the allocation is spent. Every rank sees the same
     reduced loss, so all stop together."""
     if loss == 0.0 or not math.isfinite(loss):
-        raise UserError(
+        raise Stopped(
             f"step {step + 1}: the training loss is {loss} in the first {FIRST_STEPS_CHECKED} steps, so the model is not learning; "
             "stopped. Usual causes: a learning rate far too high, fp16 overflow, every label masked, or a quantized base whose "
-            "storage dtype does not match what the sharding strategy flattens"
+            "storage dtype does not match what the sharding strategy flattens", EXIT_DIVERGED
         )
 
 

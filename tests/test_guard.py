@@ -247,12 +247,25 @@ def test_the_lr_raised_100x_on_resume_is_caught_after_every_rollback(tmp_path, t
     _ended_recovered_or_stopped(result, out, healthy_run)
 
 
-def test_a_learning_rate_too_high_from_the_start_is_caught(tmp_path, tiny_model_dir, healthy_run):
+def test_pathological_rows_do_no_harm(tmp_path, tiny_model_dir, healthy_run):
+    """Rows of random bytes and of one token repeated, among the real ones: the run is not rolled back
+    and ends within 5% of the healthy run's eval loss."""
+    import json
+    import random
+
+    rng = random.Random(0)
+    rows = (REPO / "demo" / "data" / "train.jsonl").read_text().splitlines()
+    garbage = [json.dumps({"instruction": "".join(chr(rng.randrange(33, 0x2FFF)) for _ in range(60)),
+                           "output": "".join(chr(rng.randrange(33, 0x2FFF)) for _ in range(200))}) for _ in range(40)]
+    garbage += [json.dumps({"instruction": "repeat", "output": "zq " * 150}) for _ in range(20)]
+    data = tmp_path / "poisoned.jsonl"
+    data.write_text("\n".join(rows + garbage) + "\n")
     out = tmp_path / "out"
-    result = _train(tmp_path, _scenario_cfg(tiny_model_dir, out, train={"lr": 0.3}))
-    events = [e for e in _events(out) if e["event"] in ("skip", "rollback", "stop")]
-    print(result.returncode, [(e["step"], e["event"], e["message"][:120]) for e in events])
-    assert events, result.stderr[-2000:]
+    cfg = _scenario_cfg(tiny_model_dir, out)
+    cfg["data"]["train"] = str(data)
+    result = _train(tmp_path, cfg)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert not [e for e in _events(out) if e["event"] in ("rollback", "stop")], _events(out)
     _ended_recovered_or_stopped(result, out, healthy_run)
 
 

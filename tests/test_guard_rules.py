@@ -134,3 +134,28 @@ def test_data_step_leaves_skipped_windows_out():
     assert data_step(10, []) == 10
     assert data_step(19, [[20, 6]]) == 19 and data_step(20, [[20, 6]]) == 26
     assert data_step(20, [[20, 6], [20, 6]]) == 32
+
+
+def _recorded(name: str) -> list[list[float]]:
+    import json
+    from pathlib import Path
+
+    return json.loads((Path(__file__).parent / "data" / "guard_series.json").read_text())[name]["steps"]
+
+
+def test_the_recorded_demo_run_triggers_nothing():
+    """Every step of `make demo` (300 steps, logged one by one): no skip, no drift, the final weights the best."""
+    guard = Guard(GuardConfig())
+    verdicts = [guard.check(i, loss, grad) for i, (loss, grad) in enumerate(_recorded("demo_healthy"))]
+    assert [v for v in verdicts if v.action != "apply"] == []
+    assert guard.finish(299).action == "apply" and guard.report()["final_is_best"] is True
+
+
+def test_the_recorded_too_high_learning_rate_is_caught_at_its_first_spike():
+    """The demo at 500x its LR: the loss falls to a plateau, then the gradient norm jumps 60,000x its
+    median at step 35; the guard skips that step and the next (the recorded run rolled back at the
+    third, where its log stops)."""
+    guard = Guard(GuardConfig())
+    steps = _recorded("demo_lr_1.0_from_the_start")
+    verdicts = [(i + 1, guard.check(i, loss, grad).action) for i, (loss, grad) in enumerate(steps)]
+    assert [v for v in verdicts if v[1] != "apply"] == [(35, "skip"), (36, "skip")]
