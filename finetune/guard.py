@@ -44,7 +44,7 @@ BEST_TOLERANCE = 0.05  # final weights within this share of the best level (or i
 class Verdict:
     action: str  # "apply", "skip", "rollback" or "stop"
     reason: str = ""
-    before_step: int | None = None  # roll back to a checkpoint saved at or before this step
+    before_step: int | None = None  # rollback / stop: the checkpoint to go back to is from this step or earlier
 
 
 APPLY = Verdict("apply")
@@ -74,9 +74,7 @@ class Guard:
 
     def __init__(self, cfg: GuardConfig, state: dict | None = None):
         self.cfg = cfg
-        self.state = GuardState(**state) if state else GuardState()
-        # Checkpoints written before steps were kept in the history: [loss, grad_norm] rows.
-        self.state.history = [h if len(h) == 3 else [-1, *h] for h in self.state.history]
+        self.state = _load(state)
 
     def check(self, step: int, loss: float, grad_norm: float) -> Verdict:
         """Judge optimizer step `step` (0-based) from its loss and gradient norm."""
@@ -126,8 +124,8 @@ class Guard:
 
     def level(self) -> float | None:
         """The loss now: the median of the last DRIFT_STEPS healthy steps (None before there are as many)."""
-        levels = self._levels()
-        return levels[-1][1] if levels else None
+        h = self.state.history
+        return statistics.median(x[1] for x in h[-DRIFT_STEPS:]) if len(h) >= DRIFT_STEPS else None
 
     def _drift(self, levels: list[tuple[int, float]], step: int) -> Verdict:
         if not self.cfg.drift or len(self.state.history) < self.cfg.min_history or not levels:
@@ -164,7 +162,7 @@ class Guard:
             s.max_grad_norm = self.cfg.clip_after_rollback
         # The batches from the checkpoint up to the trouble are not seen again.
         s.skip_windows.append([to_step, trouble_step - to_step + 1])
-        then = Guard(self.cfg, saved).state if saved is not None else s
+        then = _load(saved) if saved is not None else s
         s.history = [h for h in then.history if h[0] < to_step]
         s.best = then.best if then.best is None or then.best[0] < to_step else None
         s.anomalies = []
@@ -183,6 +181,13 @@ class Guard:
 
     def state_dict(self) -> dict:
         return asdict(self.state)
+
+
+def _load(state: dict | None) -> GuardState:
+    s = GuardState(**state) if state else GuardState()
+    # Checkpoints written before steps were kept in the history hold [loss, grad_norm] rows.
+    s.history = [h if len(h) == 3 else [-1, *h] for h in s.history]
+    return s
 
 
 def _median_and_spread(values: list[float]) -> tuple[float, float]:

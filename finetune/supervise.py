@@ -23,7 +23,7 @@ import time
 from collections import deque
 
 from finetune.config import WatchdogConfig
-from finetune.errors import EXIT_HUNG, EXIT_PREEMPTED, Stopped, record_exit
+from finetune.errors import EXIT_HUNG, record_exit
 
 PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
@@ -85,12 +85,6 @@ class Preemption:
     @property
     def name(self) -> str:
         return signal.Signals(self.signal).name if self.signal else ""
-
-    def stop_if_signalled(self, when: str) -> None:
-        """Before the loop there is nothing to save: a signal then ends the run at once, with the same
-        exit code as a preemption in the loop, so that a requeue starts it again."""
-        if self.signal is not None:
-            raise Stopped(f"preempted ({self.name}) {when}: nothing to save yet; start the same command to begin", EXIT_PREEMPTED)
 
 
 _PREEMPTION: Preemption | None = None

@@ -13,7 +13,6 @@ import importlib.util
 import json
 import math
 import os
-import signal
 import sys
 import time
 from contextlib import ExitStack, nullcontext
@@ -240,7 +239,7 @@ def _run(cfg: RunConfig) -> RunResult:
     choose_template(tokenizer, cfg.data.chat_template, cfg.data.format, say=say)
     data = load_data(cfg.data, tokenizer, t.seed, eval_examples=cfg.eval.generate_samples if main else 0,
                      say=print if world == 1 else lambda m: print(f"[rank {rank}] {m}"))
-    starting(preemption, out, main, "while the data loaded")
+    stop_if_preempted(preemption.signal is not None, preemption.name, out, main, "while the data loaded")
     schedule = plan_steps(cfg, len(data.train), world)
     s = data.stats["train"]
     say(
@@ -328,7 +327,7 @@ def _run(cfg: RunConfig) -> RunResult:
     def roll_back(trouble_step: int, verdict: Verdict) -> tuple[int, int]:
         """Back to the newest good checkpoint before the trouble, with a lower LR and the data that led
         to the trouble skipped; or stop with what was seen."""
-        target = checkpoint.find_good(out, trouble_step if verdict.before_step is None else min(trouble_step, verdict.before_step))
+        target = checkpoint.find_good(out, verdict.before_step)  # at or before the trouble (a drift: its lowest level)
         if verdict.action == "stop" or target is None:
             where = f"the last good checkpoint is {target}" if target else "there is no good checkpoint to roll back to (set checkpoint.save_every)"
             log.event("stop", trouble_step, f"guard: {verdict.reason}; {where}")
@@ -343,9 +342,8 @@ def _run(cfg: RunConfig) -> RunResult:
         return state["step"], state["tokens"]
 
     # Every rank agrees whether a signal came during set-up (there is nothing to save yet).
-    if accelerator.reduce(torch.tensor(float(preemption.signal is not None), device=accelerator.device), "sum").item():
-        preemption.signal = preemption.signal or signal.SIGTERM
-        starting(preemption, out, main, "before the first step" + (" (on some rank)" if world > 1 else ""))
+    signalled = accelerator.reduce(torch.tensor(float(preemption.signal is not None), device=accelerator.device), "sum").item() > 0
+    stop_if_preempted(signalled, preemption.name, out, main, "before the first step")
     keep_freed_memory()
     reset_peak_rss()
     if cfg.eval.on_start and start_step == 0:
@@ -514,14 +512,15 @@ def _run(cfg: RunConfig) -> RunResult:
     return RunResult(summary, unwrapped)
 
 
-def starting(preemption, out: Path, main: bool, when: str) -> None:
-    """A preemption signal during set-up ends the run now, exit 75, and says so in events.jsonl."""
-    try:
-        preemption.stop_if_signalled(when)
-    except Stopped as stopped:
-        if main:
-            write_event(out / EVENTS_FILE, "preempted", None, str(stopped))
-        raise
+def stop_if_preempted(signalled: bool, name: str, out: Path, main: bool, when: str) -> None:
+    """Before the loop there is nothing to save: a preemption signal ends the run at once, with the
+    exit code of a preemption in the loop (so that a requeue starts it again), and says so in events.jsonl."""
+    if not signalled:
+        return
+    message = f"preempted ({name or 'a signal on another rank'}) {when}: nothing to save yet; start the same command to begin"
+    if main:
+        write_event(out / EVENTS_FILE, "preempted", None, message)
+    raise Stopped(message, EXIT_PREEMPTED)
 
 
 def last_good(out: Path, best_step: int, evaluate, model) -> dict:
