@@ -8,6 +8,12 @@ FSDP), which any world size can load, or `deepspeed/` (ZeRO), which loads at the
 It is written under a temporary name, fsynced, given a manifest of every file's size and sha256,
 and only then renamed into place: a folder with that name and a matching manifest is complete;
 anything else is skipped (and reported) when resuming.
+
+An unsharded checkpoint can be written in the background (`checkpoint.async_save`): the training
+thread copies the trained weights and optimizer state to host memory and goes on, while a writer
+thread writes, fsyncs, hashes, adds the manifest last and renames. One save is in flight at a time;
+`wait()` blocks on it (the next save, a rollback, preemption and the end of the run call it), so a
+kill mid-write leaves a folder without a manifest that resuming skips.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import json
 import os
 import random
 import shutil
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -79,6 +86,31 @@ def set_rng_state(state: dict) -> None:
 # ----------------------------------------------------------------------------------------------
 # Saving
 
+_writer: threading.Thread | None = None  # the background save in flight
+_writer_error: list[BaseException] = []
+
+
+def wait() -> None:
+    """Block until the background save in flight, if any, is complete; raise what made it fail."""
+    global _writer
+    if _writer is not None:
+        _writer.join()
+        _writer = None
+    if _writer_error:
+        err = _writer_error.pop()
+        raise RuntimeError(f"the background checkpoint save failed: {err}") from err
+
+
+def _host_copy(state):
+    """A copy in host memory of every tensor in a (nested) state dict, so training can go on."""
+    if isinstance(state, torch.Tensor):
+        return state.detach().to("cpu", copy=True)
+    if isinstance(state, dict):
+        return {k: _host_copy(v) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(_host_copy(v) for v in state)
+    return state
+
 
 def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: p.detach().contiguous().cpu() for name, p in model.named_parameters() if p.requires_grad}
@@ -93,14 +125,14 @@ def _sharded_state(model, optimizer) -> dict:
 
 
 def save(output_dir: str | Path, step: int, model, optimizer, scheduler, trainer_state: dict, config_yaml: str,
-         accelerator, keep_last: int, layout: str = "full") -> Path | None:
+         accelerator, keep_last: int, layout: str = "full", background: bool = False) -> Path | None:
     """Write the checkpoint of `step` (every rank calls this; rank 0 writes all but the RNG files and,
-    for layout "dcp" or "deepspeed", each rank its own shards)."""
+    for layout "dcp" or "deepspeed", each rank its own shards). `background` (layout "full" only):
+    rank 0 returns once its state is copied, and a writer thread completes the checkpoint."""
     import torch.distributed.checkpoint as dcp
-    from safetensors.torch import save_file
 
+    wait()
     root = checkpoint_root(output_dir)
-    final = root / f"step-{step:06d}"
     tmp = root / f".step-{step:06d}.tmp"
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -111,24 +143,54 @@ def save(output_dir: str | Path, step: int, model, optimizer, scheduler, trainer
         dcp.save(_sharded_state(model, optimizer), checkpoint_id=tmp / SHARDED)
     elif layout == "deepspeed":
         model.save_checkpoint(tmp / DEEPSPEED, tag="state", save_latest=False, exclude_frozen_parameters=True)
-    if accelerator.is_main_process:
-        if layout == "full":
-            save_file(trainable_state(accelerator.unwrap_model(model)), tmp / WEIGHTS)
-            torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-        torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
-        if getattr(accelerator, "scaler", None) is not None:  # fp16 on a GPU: the dynamic loss scale
-            torch.save(accelerator.scaler.state_dict(), tmp / "scaler.pt")
-        (tmp / "trainer_state.json").write_text(json.dumps({**trainer_state, "step": step, "world_size": accelerator.num_processes}))
-        (tmp / "finetune_config.yaml").write_text(config_yaml)
     accelerator.wait_for_everyone()
     if not accelerator.is_main_process:
         return None
-    files = sorted(p for p in tmp.rglob("*") if p.is_file())
-    for path in files:
+    files = {"scheduler.pt": scheduler.state_dict(),
+             "trainer_state.json": json.dumps({**trainer_state, "step": step, "world_size": accelerator.num_processes}),
+             "finetune_config.yaml": config_yaml}
+    if getattr(accelerator, "scaler", None) is not None:  # fp16 on a GPU: the dynamic loss scale
+        files["scaler.pt"] = accelerator.scaler.state_dict()
+    if layout == "full":
+        files[WEIGHTS] = trainable_state(accelerator.unwrap_model(model))
+        files["optimizer.pt"] = optimizer.state_dict()
+    if not (background and layout == "full"):
+        return _complete(tmp, root, step, files, keep_last)
+    global _writer
+    files = _host_copy(files)
+    _writer = threading.Thread(target=_complete_or_record, args=(tmp, root, step, files, keep_last), name="checkpoint-writer")
+    _writer.start()
+    return root / f"step-{step:06d}"
+
+
+def _complete_or_record(*args) -> None:
+    try:
+        _complete(*args)
+    except BaseException as err:  # raised in the training thread at its next wait()
+        _writer_error.append(err)
+
+
+def _complete(tmp: Path, root: Path, step: int, files: dict, keep_last: int) -> Path:
+    """Rank 0's part: its files, then fsync, the manifest last, and the atomic rename."""
+    from safetensors.torch import save_file
+
+    from finetune import faults
+
+    for name, value in files.items():
+        if name.endswith(".safetensors"):
+            save_file(value, tmp / name)
+        elif isinstance(value, str):
+            (tmp / name).write_text(value)
+        else:
+            torch.save(value, tmp / name)
+        faults.inject_saving(step)
+    written = sorted(p for p in tmp.rglob("*") if p.is_file())
+    for path in written:
         _fsync(path)
-    manifest = {str(p.relative_to(tmp)): {"size": p.stat().st_size, "sha256": _sha256(p)} for p in files}
+    manifest = {str(p.relative_to(tmp)): {"size": p.stat().st_size, "sha256": _sha256(p)} for p in written}
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
     _fsync(tmp / MANIFEST)
+    final = root / f"step-{step:06d}"
     if final.exists():  # the same step saved again (a resumed run): replace it only now it is complete
         shutil.rmtree(final)
     os.replace(tmp, final)
@@ -217,6 +279,7 @@ def find_latest(output_dir: str | Path) -> Found | None:
 def find_good(output_dir: str | Path, before_step: int) -> Path | None:
     """The newest complete checkpoint at or before `before_step` that the guard called good (a
     rollback target)."""
+    wait()
     for path in sorted(checkpoint_root(output_dir).glob("step-*"), reverse=True):
         if step_of(path) <= before_step and _is_good(path) and verify(path) is None:
             return path

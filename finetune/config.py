@@ -165,6 +165,9 @@ class CheckpointConfig(_Section):
     allow_config_change: bool = Field(False, description="Resume even when settings that change the run (model, adapter, data, batch) differ from the checkpoint's.")
     max_restarts_without_progress: int = Field(3, ge=1, description="Refuse to start again after this many starts in a row resumed from the same checkpoint.")
     keep_last: int = Field(2, ge=1, description="Complete checkpoints to keep; older ones are deleted once a newer one is complete.")
+    async_save: bool | None = Field(None, description="Write unsharded checkpoints (one process, ddp) in the background: training waits only "
+                                    "for a copy of the trained weights and optimizer state in host memory. null: on for adapters, off for full "
+                                    "fine-tuning (whose copy costs ~12 bytes per parameter of host memory). fsdp and ZeRO save synchronously.")
     resume: str = Field("auto", description="auto: resume from the newest complete checkpoint in output_dir/checkpoints; never; or a checkpoint path.")
 
     @field_validator("resume")
@@ -186,6 +189,9 @@ class GuardConfig(_Section):
                          "within the window, or ends the run that far above the run's best (0 = off)...")
     drift_sigmas: float = Field(4.0, gt=0, description="...and the rise is this many times the level's own noise (from the window's robust "
                                 "deviation), so that noisy small batches do not read as a drift.")
+    grad_collapse: float = Field(20.0, ge=0, description="Within the first `window` steps, stop when the gradient norm's level has fallen this many times "
+                                 "more than the loss has (both from step 1): Adam pushed the weights into a flat, saturated region, the mark of a "
+                                 "learning rate too high from the start (healthy runs measured: at most 3.4). 0 = off.")
     skips_before_rollback: int = Field(3, gt=0, description="Skipped steps within the window that trigger a rollback.")
     lr_backoff: float = Field(0.5, gt=0, le=1, description="LR multiplier applied at each rollback.")
     clip_after_rollback: float | None = Field(None, gt=0, description="Gradient clipping after a rollback (OPT went from 1.0 to 0.3); null keeps train.max_grad_norm.")

@@ -7,6 +7,8 @@ raises once 2 optimizer steps are done, before the third. Kinds:
           step(s) STEP becomes NaN / 1000x, as a bad batch would make it (keyed to the data, so
           batches skipped after a rollback are not seen again)
   kill-staging@N   SIGKILL itself once N chunks of a ramdisk staging copy are written (a half copy)
+  kill-saving@STEP SIGKILL itself once the first file of the checkpoint of step STEP is written
+                   (in the background writer when saves are asynchronous)
 A fault fires in the first attempt only: after torchrun restarts the workers
 (TORCHELASTIC_RESTART_COUNT > 0) the run goes on cleanly. Unset, it costs one comparison per step.
 """
@@ -18,7 +20,7 @@ import signal
 import time
 from dataclasses import dataclass
 
-KINDS = ("raise", "kill", "hang", "nan", "spike", "kill-staging")
+KINDS = ("raise", "kill", "hang", "nan", "spike", "kill-staging", "kill-saving")
 
 
 @dataclass(frozen=True)
@@ -60,6 +62,9 @@ def inject(step: int, rank: int) -> None:
     """Called at the start of each optimizer step, with the number of steps done."""
     if not _due(step, rank, ("raise", "kill", "hang")):
         return
+    from finetune import checkpoint
+
+    checkpoint.wait()  # a background save completes first, so a test knows the newest checkpoint (kill-saving kills mid-write)
     if FAULT.kind == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
     if FAULT.kind == "hang":
@@ -69,4 +74,9 @@ def inject(step: int, rank: int) -> None:
 
 def inject_staging(chunks_written: int) -> None:
     if FAULT is not None and FAULT.kind == "kill-staging" and chunks_written >= FAULT.first:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def inject_saving(step: int) -> None:
+    if FAULT is not None and FAULT.kind == "kill-saving" and FAULT.first <= step <= FAULT.last:
         os.kill(os.getpid(), signal.SIGKILL)

@@ -9,7 +9,10 @@
                      before the trouble, multiplies the LR by `lr_backoff`, skips the data between that
                      checkpoint and the trouble, optionally tightens clipping, and goes on (what
                      OPT-175B's and PaLM's teams did by hand).
-  rung 3, stop:      after `max_rollbacks` rollbacks, or with no good checkpoint to go back to.
+  rung 3, stop:      after `max_rollbacks` rollbacks, or with no good checkpoint to go back to; or when,
+                     within the first `window` steps, the gradient norm collapsed far more than the loss
+                     fell (`grad_collapse`): a learning rate too high from the start leaves no good
+                     checkpoint, since every one was trained at it.
 
 Every statistic is a median of the per-token loss: a healthy run's odd hard batch (2x the loss, 20x
 the gradient norm were seen on the demo) moves nothing, and the early steep descent does not widen the
@@ -59,6 +62,7 @@ class GuardState:
     max_grad_norm: float | None = None  # tightened clipping after a rollback, if configured
     skip_windows: list[list[int]] = field(default_factory=list)  # [from_step, batches]: data skipped from that step on
     best: list[float] | None = None  # [step, level]: the lowest level of the run so far
+    start: list[float] | None = None  # [loss, grad_norm] of the run's first step, before any update
 
 
 class Guard:
@@ -87,11 +91,14 @@ class Guard:
             if len(s.anomalies) >= cfg.skips_before_rollback:
                 return self._escalate(f"{len(s.anomalies)} anomalous steps within {cfg.window} (last: {reason})", step)
             return Verdict("skip", reason)
+        if step == 0:
+            s.start = [loss, grad_norm]
         s.history = (s.history + [[step, loss, grad_norm]])[-(cfg.window + DRIFT_STEPS) :]
         levels = self._levels()
         if levels and (s.best is None or levels[-1][1] < s.best[1]):
             s.best = list(levels[-1])
-        return self._drift(levels, step)
+        collapse = self._collapse(step)
+        return Verdict("stop", collapse, 0) if collapse else self._drift(levels, step)
 
     def finish(self, step: int) -> Verdict:
         """The verdict on the final weights: a run whose level ended more than `drift` above the best
@@ -115,6 +122,23 @@ class Guard:
         if grad_norm > cfg.grad_spike_ratio * grad_median:
             return f"grad norm spike {grad_norm:.4g} (recent median {grad_median:.4g})"
         return ""
+
+    def _collapse(self, step: int) -> str:
+        """Early on, a healthy run's gradient norm shrinks about as its loss falls (measured: the
+        gradient's fall at most 3.4x the loss's). Adam moves every weight by about the LR whatever the
+        gradient, so an LR far too high drives the model within a few steps into a flat, saturated
+        region: a gradient norm down 100x and more while the loss hardly moved."""
+        cfg, s = self.cfg, self.state
+        if not cfg.grad_collapse or s.start is None or step >= cfg.window or len(s.history) < DRIFT_STEPS:
+            return ""
+        recent = s.history[-DRIFT_STEPS:]
+        loss, grad = statistics.median(h[1] for h in recent), statistics.median(h[2] for h in recent)
+        loss_fall, grad_fall = s.start[0] / max(loss, 1e-12), s.start[1] / max(grad, 1e-12)
+        if grad_fall <= cfg.grad_collapse * max(loss_fall, 1.0):
+            return ""
+        return (f"the gradient norm fell {grad_fall:.3g}x since step 1 (to a median {grad:.3g}) while the loss fell only "
+                f"{loss_fall:.3g}x (to {loss:.4g}): the weights were driven into a flat region, the mark of a learning rate "
+                f"too high from the start (guard.grad_collapse={cfg.grad_collapse:g}); lower train.lr (e.g. 10x) and start again")
 
     def _levels(self) -> list[tuple[int, float]]:
         """(step, level) for each of the last `window` steps of history that has DRIFT_STEPS before it."""

@@ -187,8 +187,11 @@ def run(cfg: RunConfig) -> RunResult:
     try:
         return _run(cfg)
     finally:
-        if lock is not None:
-            release_output_dir(lock)
+        try:
+            checkpoint.wait()  # a save in flight completes before the run lets go of its folder
+        finally:
+            if lock is not None:
+                release_output_dir(lock)
 
 
 def claim_output_dir(out: Path):
@@ -297,6 +300,7 @@ def _run(cfg: RunConfig) -> RunResult:
     elif not fsdp:
         optimizer = accelerator.prepare(optimizer)
     layout = "dcp" if fsdp else "deepspeed" if zero else "full"
+    background = layout == "full" and (cfg.checkpoint.async_save if cfg.checkpoint.async_save is not None else cfg.adapter.method != "full")
     if cfg.logging.report_to:
         accelerator.init_trackers("finetune", config={k: v for k, v in cfg.model_dump(mode="json")["train"].items() if v is not None and not isinstance(v, list)})
     resumed = resume(cfg, model, optimizer, scheduler, accelerator, layout)
@@ -320,19 +324,24 @@ def _run(cfg: RunConfig) -> RunResult:
     def save(step: int, epoch: int) -> None:
         trainer_state = {"tokens": tokens_seen, "epoch": epoch, "guard": guard.state_dict(), "good": guard.is_healthy(step)}
         saved = checkpoint.save(out, step, model, optimizer, scheduler, trainer_state, to_yaml(cfg), accelerator,
-                                cfg.checkpoint.keep_last, layout)
+                                cfg.checkpoint.keep_last, layout, background)
         if saved:
-            log.print(f"step {step}: checkpoint saved to {saved}")
+            log.print(f"step {step}: checkpoint {'being written in the background to' if background else 'saved to'} {saved}")
 
     def roll_back(trouble_step: int, verdict: Verdict) -> tuple[int, int]:
         """Back to the newest good checkpoint before the trouble, with a lower LR and the data that led
         to the trouble skipped; or stop with what was seen."""
         target = checkpoint.find_good(out, verdict.before_step)  # at or before the trouble (a drift: its lowest level)
         if verdict.action == "stop" or target is None:
-            where = f"the last good checkpoint is {target}" if target else "there is no good checkpoint to roll back to (set checkpoint.save_every)"
+            if target:
+                where = (f"the last good checkpoint is {target}. Start again from it by hand with a lower train.lr and/or "
+                         "train.skip_data (see events.jsonl)")
+            elif verdict.before_step == 0:
+                where = "no checkpoint predates the trouble"
+            else:
+                where = "there is no good checkpoint to roll back to (set checkpoint.save_every)"
             log.event("stop", trouble_step, f"guard: {verdict.reason}; {where}")
-            raise Stopped(f"step {trouble_step + 1}: training diverged: {verdict.reason}; {where}. Start again from it by hand with a "
-                          "lower train.lr and/or train.skip_data (see events.jsonl)", EXIT_DIVERGED)
+            raise Stopped(f"step {trouble_step + 1}: training diverged: {verdict.reason}; {where}", EXIT_DIVERGED)
         state = checkpoint.restore(target, model, optimizer, scheduler, accelerator, layout)
         guard.rolled_back(state["step"], trouble_step, saved=state.get("guard"))
         set_base_lr(scheduler, t.lr * guard.state.lr_scale)
@@ -448,6 +457,7 @@ def _run(cfg: RunConfig) -> RunResult:
             save(step, epoch)
             last_save = time.monotonic()
         if preempted and step < schedule.total_steps:
+            checkpoint.wait()
             log.event("preempted", step, f"{preemption.name or 'a signal on another rank'}: checkpoint saved at step {step}; "
                       f"exiting with code {EXIT_PREEMPTED}, start the same command to resume")
             log.close_bar()
@@ -609,12 +619,28 @@ def reset_peak_rss() -> None:
         pass
 
 
+CHECKSUM_CHUNK = 1 << 18  # elements per slice: the check's memory is a few of these, whatever the model's size
+
+
+def replica_checksum(params: list[torch.nn.Parameter]) -> torch.Tensor:
+    """Sum, absolute sum and position-weighted sum of every trained value, in float64, one slice at a
+    time: equal on two replicas only if their weights are, and O(1) memory (no flat copy of the model)."""
+    total = torch.zeros(3, dtype=torch.float64, device=params[0].device if params else "cpu")
+    offset = 0
+    with torch.no_grad():
+        for p in params:
+            flat = p.detach().reshape(-1)
+            for start in range(0, flat.numel(), CHECKSUM_CHUNK):
+                x = flat[start : start + CHECKSUM_CHUNK].double()
+                where = torch.arange(offset + start, offset + start + x.numel(), dtype=torch.float64, device=x.device)
+                total += torch.stack([x.sum(), x.abs().sum(), (x * where).sum()])
+            offset += flat.numel()
+    return total
+
+
 def replicas_identical(params: list[torch.nn.Parameter], accelerator) -> bool:
     """True when every rank holds the same trained weights (replicas that drift apart are a silent bug)."""
-    with torch.no_grad():
-        flat = torch.cat([p.detach().double().flatten() for p in params])
-        local = torch.stack([flat.sum(), flat.abs().sum(), (flat * torch.arange(len(flat), dtype=flat.dtype)).sum()])
-    gathered = accelerator.gather(local.to(accelerator.device)[None]).cpu()
+    gathered = accelerator.gather(replica_checksum(params).to(accelerator.device)[None]).cpu()
     return bool((gathered == gathered[0]).all())
 
 

@@ -116,3 +116,33 @@ def test_after_a_resume_the_next_batches_are_bit_identical(tmp_path, tiny_model_
     assert all(torch.equal(a, b) for x, y in zip(uninterrupted[7:], resumed) for a, b in zip(x, y))
     assert not torch.equal(uninterrupted[4][0], uninterrupted[5][0])
     assert torch.equal(uninterrupted[5][0], train.batches_at(data, cfg, schedule, 8, 0, 1, tok.pad_token_id)[1][0]["input_ids"])
+
+
+def test_a_background_save_writes_the_same_bytes_as_a_synchronous_one(tmp_path, reference):
+    cfg, expected = reference
+    manifests = {}
+    for mode in ("true", "false"):
+        out = tmp_path / mode
+        run = {**cfg, "train": {**cfg["train"], "output_dir": str(out)}}
+        result = _run(tmp_path, run, "--save-every", "4", "--set", f"checkpoint.async_save={mode}")
+        assert result.returncode == 0, result.stderr[-2000:]
+        assert _losses(out) == expected
+        manifests[mode] = {p.name: json.loads((p / "manifest.json").read_text()) for p in (out / "checkpoints").iterdir()}
+        for files in manifests[mode].values():
+            assert files.pop("finetune_config.yaml")  # differs by the output_dir and async_save
+    assert sorted(manifests["true"]) == ["step-000004", "step-000008"]
+    assert manifests["true"] == manifests["false"]  # every other file's size and sha256
+
+
+def test_a_kill_during_a_background_write_resumes_from_the_previous_checkpoint(tmp_path, reference):
+    cfg, expected = reference
+    out = tmp_path / "out"
+    cfg = {**cfg, "train": {**cfg["train"], "output_dir": str(out)}}
+    killed = _run(tmp_path, cfg, "--save-every", "4", "--set", "checkpoint.async_save=true", env={"FINETUNE_FAULT": "kill-saving@8"})
+    assert killed.returncode == -9  # SIGKILL from the writer thread, once the first file of step 8's checkpoint is written
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [".step-000008.tmp", "step-000004"]
+    assert not (out / "checkpoints" / ".step-000008.tmp" / "manifest.json").exists()
+    resumed = _run(tmp_path, cfg, "--save-every", "4", "--set", "checkpoint.async_save=true")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "step-000004 at step 4" in resumed.stdout
+    assert _losses(out) == expected

@@ -247,6 +247,20 @@ def test_the_lr_raised_100x_on_resume_is_caught_after_every_rollback(tmp_path, t
     _ended_recovered_or_stopped(result, out, healthy_run)
 
 
+def test_a_learning_rate_too_high_from_the_start_stops_within_the_window(tmp_path, tiny_model_dir, healthy_run):
+    """LoRA at 100x the healthy run's LR: the loss never rises (it stalls near its start while the
+    gradient norm collapses 100x), so no spike or drift rule sees it; the collapse rule stops the run
+    with exit 3 within `guard.window` steps, before a checkpoint trained at that LR can be mistaken for good."""
+    out = tmp_path / "out"
+    cfg = _scenario_cfg(tiny_model_dir, out)
+    cfg["train"]["lr"] = 0.5
+    result = _train(tmp_path, cfg)
+    assert result.returncode == 3, result.stderr[-3000:]
+    stop = _events(out)[-1]
+    assert stop["event"] == "stop" and stop["step"] < 50 and "too high from the start" in stop["message"], stop
+    assert "no checkpoint predates the trouble" in result.stderr and not (out / "summary.json").exists()
+
+
 def test_pathological_rows_do_no_harm(tmp_path, tiny_model_dir, healthy_run):
     """Rows of random bytes and of one token repeated, among the real ones: the run is not rolled back
     and ends within 5% of the healthy run's eval loss."""

@@ -151,11 +151,27 @@ def test_the_recorded_demo_run_triggers_nothing():
     assert guard.finish(299).action == "apply" and guard.report()["final_is_best"] is True
 
 
-def test_the_recorded_too_high_learning_rate_is_caught_at_its_first_spike():
-    """The demo at 500x its LR: the loss falls to a plateau, then the gradient norm jumps 60,000x its
-    median at step 35; the guard skips that step and the next (the recorded run rolled back at the
-    third, where its log stops)."""
+@pytest.mark.parametrize("name, caught_at", [("demo_lr_1.0_from_the_start", 11), ("demo_lr_0.05_from_the_start", 25),
+                                             ("demo_full_lr_0.05_from_the_start", 41)])
+def test_a_learning_rate_too_high_from_the_start_stops_the_run_early(name, caught_at):
+    """Recorded demo runs at 25x-500x the demo's LR (LoRA and full fine-tuning): the loss never rose,
+    it settled at 2-4x the healthy run's eval loss while the gradient norm collapsed. The guard stops
+    within the first `window` steps, with nothing to roll back to: every checkpoint was trained at
+    that LR."""
     guard = Guard(GuardConfig())
-    steps = _recorded("demo_lr_1.0_from_the_start")
-    verdicts = [(i + 1, guard.check(i, loss, grad).action) for i, (loss, grad) in enumerate(steps)]
-    assert [v for v in verdicts if v[1] != "apply"] == [(35, "skip"), (36, "skip")]
+    verdicts = [(i + 1, guard.check(i, loss, grad)) for i, (loss, grad) in enumerate(_recorded(name))]
+    stops = [(step, v) for step, v in verdicts if v.action != "apply"]
+    assert stops[0][0] == caught_at and stops[0][1].action == "stop" and stops[0][1].before_step == 0, stops[:3]
+    assert "too high from the start" in stops[0][1].reason
+
+
+def test_the_collapse_rule_judges_the_first_window_only_and_can_be_turned_off():
+    flat = [[6.0, 1.0]] + [[5.9, 0.01]] * 60  # the gradient down 100x, the loss 2%
+    assert feed_pairs(Guard(GuardConfig()), flat)[0] == (9, "stop")
+    assert feed_pairs(Guard(GuardConfig(grad_collapse=0)), flat) == []
+    converged = [[6.0, 1.0]] + [[6.0 - 0.1 * i, 1.0] for i in range(1, 50)] + [[1.0, 0.001]] * 30  # collapse after step 50
+    assert feed_pairs(Guard(GuardConfig()), converged) == []
+
+
+def feed_pairs(guard: Guard, steps) -> list[tuple[int, str]]:
+    return [(i, v.action) for i, (loss, grad) in enumerate(steps) if (v := guard.check(i, loss, grad)).action != "apply"]

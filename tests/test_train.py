@@ -169,3 +169,22 @@ def test_a_nan_loss_in_the_first_steps_stops_the_run_before_the_update(tmp_path,
     assert "Traceback" not in result.stderr
     assert len(read_jsonl(tmp_path / "out" / "metrics.jsonl")) == 2  # steps 1-2 logged, nothing after
     assert not (tmp_path / "out" / "adapter_model.safetensors").exists()
+
+
+def test_the_replica_check_sees_one_value_off_by_one_ulp_with_constant_memory():
+    """The end-of-run check that DDP replicas hold the same weights: a 256 MB model is checked with a
+    few tens of MB of extra memory (a flat float64 copy with its positions: over 1 GB), and the smallest possible drift shows."""
+    from finetune.train import peak_rss, replica_checksum, reset_peak_rss
+
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(64, 1024, 1024)), torch.nn.Parameter(torch.randn(1000))]
+    drifted = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    with torch.no_grad():
+        drifted[0].view(-1)[5_000_000] = torch.nextafter(drifted[0].view(-1)[5_000_000], torch.tensor(float("inf")))
+    reset_peak_rss()
+    before = peak_rss()
+    same = replica_checksum(params)
+    extra = peak_rss() - before
+    assert torch.equal(same, replica_checksum([torch.nn.Parameter(p.detach().clone()) for p in params]))
+    assert not torch.equal(same, replica_checksum(drifted))
+    assert extra < 96 * 2**20, f"the check took {extra / 2**20:.0f} MiB"
