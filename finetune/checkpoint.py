@@ -101,18 +101,19 @@ def wait() -> None:
         raise RuntimeError(f"the background checkpoint save failed: {err}") from err
 
 
-def _host_copy(state):
+def host_copy(state):
     """A copy in host memory of every tensor in a (nested) state dict, so training can go on."""
     if isinstance(state, torch.Tensor):
         return state.detach().to("cpu", copy=True)
     if isinstance(state, dict):
-        return {k: _host_copy(v) for k, v in state.items()}
+        return {k: host_copy(v) for k, v in state.items()}
     if isinstance(state, (list, tuple)):
-        return type(state)(_host_copy(v) for v in state)
+        return type(state)(host_copy(v) for v in state)
     return state
 
 
 def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The trained weights on the host; on a CPU these are the live parameters, not a copy (host_copy makes one)."""
     return {name: p.detach().contiguous().cpu() for name, p in model.named_parameters() if p.requires_grad}
 
 
@@ -133,7 +134,7 @@ def save(output_dir: str | Path, step: int, model, optimizer, scheduler, trainer
 
     wait()
     root = checkpoint_root(output_dir)
-    tmp = root / f".step-{step:06d}.tmp"
+    tmp = root / f".{step_dir(root, step).name}.tmp"
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
@@ -157,10 +158,10 @@ def save(output_dir: str | Path, step: int, model, optimizer, scheduler, trainer
     if not (background and layout == "full"):
         return _complete(tmp, root, step, files, keep_last)
     global _writer
-    files = _host_copy(files)
+    files = host_copy(files)
     _writer = threading.Thread(target=_complete_or_record, args=(tmp, root, step, files, keep_last), name="checkpoint-writer")
     _writer.start()
-    return root / f"step-{step:06d}"
+    return step_dir(root, step)
 
 
 def _complete_or_record(*args) -> None:
@@ -190,7 +191,7 @@ def _complete(tmp: Path, root: Path, step: int, files: dict, keep_last: int) -> 
     manifest = {str(p.relative_to(tmp)): {"size": p.stat().st_size, "sha256": _sha256(p)} for p in written}
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
     _fsync(tmp / MANIFEST)
-    final = root / f"step-{step:06d}"
+    final = step_dir(root, step)
     if final.exists():  # the same step saved again (a resumed run): replace it only now it is complete
         shutil.rmtree(final)
     os.replace(tmp, final)
@@ -211,6 +212,10 @@ def _retain(root: Path, keep_last: int) -> None:
     for old in complete:
         if old not in keep:
             shutil.rmtree(old, ignore_errors=True)
+
+
+def step_dir(root: Path, step: int) -> Path:
+    return root / f"step-{step:06d}"
 
 
 def step_of(path: Path) -> int:

@@ -131,8 +131,7 @@ class Guard:
         cfg, s = self.cfg, self.state
         if not cfg.grad_collapse or s.start is None or step >= cfg.window or len(s.history) < DRIFT_STEPS:
             return ""
-        recent = s.history[-DRIFT_STEPS:]
-        loss, grad = statistics.median(h[1] for h in recent), statistics.median(h[2] for h in recent)
+        loss, grad = self.level(), statistics.median(h[2] for h in s.history[-DRIFT_STEPS:])
         loss_fall, grad_fall = s.start[0] / max(loss, 1e-12), s.start[1] / max(grad, 1e-12)
         if grad_fall <= cfg.grad_collapse * max(loss_fall, 1.0):
             return ""

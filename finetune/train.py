@@ -540,7 +540,7 @@ def last_good(out: Path, best_step: int, evaluate, model) -> dict:
     result = {"last_good_checkpoint": str(path) if path else None, "last_good_eval_loss": None}
     if path is None or evaluate is None:
         return result
-    final = checkpoint.trainable_state(model)
+    final = checkpoint.host_copy(checkpoint.trainable_state(model))  # a copy: loading the checkpoint overwrites the parameters
     checkpoint.load_trainable(path, model)
     result["last_good_eval_loss"] = evaluate()["eval_loss"]
     model.load_state_dict(final, strict=False)

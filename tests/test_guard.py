@@ -233,6 +233,30 @@ def test_a_healthy_run_triggers_nothing_and_ends_on_its_best_weights(healthy_run
     assert summary["final_loss_level"] <= 1.05 * summary["best_loss_level"]
 
 
+def test_scoring_the_last_good_checkpoint_puts_the_final_weights_back(healthy_run, tiny_model_dir):
+    """What a run that ended worse than its best does before saving: load the last good checkpoint's
+    weights, evaluate them, and restore the final ones (on a CPU the parameters are the state dict's
+    tensors, so the final weights must be copied first)."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from finetune.train import last_good
+
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir), str(healthy_run), is_trainable=True)
+    final = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    changed = []
+
+    def evaluate():
+        changed.append(any(not torch.equal(p, final[n]) for n, p in model.named_parameters() if p.requires_grad))
+        return {"eval_loss": 1.0}
+
+    result = last_good(healthy_run, 75, evaluate, model)
+    assert result == {"last_good_checkpoint": str(healthy_run / "checkpoints" / "step-000070"), "last_good_eval_loss": 1.0}
+    assert changed == [True]  # the checkpoint's weights were the ones evaluated
+    assert all(torch.equal(p, final[n]) for n, p in model.named_parameters() if p.requires_grad)
+
+
 def test_the_lr_raised_100x_on_resume_is_caught_after_every_rollback(tmp_path, tiny_model_dir, healthy_run):
     """The issue's bad day: a run stopped at step 30 is resumed with 100x its learning rate. The guard
     rolls back, halves the LR, and keeps judging after each rollback until the run recovers or stops."""
