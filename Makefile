@@ -9,7 +9,7 @@ TORCH_VERSION  ?= 2.13.0
 TORCH_PIP_ARGS ?=
 export FINETUNE_CACHE ?= $(CURDIR)/.cache/finetune
 
-.PHONY: install demo test bench bench-data bench-fsdp-load bench-load clean help
+.PHONY: install demo test bench bench-data bench-fsdp-load bench-load bench-large clean help
 
 help:
 	@echo "make demo   - install, build the demo model, fine-tune it (LoRA) and show before/after"
@@ -18,6 +18,7 @@ help:
 	@echo "make bench-data - a million rows: tokenization, start-up, memory vs datasets + HF Trainer (~25 min)"
 	@echo "make bench-fsdp-load - RAM used loading a 0.8 GB model in 1 process vs 2 (ddp, fsdp)"
 	@echo "make bench-load - load times of a 0.9 GB model: disk cold/warm, staged in RAM, vs a plain read"
+	@echo "make bench-large - a 1.1B model through every method and strategy: memory vs plan, speed, checkpoints, merge, staged load (~30 min)"
 	@echo "make clean  - remove outputs and the demo model (keeps .venv)"
 
 install: $(VENV)/.installed
@@ -50,6 +51,9 @@ bench-fsdp-load: install
 
 bench-load: install
 	$(PY) bench/load.py
+
+bench-large: install
+	$(PY) bench/large.py
 
 clean:
 	rm -rf outputs demo/model .cache

@@ -8,6 +8,8 @@ accelerate's FSDP plugin silently becomes DDP on a CPU and accelerate + DeepSpee
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from finetune.config import RunConfig
@@ -19,12 +21,59 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
 
 
-def shard_fsdp2(model: torch.nn.Module, cfg: RunConfig, device: torch.device, world: int) -> torch.nn.Module:
-    """Shard the model over the processes. Rank 0 holds the loaded model; the others hold a meta-device
-    skeleton (load_model(skeleton=True)), so one full copy exists on a node, not one per process.
-    After sharding, rank 0 sends every rank its shards of the weights (and the buffers)."""
+def stream_source(cfg: RunConfig, say) -> Path | None:
+    """The model folder rank 0 streams the weights from under FSDP, or None (said why) where it loads
+    the whole model and sends its state dict."""
+    from finetune.stage import resolve_source
+
+    folder = resolve_source(cfg.model.name_or_path, cfg.model.revision)
+    why_not = streaming_refusal(cfg, folder)
+    if why_not:
+        say(f"fsdp: rank 0 loads the whole model before sending the shards: {why_not}")
+    return None if why_not else folder
+
+
+def streaming_refusal(cfg: RunConfig, folder: Path) -> str | None:
+    """Why rank 0 cannot stream this model's weights from its files under FSDP (None: it can). Every
+    rank asks and gets the same answer: it reads the config, the files' headers and a meta skeleton."""
+    from finetune.model import load_model, weight_files
+
+    if cfg.model.quantization is not None:
+        return "a quantized base is quantized while it loads"
+    if cfg.adapter.method == "dora":
+        return "DoRA's magnitudes are computed from the loaded weights"
+    if cfg.adapter.modules_to_save:
+        return "adapter.modules_to_save copies loaded weights"
+    files = weight_files(folder) if folder.is_dir() else {}
+    if not files:
+        return f"{folder} holds no safetensors files"
+    stored = {key for keys in files.values() for key in keys}
+    model = load_model(cfg.model, skeleton="meta", say=lambda _: None)
+    missing = sorted(set(_names_once(model)) - stored)
+    if missing:
+        return f"{missing[0]} is not in the weight files (transformers converts this checkpoint's weights while loading)"
+    return None
+
+
+def _names_once(model: torch.nn.Module) -> list[str]:
+    """State-dict keys, a tied weight (lm_head = embed_tokens) under its first name only."""
+    seen, names = set(), []
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if id(tensor) not in seen:
+            seen.add(id(tensor))
+            names.append(name)
+    return names
+
+
+def shard_fsdp2(model: torch.nn.Module, cfg: RunConfig, device: torch.device, world: int, stream_from: Path | None = None) -> torch.nn.Module:
+    """Shard the model over the processes, then fill every rank's shards from rank 0.
+
+    Ranks other than 0 hold a meta-device skeleton (load_model(skeleton="meta")). Rank 0 holds either
+    the loaded model, whose state dict it sends whole, or (stream_from: the model folder) an
+    uninitialized one (skeleton="empty") plus the adapter as peft initialized it: then it reads the
+    weights one decoder layer at a time from the safetensors files and sends those, so that no
+    process ever holds more than its shards, one layer and the adapter."""
     import torch.distributed as dist
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
@@ -39,24 +88,76 @@ def shard_fsdp2(model: torch.nn.Module, cfg: RunConfig, device: torch.device, wo
     policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32) if low else MixedPrecisionPolicy()
     offload = CPUOffloadPolicy() if cfg.distributed.fsdp_cpu_offload else OffloadPolicy()
     kwargs = dict(mesh=mesh, mp_policy=policy, offload_policy=offload, reshard_after_forward=cfg.distributed.fsdp_reshard_after_forward)
-    full = model.state_dict() if dist.get_rank() == 0 else {}  # keeps rank 0's full weights alive until sent
+    rank0 = dist.get_rank() == 0
+    if stream_from is None:
+        full = model.state_dict() if rank0 else {}  # keeps rank 0's full weights alive until sent
+    else:  # the adapter's initial values (small), before sharding splits them
+        full = {name: p.detach().clone() for name, p in model.named_parameters() if p.requires_grad and rank0 and cfg.adapter.method != "full"}
     for layer in decoder_layers(model):
         fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)
-    if dist.get_rank() != 0:
+    if not rank0:
         model.to_empty(device=device)  # room for this rank's shards, filled from rank 0 next
-    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    if stream_from is None:
+        _send(model, full)
+    else:
+        _stream(model, stream_from, full)
     del full
     for buffer in model.buffers():  # not in the state dict when non-persistent (rotary frequencies)
         dist.broadcast(buffer, src=0)
     return model
 
 
-def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Gather a sharded model's full state dict onto CPU (a collective: every rank calls it)."""
+def _send(module: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Rank 0's values of some of `module`'s state-dict entries to every rank's shards (a collective)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    set_model_state_dict(module, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False))
+
+
+def _stream(model: torch.nn.Module, folder: Path, adapter: dict[str, torch.Tensor]) -> None:
+    """Rank 0 reads the weights from the model's safetensors files one decoder layer at a time (then
+    the rest one tensor at a time) and sends them; the adapter's own weights come from `adapter`."""
+    import torch.distributed as dist
+    from safetensors import safe_open
+
+    from finetune.model import weight_files
+
+    rank0 = dist.get_rank() == 0
+    where = {key: name for name, keys in weight_files(folder).items() for key in keys}
+
+    def read(prefix: str, keys: list[str], like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        if not rank0:
+            return {}
+        out = {k: adapter[prefix + k] for k in keys if prefix + k in adapter}
+        stored = {k: _stored_key(prefix + k) for k in keys if prefix + k not in adapter and _stored_key(prefix + k) in where}
+        for file in {where[s] for s in stored.values()}:  # opened per group: the mapping goes when it closes
+            with safe_open(folder / file, "pt") as f:
+                out.update({k: f.get_tensor(s).to(like[k].dtype) for k, s in stored.items() if where[s] == file})
+        return out
+
+    layers = decoder_layers(model)
+    names = {id(m): name for name, m in model.named_modules()}
+    for layer in layers:
+        prefix, local = names[id(layer)] + ".", layer.state_dict()
+        _send(layer, read(prefix, list(local), local))
+    inside = tuple(names[id(layer)] + "." for layer in layers)
+    local = model.state_dict()
+    for key in [k for k in _names_once(model) if not k.startswith(inside)]:
+        _send(model, read("", [key], local))
+
+
+def _stored_key(name: str) -> str:
+    """The file's name for a state-dict entry of the model as trained (peft's wrapping taken off)."""
+    return name.removeprefix("base_model.model.").replace(".base_layer.", ".")
+
+
+def full_state_dict(model: torch.nn.Module, trainable_only: bool) -> dict[str, torch.Tensor]:
+    """Gather a sharded model's full state dict onto rank 0's CPU (a collective: every rank calls it).
+    trainable_only: the adapter's weights, not the frozen base's (an adapter is saved without them)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=trainable_only))
 
 
 ZERO_STAGES = {"zero2": 2, "zero3": 3, "zero3_offload": 3}

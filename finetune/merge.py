@@ -12,6 +12,7 @@ The steps, holding at most one full-precision copy of the weights at a time:
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import os
@@ -24,9 +25,9 @@ import torch
 from finetune import checkpoint
 from finetune.config import ModelConfig, RunConfig, load_config
 from finetune.errors import EXIT_MERGE_CHECK, Stopped, UserError
-from finetune.model import DTYPES, apply_adapter, load_model, load_tokenizer
+from finetune.model import DTYPES, apply_adapter, load_model, load_tokenizer, weight_files
 
-OUT_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+OUT_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}  # --dtype -> the config's name
 # Max |logit difference| allowed between the saved model and base+adapter, by the dtype written: the
 # rounding of the weights to that dtype, over a few hundred tokens, stays well inside these.
 TOLERANCE = {"fp32": 1e-3, "bf16": 0.25, "fp16": 0.05}
@@ -81,11 +82,11 @@ def _adapter_config(path: Path) -> dict:
     return config
 
 
-def load_base(adapter: Adapter, quantized: bool):
-    """The base model: as the run trained it (quantized, with its dtype) or in float32."""
+def load_base(adapter: Adapter, quantized: bool, dtype: str = "float32"):
+    """The base model: as the run trained it (quantized, with its dtype) or in `dtype`."""
     if quantized:
         return load_model(adapter.run.model.model_copy(update={"name_or_path": adapter.base, "ramdisk": False}))
-    return load_model(ModelConfig(name_or_path=adapter.base, dtype="float32"))
+    return load_model(ModelConfig(name_or_path=adapter.base, dtype=dtype))
 
 
 def attach(base, adapter: Adapter):
@@ -148,7 +149,8 @@ def distance(a: list[torch.Tensor], b: list[torch.Tensor]) -> dict:
 
 
 def merged_model(adapter: Adapter, qlora_base: str):
-    """A float32 model with the adapter merged in. qlora_base: 'dequantized' merges into the 4-bit
+    """The whole model in float32 with the adapter merged in, by peft's merge_and_unload (the path for
+    what the shard-by-shard merge does not handle). qlora_base: 'dequantized' merges into the 4-bit
     weights the adapter was trained against, 'original' into the base's own weights."""
     if adapter.quantized and qlora_base == "dequantized":
         base = load_base(adapter, quantized=True).dequantize(dtype=torch.float32).float()
@@ -168,47 +170,49 @@ def merge(adapter_path: str, out: str, base: str | None = None, dtype: str | Non
     try:
         tokenizer = load_tokenizer(ModelConfig(name_or_path=tokenizer_source(adapter)))
         texts = check_texts(adapter, tokenizer, prompts_file)
+        dtype = dtype or _stored_dtype(adapter.base)
+        tolerance = tolerance if tolerance is not None else max(TOLERANCE[dtype], TOLERANCE["bf16"] if _bf16_compute(adapter) else 0)
 
-        # 1. The reference: base + adapter exactly as trained.
-        tuned = attach(load_base(adapter, quantized=adapter.quantized), adapter)
+        # 1. The reference: base + adapter as trained (a float base in the output dtype: one copy of
+        # the size the merged model will have).
+        tuned = attach(load_base(adapter, quantized=adapter.quantized, dtype=OUT_DTYPES[dtype]), adapter)
         reference = logits_on(tuned, tokenizer, texts)
         with tuned.disable_adapter():
             untuned = logits_on(tuned, tokenizer, texts)
-        dtype = dtype or _stored_dtype(adapter.base)
-        tolerance = tolerance if tolerance is not None else max(TOLERANCE[dtype], TOLERANCE["bf16"] if _bf16_compute(adapter) else 0)
         report = {"adapter": str(adapter.path), "base": adapter.base, "dtype": dtype, "check_texts": len(texts),
                   "adapter_effect": distance(untuned, reference), "tolerance_max": tolerance}
 
-        # 2. The merged model. A float base merges in place; for QLoRA both bases are measured, one at a
-        # time, and the closer one (or the one asked for) is kept.
-        model = tuned.merge_and_unload() if not adapter.quantized else None
+        # 2. Each variant written to its own folder: shard by shard where it can be (the adapter's
+        # weights taken out of the reference, which then goes), else the whole model in float32.
+        variants = ["original", "dequantized"] if adapter.quantized else ["merged"]
+        targets, why_not = Targets.of(tuned, adapter)
         del tuned
         gc.collect()
-        if adapter.quantized:
-            variants, report["qlora_bases"] = ["original", "dequantized"], {}
-            for variant in variants:
-                model = merged_model(adapter, variant)
-                report["qlora_bases"][variant] = d = distance(logits_on(model, tokenizer, texts), reference)
-                say(f"QLoRA merged into the {variant} base: logits differ from the 4-bit model + adapter by max {d['max']:.4g}, mean {d['mean']:.4g}")
-                if variant != variants[-1]:
-                    del model
-                    gc.collect()
-            report["qlora_base"] = chosen = qlora_base or min(variants, key=lambda v: report["qlora_bases"][v]["max"])
-            if chosen != variants[-1]:
-                del model
+        report["by_shard"] = why_not is None
+        if why_not:
+            say(f"merging the whole model in memory (about 2x its size in float32): {why_not}")
+        for variant in variants:
+            if why_not:
+                _save_whole(merged_model(adapter, variant).to(DTYPES[OUT_DTYPES[dtype]]), tmp / variant, max_shard_size)
                 gc.collect()
-                model = merged_model(adapter, chosen)
+            else:
+                write_by_shard(targets, variant, DTYPES[OUT_DTYPES[dtype]], tmp / variant, max_shard_size)
+        del targets
 
-        # 3. Save under a temporary name, reload with plain transformers, compare, then publish.
-        _save(model.to(OUT_DTYPES[dtype]), tokenizer, tmp, max_shard_size)
-        del model
-        gc.collect()
-        from transformers import AutoModelForCausalLM
-
-        reloaded = AutoModelForCausalLM.from_pretrained(tmp, dtype=OUT_DTYPES[dtype]).eval()
-        report["merged_vs_tuned"] = distance(logits_on(reloaded, tokenizer, texts), reference)
-        del reloaded
-        m, effect = report["merged_vs_tuned"], report["adapter_effect"]
+        # 3. Reloaded with plain transformers and compared; for QLoRA the closer base (or the one asked for) is kept.
+        found = {variant: distance(logits_on(_reload(tmp / variant, dtype), tokenizer, texts), reference) for variant in variants}
+        chosen = qlora_base or min(variants, key=lambda v: found[v]["max"])
+        if adapter.quantized:
+            report["qlora_bases"], report["qlora_base"] = found, chosen
+            for variant, d in found.items():
+                say(f"QLoRA merged into the {variant} base: logits differ from the 4-bit model + adapter by max {d['max']:.4g}, mean {d['mean']:.4g}")
+        report["merged_vs_tuned"] = m = found[chosen]
+        for made in (tmp / chosen).iterdir():
+            made.rename(tmp / made.name)
+        for variant in variants:
+            shutil.rmtree(tmp / variant)
+        tokenizer.save_pretrained(tmp)
+        effect = report["adapter_effect"]
         report["passed"] = m["max"] <= tolerance and m["max"] < effect["max"]
         report["files"] = sorted(p.name for p in tmp.iterdir()) + [REPORT]
         (tmp / REPORT).write_text(json.dumps(report, indent=2) + "\n")
@@ -220,6 +224,158 @@ def merge(adapter_path: str, out: str, base: str | None = None, dtype: str | Non
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # gone already when it became the output
     return report
+
+
+def _reload(folder: Path, dtype: str):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=DTYPES[OUT_DTYPES[dtype]]).eval()
+
+
+@dataclass
+class Targets:
+    """What a shard-by-shard merge needs from base+adapter once the base itself is gone: each adapted
+    linear layer (a peft LoRA/DoRA layer, its base weight dropped), the trained copies of
+    modules_to_save, and the 4-bit/8-bit weights of a quantized base (a fraction of its size)."""
+    base: Path
+    config: object  # the adapter's LoraConfig
+    layers: dict[str, torch.nn.Module]  # file key of the base weight -> peft LoRA layer
+    replaced: dict[str, torch.Tensor]  # file key -> trained tensor (modules_to_save)
+    quantized: dict[str, tuple]  # file key -> (bnb weight, its int8 state)
+    load_dtype: torch.dtype | None  # the dtype the quantized run loaded the base's other weights in
+
+    @classmethod
+    def of(cls, tuned, adapter: Adapter) -> tuple["Targets | None", str | None]:
+        """(targets, None), or (None, why the shard-by-shard merge cannot do this adapter)."""
+        from peft.tuners.lora import LoraLayer
+        from peft.tuners.tuners_utils import BaseTunerLayer
+        from peft.utils.other import ModulesToSaveWrapper
+
+        folder = _base_folder(adapter.base)
+        files = weight_files(folder)
+        if not files:
+            return None, f"{adapter.base} holds no safetensors weights"
+        keys = {key for keys in files.values() for key in keys}
+        layers, replaced, quantized = {}, {}, {}
+        for name, module in tuned.get_base_model().named_modules():
+            if isinstance(module, ModulesToSaveWrapper):
+                if getattr(tuned.config, "tie_word_embeddings", False):
+                    return None, "modules_to_save in a model with tied embeddings"
+                trained = module.modules_to_save[module.active_adapter]
+                replaced.update({f"{name}.{k}": v.detach().clone() for k, v in trained.state_dict().items()})
+            elif isinstance(module, BaseTunerLayer):
+                linear = isinstance(module, LoraLayer) and type(module).__name__ in ("Linear", "Linear4bit", "Linear8bitLt")
+                if not linear or any(module.lora_bias.values()) or module.fan_in_fan_out:
+                    return None, f"{name} is a {type(module).__name__} layer (only LoRA/DoRA on linear layers merge shard by shard)"
+                layers[f"{name}.weight"] = module
+            elif type(module).__name__ in ("Linear4bit", "Linear8bitLt"):
+                quantized[f"{name.removesuffix('.base_layer')}.weight"] = (module.weight, getattr(module, "state", None))
+        missing = sorted((set(layers) | set(replaced)) - keys)
+        if missing:
+            return None, f"{missing[0]} is not a key of the base's weight files (the model renames its weights when loading)"
+        for layer in layers.values():  # keep the adapter's weights; the base weight goes with the model
+            layer.base_layer.weight = torch.nn.Parameter(torch.empty(0), requires_grad=False) if not quantized else layer.base_layer.weight
+        run_dtype = adapter.run.model.dtype if adapter.quantized else "auto"
+        return cls(folder, tuned.peft_config[tuned.active_adapter], layers, replaced, quantized,
+                   None if run_dtype == "auto" else DTYPES[run_dtype]), None
+
+    def tensor(self, key: str, stored: torch.Tensor, variant: str) -> torch.Tensor:
+        """The merged value of one weight of the base, in float32 or its stored dtype."""
+        from transformers.integrations.bitsandbytes import dequantize_bnb_weight
+
+        if key in self.replaced:
+            return self.replaced[key]
+        if variant == "dequantized":  # the values the 4-bit run computed with
+            weight = dequantize_bnb_weight(*self.quantized[key]).float() if key in self.quantized else \
+                stored.to(self.load_dtype or stored.dtype).float()
+        else:
+            weight = stored
+        layer = self.layers.get(key)
+        return weight if layer is None else merge_layer(layer, weight.float(), self.config)
+
+
+def merge_layer(layer, weight: torch.Tensor, config) -> torch.Tensor:
+    """peft's own merge of one LoRA/DoRA layer into a float32 base weight: a fresh layer of the same
+    kind around that weight, given the trained adapter weights, merged."""
+    from peft.tuners.lora import Linear as LoraLinear
+
+    name = layer.active_adapters[0]
+    with torch.device("meta"):
+        base = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+    base.weight = torch.nn.Parameter(weight, requires_grad=False)
+    one = LoraLinear(base, name, config=dataclasses.replace(config, init_lora_weights=True), r=layer.r[name], lora_alpha=layer.lora_alpha[name])
+    one.scaling[name] = layer.scaling[name]  # rslora, rank and alpha patterns: as trained
+    one.load_state_dict({k: v for k, v in layer.state_dict().items() if k.startswith("lora_")}, strict=False)
+    one.merge(adapter_names=[name])
+    return base.weight.data
+
+
+def write_by_shard(targets: Targets, variant: str, dtype: torch.dtype, folder: Path, max_shard_size: str) -> None:
+    """The merged model as an HF folder, one base shard at a time in memory: each weight read from the
+    base's safetensors files, merged where the adapter touches it, cast, and written in shards of at
+    most max_shard_size (the model's config and generation config beside them)."""
+    from safetensors import safe_open
+    from tqdm.auto import tqdm
+    from transformers.utils.hub import convert_file_size_to_int
+
+    limit, files = convert_file_size_to_int(max_shard_size), weight_files(targets.base)
+    folder.mkdir()
+    shards, pending = [], {}
+    with tqdm(total=sum(len(k) for k in files.values()), desc=f"merging ({variant})", unit=" tensors", delay=2) as bar:
+        for file, keys in files.items():
+            with safe_open(targets.base / file, "pt") as weights:
+                for key in keys:
+                    value = targets.tensor(key, weights.get_tensor(key), variant).to(dtype).contiguous()
+                    if pending and sum(t.nbytes for t in pending.values()) + value.nbytes > limit:
+                        shards.append(_write_shard(pending, folder, len(shards)))
+                    pending[key] = value
+                    bar.update(1)
+    shards.append(_write_shard(pending, folder, len(shards)))
+    _name_shards(folder, shards)
+    _write_configs(targets.base, folder, dtype)
+
+
+def _write_shard(tensors: dict[str, torch.Tensor], folder: Path, number: int) -> tuple[str, list[str], int]:
+    from safetensors.torch import save_file
+
+    name = f".shard-{number}"
+    save_file(tensors, folder / name, metadata={"format": "pt"})
+    written = (name, list(tensors), sum(t.nbytes for t in tensors.values()))
+    tensors.clear()
+    return written
+
+
+def _name_shards(folder: Path, shards: list[tuple[str, list[str], int]]) -> None:
+    """transformers' names: model.safetensors, or model-0000i-of-0000n.safetensors with an index."""
+    if len(shards) == 1:
+        (folder / shards[0][0]).rename(folder / "model.safetensors")
+        return
+    weight_map = {}
+    for i, (name, keys, _) in enumerate(shards, 1):
+        final = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        (folder / name).rename(folder / final)
+        weight_map.update(dict.fromkeys(keys, final))
+    index = {"metadata": {"total_size": sum(size for *_, size in shards)}, "weight_map": weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def _write_configs(base: Path, folder: Path, dtype: torch.dtype) -> None:
+    from transformers import AutoConfig, GenerationConfig
+
+    config = AutoConfig.from_pretrained(base)
+    config.dtype, config.use_cache = dtype, True  # a merged model is for generation
+    config.save_pretrained(folder)
+    try:
+        generation = GenerationConfig.from_pretrained(base)
+    except OSError:
+        generation = GenerationConfig.from_model_config(config)
+    generation.save_pretrained(folder)
+
+
+def _base_folder(base: str) -> Path:
+    from finetune.stage import resolve_source
+
+    return resolve_source(base)
 
 
 def _output_folders(out: str, overwrite: bool) -> tuple[Path, Path]:
@@ -285,7 +441,6 @@ def _bf16_compute(adapter: Adapter) -> bool:
     return adapter.quantized and adapter.run.model.quantization.compute_dtype != "float32"
 
 
-def _save(model, tokenizer, folder: Path, max_shard_size: str) -> None:
+def _save_whole(model, folder: Path, max_shard_size: str) -> None:
     model.config.use_cache = True  # a merged model is for generation
     model.save_pretrained(folder, safe_serialization=True, max_shard_size=max_shard_size)
-    tokenizer.save_pretrained(folder)

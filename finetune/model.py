@@ -6,6 +6,7 @@ Any local HF folder or hub id goes through the same calls; nothing here knows ab
 from __future__ import annotations
 
 import importlib.util
+import json
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -103,12 +104,14 @@ def attention_for(cfg: ModelConfig, config: dict) -> tuple[str, str | None]:
     return register_packed_sdpa(), None
 
 
-def load_model(cfg: ModelConfig, device: torch.device | str = "cpu", skeleton: bool = False, say=print):
+def load_model(cfg: ModelConfig, device: torch.device | str = "cpu", skeleton: str | None = None, say=print):
     """The base model. A quantized base is placed on `device` while loading (bitsandbytes quantizes
     as it places); a plain one is moved later by accelerate.
 
-    skeleton: build the architecture on the meta device without reading or allocating any weight
-    (the FSDP ranks that receive their shards from rank 0)."""
+    skeleton: build the architecture without reading any weight: "meta" allocates none (the FSDP
+    ranks that receive their shards from rank 0); "empty" allocates them on the CPU uninitialized,
+    pages the kernel only provides once written (FSDP's rank 0 when it streams the weights from the
+    files: peft then creates and initializes the adapter on real tensors, as it would on a loaded model)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if looks_local(cfg.name_or_path):
@@ -121,8 +124,10 @@ def load_model(cfg: ModelConfig, device: torch.device | str = "cpu", skeleton: b
     if notice:
         say(notice)
     if skeleton:
+        from transformers.initialization import no_init_weights
+
         dtype = (getattr(config, "dtype", None) or torch.float32) if cfg.dtype == "auto" else DTYPES[cfg.dtype]
-        with torch.device("meta"):
+        with torch.device("meta") if skeleton == "meta" else no_init_weights():
             model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn,
                                                      trust_remote_code=cfg.trust_remote_code)
         model.config.use_cache = False
@@ -160,6 +165,20 @@ def load_model(cfg: ModelConfig, device: torch.device | str = "cpu", skeleton: b
             _own_unquantized_weights(model)
     model.config.use_cache = False  # no KV cache while training; generation turns it on per call
     return model
+
+
+def weight_files(folder: Path) -> dict[str, list[str]]:
+    """A model folder's safetensors files and the keys each holds ({} if it has none); reads headers only."""
+    from safetensors import safe_open
+
+    index = folder / "model.safetensors.index.json"
+    names = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else \
+        ["model.safetensors"] if (folder / "model.safetensors").is_file() else []
+    files = {}
+    for name in names:
+        with safe_open(folder / name, "pt") as f:
+            files[name] = list(f.keys())
+    return files
 
 
 def _first_line(err: Exception) -> str:

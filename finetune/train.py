@@ -32,7 +32,7 @@ from finetune.config import RunConfig, looks_local, to_yaml
 from finetune.data import Datasets, load_data
 from finetune.packing import epoch_batches
 from finetune.distributed import (ZERO_STAGES, check_strategy, full_state_dict, gathered_trainable_state, init_deepspeed, local_numel,
-                                  shard_fsdp2, zero3_loading)
+                                  shard_fsdp2, stream_source, zero3_loading)
 from finetune.errors import EXIT_DIVERGED, EXIT_PREEMPTED, Stopped, UserError
 from finetune.guard import Guard, Verdict, data_step
 from finetune.evaluate import eval_loss, exact_match
@@ -259,7 +259,8 @@ def _run(cfg: RunConfig) -> RunResult:
     fsdp, zero = strategy == "fsdp", strategy in ZERO_STAGES
     rss_before_model = current_rss()
     zero3_partitioning = zero3_loading(cfg, world)  # noqa: F841  (must stay alive while loading)
-    model = load_model(model_cfg, accelerator.device, skeleton=fsdp and rank != 0, say=say)
+    stream_from = stream_source(cfg.model_copy(update={"model": model_cfg}), say) if fsdp else None
+    model = load_model(model_cfg, accelerator.device, skeleton="meta" if fsdp and rank != 0 else "empty" if stream_from else None, say=say)
     # Saved configs name the source, not a RAM copy; a local one by its absolute path, so that the adapter
     # loads from any directory (AutoPeftModelForCausalLM reads it); hub ids stay as they are.
     base = str(Path(cfg.model.name_or_path).expanduser().resolve()) if looks_local(cfg.model.name_or_path) else cfg.model.name_or_path
@@ -289,7 +290,7 @@ def _run(cfg: RunConfig) -> RunResult:
 
     # Spread the model over the processes, then build the optimizer on what each process holds.
     if fsdp:
-        model = shard_fsdp2(model, cfg, accelerator.device, world)
+        model = shard_fsdp2(model, cfg, accelerator.device, world, stream_from)
     elif not zero:
         model = accelerator.prepare(model)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -323,10 +324,12 @@ def _run(cfg: RunConfig) -> RunResult:
 
     def save(step: int, epoch: int) -> None:
         trainer_state = {"tokens": tokens_seen, "epoch": epoch, "guard": guard.state_dict(), "good": guard.is_healthy(step)}
+        began = time.perf_counter()
         saved = checkpoint.save(out, step, model, optimizer, scheduler, trainer_state, to_yaml(cfg), accelerator,
                                 cfg.checkpoint.keep_last, layout, background)
-        if saved:
-            log.print(f"step {step}: checkpoint {'being written in the background to' if background else 'saved to'} {saved}")
+        if saved:  # the seconds training waited (bench/large.py compares them with and without background writes)
+            log.print(f"step {step}: checkpoint {'being written in the background to' if background else 'saved to'} {saved} "
+                      f"(training paused {time.perf_counter() - began:.2f} s)")
 
     def roll_back(trouble_step: int, verdict: Verdict) -> tuple[int, int]:
         """Back to the newest good checkpoint before the trouble, with a lower LR and the data that led
@@ -498,7 +501,7 @@ def _run(cfg: RunConfig) -> RunResult:
     summary["param_numel_per_rank"] = accelerator.gather(torch.tensor([local_numel(model, params)], device=accelerator.device)).tolist()
     summary["replicas_identical"] = replicas_identical(params, accelerator) if strategy in ("ddp", "single") else None
     # Sharded weights are gathered into one ordinary state dict (all ranks take part), saved by rank 0.
-    state_dict = full_state_dict(model) if fsdp else gathered_trainable_state(unwrapped) if zero else None
+    state_dict = full_state_dict(model, cfg.adapter.method != "full") if fsdp else gathered_trainable_state(unwrapped) if zero else None
     if main:
         unwrapped.config.use_cache = True  # saved models generate with a KV cache
         unwrapped.save_pretrained(out, safe_serialization=True, state_dict=state_dict)
@@ -675,12 +678,13 @@ def resume(cfg: RunConfig, model, optimizer, scheduler, accelerator, layout: str
     _check_restart_loop(cfg, path, accelerator)
     if path is None:
         return result
+    began = time.perf_counter()
     try:
         state = checkpoint.restore(path, model, optimizer, scheduler, accelerator, layout)
     except ValueError as err:
         raise UserError(f"checkpoint.resume: {err}") from None
     result.step, result.tokens, result.guard_state = state["step"], state["tokens"], state.get("guard")
-    result.events.append(("restart", f"resumed from {path} at step {state['step']}"))
+    result.events.append(("restart", f"resumed from {path} at step {state['step']} ({time.perf_counter() - began:.1f} s)"))
     return result
 
 

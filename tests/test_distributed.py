@@ -84,6 +84,8 @@ def test_two_processes_match_one(tmp_path, tiny_model_dir, single, two_process_r
         assert all(n <= trainable / 2 + 1024 for n in shards) and sum(shards) >= trainable, (shards, trainable)
     else:
         assert shards == [trainable, trainable] and summary["replicas_identical"] is True
+    if strategy == "fsdp":  # rank 0 streamed the weights layer by layer from the files, but for DoRA
+        assert ("rank 0 loads the whole model before sending the shards: DoRA" in (out / "console.log").read_text()) == (method == "dora")
 
 
 def test_two_ranks_stage_one_ram_copy_and_both_load_it(two_process_runs, ram_root):

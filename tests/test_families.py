@@ -17,6 +17,7 @@ from finetune import attention, families, loss
 from finetune.config import AdapterConfig, ModelConfig, validate_config
 from finetune.packing import Row, collate
 from finetune.rows import IGNORE
+from finetune.merge import merge
 from finetune.model import apply_adapter, load_model
 from finetune.train import run
 
@@ -169,7 +170,8 @@ def test_router_loss_is_trained_as_the_library_computes_it(family_dirs, family):
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_every_family_trains(tmp_path, family_dirs, family, method):
     """A few real optimizer steps through train.run on one batch: the loss falls; MoE runs report their
-    router loss; a LoRA adapter saved by the run reloads onto its base with the trained model's logits."""
+    router loss; a LoRA adapter saved by the run reloads onto its base with the trained model's logits,
+    and merges (shard by shard, or for the experts' fused weights through peft's whole-model merge)."""
     from peft import PeftModel
 
     base = family_dirs(family)
@@ -185,6 +187,8 @@ def test_every_family_trains(tmp_path, family_dirs, family, method):
         reloaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), tmp_path / "out").eval()
         with torch.no_grad():
             assert torch.allclose(trained(input_ids=ids).logits, reloaded(input_ids=ids).logits, atol=1e-5)
+        report = merge(str(tmp_path / "out"), str(tmp_path / "merged"), dtype="fp32", say=lambda _: None)
+        assert report["passed"] and report["merged_vs_tuned"]["max"] < 1e-4 and report["by_shard"] == (family not in MOE), report
 
 
 def test_phi3_target_names_say_what_the_model_has(family_dirs):

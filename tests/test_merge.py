@@ -36,6 +36,29 @@ def _train(tmp_path, model_dir, name, **sections):
     return tmp_path / name
 
 
+def _same_as_whole_model_merge(adapter_dir, tmp_path, variants=("merged",)) -> None:
+    """The shard-by-shard merge writes, tensor for tensor, what peft's merge_and_unload of the whole
+    float32 model gives (the merge before shards, and still the fallback)."""
+    from safetensors.torch import load_file
+
+    from finetune.merge import Targets, attach, find_adapter, load_base, merged_model, write_by_shard
+
+    adapter = find_adapter(str(adapter_dir), None)
+    targets, why_not = Targets.of(attach(load_base(adapter, adapter.quantized), adapter), adapter)
+    assert why_not is None and targets.layers
+    base = load_base(adapter, False).state_dict()
+    (tmp_path / "by-shard").mkdir()
+    for variant in variants:
+        write_by_shard(targets, variant, torch.float32, tmp_path / "by-shard" / variant, "50KB")
+        shards = list((tmp_path / "by-shard" / variant).glob("model-*.safetensors"))
+        by_shard = {k: v for shard in shards for k, v in load_file(shard).items()}
+        whole = merged_model(adapter, variant).state_dict()
+        assert len(shards) > 2 and set(by_shard) == set(whole), variant
+        worst = max((by_shard[k] - whole[k]).abs().max().item() for k in whole)
+        assert worst < 1e-5, (variant, worst)
+        assert all((by_shard[k] - base[k]).abs().max() > 1e-6 for k in targets.layers), "a layer the adapter trained came out unchanged"
+
+
 def _tuned_logits(base_dir, adapter_dir) -> tuple[torch.Tensor, torch.Tensor]:
     """(base + adapter, base alone) logits on IDS, through peft directly."""
     from peft import PeftModel
@@ -93,7 +116,9 @@ def test_merged_lora_loads_with_plain_transformers_in_shards_and_generates_the_s
 def test_dora_merges_and_so_does_a_checkpoint_mid_run(tmp_path, tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
-    out = _train(tmp_path, tiny_model_dir, "dora", adapter={"method": "dora"}, checkpoint={"save_every": 2})
+    out = _train(tmp_path, tiny_model_dir, "dora", adapter={"method": "dora", "rslora": True, "modules_to_save": ["lm_head"]},
+                 checkpoint={"save_every": 2})
+    _same_as_whole_model_merge(out, tmp_path)
     logits, effects = {}, {}
     for name, adapter in (("final", out), ("step 2", out / "checkpoints" / "step-000002")):
         report = merge(str(adapter), str(tmp_path / name.replace(" ", "-")), dtype="fp32")
@@ -112,6 +137,7 @@ def test_dora_merges_and_so_does_a_checkpoint_mid_run(tmp_path, tiny_model_dir):
 def test_qlora_merges_into_the_closer_base_and_reports_both(tmp_path, demo_model_dir):
     out = _train(tmp_path, demo_model_dir, "qlora", train={"max_steps": 10, "lr": 3e-3},
                  model={"quantization": {"bits": 4, "quant_type": "nf4", "double_quant": True, "compute_dtype": "bfloat16"}})
+    _same_as_whole_model_merge(out, tmp_path, variants=("original", "dequantized"))
     report = merge(str(out), str(tmp_path / "merged"))
     bases = report["qlora_bases"]
     print(json.dumps(report, indent=1))

@@ -1,0 +1,276 @@
+"""A 1.1B-parameter model through every path on this machine: memory against the planner, speed,
+checkpoints, merge and staged loading.
+
+The model (built once, cached under $FINETUNE_CACHE/bench-large): Llama architecture, 22 layers,
+hidden 2048, intermediate 5632, 32 attention heads with 4 key/value heads, a 32k vocabulary, random
+weights saved as bf16 safetensors in 500 MB shards, with the demo tokenizer. Every run is a fresh
+`finetune train` process (or a 2-process torchrun) sampled every 20 ms for its peak RSS; the planner's
+figure is `finetune plan`'s for the same config, compared with (peak - RSS before the model loaded),
+per rank for fsdp/zero3.
+
+Rows: LoRA, DoRA, QLoRA (4-bit), full fine-tuning (8-bit AdamW), fsdp and zero3 with 2 processes
+(LoRA and full); a checkpoint of full fine-tuning saved with background writes off and on (the
+seconds training waited), the run killed and resumed; the LoRA adapter merged (peak RSS against the
+merged model's size); the model staged in RAM and loaded from there against a plain read of its files.
+
+Usage: python bench/large.py [--steps 3] [--only lora,merge,...]   (make bench-large, ~25 min)
+Prints a markdown table and writes it to bench/results/large.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from common import DATA, REPO, cmdline, report, watch
+
+CACHE = Path(os.environ.get("FINETUNE_CACHE", REPO / ".cache" / "finetune")) / "bench-large"
+SHAPE = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32, num_key_value_heads=4, vocab_size=32000)
+SEQ = 256
+RUNS = {  # name -> (processes, strategy, config sections)
+    "lora": (1, "none", {}),
+    "dora": (1, "none", {"adapter": {"method": "dora"}}),
+    "qlora": (1, "none", {"model": {"quantization": {"bits": 4, "compute_dtype": "bfloat16"}}}),
+    "full, adamw_8bit": (1, "none", {"adapter": {"method": "full"}, "model": {"dtype": "float32"}, "train": {"optimizer": "adamw_8bit"}}),
+    "fsdp lora": (2, "fsdp", {}),
+    "fsdp full": (2, "fsdp", {"adapter": {"method": "full"}, "model": {"dtype": "float32"}}),
+    "zero3 lora": (2, "zero3", {}),
+    "zero3 full": (2, "zero3", {"adapter": {"method": "full"}, "model": {"dtype": "float32"}}),
+}
+ENV = {**os.environ, "ACCELERATE_USE_CPU": "1", "MALLOC_MMAP_THRESHOLD_": "131072"}  # RSS tracks live memory (docs/platform-notes.md)
+
+
+def build(folder: Path) -> Path:
+    """The 1.1B model, once."""
+    if (folder / "model.safetensors.index.json").is_file():
+        return folder
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from finetune.demo import build_tokenizer
+
+    texts = [json.loads(line)["text"] for line in (DATA / "corpus.jsonl").read_text().splitlines()[:1500]]
+    tok = build_tokenizer(texts)
+    config = LlamaConfig(**SHAPE, max_position_embeddings=2048, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                         pad_token_id=tok.pad_token_id, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    torch.set_default_dtype(torch.bfloat16)
+    model = LlamaForCausalLM(config)
+    torch.set_default_dtype(torch.float32)
+    partial = folder.with_name(folder.name + ".partial")
+    model.save_pretrained(partial, max_shard_size="500MB")
+    tok.save_pretrained(partial)
+    partial.rename(folder)
+    return folder
+
+
+def config(model: Path, out: Path, strategy: str, sections: dict, steps: int) -> dict:
+    cfg = {
+        "model": {"name_or_path": str(model), "dtype": "bfloat16"},
+        "adapter": {"method": "lora", "r": 16},
+        "data": {"train": str(DATA / "train.jsonl"), "format": "alpaca", "max_seq_len": SEQ, "eval": None},
+        "train": {"output_dir": str(out), "max_steps": steps, "micro_batch_size": 1, "mixed_precision": "bf16", "gradient_checkpointing": True},
+        "logging": {"report_to": [], "progress_bar": False, "plot": False},
+        "checkpoint": {"save_every": 0},
+        "distributed": {"strategy": strategy},
+    }
+    for section, values in sections.items():
+        cfg.setdefault(section, {}).update(values)
+    return cfg
+
+
+def train(work: Path, name: str, nproc: int, cfg: dict, env: dict | None = None) -> dict:
+    """One run, sampled: peaks per process, its summary, metrics and console."""
+    import yaml
+
+    path = work / f"{re.sub(r'[^a-z0-9]+', '-', name)}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    cmd = [sys.executable, "-m", "finetune", "train", "--config", str(path)] if nproc == 1 else \
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), "finetune/train.py", "--config", str(path)]
+    log_path = path.with_suffix(".log")
+    began = time.perf_counter()
+    with log_path.open("w") as log:
+        job = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                               env={**ENV, "OMP_NUM_THREADS": str(2 // nproc), **(env or {})})
+        peaks, _ = watch(job, lambda pid: "train" in cmdline(pid) and "torch.distributed.run" not in cmdline(pid))
+    out = Path(cfg["train"]["output_dir"])
+    console = log_path.read_text()
+    result = {"name": name, "code": job.returncode, "wall": time.perf_counter() - began, "peaks": peaks[:nproc], "console": console}
+    if (out / "summary.json").is_file():
+        result["summary"] = json.loads((out / "summary.json").read_text())
+        result["metrics"] = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
+    return result
+
+
+def planned(cfg: dict, nproc: int, strategy: str) -> float:
+    """finetune plan's total for this config, MiB (per process when sharded)."""
+    from finetune.config import validate_config
+    from finetune.plan import make_plan
+
+    sharding = {"fsdp": "zero3", "zero3": "zero3"}.get(strategy, "none")
+    return make_plan(validate_config(cfg, "bench"), devices=nproc, sharding=sharding).total / 2**20
+
+
+def floor(folder: Path, work: Path) -> dict:
+    """The disk's sequential write and read speed here (bytes/s), with a file the size of a shard set."""
+    probe = work / "floor.bin"
+    size = 2 << 30
+    block = os.urandom(8 << 20)
+    began = time.perf_counter()
+    with probe.open("wb") as f:
+        for _ in range(size // len(block)):
+            f.write(block)
+        f.flush()
+        os.fsync(f.fileno())
+    write = size / (time.perf_counter() - began)
+    read = _read_speed([probe])
+    probe.unlink()
+    return {"write": write, "read": read, "model_read": _read_speed(sorted(folder.glob("*.safetensors")))}
+
+
+def _read_speed(files: list[Path]) -> float:
+    """Bytes/s reading the files start to end (after asking the kernel to drop them from its cache)."""
+    for path in files:
+        fd = os.open(path, os.O_RDONLY)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+    began, total = time.perf_counter(), 0
+    for path in files:
+        with path.open("rb") as f:
+            while chunk := f.read(16 << 20):
+                total += len(chunk)
+    return total / (time.perf_counter() - began)
+
+
+def checkpoints(model: Path, work: Path, steps: int) -> dict:
+    """Full fine-tuning (8-bit AdamW) saving every step, background writes off then on: the seconds
+    training waited per save; then the second run killed mid-way and resumed: its restore seconds."""
+    out = {}
+    nproc, strategy, sections = RUNS["full, adamw_8bit"]
+    for mode in ("false", "true"):
+        cfg = config(model, work / f"ckpt-{mode}", strategy, sections, steps)
+        cfg["checkpoint"] = {"save_every": 1, "keep_last": 1, "async_save": mode == "true"}
+        run = train(work, f"checkpoint async {mode}", nproc, cfg)
+        out[mode] = [float(x) for x in re.findall(r"training paused ([0-9.]+) s", run["console"])]
+        out.setdefault("bytes", sum(p.stat().st_size for p in (work / f"ckpt-{mode}" / "checkpoints").rglob("*") if p.is_file()))
+    cfg = config(model, work / "ckpt-true", strategy, sections, steps + 1)
+    cfg["checkpoint"] = {"save_every": 0}
+    resumed = train(work, "resume", nproc, cfg)
+    found = re.findall(r"resumed from .* at step \d+ \(([0-9.]+) s\)", resumed["console"])
+    out["resume"] = float(found[0]) if found else None
+    return out
+
+
+def merge_row(model: Path, work: Path) -> dict:
+    """The LoRA run's adapter merged in bf16: peak RSS, seconds, the merged model's size."""
+    adapter = work / "lora-out"
+    merged = work / "merged"
+    began = time.perf_counter()
+    with (work / "merge.log").open("w") as log:
+        job = subprocess.Popen([sys.executable, "-m", "finetune", "merge", "--adapter", str(adapter), "--out", str(merged), "--dtype", "bf16"],
+                               cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=ENV)
+        peaks, _ = watch(job, lambda pid: "merge" in cmdline(pid))
+    size = sum(p.stat().st_size for p in merged.glob("*.safetensors")) if job.returncode == 0 else 0
+    return {"code": job.returncode, "peak": peaks[0] if peaks else 0, "seconds": time.perf_counter() - began, "size": size / 2**20}
+
+
+STAGED_LOAD = r"""
+import sys, time, torch
+from transformers import AutoModelForCausalLM
+t = time.perf_counter()
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.bfloat16)
+sum(float(p.view(-1)[-1]) for p in model.parameters())  # every tensor touched
+print(time.perf_counter() - t)
+"""
+
+
+def staged_row(model: Path, work: Path) -> dict:
+    """`finetune stage` to /dev/shm, then a load from the staged copy, against reading its files."""
+    root = Path("/dev/shm/finetune-bench-large")
+    subprocess.run([sys.executable, "-m", "finetune", "stage", str(model), "--root", str(root)], cwd=REPO, env=ENV, check=True,
+                   capture_output=True)
+    staged = next(p for p in root.iterdir() if p.is_dir())
+    files = sorted(staged.glob("*.safetensors"))
+    read = sum(p.stat().st_size for p in files) / _read_speed(files)
+    load = float(subprocess.run([sys.executable, "-c", STAGED_LOAD, str(staged)], capture_output=True, text=True, check=True, env=ENV)
+                 .stdout.strip().splitlines()[-1])
+    subprocess.run(["rm", "-rf", str(root)], check=True)
+    return {"load": load, "read": read}
+
+
+def row(run: dict, plan: float, params: int) -> str:
+    if run["code"] != 0 or "summary" not in run:
+        last = [line for line in run["console"].splitlines() if line.strip()][-1:] or ["(no output)"]
+        return f"| {run['name']} | failed (exit {run['code']}): {last[0][:120]} | | | | | |"
+    s, m = run["summary"], run["metrics"]
+    used = [peak - s["rss_before_model_mib"] for peak in run["peaks"]]
+    per_step = (m[-1]["elapsed_s"] - m[0]["elapsed_s"]) / max(1, len(m) - 1)
+    tok_s = m[-1]["tokens_per_s"] * s["world_size"]
+    # 6N per token for full fine-tuning, 4N for a frozen base (no weight gradients); attention left out.
+    flops = (6 if "full" in run["name"] else 4) * params * tok_s
+    return (f"| {run['name']} | {' / '.join(f'{p:.0f}' for p in run['peaks'])} | {plan:.0f} | "
+            f"{' / '.join(f'{plan / u:.2f}' for u in used)} | {per_step:.1f} | {tok_s:.0f} | {flops / CEILING_BF16:.0%} |")
+
+
+CEILING_BF16 = 317e9  # this machine's bf16 matmul peak (docs/platform-notes.md)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--only", default="", help="comma-separated rows (names of RUNS, checkpoint, merge, staged)")
+    args = parser.parse_args()
+    only = set(filter(None, args.only.split(",")))
+    want = lambda name: not only or name in only  # noqa: E731
+    model = build(CACHE / "llama-1.1b")
+    h, kv = SHAPE["hidden_size"], SHAPE["hidden_size"] // SHAPE["num_attention_heads"] * SHAPE["num_key_value_heads"]
+    params = 2 * SHAPE["vocab_size"] * h + SHAPE["num_hidden_layers"] * (2 * h * h + 2 * h * kv + 3 * h * SHAPE["intermediate_size"] + 2 * h) + h
+    work = CACHE / "work"
+    subprocess.run(["rm", "-rf", str(work)], check=True)
+    work.mkdir(parents=True)
+    lines = [f"Model: Llama 1.1B ({params / 1e9:.2f}B parameters, bf16 safetensors in 500 MB shards), sequence {SEQ}, micro batch 1, "
+             f"gradient checkpointing, bf16 autocast, {args.steps} optimizer steps per run. Peak RSS per process sampled every 20 ms; "
+             "planner ratio = finetune plan / (peak - RSS before the model loaded).", "",
+             "| run | peak RSS per process (MiB) | plan (MiB per process) | plan / measured | s per step | tokens/s | MFU (bf16 peak) |",
+             "|---|---|---|---|---|---|---|"]
+    for name, (nproc, strategy, sections) in RUNS.items():
+        if want(name):
+            out = work / ("lora-out" if name == "lora" else re.sub(r"[^a-z0-9]+", "-", name))
+            cfg = config(model, out, strategy, sections, args.steps)
+            run = train(work, name, nproc, cfg)
+            lines.append(row(run, planned(cfg, nproc, strategy), params))
+            print(lines[-1], flush=True)
+    lines.append("")
+    disk = floor(model, work)
+    lines.append(f"Disk here: sequential write {disk['write'] / 2**20:.0f} MiB/s (fsync'd), read {disk['read'] / 2**20:.0f} MiB/s; "
+                 f"the model's files read cold at {disk['model_read'] / 2**20:.0f} MiB/s.")
+    if want("checkpoint"):
+        c = checkpoints(model, work, args.steps)
+        sync, background = c["false"], c["true"]
+        if sync and background:
+            size = c["bytes"] / 2**20
+            mean_sync, mean_bg = sum(sync) / len(sync), sum(background) / len(background)
+            lines.append(f"Checkpoint of full fine-tuning ({size:.0f} MiB): training waited {mean_sync:.1f} s per save written synchronously "
+                         f"({size / mean_sync:.0f} MiB/s, {size / mean_sync / (disk['write'] / 2**20):.0%} of the disk's write speed), "
+                         f"{mean_bg:.2f} s with background writes ({mean_bg / mean_sync:.0%} of the synchronous save); "
+                         f"resume restored it in {c['resume']} s.")
+        else:
+            lines.append(f"Checkpoint runs failed: see {work}/checkpoint-async-*.log")
+    if want("merge"):
+        m = merge_row(model, work)
+        lines.append(f"Merge of the LoRA adapter into bf16: peak RSS {m['peak']:.0f} MiB = {m['peak'] / max(m['size'], 1):.2f}x the merged "
+                     f"model ({m['size']:.0f} MiB), {m['seconds']:.0f} s" if m["code"] == 0 else f"Merge failed: see {work}/merge.log")
+    if want("staged"):
+        st = staged_row(model, work)
+        lines.append(f"Load from a staged RAM copy: {st['load']:.1f} s, against {st['read']:.1f} s to read its files = {st['load'] / st['read']:.2f}x.")
+    report("large", lines)
+
+
+if __name__ == "__main__":
+    main()
