@@ -134,6 +134,9 @@ def _stream(model: torch.nn.Module, folder: Path, adapter: dict[str, torch.Tenso
         for file in {where[s] for s in stored.values()}:  # opened per group: the mapping goes when it closes
             with safe_open(folder / file, "pt") as f:
                 out.update({k: f.get_tensor(s).to(like[k].dtype) for k, s in stored.items() if where[s] == file})
+        unfilled = [prefix + k for k in keys if k not in out and not _tied(prefix + k, model)]
+        if unfilled:  # streaming_refusal let through a weight that nothing fills: never train on uninitialized memory
+            raise RuntimeError(f"fsdp streaming load: no value for {unfilled[0]} in {folder}")
         return out
 
     layers = decoder_layers(model)
@@ -145,6 +148,11 @@ def _stream(model: torch.nn.Module, folder: Path, adapter: dict[str, torch.Tenso
     local = model.state_dict()
     for key in [k for k in _names_once(model) if not k.startswith(inside)]:
         _send(model, read("", [key], local))
+
+
+def _tied(name: str, model: torch.nn.Module) -> bool:
+    """Whether this state-dict entry is a second name of a weight already listed (lm_head = embed_tokens)."""
+    return name not in _names_once(model)
 
 
 def _stored_key(name: str) -> str:
