@@ -3,7 +3,8 @@ checkpoints, merge and staged loading.
 
 The model (built once, cached under $FINETUNE_CACHE/bench-large): Llama architecture, 22 layers,
 hidden 2048, intermediate 5632, 32 attention heads with 4 key/value heads, a 32k vocabulary, random
-weights saved as bf16 safetensors in 500 MB shards, with the demo tokenizer. Every run is a fresh
+weights saved as bf16 safetensors in 500 MB shards, with the demo tokenizer; trained in fp32 (bf16
+linear layers of these shapes run 2-4x slower than fp32 on this CPU). Every run is a fresh
 `finetune train` process (or a 2-process torchrun) sampled every 20 ms for its peak RSS; the planner's
 figure is `finetune plan`'s for the same config, compared with (peak - RSS before the model loaded),
 per rank for fsdp/zero3.
@@ -28,7 +29,7 @@ import sys
 import time
 from pathlib import Path
 
-from common import DATA, REPO, cmdline, report, watch
+from common import DATA, REPO, _descendants, _kib, cmdline, report
 
 CACHE = Path(os.environ.get("FINETUNE_CACHE", REPO / ".cache" / "finetune")) / "bench-large"
 SHAPE = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32, num_key_value_heads=4, vocab_size=32000)
@@ -36,14 +37,29 @@ SEQ = 256
 RUNS = {  # name -> (processes, strategy, config sections)
     "lora": (1, "none", {}),
     "dora": (1, "none", {"adapter": {"method": "dora"}}),
-    "qlora": (1, "none", {"model": {"quantization": {"bits": 4, "compute_dtype": "bfloat16"}}}),
-    "full, adamw_8bit": (1, "none", {"adapter": {"method": "full"}, "model": {"dtype": "float32"}, "train": {"optimizer": "adamw_8bit"}}),
+    "qlora": (1, "none", {"model": {"quantization": {"bits": 4, "compute_dtype": "float32"}}}),
+    "full, adamw_8bit": (1, "none", {"adapter": {"method": "full"}, "train": {"optimizer": "adamw_8bit"}}),
     "fsdp lora": (2, "fsdp", {}),
-    "fsdp full": (2, "fsdp", {"adapter": {"method": "full"}, "model": {"dtype": "float32"}}),
+    "fsdp full": (2, "fsdp", {"adapter": {"method": "full"}}),
     "zero3 lora": (2, "zero3", {}),
-    "zero3 full": (2, "zero3", {"adapter": {"method": "full"}, "model": {"dtype": "float32"}}),
+    "zero3 full": (2, "zero3", {"adapter": {"method": "full"}}),
 }
-ENV = {**os.environ, "ACCELERATE_USE_CPU": "1", "MALLOC_MMAP_THRESHOLD_": "131072"}  # RSS tracks live memory (docs/platform-notes.md)
+# No MALLOC_* here: it would switch off how train.keep_freed_memory tunes glibc for speed (a LoRA
+# step took 51 s instead of ~10); RSS then includes freed activations glibc keeps for reuse.
+ENV = {**os.environ, "ACCELERATE_USE_CPU": "1"}
+
+
+def sample(job, is_worker, every: float = 0.25) -> tuple[list[float], list[float]]:
+    """Until the job ends: each worker's peak RSS and peak anonymous RSS (MiB, highest first). The
+    second leaves out clean pages of mapped files (a safetensors file read while a bf16 model is
+    converted to fp32), which are page cache the kernel drops under pressure, not memory held."""
+    rss, anon = {}, {}
+    while job.poll() is None:
+        for pid in [p for p in _descendants(job.pid) if is_worker(p)]:
+            rss[pid] = max(rss.get(pid, 0.0), _kib(pid, "status", "VmRSS") / 1024)
+            anon[pid] = max(anon.get(pid, 0.0), _kib(pid, "status", "RssAnon") / 1024)
+        time.sleep(every)
+    return sorted(rss.values(), reverse=True), sorted(anon.values(), reverse=True)
 
 
 def build(folder: Path) -> Path:
@@ -72,10 +88,10 @@ def build(folder: Path) -> Path:
 
 def config(model: Path, out: Path, strategy: str, sections: dict, steps: int) -> dict:
     cfg = {
-        "model": {"name_or_path": str(model), "dtype": "bfloat16"},
+        "model": {"name_or_path": str(model), "dtype": "float32"},
         "adapter": {"method": "lora", "r": 16},
         "data": {"train": str(DATA / "train.jsonl"), "format": "alpaca", "max_seq_len": SEQ, "eval": None},
-        "train": {"output_dir": str(out), "max_steps": steps, "micro_batch_size": 1, "mixed_precision": "bf16", "gradient_checkpointing": True},
+        "train": {"output_dir": str(out), "max_steps": steps, "micro_batch_size": 1, "mixed_precision": "no", "gradient_checkpointing": True},
         "logging": {"report_to": [], "progress_bar": False, "plot": False},
         "checkpoint": {"save_every": 0},
         "distributed": {"strategy": strategy},
@@ -98,10 +114,10 @@ def train(work: Path, name: str, nproc: int, cfg: dict, env: dict | None = None)
     with log_path.open("w") as log:
         job = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
                                env={**ENV, "OMP_NUM_THREADS": str(2 // nproc), **(env or {})})
-        peaks, _ = watch(job, lambda pid: "train" in cmdline(pid) and "torch.distributed.run" not in cmdline(pid))
+        peaks, anon = sample(job, lambda pid: "train" in cmdline(pid) and "torch.distributed.run" not in cmdline(pid))
     out = Path(cfg["train"]["output_dir"])
     console = log_path.read_text()
-    result = {"name": name, "code": job.returncode, "wall": time.perf_counter() - began, "peaks": peaks[:nproc], "console": console}
+    result = {"name": name, "code": job.returncode, "wall": time.perf_counter() - began, "peaks": peaks[:nproc], "anon": anon[:nproc], "console": console}
     if (out / "summary.json").is_file():
         result["summary"] = json.loads((out / "summary.json").read_text())
         result["metrics"] = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
@@ -152,6 +168,7 @@ def checkpoints(model: Path, work: Path, steps: int) -> dict:
     """Full fine-tuning (8-bit AdamW) saving every step, background writes off then on: the seconds
     training waited per save; then the second run killed mid-way and resumed: its restore seconds."""
     out = {}
+    subprocess.run(["rm", "-rf", str(work / "ckpt-false"), str(work / "ckpt-true")], check=True)
     nproc, strategy, sections = RUNS["full, adamw_8bit"]
     for mode in ("false", "true"):
         cfg = config(model, work / f"ckpt-{mode}", strategy, sections, steps)
@@ -171,13 +188,15 @@ def merge_row(model: Path, work: Path) -> dict:
     """The LoRA run's adapter merged in bf16: peak RSS, seconds, the merged model's size."""
     adapter = work / "lora-out"
     merged = work / "merged"
+    subprocess.run(["rm", "-rf", str(merged)], check=True)
     began = time.perf_counter()
     with (work / "merge.log").open("w") as log:
         job = subprocess.Popen([sys.executable, "-m", "finetune", "merge", "--adapter", str(adapter), "--out", str(merged), "--dtype", "bf16"],
                                cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=ENV)
-        peaks, _ = watch(job, lambda pid: "merge" in cmdline(pid))
+        peaks, anon = sample(job, lambda pid: "merge" in cmdline(pid))
     size = sum(p.stat().st_size for p in merged.glob("*.safetensors")) if job.returncode == 0 else 0
-    return {"code": job.returncode, "peak": peaks[0] if peaks else 0, "seconds": time.perf_counter() - began, "size": size / 2**20}
+    return {"code": job.returncode, "peak": peaks[0] if peaks else 0, "anon": anon[0] if anon else 0, "seconds": time.perf_counter() - began,
+            "size": size / 2**20}
 
 
 STAGED_LOAD = r"""
@@ -193,7 +212,7 @@ print(time.perf_counter() - t)
 def staged_row(model: Path, work: Path) -> dict:
     """`finetune stage` to /dev/shm, then a load from the staged copy, against reading its files."""
     root = Path("/dev/shm/finetune-bench-large")
-    subprocess.run([sys.executable, "-m", "finetune", "stage", str(model), "--root", str(root)], cwd=REPO, env=ENV, check=True,
+    subprocess.run([sys.executable, "-m", "finetune", "stage", "--model", str(model), "--root", str(root)], cwd=REPO, env=ENV, check=True,
                    capture_output=True)
     staged = next(p for p in root.iterdir() if p.is_dir())
     files = sorted(staged.glob("*.safetensors"))
@@ -207,23 +226,27 @@ def staged_row(model: Path, work: Path) -> dict:
 def row(run: dict, plan: float, params: int) -> str:
     if run["code"] != 0 or "summary" not in run:
         last = [line for line in run["console"].splitlines() if line.strip()][-1:] or ["(no output)"]
-        return f"| {run['name']} | failed (exit {run['code']}): {last[0][:120]} | | | | | |"
+        return f"| {run['name']} | failed (exit {run['code']}): {last[0][:120]} | | | | | | | |"
     s, m = run["summary"], run["metrics"]
     used = [peak - s["rss_before_model_mib"] for peak in run["peaks"]]
+    held = [peak - s["rss_before_model_mib"] for peak in run["anon"]]
     per_step = (m[-1]["elapsed_s"] - m[0]["elapsed_s"]) / max(1, len(m) - 1)
     tok_s = m[-1]["tokens_per_s"] * s["world_size"]
     # 6N per token for full fine-tuning, 4N for a frozen base (no weight gradients); attention left out.
     flops = (6 if "full" in run["name"] else 4) * params * tok_s
-    return (f"| {run['name']} | {' / '.join(f'{p:.0f}' for p in run['peaks'])} | {plan:.0f} | "
-            f"{' / '.join(f'{plan / u:.2f}' for u in used)} | {per_step:.1f} | {tok_s:.0f} | {flops / CEILING_BF16:.0%} |")
+    return (f"| {run['name']} | {' / '.join(f'{p:.0f}' for p in run['peaks'])} | {' / '.join(f'{p:.0f}' for p in run['anon'])} | {plan:.0f} | "
+            f"{' / '.join(f'{plan / u:.2f}' for u in used)} | {' / '.join(f'{plan / u:.2f}' for u in held)} | {per_step:.1f} | {tok_s:.0f} | "
+            f"{flops / CEILING_FP32:.0%} |")
 
 
-CEILING_BF16 = 317e9  # this machine's bf16 matmul peak (docs/platform-notes.md)
+# fp32 everywhere: bf16 linear layers at 231 x 2048 x 5632 ran at 34-58 GFLOP/s here against fp32's
+# 127 (docs/platform-notes.md); this is the fp32 ceiling measured on that shape.
+CEILING_FP32 = 127e9
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--only", default="", help="comma-separated rows (names of RUNS, checkpoint, merge, staged)")
     args = parser.parse_args()
     only = set(filter(None, args.only.split(",")))
@@ -232,13 +255,14 @@ def main() -> None:
     h, kv = SHAPE["hidden_size"], SHAPE["hidden_size"] // SHAPE["num_attention_heads"] * SHAPE["num_key_value_heads"]
     params = 2 * SHAPE["vocab_size"] * h + SHAPE["num_hidden_layers"] * (2 * h * h + 2 * h * kv + 3 * h * SHAPE["intermediate_size"] + 2 * h) + h
     work = CACHE / "work"
-    subprocess.run(["rm", "-rf", str(work)], check=True)
-    work.mkdir(parents=True)
+    if not only:  # with --only, the other rows' outputs stay (merge reads the LoRA run's adapter)
+        subprocess.run(["rm", "-rf", str(work)], check=True)
+    work.mkdir(parents=True, exist_ok=True)
     lines = [f"Model: Llama 1.1B ({params / 1e9:.2f}B parameters, bf16 safetensors in 500 MB shards), sequence {SEQ}, micro batch 1, "
-             f"gradient checkpointing, bf16 autocast, {args.steps} optimizer steps per run. Peak RSS per process sampled every 20 ms; "
+             f"gradient checkpointing, fp32 weights and compute, {args.steps} optimizer steps per run. Peak RSS per process sampled every 0.25 s; "
              "planner ratio = finetune plan / (peak - RSS before the model loaded).", "",
-             "| run | peak RSS per process (MiB) | plan (MiB per process) | plan / measured | s per step | tokens/s | MFU (bf16 peak) |",
-             "|---|---|---|---|---|---|---|"]
+             "| run | peak RSS per process (MiB) | peak anonymous RSS (MiB) | plan (MiB per process) | plan / RSS | plan / anonymous | s per step | tokens/s | MFU (fp32 ceiling) |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for name, (nproc, strategy, sections) in RUNS.items():
         if want(name):
             out = work / ("lora-out" if name == "lora" else re.sub(r"[^a-z0-9]+", "-", name))
@@ -250,6 +274,7 @@ def main() -> None:
     disk = floor(model, work)
     lines.append(f"Disk here: sequential write {disk['write'] / 2**20:.0f} MiB/s (fsync'd), read {disk['read'] / 2**20:.0f} MiB/s; "
                  f"the model's files read cold at {disk['model_read'] / 2**20:.0f} MiB/s.")
+    print(lines[-1], flush=True)
     if want("checkpoint"):
         c = checkpoints(model, work, args.steps)
         sync, background = c["false"], c["true"]
@@ -262,10 +287,13 @@ def main() -> None:
                          f"resume restored it in {c['resume']} s.")
         else:
             lines.append(f"Checkpoint runs failed: see {work}/checkpoint-async-*.log")
+        print(lines[-1], flush=True)
     if want("merge"):
         m = merge_row(model, work)
-        lines.append(f"Merge of the LoRA adapter into bf16: peak RSS {m['peak']:.0f} MiB = {m['peak'] / max(m['size'], 1):.2f}x the merged "
-                     f"model ({m['size']:.0f} MiB), {m['seconds']:.0f} s" if m["code"] == 0 else f"Merge failed: see {work}/merge.log")
+        lines.append(f"Merge of the LoRA adapter into bf16 ({m['size']:.0f} MiB merged): peak RSS {m['peak']:.0f} MiB = {m['peak'] / max(m['size'], 1):.2f}x "
+                     f"the merged model, anonymous {m['anon']:.0f} MiB = {m['anon'] / max(m['size'], 1):.2f}x (the rest: pages of the base's and the "
+                     f"merged model's files while mapped), {m['seconds']:.0f} s" if m["code"] == 0 else f"Merge failed: see {work}/merge.log")
+        print(lines[-1], flush=True)
     if want("staged"):
         st = staged_row(model, work)
         lines.append(f"Load from a staged RAM copy: {st['load']:.1f} s, against {st['read']:.1f} s to read its files = {st['load'] / st['read']:.2f}x.")
