@@ -125,6 +125,8 @@ def _stream(model: torch.nn.Module, folder: Path, adapter: dict[str, torch.Tenso
 
     rank0 = dist.get_rank() == 0
     where = {key: name for name, keys in weight_files(folder).items() for key in keys}
+    once = _names_once(model)
+    listed = set(once)  # a tied weight's second name is filled through its first
 
     def read(prefix: str, keys: list[str], like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if not rank0:
@@ -134,7 +136,7 @@ def _stream(model: torch.nn.Module, folder: Path, adapter: dict[str, torch.Tenso
         for file in {where[s] for s in stored.values()}:  # opened per group: the mapping goes when it closes
             with safe_open(folder / file, "pt") as f:
                 out.update({k: f.get_tensor(s).to(like[k].dtype) for k, s in stored.items() if where[s] == file})
-        unfilled = [prefix + k for k in keys if k not in out and not _tied(prefix + k, model)]
+        unfilled = [prefix + k for k in keys if k not in out and prefix + k in listed]
         if unfilled:  # streaming_refusal let through a weight that nothing fills: never train on uninitialized memory
             raise RuntimeError(f"fsdp streaming load: no value for {unfilled[0]} in {folder}")
         return out
@@ -146,13 +148,8 @@ def _stream(model: torch.nn.Module, folder: Path, adapter: dict[str, torch.Tenso
         _send(layer, read(prefix, list(local), local))
     inside = tuple(names[id(layer)] + "." for layer in layers)
     local = model.state_dict()
-    for key in [k for k in _names_once(model) if not k.startswith(inside)]:
+    for key in [k for k in once if not k.startswith(inside)]:
         _send(model, read("", [key], local))
-
-
-def _tied(name: str, model: torch.nn.Module) -> bool:
-    """Whether this state-dict entry is a second name of a weight already listed (lm_head = embed_tokens)."""
-    return name not in _names_once(model)
 
 
 def _stored_key(name: str) -> str:

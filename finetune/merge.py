@@ -26,6 +26,7 @@ from finetune import checkpoint
 from finetune.config import ModelConfig, RunConfig, load_config
 from finetune.errors import EXIT_MERGE_CHECK, Stopped, UserError
 from finetune.model import DTYPES, apply_adapter, load_model, load_tokenizer, weight_files
+from finetune.stage import resolve_source
 
 OUT_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}  # --dtype -> the config's name
 # Max |logit difference| allowed between the saved model and base+adapter, by the dtype written: the
@@ -184,7 +185,7 @@ def merge(adapter_path: str, out: str, base: str | None = None, dtype: str | Non
 
         # 2. Each variant written to its own folder: shard by shard where it can be (the adapter's
         # weights taken out of the reference, which then goes), else the whole model in float32.
-        variants = ["original", "dequantized"] if adapter.quantized else ["merged"]
+        variants, written = ["original", "dequantized"] if adapter.quantized else ["merged"], DTYPES[OUT_DTYPES[dtype]]
         targets, why_not = Targets.of(tuned, adapter)
         del tuned
         gc.collect()
@@ -193,14 +194,14 @@ def merge(adapter_path: str, out: str, base: str | None = None, dtype: str | Non
             say(f"merging the whole model in memory (about 2x its size in float32): {why_not}")
         for variant in variants:
             if why_not:
-                _save_whole(merged_model(adapter, variant).to(DTYPES[OUT_DTYPES[dtype]]), tmp / variant, max_shard_size)
+                _save_whole(merged_model(adapter, variant).to(written), tmp / variant, max_shard_size)
                 gc.collect()
             else:
-                write_by_shard(targets, variant, DTYPES[OUT_DTYPES[dtype]], tmp / variant, max_shard_size)
+                write_by_shard(targets, variant, written, tmp / variant, max_shard_size)
         del targets
 
         # 3. Reloaded with plain transformers and compared; for QLoRA the closer base (or the one asked for) is kept.
-        found = {variant: distance(logits_on(_reload(tmp / variant, dtype), tokenizer, texts), reference) for variant in variants}
+        found = {variant: distance(logits_on(_reload(tmp / variant, written), tokenizer, texts), reference) for variant in variants}
         chosen = qlora_base or min(variants, key=lambda v: found[v]["max"])
         if adapter.quantized:
             report["qlora_bases"], report["qlora_base"] = found, chosen
@@ -226,10 +227,10 @@ def merge(adapter_path: str, out: str, base: str | None = None, dtype: str | Non
     return report
 
 
-def _reload(folder: Path, dtype: str):
+def _reload(folder: Path, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(folder, dtype=DTYPES[OUT_DTYPES[dtype]]).eval()
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
 
 
 @dataclass
@@ -238,6 +239,7 @@ class Targets:
     linear layer (a peft LoRA/DoRA layer, its base weight dropped), the trained copies of
     modules_to_save, and the 4-bit/8-bit weights of a quantized base (a fraction of its size)."""
     base: Path
+    files: dict[str, list[str]]  # the base's safetensors files and their keys
     config: object  # the adapter's LoraConfig
     layers: dict[str, torch.nn.Module]  # file key of the base weight -> peft LoRA layer
     replaced: dict[str, torch.Tensor]  # file key -> trained tensor (modules_to_save)
@@ -251,7 +253,7 @@ class Targets:
         from peft.tuners.tuners_utils import BaseTunerLayer
         from peft.utils.other import ModulesToSaveWrapper
 
-        folder = _base_folder(adapter.base)
+        folder = resolve_source(adapter.base)
         files = weight_files(folder)
         if not files:
             return None, f"{adapter.base} holds no safetensors weights"
@@ -273,10 +275,11 @@ class Targets:
         missing = sorted((set(layers) | set(replaced)) - keys)
         if missing:
             return None, f"{missing[0]} is not a key of the base's weight files (the model renames its weights when loading)"
-        for layer in layers.values():  # keep the adapter's weights; the base weight goes with the model
-            layer.base_layer.weight = torch.nn.Parameter(torch.empty(0), requires_grad=False) if not quantized else layer.base_layer.weight
+        if not quantized:  # keep the adapter's weights; the float base weight goes with the model
+            for layer in layers.values():
+                layer.base_layer.weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)
         run_dtype = adapter.run.model.dtype if adapter.quantized else "auto"
-        return cls(folder, tuned.peft_config[tuned.active_adapter], layers, replaced, quantized,
+        return cls(folder, files, tuned.peft_config[tuned.active_adapter], layers, replaced, quantized,
                    None if run_dtype == "auto" else DTYPES[run_dtype]), None
 
     def tensor(self, key: str, stored: torch.Tensor, variant: str) -> torch.Tensor:
@@ -318,17 +321,19 @@ def write_by_shard(targets: Targets, variant: str, dtype: torch.dtype, folder: P
     from tqdm.auto import tqdm
     from transformers.utils.hub import convert_file_size_to_int
 
-    limit, files = convert_file_size_to_int(max_shard_size), weight_files(targets.base)
+    limit = convert_file_size_to_int(max_shard_size)
     folder.mkdir()
-    shards, pending = [], {}
-    with tqdm(total=sum(len(k) for k in files.values()), desc=f"merging ({variant})", unit=" tensors", delay=2) as bar:
-        for file, keys in files.items():
+    shards, pending, size = [], {}, 0
+    with tqdm(total=sum(len(k) for k in targets.files.values()), desc=f"merging ({variant})", unit=" tensors", delay=2) as bar:
+        for file, keys in targets.files.items():
             with safe_open(targets.base / file, "pt") as weights:
                 for key in keys:
                     value = targets.tensor(key, weights.get_tensor(key), variant).to(dtype).contiguous()
-                    if pending and sum(t.nbytes for t in pending.values()) + value.nbytes > limit:
+                    if pending and size + value.nbytes > limit:
                         shards.append(_write_shard(pending, folder, len(shards)))
+                        size = 0
                     pending[key] = value
+                    size += value.nbytes
                     bar.update(1)
     shards.append(_write_shard(pending, folder, len(shards)))
     _name_shards(folder, shards)
@@ -370,12 +375,6 @@ def _write_configs(base: Path, folder: Path, dtype: torch.dtype) -> None:
     except OSError:
         generation = GenerationConfig.from_model_config(config)
     generation.save_pretrained(folder)
-
-
-def _base_folder(base: str) -> Path:
-    from finetune.stage import resolve_source
-
-    return resolve_source(base)
 
 
 def _output_folders(out: str, overwrite: bool) -> tuple[Path, Path]:
