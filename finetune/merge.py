@@ -218,9 +218,11 @@ def merge(adapter_path: str, out: str, base: str | None = None, dtype: str | Non
         report["files"] = sorted(p.name for p in tmp.iterdir()) + [REPORT]
         (tmp / REPORT).write_text(json.dumps(report, indent=2) + "\n")
         if not report["passed"]:
+            fix = "Raise --tolerance to accept it" if dtype == "fp32" else \
+                f"Rounding W + BA to {dtype} drops the adapter's updates smaller than half a {dtype} step: --dtype fp32 keeps them, or raise --tolerance to accept it"
             raise Stopped(f"merge check failed: the saved model's logits differ from base+adapter by up to {m['max']:.4g} "
                           f"(tolerance {tolerance:g}; the adapter itself moves them by up to {effect['max']:.4g}); nothing "
-                          f"written to {final}. Raise --tolerance to accept it", exit_code=EXIT_MERGE_CHECK)
+                          f"written to {final}. {fix}", exit_code=EXIT_MERGE_CHECK)
         _publish(tmp, final)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # gone already when it became the output
