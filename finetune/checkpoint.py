@@ -9,11 +9,14 @@ It is written under a temporary name, fsynced, given a manifest of every file's 
 and only then renamed into place: a folder with that name and a matching manifest is complete;
 anything else is skipped (and reported) when resuming.
 
-An unsharded checkpoint can be written in the background (`checkpoint.async_save`): the training
-thread copies the trained weights and optimizer state to host memory and goes on, while a writer
-thread writes, fsyncs, hashes, adds the manifest last and renames. One save is in flight at a time;
-`wait()` blocks on it (the next save, a rollback, preemption and the end of the run call it), so a
-kill mid-write leaves a folder without a manifest that resuming skips.
+A checkpoint can be written in the background (`checkpoint.async_save`; not for ZeRO): the training
+thread copies the trained weights and optimizer state to host memory and goes on. Unsharded, a
+writer thread on rank 0 writes, fsyncs, hashes, adds the manifest last and renames; under FSDP every
+rank hands its shards to DCP's `async_save` (its own gloo group, so that its collectives never meet
+training's), and rank 0's writer waits for DCP to finish (all ranks' files written and synced) before
+the rest. One save is in flight at a time; `wait()` blocks on it (the next save, a rollback,
+preemption and the end of the run call it), so a kill mid-write leaves a folder without a manifest
+that resuming skips.
 """
 
 from __future__ import annotations
@@ -86,16 +89,24 @@ def set_rng_state(state: dict) -> None:
 # ----------------------------------------------------------------------------------------------
 # Saving
 
-_writer: threading.Thread | None = None  # the background save in flight
+_writer: threading.Thread | None = None  # the background save in flight (rank 0)
 _writer_error: list[BaseException] = []
+_shards_written = None  # DCP's future for this rank's shards of the save in flight
+_dcp_group = None  # the gloo group DCP's background collectives use
 
 
 def wait() -> None:
     """Block until the background save in flight, if any, is complete; raise what made it fail."""
-    global _writer
+    global _writer, _shards_written
     if _writer is not None:
         _writer.join()
         _writer = None
+    if _shards_written is not None:
+        future, _shards_written = _shards_written, None
+        try:
+            future.result()
+        except BaseException as err:  # rank 0's writer records the same failure; other ranks learn it here
+            _writer_error.append(err)
     if _writer_error:
         err = _writer_error.pop()
         raise RuntimeError(f"the background checkpoint save failed: {err}") from err
@@ -128,10 +139,12 @@ def _sharded_state(model, optimizer) -> dict:
 def save(output_dir: str | Path, step: int, model, optimizer, scheduler, trainer_state: dict, config_yaml: str,
          accelerator, keep_last: int, layout: str = "full", background: bool = False) -> Path | None:
     """Write the checkpoint of `step` (every rank calls this; rank 0 writes all but the RNG files and,
-    for layout "dcp" or "deepspeed", each rank its own shards). `background` (layout "full" only):
-    rank 0 returns once its state is copied, and a writer thread completes the checkpoint."""
+    for layout "dcp" or "deepspeed", each rank its own shards). `background` (layouts "full" and
+    "dcp"): every rank returns once its state is copied, and rank 0's writer thread completes the
+    checkpoint."""
     import torch.distributed.checkpoint as dcp
 
+    global _writer, _shards_written
     wait()
     root = checkpoint_root(output_dir)
     tmp = root / f".{step_dir(root, step).name}.tmp"
@@ -140,7 +153,9 @@ def save(output_dir: str | Path, step: int, model, optimizer, scheduler, trainer
         tmp.mkdir(parents=True)
     accelerator.wait_for_everyone()
     torch.save(rng_state(), tmp / f"rng-rank{accelerator.process_index}.pt")
-    if layout == "dcp":
+    if layout == "dcp" and background:
+        _shards_written = dcp.async_save(_sharded_state(model, optimizer), checkpoint_id=tmp / SHARDED, process_group=_dcp_process_group())
+    elif layout == "dcp":
         dcp.save(_sharded_state(model, optimizer), checkpoint_id=tmp / SHARDED)
     elif layout == "deepspeed":
         model.save_checkpoint(tmp / DEEPSPEED, tag="state", save_latest=False, exclude_frozen_parameters=True)
@@ -155,17 +170,29 @@ def save(output_dir: str | Path, step: int, model, optimizer, scheduler, trainer
     if layout == "full":
         files[WEIGHTS] = trainable_state(accelerator.unwrap_model(model))
         files["optimizer.pt"] = optimizer.state_dict()
-    if not (background and layout == "full"):
+    if not background:
         return _complete(tmp, root, step, files, keep_last)
-    global _writer
-    files = host_copy(files)
-    _writer = threading.Thread(target=_complete_or_record, args=(tmp, root, step, files, keep_last), name="checkpoint-writer")
+    files, shards = host_copy(files), _shards_written
+    _shards_written = None  # the writer waits for it
+    _writer = threading.Thread(target=_complete_or_record, args=(shards, tmp, root, step, files, keep_last), name="checkpoint-writer")
     _writer.start()
     return step_dir(root, step)
 
 
-def _complete_or_record(*args) -> None:
+def _dcp_process_group():
+    """A gloo group of every rank, made once (by every rank, at its first background save)."""
+    global _dcp_group
+    if _dcp_group is None:
+        import torch.distributed as dist
+
+        _dcp_group = dist.new_group(backend="gloo")
+    return _dcp_group
+
+
+def _complete_or_record(shards, *args) -> None:
     try:
+        if shards is not None:
+            shards.result()  # DCP's metadata is written once every rank's files are: they are all there
         _complete(*args)
     except BaseException as err:  # raised in the training thread at its next wait()
         _writer_error.append(err)

@@ -79,8 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
     _run_options(p)
     p.add_argument("--gpus", type=_number(int, 1, "at least 1"), default=1, metavar="N", help="devices the run is spread over (default 1)")
     p.add_argument("--gpu-mem", metavar="SIZE", help="memory per device, e.g. 80GiB (default: this machine's GPU, else its available RAM)")
-    p.add_argument("--sharding", choices=["none", "zero2", "zero3"], default="none",
-                   help="none/DDP; zero2: gradients+optimizer split over devices; zero3 (or FSDP): weights too")
+    p.add_argument("--sharding", choices=["none", "fsdp", "zero2", "zero3"], default="none",
+                   help="none: one process or DDP; fsdp: weights, gradients and optimizer split over devices; zero2 (DeepSpeed): "
+                        "gradients and optimizer split; zero3 (DeepSpeed): weights too (DeepSpeed adds an fp32 copy of each partition)")
 
     p = sub.add_parser("stage", help="copy a model into RAM once so runs load it in seconds; list or evict copies",
                        description="Copy a model folder (safetensors weights, configs, tokenizer) to a RAM-backed folder, verify it "

@@ -165,9 +165,9 @@ class CheckpointConfig(_Section):
     allow_config_change: bool = Field(False, description="Resume even when settings that change the run (model, adapter, data, batch) differ from the checkpoint's.")
     max_restarts_without_progress: int = Field(3, ge=1, description="Refuse to start again after this many starts in a row resumed from the same checkpoint.")
     keep_last: int = Field(2, ge=1, description="Complete checkpoints to keep; older ones are deleted once a newer one is complete.")
-    async_save: bool | None = Field(None, description="Write unsharded checkpoints (one process, ddp) in the background: training waits only "
+    async_save: bool | None = Field(None, description="Write checkpoints in the background (one process, ddp, fsdp): training waits only "
                                     "for a copy of the trained weights and optimizer state in host memory. null: on for adapters, off for full "
-                                    "fine-tuning (whose copy costs ~12 bytes per parameter of host memory). fsdp and ZeRO save synchronously.")
+                                    "fine-tuning (whose copy costs ~12 bytes per parameter of host memory). ZeRO saves synchronously.")
     resume: str = Field("auto", description="auto: resume from the newest complete checkpoint in output_dir/checkpoints; never; or a checkpoint path.")
 
     @field_validator("resume")

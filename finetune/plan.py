@@ -92,7 +92,7 @@ class Setup:
     seq_len: int
     activation_bytes: int
     checkpointing: bool
-    sharding: str  # none | zero2 | zero3
+    sharding: str  # none (one process or DDP) | fsdp | zero2 | zero3 (DeepSpeed)
     devices: int
 
 
@@ -148,13 +148,15 @@ def estimate(shape: Shape, cfg: RunConfig, s: Setup) -> dict[str, float]:
         state = param_bytes if cfg.train.momentum > 0 else 0
     optimizer = n_train * (2 * param_bytes if state is None else state)
     # Sharding: ZeRO-2 splits gradients and optimizer states, ZeRO-3/FSDP the weights too.
-    if s.sharding in ("zero2", "zero3"):
+    if s.sharding != "none":
         grads, optimizer = grads / s.devices, optimizer / s.devices
     weights = base + adapter
     rows = {"weights": weights, "gradients": grads, "optimizer states": optimizer, "activations": activations(shape, s)}
-    if s.sharding == "zero3":
+    if s.sharding in ("fsdp", "zero3"):
         rows["weights"] = weights / s.devices
         rows["gathered for compute"] = gathered(shape, s, full)
+    if s.sharding in ("zero2", "zero3"):  # DeepSpeed's optimizer keeps an fp32 copy of its partition, even of fp32 weights
+        rows["fp32 master weights (DeepSpeed)"] = n_train * 4 / s.devices
     temporaries = dense_temporaries(shape, cfg, s)
     if temporaries:
         rows["dense weight temporaries"] = temporaries
@@ -239,8 +241,8 @@ def alternatives(cfg: RunConfig, plan: Plan, gpu: bool) -> list[tuple[str, Plan]
         options.append((f"train.micro_batch_size: {max(1, s.micro_batch // 2)} (raise grad_accum to keep the batch)", replace(s, micro_batch=max(1, s.micro_batch // 2))))
     if s.optimizer in ("adamw", "paged_adamw_32bit"):
         options.append(("train.optimizer: adamw_8bit", replace(s, optimizer="adamw_8bit")))
-    if s.devices > 1 and s.sharding != "zero3":
-        options.append((f"ZeRO-3 / FSDP over {s.devices} devices", replace(s, sharding="zero3")))
+    if s.devices > 1 and s.sharding in ("none", "zero2"):
+        options.append((f"FSDP over {s.devices} devices", replace(s, sharding="fsdp")))
     out = [(label, make_plan(cfg, gpu=gpu, setup=alt)) for label, alt in options]
     if s.bits is None and cfg.adapter.method != "full":
         from finetune.config import QuantizationConfig

@@ -301,7 +301,7 @@ def _run(cfg: RunConfig) -> RunResult:
     elif not fsdp:
         optimizer = accelerator.prepare(optimizer)
     layout = "dcp" if fsdp else "deepspeed" if zero else "full"
-    background = layout == "full" and (cfg.checkpoint.async_save if cfg.checkpoint.async_save is not None else cfg.adapter.method != "full")
+    background = layout != "deepspeed" and (cfg.checkpoint.async_save if cfg.checkpoint.async_save is not None else cfg.adapter.method != "full")
     if cfg.logging.report_to:
         accelerator.init_trackers("finetune", config={k: v for k, v in cfg.model_dump(mode="json")["train"].items() if v is not None and not isinstance(v, list)})
     resumed = resume(cfg, model, optimizer, scheduler, accelerator, layout)
@@ -474,6 +474,7 @@ def _run(cfg: RunConfig) -> RunResult:
 
     log.close_bar()
     casting.close()
+    checkpoint.wait()  # the last save complete: last_good may pick it, and DCP's background writes need the process group
     final_eval = evaluate(schedule.total_steps)
     summary = {"steps": schedule.total_steps, "train_loss": last.get("loss"), "tokens": tokens_seen, "elapsed_s": time.perf_counter() - started}
     if "router_aux_loss" in last:

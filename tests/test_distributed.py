@@ -56,6 +56,8 @@ def two_process_runs(tmp_path_factory, tiny_model_dir, ram_root):
     def get(strategy):
         if strategy not in runs:
             staging = {"model": {"ramdisk": str(ram_root / "ddp")}} if strategy == "ddp" else {}
+            if strategy == "fsdp":  # a synchronous save, compared with a background one below
+                staging["checkpoint"] = {"save_every": 2, "async_save": False}
             runs[strategy] = None  # a failed run fails the first test that asked for it, and is not retried
             runs[strategy] = _train(tmp_path_factory.mktemp(strategy), "two", tiny_model_dir, "lora", 2, strategy, **staging)
         if runs[strategy] is None:
@@ -125,14 +127,22 @@ def test_gathered_adapter_loads_in_one_process_and_equals_the_trained_one(tmp_pa
     _merges_cleanly(out, tmp_path / "merged")
 
 
-def test_fsdp_checkpoint_resumes_at_two_and_at_one_process(tmp_path, tiny_model_dir):
-    """DCP writes one shard file per rank; a 2-process and a 1-process run (same global batch: micro 2
+def test_fsdp_checkpoint_resumes_at_two_and_at_one_process(tmp_path, tiny_model_dir, two_process_runs):
+    """DCP writes one shard file per rank, here in the background (DCP's async_save): the same bytes
+    as the shared run's synchronous save. A 2-process and a 1-process run (same global batch: micro 2
     x accum 2) both resume from it and continue with the uninterrupted run's losses."""
     import shutil
 
-    full, losses, _ = _train(tmp_path, "full", tiny_model_dir, "lora", 2, "fsdp", checkpoint={"save_every": 2})
+    full, losses, _ = _train(tmp_path, "full", tiny_model_dir, "lora", 2, "fsdp", checkpoint={"save_every": 2, "async_save": True})
     saved = full / "checkpoints" / "step-000002"
     assert sorted(p.name for p in (saved / "sharded").iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    assert "being written in the background" in (full / "console.log").read_text()
+    written = {mode: json.loads((folder / "checkpoints" / "step-000002" / "manifest.json").read_text())
+               for mode, folder in (("background", full), ("synchronous", two_process_runs("fsdp")[0]))}
+    for files in written.values():
+        assert files.pop("finetune_config.yaml")  # differs by the output_dir and async_save
+        assert files.pop("sharded/.metadata")  # DCP's index records the folder it was written to
+    assert written["background"] == written["synchronous"]  # every other file's size and sha256 (both ranks' shards)
     for nproc in (2, 1):
         out = tmp_path / f"resumed-{nproc}"
         shutil.copytree(saved, out / "checkpoints" / saved.name)
