@@ -57,6 +57,19 @@ def watch(job, is_worker, every: float = 0.02) -> tuple[list[float], float]:
     return sorted(peaks.values(), reverse=True), node_peak
 
 
+def sample(job, is_worker, every: float = 0.25) -> tuple[list[float], list[float]]:
+    """Until the job ends: each worker's peak RSS and peak anonymous RSS (MiB, highest first). The
+    second leaves out clean pages of mapped files (a safetensors file read while a bf16 model is
+    converted to fp32), which are page cache the kernel drops under pressure, not memory held."""
+    rss, anon = {}, {}
+    while job.poll() is None:
+        for pid in [p for p in _descendants(job.pid) if is_worker(p)]:
+            rss[pid] = max(rss.get(pid, 0.0), _kib(pid, "status", "VmRSS") / 1024)
+            anon[pid] = max(anon.get(pid, 0.0), _kib(pid, "status", "RssAnon") / 1024)
+        time.sleep(every)
+    return sorted(rss.values(), reverse=True), sorted(anon.values(), reverse=True)
+
+
 def cmdline(pid: int) -> str:
     try:
         return Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")

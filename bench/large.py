@@ -5,16 +5,16 @@ The model (built once, cached under $FINETUNE_CACHE/bench-large): Llama architec
 hidden 2048, intermediate 5632, 32 attention heads with 4 key/value heads, a 32k vocabulary, random
 weights saved as bf16 safetensors in 500 MB shards, with the demo tokenizer; trained in fp32 (bf16
 linear layers of these shapes run 2-4x slower than fp32 on this CPU). Every run is a fresh
-`finetune train` process (or a 2-process torchrun) sampled every 20 ms for its peak RSS; the planner's
-figure is `finetune plan`'s for the same config, compared with (peak - RSS before the model loaded),
-per rank for fsdp/zero3.
+`finetune train` process (or a 2-process torchrun) sampled every 0.25 s for its peak RSS and peak
+anonymous RSS; the planner's figure is `finetune plan`'s for the same config, compared with (peak -
+RSS before the model loaded), per rank for fsdp/zero3.
 
 Rows: LoRA, DoRA, QLoRA (4-bit), full fine-tuning (8-bit AdamW), fsdp and zero3 with 2 processes
-(LoRA and full); a checkpoint of full fine-tuning saved with background writes off and on (the
+(LoRA and full; zero3 full with SGD); a checkpoint of full fine-tuning saved with background writes off and on (the
 seconds training waited), the run killed and resumed; the LoRA adapter merged (peak RSS against the
 merged model's size); the model staged in RAM and loaded from there against a plain read of its files.
 
-Usage: python bench/large.py [--steps 3] [--only lora,merge,...]   (make bench-large, ~25 min)
+Usage: python bench/large.py [--steps 2] [--only lora,merge,...]   (make bench-large, ~25 min)
 Prints a markdown table and writes it to bench/results/large.md.
 """
 
@@ -29,7 +29,7 @@ import sys
 import time
 from pathlib import Path
 
-from common import DATA, REPO, _descendants, _kib, cmdline, report
+from common import DATA, REPO, cmdline, report, sample
 
 CACHE = Path(os.environ.get("FINETUNE_CACHE", REPO / ".cache" / "finetune")) / "bench-large"
 SHAPE = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32, num_key_value_heads=4, vocab_size=32000)
@@ -50,19 +50,6 @@ MERGE_TOLERANCE = 2.0
 # No MALLOC_* here: it would switch off how train.keep_freed_memory tunes glibc for speed (QLoRA: 2
 # steps in 22 s instead of 30); RSS then includes freed blocks glibc keeps for reuse.
 ENV = {**os.environ, "ACCELERATE_USE_CPU": "1"}
-
-
-def sample(job, is_worker, every: float = 0.25) -> tuple[list[float], list[float]]:
-    """Until the job ends: each worker's peak RSS and peak anonymous RSS (MiB, highest first). The
-    second leaves out clean pages of mapped files (a safetensors file read while a bf16 model is
-    converted to fp32), which are page cache the kernel drops under pressure, not memory held."""
-    rss, anon = {}, {}
-    while job.poll() is None:
-        for pid in [p for p in _descendants(job.pid) if is_worker(p)]:
-            rss[pid] = max(rss.get(pid, 0.0), _kib(pid, "status", "VmRSS") / 1024)
-            anon[pid] = max(anon.get(pid, 0.0), _kib(pid, "status", "RssAnon") / 1024)
-        time.sleep(every)
-    return sorted(rss.values(), reverse=True), sorted(anon.values(), reverse=True)
 
 
 def build(folder: Path) -> Path:
@@ -172,7 +159,7 @@ def checkpoints(model: Path, work: Path, steps: int) -> dict:
     training waited per save; then the second run killed mid-way and resumed: its restore seconds."""
     out = {}
     subprocess.run(["rm", "-rf", str(work / "ckpt-false"), str(work / "ckpt-true")], check=True)
-    nproc, strategy, sections = RUNS["full, adamw_8bit"]
+    nproc, strategy, sections = RUNS["full (adamw_8bit)"]
     for mode in ("false", "true"):
         cfg = config(model, work / f"ckpt-{mode}", strategy, sections, steps)
         cfg["checkpoint"] = {"save_every": 1, "keep_last": 1, "async_save": mode == "true"}

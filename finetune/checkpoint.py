@@ -146,6 +146,7 @@ def save(output_dir: str | Path, step: int, model, optimizer, scheduler, trainer
 
     global _writer, _shards_written
     wait()
+    shards = None  # DCP's future for this rank's shards, when written in the background
     root = checkpoint_root(output_dir)
     tmp = root / f".{step_dir(root, step).name}.tmp"
     if accelerator.is_main_process:
@@ -154,13 +155,14 @@ def save(output_dir: str | Path, step: int, model, optimizer, scheduler, trainer
     accelerator.wait_for_everyone()
     torch.save(rng_state(), tmp / f"rng-rank{accelerator.process_index}.pt")
     if layout == "dcp" and background:
-        _shards_written = dcp.async_save(_sharded_state(model, optimizer), checkpoint_id=tmp / SHARDED, process_group=_dcp_process_group())
+        shards = dcp.async_save(_sharded_state(model, optimizer), checkpoint_id=tmp / SHARDED, process_group=_dcp_process_group())
     elif layout == "dcp":
         dcp.save(_sharded_state(model, optimizer), checkpoint_id=tmp / SHARDED)
     elif layout == "deepspeed":
         model.save_checkpoint(tmp / DEEPSPEED, tag="state", save_latest=False, exclude_frozen_parameters=True)
     accelerator.wait_for_everyone()
     if not accelerator.is_main_process:
+        _shards_written = shards  # wait() joins it
         return None
     files = {"scheduler.pt": scheduler.state_dict(),
              "trainer_state.json": json.dumps({**trainer_state, "step": step, "world_size": accelerator.num_processes}),
@@ -172,9 +174,7 @@ def save(output_dir: str | Path, step: int, model, optimizer, scheduler, trainer
         files["optimizer.pt"] = optimizer.state_dict()
     if not background:
         return _complete(tmp, root, step, files, keep_last)
-    files, shards = host_copy(files), _shards_written
-    _shards_written = None  # the writer waits for it
-    _writer = threading.Thread(target=_complete_or_record, args=(shards, tmp, root, step, files, keep_last), name="checkpoint-writer")
+    _writer = threading.Thread(target=_complete_or_record, args=(shards, tmp, root, step, host_copy(files), keep_last), name="checkpoint-writer")
     _writer.start()
     return step_dir(root, step)
 

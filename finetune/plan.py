@@ -183,9 +183,8 @@ def dense_temporaries(shape: Shape, cfg: RunConfig, s: Setup) -> float:
     if not layers:
         return 0.0
     size = 0.0
-    if s.bits:
-        q = cfg.model.quantization
-        size = max(l.fan_in * l.fan_out for l in layers) * (DTYPE_BYTES[q.compute_dtype if q else "bfloat16"] + 4)
+    if s.bits:  # set from cfg.model.quantization (the QLoRA alternative sets both)
+        size = max(l.fan_in * l.fan_out for l in layers) * (DTYPE_BYTES[cfg.model.quantization.compute_dtype] + 4)
     if s.method == "dora":
         size = max(size, max((l.fan_in ** 2 + 3 * l.fan_in * l.fan_out) * 4 for l in layers))
     return size

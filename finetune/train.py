@@ -356,7 +356,7 @@ def _run(cfg: RunConfig) -> RunResult:
     # Every rank agrees whether a signal came during set-up (there is nothing to save yet).
     signalled = accelerator.reduce(torch.tensor(float(preemption.signal is not None), device=accelerator.device), "sum").item() > 0
     stop_if_preempted(signalled, preemption.name, out, main, "before the first step")
-    keep_freed_memory(gathers=fsdp or strategy.startswith("zero3"))
+    keep_freed_memory(gathers=fsdp or ZERO_STAGES.get(strategy) == 3)
     reset_peak_rss()
     if cfg.eval.on_start and start_step == 0:
         evaluate(0)
