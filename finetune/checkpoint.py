@@ -9,9 +9,10 @@ It is written under a temporary name, fsynced, given a manifest of every file's 
 and only then renamed into place: a folder with that name and a matching manifest is complete;
 anything else is skipped (and reported) when resuming.
 
-A checkpoint can be written in the background (`checkpoint.async_save`; not for ZeRO): the training
-thread copies the trained weights and optimizer state to host memory and goes on. Unsharded, a
-writer thread on rank 0 writes, fsyncs, hashes, adds the manifest last and renames; under FSDP every
+A checkpoint can be written in the background (`checkpoint.async_save`; not for ZeRO). Unsharded,
+a writer thread on rank 0 first copies the trained weights and optimizer state to host memory while
+training computes its next forward and backward (`staged()`, called before each optimizer step,
+waits for that copy), then writes, fsyncs, hashes, adds the manifest last and renames; under FSDP every
 rank hands its shards to DCP's `async_save` (its own gloo group, so that its collectives never meet
 training's), and rank 0's writer waits for DCP to finish (all ranks' files written and synced) before
 the rest. One save is in flight at a time; `wait()` blocks on it (the next save, a rollback,
@@ -27,11 +28,14 @@ import os
 import random
 import shutil
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
+
+from finetune.diskio import HashedFile, write_safetensors
 
 MANIFEST = "manifest.json"
 WEIGHTS = "trainable.safetensors"
@@ -90,6 +94,8 @@ def set_rng_state(state: dict) -> None:
 # Saving
 
 _writer: threading.Thread | None = None  # the background save in flight (rank 0)
+_staged = threading.Event()  # set while no background save still needs the live weights and optimizer state
+_staged.set()
 _writer_error: list[BaseException] = []
 _shards_written = None  # DCP's future for this rank's shards of the save in flight
 _dcp_group = None  # the gloo group DCP's background collectives use
@@ -110,6 +116,14 @@ def wait() -> None:
     if _writer_error:
         err = _writer_error.pop()
         raise RuntimeError(f"the background checkpoint save failed: {err}") from err
+
+
+def staged() -> float:
+    """Block until the background save in flight holds its own copy of what an optimizer step changes
+    in place; the seconds waited."""
+    began = time.perf_counter()
+    _staged.wait()
+    return time.perf_counter() - began
 
 
 def host_copy(state):
@@ -174,7 +188,10 @@ def save(output_dir: str | Path, step: int, model, optimizer, scheduler, trainer
         files["optimizer.pt"] = optimizer.state_dict()
     if not background:
         return _complete(tmp, root, step, files, keep_last)
-    _writer = threading.Thread(target=_complete_or_record, args=(shards, tmp, root, step, host_copy(files), keep_last), name="checkpoint-writer")
+    live = {name: files.pop(name) for name in (WEIGHTS, "optimizer.pt") if name in files}  # copied by the writer
+    _staged.clear()
+    _writer = threading.Thread(target=_complete_or_record, args=(shards, tmp, root, step, {**host_copy(files), **live}, keep_last),
+                               name="checkpoint-writer")
     _writer.start()
     return step_dir(root, step)
 
@@ -189,33 +206,40 @@ def _dcp_process_group():
     return _dcp_group
 
 
-def _complete_or_record(shards, *args) -> None:
+def _complete_or_record(shards, tmp: Path, root: Path, step: int, files: dict, keep_last: int) -> None:
     try:
+        try:
+            files = host_copy(files)
+        finally:
+            _staged.set()
         if shards is not None:
             shards.result()  # DCP's metadata is written once every rank's files are: they are all there
-        _complete(*args)
+        _complete(tmp, root, step, files, keep_last)
     except BaseException as err:  # raised in the training thread at its next wait()
         _writer_error.append(err)
 
 
 def _complete(tmp: Path, root: Path, step: int, files: dict, keep_last: int) -> Path:
-    """Rank 0's part: its files, then fsync, the manifest last, and the atomic rename."""
-    from safetensors.torch import save_file
-
+    """Rank 0's part: its files (hashed as they are written), then fsync, the manifest last, and the
+    atomic rename."""
     from finetune import faults
 
+    hashes = {}
     for name, value in files.items():
-        if name.endswith(".safetensors"):
-            save_file(value, tmp / name)
-        elif isinstance(value, str):
-            (tmp / name).write_text(value)
-        else:
-            torch.save(value, tmp / name)
+        with HashedFile(tmp / name) as out:
+            if name.endswith(".safetensors"):
+                write_safetensors(value, out)
+            elif isinstance(value, str):
+                out.write(value.encode())
+            else:
+                torch.save(value, out)
+        hashes[name] = out.sha256
         faults.inject_saving(step)
-    written = sorted(p for p in tmp.rglob("*") if p.is_file())
-    for path in written:
-        _fsync(path)
-    manifest = {str(p.relative_to(tmp)): {"size": p.stat().st_size, "sha256": _sha256(p)} for p in written}
+    written = {str(p.relative_to(tmp)): p for p in sorted(tmp.rglob("*")) if p.is_file()}
+    for name, path in written.items():
+        if name not in hashes:  # every rank's RNG states and shards: written by torch and DCP
+            _fsync(path)
+    manifest = {name: {"size": p.stat().st_size, "sha256": hashes.get(name) or _sha256(p)} for name, p in written.items()}
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
     _fsync(tmp / MANIFEST)
     final = step_dir(root, step)

@@ -417,6 +417,9 @@ def _run(cfg: RunConfig) -> RunResult:
         verdict = guard.check(step, step_loss, float(grad_norm))
         if not zero:
             if verdict.action == "apply":
+                waited = checkpoint.staged()  # a background save's copy of the weights first
+                if waited > 0.01:
+                    log.print(f"step {step + 1}: training paused {waited:.2f} s more while the checkpoint was copied")
                 optimizer.step()
             optimizer.zero_grad(set_to_none=True)
         if verdict.action in ("rollback", "stop"):

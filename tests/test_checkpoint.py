@@ -146,3 +146,33 @@ def test_a_kill_during_a_background_write_resumes_from_the_previous_checkpoint(t
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "step-000004 at step 4" in resumed.stdout
     assert _losses(out) == expected
+
+
+def test_a_background_save_holds_the_weights_of_its_step_once_staged(tmp_path):
+    """The writer copies the state after save() returns; an optimizer step may change it in place only
+    after staged(). The change below comes at once, before a copy of 64 MB could be done by itself."""
+    import torch
+    from accelerate import Accelerator
+    from safetensors.torch import load_file
+
+    from finetune import checkpoint
+
+    model = torch.nn.Linear(4096, 4096)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.ones(1, 4096)).sum().backward()
+    optimizer.step()
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    momentum = optimizer.state[model.weight]["momentum_buffer"].clone()
+    path = checkpoint.save(tmp_path, 1, model, optimizer, scheduler, {"tokens": 0}, "x: 1\n", Accelerator(cpu=True), keep_last=1, background=True)
+    checkpoint.staged()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+        optimizer.state[model.weight]["momentum_buffer"].add_(1.0)
+    checkpoint.wait()
+    assert checkpoint.verify(path) is None
+    saved = load_file(path / checkpoint.WEIGHTS)
+    assert all(torch.equal(saved[name], before[name]) for name in before)
+    state = torch.load(path / "optimizer.pt", weights_only=True)["state"]
+    assert torch.equal(state[0]["momentum_buffer"], momentum)
