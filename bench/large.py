@@ -48,7 +48,7 @@ RUNS = {  # name -> (processes, strategy, config sections)
     "zero3 full (sgd)": (2, "zero3", {"adapter": {"method": "full"}, "train": {"optimizer": "sgd"}}),
 }
 MERGE_TOLERANCE = 2.0
-# No MALLOC_* here: it would switch off how train.keep_freed_memory tunes glibc for speed (QLoRA: 2
+# No MALLOC_* here: it would switch off how runtime.keep_freed_memory tunes glibc for speed (QLoRA: 2
 # steps in 22 s instead of 30); RSS then includes freed blocks glibc keeps for reuse.
 ENV = {**os.environ, "ACCELERATE_USE_CPU": "1"}
 

@@ -35,25 +35,19 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from finetune.diskio import HashedFile, write_safetensors
+from finetune.config import CONFIG_FILE
+from finetune.diskio import HashedFile, sha256_file, write_safetensors
 
 MANIFEST = "manifest.json"
 WEIGHTS = "trainable.safetensors"
 SHARDED = "sharded"
 DEEPSPEED = "deepspeed"
 CHECKPOINTS = "checkpoints"  # under a run's output_dir
+STEP = "step-"  # a checkpoint folder's name: STEP + the step, six digits
 
 
 def checkpoint_root(output_dir: str | Path) -> Path:
     return Path(output_dir) / CHECKPOINTS
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _fsync(path: Path) -> None:
@@ -180,7 +174,7 @@ def save(output_dir: str | Path, step: int, model, optimizer, scheduler, trainer
         return None
     files = {"scheduler.pt": scheduler.state_dict(),
              "trainer_state.json": json.dumps({**trainer_state, "step": step, "world_size": accelerator.num_processes}),
-             "finetune_config.yaml": config_yaml}
+             CONFIG_FILE: config_yaml}
     if getattr(accelerator, "scaler", None) is not None:  # fp16 on a GPU: the dynamic loss scale
         files["scaler.pt"] = accelerator.scaler.state_dict()
     if layout == "full":
@@ -239,7 +233,7 @@ def _complete(tmp: Path, root: Path, step: int, files: dict, keep_last: int) -> 
     for name, path in written.items():
         if name not in hashes:  # every rank's RNG states and shards: written by torch and DCP
             _fsync(path)
-    manifest = {name: {"size": p.stat().st_size, "sha256": hashes.get(name) or _sha256(p)} for name, p in written.items()}
+    manifest = {name: {"size": p.stat().st_size, "sha256": hashes.get(name) or sha256_file(p)} for name, p in written.items()}
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
     _fsync(tmp / MANIFEST)
     final = step_dir(root, step)
@@ -255,7 +249,7 @@ def _retain(root: Path, keep_last: int) -> None:
     """Keep the newest `keep_last` complete checkpoints, the newest one the guard called good, and the
     newest good one from no later than the run's best loss level (where a drift rolls back to, and
     what a run that ended worse points to); never delete the only valid one."""
-    complete = [p for p in sorted(root.glob("step-*")) if verify(p, checksums=False) is None]
+    complete = [p for p in step_dirs(root) if verify(p, checksums=False) is None]
     good = [p for p in complete if _is_good(p)]
     best = _trainer_state(complete[-1]).get("guard", {}).get("best") if complete else None
     before_best = [p for p in good if best and step_of(p) <= best[0]]
@@ -266,11 +260,18 @@ def _retain(root: Path, keep_last: int) -> None:
 
 
 def step_dir(root: Path, step: int) -> Path:
-    return root / f"step-{step:06d}"
+    return root / f"{STEP}{step:06d}"
 
 
-def step_of(path: Path) -> int:
-    return int(path.name.split("-")[1])
+def step_of(path: Path) -> int | None:
+    """The step a checkpoint folder holds, from its name; None for any other folder."""
+    number = path.name.removeprefix(STEP)
+    return int(number) if path.name.startswith(STEP) and number.isdigit() else None
+
+
+def step_dirs(root: Path) -> list[Path]:
+    """The checkpoint folders under `root` (complete or not), oldest first."""
+    return sorted((p for p in root.glob(f"{STEP}*") if step_of(p) is not None), key=step_of)
 
 
 def _trainer_state(path: Path) -> dict:
@@ -310,7 +311,7 @@ def verify(path: Path, checksums: bool = True) -> str | None:
             return f"{name} is missing"
         if file.stat().st_size != want["size"]:
             return f"{name} has {file.stat().st_size} bytes, expected {want['size']}"
-        if checksums and _sha256(file) != want["sha256"]:
+        if checksums and sha256_file(file) != want["sha256"]:
             return f"{name} fails its checksum"
     return None
 
@@ -324,7 +325,7 @@ class Found:
 def find_latest(output_dir: str | Path) -> Found | None:
     """The newest complete checkpoint, with a line for every newer one that is incomplete or corrupt."""
     skipped = []
-    for path in sorted(checkpoint_root(output_dir).glob("step-*"), reverse=True):
+    for path in reversed(step_dirs(checkpoint_root(output_dir))):
         problem = verify(path)
         if problem is None:
             return Found(path, skipped)
@@ -336,7 +337,7 @@ def find_good(output_dir: str | Path, before_step: int) -> Path | None:
     """The newest complete checkpoint at or before `before_step` that the guard called good (a
     rollback target)."""
     wait()
-    for path in sorted(checkpoint_root(output_dir).glob("step-*"), reverse=True):
+    for path in reversed(step_dirs(checkpoint_root(output_dir))):
         if step_of(path) <= before_step and _is_good(path) and verify(path) is None:
             return path
     return None

@@ -33,6 +33,11 @@ class QuantizationConfig(_Section):
 
 
 DEFAULT_RAMDISK = "/dev/shm/finetune"
+CONFIG_FILE = "finetune_config.yaml"  # the resolved config, written beside every output and in every checkpoint
+# One vocabulary of precisions: the short names (train.mixed_precision, merge --dtype) of the dtype
+# names model.dtype takes (torch's), and each dtype's bytes.
+PRECISIONS = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 CHAT_TEMPLATES = ("chatml", "llama3", "alpaca")  # built-in templates (finetune/chat.py)
 
 
@@ -415,13 +420,18 @@ def read_model_config(folder: Path, what: str) -> dict:
     path = Path(folder).expanduser() / "config.json"
     if not path.is_file():
         raise UserError(f"{what}: {path.parent} has no config.json (not a HF model folder)")
+    return read_json_object(path, what)
+
+
+def read_json_object(path: Path, what: str) -> dict:
+    """A JSON file holding an object, or one line naming `what` and what is wrong with the file."""
     try:
-        config = json.loads(path.read_text(encoding="utf-8"))
+        value = json.loads(path.read_text(encoding="utf-8"))
     except (ValueError, UnicodeDecodeError):
         raise UserError(f"{what}: {path} is not valid JSON") from None
-    if not isinstance(config, dict):
+    if not isinstance(value, dict):
         raise UserError(f"{what}: {path}: expected a JSON object")
-    return config
+    return value
 
 
 def to_yaml(cfg: RunConfig) -> str:

@@ -18,15 +18,21 @@ import struct
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
-import torch
-
 BLOCK = 4096  # O_DIRECT's alignment of addresses, lengths and offsets on every disk we know of
 CHUNK = 64 << 20
 
-# safetensors' names for the dtypes it stores (its format specification)
-SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-                      torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
-                      torch.uint8: "U8", torch.bool: "BOOL"}
+# safetensors' names (its format specification) for torch's dtypes
+SAFETENSORS_DTYPES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64", "int32": "I32",
+                      "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL"}
+
+
+def sha256_file(path: Path) -> str:
+    """The sha256 of a file already written (one read; a HashedFile knows its own)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(16 << 20):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 class HashedFile:
@@ -101,17 +107,21 @@ def _write_all(fd: int, view: memoryview) -> None:
         view = view[os.write(fd, view):]
 
 
-def write_safetensors(tensors: dict[str, torch.Tensor], out: HashedFile) -> None:
-    """`tensors` in the safetensors format, streamed to `out` (safetensors itself writes only to a
-    path or to bytes in memory). Same order and header as `safetensors.torch.save_file` writes."""
+def write_safetensors(tensors: dict, out: HashedFile) -> None:
+    """`tensors` (name -> torch.Tensor) in the safetensors format, streamed to `out` (safetensors
+    itself writes only to a path or to bytes in memory). Same order and header as
+    `safetensors.torch.save_file` writes."""
+    import torch
+
     order = sorted(tensors, key=lambda name: (-tensors[name].element_size(), name))
     header, offset = {}, 0
     for name in order:
         tensor = tensors[name]
-        if tensor.dtype not in SAFETENSORS_DTYPES:
+        kind = SAFETENSORS_DTYPES.get(str(tensor.dtype).removeprefix("torch."))
+        if kind is None:
             raise ValueError(f"{name}: safetensors cannot hold {tensor.dtype}")
         length = tensor.numel() * tensor.element_size()
-        header[name] = {"dtype": SAFETENSORS_DTYPES[tensor.dtype], "shape": list(tensor.shape),
+        header[name] = {"dtype": kind, "shape": list(tensor.shape),
                         "data_offsets": [offset, offset + length]}
         offset += length
     text = json.dumps(header, separators=(",", ":")).encode()

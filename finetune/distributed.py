@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from finetune.config import RunConfig
+from finetune.config import PRECISIONS, RunConfig
 from finetune.errors import UserError
 
 
@@ -77,13 +77,16 @@ def shard_fsdp2(model: torch.nn.Module, cfg: RunConfig, device: torch.device, wo
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
+    from finetune.model import DTYPES
+
     shard = cfg.distributed.fsdp_shard_size or world
     if world % shard:
         raise UserError(f"distributed.fsdp_shard_size: {shard} does not divide the {world} processes")
     # 1-D mesh: full shard. 2-D (replicate, shard): HSDP, gradients all-reduced across the replicas.
     mesh = init_device_mesh(device.type, (world,)) if shard == world else \
         init_device_mesh(device.type, (world // shard, shard), mesh_dim_names=("replicate", "shard"))
-    low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.train.mixed_precision)
+    mp = cfg.train.mixed_precision
+    low = DTYPES[PRECISIONS[mp]] if mp in ("bf16", "fp16") else None
     # Compute in low precision, reduce gradients in fp32: the usual FSDP mixed-precision recipe.
     policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32) if low else MixedPrecisionPolicy()
     offload = CPUOffloadPolicy() if cfg.distributed.fsdp_cpu_offload else OffloadPolicy()

@@ -8,7 +8,7 @@ from pathlib import Path
 from finetune.config import ModelConfig
 from finetune.errors import UserError
 from finetune.evaluate import generate as continuation
-from finetune.merge import attach, find_adapter, load_base, tokenizer_source
+from finetune.adapters import attach, find_adapter, load_base, tokenizer_source
 from finetune.model import load_model, load_tokenizer
 
 

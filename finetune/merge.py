@@ -22,88 +22,18 @@ from pathlib import Path
 
 import torch
 
-from finetune import checkpoint
-from finetune.config import ModelConfig, RunConfig, load_config
+from finetune.adapters import Adapter, attach, find_adapter, load_base, tokenizer_source
+from finetune.config import PRECISIONS, ModelConfig
 from finetune.errors import EXIT_MERGE_CHECK, Stopped, UserError
-from finetune.model import DTYPES, apply_adapter, load_model, load_tokenizer, weight_files
+from finetune.model import DTYPES, load_tokenizer, weight_files
 from finetune.stage import resolve_source
 
-OUT_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}  # --dtype -> the config's name
 # Max |logit difference| allowed between the saved model and base+adapter, by the dtype written: the
 # rounding of the weights to that dtype, over a few hundred tokens, stays well inside these.
 TOLERANCE = {"fp32": 1e-3, "bf16": 0.25, "fp16": 0.05}
 REPORT = "merge_report.json"
 FALLBACK_PROMPTS = ["The quick brown fox jumps over the lazy dog.", "Question: what is two plus two?\nAnswer:",
                     "Once upon a time, in a small village,"]
-
-
-@dataclass
-class Adapter:
-    path: Path
-    base: str
-    run: RunConfig | None  # the training run's config, when the folder carries it (finetune outputs)
-    from_checkpoint: bool
-
-    @property
-    def quantized(self) -> bool:
-        return self.run is not None and self.run.model.quantization is not None
-
-
-def find_adapter(path: str, base: str | None) -> Adapter:
-    """What --adapter points at: a PEFT adapter folder, or a finetune checkpoint mid-run."""
-    folder = Path(path).expanduser()
-    if not folder.is_dir():
-        raise UserError(f"--adapter: no such folder: {path}")
-    run = load_config(folder / "finetune_config.yaml", check_model=False) if (folder / "finetune_config.yaml").is_file() else None
-    if (folder / "adapter_config.json").is_file():
-        saved_base = _adapter_config(folder / "adapter_config.json").get("base_model_name_or_path")
-        chosen = base or saved_base
-        if not chosen:
-            raise UserError(f"--adapter: {folder}/adapter_config.json names no base model; give --base")
-        if not any((folder / name).is_file() for name in ("adapter_model.safetensors", "adapter_model.bin")):
-            raise UserError(f"--adapter: {folder} has adapter_config.json but no adapter_model.safetensors")
-        return Adapter(folder, chosen, run, False)
-    if (folder / checkpoint.MANIFEST).is_file() and run is not None:
-        problem = checkpoint.verify(folder)
-        if problem:
-            raise UserError(f"--adapter: checkpoint {folder} is damaged: {problem}")
-        if run.adapter.method == "full":
-            raise UserError(f"--adapter: {folder} is a full fine-tuning checkpoint: it holds the trained weights, there is no adapter to merge")
-        return Adapter(folder, base or run.model.name_or_path, run, True)
-    raise UserError(f"--adapter: {folder} is neither a PEFT adapter (adapter_config.json) nor a finetune checkpoint")
-
-
-def _adapter_config(path: Path) -> dict:
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError):
-        raise UserError(f"--adapter: {path} is not valid JSON") from None
-    if not isinstance(config, dict):
-        raise UserError(f"--adapter: {path}: expected a JSON object")
-    return config
-
-
-def load_base(adapter: Adapter, quantized: bool, dtype: str = "float32"):
-    """The base model: as the run trained it (quantized, with its dtype) or in `dtype`."""
-    if quantized:
-        return load_model(adapter.run.model.model_copy(update={"name_or_path": adapter.base, "ramdisk": False}))
-    return load_model(ModelConfig(name_or_path=adapter.base, dtype=dtype))
-
-
-def attach(base, adapter: Adapter):
-    """base + the trained adapter weights, as a PeftModel in eval mode."""
-    from peft import PeftModel
-
-    try:
-        if not adapter.from_checkpoint:
-            return PeftModel.from_pretrained(base, adapter.path).eval()
-        model = apply_adapter(base, adapter.run.adapter, gradient_checkpointing=False)
-        checkpoint.load_trainable(adapter.path, model)
-        return model.eval()
-    except (RuntimeError, ValueError, KeyError) as err:  # shape or name mismatch with this base
-        lines = [line.strip() for line in str(err).splitlines() if line.strip()]
-        why = next((line for line in lines if "mismatch" in line), lines[0] if lines else type(err).__name__)
-        raise UserError(f"--adapter: {adapter.path} does not fit the base {adapter.base}: {why[:300]}") from None
 
 
 def check_texts(adapter: Adapter, tokenizer, prompts_file: str | None, n: int = 4) -> list[str]:
@@ -176,7 +106,7 @@ def merge(adapter_path: str, out: str, base: str | None = None, dtype: str | Non
 
         # 1. The reference: base + adapter as trained (a float base in the output dtype: one copy of
         # the size the merged model will have).
-        tuned = attach(load_base(adapter, quantized=adapter.quantized, dtype=OUT_DTYPES[dtype]), adapter)
+        tuned = attach(load_base(adapter, quantized=adapter.quantized, dtype=PRECISIONS[dtype]), adapter)
         reference = logits_on(tuned, tokenizer, texts)
         with tuned.disable_adapter():
             untuned = logits_on(tuned, tokenizer, texts)
@@ -185,7 +115,7 @@ def merge(adapter_path: str, out: str, base: str | None = None, dtype: str | Non
 
         # 2. Each variant written to its own folder: shard by shard where it can be (the adapter's
         # weights taken out of the reference, which then goes), else the whole model in float32.
-        variants, written = ["original", "dequantized"] if adapter.quantized else ["merged"], DTYPES[OUT_DTYPES[dtype]]
+        variants, written = ["original", "dequantized"] if adapter.quantized else ["merged"], DTYPES[PRECISIONS[dtype]]
         targets, why_not = Targets.of(tuned, adapter)
         del tuned
         gc.collect()
@@ -419,21 +349,13 @@ def _publish(tmp: Path, final: Path) -> None:
         os.replace(made, final / made.name)
 
 
-def tokenizer_source(adapter: Adapter) -> str:
-    """The tokenizer the run saved next to its adapter (with any chat template it set), else the base's."""
-    for folder in (adapter.path, adapter.path.parent.parent):  # an adapter folder, or OUTPUT/checkpoints/step-N
-        if (folder / "tokenizer_config.json").is_file():
-            return str(folder)
-    return adapter.base
-
-
 def _stored_dtype(base: str) -> str:
     """The dtype the base was saved in, as a --dtype name (float32 if its config does not say)."""
     from transformers import AutoConfig
 
     saved = AutoConfig.from_pretrained(base).dtype
     saved = DTYPES.get(saved, saved) if isinstance(saved, str) else saved
-    return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(saved, "fp32")
+    return next((short for short, name in PRECISIONS.items() if DTYPES[name] == saved), "fp32")
 
 
 def _bf16_compute(adapter: Adapter) -> bool:

@@ -14,10 +14,10 @@ import torch
 
 from finetune import families
 from finetune.attention import register as register_packed_sdpa
-from finetune.config import AdapterConfig, ModelConfig, RunConfig, looks_local, read_model_config
+from finetune.config import DTYPE_BYTES, AdapterConfig, ModelConfig, RunConfig, looks_local, read_model_config
 from finetune.errors import UserError
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
+DTYPES = {**{name: getattr(torch, name) for name in DTYPE_BYTES}, "auto": "auto"}  # model.dtype -> torch
 
 
 def load_tokenizer(cfg: ModelConfig):

@@ -67,6 +67,21 @@ def build_optimizer(params: list[torch.nn.Parameter], cfg: TrainConfig, zero_off
         return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas)
 
 
+def set_peak_lr(scheduler, lr: float) -> None:
+    """Make `lr` the schedule's peak from now on (the config's LR times the guard's back-off), also
+    after restoring a checkpoint that stored another. transformers' schedules are LambdaLRs: each
+    group's LR is its base LR times a factor of the step."""
+    scheduler.base_lrs = [lr] * len(scheduler.base_lrs)
+    for group, factor in zip(scheduler.optimizer.param_groups, scheduler.lr_lambdas):
+        group["initial_lr"] = lr
+        group["lr"] = lr * factor(scheduler.last_epoch)
+
+
+def current_lr(scheduler) -> float:
+    """The LR the next optimizer step uses (the scheduler's get_last_lr() lags a set_peak_lr)."""
+    return scheduler.optimizer.param_groups[0]["lr"]
+
+
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig, total_steps: int):
     from transformers import get_scheduler
 

@@ -32,7 +32,12 @@ class Row:
 
 def collate(rows: list[Row], pad_id: int) -> dict[str, torch.Tensor]:
     """Stack rows padded to the longest row of this batch. The pad is its own position segment, so no
-    attention_mask is needed and real tokens never see it."""
+    attention_mask is needed and real tokens never see it.
+
+    >>> batch = collate([Row([5, 6, 7, 8], [-100, 6, -100, 8], [0, 1, 0, 1]), Row([9, 10], [-100, 10], [0, 1])], pad_id=0)
+    >>> batch["input_ids"].tolist(), batch["labels"].tolist(), batch["position_ids"].tolist()
+    ([[5, 6, 7, 8], [9, 10, 0, 0]], [[-100, 6, -100, 8], [-100, 10, -100, -100]], [[0, 1, 0, 1], [0, 1, 0, 1]])
+    """
     width = max(len(r.input_ids) for r in rows)
     ids = np.full((len(rows), width), pad_id, dtype=np.int64)
     labels = np.full((len(rows), width), IGNORE, dtype=np.int64)
@@ -51,6 +56,10 @@ def pack(lengths: np.ndarray, max_seq_len: int) -> tuple[np.ndarray, np.ndarray]
     Samples are taken longest first, a length at a time: all samples of one length go, as many to a row
     as fit, into the open rows with the least room that holds one; the rest open new rows. The loop runs
     once per (length, room) pair met, not once per sample: 10M samples pack in seconds.
+
+    >>> order, offsets = pack(np.array([5, 3, 4, 2, 6]), max_seq_len=8)
+    >>> [order[offsets[r]:offsets[r + 1]].tolist() for r in range(len(offsets) - 1)]  # lengths 6+2, 5+3, 4
+    [[4, 3], [0, 1], [2]]
     """
     lengths = np.asarray(lengths, dtype=np.int64)
     if len(lengths) == 0:

@@ -12,12 +12,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from finetune import families
-from finetune.config import RunConfig, read_model_config
+from finetune.config import DTYPE_BYTES, RunConfig, read_model_config
 from finetune.errors import UserError
 from finetune.families import Linear
 
 GiB = 2**30
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "auto": 2}
 # Optimizer state bytes per trainable parameter (None: same as the parameter's own bytes, twice).
 OPTIMIZER_STATE_BYTES = {"adamw": None, "paged_adamw_32bit": 8, "adamw_8bit": 2, "paged_adamw_8bit": 2, "lion": 4, "lion_8bit": 1}
 GPU_RESERVE = 1.0 * GiB  # CUDA context + caching-allocator slack, measured-ish; 0 on CPU
@@ -99,7 +98,7 @@ class Setup:
 def setup_from_config(cfg: RunConfig, devices: int, sharding: str = "none") -> Setup:
     q = cfg.model.quantization
     mp = cfg.train.mixed_precision
-    weight_bytes = DTYPE_BYTES[cfg.model.dtype]
+    weight_bytes = DTYPE_BYTES.get(cfg.model.dtype, 2)  # auto: as stored, most often in 16 bits
     return Setup(
         method=cfg.adapter.method, bits=q.bits if q else None, weight_bytes=weight_bytes, optimizer=cfg.train.optimizer,
         micro_batch=cfg.train.micro_batch_size, seq_len=cfg.data.max_seq_len,

@@ -27,6 +27,7 @@ from fnmatch import fnmatch
 from pathlib import Path
 
 from finetune import faults
+from finetune.diskio import sha256_file
 from finetune.locks import exclusive
 from finetune.config import DEFAULT_RAMDISK, ModelConfig, looks_local
 from finetune.errors import UserError
@@ -80,14 +81,6 @@ def _stat(path: Path) -> dict:
     return {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
 
 
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def read_manifest(dest: Path) -> dict | None:
     try:
         manifest = json.loads((dest / MANIFEST).read_text())
@@ -113,7 +106,7 @@ def checksums_match(dest: Path, src: Path) -> bool:
     """Both the source and the staged copy hash to what the manifest recorded."""
     manifest = read_manifest(dest)
     return manifest is not None and all(
-        sha256(src / name) == want["sha256"] == sha256(dest / name) for name, want in manifest["files"].items())
+        sha256_file(src / name) == want["sha256"] == sha256_file(dest / name) for name, want in manifest["files"].items())
 
 
 def is_ram_backed(path: Path) -> bool:
@@ -211,7 +204,7 @@ def _copy_verified(src: Path, files: list[Path], tmp: Path, nbytes: int) -> None
                 raise UserError(f"model.ramdisk: {p} changed while it was being staged; run again once it is complete")
             manifest["files"][p.name] = {**before, "sha256": h.hexdigest()}
     for name, want in manifest["files"].items():
-        if sha256(tmp / name) != want["sha256"]:
+        if sha256_file(tmp / name) != want["sha256"]:
             raise UserError(f"model.ramdisk: the staged copy of {name} does not match its source (bad memory or a full disk?)")
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
 

@@ -8,6 +8,18 @@ Started any of these ways, all the same run:
 
 from __future__ import annotations
 
+if __name__ == "__main__" and not __package__:
+    # Run as a script (accelerate launch / torchrun): the same as `python -m finetune train ...`, run
+    # from the package (not from this folder, whose files would shadow libraries of the same name)
+    # before anything else is imported, so that the recipe is imported once, as finetune.train.
+    import runpy
+    import sys
+    from pathlib import Path
+
+    sys.path[0] = str(Path(__file__).resolve().parent.parent)
+    sys.argv[1:1] = ["train"]
+    runpy.run_module("finetune", run_name="__main__", alter_sys=True)
+
 import functools
 import importlib.util
 import json
@@ -19,16 +31,11 @@ from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
-if __name__ == "__main__" and not __package__:
-    # Run as a script (accelerate launch / torchrun): import the package, not sibling files that would
-    # shadow libraries of the same name.
-    sys.path[0] = str(Path(__file__).resolve().parent.parent)
-
 import torch
 
-from finetune import checkpoint, families, faults
+from finetune import checkpoint, families, faults, runtime
 from finetune.chat import choose_template
-from finetune.config import RunConfig, looks_local, to_yaml
+from finetune.config import CONFIG_FILE, RunConfig, looks_local, to_yaml
 from finetune.data import Datasets, load_data
 from finetune.packing import epoch_batches
 from finetune.distributed import (ZERO_STAGES, check_strategy, full_state_dict, gathered_trainable_state, init_deepspeed, local_numel,
@@ -40,11 +47,10 @@ from finetune.locks import LOCK_FILE, hold_output_dir, release_output_dir
 from finetune.loss import losses, trained_tokens
 from finetune.metrics import EVENTS_FILE, RunLog, plot_loss_curve, write_event
 from finetune.model import adapter_input_casting_off, apply_adapter, check_supported, describe, load_model, load_tokenizer
-from finetune.optim import build_optimizer, build_scheduler, check_optimizer
+from finetune.optim import build_optimizer, build_scheduler, check_optimizer, current_lr, set_peak_lr
 from finetune.stage import staged_model
 from finetune.supervise import Watchdog, stop_with_launcher, watch_preemption
 
-CONFIG_FILE = "finetune_config.yaml"
 SUMMARY_FILE = "summary.json"
 
 
@@ -109,47 +115,6 @@ def check_first_steps(step: int, loss: float) -> None:
         )
 
 
-def check_launcher_strategy(cfg: RunConfig) -> None:
-    """An accelerate config that asks for FSDP or DeepSpeed must agree with the run config: never a
-    silent fall-back to DDP. finetune applies the strategy itself, so accelerate's own plugin is
-    switched off once the two agree."""
-    env = os.environ
-    asked = None
-    if env.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true"):
-        asked, flag = "fsdp", "ACCELERATE_USE_FSDP"
-    if env.get("ACCELERATE_USE_DEEPSPEED", "").lower() in ("1", "true"):
-        stage = env.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", "2")
-        offload = any(env.get(f"ACCELERATE_DEEPSPEED_OFFLOAD_{k}_DEVICE", "none") not in ("", "none") for k in ("OPTIMIZER", "PARAM"))
-        asked, flag = f"zero{stage}" + ("_offload" if offload else ""), "ACCELERATE_USE_DEEPSPEED"
-    if asked is None:
-        return
-    if cfg.distributed.strategy != asked:
-        offered = "ddp, fsdp, zero2, zero3, zero3_offload"
-        fix = f"set distributed.strategy: {asked}" if asked in offered.split(", ") else f"use an accelerate config for one of: {offered}"
-        raise UserError(f"accelerate config asks for {asked} but the run config has distributed.strategy: {cfg.distributed.strategy}; "
-                        f"{fix} (finetune applies the strategy itself)")
-    env[flag] = "false"
-
-
-def join_restarted_workers() -> None:
-    """After torchrun restarts its workers, join them through a store prefix of their own.
-
-    Seen with torch 2.13 + gloo (docs/platform-notes.md): restarted workers read the dead workers'
-    addresses, left in the agent's store under the same keys, and fail or hang in connectFullMesh.
-    A prefix per restart keeps every attempt's keys apart. accelerate then adopts this group.
-    """
-    import torch.distributed as dist
-
-    restart, world = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-    if restart == 0 or world == 1 or dist.is_initialized() or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return
-    from datetime import timedelta
-
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False, timeout=timedelta(minutes=10))
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", store=dist.PrefixStore(f"finetune/restart-{restart}/", store),
-                            rank=int(os.environ["RANK"]), world_size=world)
-
-
 def make_accelerator(cfg: RunConfig):
     from accelerate import Accelerator
 
@@ -170,8 +135,8 @@ def make_accelerator(cfg: RunConfig):
         if importlib.util.find_spec(name) is None:
             raise UserError(f"logging.report_to: '{name}' is not installed (pip install {name}) or remove it")
         trackers.append(name)
-    check_launcher_strategy(cfg)
-    join_restarted_workers()
+    runtime.check_launcher_strategy(cfg)
+    runtime.join_restarted_workers()
     # Under FSDP the shards' MixedPrecisionPolicy, under ZeRO DeepSpeed's bf16 mode, do what autocast would
     # (sharding applies with several processes only; launchers set WORLD_SIZE).
     if cfg.distributed.strategy not in ("ddp", "none") and int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -257,7 +222,7 @@ def _run(cfg: RunConfig) -> RunResult:
     # Model and method. Sharding strategies apply with several processes; one process runs plainly.
     strategy = cfg.distributed.strategy if world > 1 else "single"
     fsdp, zero = strategy == "fsdp", strategy in ZERO_STAGES
-    rss_before_model = current_rss()
+    rss_before_model = runtime.current_rss()
     zero3_partitioning = zero3_loading(cfg, world)  # noqa: F841  (must stay alive while loading)
     stream_from = stream_source(cfg.model_copy(update={"model": model_cfg}), say) if fsdp else None
     model = load_model(model_cfg, accelerator.device, skeleton="meta" if fsdp and rank != 0 else "empty" if stream_from else None, say=say)
@@ -310,7 +275,7 @@ def _run(cfg: RunConfig) -> RunResult:
     for kind, message in resumed.events:
         log.event(kind, start_step, message)
     guard = Guard(cfg.guard, resumed.guard_state)
-    set_base_lr(scheduler, t.lr * guard.state.lr_scale)  # the config's LR wins over the checkpoint's (OPT's logbook)
+    set_peak_lr(scheduler, t.lr * guard.state.lr_scale)  # the config's LR wins over the checkpoint's (OPT's logbook)
     watchdog = Watchdog(cfg.watchdog, on_hang=lambda message: log.event("hang", watchdog.step, f"rank {rank}: {message}", any_rank=True))
     last_save = time.monotonic()
 
@@ -347,7 +312,7 @@ def _run(cfg: RunConfig) -> RunResult:
             raise Stopped(f"step {trouble_step + 1}: training diverged: {verdict.reason}; {where}", EXIT_DIVERGED)
         state = checkpoint.restore(target, model, optimizer, scheduler, accelerator, layout)
         guard.rolled_back(state["step"], trouble_step, saved=state.get("guard"))
-        set_base_lr(scheduler, t.lr * guard.state.lr_scale)
+        set_peak_lr(scheduler, t.lr * guard.state.lr_scale)
         log.event("rollback", trouble_step, f"guard: {verdict.reason}; rolled back to {target.name}, LR x{guard.state.lr_scale:g} "
                   f"(now {t.lr * guard.state.lr_scale:.3g}), batches of steps {state['step'] + 1}-{trouble_step + 1} skipped"
                   + (f", clipping at {guard.state.max_grad_norm}" if guard.state.max_grad_norm else ""))
@@ -356,8 +321,8 @@ def _run(cfg: RunConfig) -> RunResult:
     # Every rank agrees whether a signal came during set-up (there is nothing to save yet).
     signalled = accelerator.reduce(torch.tensor(float(preemption.signal is not None), device=accelerator.device), "sum").item() > 0
     stop_if_preempted(signalled, preemption.name, out, main, "before the first step")
-    keep_freed_memory(gathers=fsdp or ZERO_STAGES.get(strategy) == 3)
-    reset_peak_rss()
+    runtime.keep_freed_memory(gathers=fsdp or ZERO_STAGES.get(strategy) == 3)
+    runtime.reset_peak_rss()
     if cfg.eval.on_start and start_step == 0:
         evaluate(0)
 
@@ -446,7 +411,7 @@ def _run(cfg: RunConfig) -> RunResult:
                 "epoch": epoch,
                 "loss": step_loss,
                 "grad_norm": float(grad_norm),
-                "lr": scheduler.get_last_lr()[0],
+                "lr": current_lr(scheduler),
                 "tokens": tokens_seen,
                 "tokens_per_s": window_tokens / max(now - window_start, 1e-9),
                 "elapsed_s": now - started,
@@ -467,7 +432,7 @@ def _run(cfg: RunConfig) -> RunResult:
             log.event("preempted", step, f"{preemption.name or 'a signal on another rank'}: checkpoint saved at step {step}; "
                       f"exiting with code {EXIT_PREEMPTED}, start the same command to resume")
             log.close_bar()
-            _finish_distributed(accelerator)
+            runtime.finish_distributed(accelerator)
             raise Stopped(f"preempted at step {step}: checkpoint saved; start the same command to resume", EXIT_PREEMPTED)
         if step == schedule.total_steps:  # the final weights must not have drifted worse than the run's best
             verdict = guard.finish(step - 1)
@@ -498,7 +463,7 @@ def _run(cfg: RunConfig) -> RunResult:
     summary["world_size"] = world
     # Memory held by model, optimizer and activations while training (compare with `finetune plan`).
     summary["rss_before_model_mib"] = rss_before_model / 2**20
-    summary["peak_rss_mib"] = peak_rss() / 2**20
+    summary["peak_rss_mib"] = runtime.peak_rss() / 2**20
     summary["strategy"] = strategy
     summary["model_loaded_from"] = model_cfg.name_or_path
     summary["base_model"] = base  # what the adapter needs (adapter_config.json names it too)
@@ -524,7 +489,7 @@ def _run(cfg: RunConfig) -> RunResult:
         (out / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
         say(_summary_line(summary))
         checkpoint.clear_starts(out)  # a finished run ends any restart loop
-    _finish_distributed(accelerator)
+    runtime.finish_distributed(accelerator)
     accelerator.end_training()  # trackers; the process group is already gone
     return RunResult(summary, unwrapped)
 
@@ -552,81 +517,6 @@ def last_good(out: Path, best_step: int, evaluate, model) -> dict:
     result["last_good_eval_loss"] = evaluate()["eval_loss"]
     model.load_state_dict(final, strict=False)
     return result
-
-
-def _finish_distributed(accelerator) -> None:
-    """Every rank waits for the others, then the process group goes. Called before accelerate's
-    end_training, which would tear the group down without waiting (a rank with nothing to save would
-    leave while the main one still writes). The rank's exit itself is `cli.exit_rank`."""
-    if torch.distributed.is_initialized():
-        accelerator.wait_for_everyone()
-        torch.distributed.destroy_process_group()
-
-
-def set_base_lr(scheduler, lr: float) -> None:
-    """Make `lr` the schedule's peak from now on, also after restoring a checkpoint that stored another."""
-    scheduler.base_lrs = [lr] * len(scheduler.base_lrs)
-    for group, factor in zip(scheduler.optimizer.param_groups, scheduler.lr_lambdas):
-        group["initial_lr"] = lr
-        group["lr"] = lr * factor(scheduler.last_epoch)
-    scheduler._last_lr = [g["lr"] for g in scheduler.optimizer.param_groups]
-
-
-def keep_freed_memory(gathers: bool = False) -> None:
-    """CPU runs: let glibc keep freed memory for reuse instead of returning it to the kernel.
-
-    A training step allocates and frees the same large activations every time. Served by mmap, each
-    comes back as fresh pages whose first touch faults: on the VMs measured (docs/platform-notes.md)
-    that made large elementwise ops 4-8x slower than on reused memory, and a QLoRA step of a 1.1B
-    model 1.4x slower. Set just before the loop, after what loading freed is handed back (always), so
-    RSS then tracks what training holds. Left alone when the user set glibc's MALLOC_* variables
-    (their choice wins) and when the strategy gathers each layer's weights (gathers: FSDP, ZeRO-3):
-    there the gathered buffers and the small tensors saved between them fragment a heap that never
-    shrinks, and a 1.1B LoRA grew by two layers' weights per layer (12.5 GB per rank instead of 4.3).
-    """
-    import ctypes
-    import ctypes.util
-
-    name = ctypes.util.find_library("c")
-    if not name or not sys.platform.startswith("linux"):
-        return
-    libc = ctypes.CDLL(name)
-    if hasattr(libc, "malloc_trim"):
-        libc.malloc_trim(0)  # what loading freed goes back first, whatever the settings
-    if gathers or torch.cuda.is_available() or any(k.startswith("MALLOC_") for k in os.environ):
-        return
-    if hasattr(libc, "mallopt"):
-        M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4
-        libc.mallopt(M_MMAP_MAX, 0)  # large blocks from the heap, not from fresh mmaps
-        libc.mallopt(M_TRIM_THRESHOLD, 2**30 - 1)  # do not hand freed heap back (which would fault again)
-
-
-def _proc_status(key: str) -> int:
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
-
-
-def current_rss() -> int:
-    """Resident memory of this process now, in bytes (Linux; 0 elsewhere)."""
-    return _proc_status("VmRSS")
-
-
-def peak_rss() -> int:
-    """Highest resident memory since the last reset_peak_rss(), in bytes (Linux; 0 elsewhere)."""
-    return _proc_status("VmHWM")
-
-
-def reset_peak_rss() -> None:
-    """Start measuring the peak afresh (excludes loading transients, such as quantizing a checkpoint)."""
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-    except OSError:
-        pass
 
 
 CHECKSUM_CHUNK = 1 << 18  # elements per slice: the check's memory is a few of these, whatever the model's size
@@ -715,7 +605,7 @@ def _check_restart_loop(cfg: RunConfig, path: Path | None, accelerator) -> None:
     each of those starts crashed before saving anything newer."""
     if cfg.checkpoint.resume == "never":
         return
-    step = checkpoint.step_of(path) if path is not None and path.name.startswith("step-") else 0
+    step = (checkpoint.step_of(path) or 0) if path is not None else 0
     starts = checkpoint.count_starts(cfg.train.output_dir, step, to_yaml(cfg))
     accelerator.wait_for_everyone()  # every rank has read the record before it changes
     if starts > cfg.checkpoint.max_restarts_without_progress:
@@ -738,9 +628,3 @@ def _summary_line(summary: dict) -> str:
         lines.append(f"loss curve: {summary['loss_curve']}")
     lines.append(f"saved to:   {summary['saved_to']}" + (f" (an adapter for {summary['base_model']})" if summary.get("adapter") else ""))
     return "\n".join(lines)
-
-
-if __name__ == "__main__":
-    from finetune.cli import main as cli_main
-
-    sys.exit(cli_main(["train", *sys.argv[1:]]))

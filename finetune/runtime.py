@@ -1,0 +1,120 @@
+"""The process around a run: what the launcher asked for, the process group after an elastic
+restart and at the end, the CPU heap, and resident memory. No training happens here."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from finetune.config import RunConfig
+from finetune.errors import UserError
+
+
+def check_launcher_strategy(cfg: RunConfig) -> None:
+    """An accelerate config that asks for FSDP or DeepSpeed must agree with the run config: never a
+    silent fall-back to DDP. finetune applies the strategy itself, so accelerate's own plugin is
+    switched off once the two agree."""
+    env = os.environ
+    asked = None
+    if env.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true"):
+        asked, flag = "fsdp", "ACCELERATE_USE_FSDP"
+    if env.get("ACCELERATE_USE_DEEPSPEED", "").lower() in ("1", "true"):
+        stage = env.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", "2")
+        offload = any(env.get(f"ACCELERATE_DEEPSPEED_OFFLOAD_{k}_DEVICE", "none") not in ("", "none") for k in ("OPTIMIZER", "PARAM"))
+        asked, flag = f"zero{stage}" + ("_offload" if offload else ""), "ACCELERATE_USE_DEEPSPEED"
+    if asked is None:
+        return
+    if cfg.distributed.strategy != asked:
+        offered = "ddp, fsdp, zero2, zero3, zero3_offload"
+        fix = f"set distributed.strategy: {asked}" if asked in offered.split(", ") else f"use an accelerate config for one of: {offered}"
+        raise UserError(f"accelerate config asks for {asked} but the run config has distributed.strategy: {cfg.distributed.strategy}; "
+                        f"{fix} (finetune applies the strategy itself)")
+    env[flag] = "false"
+
+
+def join_restarted_workers() -> None:
+    """After torchrun restarts its workers, join them through a store prefix of their own.
+
+    Seen with torch 2.13 + gloo (docs/platform-notes.md): restarted workers read the dead workers'
+    addresses, left in the agent's store under the same keys, and fail or hang in connectFullMesh.
+    A prefix per restart keeps every attempt's keys apart. accelerate then adopts this group.
+    """
+    import torch.distributed as dist
+
+    restart, world = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    if restart == 0 or world == 1 or dist.is_initialized() or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return
+    from datetime import timedelta
+
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False, timeout=timedelta(minutes=10))
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", store=dist.PrefixStore(f"finetune/restart-{restart}/", store),
+                            rank=int(os.environ["RANK"]), world_size=world)
+
+
+def finish_distributed(accelerator) -> None:
+    """Every rank waits for the others, then the process group goes. Called before accelerate's
+    end_training, which would tear the group down without waiting (a rank with nothing to save would
+    leave while the main one still writes). The rank's exit itself is `cli.exit_rank`."""
+    if torch.distributed.is_initialized():
+        accelerator.wait_for_everyone()
+        torch.distributed.destroy_process_group()
+
+
+def keep_freed_memory(gathers: bool = False) -> None:
+    """CPU runs: let glibc keep freed memory for reuse instead of returning it to the kernel.
+
+    A training step allocates and frees the same large activations every time. Served by mmap, each
+    comes back as fresh pages whose first touch faults: on the VMs measured (docs/platform-notes.md)
+    that made large elementwise ops 4-8x slower than on reused memory, and a QLoRA step of a 1.1B
+    model 1.4x slower. Set just before the loop, after what loading freed is handed back (always), so
+    RSS then tracks what training holds. Left alone when the user set glibc's MALLOC_* variables
+    (their choice wins) and when the strategy gathers each layer's weights (gathers: FSDP, ZeRO-3):
+    there the gathered buffers and the small tensors saved between them fragment a heap that never
+    shrinks, and a 1.1B LoRA grew by two layers' weights per layer (12.5 GB per rank instead of 4.3).
+    """
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    if not name or not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(name)
+    if hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)  # what loading freed goes back first, whatever the settings
+    if gathers or torch.cuda.is_available() or any(k.startswith("MALLOC_") for k in os.environ):
+        return
+    if hasattr(libc, "mallopt"):
+        M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4
+        libc.mallopt(M_MMAP_MAX, 0)  # large blocks from the heap, not from fresh mmaps
+        libc.mallopt(M_TRIM_THRESHOLD, 2**30 - 1)  # do not hand freed heap back (which would fault again)
+
+
+def _proc_status(key: str) -> int:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def current_rss() -> int:
+    """Resident memory of this process now, in bytes (Linux; 0 elsewhere)."""
+    return _proc_status("VmRSS")
+
+
+def peak_rss() -> int:
+    """Highest resident memory since the last reset_peak_rss(), in bytes (Linux; 0 elsewhere)."""
+    return _proc_status("VmHWM")
+
+
+def reset_peak_rss() -> None:
+    """Start measuring the peak afresh (excludes loading transients, such as quantizing a checkpoint)."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
