@@ -182,9 +182,9 @@ def save(output_dir: str | Path, step: int, model, optimizer, scheduler, trainer
         files["optimizer.pt"] = optimizer.state_dict()
     if not background:
         return _complete(tmp, root, step, files, keep_last)
-    live = {name: files.pop(name) for name in (WEIGHTS, "optimizer.pt") if name in files}  # copied by the writer
+    live = {name: files.pop(name) for name in (WEIGHTS, "optimizer.pt") if name in files}  # the writer copies these
     _staged.clear()
-    _writer = threading.Thread(target=_complete_or_record, args=(shards, tmp, root, step, {**host_copy(files), **live}, keep_last),
+    _writer = threading.Thread(target=_complete_or_record, args=(shards, tmp, root, step, host_copy(files), live, keep_last),
                                name="checkpoint-writer")
     _writer.start()
     return step_dir(root, step)
@@ -200,10 +200,10 @@ def _dcp_process_group():
     return _dcp_group
 
 
-def _complete_or_record(shards, tmp: Path, root: Path, step: int, files: dict, keep_last: int) -> None:
+def _complete_or_record(shards, tmp: Path, root: Path, step: int, files: dict, live: dict, keep_last: int) -> None:
     try:
         try:
-            files = host_copy(files)
+            files = {**files, **host_copy(live)}
         finally:
             _staged.set()
         if shards is not None:

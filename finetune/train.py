@@ -605,7 +605,7 @@ def _check_restart_loop(cfg: RunConfig, path: Path | None, accelerator) -> None:
     each of those starts crashed before saving anything newer."""
     if cfg.checkpoint.resume == "never":
         return
-    step = (checkpoint.step_of(path) or 0) if path is not None else 0
+    step = (path and checkpoint.step_of(path)) or 0
     starts = checkpoint.count_starts(cfg.train.output_dir, step, to_yaml(cfg))
     accelerator.wait_for_everyone()  # every rank has read the record before it changes
     if starts > cfg.checkpoint.max_restarts_without_progress:
