@@ -51,6 +51,8 @@ class Sizes:
 
 
 QUICK = Sizes(layers=2, hidden=64, vocab=2048, train_samples=24, eval_samples=4, max_seq_len=128, samples_per_step=4)
+# --device cuda: a 1.1B Llama shape and rows of 2,048 tokens, so that a step is compute-bound on a GPU.
+CUDA = Sizes(layers=22, hidden=2048, vocab=32000, train_samples=3072, eval_samples=16, max_seq_len=2048, samples_per_step=64)
 
 # name -> (trainer, precision, collator, how it is set up)
 PEERS = {
@@ -91,7 +93,7 @@ def prepare(work: Path, sizes: Sizes) -> dict:
 
     model = work / "model"
     if not (model / "config.json").exists():
-        build_model(model, sizes.layers, sizes.hidden, "bfloat16", vocab=sizes.vocab)
+        build_model(model, sizes.layers, sizes.hidden, "bfloat16", vocab=sizes.vocab, positions=max(512, sizes.max_seq_len))
     tokenizer = AutoTokenizer.from_pretrained(model)
     max_words = sizes.max_seq_len // 3
     for name, n, seed in (("train", sizes.train_samples, 1), ("eval", sizes.eval_samples, 2)):
@@ -149,7 +151,7 @@ def finetune_config(work: Path, out: Path, settings: dict) -> Path:
 
 def spawn(cmd: list[str], log: Path) -> tuple[float, int]:
     """Run cmd as a fresh process; (start time, peak RSS in bytes). Fails loudly with the log's tail."""
-    env = {**os.environ, "PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false", "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])), "TOKENIZERS_PARALLELISM": "false", "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
     with log.open("w") as fh:
         start = time.time()
         proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=REPO, env=env)
@@ -159,7 +161,7 @@ def spawn(cmd: list[str], log: Path) -> tuple[float, int]:
     return start, usage.ru_maxrss * 1024
 
 
-def run_once(name: str, work: Path, settings: dict, repeat: int) -> dict:
+def run_once(name: str, work: Path, settings: dict, repeat: int, device: str) -> dict:
     out = work / "runs" / f"{name}-{repeat}"
     out.parent.mkdir(parents=True, exist_ok=True)
     log = out.with_suffix(".log")
@@ -168,12 +170,13 @@ def run_once(name: str, work: Path, settings: dict, repeat: int) -> dict:
         start, rss = spawn([sys.executable, "-m", "finetune", "train", "--config", str(config)], log)
         steps = [{"time": r["time"], "tokens": r["tokens"]} for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
                  if "loss" in r]
+        gpu = json.loads((out / "summary.json").read_text()).get("peak_gpu_mib")
     else:
         trainer, precision, collator, _ = PEERS[name]
         result = out.with_suffix(".json")
         start, rss = spawn([sys.executable, str(REPO / "bench" / "peer.py"), "--trainer", trainer, "--precision", precision,
-                            "--collator", collator, "--work", str(work), "--out", str(out), "--result", str(result)], log)
-        steps = json.loads(result.read_text())["steps"]
+                            "--collator", collator, "--work", str(work), "--out", str(out), "--result", str(result), "--device", device], log)
+        steps, gpu = json.loads(result.read_text())["steps"], json.loads(result.read_text()).get("peak_gpu_mib")
     first, last = steps[0], steps[-1]
     return {
         "runner": name,
@@ -182,23 +185,24 @@ def run_once(name: str, work: Path, settings: dict, repeat: int) -> dict:
         "tok_s": (last["tokens"] - first["tokens"]) / max(last["time"] - first["time"], 1e-9),
         "tokens": last["tokens"],
         "peak_rss_mib": rss / 2**20,
+        "peak_gpu_mib": gpu or 0.0,
         "adapter": str(out),
     }
 
 
-def eval_loss(work: Path, adapter: str) -> float:
+def eval_loss(work: Path, adapter: str, device: str) -> float:
     """Mean loss per trained token of base + adapter on the held-out samples, fp32, one code for all."""
     import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     base = AutoModelForCausalLM.from_pretrained(work / "model", dtype=torch.float32)
-    model = PeftModel.from_pretrained(base, adapter).eval()
+    model = PeftModel.from_pretrained(base.to(device), adapter).eval()
     total, count = 0.0, 0
     with torch.no_grad():
         for line in (work / "eval_tokens.jsonl").read_text().splitlines():
             row = json.loads(line)
-            ids, labels = torch.tensor([row["input_ids"]]), torch.tensor(row["labels"])
+            ids, labels = torch.tensor([row["input_ids"]], device=device), torch.tensor(row["labels"], device=device)
             logits = model(input_ids=ids).logits[0, :-1]
             total += torch.nn.functional.cross_entropy(logits, labels[1:], ignore_index=-100, reduction="sum").item()
             count += int((labels[1:] != -100).sum())
@@ -210,18 +214,21 @@ def eval_loss(work: Path, adapter: str) -> float:
 
 CEILING = r"""
 import json, sys, time, torch
-shapes = json.loads(sys.argv[1])
+shapes, device = json.loads(sys.argv[1]), sys.argv[2]
+sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
 out = {}
 for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
     flops = seconds = 0.0
     for m, k, n in shapes:
-        a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
+        a, b = torch.randn(m, k, dtype=dtype, device=device), torch.randn(k, n, dtype=dtype, device=device)
         for _ in range(3):
             a @ b
-        reps = 10
+        reps = 10 if device == "cpu" else 50
+        sync()
         t = time.perf_counter()
         for _ in range(reps):
             a @ b
+        sync()
         seconds += time.perf_counter() - t
         flops += 2 * m * k * n * reps
     out[name] = flops / seconds
@@ -233,33 +240,35 @@ import json, sys, time
 import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
-work, rows = sys.argv[1], json.loads(sys.argv[2])
+work, rows, device = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
 s = json.load(open(work + "/settings.json"))
-model = AutoModelForCausalLM.from_pretrained(work + "/model", dtype=torch.bfloat16)
+model = AutoModelForCausalLM.from_pretrained(work + "/model", dtype=torch.bfloat16).to(device)
 model = get_peft_model(model, LoraConfig(r=s["lora_r"], lora_alpha=s["lora_alpha"], lora_dropout=0.0, target_modules="all-linear"))
 samples = [json.loads(line) for line in open(work + "/tokens.jsonl")][:rows]
 width = max(len(r["input_ids"]) for r in samples)
-ids = torch.tensor([r["input_ids"] + [0] * (width - len(r["input_ids"])) for r in samples])
-labels = torch.tensor([r["labels"] + [-100] * (width - len(r["labels"])) for r in samples])
+ids = torch.tensor([r["input_ids"] + [0] * (width - len(r["input_ids"])) for r in samples], device=device)
+labels = torch.tensor([r["labels"] + [-100] * (width - len(r["labels"])) for r in samples], device=device)
 opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
 model(input_ids=ids, labels=labels).loss.backward()
 opt.step()
+if device == "cuda":
+    torch.cuda.synchronize()
 print(json.dumps({"time": time.time()}))
 """
 
 
-def machine_ceiling(sizes: Sizes) -> dict:
+def machine_ceiling(sizes: Sizes, device: str) -> dict:
     """Dense matmul FLOP/s of torch here, on the model's own shapes (tokens x in -> out)."""
-    t, d, ff = 2048, sizes.hidden, sizes.hidden * 11 // 4
+    t, d, ff = 2048 if device == "cpu" else 8192, sizes.hidden, sizes.hidden * 11 // 4
     shapes = [(t, d, d), (t, d, ff), (t, ff, d), (t, d, sizes.vocab)]
-    out = subprocess.run([sys.executable, "-c", CEILING, json.dumps(shapes)], capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-c", CEILING, json.dumps(shapes), device], capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def bare_first_step(work: Path, rows: int) -> float:
+def bare_first_step(work: Path, rows: int, device: str) -> float:
     """Seconds from process start to the first optimizer step of a bare script: import, load, one step."""
     log = work / "first_step.log"
-    start, _ = spawn([sys.executable, "-c", FIRST_STEP, str(work), str(rows)], log)
+    start, _ = spawn([sys.executable, "-c", FIRST_STEP, str(work), str(rows), device], log)
     return json.loads(log.read_text().strip().splitlines()[-1])["time"] - start
 
 
@@ -285,42 +294,51 @@ def flops_per_token(sizes: Sizes, settings: dict) -> float:
 # Report
 
 
-def cpu_name() -> str:
+def device_name(device: str) -> str:
+    if device == "cuda":
+        import torch
+
+        return torch.cuda.get_device_name(0)
     try:
         return next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name"))
     except (OSError, StopIteration):
         return platform.machine()
 
 
-def table(results: dict[str, list[dict]], settings: dict, sizes: Sizes, ceiling: dict, bare: float, bound: dict | None, repeats: int) -> list[str]:
-    med = {name: {k: statistics.median(r[k] for r in runs) for k in ("tok_s", "first_step_s", "peak_rss_mib", "eval_loss")}
+def table(results: dict[str, list[dict]], settings: dict, sizes: Sizes, ceiling: dict, bare: float, bound: dict | None, repeats: int,
+          device: str) -> list[str]:
+    med = {name: {k: statistics.median(r[k] for r in runs) for k in ("tok_s", "first_step_s", "peak_rss_mib", "peak_gpu_mib", "eval_loss")}
            for name, runs in results.items()}
     peers = [n for n in med if n != "finetune"]
     best = max(peers, key=lambda n: med[n]["tok_s"]) if peers else None
     fpt = flops_per_token(sizes, settings)
     params = sizes.layers * (4 * sizes.hidden**2 + 3 * sizes.hidden * sizes.hidden * 11 // 4) + 2 * sizes.vocab * sizes.hidden
     lines = [
-        f"# finetune vs HF Trainer + peft and TRL SFTTrainer ({datetime.date.today()}, {cpu_name()}, "
-        f"{os.cpu_count()} CPUs, torch threads {os.environ.get('OMP_NUM_THREADS', 'default')})",
+        f"# finetune vs HF Trainer + peft" + (" and TRL SFTTrainer" if "trl-bf16-flatten" in med else "") + f" ({datetime.date.today()}, "
+        + (f"{device_name(device)}, torch {__import__('torch').__version__}" if device == "cuda" else
+           f"{device_name(device)}, {os.cpu_count()} CPUs, torch threads {os.environ.get('OMP_NUM_THREADS', 'default')}") + ")",
         "",
         f"Llama {params / 1e6:.3g}M params ({sizes.layers} layers x {sizes.hidden}, vocab {sizes.vocab}); LoRA r {settings['lora_r']} on all "
         f"linear layers; {settings['samples']} samples of {settings['min_len']}-{settings['max_len']} tokens (mean {settings['mean_len']:.0f}, "
         f"{settings['trained_tokens'] / settings['tokens']:.0%} of tokens trained), 1 epoch, AdamW lr {settings['lr']} constant; "
         f"median of {repeats} fresh processes.",
         "",
-        "| runner | settings | real tok/s | vs best peer | first step (s) | peak RSS (MiB) | eval loss | MFU (bf16 ceiling) |",
-        "|---|---|---|---|---|---|---|---|",
+        "| runner | settings | real tok/s | vs best peer | first step (s) | peak RSS (MiB) |" + (" peak GPU (MiB) |" if device == "cuda" else "")
+        + " eval loss | MFU (bf16 ceiling) |",
+        "|---|---|---|---|---|---|" + ("---|" if device == "cuda" else "") + "---|---|",
     ]
     for name, m in med.items():
         how = ("finetune train: bf16 base, fp32 LoRA, bf16 autocast, packed rows, per-sample attention, loss on trained tokens only"
                if name == "finetune" else PEERS[name][3])
         vs = f"{m['tok_s'] / med[best]['tok_s']:.2f}x" if best else "-"
-        lines.append(f"| {name} | {how} | {m['tok_s']:.0f} | {vs} | {m['first_step_s']:.1f} | {m['peak_rss_mib']:.0f} | "
+        gpu = f"{m['peak_gpu_mib']:.0f} | " if device == "cuda" else ""
+        lines.append(f"| {name} | {how} | {m['tok_s']:.0f} | {vs} | {m['first_step_s']:.1f} | {m['peak_rss_mib']:.0f} | {gpu}"
                      f"{m['eval_loss']:.4f} | {fpt * m['tok_s'] / ceiling['bf16']:.0%} |")
     lines += [
         "",
-        f"Ceiling, dense matmul on the model's shapes: bf16 {ceiling['bf16'] / 1e9:.0f} GFLOP/s, fp32 {ceiling['fp32'] / 1e9:.0f} GFLOP/s. "
-        f"Model FLOPs per real token: {fpt / 1e6:.0f}M (see flops_per_token).",
+        f"Ceiling, dense matmul on the model's shapes: bf16 {ceiling['bf16'] / 1e9:.0f} GFLOP/s, fp32 {ceiling['fp32'] / 1e9:.0f} GFLOP/s"
+        + (" (peak GPU: torch.cuda.max_memory_allocated over the training steps). " if device == "cuda" else ". ")
+        + f"Model FLOPs per real token: {fpt / 1e6:.0f}M (see flops_per_token).",
         f"Import + load + first step of a bare script (transformers + peft, bf16, one batch): {bare:.1f} s; "
         + (f"finetune's first step: {med['finetune']['first_step_s'] / bare:.2f}x that." if "finetune" in med else ""),
         f"Steps per epoch: finetune {results['finetune'][0]['steps'] if 'finetune' in results else '-'} "
@@ -366,17 +384,19 @@ def plot(results: dict[str, list[dict]], path: Path) -> None:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--runners", default=",".join(RUNNERS), help=f"comma-separated, of: {', '.join(RUNNERS)}")
+    p.add_argument("--runners", default=None, help=f"comma-separated, of: {', '.join(RUNNERS)} (default all; on cuda finetune,hf-bf16-flatten)")
     p.add_argument("--quick", action="store_true", help="tiny model and data, 1 repeat: checks the harness in seconds")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="cuda: a 1.1B Llama shape, rows of 2,048 tokens, finetune vs HF Trainer + peft on the GPU (results compare-cuda)")
     p.add_argument("--work", type=Path, help="working folder (default .cache/bench/compare or compare-quick)")
     p.add_argument("--name", default=None, help="results file name (default compare, or compare-quick)")
     p.add_argument("--results", type=Path, default=RESULTS, help="where NAME.md and NAME.png go (default bench/results)")
     args = p.parse_args(argv)
-    sizes = QUICK if args.quick else Sizes()
-    name = args.name or ("compare-quick" if args.quick else "compare")
+    sizes = QUICK if args.quick else CUDA if args.device == "cuda" else Sizes()
+    name = args.name or ("compare-quick" if args.quick else f"compare-{args.device}" if args.device == "cuda" else "compare")
     work = args.work or REPO / ".cache" / "bench" / name
     work.mkdir(parents=True, exist_ok=True)
-    runners = [r for r in args.runners.split(",") if r]
+    runners = [r for r in (args.runners or ",".join(RUNNERS if args.device == "cpu" else ["finetune", "hf-bf16-flatten"])).split(",") if r]
     unknown = set(runners) - set(RUNNERS)
     if unknown:
         p.error(f"--runners: unknown {', '.join(sorted(unknown))}; choose from {', '.join(RUNNERS)}")
@@ -385,17 +405,18 @@ def main(argv: list[str] | None = None) -> None:
     results: dict[str, list[dict]] = {r: [] for r in runners}
     for repeat in range(args.repeats):  # interleaved, so a slow spell of the machine hits every runner alike
         for runner in runners:
-            result = run_once(runner, work, settings, repeat)
-            result["eval_loss"] = eval_loss(work, result["adapter"])
+            result = run_once(runner, work, settings, repeat, args.device)
+            result["eval_loss"] = eval_loss(work, result["adapter"], args.device)
             results[runner].append(result)
             print(f"[{repeat + 1}/{args.repeats}] {runner}: {result['tok_s']:.0f} tok/s, first step {result['first_step_s']:.1f} s, "
-                  f"peak RSS {result['peak_rss_mib']:.0f} MiB, eval loss {result['eval_loss']:.4f}", flush=True)
-    ceiling = machine_ceiling(sizes)
-    bare = statistics.median(bare_first_step(work, settings["peer_micro_batch"]) for _ in range(args.repeats))
-    bound = matmul_bound(work, steps=2 if args.quick else 4) if "finetune" in results else None
+                  f"peak RSS {result['peak_rss_mib']:.0f} MiB, peak GPU {result['peak_gpu_mib']:.0f} MiB, eval loss {result['eval_loss']:.4f}", flush=True)
+    ceiling = machine_ceiling(sizes, args.device)
+    bare = statistics.median(bare_first_step(work, settings["peer_micro_batch"], args.device) for _ in range(args.repeats))
+    # bench/matmuls.py times CPU kernels one by one; on a GPU the MFU column says the same.
+    bound = matmul_bound(work, steps=2 if args.quick else 4) if "finetune" in results and args.device == "cpu" else None
     (work / "results.json").write_text(json.dumps({"results": results, "settings": settings, "ceiling": ceiling, "bare": bare,
                                                    "matmuls": bound}, indent=1))
-    report(name, table(results, settings, sizes, ceiling, bare, bound, args.repeats), args.results)
+    report(name, table(results, settings, sizes, ceiling, bare, bound, args.repeats, args.device), args.results)
     plot(results, args.results / f"{name}.png")
 
 

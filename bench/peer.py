@@ -24,6 +24,7 @@ def main() -> None:
     p.add_argument("--work", required=True, help="the harness's folder: model/, tokens.jsonl, settings.json")
     p.add_argument("--out", required=True, help="where the adapter is saved")
     p.add_argument("--result", required=True)
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     args = p.parse_args()
 
     import torch
@@ -44,13 +45,17 @@ def main() -> None:
         def __init__(self):
             self.steps: list[dict] = []
 
+        def on_train_begin(self, *_args, **_kwargs):
+            if args.device == "cuda":  # the peak of training, as finetune reports it (loading excluded)
+                torch.cuda.reset_peak_memory_stats()
+
         def on_step_end(self, _args, state, _control, **_kwargs):
             self.steps.append({"step": state.global_step, "time": time.time(), "tokens": real_tokens[0]})
 
     common = dict(
         output_dir=args.out, per_device_train_batch_size=settings["peer_micro_batch"], gradient_accumulation_steps=settings["peer_grad_accum"],
         num_train_epochs=1, learning_rate=settings["lr"], lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
-        max_grad_norm=1.0, optim="adamw_torch", logging_steps=1, save_strategy="no", report_to="none", use_cpu=True,
+        max_grad_norm=1.0, optim="adamw_torch", logging_steps=1, save_strategy="no", report_to="none", use_cpu=args.device == "cpu",
         bf16=args.precision != "fp32", seed=settings["seed"], data_seed=settings["seed"], disable_tqdm=True,
         dataloader_num_workers=0,
     )
@@ -86,7 +91,8 @@ def main() -> None:
     trainer.train()
     trainer.model.save_pretrained(args.out)
     with open(args.result, "w") as fh:
-        json.dump({"steps": timing.steps}, fh)
+        gpu = torch.cuda.max_memory_allocated() / 2**20 if args.device == "cuda" else None
+        json.dump({"steps": timing.steps, "peak_gpu_mib": gpu}, fh)
 
 
 if __name__ == "__main__":

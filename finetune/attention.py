@@ -61,21 +61,46 @@ def packed_sdpa_forward(module, query, key, value, attention_mask, dropout: floa
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     if position_ids.shape[0] != query.shape[0]:
         position_ids = position_ids.expand(query.shape[0], -1)
-    spans = [(b, s, e) for b, bounds in enumerate(sample_bounds(position_ids)) for s, e in zip(bounds, bounds[1:])]
+    bounds = sample_bounds(position_ids)
+    spans = [(b, s, e) for b, row in enumerate(bounds) for s, e in zip(row, row[1:])]
     ours = query.device.type == "cpu" and dropout == 0.0
     short, long = [], []
     for span in spans:
         (short if ours and span[2] - span[1] <= SHORT_SAMPLE else long).append(span)
+    if not short:
+        return _split_sdpa(query, key, value, bounds, window, scale, dropout, gqa), None
     # Each sample's output goes straight to its place in the (B, L, H, D) result: no concatenation
     # and transposed copy of the whole output per layer.
-    batch, heads, length, dim = query.shape
-    out = causal_attention(query, key, value, short, scale, window) if short else query.new_empty(batch, length, heads, dim)
+    out = causal_attention(query, key, value, short, scale, window)
     for b, s, e in long:
         banded = window is not None and window < e - s
         mask = _allowed(e - s, window, query.device) if banded else None
         out[b, s:e] = F.scaled_dot_product_attention(query[b : b + 1, :, s:e], key[b : b + 1, :, s:e], value[b : b + 1, :, s:e], attn_mask=mask,
                                                      dropout_p=dropout, is_causal=not banded, scale=scale, enable_gqa=gqa)[0].transpose(0, 1)
     return out, None
+
+
+def _split_sdpa(query, key, value, bounds: list[list[int]], window: int | None, scale: float, dropout: float, gqa: bool) -> torch.Tensor:
+    """torch's sdpa per sample, the samples of a row taken by one split and put back by one concatenation.
+
+    Slicing each sample out instead costs a zero-filled gradient of the whole (B, H, L, D) tensor per
+    sample and slice in backward, and writing each output into place a copy per sample: on an H100 these
+    and cuDNN attention's per-call host work (~1.2 ms a backward, a graph per sample length) made a
+    1.1B step CPU-bound (docs/platform-notes.md); cuDNN is therefore left out of the backends tried."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    rows = []
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+        for b, edges in enumerate(bounds):
+            lengths = [e - s for s, e in zip(edges, edges[1:])]
+            outs = []
+            for q, k, v in zip(query[b].split(lengths, 1), key[b].split(lengths, 1), value[b].split(lengths, 1)):
+                banded = window is not None and window < q.shape[1]
+                mask = _allowed(q.shape[1], window, q.device) if banded else None
+                outs.append(F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, dropout_p=dropout, is_causal=not banded,
+                                                           scale=scale, enable_gqa=gqa)[0])
+            rows.append(torch.cat(outs, 1).transpose(0, 1))
+    return torch.stack(rows)
 
 
 def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, spans: list[tuple[int, int, int]], scale: float,

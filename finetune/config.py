@@ -256,8 +256,9 @@ class RunConfig(_Section):
             raise ValueError(f"train.mixed_precision: {strategy} runs no/bf16 here (fp16 would need a sharded grad scaler); use bf16")
         q = self.model.quantization
         if strategy == "fsdp" and q is not None:
-            raise ValueError("distributed.strategy: fsdp cannot shard a quantized base (FSDP2's DTensors drop bitsandbytes' "
-                             "quantization state); use zero3 (ZeRO-3 + QLoRA) or ddp")
+            raise ValueError("distributed.strategy: fsdp cannot shard a quantized base yet (on CPU FSDP2 drops bitsandbytes' "
+                             "quantization state; on CUDA it keeps it, but loading and checkpointing a sharded 4-bit base over "
+                             "several GPUs is untested); use zero3 (ZeRO-3 + QLoRA) or ddp")
         if strategy.startswith("zero") and q is not None and q.bits == 8:
             raise ValueError(f"model.quantization: an 8-bit base is not supported under {strategy}; use bits: 4 (QLoRA) or distributed.strategy: ddp")
         if strategy.startswith("zero") and self.train.optimizer not in ("adamw", "sgd"):

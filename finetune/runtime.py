@@ -112,8 +112,15 @@ def peak_rss() -> int:
     return _proc_status("VmHWM")
 
 
+def peak_gpu() -> int | None:
+    """Most GPU memory this process's tensors held since the last reset_peak_rss(), in bytes; None without CUDA."""
+    return torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
+
+
 def reset_peak_rss() -> None:
-    """Start measuring the peak afresh (excludes loading transients, such as quantizing a checkpoint)."""
+    """Start measuring the peaks afresh (excludes loading transients, such as quantizing a checkpoint)."""
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
     try:
         Path("/proc/self/clear_refs").write_text("5")
     except OSError:

@@ -141,7 +141,14 @@ def make_accelerator(cfg: RunConfig):
     # (sharding applies with several processes only; launchers set WORLD_SIZE).
     if cfg.distributed.strategy not in ("ddp", "none") and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         mp = "no"
-    return Accelerator(mixed_precision=mp, cpu=not cuda, log_with=trackers or None, project_dir=cfg.train.output_dir)
+    handlers = []
+    if mp == "fp8" and importlib.util.find_spec("torchao"):
+        from accelerate.utils import AORecipeKwargs
+
+        # fp8 runs unsharded here (config.py): torchao's FSDP float8 all-gather would only turn the weights into
+        # tensor subclasses that safetensors cannot save (seen on an H100, docs/platform-notes.md).
+        handlers.append(AORecipeKwargs(enable_fsdp_float8_all_gather=False))
+    return Accelerator(mixed_precision=mp, cpu=not cuda, log_with=trackers or None, project_dir=cfg.train.output_dir, kwargs_handlers=handlers)
 
 
 def run(cfg: RunConfig) -> RunResult:
@@ -464,6 +471,8 @@ def _run(cfg: RunConfig) -> RunResult:
     # Memory held by model, optimizer and activations while training (compare with `finetune plan`).
     summary["rss_before_model_mib"] = rss_before_model / 2**20
     summary["peak_rss_mib"] = runtime.peak_rss() / 2**20
+    summary["peak_gpu_mib"] = runtime.peak_gpu() / 2**20 if torch.cuda.is_available() else None
+    summary["backend"] = torch.distributed.get_backend() if torch.distributed.is_initialized() else None
     summary["strategy"] = strategy
     summary["model_loaded_from"] = model_cfg.name_or_path
     summary["base_model"] = base  # what the adapter needs (adapter_config.json names it too)
