@@ -120,8 +120,7 @@ def planned(cfg: dict, nproc: int, strategy: str) -> float:
     from finetune.config import validate_config
     from finetune.plan import make_plan
 
-    sharding = strategy if strategy in ("fsdp", "zero3") else "none"
-    return make_plan(validate_config(cfg, "bench"), devices=nproc, sharding=sharding).total / 2**20
+    return make_plan(validate_config(cfg, "bench"), devices=nproc, strategy=strategy).total / 2**20
 
 
 def floor(folder: Path, work: Path) -> dict:

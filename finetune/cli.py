@@ -14,7 +14,7 @@ import sys
 import warnings
 from typing import NoReturn
 
-from finetune.config import DEFAULT_RAMDISK, ModelConfig
+from finetune.config import DEFAULT_RAMDISK, STRATEGIES, ModelConfig
 from finetune.errors import UserError, record_exit
 
 # Flags that are shorthands for schema keys (they are applied as --set overrides, after the file).
@@ -70,7 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     _run_options(p)
 
     p = sub.add_parser("validate", help="check a config and print it fully resolved",
-                       description="Validate a config (and overrides) without loading the model; print every key with its value.")
+                       description="Validate a config (and overrides) without loading the model: everything `train` would refuse "
+                       "before loading, this machine's hardware, packages, launcher and output folder included; then print every "
+                       "key with its value.")
     _run_options(p)
 
     p = sub.add_parser("plan", help="estimate memory per device before launching",
@@ -79,9 +81,10 @@ def build_parser() -> argparse.ArgumentParser:
     _run_options(p)
     p.add_argument("--gpus", type=_number(int, 1, "at least 1"), default=1, metavar="N", help="devices the run is spread over (default 1)")
     p.add_argument("--gpu-mem", metavar="SIZE", help="memory per device, e.g. 80GiB (default: this machine's GPU, else its available RAM)")
-    p.add_argument("--sharding", choices=["none", "fsdp", "zero2", "zero3"], default="none",
-                   help="none: one process or DDP; fsdp: weights, gradients and optimizer split over devices; zero2 (DeepSpeed): "
-                        "gradients and optimizer split; zero3 (DeepSpeed): weights too (DeepSpeed adds an fp32 copy of each partition)")
+    p.add_argument("--strategy", choices=STRATEGIES, default=None,
+                   help="as distributed.strategy (default: the config's): none/ddp: every device holds the whole model; fsdp: "
+                        "weights, gradients and optimizer split over devices; zero2 (DeepSpeed): gradients and optimizer split; "
+                        "zero3, zero3_offload (DeepSpeed): weights too (DeepSpeed adds an fp32 copy of each partition)")
 
     p = sub.add_parser("stage", help="copy a model into RAM once so runs load it in seconds; list or evict copies",
                        description="Copy a model folder (safetensors weights, configs, tokenizer) to a RAM-backed folder, verify it "
@@ -185,9 +188,12 @@ def main(argv: list[str] | None = None) -> int:
     quiet_libraries()
     try:
         if args.command == "validate":
+            from finetune import preflight
             from finetune.config import to_yaml
 
-            print(to_yaml(resolve_config(args)), end="")
+            cfg = resolve_config(args)
+            preflight.check(cfg)  # what train would refuse before loading, for this machine
+            print(to_yaml(cfg), end="")
         elif args.command == "train":
             from finetune.supervise import watch_preemption
 
@@ -201,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
             cfg = resolve_config(args)
             gpu = args.gpu_mem is not None or __import__("torch").cuda.is_available()
             budget, where = (plan.parse_size(args.gpu_mem), "GPU") if args.gpu_mem else plan.available_memory()
-            result = plan.make_plan(cfg, devices=args.gpus, sharding=args.sharding, gpu=gpu)
+            result = plan.make_plan(cfg, devices=args.gpus, strategy=args.strategy, gpu=gpu)
             print(plan.render(result, budget, where, plan.alternatives(cfg, result, gpu)))
         elif args.command == "merge":
             from finetune.merge import merge

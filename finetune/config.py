@@ -11,7 +11,7 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -209,8 +209,12 @@ class WatchdogConfig(_Section):
     enabled: bool = Field(True, description="Dump every thread's stack and exit with code 4 when a step hangs (a stuck collective, a dead peer).")
 
 
+Strategy = Literal["none", "ddp", "fsdp", "zero2", "zero3", "zero3_offload"]
+STRATEGIES = get_args(Strategy)  # one vocabulary: the config, `finetune plan --strategy`, the engines
+
+
 class DistributedConfig(_Section):
-    strategy: Literal["none", "ddp", "fsdp", "zero2", "zero3", "zero3_offload"] = Field(
+    strategy: Strategy = Field(
         "ddp", description="none (one process only), or with several processes: ddp (replicas, accelerate), fsdp (torch FSDP2 fully_shard per decoder layer), "
         "zero2 / zero3 (DeepSpeed ZeRO: optimizer+gradients / also parameters sharded), zero3_offload (ZeRO-3 with parameters and optimizer in CPU RAM)."
     )

@@ -17,6 +17,7 @@ from finetune.errors import UserError
 from finetune.families import Linear
 
 GiB = 2**30
+REPLICATED = ("none", "ddp")  # every device holds the whole model and its states
 # Optimizer state bytes per trainable parameter (None: same as the parameter's own bytes, twice).
 OPTIMIZER_STATE_BYTES = {"adamw": None, "paged_adamw_32bit": 8, "adamw_8bit": 2, "paged_adamw_8bit": 2, "lion": 4, "lion_8bit": 1}
 GPU_RESERVE = 1.0 * GiB  # CUDA context + caching-allocator slack, measured-ish; 0 on CPU
@@ -91,11 +92,21 @@ class Setup:
     seq_len: int
     activation_bytes: int
     checkpointing: bool
-    sharding: str  # none (one process or DDP) | fsdp | zero2 | zero3 (DeepSpeed)
+    strategy: str  # distributed.strategy's names: none | ddp (replicated) | fsdp | zero2 | zero3 | zero3_offload
+
+    @property
+    def splits_states(self) -> bool:
+        """Gradients and optimizer states split over the devices (FSDP, ZeRO-2/3)."""
+        return self.strategy not in REPLICATED
+
+    @property
+    def splits_weights(self) -> bool:
+        """Weights split too and gathered layer by layer to compute (FSDP, ZeRO-3)."""
+        return self.strategy in ("fsdp", "zero3", "zero3_offload")
     devices: int
 
 
-def setup_from_config(cfg: RunConfig, devices: int, sharding: str = "none") -> Setup:
+def setup_from_config(cfg: RunConfig, devices: int, strategy: str | None = None) -> Setup:
     q = cfg.model.quantization
     mp = cfg.train.mixed_precision
     weight_bytes = DTYPE_BYTES.get(cfg.model.dtype, 2)  # auto: as stored, most often in 16 bits
@@ -103,7 +114,8 @@ def setup_from_config(cfg: RunConfig, devices: int, sharding: str = "none") -> S
         method=cfg.adapter.method, bits=q.bits if q else None, weight_bytes=weight_bytes, optimizer=cfg.train.optimizer,
         micro_batch=cfg.train.micro_batch_size, seq_len=cfg.data.max_seq_len,
         activation_bytes=2 if mp in ("bf16", "fp16", "fp8") or weight_bytes == 2 else 4,
-        checkpointing=cfg.train.gradient_checkpointing, sharding=sharding, devices=devices,
+        checkpointing=cfg.train.gradient_checkpointing, devices=devices,
+        strategy=(strategy or cfg.distributed.strategy) if devices > 1 else "none",  # one process runs unsharded (engines.engine_for)
     )
 
 
@@ -147,14 +159,14 @@ def estimate(shape: Shape, cfg: RunConfig, s: Setup) -> dict[str, float]:
         state = param_bytes if cfg.train.momentum > 0 else 0
     optimizer = n_train * (2 * param_bytes if state is None else state)
     # Sharding: ZeRO-2 splits gradients and optimizer states, ZeRO-3/FSDP the weights too.
-    if s.sharding != "none":
+    if s.splits_states:
         grads, optimizer = grads / s.devices, optimizer / s.devices
     weights = base + adapter
     rows = {"weights": weights, "gradients": grads, "optimizer states": optimizer, "activations": activations(shape, s)}
-    if s.sharding in ("fsdp", "zero3"):
+    if s.splits_weights:
         rows["weights"] = weights / s.devices
         rows["gathered for compute"] = gathered(shape, s, full)
-    if s.sharding in ("zero2", "zero3"):  # DeepSpeed's optimizer keeps an fp32 copy of its partition, even of fp32 weights
+    if s.strategy.startswith("zero"):  # DeepSpeed's optimizer keeps an fp32 copy of its partition, even of fp32 weights
         rows["fp32 master weights (DeepSpeed)"] = n_train * 4 / s.devices
     temporaries = dense_temporaries(shape, cfg, s)
     if temporaries:
@@ -189,6 +201,17 @@ def dense_temporaries(shape: Shape, cfg: RunConfig, s: Setup) -> float:
     return size
 
 
+def heap_holes(shape: Shape, cfg: RunConfig, s: Setup) -> float:
+    """CPU runs that keep freed memory in the heap (runtime.keep_freed_memory: all but FSDP/ZeRO-3):
+    each layer's weight-sized temporaries are freed while the small tensors saved for the backward take
+    a part of their place, so the next layer's need fresh heap. Measured on the 1.1B QLoRA (fp32
+    compute) and DoRA runs with checkpointing: about one fp32 copy of the largest adapted weight per
+    layer in the forward and again in the backward's recompute (docs/platform-notes.md)."""
+    if s.splits_weights or not dense_temporaries(shape, cfg, s):
+        return 0.0
+    return 2 * shape.layers * max(l.fan_in * l.fan_out for l in adapted(shape, cfg)) * 4
+
+
 def activations(shape: Shape, s: Setup) -> float:
     """Saved tensors of the forward pass, per device, plus the loss's logits.
 
@@ -219,12 +242,16 @@ class Plan:
     unquantized_experts: int  # expert and router weights a quantized base keeps in full precision
 
 
-def make_plan(cfg: RunConfig, devices: int = 1, sharding: str = "none", gpu: bool = False, setup: Setup | None = None) -> Plan:
+def make_plan(cfg: RunConfig, devices: int = 1, strategy: str | None = None, gpu: bool = False, setup: Setup | None = None) -> Plan:
+    """strategy: as distributed.strategy names it (default: the config's). ZeRO-3 offload is planned
+    as ZeRO-3: what it moves to CPU RAM is counted on the device."""
     shape = read_shape(cfg.model.name_or_path)
-    setup = setup or setup_from_config(cfg, devices, sharding)
+    setup = setup or setup_from_config(cfg, devices, strategy)
     rows = estimate(shape, cfg, setup)
     if gpu:
         rows["CUDA context + allocator slack"] = GPU_RESERVE
+    elif heap_holes(shape, cfg, setup):
+        rows["freed but held by the heap (CPU)"] = heap_holes(shape, cfg, setup)
     return Plan(rows, sum(rows.values()), setup, trainable_params(shape, cfg), shape.linear_params + shape.other_params, shape.active_params,
                 shape.linear_params - shape.quantizable_params)
 
@@ -239,8 +266,8 @@ def alternatives(cfg: RunConfig, plan: Plan, gpu: bool) -> list[tuple[str, Plan]
         options.append((f"train.micro_batch_size: {max(1, s.micro_batch // 2)} (raise grad_accum to keep the batch)", replace(s, micro_batch=max(1, s.micro_batch // 2))))
     if s.optimizer in ("adamw", "paged_adamw_32bit"):
         options.append(("train.optimizer: adamw_8bit", replace(s, optimizer="adamw_8bit")))
-    if s.devices > 1 and s.sharding in ("none", "zero2"):
-        options.append((f"FSDP over {s.devices} devices", replace(s, sharding="fsdp")))
+    if s.devices > 1 and not s.splits_weights:
+        options.append((f"FSDP over {s.devices} devices (distributed.strategy: fsdp)", replace(s, strategy="fsdp")))
     out = [(label, make_plan(cfg, gpu=gpu, setup=alt)) for label, alt in options]
     if s.bits is None and cfg.adapter.method != "full":
         from finetune.config import QuantizationConfig
@@ -284,7 +311,7 @@ def render(plan: Plan, budget: float, where: str, alts: list[tuple[str, Plan]]) 
         f"plan: {method}, {plan.trainable:,} trainable of {plan.total_params:,} params"
         + (f" ({plan.active_params:,} active per token)" if plan.active_params != plan.total_params else "") + f", optimizer {s.optimizer}, "
         f"micro-batch {s.micro_batch} x {s.seq_len} tokens, activations in {8 * s.activation_bytes}-bit, "
-        f"checkpointing {'on' if s.checkpointing else 'off'}, sharding {s.sharding} over {s.devices} device(s)",
+        f"checkpointing {'on' if s.checkpointing else 'off'}, strategy {s.strategy} over {s.devices} device(s)",
         "",
         f"| {'per device':<32} | {unit:>9} |",
         f"| {'-' * 32} | {'-' * 9} |",

@@ -13,10 +13,10 @@ from finetune.config import RunConfig
 from finetune.errors import UserError
 
 
-def check_launcher_strategy(cfg: RunConfig) -> None:
+def launcher_strategy(cfg: RunConfig) -> str | None:
     """An accelerate config that asks for FSDP or DeepSpeed must agree with the run config: never a
-    silent fall-back to DDP. finetune applies the strategy itself, so accelerate's own plugin is
-    switched off once the two agree."""
+    silent fall-back to DDP. finetune applies the strategy itself: returns the environment flag that
+    switches accelerate's own plugin off once the two agree (None where none was asked for)."""
     env = os.environ
     asked = None
     if env.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true"):
@@ -26,13 +26,13 @@ def check_launcher_strategy(cfg: RunConfig) -> None:
         offload = any(env.get(f"ACCELERATE_DEEPSPEED_OFFLOAD_{k}_DEVICE", "none") not in ("", "none") for k in ("OPTIMIZER", "PARAM"))
         asked, flag = f"zero{stage}" + ("_offload" if offload else ""), "ACCELERATE_USE_DEEPSPEED"
     if asked is None:
-        return
+        return None
     if cfg.distributed.strategy != asked:
         offered = "ddp, fsdp, zero2, zero3, zero3_offload"
         fix = f"set distributed.strategy: {asked}" if asked in offered.split(", ") else f"use an accelerate config for one of: {offered}"
         raise UserError(f"accelerate config asks for {asked} but the run config has distributed.strategy: {cfg.distributed.strategy}; "
                         f"{fix} (finetune applies the strategy itself)")
-    env[flag] = "false"
+    return flag
 
 
 def join_restarted_workers() -> None:

@@ -27,27 +27,26 @@ import math
 import os
 import sys
 import time
-from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from finetune import checkpoint, families, faults, runtime
+from finetune import checkpoint, families, faults, preflight, runtime
 from finetune.chat import choose_template
-from finetune.config import CONFIG_FILE, RunConfig, looks_local, to_yaml
+from finetune.config import CONFIG_FILE, ModelConfig, RunConfig, looks_local, to_yaml
 from finetune.data import Datasets, load_data
 from finetune.packing import epoch_batches
-from finetune.distributed import (ZERO_STAGES, check_strategy, full_state_dict, gathered_trainable_state, init_deepspeed, local_numel,
-                                  shard_fsdp2, stream_source, zero3_loading)
+from finetune.distributed import local_numel
+from finetune.engines import Replicated, engine_for
 from finetune.errors import EXIT_DIVERGED, EXIT_PREEMPTED, Stopped, UserError
 from finetune.guard import Guard, Verdict, data_step
 from finetune.evaluate import eval_loss, exact_match
-from finetune.locks import LOCK_FILE, hold_output_dir, release_output_dir
+from finetune.locks import hold_output_dir, release_output_dir
 from finetune.loss import losses, trained_tokens
 from finetune.metrics import EVENTS_FILE, RunLog, plot_loss_curve, write_event
-from finetune.model import adapter_input_casting_off, apply_adapter, check_supported, describe, load_model, load_tokenizer
-from finetune.optim import build_optimizer, build_scheduler, check_optimizer, current_lr, set_peak_lr
+from finetune.model import adapter_input_casting_off, apply_adapter, describe, load_tokenizer
+from finetune.optim import current_lr, set_peak_lr
 from finetune.stage import staged_model
 from finetune.supervise import Watchdog, stop_with_launcher, watch_preemption
 
@@ -120,22 +119,12 @@ def make_accelerator(cfg: RunConfig):
 
     mp = cfg.train.mixed_precision
     cuda = torch.cuda.is_available()
-    if mp == "fp16" and not cuda:
-        raise UserError("train.mixed_precision: fp16 needs a GPU (accelerate runs fp16 with loss scaling on GPUs only); use bf16 on CPU")
-    if mp == "fp8":
-        if not cuda or torch.cuda.get_device_capability() < (8, 9):
-            raise UserError("train.mixed_precision: fp8 needs an NVIDIA GPU of compute capability 8.9+ (Ada/Hopper); use bf16")
-        if not any(importlib.util.find_spec(p) for p in ("torchao", "transformer_engine")):
-            raise UserError("train.mixed_precision: fp8 needs torchao or transformer_engine installed")
     if cfg.train.tf32 and cuda:
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
-    trackers = []
-    for name in cfg.logging.report_to:
-        if importlib.util.find_spec(name) is None:
-            raise UserError(f"logging.report_to: '{name}' is not installed (pip install {name}) or remove it")
-        trackers.append(name)
-    runtime.check_launcher_strategy(cfg)
+    flag = runtime.launcher_strategy(cfg)
+    if flag:
+        os.environ[flag] = "false"  # the strategy agrees: finetune applies it, not accelerate's plugin
     runtime.join_restarted_workers()
     # Under FSDP the shards' MixedPrecisionPolicy, under ZeRO DeepSpeed's bf16 mode, do what autocast would
     # (sharding applies with several processes only; launchers set WORLD_SIZE).
@@ -148,13 +137,15 @@ def make_accelerator(cfg: RunConfig):
         # fp8 runs unsharded here (config.py): torchao's FSDP float8 all-gather would only turn the weights into
         # tensor subclasses that safetensors cannot save (seen on an H100, docs/platform-notes.md).
         handlers.append(AORecipeKwargs(enable_fsdp_float8_all_gather=False))
-    return Accelerator(mixed_precision=mp, cpu=not cuda, log_with=trackers or None, project_dir=cfg.train.output_dir, kwargs_handlers=handlers)
+    return Accelerator(mixed_precision=mp, cpu=not cuda, log_with=list(cfg.logging.report_to) or None, project_dir=cfg.train.output_dir,
+                       kwargs_handlers=handlers)
 
 
 def run(cfg: RunConfig) -> RunResult:
     """Train as configured. Returns a summary (also printed by the main process).
 
     The main process holds the output directory's lock for the whole run: one run per directory."""
+    preflight.check(cfg)
     lock = claim_output_dir(Path(cfg.train.output_dir)) if int(os.environ.get("RANK", "0")) == 0 else None
     try:
         return _run(cfg)
@@ -167,340 +158,400 @@ def run(cfg: RunConfig) -> RunResult:
 
 
 def claim_output_dir(out: Path):
-    """Create and lock the output directory. A directory with files of its own that is not a finetune
-    run's is refused: a run writes README.md, config.json and more, and must not replace a user's."""
-    if out.exists() and not out.is_dir():
-        raise UserError(f"train.output_dir: {out} is a file; expected a folder (or a path to create)")
+    """Create and lock the output directory (preflight.check_output_dir has found it fit to use)."""
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise UserError(f"train.output_dir: cannot create {out} ({err.strerror})") from None
-    if not os.access(out, os.W_OK | os.X_OK):
-        raise UserError(f"train.output_dir: {out} is not writable")
-    ours = {CONFIG_FILE, LOCK_FILE, checkpoint.CHECKPOINTS}  # a run's, or checkpoints brought here to resume from
-    names = {p.name for p in out.iterdir()}
-    if names and not names & ours:
-        raise UserError(f"train.output_dir: {out} holds files that are not a finetune run's ({', '.join(sorted(names)[:3])}); "
-                        "choose an empty or new folder")
     return hold_output_dir(out)
 
 
 def _run(cfg: RunConfig) -> RunResult:
+    run = setup(cfg)
+    # Adapter inputs stay uncast for the whole loop (set once: it walks every module); lifted before
+    # the evaluation and generation after it, which run outside autocast.
+    with adapter_input_casting_off(run.engine.model, run.accelerator.mixed_precision):
+        train_loop(run)
+    return finish(run)
+
+
+@dataclass
+class RunState:
+    """One run, as setup builds it and the loop and finish use it. `step` counts optimizer steps done."""
+
+    cfg: RunConfig
+    accelerator: object
+    preemption: object  # supervise.Preemption: the signal, if one came
+    model_cfg: ModelConfig  # where the base was loaded from (a RAM copy, maybe)
+    tokenizer: object
+    data: Datasets
+    schedule: Schedule
+    engine: Replicated = None  # model, optimizer, scheduler and checkpoint layout of the strategy
+    base: str = ""  # the base model as the saved adapter names it
+    router_coef: float = 0.0
+    rss_before_model: int = 0
+    before: dict | None = None  # exact match on eval prompts before training
+    background: bool = False  # checkpoints written in the background
+    log: RunLog | None = None
+    guard: Guard | None = None
+    watchdog: Watchdog | None = None
+    start_step: int = 0  # where this start of the run began (a resumed step, or 0)
+    step: int = 0
+    tokens: int = 0
+    last: dict = field(default_factory=dict)  # the last logged step's metrics
+    started: float = 0.0
+    last_save: float = 0.0
+
+    @property
+    def out(self) -> Path:
+        return Path(self.cfg.train.output_dir)
+
+    @property
+    def main(self) -> bool:
+        return self.accelerator.is_main_process
+
+    def say(self, message: str) -> None:
+        if self.main:
+            print(message)
+
+
+# ------------------------------------------------------------------------------------------------
+# Setup: data, model, optimizer, resume
+
+
+def setup(cfg: RunConfig) -> RunState:
     from accelerate.utils import set_seed
 
     preemption = watch_preemption()
     stop_with_launcher()
-
-    t = cfg.train
-    out = Path(t.output_dir)
-    check_supported(cfg)
-    check_optimizer(t)
-    check_strategy(cfg)
     accelerator = make_accelerator(cfg)
+    set_seed(cfg.train.seed)
+    if accelerator.is_main_process:
+        (Path(cfg.train.output_dir) / CONFIG_FILE).write_text(to_yaml(cfg))
+    run = load_inputs(cfg, accelerator, preemption)
+    load_and_prepare_model(run)
+    resume_or_start(run)
+    # Every rank agrees whether a signal came during set-up (there is nothing to save yet).
+    signalled = accelerator.reduce(torch.tensor(float(preemption.signal is not None), device=accelerator.device), "sum").item() > 0
+    stop_if_preempted(signalled, preemption.name, run.out, run.main, "before the first step")
+    runtime.keep_freed_memory(gathers=run.engine.gathers)
+    runtime.reset_peak_rss()
+    if cfg.eval.on_start and run.step == 0:
+        evaluate(run, 0)
+    return run
+
+
+def load_inputs(cfg: RunConfig, accelerator, preemption) -> RunState:
+    """The staged model folder, tokenizer, tokenized data and step schedule."""
     main, rank, world = accelerator.is_main_process, accelerator.process_index, accelerator.num_processes
-    if cfg.distributed.strategy == "none" and world > 1:
-        raise UserError(f"distributed.strategy: none, but {world} processes were started; choose ddp, fsdp or a zero strategy, or start one process")
-    say = print if main else (lambda *_: None)
-    set_seed(t.seed)
-    if main:
-        (out / CONFIG_FILE).write_text(to_yaml(cfg))
-
+    each = print if world == 1 else lambda m: print(f"[rank {rank}] {m}")
     # One process per node copies the model to RAM (model.ramdisk); everything loads from that copy.
-    model_cfg = staged_model(cfg.model, say=print if world == 1 else lambda m: print(f"[rank {rank}] {m}"))
-
+    model_cfg = staged_model(cfg.model, say=each)
     # Data: one process per node tokenizes (and fills the cache) while the others wait for its lock;
     # then all of them memory-map the same files.
     tokenizer = load_tokenizer(model_cfg)
-    choose_template(tokenizer, cfg.data.chat_template, cfg.data.format, say=say)
-    data = load_data(cfg.data, tokenizer, t.seed, eval_examples=cfg.eval.generate_samples if main else 0,
-                     say=print if world == 1 else lambda m: print(f"[rank {rank}] {m}"))
-    stop_if_preempted(preemption.signal is not None, preemption.name, out, main, "while the data loaded")
-    schedule = plan_steps(cfg, len(data.train), world)
+    choose_template(tokenizer, cfg.data.chat_template, cfg.data.format, say=print if main else (lambda *_: None))
+    data = load_data(cfg.data, tokenizer, cfg.train.seed, eval_examples=cfg.eval.generate_samples if main else 0, say=each)
+    stop_if_preempted(preemption.signal is not None, preemption.name, Path(cfg.train.output_dir), main, "while the data loaded")
+    run = RunState(cfg, accelerator, preemption, model_cfg, tokenizer, data, plan_steps(cfg, len(data.train), world))
     s = data.stats["train"]
-    say(
+    run.say(
         f"data: {s['samples']} samples -> {s['rows']} rows, {s['tokens']} tokens"
         + (f", {s['fill']:.0%} of packed rows filled" if "fill" in s else "")
         + f", {s['truncated']} truncated; {len(data.eval) if data.eval else 0} eval rows; cache {'hit' if data.stats['cache_hit'] else 'written'} ({data.stats['seconds']:.1f} s)"
     )
     if len(s["sources"]) > 1:
         for source in s["sources"]:
-            say(f"  {source['path']}: {source['samples']} samples, {source['tokens']} tokens")
+            run.say(f"  {source['path']}: {source['samples']} samples, {source['tokens']} tokens")
+    return run
 
-    # Model and method. Sharding strategies apply with several processes; one process runs plainly.
-    strategy = cfg.distributed.strategy if world > 1 else "single"
-    fsdp, zero = strategy == "fsdp", strategy in ZERO_STAGES
-    rss_before_model = runtime.current_rss()
-    zero3_partitioning = zero3_loading(cfg, world)  # noqa: F841  (must stay alive while loading)
-    stream_from = stream_source(cfg.model_copy(update={"model": model_cfg}), say) if fsdp else None
-    model = load_model(model_cfg, accelerator.device, skeleton="meta" if fsdp and rank != 0 else "empty" if stream_from else None, say=say)
+
+def load_and_prepare_model(run: RunState) -> None:
+    """The base, loaded as the strategy's engine wants it, the adapter on it, then spread over the
+    processes with the optimizer built on what each holds."""
+    cfg, t, world = run.cfg, run.cfg.train, run.accelerator.num_processes
+    run.engine = engine_for(cfg, run.accelerator)
+    run.rss_before_model = runtime.current_rss()
+    model = run.engine.load(run.model_cfg, run.say)
     # Saved configs name the source, not a RAM copy; a local one by its absolute path, so that the adapter
     # loads from any directory (AutoPeftModelForCausalLM reads it); hub ids stay as they are.
-    base = str(Path(cfg.model.name_or_path).expanduser().resolve()) if looks_local(cfg.model.name_or_path) else cfg.model.name_or_path
-    model.name_or_path = model.config.name_or_path = base
-    router_coef = families.router_aux_loss_coef(model.config.to_dict()) if t.router_aux_loss_coef is None else t.router_aux_loss_coef
-    model = apply_adapter(model, cfg.adapter, t.gradient_checkpointing, say=say)
+    run.base = str(Path(cfg.model.name_or_path).expanduser().resolve()) if looks_local(cfg.model.name_or_path) else cfg.model.name_or_path
+    model.name_or_path = model.config.name_or_path = run.base
+    run.router_coef = families.router_aux_loss_coef(model.config.to_dict()) if t.router_aux_loss_coef is None else t.router_aux_loss_coef
+    model = apply_adapter(model, cfg.adapter, t.gradient_checkpointing, say=run.say)
     info = describe(model)
     q = cfg.model.quantization
     method = cfg.adapter.method if q is None else f"{cfg.adapter.method} on a {q.bits}-bit base" + (f" ({q.quant_type})" if q.bits == 4 else "")
-    say(
+    run.say(
         f"model: {cfg.model.name_or_path} ({method}), {info['trainable_params']:,} trainable of "
         f"{info['total_params']:,} params ({info['trainable_params'] / info['total_params']:.2%}), "
         f"{info['param_bytes'] / 2**20:.1f} MiB of weights"
     )
     if "unquantized" in info:
-        say(f"quantized: {info['quantized_linears']} linear layers; kept in {cfg.model.dtype if cfg.model.dtype != 'auto' else 'their'} precision: {info['unquantized']}")
-    say(
+        run.say(f"quantized: {info['quantized_linears']} linear layers; kept in {cfg.model.dtype if cfg.model.dtype != 'auto' else 'their'} precision: {info['unquantized']}")
+    run.say(
         f"batch: {t.micro_batch_size} micro x {t.grad_accum} accum x {world} process(es) = "
-        f"{t.micro_batch_size * t.grad_accum * world} rows per step; {schedule.total_steps} steps "
-        f"({schedule.steps_per_epoch} per epoch)"
+        f"{t.micro_batch_size * t.grad_accum * world} rows per step; {run.schedule.total_steps} steps "
+        f"({run.schedule.steps_per_epoch} per epoch)"
     )
+    if cfg.eval.generate_samples and run.main and run.data.eval_examples:
+        run.before = exact_match(model, run.tokenizer, run.data.eval_examples[: cfg.eval.generate_samples], cfg.data.format, cfg.eval.max_new_tokens)
+        run.say(f"before training: exact match {run.before['exact_match']:.1%} on {run.before['n']} eval prompts")
+    run.engine.prepare(model, run.schedule.total_steps)
 
-    before = None
-    if cfg.eval.generate_samples and main and data.eval_examples:
-        before = exact_match(model, tokenizer, data.eval_examples[: cfg.eval.generate_samples], cfg.data.format, cfg.eval.max_new_tokens)
-        say(f"before training: exact match {before['exact_match']:.1%} on {before['n']} eval prompts")
 
-    # Spread the model over the processes, then build the optimizer on what each process holds.
-    if fsdp:
-        model = shard_fsdp2(model, cfg, accelerator.device, world, stream_from)
-    elif not zero:
-        model = accelerator.prepare(model)
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = build_optimizer(params, t, zero_offload=strategy == "zero3_offload")
-    scheduler = build_scheduler(optimizer, t, schedule.total_steps)  # drives the lr of the groups DeepSpeed wraps too
-    if zero:
-        model, optimizer = init_deepspeed(model, optimizer, cfg, world)
-    elif not fsdp:
-        optimizer = accelerator.prepare(optimizer)
-    layout = "dcp" if fsdp else "deepspeed" if zero else "full"
-    background = layout != "deepspeed" and (cfg.checkpoint.async_save if cfg.checkpoint.async_save is not None else cfg.adapter.method != "full")
+def resume_or_start(run: RunState) -> None:
+    """Restore the checkpoint to resume from (if any), then the run log, guard and watchdog."""
+    cfg, engine = run.cfg, run.engine
+    run.background = engine.layout != "deepspeed" and (cfg.checkpoint.async_save if cfg.checkpoint.async_save is not None
+                                                       else cfg.adapter.method != "full")
     if cfg.logging.report_to:
-        accelerator.init_trackers("finetune", config={k: v for k, v in cfg.model_dump(mode="json")["train"].items() if v is not None and not isinstance(v, list)})
-    resumed = resume(cfg, model, optimizer, scheduler, accelerator, layout)
-    start_step, tokens_seen = resumed.step, resumed.tokens
-    log = RunLog(out, schedule.total_steps, accelerator, main, cfg.logging.progress_bar, start_step)
+        run.accelerator.init_trackers("finetune", config={k: v for k, v in cfg.model_dump(mode="json")["train"].items() if v is not None and not isinstance(v, list)})
+    resumed = resume(cfg, engine.model, engine.optimizer, engine.scheduler, run.accelerator, engine.layout)
+    run.start_step = run.step = resumed.step
+    run.tokens = resumed.tokens
+    run.log = RunLog(run.out, run.schedule.total_steps, run.accelerator, run.main, cfg.logging.progress_bar, run.step)
     for kind, message in resumed.events:
-        log.event(kind, start_step, message)
-    guard = Guard(cfg.guard, resumed.guard_state)
-    set_peak_lr(scheduler, t.lr * guard.state.lr_scale)  # the config's LR wins over the checkpoint's (OPT's logbook)
-    watchdog = Watchdog(cfg.watchdog, on_hang=lambda message: log.event("hang", watchdog.step, f"rank {rank}: {message}", any_rank=True))
-    last_save = time.monotonic()
+        run.log.event(kind, run.step, message)
+    run.guard = Guard(cfg.guard, resumed.guard_state)
+    set_peak_lr(engine.scheduler, cfg.train.lr * run.guard.state.lr_scale)  # the config's LR wins over the checkpoint's (OPT's logbook)
+    rank = run.accelerator.process_index
+    run.watchdog = Watchdog(cfg.watchdog, on_hang=lambda message: run.log.event("hang", run.watchdog.step, f"rank {rank}: {message}", any_rank=True))
+    run.last_save = time.monotonic()
 
-    def evaluate(step: int) -> dict | None:
-        if not data.eval:
-            return None
-        result = eval_loss(model, data.eval, t.micro_batch_size, tokenizer.pad_token_id, accelerator, cfg.eval.max_batches)
-        log.write({"step": step, **result})
-        log.print(f"step {step}: eval loss {result['eval_loss']:.4f}, perplexity {result['eval_ppl']:.2f}")
-        return result
 
-    def save(step: int, epoch: int) -> None:
-        trainer_state = {"tokens": tokens_seen, "epoch": epoch, "guard": guard.state_dict(), "good": guard.is_healthy(step)}
-        began = time.perf_counter()
-        saved = checkpoint.save(out, step, model, optimizer, scheduler, trainer_state, to_yaml(cfg), accelerator,
-                                cfg.checkpoint.keep_last, layout, background)
-        if saved:  # the seconds training waited (bench/large.py compares them with and without background writes)
-            log.print(f"step {step}: checkpoint {'being written in the background to' if background else 'saved to'} {saved} "
-                      f"(training paused {time.perf_counter() - began:.2f} s)")
+# ------------------------------------------------------------------------------------------------
+# The loop
 
-    def roll_back(trouble_step: int, verdict: Verdict) -> tuple[int, int]:
-        """Back to the newest good checkpoint before the trouble, with a lower LR and the data that led
-        to the trouble skipped; or stop with what was seen."""
-        target = checkpoint.find_good(out, verdict.before_step)  # at or before the trouble (a drift: its lowest level)
-        if verdict.action == "stop" or target is None:
-            if target:
-                where = (f"the last good checkpoint is {target}. Start again from it by hand with a lower train.lr and/or "
-                         "train.skip_data (see events.jsonl)")
-            elif verdict.before_step == 0:
-                where = "no checkpoint predates the trouble"
-            else:
-                where = "there is no good checkpoint to roll back to (set checkpoint.save_every)"
-            log.event("stop", trouble_step, f"guard: {verdict.reason}; {where}")
-            raise Stopped(f"step {trouble_step + 1}: training diverged: {verdict.reason}; {where}", EXIT_DIVERGED)
-        state = checkpoint.restore(target, model, optimizer, scheduler, accelerator, layout)
-        guard.rolled_back(state["step"], trouble_step, saved=state.get("guard"))
-        set_peak_lr(scheduler, t.lr * guard.state.lr_scale)
-        log.event("rollback", trouble_step, f"guard: {verdict.reason}; rolled back to {target.name}, LR x{guard.state.lr_scale:g} "
-                  f"(now {t.lr * guard.state.lr_scale:.3g}), batches of steps {state['step'] + 1}-{trouble_step + 1} skipped"
-                  + (f", clipping at {guard.state.max_grad_norm}" if guard.state.max_grad_norm else ""))
-        return state["step"], state["tokens"]
 
-    # Every rank agrees whether a signal came during set-up (there is nothing to save yet).
-    signalled = accelerator.reduce(torch.tensor(float(preemption.signal is not None), device=accelerator.device), "sum").item() > 0
-    stop_if_preempted(signalled, preemption.name, out, main, "before the first step")
-    runtime.keep_freed_memory(gathers=fsdp or ZERO_STAGES.get(strategy) == 3)
-    runtime.reset_peak_rss()
-    if cfg.eval.on_start and start_step == 0:
-        evaluate(0)
+@dataclass
+class StepOutcome:
+    epoch: int
+    loss: float  # mean over the step's trained tokens, all ranks
+    grad_norm: float
+    verdict: Verdict
+    real_tokens: int  # non-padding tokens of the step, all ranks
+    router_loss: float | None  # MoE: the router's auxiliary loss, mean over the step's forwards
+    preempted: bool  # a rank has been signalled: save and stop
+    time_due: bool  # checkpoint.save_every_minutes has passed
 
-    # The loop. `step` counts optimizer steps done; the data it reads is a function of it.
-    model.train()
-    # Set once for the loop (not per micro-batch: it walks every module); lifted before the
-    # generation checks after it, which run outside autocast.
-    casting = ExitStack()
-    casting.enter_context(adapter_input_casting_off(model, accelerator.mixed_precision))
-    started, last = time.perf_counter(), {}
-    window_tokens, window_start = 0, started
-    step = start_step
-    while step < schedule.total_steps:
-        watchdog.start_step(step)
-        faults.inject(step, rank)
-        position = data_step(step, guard.state.skip_windows + [list(w) for w in t.skip_data])
-        epoch, micro_batches, real_tokens = batches_at(data, cfg, schedule, position, rank, world, tokenizer.pad_token_id)
-        micro_batches = [{k: v.to(accelerator.device) for k, v in b.items()} for b in micro_batches]
-        # The loss is a mean over every trained token of the step, across micro-batches and ranks:
-        # each micro-batch contributes its sum divided by the global count (times world size, because
-        # DDP averages gradients over ranks).
-        local = torch.tensor([sum(trained_tokens(b) for b in micro_batches), real_tokens], device=accelerator.device)
-        global_tokens, global_real = accelerator.reduce(local, "sum").tolist()
-        loss_sum, router_sum = torch.zeros((), device=accelerator.device), torch.zeros((), device=accelerator.device)
-        for i, batch in enumerate(micro_batches):
-            sync = i == len(micro_batches) - 1  # gradients are reduced across ranks once per step
-            if fsdp:
-                model.set_requires_gradient_sync(sync)
-            with nullcontext() if sync or fsdp or zero else accelerator.no_sync(model):
-                parts = losses(model, batch, router=router_coef > 0)
-                loss = parts.tokens * faults.loss_factor(position, rank)
-                scaled = loss * (world / max(global_tokens, 1))
-                if parts.router is not None:  # MoE load balancing: its mean over the step's forwards, as the model weighs it
-                    scaled = scaled + parts.router * (router_coef / len(micro_batches))
-                    router_sum += parts.router.detach()
-                if zero:
-                    model.backward(scaled, scale_wrt_gas=False)  # already normalised over the whole step
-                    model.step()  # DeepSpeed reduces, clips and updates at the last micro-batch only
-                else:
-                    accelerator.backward(scaled)
-            loss_sum += loss.detach()
-        # One all-reduce and host sync per step: the guard judges the step before it is applied, and
-        # every rank must agree to save or stop (the preemption signal and the save clock ride along).
-        minutes = cfg.checkpoint.save_every_minutes
-        due = minutes > 0 and time.monotonic() - last_save > 60 * minutes
-        local = torch.stack([loss_sum.float(), loss_sum.new_tensor(float(preemption.signal is not None)), loss_sum.new_tensor(float(due)),
-                             router_sum.float()])
-        total_loss, preempted, time_due, router_loss = accelerator.reduce(local, "sum").tolist()
-        step_loss, preempted, time_due = total_loss / max(global_tokens, 1), preempted > 0, time_due > 0
-        if step - start_step < FIRST_STEPS_CHECKED:
-            check_first_steps(step, step_loss)
-        if zero:
-            grad_norm = model.get_global_grad_norm()  # DeepSpeed has applied the step already: no skip rung
-        else:
-            clip = guard.state.max_grad_norm or t.max_grad_norm or float("inf")
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, clip).full_tensor() if fsdp else accelerator.clip_grad_norm_(params, clip)
-        verdict = guard.check(step, step_loss, float(grad_norm))
-        if not zero:
-            if verdict.action == "apply":
-                waited = checkpoint.staged()  # a background save's copy of the weights first
-                if waited > 0.01:
-                    log.print(f"step {step + 1}: training paused {waited:.2f} s more while the checkpoint was copied")
-                optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-        if verdict.action in ("rollback", "stop"):
-            watchdog.end_step()
-            step, tokens_seen = roll_back(step, verdict)
-            log.advance(step - log.position())
+
+def train_loop(run: RunState) -> None:
+    """Steps until the schedule's end. The data a step reads is a function of `run.step`."""
+    cfg, log, total = run.cfg, run.log, run.schedule.total_steps
+    run.engine.model.train()
+    run.started = window_start = time.perf_counter()
+    window_tokens = 0
+    while run.step < total:
+        run.watchdog.start_step(run.step)
+        done = train_step(run)
+        run.watchdog.end_step()
+        if done.verdict.action in ("rollback", "stop"):
+            run.step, run.tokens = roll_back(run, run.step, done.verdict)
+            log.advance(run.step - log.position())
             continue
-        if verdict.action == "skip" and zero:
-            log.event("anomaly", step, f"guard: step {step + 1}: {verdict.reason} (DeepSpeed applied it already: only rollbacks help)")
-        elif verdict.action == "skip":
-            log.event("skip", step, f"guard: step {step + 1} not applied: {verdict.reason}")
-        if verdict.action == "apply" or zero:
-            scheduler.step()
-        watchdog.end_step()
-
-        tokens_seen += global_real
-        window_tokens += global_real
-        step += 1
+        if done.verdict.action == "skip":
+            log.event("anomaly" if run.engine.steps_in_backward else "skip", run.step,
+                      f"guard: step {run.step + 1}: {done.verdict.reason} (DeepSpeed applied it already: only rollbacks help)"
+                      if run.engine.steps_in_backward else f"guard: step {run.step + 1} not applied: {done.verdict.reason}")
+        run.tokens += done.real_tokens
+        window_tokens += done.real_tokens
+        run.step += 1
         log.advance()
-        if step % cfg.logging.log_every == 0 or step == schedule.total_steps:
+        if run.step % cfg.logging.log_every == 0 or run.step == total:
             now = time.perf_counter()
-            last = {
-                "step": step,
-                "epoch": epoch,
-                "loss": step_loss,
-                "grad_norm": float(grad_norm),
-                "lr": current_lr(scheduler),
-                "tokens": tokens_seen,
-                "tokens_per_s": window_tokens / max(now - window_start, 1e-9),
-                "elapsed_s": now - started,
-                "time": time.time(),
-            }
-            if router_coef > 0:
-                last["router_aux_loss"] = router_loss / (len(micro_batches) * world)
-            log.write(last)
+            run.last = {"step": run.step, "epoch": done.epoch, "loss": done.loss, "grad_norm": done.grad_norm, "lr": current_lr(run.engine.scheduler),
+                        "tokens": run.tokens, "tokens_per_s": window_tokens / max(now - window_start, 1e-9), "elapsed_s": now - run.started,
+                        "time": time.time()}
+            if done.router_loss is not None:
+                run.last["router_aux_loss"] = done.router_loss
+            log.write(run.last)
             window_tokens, window_start = 0, now
-        if cfg.eval.every and step % cfg.eval.every == 0 and step < schedule.total_steps:
-            evaluate(step)
-        every = cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0
-        if step < schedule.total_steps and (every or time_due or preempted):
-            save(step, epoch)
-            last_save = time.monotonic()
-        if preempted and step < schedule.total_steps:
-            checkpoint.wait()
-            log.event("preempted", step, f"{preemption.name or 'a signal on another rank'}: checkpoint saved at step {step}; "
-                      f"exiting with code {EXIT_PREEMPTED}, start the same command to resume")
-            log.close_bar()
-            runtime.finish_distributed(accelerator)
-            raise Stopped(f"preempted at step {step}: checkpoint saved; start the same command to resume", EXIT_PREEMPTED)
-        if step == schedule.total_steps:  # the final weights must not have drifted worse than the run's best
-            verdict = guard.finish(step - 1)
+        if cfg.eval.every and run.step % cfg.eval.every == 0 and run.step < total:
+            evaluate(run, run.step)
+        every = cfg.checkpoint.save_every and run.step % cfg.checkpoint.save_every == 0
+        if run.step < total and (every or done.time_due or done.preempted):
+            save(run, done.epoch)
+        if done.preempted and run.step < total:
+            stop_preempted(run)
+        if run.step == total:  # the final weights must not have drifted worse than the run's best
+            verdict = run.guard.finish(run.step - 1)
             if verdict.action != "apply":
-                step, tokens_seen = roll_back(step - 1, verdict)
-                log.advance(step - log.position())
-
+                run.step, run.tokens = roll_back(run, run.step - 1, verdict)
+                log.advance(run.step - log.position())
     log.close_bar()
-    casting.close()
-    checkpoint.wait()  # the last save complete: last_good may pick it, and DCP's background writes need the process group
-    final_eval = evaluate(schedule.total_steps)
-    summary = {"steps": schedule.total_steps, "train_loss": last.get("loss"), "tokens": tokens_seen, "elapsed_s": time.perf_counter() - started}
-    if "router_aux_loss" in last:
-        summary["router_aux_loss"] = last["router_aux_loss"]
-    if final_eval:
-        summary.update(final_eval)
-    summary.update(guard.report())
-    if summary["final_is_best"] is False:
-        score = functools.partial(eval_loss, model, data.eval, t.micro_batch_size, tokenizer.pad_token_id, accelerator, cfg.eval.max_batches)
-        summary.update(last_good(out, int(guard.state.best[0]), score if data.eval and layout == "full" else None, accelerator.unwrap_model(model)))
-        say(f"the final weights are not the best seen: loss level {summary['final_loss_level']:.4g} vs {summary['best_loss_level']:.4g} at "
-            f"step {summary['best_level_step']}; the last good checkpoint before it: {summary['last_good_checkpoint']}"
-            + (f" (eval loss {summary['last_good_eval_loss']:.4f})" if summary.get("last_good_eval_loss") is not None else ""))
 
+
+def train_step(run: RunState) -> StepOutcome:
+    """Forward and backward over the step's micro-batches; the guard judges the step before the
+    engine applies it. One all-reduce and host sync: every rank takes the same decision."""
+    cfg, engine, accelerator, step = run.cfg, run.engine, run.accelerator, run.step
+    rank, world, device = accelerator.process_index, accelerator.num_processes, accelerator.device
+    faults.inject(step, rank)
+    position = data_step(step, run.guard.state.skip_windows + [list(w) for w in cfg.train.skip_data])
+    epoch, micro_batches, real_tokens = batches_at(run.data, cfg, run.schedule, position, rank, world, run.tokenizer.pad_token_id)
+    micro_batches = [{k: v.to(device) for k, v in b.items()} for b in micro_batches]
+    # The loss is a mean over every trained token of the step, across micro-batches and ranks: each
+    # micro-batch contributes its sum divided by the global count (times world size, because DDP
+    # averages gradients over ranks).
+    local = torch.tensor([sum(trained_tokens(b) for b in micro_batches), real_tokens], device=device)
+    global_tokens, global_real = accelerator.reduce(local, "sum").tolist()
+    loss_sum, router_sum = torch.zeros((), device=device), torch.zeros((), device=device)
+    for i, batch in enumerate(micro_batches):
+        with engine.accumulating(last=i == len(micro_batches) - 1):  # gradients are reduced across ranks once per step
+            parts = losses(engine.model, batch, router=run.router_coef > 0)
+            loss = parts.tokens * faults.loss_factor(position, rank)
+            scaled = loss * (world / max(global_tokens, 1))
+            if parts.router is not None:  # MoE load balancing: its mean over the step's forwards, as the model weighs it
+                scaled = scaled + parts.router * (run.router_coef / len(micro_batches))
+                router_sum += parts.router.detach()
+            engine.backward(scaled)
+        loss_sum += loss.detach()
+    # The preemption signal and the save clock ride along with the loss.
+    minutes = cfg.checkpoint.save_every_minutes
+    due = minutes > 0 and time.monotonic() - run.last_save > 60 * minutes
+    local = torch.stack([loss_sum.float(), loss_sum.new_tensor(float(run.preemption.signal is not None)), loss_sum.new_tensor(float(due)),
+                         router_sum.float()])
+    total_loss, preempted, time_due, router_loss = accelerator.reduce(local, "sum").tolist()
+    step_loss = total_loss / max(global_tokens, 1)
+    if step - run.start_step < FIRST_STEPS_CHECKED:
+        check_first_steps(step, step_loss)
+    grad_norm = engine.clip(run.guard.state.max_grad_norm or cfg.train.max_grad_norm or float("inf"))
+    verdict = run.guard.check(step, step_loss, grad_norm)
+    if not engine.steps_in_backward:
+        if verdict.action == "apply":
+            waited = checkpoint.staged()  # a background save's copy of the weights first
+            if waited > 0.01:
+                run.log.print(f"step {step + 1}: training paused {waited:.2f} s more while the checkpoint was copied")
+            engine.step()
+        engine.zero_grad()
+    if verdict.action == "apply" or (verdict.action == "skip" and engine.steps_in_backward):  # ZeRO has stepped regardless
+        engine.scheduler.step()
+    return StepOutcome(epoch, step_loss, grad_norm, verdict, int(global_real),
+                       router_loss / (len(micro_batches) * world) if run.router_coef > 0 else None, preempted > 0, time_due > 0)
+
+
+def evaluate(run: RunState, step: int) -> dict | None:
+    if not run.data.eval:
+        return None
+    cfg = run.cfg
+    result = eval_loss(run.engine.model, run.data.eval, cfg.train.micro_batch_size, run.tokenizer.pad_token_id, run.accelerator, cfg.eval.max_batches)
+    run.log.write({"step": step, **result})
+    run.log.print(f"step {step}: eval loss {result['eval_loss']:.4f}, perplexity {result['eval_ppl']:.2f}")
+    return result
+
+
+def save(run: RunState, epoch: int) -> None:
+    engine, step = run.engine, run.step
+    trainer_state = {"tokens": run.tokens, "epoch": epoch, "guard": run.guard.state_dict(), "good": run.guard.is_healthy(step)}
+    began = time.perf_counter()
+    saved = checkpoint.save(run.out, step, engine.model, engine.optimizer, engine.scheduler, trainer_state, to_yaml(run.cfg), run.accelerator,
+                            run.cfg.checkpoint.keep_last, engine.layout, run.background)
+    if saved:  # the seconds training waited (bench/large.py compares them with and without background writes)
+        run.log.print(f"step {step}: checkpoint {'being written in the background to' if run.background else 'saved to'} {saved} "
+                      f"(training paused {time.perf_counter() - began:.2f} s)")
+    run.last_save = time.monotonic()
+
+
+def stop_preempted(run: RunState) -> None:
+    checkpoint.wait()
+    name = run.preemption.name or "a signal on another rank"
+    run.log.event("preempted", run.step, f"{name}: checkpoint saved at step {run.step}; exiting with code {EXIT_PREEMPTED}, "
+                  "start the same command to resume")
+    run.log.close_bar()
+    runtime.finish_distributed(run.accelerator)
+    raise Stopped(f"preempted at step {run.step}: checkpoint saved; start the same command to resume", EXIT_PREEMPTED)
+
+
+def roll_back(run: RunState, trouble_step: int, verdict: Verdict) -> tuple[int, int]:
+    """Back to the newest good checkpoint before the trouble, with a lower LR and the data that led
+    to the trouble skipped; or stop with what was seen. Returns (step, tokens) to go on from."""
+    guard, engine, lr = run.guard, run.engine, run.cfg.train.lr
+    target = checkpoint.find_good(run.out, verdict.before_step)  # at or before the trouble (a drift: its lowest level)
+    if verdict.action == "stop" or target is None:
+        if target:
+            where = (f"the last good checkpoint is {target}. Start again from it by hand with a lower train.lr and/or "
+                     "train.skip_data (see events.jsonl)")
+        elif verdict.before_step == 0:
+            where = "no checkpoint predates the trouble"
+        else:
+            where = "there is no good checkpoint to roll back to (set checkpoint.save_every)"
+        run.log.event("stop", trouble_step, f"guard: {verdict.reason}; {where}")
+        raise Stopped(f"step {trouble_step + 1}: training diverged: {verdict.reason}; {where}", EXIT_DIVERGED)
+    state = checkpoint.restore(target, engine.model, engine.optimizer, engine.scheduler, run.accelerator, engine.layout)
+    guard.rolled_back(state["step"], trouble_step, saved=state.get("guard"))
+    set_peak_lr(engine.scheduler, lr * guard.state.lr_scale)
+    run.log.event("rollback", trouble_step, f"guard: {verdict.reason}; rolled back to {target.name}, LR x{guard.state.lr_scale:g} "
+                  f"(now {lr * guard.state.lr_scale:.3g}), batches of steps {state['step'] + 1}-{trouble_step + 1} skipped"
+                  + (f", clipping at {guard.state.max_grad_norm}" if guard.state.max_grad_norm else ""))
+    return state["step"], state["tokens"]
+
+
+# ------------------------------------------------------------------------------------------------
+# Finish: final eval, summary, the saved adapter or model
+
+
+def finish(run: RunState) -> RunResult:
+    cfg, engine, accelerator = run.cfg, run.engine, run.accelerator
+    checkpoint.wait()  # the last save complete: last_good may pick it, and DCP's background writes need the process group
+    summary = summarize(run)
     # Save: PEFT adapter or full model, tokenizer and resolved config, in ordinary HF formats.
     accelerator.wait_for_everyone()
-    unwrapped = model.module if zero else accelerator.unwrap_model(model)
-    summary["world_size"] = world
-    # Memory held by model, optimizer and activations while training (compare with `finetune plan`).
-    summary["rss_before_model_mib"] = rss_before_model / 2**20
-    summary["peak_rss_mib"] = runtime.peak_rss() / 2**20
-    summary["peak_gpu_mib"] = runtime.peak_gpu() / 2**20 if torch.cuda.is_available() else None
-    summary["backend"] = torch.distributed.get_backend() if torch.distributed.is_initialized() else None
-    summary["strategy"] = strategy
-    summary["model_loaded_from"] = model_cfg.name_or_path
-    summary["base_model"] = base  # what the adapter needs (adapter_config.json names it too)
-    summary["param_numel_per_rank"] = accelerator.gather(torch.tensor([local_numel(model, params)], device=accelerator.device)).tolist()
-    summary["replicas_identical"] = replicas_identical(params, accelerator) if strategy in ("ddp", "single") else None
+    unwrapped = engine.unwrap()
+    summary["param_numel_per_rank"] = accelerator.gather(torch.tensor([local_numel(engine.model, engine.params)], device=accelerator.device)).tolist()
+    summary["replicas_identical"] = replicas_identical(engine.params, accelerator) if engine.replicated else None
     # Sharded weights are gathered into one ordinary state dict (all ranks take part), saved by rank 0.
-    state_dict = full_state_dict(model, cfg.adapter.method != "full") if fsdp else gathered_trainable_state(unwrapped) if zero else None
-    if main:
+    state_dict = engine.final_state()
+    if run.main:
         unwrapped.config.use_cache = True  # saved models generate with a KV cache
-        unwrapped.save_pretrained(out, safe_serialization=True, state_dict=state_dict)
-        tokenizer.save_pretrained(out)
-        plot = plot_loss_curve(out) if cfg.logging.plot else None
-        summary["saved_to"] = str(out)
-        summary["adapter"] = cfg.adapter.method != "full"
-        summary["loss_curve"] = str(plot) if plot else None
-        if before is not None:
-            after = exact_match(unwrapped, tokenizer, data.eval_examples[: cfg.eval.generate_samples], cfg.data.format, cfg.eval.max_new_tokens)
-            summary["exact_match_before"], summary["exact_match_after"] = before["exact_match"], after["exact_match"]
-            say(f"exact match on {after['n']} eval prompts: {before['exact_match']:.1%} before -> {after['exact_match']:.1%} after")
-            for b, a in list(zip(before["samples"], after["samples"]))[:3]:
-                say(f"  prompt {a['prompt']!r}\n    expected {a['expected']!r} | before tuning {b['got']!r} | after tuning {a['got']!r}")
-    if main:
-        (out / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
-        say(_summary_line(summary))
-        checkpoint.clear_starts(out)  # a finished run ends any restart loop
+        unwrapped.save_pretrained(run.out, safe_serialization=True, state_dict=state_dict)
+        run.tokenizer.save_pretrained(run.out)
+        plot = plot_loss_curve(run.out) if cfg.logging.plot else None
+        summary.update(saved_to=str(run.out), adapter=cfg.adapter.method != "full", loss_curve=str(plot) if plot else None)
+        if run.before is not None:
+            summary.update(compare_generations(run, unwrapped))
+        (run.out / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
+        run.say(_summary_line(summary))
+        checkpoint.clear_starts(run.out)  # a finished run ends any restart loop
     runtime.finish_distributed(accelerator)
     accelerator.end_training()  # trackers; the process group is already gone
     return RunResult(summary, unwrapped)
+
+
+def summarize(run: RunState) -> dict:
+    """The run's figures: losses, tokens, the guard's report, memory, where things came from."""
+    cfg, engine, last = run.cfg, run.engine, run.last
+    final_eval = evaluate(run, run.schedule.total_steps)
+    summary = {"steps": run.schedule.total_steps, "train_loss": last.get("loss"), "tokens": run.tokens, "elapsed_s": time.perf_counter() - run.started}
+    if "router_aux_loss" in last:
+        summary["router_aux_loss"] = last["router_aux_loss"]
+    summary.update(final_eval or {})
+    summary.update(run.guard.report())
+    if summary["final_is_best"] is False:
+        score = functools.partial(eval_loss, engine.model, run.data.eval, cfg.train.micro_batch_size, run.tokenizer.pad_token_id, run.accelerator,
+                                  cfg.eval.max_batches)
+        summary.update(last_good(run.out, int(run.guard.state.best[0]), score if run.data.eval and engine.layout == "full" else None,
+                                 run.accelerator.unwrap_model(engine.model)))
+        run.say(f"the final weights are not the best seen: loss level {summary['final_loss_level']:.4g} vs {summary['best_loss_level']:.4g} at "
+                f"step {summary['best_level_step']}; the last good checkpoint before it: {summary['last_good_checkpoint']}"
+                + (f" (eval loss {summary['last_good_eval_loss']:.4f})" if summary.get("last_good_eval_loss") is not None else ""))
+    # Memory held by model, optimizer and activations while training (compare with `finetune plan`).
+    gpu = runtime.peak_gpu()
+    summary.update(world_size=run.accelerator.num_processes, rss_before_model_mib=run.rss_before_model / 2**20,
+                   peak_rss_mib=runtime.peak_rss() / 2**20, peak_gpu_mib=gpu / 2**20 if gpu is not None else None,
+                   backend=torch.distributed.get_backend() if torch.distributed.is_initialized() else None, strategy=engine.name,
+                   model_loaded_from=run.model_cfg.name_or_path, base_model=run.base)  # base_model: what the adapter needs
+    return summary
+
+
+def compare_generations(run: RunState, model) -> dict:
+    """Exact match on the eval prompts after training, beside the figure from before it."""
+    cfg, before = run.cfg, run.before
+    after = exact_match(model, run.tokenizer, run.data.eval_examples[: cfg.eval.generate_samples], cfg.data.format, cfg.eval.max_new_tokens)
+    run.say(f"exact match on {after['n']} eval prompts: {before['exact_match']:.1%} before -> {after['exact_match']:.1%} after")
+    for b, a in list(zip(before["samples"], after["samples"]))[:3]:
+        run.say(f"  prompt {a['prompt']!r}\n    expected {a['expected']!r} | before tuning {b['got']!r} | after tuning {a['got']!r}")
+    return {"exact_match_before": before["exact_match"], "exact_match_after": after["exact_match"]}
 
 
 def stop_if_preempted(signalled: bool, name: str, out: Path, main: bool, when: str) -> None:

@@ -190,6 +190,9 @@ def _cases():
     add("quant-8bit-dora-cpu", lambda k: k.train(model={"quantization": {"bits": 8}}, adapter={"method": "dora"}), "8-bit + DoRA fails")
     add("quant-fsdp", lambda k: k.train(model={"quantization": {"bits": 4}}, distributed={"strategy": "fsdp"}), "fsdp cannot shard a quantized base")
     add("quant-fp16-cpu", lambda k: k.train(model={"quantization": {"bits": 4, "compute_dtype": "float16"}}), "float16 compute with a quantized base")
+    add("quant-4bit-odd-width-cpu", lambda k: k.train(model={"name_or_path": str(k.model_copy(lambda m: (m / "config.json").write_text(
+        json.dumps({**json.loads((m / "config.json").read_text()), "intermediate_size": 100})))), "quantization": {"bits": 4}}),
+        "4-bit on CPU needs layer widths divisible by 32; intermediate_size=100")
     # Adapter
     add("adapter-method-bogus", lambda k: k.train(adapter={"method": "qlora"}), "adapter.method: Input should be 'lora', 'dora' or 'full'")
     add("adapter-r-zero", lambda k: k.train(adapter={"r": 0}), "adapter.r: Input should be greater than 0")
@@ -227,6 +230,7 @@ def _cases():
     add("eval-every-negative", lambda k: k.train(eval={"every": -1}), "eval.every: Input should be greater than or equal to 0")
     add("eval-generate-fsdp", lambda k: k.train(eval={"generate_samples": 2}, distributed={"strategy": "fsdp"}), "eval.generate_samples: not available")
     add("logging-tracker-bogus", lambda k: k.train(logging={"report_to": ["comet"]}), "logging.report_to.0: Input should be")
+    add("logging-tracker-not-installed", lambda k: k.train(logging={"report_to": ["mlflow"]}), "logging.report_to: 'mlflow' is not installed")
     add("logging-every-zero", lambda k: k.train(logging={"log_every": 0}), "logging.log_every: Input should be greater than 0")
     add("resume-path-missing", lambda k: k.train(checkpoint={"resume": str(k.tmp / "gone")}), "checkpoint.resume: expected auto, never or a checkpoint")
     add("resume-not-a-checkpoint", lambda k: k.train(checkpoint={"resume": str((k.tmp / "ck").mkdir() or k.tmp / "ck")}), "checkpoint.resume:")
@@ -333,6 +337,28 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, tiny_model_dir, capsys, buil
     after = _snapshot(tmp_path, tiny_model_dir)
     changed = {p for p in after if after[p] != before.get(p)} | (set(before) - set(after))
     assert all(p.is_relative_to(tmp_path) and p.relative_to(tmp_path).parts[0] in OUTPUTS for p in changed), changed
+
+
+# What train refuses before it loads anything (finetune/preflight.py): validate refuses it alike.
+# Not among them: an output folder under /proc (root passes every access check; only creating it tells).
+PREFLIGHT = {"model-flash-on-cpu", "quant-8bit-dora-cpu", "quant-fp16-cpu", "quant-4bit-odd-width-cpu", "train-fp16-cpu", "train-fp8-cpu",
+             "train-optimizer-offload-cpu", "fsdp-cpu-offload-cpu", "logging-tracker-not-installed", "train-output-dir-a-file",
+             "train-output-dir-under-a-file", "train-output-dir-foreign"}
+
+
+@pytest.mark.parametrize("build, expect", [c for c in _cases() if c.id in PREFLIGHT])
+def test_validate_refuses_what_train_refuses_before_loading(tmp_path, tiny_model_dir, capsys, build, expect):
+    argv = build(Case(tmp_path, tiny_model_dir))
+    assert argv[0] == "train"
+    capsys.readouterr()
+    assert main(["validate", *argv[1:]]) == 2
+    err = capsys.readouterr().err
+    assert expect in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "out" / "config.json").exists()  # validate writes nothing
+
+
+def test_preflight_cases_exist():
+    assert PREFLIGHT <= {c.id for c in _cases()}
 
 
 def test_what_the_user_plainly_meant_is_accepted(tmp_path, tiny_model_dir, capsys):

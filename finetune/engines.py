@@ -1,0 +1,153 @@
+"""One engine per strategy: how the model is loaded, wrapped, stepped and saved under it.
+
+The training loop calls the same methods whatever the strategy; what differs between one process or
+DDP, FSDP2 and DeepSpeed ZeRO lives here. An engine holds the model and optimizer once prepared:
+
+    engine = engine_for(cfg, accelerator)   # Replicated (one process, DDP), FSDP or Zero
+    model = engine.load(model_cfg, say)     # the base, as this strategy wants it loaded
+    model = apply_adapter(model, ...)
+    engine.prepare(model, total_steps)      # engine.model, .optimizer, .scheduler
+    with engine.accumulating(last=True):    # gradients reduced across ranks at the last micro-batch
+        engine.backward(loss)
+    norm = engine.clip(max_grad_norm)
+    engine.step()                           # unless engine.steps_in_backward (ZeRO has stepped already)
+
+Under one process (or a sharding strategy started with one process) the engine is Replicated.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import torch
+
+from finetune.config import ModelConfig, RunConfig
+from finetune.distributed import (ZERO_STAGES, full_state_dict, gathered_trainable_state, init_deepspeed, shard_fsdp2, stream_source,
+                                  zero3_loading)
+from finetune.model import load_model
+from finetune.optim import build_optimizer, build_scheduler
+
+
+class Replicated:
+    """One process, or DDP through accelerate: every rank holds the whole model."""
+
+    layout = "full"  # how checkpoint.save/restore lay out its state
+    steps_in_backward = False  # ZeRO: the update happens inside backward, the guard can only roll back
+    gathers = False  # weights gathered layer by layer while computing (the CPU heap tuning is then off)
+    replicated = True  # every rank holds the same trained weights (the end-of-run replica check)
+
+    def __init__(self, cfg: RunConfig, accelerator, name: str):
+        self.cfg, self.accelerator, self.name = cfg, accelerator, name
+        self.world, self.rank = accelerator.num_processes, accelerator.process_index
+        self.model = self.optimizer = self.scheduler = None
+        self.params: list[torch.nn.Parameter] = []  # the trained ones, as this rank holds them (after prepare)
+
+    def load(self, model_cfg: ModelConfig, say) -> torch.nn.Module:
+        return load_model(model_cfg, self.accelerator.device, say=say)
+
+    def prepare(self, model: torch.nn.Module, total_steps: int) -> None:
+        """Wrap the model, then build the optimizer on what this rank holds, and the LR schedule on that
+        optimizer before any wrapper (it then drives the groups a wrapper holds too)."""
+        self.model = self.accelerator.prepare(model)
+        self.params = trained(self.model)
+        optimizer = build_optimizer(self.params, self.cfg.train)
+        self.scheduler = build_scheduler(optimizer, self.cfg.train, total_steps)
+        self.optimizer = self.accelerator.prepare(optimizer)
+
+    def accumulating(self, last: bool):
+        """Before the last micro-batch of a step, no gradient reduction across ranks."""
+        return nullcontext() if last else self.accelerator.no_sync(self.model)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.accelerator.backward(loss)
+
+    def clip(self, max_norm: float) -> float:
+        return float(self.accelerator.clip_grad_norm_(self.params, max_norm))
+
+    def step(self) -> None:
+        self.optimizer.step()
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def unwrap(self) -> torch.nn.Module:
+        return self.accelerator.unwrap_model(self.model)
+
+    def final_state(self) -> dict[str, torch.Tensor] | None:
+        """What save_pretrained writes when the model's own state dict would not do (a collective)."""
+        return None
+
+
+class FSDP(Replicated):
+    """FSDP2 (`fully_shard` per decoder layer): rank 0 loads or streams the weights, every rank keeps its shards."""
+
+    layout, gathers, replicated = "dcp", True, False
+
+    def load(self, model_cfg: ModelConfig, say) -> torch.nn.Module:
+        self.stream_from = stream_source(self.cfg.model_copy(update={"model": model_cfg}), say)
+        skeleton = "meta" if self.rank != 0 else "empty" if self.stream_from else None
+        return load_model(model_cfg, self.accelerator.device, skeleton=skeleton, say=say)
+
+    def prepare(self, model: torch.nn.Module, total_steps: int) -> None:
+        self.model = shard_fsdp2(model, self.cfg, self.accelerator.device, self.world, self.stream_from)
+        self.params = trained(self.model)
+        self.optimizer = build_optimizer(self.params, self.cfg.train)
+        self.scheduler = build_scheduler(self.optimizer, self.cfg.train, total_steps)
+
+    def accumulating(self, last: bool):
+        self.model.set_requires_gradient_sync(last)
+        return nullcontext()
+
+    def clip(self, max_norm: float) -> float:
+        return float(torch.nn.utils.clip_grad_norm_(self.params, max_norm).full_tensor())
+
+    def final_state(self) -> dict[str, torch.Tensor]:
+        return full_state_dict(self.model, self.cfg.adapter.method != "full")
+
+
+class Zero(Replicated):
+    """DeepSpeed ZeRO-2/3 (offload too): its engine reduces, clips and steps inside backward."""
+
+    layout, steps_in_backward, replicated = "deepspeed", True, False
+
+    def __init__(self, cfg: RunConfig, accelerator, name: str):
+        super().__init__(cfg, accelerator, name)
+        self.gathers = ZERO_STAGES[name] == 3
+        self.partitioning = zero3_loading(cfg, self.world)  # ZeRO-3: weights partitioned as they load, while this lives
+
+    def prepare(self, model: torch.nn.Module, total_steps: int) -> None:
+        self.params = trained(model)  # the same objects once DeepSpeed wraps the module
+        optimizer = build_optimizer(self.params, self.cfg.train, zero_offload=self.name == "zero3_offload")
+        self.scheduler = build_scheduler(optimizer, self.cfg.train, total_steps)  # drives the groups DeepSpeed wraps
+        self.model, self.optimizer = init_deepspeed(model, optimizer, self.cfg, self.world)
+
+    def accumulating(self, last: bool):
+        return nullcontext()  # DeepSpeed reduces at the last micro-batch of its own accord
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.model.backward(loss, scale_wrt_gas=False)  # already normalised over the whole step
+        self.model.step()  # a no-op but at the last micro-batch
+
+    def clip(self, max_norm: float) -> float:
+        return float(self.model.get_global_grad_norm())  # clipped inside step, at distributed.deepspeed_config's norm
+
+    def unwrap(self) -> torch.nn.Module:
+        return self.model.module
+
+    def final_state(self) -> dict[str, torch.Tensor]:
+        return gathered_trainable_state(self.unwrap())
+
+
+def trained(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def engine_for(cfg: RunConfig, accelerator) -> Replicated:
+    """The engine of distributed.strategy; sharding strategies apply with several processes only."""
+    strategy = cfg.distributed.strategy if accelerator.num_processes > 1 else "single"
+    if strategy == "fsdp":
+        return FSDP(cfg, accelerator, strategy)
+    if strategy in ZERO_STAGES:
+        return Zero(cfg, accelerator, strategy)
+    return Replicated(cfg, accelerator, strategy)
+

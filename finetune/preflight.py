@@ -1,0 +1,77 @@
+"""Preflight: everything `train` refuses before it loads anything, in one place.
+
+`finetune validate` and `train` both call `check`, so a config that validates is not refused later
+for this machine's hardware, its installed packages, the launcher's processes or the output folder.
+The config schema (config.py) checks what holds on any machine; this adds what depends on this one.
+Each check raises UserError with the key at fault and what to do; none of them changes anything.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+from finetune.config import CONFIG_FILE, RunConfig
+from finetune.errors import UserError
+
+
+def check(cfg: RunConfig) -> None:
+    from finetune import distributed, model, optim, runtime
+
+    model.check_supported(cfg)
+    optim.check_optimizer(cfg.train)
+    distributed.check_strategy(cfg)
+    check_precision(cfg)
+    check_trackers(cfg)
+    runtime.launcher_strategy(cfg)
+    check_processes(cfg)
+    if int(os.environ.get("RANK", "0")) == 0:  # the process that will create and lock it
+        check_output_dir(Path(cfg.train.output_dir))
+
+
+def check_precision(cfg: RunConfig) -> None:
+    import torch
+
+    mp, cuda = cfg.train.mixed_precision, torch.cuda.is_available()
+    if mp == "fp16" and not cuda:
+        raise UserError("train.mixed_precision: fp16 needs a GPU (accelerate runs fp16 with loss scaling on GPUs only); use bf16 on CPU")
+    if mp == "fp8":
+        if not cuda or torch.cuda.get_device_capability() < (8, 9):
+            raise UserError("train.mixed_precision: fp8 needs an NVIDIA GPU of compute capability 8.9+ (Ada/Hopper); use bf16")
+        if not any(importlib.util.find_spec(p) for p in ("torchao", "transformer_engine")):
+            raise UserError("train.mixed_precision: fp8 needs torchao or transformer_engine installed")
+
+
+def check_trackers(cfg: RunConfig) -> None:
+    for name in cfg.logging.report_to:
+        if importlib.util.find_spec(name) is None:
+            raise UserError(f"logging.report_to: '{name}' is not installed (pip install {name}) or remove it")
+
+
+def check_processes(cfg: RunConfig) -> None:
+    """A launcher's process count (WORLD_SIZE) against distributed.strategy: none means one process."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if cfg.distributed.strategy == "none" and world > 1:
+        raise UserError(f"distributed.strategy: none, but {world} processes were started; choose ddp, fsdp or a zero strategy, or start one process")
+
+
+def check_output_dir(out: Path) -> None:
+    """The output folder can be made (or is there and writable) and holds nothing but a finetune run's
+    files: a run writes README.md, config.json and more, and must not replace a user's."""
+    from finetune import checkpoint
+    from finetune.locks import LOCK_FILE
+
+    if out.exists() and not out.is_dir():
+        raise UserError(f"train.output_dir: {out} is a file; expected a folder (or a path to create)")
+    if not out.exists():
+        parent = next((p for p in out.absolute().parents if p.exists()), None)
+        if parent is None or not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+            raise UserError(f"train.output_dir: cannot create {out} ({parent} is not a writable folder)")
+        return
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise UserError(f"train.output_dir: {out} is not writable")
+    names = {p.name for p in out.iterdir()}
+    if names and not names & {CONFIG_FILE, LOCK_FILE, checkpoint.CHECKPOINTS}:  # a run's, or checkpoints brought here to resume from
+        raise UserError(f"train.output_dir: {out} holds files that are not a finetune run's ({', '.join(sorted(names)[:3])}); "
+                        "choose an empty or new folder")
