@@ -35,6 +35,7 @@ class Replicated:
     steps_in_backward = False  # ZeRO: the update happens inside backward, the guard can only roll back
     gathers = False  # weights gathered layer by layer while computing (the CPU heap tuning is then off)
     replicated = True  # every rank holds the same trained weights (the end-of-run replica check)
+    autocast = True  # accelerate's autocast (FSDP's MixedPrecisionPolicy and DeepSpeed's bf16 mode do its job when sharded)
 
     def __init__(self, cfg: RunConfig, accelerator, name: str):
         self.cfg, self.accelerator, self.name = cfg, accelerator, name
@@ -81,7 +82,7 @@ class Replicated:
 class FSDP(Replicated):
     """FSDP2 (`fully_shard` per decoder layer): rank 0 loads or streams the weights, every rank keeps its shards."""
 
-    layout, gathers, replicated = "dcp", True, False
+    layout, gathers, replicated, autocast = "dcp", True, False, False
 
     def load(self, model_cfg: ModelConfig, say) -> torch.nn.Module:
         self.stream_from = stream_source(self.cfg.model_copy(update={"model": model_cfg}), say)
@@ -108,7 +109,7 @@ class FSDP(Replicated):
 class Zero(Replicated):
     """DeepSpeed ZeRO-2/3 (offload too): its engine reduces, clips and steps inside backward."""
 
-    layout, steps_in_backward, replicated = "deepspeed", True, False
+    layout, steps_in_backward, replicated, autocast = "deepspeed", True, False, False
 
     def __init__(self, cfg: RunConfig, accelerator, name: str):
         super().__init__(cfg, accelerator, name)
@@ -142,12 +143,13 @@ def trained(model: torch.nn.Module) -> list[torch.nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
 
 
+def engine_class(cfg: RunConfig, world: int) -> tuple[type[Replicated], str]:
+    """The engine of distributed.strategy and the strategy as run: sharding applies with several processes only."""
+    strategy = cfg.distributed.strategy if world > 1 else "single"
+    return (FSDP if strategy == "fsdp" else Zero if strategy in ZERO_STAGES else Replicated), strategy
+
+
 def engine_for(cfg: RunConfig, accelerator) -> Replicated:
-    """The engine of distributed.strategy; sharding strategies apply with several processes only."""
-    strategy = cfg.distributed.strategy if accelerator.num_processes > 1 else "single"
-    if strategy == "fsdp":
-        return FSDP(cfg, accelerator, strategy)
-    if strategy in ZERO_STAGES:
-        return Zero(cfg, accelerator, strategy)
-    return Replicated(cfg, accelerator, strategy)
+    cls, strategy = engine_class(cfg, accelerator.num_processes)
+    return cls(cfg, accelerator, strategy)
 

@@ -38,7 +38,7 @@ from finetune.config import CONFIG_FILE, ModelConfig, RunConfig, looks_local, to
 from finetune.data import Datasets, load_data
 from finetune.packing import epoch_batches
 from finetune.distributed import local_numel
-from finetune.engines import Replicated, engine_for
+from finetune.engines import Replicated, engine_class, engine_for
 from finetune.errors import EXIT_DIVERGED, EXIT_PREEMPTED, Stopped, UserError
 from finetune.guard import Guard, Verdict, data_step
 from finetune.evaluate import eval_loss, exact_match
@@ -126,9 +126,7 @@ def make_accelerator(cfg: RunConfig):
     if flag:
         os.environ[flag] = "false"  # the strategy agrees: finetune applies it, not accelerate's plugin
     runtime.join_restarted_workers()
-    # Under FSDP the shards' MixedPrecisionPolicy, under ZeRO DeepSpeed's bf16 mode, do what autocast would
-    # (sharding applies with several processes only; launchers set WORLD_SIZE).
-    if cfg.distributed.strategy not in ("ddp", "none") and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    if not engine_class(cfg, int(os.environ.get("WORLD_SIZE", "1")))[0].autocast:  # launchers set WORLD_SIZE
         mp = "no"
     handlers = []
     if mp == "fp8" and importlib.util.find_spec("torchao"):
