@@ -35,6 +35,7 @@ class Replicated:
     steps_in_backward = False  # ZeRO: the update happens inside backward, the guard can only roll back
     gathers = False  # weights gathered layer by layer while computing (the CPU heap tuning is then off)
     replicated = True  # every rank holds the same trained weights (the end-of-run replica check)
+    background_saves = True  # checkpoints may be written while training goes on (DeepSpeed writes its own files, synchronously)
     autocast = True  # accelerate's autocast (FSDP's MixedPrecisionPolicy and DeepSpeed's bf16 mode do its job when sharded)
 
     def __init__(self, cfg: RunConfig, accelerator, name: str):
@@ -109,7 +110,7 @@ class FSDP(Replicated):
 class Zero(Replicated):
     """DeepSpeed ZeRO-2/3 (offload too): its engine reduces, clips and steps inside backward."""
 
-    layout, steps_in_backward, replicated, autocast = "deepspeed", True, False, False
+    layout, steps_in_backward, replicated, autocast, background_saves = "deepspeed", True, False, False, False
 
     def __init__(self, cfg: RunConfig, accelerator, name: str):
         super().__init__(cfg, accelerator, name)

@@ -301,7 +301,7 @@ def load_and_prepare_model(run: RunState) -> None:
 def resume_or_start(run: RunState) -> None:
     """Restore the checkpoint to resume from (if any), then the run log, guard and watchdog."""
     cfg, engine = run.cfg, run.engine
-    run.background = engine.layout != "deepspeed" and (cfg.checkpoint.async_save if cfg.checkpoint.async_save is not None
+    run.background = engine.background_saves and (cfg.checkpoint.async_save if cfg.checkpoint.async_save is not None
                                                        else cfg.adapter.method != "full")
     if cfg.logging.report_to:
         run.accelerator.init_trackers("finetune", config={k: v for k, v in cfg.model_dump(mode="json")["train"].items() if v is not None and not isinstance(v, list)})
@@ -528,8 +528,8 @@ def summarize(run: RunState) -> dict:
     if summary["final_is_best"] is False:
         score = functools.partial(eval_loss, engine.model, run.data.eval, cfg.train.micro_batch_size, run.tokenizer.pad_token_id, run.accelerator,
                                   cfg.eval.max_batches)
-        summary.update(last_good(run.out, int(run.guard.state.best[0]), score if run.data.eval and engine.layout == "full" else None,
-                                 run.accelerator.unwrap_model(engine.model)))
+        summary.update(last_good(run.out, int(run.guard.state.best[0]), score if run.data.eval and engine.replicated else None,
+                                 engine.unwrap()))
         run.say(f"the final weights are not the best seen: loss level {summary['final_loss_level']:.4g} vs {summary['best_loss_level']:.4g} at "
                 f"step {summary['best_level_step']}; the last good checkpoint before it: {summary['last_good_checkpoint']}"
                 + (f" (eval loss {summary['last_good_eval_loss']:.4f})" if summary.get("last_good_eval_loss") is not None else ""))
