@@ -1,18 +1,32 @@
 """One engine per strategy: how the model is loaded, wrapped, stepped and saved under it.
 
 The training loop calls the same methods whatever the strategy; what differs between one process or
-DDP, FSDP2 and DeepSpeed ZeRO lives here. An engine holds the model and optimizer once prepared:
+DDP, FSDP2 and DeepSpeed ZeRO lives here. `engine.load(model_cfg, say)` loads the base as the
+strategy wants it (FSDP: a skeleton on ranks > 0; ZeRO-3: partitioned while loading); once prepared,
+an engine holds the model, optimizer and LR schedule. With one process (whatever the strategy):
 
-    engine = engine_for(cfg, accelerator)   # Replicated (one process, DDP), FSDP or Zero
-    model = engine.load(model_cfg, say)     # the base, as this strategy wants it loaded
-    model = apply_adapter(model, ...)
-    engine.prepare(model, total_steps)      # engine.model, .optimizer, .scheduler
-    with engine.accumulating(last=True):    # gradients reduced across ranks at the last micro-batch
-        engine.backward(loss)
-    norm = engine.clip(max_grad_norm)
-    engine.step()                           # unless engine.steps_in_backward (ZeRO has stepped already)
-
-Under one process (or a sharding strategy started with one process) the engine is Replicated.
+>>> import torch
+>>> from accelerate import Accelerator
+>>> from finetune.config import validate_config
+>>> cfg = validate_config({"model": {"name_or_path": "org/model"}, "data": {"train": "org/dataset"},
+...                        "train": {"output_dir": "unused", "lr": 0.1, "max_steps": 3}}, "example")
+>>> engine = engine_for(cfg, Accelerator(cpu=True))
+>>> engine.name, engine.layout, engine.steps_in_backward
+('single', 'full', False)
+>>> _ = torch.manual_seed(0)
+>>> engine.prepare(torch.nn.Linear(4, 1), total_steps=3)  # engine.model, .optimizer, .scheduler
+>>> x, y, losses = torch.ones(8, 4), torch.zeros(8, 1), []
+>>> for step in range(3):
+...     with engine.accumulating(last=True):  # gradients are reduced across ranks at a step's last micro-batch
+...         loss = torch.nn.functional.mse_loss(engine.model(x), y)
+...         engine.backward(loss)
+...     norm = engine.clip(1.0)
+...     engine.step()  # the loop skips it where engine.steps_in_backward (ZeRO has stepped already)
+...     engine.scheduler.step()
+...     engine.zero_grad()
+...     losses.append(loss.item())
+>>> losses[-1] < losses[0] / 10
+True
 """
 
 from __future__ import annotations
