@@ -29,7 +29,7 @@ def find_adapter(path: str, base: str | None) -> Adapter:
     folder = Path(path).expanduser()
     if not folder.is_dir():
         raise UserError(f"--adapter: no such folder: {path}")
-    run = load_config(folder / CONFIG_FILE, check_model=False) if (folder / CONFIG_FILE).is_file() else None
+    run = load_config(folder / CONFIG_FILE, check_model=False, saved=True) if (folder / CONFIG_FILE).is_file() else None
     if (folder / "adapter_config.json").is_file():
         saved_base = read_json_object(folder / "adapter_config.json", "--adapter").get("base_model_name_or_path")
         chosen = base or saved_base
@@ -52,7 +52,8 @@ def load_base(adapter: Adapter, quantized: bool, dtype: str = "float32"):
     """The base model: as the run trained it (quantized, with its dtype) or in `dtype`."""
     if quantized:
         return load_model(adapter.run.model.model_copy(update={"name_or_path": adapter.base, "ramdisk": False}))
-    return load_model(ModelConfig(name_or_path=adapter.base, dtype=dtype))
+    overrides = adapter.run.model.config_overrides if adapter.run else {}  # e.g. the RoPE scaling the adapter was trained with
+    return load_model(ModelConfig(name_or_path=adapter.base, dtype=dtype, config_overrides=overrides))
 
 
 def attach(base, adapter: Adapter):

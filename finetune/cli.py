@@ -1,4 +1,4 @@
-"""`finetune` command line: train, validate, plan, stage, merge, generate, make-demo-model.
+"""`finetune` command line: train, validate, plan, stage, merge, generate, configs, make-demo-model.
 
 Bad input ends with one line on stderr and exit code 2, never a traceback.
 """
@@ -128,10 +128,19 @@ def build_parser() -> argparse.ArgumentParser:
     which.add_argument("--model", metavar="DIR", help="a model folder (e.g. the output of finetune merge)")
     which.add_argument("--adapter", metavar="DIR", help="an adapter folder or checkpoint; its base is loaded as in training")
     p.add_argument("--base", metavar="PATH_OR_ID", help="with --adapter: another base than the one it names")
-    p.add_argument("--prompt", required=True, help="the prompt text")
+    given = p.add_mutually_exclusive_group(required=True)
+    given.add_argument("--prompt", help="the prompt text (the answer streams to the terminal)")
+    given.add_argument("--prompts", metavar="FILE", help='a JSONL file of {"prompt": ...} rows, answered in batches: each row comes back '
+                       'with a "completion" added (other keys kept), to --out or standard output')
+    p.add_argument("--out", metavar="FILE", help="with --prompts: write the JSONL here (a new file) instead of standard output")
+    p.add_argument("--batch-size", type=_number(int, 1, "at least 1"), default=8, help="with --prompts: prompts per batch (default 8)")
     p.add_argument("--chat", action="store_true", help="send the prompt as a user turn through the tokenizer's chat template")
     p.add_argument("--max-new-tokens", type=_number(int, 1, "at least 1"), default=128, help="most tokens to generate (default 128)")
     p.add_argument("--temperature", type=_number(float, 0, "0 (greedy) or more"), default=0.0, help="sampling temperature; 0 = greedy (default)")
+
+    sub.add_parser("configs", help="list the shipped configs (train --config NAME takes any of them by name)",
+                   description="List the configs shipped in configs/ and configs/presets/ with a line on each. `finetune train --config "
+                   "qlora.yaml` (or just qlora) finds a shipped config by its name when no such file is in the working directory.")
 
     p = sub.add_parser("make-demo-model", help="build the small demo model from the shipped corpus",
                        description="Train a byte-level BPE tokenizer on the shipped corpus, build a small Llama model, "
@@ -183,6 +192,22 @@ def run_stage(args: argparse.Namespace) -> None:
               f"(or true for the default) to load from it")
 
 
+def run_generate(args: argparse.Namespace) -> None:
+    from finetune.generate import answer_file, generate, load, read_prompts
+
+    if args.out and not args.prompts:
+        raise UserError("--out: goes with --prompts (a --prompt's answer streams to the terminal)")
+    rows = read_prompts(args.prompts) if args.prompts else None  # bad rows are refused before the model loads
+    if args.out and os.path.exists(args.out):
+        raise UserError(f"--out: {args.out} exists; name a new file")
+    model, tokenizer = load(args.model, args.adapter, args.base)
+    if rows is None:
+        generate(model, tokenizer, args.prompt, chat=args.chat, max_new_tokens=args.max_new_tokens, temperature=args.temperature)
+        print()
+        return
+    answer_file(model, tokenizer, rows, args.out, args.batch_size, chat=args.chat, max_new_tokens=args.max_new_tokens, temperature=args.temperature)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     quiet_libraries()
@@ -223,9 +248,12 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "generate":
             from finetune.generate import generate, load
 
-            model, tokenizer = load(args.model, args.adapter, args.base)
-            generate(model, tokenizer, args.prompt, chat=args.chat, max_new_tokens=args.max_new_tokens, temperature=args.temperature)
-            print()
+            run_generate(args)
+        elif args.command == "configs":
+            from finetune.config import shipped_configs
+
+            for name, about in shipped_configs():
+                print(f"{name:<34} {about}")
         elif args.command == "stage":
             run_stage(args)
         elif args.command == "make-demo-model":

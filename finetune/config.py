@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Literal, get_args
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from finetune.errors import UserError
 
@@ -34,6 +34,7 @@ class QuantizationConfig(_Section):
 
 DEFAULT_RAMDISK = "/dev/shm/finetune"
 CONFIG_FILE = "finetune_config.yaml"  # the resolved config, written beside every output and in every checkpoint
+SUMMARY_FILE = "summary.json"  # written last by a finished run: its presence means the run is done
 # One vocabulary of precisions: the short names (train.mixed_precision, merge --dtype) of the dtype
 # names model.dtype takes (torch's), and each dtype's bytes.
 PRECISIONS = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -55,6 +56,9 @@ class ModelConfig(_Section):
     ramdisk: bool | str = Field(False, description="Stage the model folder in RAM once (true: /dev/shm/finetune, or a tmpfs path) and load "
                                 "from there; later runs reuse the copy. Falls back to the source, with a warning, if it does not fit.")
     ramdisk_reserve_gib: float = Field(4.0, ge=0, description="RAM that must stay available after staging; else the run loads from the source.")
+    config_overrides: dict[str, Any] = Field({}, description="Settings of the model's config.json replaced before loading, e.g. "
+                                             "{rope_parameters: {rope_type: linear, factor: 2.0, rope_theta: 10000.0}} for a longer context; "
+                                             "merge and generate apply them to the base too.")
 
     @property
     def ramdisk_root(self) -> str | None:
@@ -109,8 +113,8 @@ class DataConfig(_Section):
 
     @field_validator("chat_template")
     @classmethod
-    def _template_known(cls, value: str | None) -> str | None:
-        if value is not None and value not in CHAT_TEMPLATES and not Path(value).expanduser().is_file():
+    def _template_known(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if value is not None and value not in CHAT_TEMPLATES and not _saved(info) and not Path(value).expanduser().is_file():
             raise ValueError(f"expected {', '.join(CHAT_TEMPLATES)} or a Jinja template file; no file {value}")
         return value
 
@@ -129,8 +133,17 @@ class TrainConfig(_Section):
     weight_decay: float = Field(0.0, ge=0, description="Decoupled weight decay (AdamW) / L2 (SGD).")
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
     momentum: float = Field(0.9, ge=0, lt=1, description="SGD momentum.")
-    scheduler: Literal["cosine", "linear", "constant"] = Field("cosine", description="LR decay after warmup.")
+    scheduler: Literal["cosine", "linear", "constant", "wsd"] = Field(
+        "cosine", description="LR after warmup: cosine or linear decay to min_lr_ratio, constant, or wsd (warmup-stable-decay: "
+        "constant, then a linear decay over the last decay_ratio of the steps).")
     warmup_steps: int = Field(0, ge=0, description="Linear warmup, in optimizer steps.")
+    warmup_ratio: float = Field(0.0, ge=0, lt=1, description="Linear warmup as a share of all optimizer steps (instead of warmup_steps).")
+    min_lr_ratio: float = Field(0.0, ge=0, lt=1, description="cosine, linear, wsd: the LR decays to lr x this, not to 0.")
+    decay_ratio: float = Field(0.1, gt=0, le=1, description="wsd: share of the steps after warmup spent decaying.")
+    loraplus_lr_ratio: float | None = Field(None, gt=0, description="LoRA+: the LR of the B matrices (and of 1-D adapter weights, as peft's "
+                                             "LoRA+ groups them) is lr x this (the LoRA+ paper suggests 16); null: one LR.")
+    neftune_alpha: float | None = Field(None, gt=0, description="NEFTune: uniform noise of alpha / sqrt(tokens x hidden) added to the input "
+                                        "embeddings while training (the paper and TRL use 5); null: off.")
     max_grad_norm: float | None = Field(1.0, gt=0, description="Gradient clipping; null turns it off.")
     skip_data: list[tuple[int, int]] = Field([], description="Data to skip by hand, as [[from_step, batches], ...]: from that optimizer step on, that many steps' batches are left out (manual recovery after a spike).")
     mixed_precision: Literal["no", "bf16", "fp16", "fp8"] = Field("no", description="Autocast precision (fp16/fp8 need a GPU).")
@@ -145,6 +158,14 @@ class TrainConfig(_Section):
     @classmethod
     def _yaml_no(cls, value):
         return "no" if value is False else value  # YAML reads an unquoted `no` as false
+
+    @model_validator(mode="after")
+    def _one_warmup(self) -> TrainConfig:
+        if self.warmup_steps and self.warmup_ratio:
+            raise ValueError("warmup_steps and warmup_ratio: set one of them")
+        if self.min_lr_ratio and self.scheduler == "constant":
+            raise ValueError("min_lr_ratio: a constant schedule does not decay; use cosine, linear or wsd")
+        return self
 
 
 class EvalConfig(_Section):
@@ -177,8 +198,8 @@ class CheckpointConfig(_Section):
 
     @field_validator("resume")
     @classmethod
-    def _resume_path_exists(cls, value: str) -> str:
-        if value not in ("auto", "never") and not Path(value).expanduser().is_dir():
+    def _resume_path_exists(cls, value: str, info: ValidationInfo) -> str:
+        if value not in ("auto", "never") and not _saved(info) and not Path(value).expanduser().is_dir():
             raise ValueError(f"expected auto, never or a checkpoint folder; no folder {value}")
         return value
 
@@ -238,8 +259,8 @@ class RunConfig(_Section):
 
     @field_validator("data")
     @classmethod
-    def _data_files_exist(cls, data: DataConfig) -> DataConfig:
-        for key in ("train", "eval"):
+    def _data_files_exist(cls, data: DataConfig, info: ValidationInfo) -> DataConfig:
+        for key in ("train", "eval") if not _saved(info) else ():
             sources = _as_list(getattr(data, key))
             if key == "train" and not sources:
                 raise ValueError("train: the list of training sources is empty")
@@ -272,6 +293,12 @@ class RunConfig(_Section):
         if self.train.mixed_precision == "fp16" and self.model.dtype == "bfloat16":
             raise ValueError("train.mixed_precision: fp16 autocast over bfloat16 weights; use bf16")
         return self
+
+
+def _saved(info: ValidationInfo) -> bool:
+    """A run's saved config read back (by merge, generate, a resume): its paths were checked when it
+    ran, relative to where it ran, and need not exist from here."""
+    return bool(info.context and info.context.get("saved"))
 
 
 def _as_list(value: str | list | None) -> list:
@@ -324,7 +351,7 @@ def apply_override(raw: dict, keys: list[str], value: Any, source: str) -> None:
 # restarted by hand. Anything else (model, adapter, data, seed, optimizer) changes what is trained.
 CHANGEABLE_ON_RESUME = (
     "logging.", "eval.", "checkpoint.", "model.ramdisk", "guard.", "watchdog.", "distributed.", "data.cache_dir", "data.num_proc", "data.tokenize_wait_minutes",
-    "train.output_dir", "train.max_steps", "train.epochs", "train.lr", "train.warmup_steps", "train.scheduler",
+    "train.output_dir", "train.max_steps", "train.epochs", "train.lr", "train.warmup_", "train.scheduler", "train.min_lr_ratio", "train.decay_ratio",
     "train.max_grad_norm", "train.skip_data",
     # Batch shape: resuming at another world size (DCP reshards) means another micro-batch/accumulation.
     "train.micro_batch_size", "train.grad_accum",
@@ -352,11 +379,49 @@ def _flatten(tree: dict, prefix: str = "") -> dict:
     return flat
 
 
-def load_config(path: str | os.PathLike, overrides: list[str] = (), check_model: bool = True) -> RunConfig:
-    """Read, override and validate a run config. Raises UserError with one line on any problem."""
-    path = Path(path)
+SHIPPED_CONFIGS = Path(__file__).resolve().parent.parent / "configs"  # the repo's configs/, beside the package
+
+
+def find_config(name: str | os.PathLike) -> Path:
+    """A config file by path, or by the name of a shipped config (`qlora`, `qlora.yaml`, `llama3-8b`):
+    configs/ and then configs/presets/, as torchtune resolves its built-in config names."""
+    path = Path(name)
+    if path.is_file() or path.parent != Path("."):
+        return path
+    for folder in (SHIPPED_CONFIGS, SHIPPED_CONFIGS / "presets"):
+        for candidate in (folder / path.name, folder / f"{path.name}.yaml"):
+            if candidate.is_file():
+                return candidate
+    return path
+
+
+def shipped_configs() -> list[tuple[str, str]]:
+    """(name, the first line of its opening comment) of every shipped config, for `finetune configs`."""
+    found = []
+    for folder in (SHIPPED_CONFIGS, SHIPPED_CONFIGS / "presets"):
+        for path in sorted(folder.glob("*.yaml")):
+            found.append((str(path.relative_to(SHIPPED_CONFIGS.parent)), _first_sentence(path)))
+    return found
+
+
+def _first_sentence(path: Path) -> str:
+    """A shipped config's opening comment (before its example commands), up to the first full stop."""
+    words = []
+    for line in path.read_text().splitlines():
+        if not line.startswith("#") or line.startswith("#  "):
+            break
+        words.append(line.lstrip("#").strip())
+    text = " ".join(words)
+    return text.split(". ", 1)[0].rstrip(".")
+
+
+def load_config(path: str | os.PathLike, overrides: list[str] = (), check_model: bool = True, saved: bool = False) -> RunConfig:
+    """Read, override and validate a run config. Raises UserError with one line on any problem.
+    saved: a run's own saved config read back, whose data paths need not exist from here."""
+    path = find_config(path)
     if not path.is_file():
-        raise UserError(f"{path}: config file not found")
+        hint = "" if path.parent != Path(".") else " (nor a shipped config: finetune configs lists them)"
+        raise UserError(f"{path}: config file not found{hint}")
     try:
         raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
     except UnicodeDecodeError:
@@ -371,15 +436,15 @@ def load_config(path: str | os.PathLike, overrides: list[str] = (), check_model:
         keys, value = parse_override(item)
         apply_override(raw, keys, value, f"--set {item}")
     # Relative data and model paths are relative to the working directory, as users type them.
-    cfg = validate_config(raw, str(path))
+    cfg = validate_config(raw, str(path), saved)
     if check_model:
         check_against_model(cfg, str(path))
     return cfg
 
 
-def validate_config(raw: dict, source: str) -> RunConfig:
+def validate_config(raw: dict, source: str, saved: bool = False) -> RunConfig:
     try:
-        return RunConfig.model_validate(raw)
+        return RunConfig.model_validate(raw, context={"saved": saved})
     except ValidationError as err:
         raise UserError(f"{source}: {_describe(err)}") from None
 
@@ -412,7 +477,7 @@ def check_against_model(cfg: RunConfig, source: str) -> None:
         return  # a hub id: checked when it is loaded
     model_cfg = read_model_config(model_dir, f"{source}: model.name_or_path")
     model_cfg = model_cfg.get("text_config") or model_cfg
-    positions = model_cfg.get("max_position_embeddings")
+    positions = cfg.model.config_overrides.get("max_position_embeddings", model_cfg.get("max_position_embeddings"))
     if positions and cfg.data.max_seq_len > positions:
         raise UserError(
             f"{source}: data.max_seq_len: {cfg.data.max_seq_len} is larger than the model's "

@@ -193,8 +193,11 @@ def deepspeed_config(cfg: RunConfig, world: int, layer_params: int | None = None
     if layer_params:
         zero.update(reduce_bucket_size=layer_params, allgather_bucket_size=layer_params)
         if zero["stage"] == 3:
+            # sub_group_size: the optimizer step flattens one sub-group's gradient partitions into a new
+            # tensor; by default that is the whole partition (a 1.1B full fine-tune's rank went from
+            # 10 to 12.4 GB in its first step and was OOM-killed). One layer's worth bounds the copy.
             zero.update(stage3_prefetch_bucket_size=layer_params, stage3_max_live_parameters=2 * layer_params,
-                        stage3_max_reuse_distance=layer_params)
+                        stage3_max_reuse_distance=layer_params, sub_group_size=layer_params)
     if strategy == "zero3_offload":
         pin = torch.cuda.is_available()
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": pin}
@@ -232,16 +235,24 @@ def init_deepspeed(model: torch.nn.Module, optimizer: torch.optim.Optimizer, cfg
     return engine, ds_optimizer
 
 
-def gathered_trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+def gathered_trainable_state(model: torch.nn.Module, keep: bool) -> dict[str, torch.Tensor]:
     """Full state dict with the trainable weights gathered from their ZeRO-3 partitions (a
-    collective: every rank calls it). Frozen partitioned weights are left out: an adapter does not
-    need them, and under full fine-tuning every weight is trainable."""
+    collective: every rank calls it), one module at a time; only the rank that saves (keep) copies
+    them, so no rank ever holds the whole model twice (a 1.1B full fine-tune was OOM-killed here when
+    each rank gathered everything at once and cloned it). Frozen partitioned weights are left out: an
+    adapter does not need them, and under full fine-tuning every weight is trainable."""
     import deepspeed
 
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    with deepspeed.zero.GatheredParameters(trainable, modifier_rank=None):
-        state = model.state_dict(keep_vars=True)
-        return {k: v.detach().cpu().clone() for k, v in state.items() if v.requires_grad or not hasattr(v, "ds_id")}
+    modules: dict[str, dict[str, torch.Tensor]] = {}
+    for key, value in model.state_dict(keep_vars=True).items():
+        if value.requires_grad or not hasattr(value, "ds_id"):
+            modules.setdefault(key.rpartition(".")[0], {})[key] = value
+    state = {}
+    for tensors in modules.values():
+        with deepspeed.zero.GatheredParameters([t for t in tensors.values() if hasattr(t, "ds_id")], modifier_rank=None):
+            if keep:
+                state.update({k: v.detach().cpu().clone() for k, v in tensors.items()})
+    return state
 
 
 def local_numel(model: torch.nn.Module, params: list[torch.nn.Parameter]) -> int:

@@ -39,7 +39,7 @@ from finetune.config import ModelConfig, RunConfig
 from finetune.distributed import (ZERO_STAGES, full_state_dict, gathered_trainable_state, init_deepspeed, shard_fsdp2, stream_source,
                                   zero3_loading)
 from finetune.model import load_model
-from finetune.optim import build_optimizer, build_scheduler
+from finetune.optim import build_optimizer, build_scheduler, loraplus_params
 
 
 class Replicated:
@@ -66,7 +66,7 @@ class Replicated:
         optimizer before any wrapper (it then drives the groups a wrapper holds too)."""
         self.model = self.accelerator.prepare(model)
         self.params = trained(self.model)
-        optimizer = build_optimizer(self.params, self.cfg.train)
+        optimizer = build_optimizer(self.params, self.cfg.train, fast=loraplus_params(self.model, self.cfg.train))
         self.scheduler = build_scheduler(optimizer, self.cfg.train, total_steps)
         self.optimizer = self.accelerator.prepare(optimizer)
 
@@ -107,7 +107,7 @@ class FSDP(Replicated):
     def prepare(self, model: torch.nn.Module, total_steps: int) -> None:
         self.model = shard_fsdp2(model, self.cfg, self.accelerator.device, self.world, self.stream_from)
         self.params = trained(self.model)
-        self.optimizer = build_optimizer(self.params, self.cfg.train)
+        self.optimizer = build_optimizer(self.params, self.cfg.train, fast=loraplus_params(self.model, self.cfg.train))
         self.scheduler = build_scheduler(self.optimizer, self.cfg.train, total_steps)
 
     def accumulating(self, last: bool):
@@ -133,7 +133,7 @@ class Zero(Replicated):
 
     def prepare(self, model: torch.nn.Module, total_steps: int) -> None:
         self.params = trained(model)  # the same objects once DeepSpeed wraps the module
-        optimizer = build_optimizer(self.params, self.cfg.train, zero_offload=self.name == "zero3_offload")
+        optimizer = build_optimizer(self.params, self.cfg.train, zero_offload=self.name == "zero3_offload", fast=loraplus_params(model, self.cfg.train))
         self.scheduler = build_scheduler(optimizer, self.cfg.train, total_steps)  # drives the groups DeepSpeed wraps
         self.model, self.optimizer = init_deepspeed(model, optimizer, self.cfg, self.world)
 
@@ -151,7 +151,10 @@ class Zero(Replicated):
         return self.model.module
 
     def final_state(self) -> dict[str, torch.Tensor]:
-        return gathered_trainable_state(self.unwrap())
+        # Training is over and any checkpoint is written: the optimizer's states (momentum, Adam's
+        # moments) make room for the gathered copy rank 0 builds.
+        self.optimizer.optimizer.state.clear()
+        return gathered_trainable_state(self.unwrap(), keep=self.accelerator.is_main_process)
 
 
 def trained(model: torch.nn.Module) -> list[torch.nn.Parameter]:

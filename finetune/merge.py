@@ -25,7 +25,7 @@ import torch
 from finetune.adapters import Adapter, attach, find_adapter, load_base, tokenizer_source
 from finetune.config import PRECISIONS, ModelConfig
 from finetune.errors import EXIT_MERGE_CHECK, Stopped, UserError
-from finetune.model import DTYPES, load_tokenizer, weight_files
+from finetune.model import DTYPES, load_tokenizer, override_config, weight_files
 from finetune.stage import resolve_source
 
 # Max |logit difference| allowed between the saved model and base+adapter, by the dtype written: the
@@ -177,6 +177,7 @@ class Targets:
     replaced: dict[str, torch.Tensor]  # file key -> trained tensor (modules_to_save)
     quantized: dict[str, tuple]  # file key -> (bnb weight, its int8 state)
     load_dtype: torch.dtype | None  # the dtype the quantized run loaded the base's other weights in
+    config_overrides: dict  # model.config_overrides the run trained with (e.g. RoPE scaling): the merged config keeps them
 
     @classmethod
     def of(cls, tuned, adapter: Adapter) -> tuple["Targets | None", str | None]:
@@ -212,7 +213,7 @@ class Targets:
                 layer.base_layer.weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)
         run_dtype = adapter.run.model.dtype if adapter.quantized else "auto"
         return cls(folder, files, tuned.peft_config[tuned.active_adapter], layers, replaced, quantized,
-                   None if run_dtype == "auto" else DTYPES[run_dtype]), None
+                   None if run_dtype == "auto" else DTYPES[run_dtype], adapter.run.model.config_overrides if adapter.run else {}), None
 
     def tensor(self, key: str, stored: torch.Tensor, variant: str) -> torch.Tensor:
         """The merged value of one weight of the base, in float32 or its stored dtype."""
@@ -269,7 +270,7 @@ def write_by_shard(targets: Targets, variant: str, dtype: torch.dtype, folder: P
                     bar.update(1)
     shards.append(_write_shard(pending, folder, len(shards)))
     _name_shards(folder, shards)
-    _write_configs(targets.base, folder, dtype)
+    _write_configs(targets.base, folder, dtype, targets.config_overrides)
 
 
 def _write_shard(tensors: dict[str, torch.Tensor], folder: Path, number: int) -> tuple[str, list[str], int]:
@@ -296,10 +297,11 @@ def _name_shards(folder: Path, shards: list[tuple[str, list[str], int]]) -> None
     (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
 
 
-def _write_configs(base: Path, folder: Path, dtype: torch.dtype) -> None:
+def _write_configs(base: Path, folder: Path, dtype: torch.dtype, overrides: dict) -> None:
     from transformers import AutoConfig, GenerationConfig
 
     config = AutoConfig.from_pretrained(base)
+    override_config(config, overrides)
     config.dtype, config.use_cache = dtype, True  # a merged model is for generation
     config.save_pretrained(folder)
     try:

@@ -120,6 +120,7 @@ def load_model(cfg: ModelConfig, device: torch.device | str = "cpu", skeleton: s
         config = AutoConfig.from_pretrained(cfg.name_or_path, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
     except (OSError, ValueError) as err:
         raise UserError(f"model.name_or_path: cannot read the config of '{cfg.name_or_path}': {_first_line(err)}") from None
+    override_config(config, cfg.config_overrides)
     attn, notice = attention_for(cfg, config.to_dict())
     if notice:
         say(notice)
@@ -165,6 +166,16 @@ def load_model(cfg: ModelConfig, device: torch.device | str = "cpu", skeleton: s
             _own_unquantized_weights(model)
     model.config.use_cache = False  # no KV cache while training; generation turns it on per call
     return model
+
+
+def override_config(config, overrides: dict) -> None:
+    """model.config_overrides, set on the loaded config: only settings the model's config has."""
+    unknown = [key for key in overrides if not hasattr(config, key)]
+    if unknown:
+        raise UserError(f"model.config_overrides: {', '.join(unknown)} is not a setting of {type(config).__name__} "
+                        f"(its config.json has e.g. {', '.join(sorted(config.to_diff_dict())[:6])})")
+    for key, value in overrides.items():
+        setattr(config, key, value)
 
 
 def weight_files(folder: Path) -> dict[str, list[str]]:

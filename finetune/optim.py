@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import math
 import warnings
 
 import torch
@@ -33,13 +34,31 @@ def check_optimizer(cfg: TrainConfig) -> None:
             raise UserError("train.optimizer_offload: needs torchao (pip install torchao)")
 
 
-def build_optimizer(params: list[torch.nn.Parameter], cfg: TrainConfig, zero_offload: bool = False) -> torch.optim.Optimizer:
-    # Weight decay on matrices only: decaying norms and biases hurts and no peer does it.
-    # (A ZeRO-3 partitioned parameter keeps its true shape in ds_shape.)
-    matrix = {id(p) for p in params if len(getattr(p, "ds_shape", p.shape)) >= 2}
-    decay = [p for p in params if id(p) in matrix]
-    no_decay = [p for p in params if id(p) not in matrix]
-    groups = [g for g in ({"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
+def _dims(p: torch.nn.Parameter) -> int:
+    return len(getattr(p, "ds_shape", p.shape))  # a ZeRO-3 partitioned parameter keeps its true shape in ds_shape
+
+
+def loraplus_params(model: torch.nn.Module, cfg: TrainConfig) -> set[int]:
+    """The trained parameters LoRA+ gives lr x train.loraplus_lr_ratio, grouped as peft's
+    create_loraplus_optimizer groups them: the B matrices and 1-D adapter weights (DoRA's magnitudes)."""
+    if not cfg.loraplus_lr_ratio:
+        return set()
+    return {id(p) for name, p in model.named_parameters() if p.requires_grad and ("lora_B" in name or (_dims(p) == 1 and "lora_" in name))}
+
+
+def param_groups(params: list[torch.nn.Parameter], cfg: TrainConfig, fast: set[int] = frozenset()) -> list[dict]:
+    """Weight decay on matrices only (decaying norms and biases hurts and no peer does it); LoRA+'s
+    `fast` parameters in groups of their own, whose lr_ratio set_peak_lr keeps."""
+    groups = []
+    for ratio, members in ((1.0, [p for p in params if id(p) not in fast]), (cfg.loraplus_lr_ratio, [p for p in params if id(p) in fast])):
+        for decay, chosen in ((cfg.weight_decay, [p for p in members if _dims(p) >= 2]), (0.0, [p for p in members if _dims(p) < 2])):
+            if chosen:
+                groups.append({"params": chosen, "weight_decay": decay, "lr": cfg.lr * ratio, "lr_ratio": ratio})
+    return groups
+
+
+def build_optimizer(params: list[torch.nn.Parameter], cfg: TrainConfig, zero_offload: bool = False, fast: set[int] = frozenset()) -> torch.optim.Optimizer:
+    groups = param_groups(params, cfg, fast)
     if cfg.optimizer == "sgd":
         return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum)
     if cfg.optimizer in BNB_OPTIMIZERS:
@@ -71,10 +90,11 @@ def set_peak_lr(scheduler, lr: float) -> None:
     """Make `lr` the schedule's peak from now on (the config's LR times the guard's back-off), also
     after restoring a checkpoint that stored another. transformers' schedules are LambdaLRs: each
     group's LR is its base LR times a factor of the step."""
-    scheduler.base_lrs = [lr] * len(scheduler.base_lrs)
-    for group, factor in zip(scheduler.optimizer.param_groups, scheduler.lr_lambdas):
-        group["initial_lr"] = lr
-        group["lr"] = lr * factor(scheduler.last_epoch)
+    groups = scheduler.optimizer.param_groups
+    scheduler.base_lrs = [lr * group.get("lr_ratio", 1.0) for group in groups]
+    for group, base, factor in zip(groups, scheduler.base_lrs, scheduler.lr_lambdas):
+        group["initial_lr"] = base
+        group["lr"] = base * factor(scheduler.last_epoch)
 
 
 def current_lr(scheduler) -> float:
@@ -83,7 +103,18 @@ def current_lr(scheduler) -> float:
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig, total_steps: int):
+    """transformers' schedules (LambdaLRs): a linear warmup, then cosine or linear decay to lr x
+    min_lr_ratio, constant, or warmup-stable-decay."""
     from transformers import get_scheduler
 
-    name = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup"}[cfg.scheduler]
-    return get_scheduler(name, optimizer, num_warmup_steps=cfg.warmup_steps, num_training_steps=total_steps)
+    warmup = cfg.warmup_steps or math.ceil(cfg.warmup_ratio * total_steps)
+    after = max(0, total_steps - warmup)
+    name, extra = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup"}.get(cfg.scheduler), {}
+    if cfg.scheduler == "cosine" and cfg.min_lr_ratio:
+        name, extra = "cosine_with_min_lr", {"min_lr_rate": cfg.min_lr_ratio}
+    elif cfg.scheduler == "wsd" or (cfg.scheduler == "linear" and cfg.min_lr_ratio):
+        # transformers' linear schedule has no floor: a linear decay with one is WSD without a stable part
+        decay = after if cfg.scheduler == "linear" else max(1, round(cfg.decay_ratio * after))
+        name, extra = "warmup_stable_decay", {"num_stable_steps": after - decay, "num_decay_steps": decay, "decay_type": "linear",
+                                              "min_lr_ratio": cfg.min_lr_ratio}
+    return get_scheduler(name, optimizer, num_warmup_steps=warmup, num_training_steps=total_steps, scheduler_specific_kwargs=extra)

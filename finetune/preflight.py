@@ -12,7 +12,7 @@ import importlib.util
 import os
 from pathlib import Path
 
-from finetune.config import CONFIG_FILE, RunConfig
+from finetune.config import CONFIG_FILE, SUMMARY_FILE, RunConfig
 from finetune.errors import UserError
 
 
@@ -28,6 +28,7 @@ def check(cfg: RunConfig) -> None:
     check_processes(cfg)
     if int(os.environ.get("RANK", "0")) == 0:  # the process that will create and lock it
         check_output_dir(Path(cfg.train.output_dir))
+        check_not_finished(Path(cfg.train.output_dir), cfg.checkpoint.resume)
 
 
 def check_precision(cfg: RunConfig) -> None:
@@ -75,3 +76,15 @@ def check_output_dir(out: Path) -> None:
     if names and not names & {CONFIG_FILE, LOCK_FILE, checkpoint.CHECKPOINTS}:  # a run's, or checkpoints brought here to resume from
         raise UserError(f"train.output_dir: {out} holds files that are not a finetune run's ({', '.join(sorted(names)[:3])}); "
                         "choose an empty or new folder")
+
+
+def check_not_finished(out: Path, resume: str) -> None:
+    """A finished run's folder is not trained into again by accident: resuming from its last
+    checkpoint (or starting afresh) would replace the finished adapter or model. Resuming from a
+    checkpoint named on purpose (to train on with more steps) is allowed."""
+    if resume in ("auto", "never") and (out / SUMMARY_FILE).is_file():
+        from finetune import checkpoint
+
+        newest = next(reversed(checkpoint.step_dirs(out / checkpoint.CHECKPOINTS)), None)
+        again = f"; or continue it on purpose with --resume {newest} (and a higher --max-steps)" if newest else ""
+        raise UserError(f"train.output_dir: {out} holds a finished run ({SUMMARY_FILE}); start a new run with --output-dir NEW_DIR{again}")

@@ -74,27 +74,46 @@ def keep_freed_memory(gathers: bool = False) -> None:
     fragment a heap (glibc's default raises its mmap threshold to the largest block freed, up to 32 MB),
     so blocks of 1 MiB and more come from mmap and go back when freed: a 1.1B LoRA rank then peaked
     at 3.9 GB under FSDP (4.6 with the defaults, 12.5 with the tuning above) and 4.0 GB under ZeRO-3
-    (5.8), within the plan. Set just before the loop, after what loading freed is handed back
-    (always), so RSS then tracks what training holds; left alone when the user set glibc's MALLOC_*
-    variables (their choice wins).
+    (5.8), within the plan (that setting is made before loading too: map_large_blocks). Set just
+    before the loop, after what loading freed is handed back (always), so RSS then tracks what
+    training holds; left alone when the user set glibc's MALLOC_* variables (their choice wins).
     """
+    libc = _libc()
+    if libc is None:
+        return
+    if hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)  # what loading freed goes back first, whatever the settings
+    if gathers:
+        map_large_blocks()
+    elif _ours_to_tune(libc):
+        libc.mallopt(M_MMAP_MAX, 0)  # large blocks from the heap, not from fresh mmaps
+        libc.mallopt(M_TRIM_THRESHOLD, 2**30 - 1)  # do not hand freed heap back (which would fault again)
+
+
+def map_large_blocks() -> None:
+    """FSDP/ZeRO-3 on a CPU, from before loading on (see keep_freed_memory): blocks of 1 MiB and more
+    come from mmap and go back when freed, at a fixed threshold that glibc no longer raises as large
+    blocks are freed. Loading a 1.1B model under ZeRO-3 (weight after weight converted and partitioned)
+    with glibc's default left a rank ~0.8 GB above its training peak."""
+    libc = _libc()
+    if libc is not None and _ours_to_tune(libc):
+        libc.mallopt(M_MMAP_THRESHOLD, 1 << 20)
+
+
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_MMAP_MAX = -1, -3, -4  # mallopt's parameters (malloc.h)
+
+
+def _libc():
     import ctypes
     import ctypes.util
 
     name = ctypes.util.find_library("c")
-    if not name or not sys.platform.startswith("linux"):
-        return
-    libc = ctypes.CDLL(name)
-    if hasattr(libc, "malloc_trim"):
-        libc.malloc_trim(0)  # what loading freed goes back first, whatever the settings
-    if torch.cuda.is_available() or any(k.startswith("MALLOC_") for k in os.environ) or not hasattr(libc, "mallopt"):
-        return
-    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_MMAP_MAX = -1, -3, -4
-    if gathers:
-        libc.mallopt(M_MMAP_THRESHOLD, 1 << 20)  # fixed: glibc no longer raises it as large blocks are freed
-        return
-    libc.mallopt(M_MMAP_MAX, 0)  # large blocks from the heap, not from fresh mmaps
-    libc.mallopt(M_TRIM_THRESHOLD, 2**30 - 1)  # do not hand freed heap back (which would fault again)
+    return ctypes.CDLL(name) if name and sys.platform.startswith("linux") else None
+
+
+def _ours_to_tune(libc) -> bool:
+    """glibc's heap on a CPU run, unless the user set glibc's MALLOC_* variables (their choice wins)."""
+    return not torch.cuda.is_available() and not any(k.startswith("MALLOC_") for k in os.environ) and hasattr(libc, "mallopt")
 
 
 def _proc_status(key: str) -> int:

@@ -34,7 +34,7 @@ import torch
 
 from finetune import checkpoint, families, faults, preflight, runtime
 from finetune.chat import choose_template
-from finetune.config import CONFIG_FILE, ModelConfig, RunConfig, looks_local, to_yaml
+from finetune.config import CONFIG_FILE, SUMMARY_FILE, ModelConfig, RunConfig, looks_local, to_yaml
 from finetune.data import Datasets, load_data
 from finetune.packing import epoch_batches
 from finetune.distributed import local_numel
@@ -50,7 +50,6 @@ from finetune.optim import current_lr, set_peak_lr
 from finetune.stage import staged_model
 from finetune.supervise import Watchdog, stop_with_launcher, watch_preemption
 
-SUMMARY_FILE = "summary.json"
 
 
 @dataclass
@@ -269,6 +268,8 @@ def load_and_prepare_model(run: RunState) -> None:
     processes with the optimizer built on what each holds."""
     cfg, t, world = run.cfg, run.cfg.train, run.accelerator.num_processes
     run.engine = engine_for(cfg, run.accelerator)
+    if run.engine.gathers:
+        runtime.map_large_blocks()
     run.rss_before_model = runtime.current_rss()
     model = run.engine.load(run.model_cfg, run.say)
     # Saved configs name the source, not a RAM copy; a local one by its absolute path, so that the adapter
@@ -277,6 +278,10 @@ def load_and_prepare_model(run: RunState) -> None:
     model.name_or_path = model.config.name_or_path = run.base
     run.router_coef = families.router_aux_loss_coef(model.config.to_dict()) if t.router_aux_loss_coef is None else t.router_aux_loss_coef
     model = apply_adapter(model, cfg.adapter, t.gradient_checkpointing, say=run.say)
+    if t.neftune_alpha:  # transformers' own NEFTune hook: noise only while the embedding is in training mode
+        from transformers.integrations.neftune import activate_neftune
+
+        activate_neftune(model, t.neftune_alpha)
     info = describe(model)
     q = cfg.model.quantization
     method = cfg.adapter.method if q is None else f"{cfg.adapter.method} on a {q.bits}-bit base" + (f" ({q.quant_type})" if q.bits == 4 else "")

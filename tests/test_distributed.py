@@ -88,6 +88,16 @@ def test_two_processes_match_one(tmp_path, tiny_model_dir, single, two_process_r
         assert shards == [trainable, trainable] and summary["replicas_identical"] is True
     if strategy == "fsdp":  # rank 0 streamed the weights layer by layer from the files, but for DoRA
         assert ("rank 0 loads the whole model before sending the shards: DoRA" in (out / "console.log").read_text()) == (method == "dora")
+    if method == "full" and strategy != "ddp":  # the shards gathered into the saved model: every weight, the trained values
+        _same_saved_model(out, single["full"][0])
+
+
+def _same_saved_model(saved, reference) -> None:
+    from safetensors.torch import load_file
+
+    ours, theirs = load_file(saved / "model.safetensors"), load_file(reference / "model.safetensors")
+    assert sorted(ours) == sorted(theirs)
+    assert max((ours[k] - theirs[k]).abs().max().item() for k in ours) < 1e-4
 
 
 def test_two_ranks_stage_one_ram_copy_and_both_load_it(two_process_runs, ram_root):

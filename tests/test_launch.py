@@ -64,6 +64,18 @@ def test_slurm_script_takes_the_rendezvous_from_slurm(tmp_path):
     assert "--nnodes 2" in result.stderr and "--rdzv_endpoint gpu-a:24242" in result.stderr and "--rdzv_id 4242" in result.stderr
 
 
+def test_slurm_dry_run_prints_the_commands_and_starts_nothing(tmp_path):
+    """Outside Slurm too: the srun line and the torchrun command it leads to, with stand-ins for the allocation."""
+    env = {k: v for k, v in ENV.items() if not k.startswith(("SLURM_", "MASTER_"))}
+    result = subprocess.run(["bash", "launch/slurm.sbatch", "--dry-run", "--config", str(tmp_path / "missing.yaml")], cwd=REPO,
+                            capture_output=True, text=True, env=env, timeout=60)
+    assert result.returncode == 0, result.stderr
+    lines = result.stderr.splitlines()
+    assert any(line.startswith("slurm: srun --ntasks-per-node=1 bash") for line in lines)
+    assert any(line.startswith("launch: ") and "torch.distributed.run" in line and "--dry-run" not in line for line in lines)
+    assert "error" not in result.stderr.lower() and not (tmp_path / "missing.yaml").exists()  # no torchrun, no training started
+
+
 def test_a_preempted_job_ends_with_75_through_the_launch_script(tmp_path, tiny_model_dir):
     """torchrun itself exits 1 when its workers stop with 75; the script exits with the run's own code,
     which is what a scheduler requeues on."""
