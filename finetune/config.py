@@ -85,22 +85,31 @@ class AdapterConfig(_Section):
         return value
 
 
+Columns = dict[Literal["text", "instruction", "input", "output", "messages", "conversations"], str]  # a format's field -> the file's column
+
+
 class SourceConfig(_Section):
-    path: str = Field(description="A local .jsonl/.json/.parquet file, or a hub dataset name.")
+    path: str = Field(description="A local .jsonl/.json/.parquet/.csv/.txt file, or a hub dataset name.")
     format: Literal["completion", "alpaca", "chat"] | None = Field(None, description="This source's format (null: data.format).")
+    columns: Columns | None = Field(None, description="This source's column names (null: data.columns).")
     weight: float = Field(1.0, gt=0, description="Sampling weight: 2 repeats every sample twice, 0.5 takes a seeded half, 1.5 both.")
     bad_rows: Literal["fail", "skip"] | None = Field(None, description="This source's bad-row policy (null: data.bad_rows).")
 
 
 class DataConfig(_Section):
-    train: str | list[str | SourceConfig] = Field(description="Training data: local .jsonl/.json/.parquet file(s) or hub dataset names, "
-                                                  "or a list of sources {path, format, weight, bad_rows} to mix.")
+    train: str | list[str | SourceConfig] = Field(description="Training data: local .jsonl/.json/.parquet/.csv/.txt file(s) or hub dataset "
+                                                  "names, or a list of sources {path, format, columns, weight, bad_rows} to mix.")
     format: Literal["completion", "alpaca", "chat"] = Field(
-        "alpaca", description="completion: {text}; alpaca: {instruction, input?, output}; chat: {messages: [{role, content}]}."
+        "alpaca", description="completion: {text}; alpaca: {instruction, input?, output}; chat: {messages: [{role, content}]} (content may be a "
+        "list of text parts) or ShareGPT's {conversations: [{from, value}]}. README: every accepted shape."
     )
+    columns: Columns = Field({}, description="The format's fields under other column names, e.g. {instruction: question, output: answer}.")
     eval: str | list[str | SourceConfig] | None = Field(None, description="Held-out eval file(s) or sources; or use eval_fraction.")
     eval_fraction: float = Field(0.0, ge=0, lt=1, description="Share of the training rows held out for eval when no eval file is given.")
-    max_seq_len: int = Field(512, ge=2, description="Longest row in tokens; longer samples are truncated.")
+    max_seq_len: int = Field(512, ge=2, description="Longest row in tokens; longer samples are truncated (completion documents: see long_documents).")
+    long_documents: Literal["chunk", "truncate"] = Field("chunk", description="completion rows longer than max_seq_len: chunk (trained as windows "
+                                                         "of max_seq_len tokens, every token once) or truncate (the rest is dropped).")
+    chunk_overlap: int = Field(0, ge=0, description="chunk: tokens each window repeats from the one before, as context (not trained again).")
     packing: bool = Field(True, description="Pack samples into rows of max_seq_len, attention kept inside each sample.")
     train_on_prompt: bool = Field(False, description="Also compute the loss on prompt tokens (default: responses only).")
     chat_template: str | None = Field(None, description="Template that renders chat rows (and alpaca rows, where there is one): null = the "
@@ -110,6 +119,13 @@ class DataConfig(_Section):
     split: str = Field("train", description="Split to read from a hub dataset.")
     num_proc: int | None = Field(None, gt=0, description="Processes for tokenization (null: every core for sources of 10,000+ rows, else 1).")
     tokenize_wait_minutes: float = Field(120, gt=0, description="How long a process waits for another one tokenizing the same data on this node.")
+
+    @model_validator(mode="after")
+    def _overlap_fits(self) -> DataConfig:
+        if self.chunk_overlap >= self.max_seq_len - 1:
+            raise ValueError(f"chunk_overlap: {self.chunk_overlap} leaves no new token in a window of max_seq_len={self.max_seq_len}; "
+                             "keep it below max_seq_len - 1")
+        return self
 
     @field_validator("chat_template")
     @classmethod
@@ -309,13 +325,14 @@ def _as_list(value: str | list | None) -> list:
 
 def looks_local(path: str) -> bool:
     """A data or model reference is a local path if it exists or looks like a file path rather than a hub id."""
-    return Path(path).exists() or path.startswith((".", "/", "~")) or Path(path).suffix in {".jsonl", ".json", ".parquet"}
+    return Path(path).exists() or path.startswith((".", "/", "~")) or Path(path).suffix in {".jsonl", ".json", ".parquet", ".csv", ".txt"}
 
 
 def data_sources(value, data: DataConfig) -> list[SourceConfig]:
     """data.train or data.eval as sources, each with its format and bad-row policy filled in."""
-    return [SourceConfig(path=s, format=data.format, bad_rows=data.bad_rows) if isinstance(s, str)
-            else s.model_copy(update={"format": s.format or data.format, "bad_rows": s.bad_rows or data.bad_rows}) for s in _as_list(value)]
+    return [SourceConfig(path=s, format=data.format, bad_rows=data.bad_rows, columns=data.columns) if isinstance(s, str)
+            else s.model_copy(update={"format": s.format or data.format, "bad_rows": s.bad_rows or data.bad_rows,
+                                      "columns": data.columns if s.columns is None else s.columns}) for s in _as_list(value)]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -453,7 +470,7 @@ def _describe(err: ValidationError) -> str:
     # With a union (a data source is a path or a {path, ...} mapping) pydantic reports every branch;
     # the deepest location is the branch the input was meant for.
     first = max(err.errors(), key=lambda e: len(e["loc"]))
-    loc = ".".join(str(part) for part in first["loc"] if not (isinstance(part, str) and _UNION_TAG.match(part)))
+    loc = ".".join(str(part) for part in first["loc"] if not (isinstance(part, str) and (_UNION_TAG.match(part) or part == "[key]")))
     kind, msg = first["type"], first["msg"]
     if kind == "extra_forbidden":
         return f"{loc}: unknown key"

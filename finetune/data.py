@@ -40,8 +40,12 @@ class _Samples:
     table: object  # pyarrow.Table over the entries' memory-mapped files
     keys: list[str]
     ranges: list[tuple[int, int]]  # each source's samples in the table
-    lengths: np.ndarray
+    sources: list[SourceConfig]
+    full: np.ndarray  # tokens of each sample
+    lengths: np.ndarray  # cut to max_seq_len
     truncated: np.ndarray
+    chunked: np.ndarray  # a completion document longer than max_seq_len, trained as windows (data.long_documents: chunk)
+    first: np.ndarray  # the first trained position (-1: none)
     trains: np.ndarray
     cached: bool
 
@@ -65,7 +69,8 @@ def load_data(cfg: DataConfig, tokenizer, seed: int, eval_examples: int = 0, say
     weighted = [_weighted(p, s.weight, seed, i) for i, (p, s) in enumerate(zip(picked, train_sources))]
     samples = np.concatenate(weighted)
     split, stats["train"] = _split(train, samples, cfg, seed, "train")
-    stats["train"]["sources"] = [{"path": s.path, "samples": int(train.trains[w].sum()), "tokens": int(train.lengths[w][train.trains[w]].sum())}
+    used = np.where(train.chunked, train.full, train.lengths)  # a chunked document trains all its tokens
+    stats["train"]["sources"] = [{"path": s.path, "samples": int(train.trains[w].sum()), "tokens": int(used[w][train.trains[w]].sum())}
                                  for s, w in zip(train_sources, weighted)]
     examples: list[dict] = []
     if cfg.eval:
@@ -96,11 +101,14 @@ def _tokenized(sources: list[SourceConfig], cfg: DataConfig, tokenizer, say) -> 
         ranges.append((start, start + len(table)))
         start += len(table)
         cached = cached and hit
-    full = pa.concat_tables(tables)
-    lengths = full.column("length").to_numpy()  # int32: per sample, never per token
-    first = full.column("first_target").to_numpy()
-    cut = np.minimum(lengths, cfg.max_seq_len)
-    return _Samples(full, keys, ranges, cut, lengths > cfg.max_seq_len, (first >= 1) & (first < cut), cached)
+    table = pa.concat_tables(tables)
+    full = table.column("length").to_numpy()  # int32: per sample, never per token
+    first = table.column("first_target").to_numpy()
+    cut = np.minimum(full, cfg.max_seq_len)
+    windows = np.repeat([s.format == "completion" and cfg.long_documents == "chunk" for s in sources], [b - a for a, b in ranges])
+    chunked = windows & (full > cfg.max_seq_len)
+    return _Samples(table, keys, ranges, sources, full, cut, (full > cfg.max_seq_len) & ~chunked, chunked, first,
+                    chunked | ((first >= 1) & (first < cut)), cached)
 
 
 def _weighted(samples: np.ndarray, weight: float, seed: int, index: int) -> np.ndarray:
@@ -111,24 +119,64 @@ def _weighted(samples: np.ndarray, weight: float, seed: int, index: int) -> np.n
 
 
 def _split(source: _Samples, samples: np.ndarray, cfg: DataConfig, seed: int, role: str) -> tuple[Split, dict]:
-    """Rows over the given samples (those that train anything), packed or one a row, with counts."""
+    """Rows over the given samples (those that train anything; long documents as windows), packed or
+    one a row, with counts."""
     usable = samples[source.trains[samples]]
     if role == "train" and len(usable) == 0:
-        raise UserError(f"data: no sample of {', '.join(s for s in _paths(cfg.train))} has a trained token within data.max_seq_len={cfg.max_seq_len}")
-    lengths = source.lengths[usable]
-    order, offsets = _layout(source, usable, lengths, cfg, seed, role) if cfg.packing else unpacked(len(usable))
-    split = Split(source.table.select(["input_ids", "labels"]), usable, lengths, order, offsets)
-    stats = {"samples": len(usable), "truncated": int(source.truncated[samples].sum()), "dropped_no_target": int(len(samples) - len(usable)),
-             "rows": len(split), "tokens": int(lengths.sum())}
+        raise UserError(_nothing_trained(source, samples, cfg))
+    picks, starts, lengths, context = _pieces(source, usable, cfg)
+    order, offsets = _layout(source, picks, starts, lengths, cfg, seed, role) if cfg.packing else unpacked(len(picks))
+    split = Split(source.table.select(["input_ids", "labels"]), picks, lengths, order, offsets, starts, context)
+    dropped = samples[~source.trains[samples]]
+    stats = {"samples": len(usable), "truncated": int(source.truncated[samples].sum()), "chunked": int(source.chunked[usable].sum()),
+             "windows": len(picks) - len(usable) + int(source.chunked[usable].sum()), "dropped_no_target": len(dropped),
+             "first_dropped": _where(source, dropped[0]) if len(dropped) else None, "rows": len(split), "tokens": int(lengths.sum())}
     if cfg.packing and len(split):
         stats["fill"] = stats["tokens"] / (len(split) * cfg.max_seq_len)
     return split, stats
 
 
-def _layout(source: _Samples, samples: np.ndarray, lengths: np.ndarray, cfg: DataConfig, seed: int, role: str) -> tuple[np.ndarray, np.ndarray]:
-    """pack(), cached next to the tokens: keyed by the entries, the samples taken and max_seq_len."""
+def _pieces(source: _Samples, samples: np.ndarray, cfg: DataConfig) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(sample, start, length, context tokens) of what the rows are made of: a sample cut to
+    max_seq_len, or a long document's windows of max_seq_len tokens, each starting chunk_overlap
+    tokens before the previous one ended (those tokens are its context, trained once, before)."""
+    width, overlap = cfg.max_seq_len, cfg.chunk_overlap
+    chunked = source.chunked[samples]
+    full = source.full[samples].astype(np.int64)
+    count = np.where(chunked, -(-(full - overlap) // (width - overlap)), 1)
+    picks = np.repeat(samples, count)
+    k = np.arange(int(count.sum())) - np.repeat(np.cumsum(count) - count, count)
+    starts = k * (width - overlap)
+    lengths = np.minimum(np.repeat(np.where(chunked, full, source.lengths[samples]), count) - starts, width)
+    return picks, starts, lengths, np.where(k > 0, max(overlap, 1), 1)
+
+
+def _nothing_trained(source: _Samples, samples: np.ndarray, cfg: DataConfig) -> str:
+    """Why no training sample is left: the prompts are longer than max_seq_len, or the rows train nothing."""
+    paths = ", ".join(_paths(cfg.train))
+    first = source.first[samples]
+    cut = first[first >= 1]
+    if len(cut):
+        return (f"data: no sample of {paths} has a trained token within data.max_seq_len={cfg.max_seq_len}: the prompts of {len(cut)} "
+                f"of {len(samples)} samples are that long or longer (e.g. {_where(source, samples[first >= 1][np.argmin(cut)])}, whose answer starts at "
+                f"token {int(cut.min())}); raise data.max_seq_len above {int(cut.min())}, or shorten the prompts")
+    return f"data: no sample of {paths} has a token to train on (e.g. {_where(source, samples[0])}: an empty answer?)"
+
+
+def _where(source: _Samples, sample: int) -> str:
+    """A sample as its file and line."""
+    from finetune.rows import where
+
+    index = next(i for i, (a, b) in enumerate(source.ranges) if a <= sample < b)
+    return where(source.sources[index].path, int(source.table.column("line")[int(sample)].as_py()))
+
+
+def _layout(source: _Samples, samples: np.ndarray, starts: np.ndarray, lengths: np.ndarray, cfg: DataConfig, seed: int,
+            role: str) -> tuple[np.ndarray, np.ndarray]:
+    """pack(), cached next to the tokens: keyed by the entries, the pieces taken and max_seq_len."""
     h = hashlib.sha256(json.dumps([PACK_VERSION, source.keys, role, cfg.max_seq_len, str(samples.dtype)]).encode())
     h.update(memoryview(np.ascontiguousarray(samples)))
+    h.update(memoryview(np.ascontiguousarray(starts)))
     path = cache_root(cfg) / f"pack-{h.hexdigest()[:24]}.npz"
     if path.exists():
         with np.load(path) as saved:

@@ -127,10 +127,16 @@ def unpacked(count: int) -> tuple[np.ndarray, np.ndarray]:
 
 class Split:
     """Rows over tokenized samples: `samples` are indices into the Arrow table (repeats allowed: a
-    source weighted above 1), each cut to max_seq_len; row r holds samples[order[offsets[r]:offsets[r+1]]]."""
+    source weighted above 1, or a long document's windows), each `lengths` tokens from `starts` (0 but
+    for a document's later windows); row r holds samples[order[offsets[r]:offsets[r+1]]]. `context`:
+    leading tokens of each that are not trained (1: nothing precedes a sample's first token; a later
+    window's overlap with the one before)."""
 
-    def __init__(self, table, samples: np.ndarray, lengths: np.ndarray, order: np.ndarray, offsets: np.ndarray):
-        self.samples, self.lengths = samples, lengths  # lengths: of the cut samples
+    def __init__(self, table, samples: np.ndarray, lengths: np.ndarray, order: np.ndarray, offsets: np.ndarray,
+                 starts: np.ndarray | None = None, context: np.ndarray | None = None):
+        self.samples, self.lengths = samples, lengths
+        self.starts = np.zeros(len(samples), dtype=np.int64) if starts is None else starts
+        self.context = np.ones(len(samples), dtype=np.int64) if context is None else context
         self.order, self.offsets = order, offsets
         self.row_lengths = np.add.reduceat(lengths[order].astype(np.int64), offsets[:-1]) if len(order) else np.zeros(0, dtype=np.int64)
         self.columns = {name: _Column(table.column(name)) for name in ("input_ids", "labels")}
@@ -145,14 +151,16 @@ class Split:
     def rows(self, rows) -> list[Row]:
         """The rows, read from the Arrow table: each sample's tokens cut to its length, its first label
         masked (nothing precedes it in its own sequence, and a packed neighbour's last token must not be
-        trained to predict it), its positions from 0."""
+        trained to predict it; a later window's overlap too), its positions from 0."""
         out = []
         for r in rows:
             members = self.order[self.offsets[r] : self.offsets[r + 1]]
-            ids, labels = (self.columns[name].cut(self.samples[members], self.lengths[members]) for name in ("input_ids", "labels"))
-            starts = np.cumsum(self.lengths[members]) - self.lengths[members]
-            labels[starts] = IGNORE
-            positions = np.arange(len(ids)) - np.repeat(starts, self.lengths[members])
+            lengths = self.lengths[members]
+            ids, labels = (self.columns[name].cut(self.samples[members], lengths, self.starts[members]) for name in ("input_ids", "labels"))
+            starts = np.cumsum(lengths) - lengths
+            context = np.minimum(self.context[members], lengths)
+            labels[np.repeat(starts, context) + np.arange(int(context.sum())) - np.repeat(np.cumsum(context) - context, context)] = IGNORE
+            positions = np.arange(len(ids)) - np.repeat(starts, lengths)
             out.append(Row(ids, labels, positions))
         return out
 
@@ -169,14 +177,14 @@ class _Column:
         # Zero-copy views onto the mapped files; `values` ignores a chunk's slice offset, `offsets` honours it.
         self.chunks = [(chunk.offsets.to_numpy(), chunk.values.to_numpy()) for chunk in column.chunks]
 
-    def cut(self, samples: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-        """The first lengths[i] values of each sample, concatenated."""
+    def cut(self, samples: np.ndarray, lengths: np.ndarray, skip: np.ndarray) -> np.ndarray:
+        """lengths[i] values of each sample from its skip[i]-th on, concatenated."""
         out = np.empty(int(lengths.sum()), dtype=np.int64)
         at = 0
-        for sample, n in zip(samples.tolist(), lengths.tolist()):
+        for sample, n, k in zip(samples.tolist(), lengths.tolist(), skip.tolist()):
             c = int(np.searchsorted(self.starts, sample, side="right")) - 1
             offsets, values = self.chunks[c]
-            start = int(offsets[sample - self.starts[c]])
+            start = int(offsets[sample - self.starts[c]]) + k
             out[at : at + n] = values[start : start + n]
             at += n
         return out

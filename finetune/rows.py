@@ -1,7 +1,9 @@
 """Rows: read them from files, check them, and turn one into token ids with a loss mask.
 
-Local JSONL is read line by line (never a list of every row), so a bad row is reported with its file
-and line; JSON lists, Parquet (in record batches) and hub datasets are read through their libraries.
+Local JSONL, CSV and text files are read line by line (never a list of every row), so a bad row is
+reported with its file and line; JSON lists, Parquet (in record batches) and hub datasets are read
+through their libraries. Rows are brought to their format's own shape first (`canonical`: mapped
+columns, ShareGPT conversations, OpenAI content parts).
 A row becomes `input_ids` and `labels` (-100 where no loss is taken): completion rows train on every
 token, alpaca and chat rows on the answers, as the chat template marks them (finetune/chat.py).
 """
@@ -25,6 +27,11 @@ ALPACA_PROMPT = (
 )
 CHAT_ROLES = {"system", "user", "assistant", "tool"}
 FORMATS = ("alpaca", "chat", "completion")
+SUFFIXES = (".jsonl", ".json", ".parquet", ".csv", ".txt")
+FIELDS = ("text", "instruction", "input", "output", "messages", "conversations")  # what data.columns may map a column to
+# ShareGPT's speakers (`from`) as chat roles: its own names, OpenAI's, and those of LLaMA-Factory's tool rows.
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "model": "assistant", "system": "system",
+                  "tool": "tool", "function": "tool", "observation": "tool", "function_call": "assistant"}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -61,6 +68,48 @@ def _row_problem(row: object, fmt: str) -> str | None:
     return None
 
 
+def canonical(row: object, fmt: str, columns: dict[str, str] | None = None) -> tuple[object, str | None]:
+    """(the row in its format's own shape, why it cannot be used or None). data.columns renames the
+    file's columns to the format's fields; a chat row may also come as ShareGPT (`conversations` of
+    {from, value}) and its messages' content as OpenAI's list of text parts."""
+    if not isinstance(row, dict):
+        return row, "expected a JSON object"
+    if columns:
+        row = dict(row)
+        for field, column in columns.items():
+            if column in row:
+                row[field] = row.pop(column)
+    if fmt == "chat":
+        row, problem = _chat_shape(row)
+        if problem:
+            return row, problem
+    return row, _row_problem(row, fmt)
+
+
+def _chat_shape(row: dict) -> tuple[dict, str | None]:
+    if "messages" not in row and isinstance(row.get("conversations"), list):
+        messages = []
+        for i, turn in enumerate(row["conversations"]):
+            speaker = turn.get("from") if isinstance(turn, dict) else None
+            if speaker not in SHAREGPT_ROLES or not isinstance(turn.get("value"), str):
+                return row, f"conversations[{i}] must be {{from: human|gpt|system|tool, value: string}}"
+            messages.append({"role": SHAREGPT_ROLES[speaker], "content": turn["value"]})
+        row = {**{k: v for k, v in row.items() if k != "conversations"}, "messages": messages}
+    messages = row.get("messages")
+    if isinstance(messages, list) and any(isinstance(m, dict) and isinstance(m.get("content"), list) for m in messages):
+        joined = []
+        for i, m in enumerate(messages):
+            parts = m.get("content") if isinstance(m, dict) else None
+            if isinstance(parts, list):
+                kinds = {part.get("type") if isinstance(part, dict) else type(part).__name__ for part in parts}
+                if kinds - {"text"} or not all(isinstance(part.get("text"), str) for part in parts):
+                    return row, f"messages[{i}].content: only text parts can be trained on (got {', '.join(sorted(map(str, kinds - {'text'}))) or 'a part without text'})"
+                m = {**m, "content": "".join(part["text"] for part in parts)}
+            joined.append(m)
+        row = {**row, "messages": joined}
+    return row, None
+
+
 @dataclass
 class _Invalid:
     problem: str
@@ -70,9 +119,11 @@ def located(source: str, split: str = "train") -> Iterator[tuple[int, object]]:
     """(line or row number, row) of one source, streamed; a line that is not JSON comes as _Invalid."""
     path = Path(source).expanduser()
     if path.is_dir():
-        raise UserError(f"{path}: is a folder; expected a .jsonl, .json or .parquet file")
+        raise UserError(f"{path}: is a folder; expected a {', '.join(SUFFIXES)} file")
     if not path.exists():
         yield from _hub_rows(source, split)
+    elif path.suffix in (".csv", ".txt"):
+        yield from _text_rows(path)
     elif path.suffix == ".jsonl":
         with path.open("rb") as fh:
             for number, raw in enumerate(fh, 1):
@@ -101,7 +152,28 @@ def located(source: str, split: str = "train") -> Iterator[tuple[int, object]]:
     elif path.suffix == ".parquet":
         yield from _parquet_rows(path)
     else:
-        raise UserError(f"{path}: unsupported data file type '{path.suffix}' (expected .jsonl, .json or .parquet)")
+        raise UserError(f"{path}: unsupported data file type '{path.suffix}' (expected {', '.join(SUFFIXES)})")
+
+
+def _text_rows(path: Path) -> Iterator[tuple[int, object]]:
+    """CSV rows as {column: text} (the header names the columns), numbered by the line they end on;
+    a .txt file's non-empty lines as {"text": line}, as datasets' text loader reads them."""
+    import csv
+
+    try:
+        with path.open(encoding="utf-8", newline="") as fh:
+            if path.suffix == ".txt":
+                for number, line in enumerate(fh, 1):
+                    if line.strip():
+                        yield number, {"text": line.rstrip("\r\n")}
+                return
+            reader = csv.DictReader(fh)
+            for row in reader:
+                yield reader.line_num, row if None not in row else _Invalid(f"{len(row[None])} more fields than the header names")
+    except UnicodeDecodeError:
+        raise UserError(f"{path}: not UTF-8 text") from None
+    except csv.Error as err:
+        raise UserError(f"{path}: not readable as CSV ({err})") from None
 
 
 def _parquet_rows(path: Path) -> Iterator[tuple[int, object]]:
@@ -131,7 +203,7 @@ def _hub_rows(source: str, split: str) -> Iterator[tuple[int, object]]:
 
 def where(source: str, number: int) -> str:
     """How an error names a row: file:line in JSONL, the row number elsewhere."""
-    return f"{source}:{number}" if source.endswith(".jsonl") else f"{source}: row {number}"
+    return f"{source}:{number}" if source.endswith((".jsonl", ".csv", ".txt")) else f"{source}: row {number}"
 
 
 class Skipped:
@@ -145,15 +217,16 @@ class Skipped:
         self.first = self.first or location
 
 
-def checked_rows(source: str, fmt: str, bad_rows: str, skipped: Skipped, split: str = "train") -> Iterator[tuple[int, dict]]:
-    """The usable rows of one source with their numbers; a bad row fails with its location, or is
-    skipped and counted."""
-    for number, row in located(source, split):
-        problem = row.problem if isinstance(row, _Invalid) else _row_problem(row, fmt)
+def checked_rows(source: str, fmt: str, bad_rows: str, skipped: Skipped, split: str = "train",
+                 columns: dict[str, str] | None = None) -> Iterator[tuple[int, dict]]:
+    """The usable rows of one source with their numbers, in their format's own shape; a bad row fails
+    with its location, or is skipped and counted."""
+    for number, raw in located(source, split):
+        row, problem = (raw, raw.problem) if isinstance(raw, _Invalid) else canonical(raw, fmt, columns)
         if problem is None:
             yield number, row
         elif bad_rows == "fail":
-            other = [f for f in FORMATS if f != fmt and not isinstance(row, _Invalid) and _row_problem(row, f) is None]
+            other = [f for f in FORMATS if f != fmt and not isinstance(raw, _Invalid) and canonical(raw, f, columns)[1] is None]
             hint = f"this row looks like format '{other[0]}': set data.format: {other[0]}" if other else "set data.bad_rows: skip to skip bad rows"
             raise UserError(f"{where(source, number)}: {problem} (format '{fmt}'; {hint})")
         else:

@@ -25,7 +25,7 @@ from finetune.errors import UserError
 from finetune.locks import exclusive
 from finetune.rows import IGNORE, Skipped, checked_rows, tokenize_rows, where
 
-TOKENIZE_VERSION = 2  # raise it when the ids or loss mask a row turns into change (2: masks from the chat template)
+TOKENIZE_VERSION = 3  # raise it when the ids or loss mask a row turns into change (2: masks from the chat template; 3: rows cached in their canonical shape)
 LARGE = 10_000  # rows from which tokenization uses every core unless data.num_proc says otherwise
 
 
@@ -41,7 +41,7 @@ def fingerprint(source: SourceConfig, cfg: DataConfig, tokenizer) -> str:
     h.update(f"{path.resolve() if stat else source.path}|{stat.st_size if stat else ''}|{stat.st_mtime_ns if stat else ''}".encode())
     h.update(tokenizer.backend_tokenizer.to_str().encode())
     h.update(str(tokenizer.chat_template).encode())
-    h.update(json.dumps([TOKENIZE_VERSION, source.format, source.bad_rows, cfg.train_on_prompt, cfg.split, tokenizer.eos_token_id]).encode())
+    h.update(json.dumps([TOKENIZE_VERSION, source.format, source.bad_rows, cfg.train_on_prompt, cfg.split, tokenizer.eos_token_id, source.columns]).encode())
     return h.hexdigest()[:24]
 
 
@@ -96,7 +96,7 @@ def _build(source: SourceConfig, cfg: DataConfig, tokenizer, work: Path, say) ->
     features = datasets.Features({"row": datasets.Value("string"), "line": datasets.Value("int64")})
     with ArrowWriter(features=features, path=str(rows_file)) as writer, tqdm(desc=f"reading {source.path}", unit=" rows", delay=2) as bar:
         batch = {"row": [], "line": []}
-        for number, row in checked_rows(source.path, source.format, source.bad_rows, skipped, cfg.split):
+        for number, row in checked_rows(source.path, source.format, source.bad_rows, skipped, cfg.split, source.columns):
             batch["row"].append(json.dumps(row, ensure_ascii=False))
             batch["line"].append(number)
             if len(batch["row"]) == 1000:

@@ -255,8 +255,12 @@ def load_inputs(cfg: RunConfig, accelerator, preemption) -> RunState:
     run.say(
         f"data: {s['samples']} samples -> {s['rows']} rows, {s['tokens']} tokens"
         + (f", {s['fill']:.0%} of packed rows filled" if "fill" in s else "")
-        + f", {s['truncated']} truncated; {len(data.eval) if data.eval else 0} eval rows; cache {'hit' if data.stats['cache_hit'] else 'written'} ({data.stats['seconds']:.1f} s)"
+        + f", {s['truncated']} truncated" + (f", {s['chunked']} long documents as {s['windows']} windows" if s["chunked"] else "")
+        + f"; {len(data.eval) if data.eval else 0} eval rows; cache {'hit' if data.stats['cache_hit'] else 'written'} ({data.stats['seconds']:.1f} s)"
     )
+    if s["dropped_no_target"]:
+        run.say(f"data: {s['dropped_no_target']} sample(s) left out: nothing to train within data.max_seq_len={cfg.data.max_seq_len} "
+                f"(the prompt fills it, or the answer is empty); first: {s['first_dropped']}")
     if len(s["sources"]) > 1:
         for source in s["sources"]:
             run.say(f"  {source['path']}: {source['samples']} samples, {source['tokens']} tokens")

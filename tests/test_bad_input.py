@@ -132,7 +132,12 @@ def _cases():
     add("data-parquet-garbage", lambda k: k.train(data={"train": k.file("d.parquet", b"PAR1 garbage")}), "d.parquet: not a readable Parquet file")
     add("data-json-not-a-list", lambda k: k.train(data={"train": k.file("d.json", '{"a": 1}')}), "d.json: expected a JSON list of rows")
     add("data-json-invalid", lambda k: k.train(data={"train": k.file("d.json", '[{"a": 1},')}), "d.json:1: invalid JSON")
-    add("data-csv", lambda k: k.train(data={"train": k.file("d.csv", "a,b\n")}), "d.csv: unsupported data file type '.csv'")
+    add("data-tsv", lambda k: k.train(data={"train": k.file("d.tsv", "a\tb\n")}), "d.tsv: unsupported data file type '.tsv'")
+    add("data-csv-extra-field", lambda k: k.train(data={"train": k.file("d.csv", "instruction,output\nhi,there,again\n")}),
+        "d.csv:2: 1 more fields than the header names")
+    add("data-csv-missing-column", lambda k: k.train(data={"train": k.file("e.csv", "question,output\nhi,there\n")}),
+        "e.csv:2: missing field 'instruction' (format 'alpaca'; set data.bad_rows: skip to skip bad rows)")
+    add("data-columns-unknown-field", lambda k: k.train(data={"columns": {"prompt": "q"}}), "data.columns.prompt")
     add("data-only-blank-lines", lambda k: k.train(data={"train": k.file("d.jsonl", "\n\n")}), "data: no usable rows in")
     add("data-eval-missing", lambda k: k.train(data={"eval": str(k.tmp / "none.jsonl")}), "eval: file not found")
     add("data-eval-and-fraction", lambda k: k.train(data={"eval": str(DEMO_DATA / "eval.jsonl"), "eval_fraction": 0.1}),

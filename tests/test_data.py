@@ -102,7 +102,8 @@ def test_first_token_masked_truncation_and_samples_without_targets(tmp_path, tok
             {"instruction": "word " * 60, "output": "late"}]
     cfg = DataConfig(train=_alpaca(tmp_path / "d.jsonl", rows), max_seq_len=32, packing=False, cache_dir=str(tmp_path / "cache"))
     data = load_data(cfg, tok, seed=0)
-    assert data.stats["train"] | {"sources": None} == {"samples": 2, "truncated": 2, "dropped_no_target": 1, "rows": 2,
+    assert data.stats["train"] | {"sources": None} == {"samples": 2, "truncated": 2, "dropped_no_target": 1, "first_dropped": f"{cfg.train}:3",
+                                                      "chunked": 0, "windows": 0, "rows": 2,
                                                       "tokens": len(tokenize_row(rows[0], tok, "alpaca", False)["input_ids"]) + 32,
                                                       "sources": None}
     for ids, labels in _samples_of(data.train):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import shutil
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -207,3 +208,129 @@ def test_a_file_of_prompts_is_answered_in_batches_as_one_at_a_time(plain_run, tm
     assert main(["generate", "--adapter", str(out), "--prompts", str(path)]) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         f'error: {path}:2: expected a JSON object with a "prompt" string, e.g. {{"prompt": "Name a colour."}}')
+
+
+# --- the data shapes people have ----------------------------------------------------------------
+
+CHAT = [{"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What kind of word is this?\n\nrabbit"},
+                      {"role": "assistant", "content": "noun"}]},
+        {"messages": [{"role": "user", "content": "What kind of word is this?\n\nquickly"}, {"role": "assistant", "content": "adverb"},
+                      {"role": "user", "content": "And run?"}, {"role": "assistant", "content": "verb"}]}]
+ALPACA = [{"instruction": "What kind of word is this?", "input": "rabbit", "output": "noun"},
+          {"instruction": "Name a colour.", "input": "", "output": "red"}]
+
+
+def _sharegpt(row):
+    speakers = {"system": "system", "user": "human", "assistant": "gpt"}
+    return {"conversations": [{"from": speakers[m["role"]], "value": m["content"]} for m in row["messages"]]}
+
+
+def _parts(row):
+    return {"messages": [{**m, "content": [{"type": "text", "text": m["content"][:5]}, {"type": "text", "text": m["content"][5:]}]}
+                         for m in row["messages"]]}
+
+
+def _tokens(tmp_path, tokenizer_dir, path, fmt, **data):
+    """Every sample of a file as the training loop gets it: (input_ids, labels), one per row."""
+    from finetune.chat import choose_template
+    from finetune.config import DataConfig
+    from finetune.data import load_data
+    from finetune.model import load_tokenizer
+    from finetune.config import ModelConfig
+
+    tok = load_tokenizer(ModelConfig(name_or_path=str(tokenizer_dir)))
+    choose_template(tok, None, fmt, say=lambda _: None)
+    cfg = DataConfig(train=str(path), format=fmt, packing=False, cache_dir=str(tmp_path / "cache"), max_seq_len=256, **data)
+    split = load_data(cfg, tok, seed=0).train
+    return sorted((r.input_ids.tolist(), r.labels.tolist()) for r in split.rows(range(len(split))))
+
+
+def _write(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_sharegpt_openai_parts_and_mapped_columns_train_as_the_canonical_rows(tmp_path, tiny_model_dir):
+    chat = _tokens(tmp_path, tiny_model_dir, _write(tmp_path / "chat.jsonl", CHAT), "chat")
+    assert len(chat) == 2 and all(any(label != -100 for label in labels) for _, labels in chat)
+    assert _tokens(tmp_path, tiny_model_dir, _write(tmp_path / "sharegpt.jsonl", [_sharegpt(r) for r in CHAT]), "chat") == chat
+    assert _tokens(tmp_path, tiny_model_dir, _write(tmp_path / "parts.jsonl", [_parts(r) for r in CHAT]), "chat") == chat
+    renamed = [{"dialog": r["messages"]} for r in CHAT]
+    assert _tokens(tmp_path, tiny_model_dir, _write(tmp_path / "renamed.jsonl", renamed), "chat", columns={"messages": "dialog"}) == chat
+    alpaca = _tokens(tmp_path, tiny_model_dir, _write(tmp_path / "alpaca.jsonl", ALPACA), "alpaca")
+    mapped = [{"question": r["instruction"], "context": r["input"], "answer": r["output"]} for r in ALPACA]
+    assert _tokens(tmp_path, tiny_model_dir, _write(tmp_path / "qa.jsonl", mapped), "alpaca",
+                   columns={"instruction": "question", "input": "context", "output": "answer"}) == alpaca
+
+
+def test_csv_and_text_files_are_rows_too(tmp_path, tiny_model_dir):
+    import csv
+
+    alpaca = _tokens(tmp_path, tiny_model_dir, _write(tmp_path / "alpaca.jsonl", ALPACA), "alpaca")
+    with (tmp_path / "alpaca.csv").open("w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=["instruction", "input", "output"])
+        writer.writeheader()
+        writer.writerows(ALPACA)
+    assert _tokens(tmp_path, tiny_model_dir, tmp_path / "alpaca.csv", "alpaca") == alpaca
+    texts = ["The needle looked wise.", "A red fox, then a blue one."]
+    completion = _tokens(tmp_path, tiny_model_dir, _write(tmp_path / "texts.jsonl", [{"text": t} for t in texts]), "completion")
+    (tmp_path / "texts.txt").write_text(texts[0] + "\n\n" + texts[1] + "\n")
+    assert _tokens(tmp_path, tiny_model_dir, tmp_path / "texts.txt", "completion") == completion
+
+
+@pytest.mark.parametrize("rows,fmt,message", [
+    ([_sharegpt(CHAT[0])], "alpaca", ":1: missing field 'instruction' (format 'alpaca'; this row looks like format 'chat': set data.format: chat)"),
+    ([ALPACA[0]], "chat", ":1: missing or empty field 'messages' (format 'chat'; this row looks like format 'alpaca': set data.format: alpaca)"),
+    ([{"conversations": [{"from": "narrator", "value": "x"}]}], "chat", ":1: conversations[0] must be {from: human|gpt|system|tool, value: string}"),
+    ([{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}], "chat",
+     ":1: messages[0].content: only text parts can be trained on (got image_url)"),
+])
+def test_rows_of_another_shape_are_named_in_one_line(tmp_path, tiny_model_dir, rows, fmt, message):
+    path = _write(tmp_path / "rows.jsonl", rows)
+    with pytest.raises(UserError) as err:
+        _tokens(tmp_path, tiny_model_dir, path, fmt)
+    assert str(err.value).startswith(f"{path}{message}")
+
+
+# --- long documents and long prompts ------------------------------------------------------------
+
+
+def _load(tmp_path, tiny_model_dir, path, fmt, **data):
+    from finetune.config import DataConfig, ModelConfig
+    from finetune.data import load_data
+    from finetune.model import load_tokenizer
+
+    tok = load_tokenizer(ModelConfig(name_or_path=str(tiny_model_dir)))
+    cfg = DataConfig(train=str(path), format=fmt, cache_dir=str(tmp_path / "cache"), **data)
+    return load_data(cfg, tok, seed=0), tok
+
+
+@pytest.mark.parametrize("overlap", [0, 16])
+def test_a_long_document_trains_as_windows_with_every_token_once(tmp_path, tiny_model_dir, overlap):
+    text = " ".join(json.loads(line)["text"] for line in (DEMO_DATA / "corpus.jsonl").read_text().splitlines()[:40])
+    path = _write(tmp_path / "doc.jsonl", [{"text": text}])
+    data, tok = _load(tmp_path, tiny_model_dir, path, "completion", max_seq_len=128, packing=False, chunk_overlap=overlap)
+    doc = tok(text, add_special_tokens=True)["input_ids"] + [tok.eos_token_id]
+    assert len(doc) > 600
+    windows = [data.train.rows([r])[0] for r in range(len(data.train))]
+    assert all(len(w.input_ids) <= 128 for w in windows)
+    stride = 128 - overlap
+    for k, w in enumerate(windows):  # each window is the document's tokens from k x stride on, its context not trained
+        assert w.input_ids.tolist() == doc[k * stride : k * stride + 128]
+        assert (w.labels[: max(overlap, 1)] == -100).all() if k else w.labels[0] == -100
+    covered = sorted(k * stride + i for k, w in enumerate(windows) for i in np.flatnonzero(w.labels != -100).tolist())
+    assert covered == (list(range(1, len(doc))) if overlap else sorted(set(range(1, len(doc))) - {k * stride for k in range(len(windows))}))
+    assert data.stats["train"]["chunked"] == 1 and data.stats["train"]["windows"] == len(windows) and data.stats["train"]["truncated"] == 0
+    truncated, _ = _load(tmp_path, tiny_model_dir, path, "completion", max_seq_len=128, packing=False, long_documents="truncate")
+    assert len(truncated.train) == 1 and truncated.stats["train"]["truncated"] == 1
+
+
+def test_prompts_longer_than_max_seq_len_are_named_with_what_to_raise(tmp_path, tiny_model_dir):
+    long_prompt = {"instruction": "word " * 80, "input": "", "output": "noun"}
+    path = _write(tmp_path / "long.jsonl", [long_prompt, long_prompt])
+    with pytest.raises(UserError, match=rf"data: no sample of {path} has a trained token within data.max_seq_len=32: the prompts of 2 of 2 "
+                                        rf"samples are that long or longer \(e.g. {path}:1, whose answer starts at token (\d+)\); raise data.max_seq_len above \1"):
+        _load(tmp_path, tiny_model_dir, path, "alpaca", max_seq_len=32)
+    _write(path, [ALPACA[0], long_prompt, ALPACA[1]])
+    data, _ = _load(tmp_path, tiny_model_dir, path, "alpaca", max_seq_len=32)
+    assert data.stats["train"]["dropped_no_target"] == 1 and data.stats["train"]["first_dropped"] == f"{path}:2"
