@@ -195,8 +195,12 @@ class EvalConfig(_Section):
 class LoggingConfig(_Section):
     log_every: int = Field(1, gt=0, description="Write a metrics row every N optimizer steps.")
     report_to: list[Literal["tensorboard", "wandb", "mlflow"]] = Field(
-        default_factory=lambda: ["tensorboard"], description="Trackers (through accelerate)."
+        default_factory=lambda: ["tensorboard"], description="Trackers (through accelerate); each gets the whole resolved config and the scalars of metrics.jsonl."
     )
+    project: str = Field("finetune", description="The trackers' project (W&B project, MLflow experiment).")
+    run_name: str | None = Field(None, description="The run's name in the trackers (null: the output folder's name).")
+    entity: str | None = Field(None, description="W&B entity (team or user); null: your default.")
+    tags: list[str] = Field([], description="Tags of the run in W&B and MLflow.")
     progress_bar: bool = Field(True, description="Show a progress bar on the main process.")
     plot: bool = Field(True, description="Write loss_curve.png at the end.")
 
@@ -377,7 +381,7 @@ CHANGEABLE_ON_RESUME = (
 
 def config_changes(saved: dict, cfg: RunConfig) -> tuple[list[str], list[str]]:
     """(changes that alter what is trained, harmless changes) from a checkpoint's config to this one."""
-    old, new = _flatten(saved), _flatten(cfg.model_dump(mode="json"))
+    old, new = flatten(saved), flatten(cfg.model_dump(mode="json"))
     breaking, harmless = [], []
     for key in sorted(set(old) | set(new)):
         if old.get(key) != new.get(key):
@@ -386,11 +390,11 @@ def config_changes(saved: dict, cfg: RunConfig) -> tuple[list[str], list[str]]:
     return breaking, harmless
 
 
-def _flatten(tree: dict, prefix: str = "") -> dict:
+def flatten(tree: dict, prefix: str = "") -> dict:
     flat = {}
     for key, value in tree.items():
         if isinstance(value, dict):
-            flat.update(_flatten(value, f"{prefix}{key}."))
+            flat.update(flatten(value, f"{prefix}{key}."))
         else:
             flat[prefix + key] = value
     return flat

@@ -106,26 +106,69 @@ def read_metrics(output_dir: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
-def plot_loss_curve(output_dir: Path) -> Path | None:
-    """loss_curve.png from metrics.jsonl: training loss per step, eval loss as points."""
+def tracked_config(cfg) -> dict:
+    """The whole resolved config as the trackers take it: flat keys (`adapter.r`), plain values (lists
+    and mappings as JSON text, since TensorBoard's hyperparameters take only scalars)."""
+    from finetune.config import flatten
+
+    return {k: v if isinstance(v, (bool, int, float, str)) else json.dumps(v) for k, v in flatten(cfg.model_dump(mode="json")).items()}
+
+
+def tracker_kwargs(logging, output_dir: Path) -> dict:
+    """Each tracker's own names for the run's name, entity and tags (accelerate's init_kwargs)."""
+    name = logging.run_name or Path(output_dir).resolve().name
+    return {"wandb": {"name": name, "entity": logging.entity, "tags": logging.tags or None},
+            "mlflow": {"run_name": name, "tags": dict.fromkeys(logging.tags, "") or None}}
+
+
+# Guard and run events drawn on the loss curve: event -> (colour, line style).
+EVENT_STYLES = {"skip": ("tab:red", ":"), "anomaly": ("tab:red", ":"), "rollback": ("tab:orange", "-"), "stop": ("black", "-"),
+                "restart": ("tab:gray", "--"), "preempted": ("tab:purple", "--"), "hang": ("tab:brown", "-.")}
+
+
+def curve_data(output_dir: Path) -> dict:
+    """What loss_curve.png shows: train loss, eval loss and learning rate per step, and the events with a step."""
     rows = read_metrics(output_dir)
-    train = [(r["step"], r["loss"]) for r in rows if "loss" in r and math.isfinite(r["loss"])]
-    evals = [(r["step"], r["eval_loss"]) for r in rows if "eval_loss" in r]
-    if not train:
+    path = Path(output_dir) / EVENTS_FILE
+    events = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    return {"train": [(r["step"], r["loss"]) for r in rows if "loss" in r and math.isfinite(r["loss"])],
+            "eval": [(r["step"], r["eval_loss"]) for r in rows if "eval_loss" in r],
+            "lr": [(r["step"], r["lr"]) for r in rows if "lr" in r],
+            "events": [(e["step"], e["event"]) for e in events if e.get("step") is not None and e.get("event") in EVENT_STYLES]}
+
+
+def plot_loss_curve(output_dir: Path) -> Path | None:
+    """loss_curve.png: training loss per step, eval loss as points, the learning rate on a second axis,
+    and a vertical line at each guard or run event (skips, rollbacks, restarts, ...)."""
+    data = curve_data(output_dir)
+    if not data["train"]:
         return None
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
-    ax.plot(*zip(*train), label="train loss", linewidth=1.2)
-    if evals:
-        ax.plot(*zip(*evals), "o-", label="eval loss", markersize=4)
+    fig, ax = plt.subplots(figsize=(8, 4.2), dpi=110)
+    ax.plot(*zip(*data["train"]), label="train loss", linewidth=1.2)
+    if data["eval"]:
+        ax.plot(*zip(*data["eval"]), "o-", label="eval loss", markersize=4)
+    seen = set()
+    for step, kind in data["events"]:
+        colour, style = EVENT_STYLES[kind]
+        ax.axvline(step, color=colour, linestyle=style, linewidth=1, alpha=0.8, label=None if kind in seen else kind)
+        seen.add(kind)
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("loss (per token)")
     ax.grid(alpha=0.3)
-    ax.legend()
+    handles, labels = ax.get_legend_handles_labels()
+    if data["lr"]:
+        lr_axis = ax.twinx()
+        lr_axis.plot(*zip(*data["lr"]), color="tab:green", linewidth=1, alpha=0.7, label="learning rate")
+        lr_axis.set_ylabel("learning rate")
+        lr_axis.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
+        more = lr_axis.get_legend_handles_labels()
+        handles, labels = handles + more[0], labels + more[1]
+    ax.legend(handles, labels, fontsize=8, loc="upper right")
     fig.tight_layout()
     out = Path(output_dir) / PLOT_FILE
     fig.savefig(out)

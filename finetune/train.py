@@ -44,7 +44,7 @@ from finetune.guard import Guard, Verdict, data_step
 from finetune.evaluate import eval_loss, exact_match
 from finetune.locks import hold_output_dir, release_output_dir
 from finetune.loss import losses, trained_tokens
-from finetune.metrics import EVENTS_FILE, RunLog, plot_loss_curve, write_event
+from finetune.metrics import EVENTS_FILE, RunLog, plot_loss_curve, tracked_config, tracker_kwargs, write_event
 from finetune.model import adapter_input_casting_off, apply_adapter, describe, load_tokenizer
 from finetune.optim import current_lr, set_peak_lr
 from finetune.stage import staged_model
@@ -313,7 +313,7 @@ def resume_or_start(run: RunState) -> None:
     run.background = engine.background_saves and (cfg.checkpoint.async_save if cfg.checkpoint.async_save is not None
                                                        else cfg.adapter.method != "full")
     if cfg.logging.report_to:
-        run.accelerator.init_trackers("finetune", config={k: v for k, v in cfg.model_dump(mode="json")["train"].items() if v is not None and not isinstance(v, list)})
+        run.accelerator.init_trackers(cfg.logging.project, config=tracked_config(cfg), init_kwargs=tracker_kwargs(cfg.logging, run.out))
     resumed = resume(cfg, engine.model, engine.optimizer, engine.scheduler, run.accelerator, engine.layout)
     run.start_step = run.step = resumed.step
     run.tokens = resumed.tokens

@@ -334,3 +334,37 @@ def test_prompts_longer_than_max_seq_len_are_named_with_what_to_raise(tmp_path, 
     _write(path, [ALPACA[0], long_prompt, ALPACA[1]])
     data, _ = _load(tmp_path, tiny_model_dir, path, "alpaca", max_seq_len=32)
     assert data.stats["train"]["dropped_no_target"] == 1 and data.stats["train"]["first_dropped"] == f"{path}:2"
+
+
+# --- what a glance at a run tells -----------------------------------------------------------------
+
+
+def test_the_loss_curve_shows_the_learning_rate_and_the_guards_events_and_trackers_get_the_whole_config(tmp_path, tiny_model_dir, monkeypatch):
+    import yaml
+
+    from finetune.metrics import curve_data
+
+    from finetune import faults
+
+    monkeypatch.setattr(faults, "FAULT", faults.parse("nan@12"))  # a poisoned batch (FINETUNE_FAULT, in-process): the guard skips that step
+    out = tmp_path / "out"
+    cfg = base_config(tiny_model_dir, out, data={"eval": None}, train={"max_steps": 15, "warmup_steps": 3},
+                      logging={"report_to": ["tensorboard"], "plot": True, "project": "wordkinds", "run_name": "try-7"})
+    run(validate_config(cfg, "test"))
+    curve = curve_data(out)
+    assert curve["events"] == [(12, "skip")]
+    lrs = dict(curve["lr"])
+    assert lrs[1] < lrs[3] and lrs[15] < lrs[4] and len(curve["train"]) == 14  # warmup then decay; the skipped step has no loss
+    assert (out / "loss_curve.png").stat().st_size > 10_000
+    logged = yaml.safe_load(next((out / "wordkinds").rglob("hparams.yml")).read_text())  # TensorBoard, under the project's name
+    assert logged["adapter.r"] == 8 and logged["model.name_or_path"] == str(tiny_model_dir) and logged["logging.run_name"] == "try-7"
+    assert logged["data.format"] == "alpaca" and logged["train.skip_data"] == "[]" and len(logged) > 90  # every key, not only train's
+
+
+def test_tracker_names_reach_wandb_and_mlflow_in_their_own_words(tmp_path):
+    from finetune.config import LoggingConfig
+    from finetune.metrics import tracker_kwargs
+
+    kwargs = tracker_kwargs(LoggingConfig(run_name="r1", entity="team", tags=["lora", "demo"]), tmp_path)
+    assert kwargs == {"wandb": {"name": "r1", "entity": "team", "tags": ["lora", "demo"]}, "mlflow": {"run_name": "r1", "tags": {"lora": "", "demo": ""}}}
+    assert tracker_kwargs(LoggingConfig(), tmp_path / "out-3")["wandb"]["name"] == "out-3"
