@@ -60,6 +60,45 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"error: {message} (see {self.prog} --help)\n")
 
 
+def _output_commands(sub) -> None:
+    """`merge` and `generate`: what a trained adapter or model becomes, and how it answers."""
+    p = sub.add_parser("merge", help="merge an adapter into its base and write a plain HF model, verified",
+                       description="Merge a LoRA/DoRA/QLoRA adapter (a run's output folder or a checkpoint mid-run) into its base and "
+                       "write an ordinary Hugging Face model folder (sharded safetensors + index, config, generation config, tokenizer "
+                       "with its chat template) that transformers loads without peft. Every merge is checked: on a few training "
+                       "samples (or --check-prompts) the saved model's logits are compared with base+adapter; the numbers are printed "
+                       "and written to OUT/merge_report.json, and above the tolerance nothing is written (exit 5).")
+    p.add_argument("--adapter", required=True, metavar="DIR", help="adapter folder (OUTPUT, or OUTPUT/checkpoints/step-N)")
+    p.add_argument("--out", required=True, metavar="DIR", help="new folder for the merged model (must not exist or be empty)")
+    p.add_argument("--overwrite", action="store_true", help="--out may hold an earlier merge: its files are replaced, any others kept")
+    p.add_argument("--base", metavar="PATH_OR_ID", help="base model (default: the one the adapter names)")
+    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="dtype written (default: the base's stored dtype)")
+    p.add_argument("--max-shard-size", type=_size, default="5GB", help="largest safetensors shard, e.g. 5GB, 500MB (default 5GB)")
+    p.add_argument("--qlora-base", choices=["dequantized", "original"],
+                   help="QLoRA: merge into the dequantized 4-bit weights the adapter was trained on, or the original ones "
+                   "(default: whichever reproduces 4-bit+adapter more closely; both are measured and reported)")
+    p.add_argument("--check-prompts", metavar="FILE", help="texts to compare logits on, one per line (default: training samples)")
+    p.add_argument("--tolerance", type=_number(float, 0, "a number above 0"), help="largest |logit difference| accepted (default by dtype: fp32 1e-3, fp16 0.05, "
+                   "bf16 0.25; 0.25 too when the 4-bit reference computes in bf16)")
+
+    p = sub.add_parser("generate", help="try a model or an adapter on a prompt (tokens stream as they come), or answer a file of prompts",
+                       description="Generate a continuation of a prompt with a model folder (merged or fully fine-tuned) or with "
+                       "base + adapter as trained. Greedy unless --temperature is above 0.")
+    which = p.add_mutually_exclusive_group(required=True)
+    which.add_argument("--model", metavar="DIR", help="a model folder (e.g. the output of finetune merge)")
+    which.add_argument("--adapter", metavar="DIR", help="an adapter folder or checkpoint; its base is loaded as in training")
+    p.add_argument("--base", metavar="PATH_OR_ID", help="with --adapter: another base than the one it names")
+    given = p.add_mutually_exclusive_group(required=True)
+    given.add_argument("--prompt", help="the prompt text (the answer streams to the terminal)")
+    given.add_argument("--prompts", metavar="FILE", help='a JSONL file of {"prompt": ...} rows, answered in batches: each row comes back '
+                       'with a "completion" added (other keys kept), to --out or standard output')
+    p.add_argument("--out", metavar="FILE", help="with --prompts: write the JSONL here (a new file) instead of standard output")
+    p.add_argument("--batch-size", type=_number(int, 1, "at least 1"), default=8, help="with --prompts: prompts per batch (default 8)")
+    p.add_argument("--chat", action="store_true", help="send the prompt as a user turn through the tokenizer's chat template")
+    p.add_argument("--max-new-tokens", type=_number(int, 1, "at least 1"), default=128, help="most tokens to generate (default 128)")
+    p.add_argument("--temperature", type=_number(float, 0, "0 (greedy) or more"), default=0.0, help="sampling temperature; 0 = greedy (default)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="finetune", description="Fine-tune Hugging Face causal language models (LoRA, DoRA, full).")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -102,41 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--revision", help="hub revision, for a hub id")
     p.add_argument("--verify", action="store_true", help="also compare checksums of the source and the copy; re-stage on a mismatch")
 
-    p = sub.add_parser("merge", help="merge an adapter into its base and write a plain HF model, verified",
-                       description="Merge a LoRA/DoRA/QLoRA adapter (a run's output folder or a checkpoint mid-run) into its base and "
-                       "write an ordinary Hugging Face model folder (sharded safetensors + index, config, generation config, tokenizer "
-                       "with its chat template) that transformers loads without peft. Every merge is checked: on a few training "
-                       "samples (or --check-prompts) the saved model's logits are compared with base+adapter; the numbers are printed "
-                       "and written to OUT/merge_report.json, and above the tolerance nothing is written (exit 5).")
-    p.add_argument("--adapter", required=True, metavar="DIR", help="adapter folder (OUTPUT, or OUTPUT/checkpoints/step-N)")
-    p.add_argument("--out", required=True, metavar="DIR", help="new folder for the merged model (must not exist or be empty)")
-    p.add_argument("--overwrite", action="store_true", help="--out may hold an earlier merge: its files are replaced, any others kept")
-    p.add_argument("--base", metavar="PATH_OR_ID", help="base model (default: the one the adapter names)")
-    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="dtype written (default: the base's stored dtype)")
-    p.add_argument("--max-shard-size", type=_size, default="5GB", help="largest safetensors shard, e.g. 5GB, 500MB (default 5GB)")
-    p.add_argument("--qlora-base", choices=["dequantized", "original"],
-                   help="QLoRA: merge into the dequantized 4-bit weights the adapter was trained on, or the original ones "
-                   "(default: whichever reproduces 4-bit+adapter more closely; both are measured and reported)")
-    p.add_argument("--check-prompts", metavar="FILE", help="texts to compare logits on, one per line (default: training samples)")
-    p.add_argument("--tolerance", type=_number(float, 0, "a number above 0"), help="largest |logit difference| accepted (default by dtype: fp32 1e-3, fp16 0.05, "
-                   "bf16 0.25; 0.25 too when the 4-bit reference computes in bf16)")
-
-    p = sub.add_parser("generate", help="try a model or an adapter on a prompt (tokens stream as they come)",
-                       description="Generate a continuation of a prompt with a model folder (merged or fully fine-tuned) or with "
-                       "base + adapter as trained. Greedy unless --temperature is above 0.")
-    which = p.add_mutually_exclusive_group(required=True)
-    which.add_argument("--model", metavar="DIR", help="a model folder (e.g. the output of finetune merge)")
-    which.add_argument("--adapter", metavar="DIR", help="an adapter folder or checkpoint; its base is loaded as in training")
-    p.add_argument("--base", metavar="PATH_OR_ID", help="with --adapter: another base than the one it names")
-    given = p.add_mutually_exclusive_group(required=True)
-    given.add_argument("--prompt", help="the prompt text (the answer streams to the terminal)")
-    given.add_argument("--prompts", metavar="FILE", help='a JSONL file of {"prompt": ...} rows, answered in batches: each row comes back '
-                       'with a "completion" added (other keys kept), to --out or standard output')
-    p.add_argument("--out", metavar="FILE", help="with --prompts: write the JSONL here (a new file) instead of standard output")
-    p.add_argument("--batch-size", type=_number(int, 1, "at least 1"), default=8, help="with --prompts: prompts per batch (default 8)")
-    p.add_argument("--chat", action="store_true", help="send the prompt as a user turn through the tokenizer's chat template")
-    p.add_argument("--max-new-tokens", type=_number(int, 1, "at least 1"), default=128, help="most tokens to generate (default 128)")
-    p.add_argument("--temperature", type=_number(float, 0, "0 (greedy) or more"), default=0.0, help="sampling temperature; 0 = greedy (default)")
+    _output_commands(sub)
 
     sub.add_parser("configs", help="list the shipped configs (train --config NAME takes any of them by name)",
                    description="List the configs shipped in configs/ and configs/presets/ with a line on each. `finetune train --config "
@@ -171,6 +176,8 @@ def quiet_libraries() -> None:
     logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
     # peft still calls transformers' pre-5.0 checkpointing names; the notice is for peft's authors.
     warnings.filterwarnings("ignore", message=r".*is deprecated and will be removed in v6", category=FutureWarning)
+    # peft's advice to convert PiSSA/OLoRA adapters for the original base: finetune does it when it saves.
+    warnings.filterwarnings("ignore", message=r"(PiSSA|OLoRA) changes the base weights", category=UserWarning)
 
 
 def run_stage(args: argparse.Namespace) -> None:

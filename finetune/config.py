@@ -40,6 +40,7 @@ SUMMARY_FILE = "summary.json"  # written last by a finished run: its presence me
 PRECISIONS = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 CHAT_TEMPLATES = ("chatml", "llama3", "alpaca")  # built-in templates (finetune/chat.py)
+MUTATED_INITS = ("pissa", "olora")  # adapter.init values with which peft changes the base weights
 
 
 class ModelConfig(_Section):
@@ -75,6 +76,10 @@ class AdapterConfig(_Section):
         "all-linear", description="'all-linear' or a list of module names (e.g. [q_proj, v_proj])."
     )
     rslora: bool = Field(False, description="Rank-stabilised LoRA scaling.")
+    init: Literal["default", "gaussian", "pissa", "olora"] = Field(
+        "default", description="peft's LoRA initialisation: default (B = 0), gaussian, pissa (A, B from the weight's principal singular "
+        "vectors, the rest left in the base) or olora (from its QR decomposition); pissa and olora: the saved adapter is converted "
+        "by peft to a plain LoRA adapter (rank 2r) for the original base.")
     modules_to_save: list[str] | None = Field(None, description="Extra modules trained in full and saved with the adapter.")
 
     @field_validator("target_modules")
@@ -308,6 +313,12 @@ class RunConfig(_Section):
             raise ValueError(f"model.quantization: an 8-bit base is not supported under {strategy}; use bits: 4 (QLoRA) or distributed.strategy: ddp")
         if strategy.startswith("zero") and self.train.optimizer not in ("adamw", "sgd"):
             raise ValueError(f"train.optimizer: {self.train.optimizer} is not tested under DeepSpeed ZeRO; use adamw or sgd")
+        if self.adapter.init in MUTATED_INITS:
+            why = ("adapter.method lora" if self.adapter.method != "lora" else "a quantized base" if q is not None
+                   else f"distributed.strategy {strategy}" if strategy not in ("ddp", "none") else None)
+            if why:
+                raise ValueError(f"adapter.init: {self.adapter.init} moves part of each weight into the adapter; it runs with adapter.method: lora "
+                                 f"on an unquantized base in one process or under ddp (not with {why})")
         if self.model.quantization is not None and self.adapter.method == "full":
             raise ValueError("model.quantization: quantized weights cannot be fully fine-tuned; use adapter.method lora or dora (QLoRA)")
         if self.train.mixed_precision == "fp16" and self.model.dtype == "bfloat16":
@@ -316,8 +327,8 @@ class RunConfig(_Section):
 
 
 def _saved(info: ValidationInfo) -> bool:
-    """A run's saved config read back (by merge, generate, a resume): its paths were checked when it
-    ran, relative to where it ran, and need not exist from here."""
+    """A run's saved config read back (by merge and generate): its paths were checked when it ran,
+    relative to where it ran, and need not exist from here."""
     return bool(info.context and info.context.get("saved"))
 
 

@@ -254,6 +254,7 @@ def apply_adapter(model, cfg: AdapterConfig, gradient_checkpointing: bool, say=p
         target_modules=modules,
         target_parameters=parameters or None,
         use_dora=cfg.method == "dora",
+        init_lora_weights={"default": True}.get(cfg.init, cfg.init),
         use_rslora=cfg.rslora,
         modules_to_save=cfg.modules_to_save,
     )

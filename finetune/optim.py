@@ -117,4 +117,6 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig, total_st
         decay = after if cfg.scheduler == "linear" else max(1, round(cfg.decay_ratio * after))
         name, extra = "warmup_stable_decay", {"num_stable_steps": after - decay, "num_decay_steps": decay, "decay_type": "linear",
                                               "min_lr_ratio": cfg.min_lr_ratio}
-    return get_scheduler(name, optimizer, num_warmup_steps=warmup, num_training_steps=total_steps, scheduler_specific_kwargs=extra)
+    with warnings.catch_warnings():  # WSD notes that its stable steps, not the total, set its length: they agree here
+        warnings.filterwarnings("ignore", message="Both num_training_steps and num_stable_steps are specified")
+        return get_scheduler(name, optimizer, num_warmup_steps=warmup, num_training_steps=total_steps, scheduler_specific_kwargs=extra)

@@ -34,7 +34,7 @@ import torch
 
 from finetune import checkpoint, families, faults, preflight, runtime
 from finetune.chat import choose_template
-from finetune.config import CONFIG_FILE, SUMMARY_FILE, ModelConfig, RunConfig, looks_local, to_yaml
+from finetune.config import CONFIG_FILE, MUTATED_INITS, SUMMARY_FILE, ModelConfig, RunConfig, looks_local, to_yaml
 from finetune.data import Datasets, load_data
 from finetune.packing import epoch_batches
 from finetune.distributed import local_numel
@@ -50,6 +50,9 @@ from finetune.optim import current_lr, set_peak_lr
 from finetune.stage import staged_model
 from finetune.supervise import Watchdog, stop_with_launcher, watch_preemption
 
+
+
+INITIAL_ADAPTER = "initial-adapter"  # where such an adapter started, for peft's conversion at the end
 
 
 @dataclass
@@ -282,6 +285,10 @@ def load_and_prepare_model(run: RunState) -> None:
     model.name_or_path = model.config.name_or_path = run.base
     run.router_coef = families.router_aux_loss_coef(model.config.to_dict()) if t.router_aux_loss_coef is None else t.router_aux_loss_coef
     model = apply_adapter(model, cfg.adapter, t.gradient_checkpointing, say=run.say)
+    if cfg.adapter.init in MUTATED_INITS and run.main:
+        # PiSSA/OLoRA move part of each weight into the adapter: peft converts the final adapter for the
+        # original base from this record of where training started (the same for every start: SVD/QR).
+        model.save_pretrained(run.out / INITIAL_ADAPTER, safe_serialization=True)
     if t.neftune_alpha:  # transformers' own NEFTune hook: noise only while the embedding is in training mode
         from transformers.integrations.neftune import activate_neftune
 
@@ -511,7 +518,9 @@ def finish(run: RunState) -> RunResult:
     state_dict = engine.final_state()
     if run.main:
         unwrapped.config.use_cache = True  # saved models generate with a KV cache
-        unwrapped.save_pretrained(run.out, safe_serialization=True, state_dict=state_dict)
+        initial = run.out / INITIAL_ADAPTER if cfg.adapter.init in MUTATED_INITS else None
+        unwrapped.save_pretrained(run.out, safe_serialization=True, state_dict=state_dict,
+                                  **({"path_initial_model_for_weight_conversion": str(initial)} if initial else {}))
         run.tokenizer.save_pretrained(run.out)
         plot = plot_loss_curve(run.out) if cfg.logging.plot else None
         summary.update(saved_to=str(run.out), adapter=cfg.adapter.method != "full", loss_curve=str(plot) if plot else None)

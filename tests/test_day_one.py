@@ -368,3 +368,31 @@ def test_tracker_names_reach_wandb_and_mlflow_in_their_own_words(tmp_path):
     kwargs = tracker_kwargs(LoggingConfig(run_name="r1", entity="team", tags=["lora", "demo"]), tmp_path)
     assert kwargs == {"wandb": {"name": "r1", "entity": "team", "tags": ["lora", "demo"]}, "mlflow": {"run_name": "r1", "tags": {"lora": "", "demo": ""}}}
     assert tracker_kwargs(LoggingConfig(), tmp_path / "out-3")["wandb"]["name"] == "out-3"
+
+
+@pytest.mark.parametrize("init", ["pissa", "olora"])
+def test_pissa_and_olora_start_at_the_base_train_differently_and_save_an_adapter_for_the_original_base(tmp_path, tiny_model_dir, init):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    train = {"max_steps": 3, "lr": 1e-2}
+    default = _losses(_train(tmp_path, tiny_model_dir, "default", data={"eval": None}, train=train))
+    cfg = base_config(tiny_model_dir, tmp_path / init, data={"eval": None}, train=train, adapter={"init": init})
+    result = run(validate_config(cfg, "test"))
+    losses = _losses(tmp_path / init)
+    assert losses[0] == pytest.approx(default[0], abs=1e-4)  # W_res + BA = W: the run starts from the base model
+    assert abs(losses[2] - default[2]) > 1e-3  # then trains another way
+    saved = json.loads((tmp_path / init / "adapter_config.json").read_text())
+    assert saved["r"] == 2 * 8 and saved["init_lora_weights"] is True  # peft's conversion: plain LoRA for the original base
+    ids = torch.randint(5, 200, (2, 24))
+    plain = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir), tmp_path / init).eval()
+    with torch.no_grad():
+        trained = result.model.eval()(input_ids=ids, use_cache=False).logits
+        assert (plain(input_ids=ids, use_cache=False).logits - trained).abs().max() < 1e-4
+
+
+def test_pissa_is_refused_where_it_cannot_be_converted(tmp_path, tiny_model_dir):
+    for sections, why in (({"adapter": {"init": "pissa", "method": "dora"}}, "not with adapter.method lora"),
+                          ({"adapter": {"init": "olora"}, "distributed": {"strategy": "fsdp"}}, "not with distributed.strategy fsdp")):
+        with pytest.raises(UserError, match=why):
+            validate_config(base_config(tiny_model_dir, tmp_path / "out", **sections), "test")
