@@ -22,16 +22,23 @@ from finetune.errors import UserError
 
 # Built-in templates, for models that have none or to replace theirs (data.chat_template). Each marks
 # the assistant's part with generation markers, so the loss mask comes from the template itself.
+# Tool calls (an assistant message's `tool_calls`) are written as JSON, in Qwen's <tool_call> tags in
+# chatml; the row's `tools` (function schemas) go into a system turn before the conversation.
 BUILTIN = {
     "chatml": (
+        "{% if tools %}{{ '<|im_start|>system\\n# Tools\\n<tools>' }}{% for t in tools %}{{ '\\n' + (t | tojson) }}{% endfor %}"
+        "{{ '\\n</tools><|im_end|>\\n' }}{% endif %}"
         "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' }}"
-        "{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] + '<|im_end|>' }}{% endgeneration %}{{ '\\n' }}"
+        "{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] }}{% for c in (m.tool_calls or []) %}"
+        "{{ ('\\n' if m['content'] or not loop.first else '') + '<tool_call>\\n' + ({'name': c.function.name, 'arguments': c.function.arguments} | tojson) + '\\n</tool_call>' }}"
+        "{% endfor %}{{ '<|im_end|>' }}{% endgeneration %}{{ '\\n' }}"
         "{% else %}{{ m['content'] + '<|im_end|>\\n' }}{% endif %}{% endfor %}"
         "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
     ),
     "llama3": (
         "{{ bos_token }}{% for m in messages %}{{ '<|start_header_id|>' + m['role'] + '<|end_header_id|>\\n\\n' }}"
-        "{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] + '<|eot_id|>' }}{% endgeneration %}"
+        "{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] }}{% for c in (m.tool_calls or []) %}"
+        "{{ ({'name': c.function.name, 'parameters': c.function.arguments} | tojson) }}{% endfor %}{{ '<|eot_id|>' }}{% endgeneration %}"
         "{% else %}{{ m['content'] + '<|eot_id|>' }}{% endif %}{% endfor %}"
         "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}"
     ),
@@ -82,9 +89,9 @@ def _is_one_token(tokenizer, text: str) -> bool:
     return len(tokenizer(text, add_special_tokens=False)["input_ids"]) == 1
 
 
-def render(tokenizer, messages: list[dict], add_generation_prompt: bool = False) -> str:
+def render(tokenizer, messages: list[dict], add_generation_prompt: bool = False, tools: list | None = None) -> str:
     try:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt)
     except Exception as err:  # noqa: BLE001 - a template's own raise_exception() or a Jinja error: the template refuses this row
         raise UserError(f"data: the chat template cannot render a row: {str(err).splitlines()[0] if str(err) else type(err).__name__}") from None
 
@@ -97,23 +104,24 @@ def assistant_mask(tokenizer, messages: list[dict]) -> tuple[list[int], list[boo
     return result
 
 
-def assistant_masks(tokenizer, conversations: list[list[dict]]) -> list[tuple[list[int], list[bool]] | str]:
-    """assistant_mask for many conversations, tokenized in one batch call; a conversation the template
-    cannot render or mask gets the reason instead."""
+def assistant_masks(tokenizer, conversations: list[list[dict]], tools: list[list | None] | None = None) -> list[tuple[list[int], list[bool]] | str]:
+    """assistant_mask for many conversations (with each one's tool schemas, if any), tokenized in one
+    batch call; a conversation the template cannot render or mask gets the reason instead."""
+    tools = tools or [None] * len(conversations)
     if GENERATION_MARKER.search(tokenizer.chat_template or ""):
         out = []
-        for messages in conversations:
+        for messages, schemas in zip(conversations, tools):
             try:
-                enc = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+                enc = tokenizer.apply_chat_template(messages, tools=schemas, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
                 out.append((list(enc["input_ids"]), [bool(m) for m in enc["assistant_masks"]]))
             except Exception as err:  # noqa: BLE001 - the template refuses this conversation
                 out.append(f"data: the chat template cannot render a row: {str(err).splitlines()[0] if str(err) else type(err).__name__}")
         return out
     texts, spans, out = [], [], []
-    for messages in conversations:
+    for messages, schemas in zip(conversations, tools):
         try:
-            full = render(tokenizer, messages)
-            spans.append(assistant_spans(tokenizer, messages, full))
+            full = render(tokenizer, messages, tools=schemas)
+            spans.append(assistant_spans(tokenizer, messages, full, schemas))
             texts.append(full)
             out.append(None)
         except UserError as err:
@@ -143,7 +151,7 @@ def _token_mask(batch, index: int, length: int, spans: list[tuple[int, int]]) ->
     return mask
 
 
-def assistant_spans(tokenizer, messages: list[dict], full: str) -> list[tuple[int, int]]:
+def assistant_spans(tokenizer, messages: list[dict], full: str, tools: list | None = None) -> list[tuple[int, int]]:
     """Character ranges of `full` (the whole conversation rendered) that the assistant writes."""
     spans, cursor = [], 0
     for i, msg in enumerate(messages):
@@ -153,7 +161,7 @@ def assistant_spans(tokenizer, messages: list[dict], full: str) -> list[tuple[in
             found = _locate(full, msg["content"], cursor)  # an answer is searched for after the turns before it
             cursor = found[1] if found else cursor
             continue
-        span = _turn_by_prefixes(tokenizer, messages, i, full)
+        span = _turn_by_prefixes(tokenizer, messages, i, full, tools)
         if span is None or span[0] < cursor:
             span = _located_turn(tokenizer, full, msg["content"], cursor)
         if span is None:
@@ -164,14 +172,14 @@ def assistant_spans(tokenizer, messages: list[dict], full: str) -> list[tuple[in
     return spans
 
 
-def _turn_by_prefixes(tokenizer, messages: list[dict], i: int, full: str) -> tuple[int, int] | None:
+def _turn_by_prefixes(tokenizer, messages: list[dict], i: int, full: str, tools: list | None = None) -> tuple[int, int] | None:
     """What the template adds for message i after the generation prompt, if both renders are
     prefixes of the whole conversation; whitespace around it (between turns) excluded."""
     try:
-        before = render(tokenizer, messages[:i], add_generation_prompt=True) if i else ""
+        before = render(tokenizer, messages[:i], add_generation_prompt=True, tools=tools) if i else ""
     except UserError:  # templates that refuse a conversation with no user turn yet
         return None
-    upto = (full if i == len(messages) - 1 else render(tokenizer, messages[: i + 1])).rstrip()
+    upto = (full if i == len(messages) - 1 else render(tokenizer, messages[: i + 1], tools=tools)).rstrip()
     if not (full.startswith(before) and full.startswith(upto)) or not upto[len(before):].strip():
         return None
     added = upto[len(before):]

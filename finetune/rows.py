@@ -63,9 +63,19 @@ def _row_problem(row: object, fmt: str) -> str | None:
     for i, msg in enumerate(messages):
         if not isinstance(msg, dict) or msg.get("role") not in CHAT_ROLES or not isinstance(msg.get("content"), str):
             return f"messages[{i}] must be {{role: system|user|assistant|tool, content: string}}"
-    if not any(m["role"] == "assistant" and m["content"].strip() for m in messages):
+        calls = msg.get("tool_calls")
+        if calls is not None and (msg["role"] != "assistant" or not isinstance(calls, list) or not all(_is_call(c) for c in calls)):
+            return f"messages[{i}].tool_calls must be an assistant's list of {{function: {{name: string, arguments: object or JSON string}}}}"
+    if not any(m["role"] == "assistant" and (m["content"].strip() or m.get("tool_calls")) for m in messages):
         return "no non-empty assistant message"
+    if row.get("tools") is not None and not isinstance(row["tools"], list):
+        return "field 'tools' must be a list of function schemas"
     return None
+
+
+def _is_call(call: object) -> bool:
+    function = call.get("function") if isinstance(call, dict) else None
+    return isinstance(function, dict) and isinstance(function.get("name"), str) and isinstance(function.get("arguments"), (dict, str))
 
 
 def canonical(row: object, fmt: str, columns: dict[str, str] | None = None) -> tuple[object, str | None]:
@@ -96,6 +106,10 @@ def _chat_shape(row: dict) -> tuple[dict, str | None]:
             messages.append({"role": SHAREGPT_ROLES[speaker], "content": turn["value"]})
         row = {**{k: v for k, v in row.items() if k != "conversations"}, "messages": messages}
     messages = row.get("messages")
+    if isinstance(messages, list) and any(isinstance(m, dict) and m.get("content") is None and m.get("tool_calls") for m in messages):
+        messages = [{**m, "content": ""} if isinstance(m, dict) and m.get("content") is None and m.get("tool_calls") else m
+                    for m in messages]  # OpenAI's null content beside tool calls
+        row = {**row, "messages": messages}
     if isinstance(messages, list) and any(isinstance(m, dict) and isinstance(m.get("content"), list) for m in messages):
         joined = []
         for i, m in enumerate(messages):
@@ -272,7 +286,8 @@ def tokenize_rows(rows: list[dict], tokenizer, fmt: str) -> list[tuple[list[int]
             out.append((ids, [True] * len(ids)))
         return out
     if fmt == "chat" or tokenizer.chat_template:
-        return assistant_masks(tokenizer, [r["messages"] if fmt == "chat" else _alpaca_messages(r) for r in rows])
+        return assistant_masks(tokenizer, [r["messages"] if fmt == "chat" else _alpaca_messages(r) for r in rows],
+                               [r.get("tools") if fmt == "chat" else None for r in rows])
     # alpaca without a chat template: the classic Alpaca prompt
     prompts = tokenizer([_alpaca_prompt(r) for r in rows], add_special_tokens=True)["input_ids"]
     answers = tokenizer([r["output"] for r in rows], add_special_tokens=False)["input_ids"]
@@ -284,7 +299,7 @@ def prompt_and_answer(row: dict, tokenizer, fmt: str) -> tuple[str, str]:
     if fmt == "chat":
         last = max(i for i, m in enumerate(row["messages"]) if m["role"] == "assistant")
         msgs = row["messages"]
-        return render(tokenizer, msgs[:last], add_generation_prompt=True), msgs[last]["content"]
+        return render(tokenizer, msgs[:last], add_generation_prompt=True, tools=row.get("tools")), msgs[last]["content"]
     if fmt == "alpaca":
         if tokenizer.chat_template:
             return render(tokenizer, _alpaca_messages(row)[:1], add_generation_prompt=True), row["output"]

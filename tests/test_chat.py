@@ -142,3 +142,31 @@ def test_chat_template_choice(tok, tmp_path):
     plain = AutoTokenizer.from_pretrained(tok.name_or_path)  # the demo tokenizer: no <|im_end|> token
     with pytest.raises(UserError, match=r"chatml is written in tokens this tokenizer does not have \(<\|im_end\|>, <\|im_start\|>\)"):
         choose_template(plain, "chatml", "chat")
+
+
+TOOL_ROW = {
+    "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}],
+    "messages": [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+        {"role": "tool", "content": "sunny, 21 C"},
+        {"role": "assistant", "content": "It is sunny."},
+    ],
+}
+
+
+def test_tool_calls_are_trained_and_tool_results_and_schemas_are_not(tok):
+    """OpenAI-style tool calls through the built-in chatml: the call (as Qwen's <tool_call> JSON) and the
+    final answer are what the assistant writes; the tool's result and the tool schemas are context."""
+    from finetune.rows import canonical, tokenize_rows
+
+    choose_template(tok, "chatml", "chat", say=lambda _: None)
+    row, problem = canonical(TOOL_ROW, "chat")
+    assert problem is None
+    ids, trained = tokenize_rows([row], tok, "chat")[0]
+    assert trained_runs(tok, ids, trained) == [
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>', "It is sunny.<|im_end|>"]
+    text = tok.decode(ids)
+    assert '"name": "get_weather", "parameters"' in text and "sunny, 21 C" in text  # in the input, not trained
+    bad = {**TOOL_ROW, "messages": [TOOL_ROW["messages"][0], {"role": "assistant", "content": "", "tool_calls": [{"function": {"arguments": {}}}]}]}
+    assert canonical(bad, "chat")[1] == "messages[1].tool_calls must be an assistant's list of {function: {name: string, arguments: object or JSON string}}"
