@@ -19,6 +19,7 @@ import numpy as np
 from finetune.config import DataConfig, SourceConfig, data_sources
 from finetune.errors import UserError
 from finetune.packing import Split, pack, unpacked
+from finetune.rows import where
 from finetune.tokenized import cache_root, fingerprint, tokenized
 
 PACK_VERSION = 1  # raise it when pack() lays out rows differently
@@ -165,8 +166,6 @@ def _nothing_trained(source: _Samples, samples: np.ndarray, cfg: DataConfig) -> 
 
 def _where(source: _Samples, sample: int) -> str:
     """A sample as its file and line."""
-    from finetune.rows import where
-
     index = next(i for i, (a, b) in enumerate(source.ranges) if a <= sample < b)
     return where(source.sources[index].path, int(source.table.column("line")[int(sample)].as_py()))
 

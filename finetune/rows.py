@@ -28,7 +28,6 @@ ALPACA_PROMPT = (
 CHAT_ROLES = {"system", "user", "assistant", "tool"}
 FORMATS = ("alpaca", "chat", "completion")
 SUFFIXES = (".jsonl", ".json", ".parquet", ".csv", ".txt")
-FIELDS = ("text", "instruction", "input", "output", "messages", "conversations")  # what data.columns may map a column to
 # ShareGPT's speakers (`from`) as chat roles: its own names, OpenAI's, and those of LLaMA-Factory's tool rows.
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "model": "assistant", "system": "system",
                   "tool": "tool", "function": "tool", "observation": "tool", "function_call": "assistant"}
