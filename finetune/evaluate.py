@@ -50,7 +50,6 @@ def generate(model, tokenizer, prompt: str, max_new_tokens: int, add_special_tok
     device = next(model.parameters()).device
     add = not tokenizer.chat_template if add_special_tokens is None else add_special_tokens
     ids = tokenizer(prompt, add_special_tokens=add, return_tensors="pt").input_ids.to(device)
-    sampling = {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
     out = model.generate(
         input_ids=ids,
         attention_mask=torch.ones_like(ids),
@@ -59,10 +58,15 @@ def generate(model, tokenizer, prompt: str, max_new_tokens: int, add_special_tok
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
         streamer=streamer,
-        **sampling,
+        **sampling(temperature),
     )
     model.train(was_training)
     return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+
+
+def sampling(temperature: float) -> dict:
+    """generate()'s decoding arguments: greedy at 0, else sampling at that temperature."""
+    return {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
 
 
 def exact_match(model, tokenizer, examples: list[dict], fmt: str, max_new_tokens: int) -> dict:

@@ -11,7 +11,8 @@ import torch
 
 from finetune.config import ModelConfig
 from finetune.errors import UserError
-from finetune.evaluate import generate as continuation
+from finetune.chat import render as render_chat
+from finetune.evaluate import generate as continuation, sampling
 from finetune.adapters import attach, find_adapter, load_base, tokenizer_source
 from finetune.model import load_model, load_tokenizer
 
@@ -79,9 +80,8 @@ def generate_batch(model, tokenizer, texts: list[str], add_special_tokens: bool,
     finally:
         tokenizer.padding_side = side
     device = next(model.parameters()).device
-    sampling = {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
     out = model.generate(**batch.to(device), max_new_tokens=max_new_tokens, use_cache=True, pad_token_id=tokenizer.pad_token_id,
-                         eos_token_id=tokenizer.eos_token_id, **sampling)
+                         eos_token_id=tokenizer.eos_token_id, **sampling(temperature))
     return tokenizer.batch_decode(out[:, batch.input_ids.shape[1]:], skip_special_tokens=True)
 
 
@@ -91,7 +91,7 @@ def render(tokenizer, prompt: str, chat: bool) -> str:
         return prompt
     if not tokenizer.chat_template:
         raise UserError("--chat: this tokenizer has no chat template; leave out --chat to send the prompt as plain text")
-    return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
+    return render_chat(tokenizer, [{"role": "user", "content": prompt}], add_generation_prompt=True)
 
 
 def generate(model, tokenizer, prompt: str, chat: bool = False, max_new_tokens: int = 128, temperature: float = 0.0,
