@@ -9,10 +9,11 @@ TORCH_VERSION  ?= 2.13.0
 TORCH_PIP_ARGS ?=
 export FINETUNE_CACHE ?= $(CURDIR)/.cache/finetune
 
-.PHONY: install demo test bench bench-data bench-fsdp-load bench-load bench-large clean help
+.PHONY: install demo demo-dpo test bench bench-data bench-fsdp-load bench-load bench-large clean help
 
 help:
 	@echo "make demo   - install, build the demo model, fine-tune it (LoRA) and show before/after"
+	@echo "make demo-dpo - install, build the demo model, DPO on the demo's preference pairs: held-out pairs preferred before/after"
 	@echo "make test   - install what is missing, run the tests"
 	@echo "make bench  - finetune vs HF Trainer + peft and TRL SFTTrainer: tokens/s, memory, start-up, loss (~20 min; on a GPU: --device cuda, 1.1B)"
 	@echo "make bench-data - a million rows: tokenization, start-up, memory vs datasets + HF Trainer (~25 min)"
@@ -35,6 +36,9 @@ demo/model/config.json: | install
 
 demo: install demo/model/config.json
 	$(VENV)/bin/finetune train --config configs/demo.yaml
+
+demo-dpo: install demo/model/config.json
+	$(VENV)/bin/finetune train --config configs/dpo.yaml
 
 test: install
 	$(PY) -m pytest -q --durations=15 tests

@@ -2,7 +2,8 @@
 
 - corpus.jsonl: simple English-like text the demo model is pretrained on (format: completion);
 - train.jsonl / eval.jsonl: "What kind of word is this?" in Alpaca format (noun, adjective, verb or
-  name). The pretrained base does not follow the instruction; a LoRA fine-tune learns to, and the
+  name); pairs-train.jsonl / pairs-eval.jsonl: the same question as preference pairs (format:
+  preference), the word's kind chosen over each wrong kind, for `make demo-dpo`. The pretrained base does not follow the instruction; a LoRA fine-tune learns to, and the
   eval words are never in the fine-tuning data, so exact-match accuracy on them shows that the
   fine-tune taught the task on top of what the base learned about each word in pretraining.
 
@@ -51,6 +52,12 @@ def task_row(word: str) -> dict:
     return {"instruction": "What kind of word is this?", "input": word, "output": KINDS[word]}
 
 
+def pair_rows(word: str) -> list[dict]:
+    """The question as a chat turn (as alpaca rows are rendered), the right kind preferred to each wrong one."""
+    question = [{"role": "user", "content": f"What kind of word is this?\n\n{word}"}]
+    return [{"messages": question, "chosen": KINDS[word], "rejected": kind} for kind in ("noun", "adjective", "verb", "name") if kind != KINDS[word]]
+
+
 def main() -> None:
     rng = random.Random(1234)
     out = Path(__file__).parent / "data"
@@ -65,7 +72,9 @@ def main() -> None:
     cut = int(len(vocab) * 0.75)
     train = [task_row(w) for w in vocab[:cut] for _ in range(8)]
     rng.shuffle(train)
-    for name, part in (("train.jsonl", train), ("eval.jsonl", [task_row(w) for w in vocab[cut:]])):
+    pairs = {"pairs-train.jsonl": [p for w in vocab[:cut] for p in pair_rows(w)], "pairs-eval.jsonl": [p for w in vocab[cut:] for p in pair_rows(w)]}
+    random.Random(99).shuffle(pairs["pairs-train.jsonl"])
+    for name, part in (("train.jsonl", train), ("eval.jsonl", [task_row(w) for w in vocab[cut:]]), *pairs.items()):
         with (out / name).open("w") as fh:
             fh.writelines(json.dumps(r) + "\n" for r in part)
 

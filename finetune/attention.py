@@ -46,6 +46,7 @@ def sample_bounds(position_ids: torch.Tensor) -> list[list[int]]:
     return result
 
 
+@torch.compiler.disable  # its loop follows where samples start (a host sync): under model.compile it runs eagerly between graphs
 def packed_sdpa_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None, **kwargs):
     """query (B, H, L, D), key/value (B, H_kv, L, D) -> (B, L, H, D), as transformers' sdpa returns."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward

@@ -57,6 +57,8 @@ class ModelConfig(_Section):
     ramdisk: bool | str = Field(False, description="Stage the model folder in RAM once (true: /dev/shm/finetune, or a tmpfs path) and load "
                                 "from there; later runs reuse the copy. Falls back to the source, with a warning, if it does not fit.")
     ramdisk_reserve_gib: float = Field(4.0, ge=0, description="RAM that must stay available after staging; else the run loads from the source.")
+    compile: bool = Field(False, description="torch.compile each decoder layer in place (regional compilation): one compiled layer serves "
+                          "them all; the first steps take longer while it compiles. See the README for its measured effect.")
     config_overrides: dict[str, Any] = Field({}, description="Settings of the model's config.json replaced before loading, e.g. "
                                              "{rope_parameters: {rope_type: linear, factor: 2.0, rope_theta: 10000.0}} for a longer context; "
                                              "merge and generate apply them to the base too.")
@@ -90,12 +92,12 @@ class AdapterConfig(_Section):
         return value
 
 
-Columns = dict[Literal["text", "instruction", "input", "output", "messages", "conversations"], str]  # a format's field -> the file's column
+Columns = dict[Literal["text", "instruction", "input", "output", "messages", "conversations", "prompt", "chosen", "rejected"], str]  # a format's field -> the file's column
 
 
 class SourceConfig(_Section):
     path: str = Field(description="A local .jsonl/.json/.parquet/.csv/.txt file, or a hub dataset name.")
-    format: Literal["completion", "alpaca", "chat"] | None = Field(None, description="This source's format (null: data.format).")
+    format: Literal["completion", "alpaca", "chat", "preference"] | None = Field(None, description="This source's format (null: data.format).")
     columns: Columns | None = Field(None, description="This source's column names (null: data.columns).")
     weight: float = Field(1.0, gt=0, description="Sampling weight: 2 repeats every sample twice, 0.5 takes a seeded half, 1.5 both.")
     bad_rows: Literal["fail", "skip"] | None = Field(None, description="This source's bad-row policy (null: data.bad_rows).")
@@ -104,14 +106,16 @@ class SourceConfig(_Section):
 class DataConfig(_Section):
     train: str | list[str | SourceConfig] = Field(description="Training data: local .jsonl/.json/.parquet/.csv/.txt file(s) or hub dataset "
                                                   "names, or a list of sources {path, format, columns, weight, bad_rows} to mix.")
-    format: Literal["completion", "alpaca", "chat"] = Field(
+    format: Literal["completion", "alpaca", "chat", "preference"] = Field(
         "alpaca", description="completion: {text}; alpaca: {instruction, input?, output}; chat: {messages: [{role, content}]} (content may be a "
-        "list of text parts) or ShareGPT's {conversations: [{from, value}]}. README: every accepted shape."
+        "list of text parts) or ShareGPT's {conversations: [{from, value}]}; preference (train.objective dpo/orpo): {prompt, chosen, "
+        "rejected} as text, or chat messages {messages or prompt, chosen, rejected}. README: every accepted shape."
     )
     columns: Columns = Field({}, description="The format's fields under other column names, e.g. {instruction: question, output: answer}.")
     eval: str | list[str | SourceConfig] | None = Field(None, description="Held-out eval file(s) or sources; or use eval_fraction.")
     eval_fraction: float = Field(0.0, ge=0, lt=1, description="Share of the training rows held out for eval when no eval file is given.")
-    max_seq_len: int = Field(512, ge=2, description="Longest row in tokens; longer samples are truncated (completion documents: see long_documents).")
+    max_seq_len: int = Field(512, ge=2, description="Longest row in tokens; longer samples are truncated (completion documents: see long_documents; "
+                             "preference pairs: each answer with its prompt, the pair in one row of twice this).")
     long_documents: Literal["chunk", "truncate"] = Field("chunk", description="completion rows longer than max_seq_len: chunk (trained as windows "
                                                          "of max_seq_len tokens, every token once) or truncate (the rest is dropped).")
     chunk_overlap: int = Field(0, ge=0, description="chunk: tokens each window repeats from the one before, as context (not trained again).")
@@ -173,6 +177,8 @@ class TrainConfig(_Section):
     router_aux_loss_coef: float | None = Field(None, ge=0, description="Mixture-of-experts models: weight of the router's load-balancing loss "
                                                "added to the training loss (null: the model config's router_aux_loss_coef; 0: off).")
     seed: int = Field(42, description="Seed for weights init, dropout and data order.")
+    objective: Literal["sft", "dpo", "orpo"] = Field("sft", description="sft: cross-entropy on the answers; dpo or orpo: preference pairs "
+                                                     "(data.format: preference), settings under preference:.")
     overfit_batch: int = Field(0, ge=0, description="Sanity check: train this many steps on the first batch only (0 = off).")
 
     @field_validator("mixed_precision", mode="before")
@@ -187,6 +193,16 @@ class TrainConfig(_Section):
         if self.min_lr_ratio and self.scheduler == "constant":
             raise ValueError("min_lr_ratio: a constant schedule does not decay; use cosine, linear or wsd")
         return self
+
+
+class PreferenceConfig(_Section):
+    beta: float = Field(0.1, gt=0, description="DPO's beta: how strongly the policy is held to the reference (its rewards are beta x the "
+                        "log-probability ratios).")
+    dpo_loss: Literal["sigmoid", "ipo", "hinge"] = Field("sigmoid", description="DPO's loss: sigmoid (the paper's), ipo (squared, on "
+                                                          "per-token averages) or hinge (SLiC); as TRL computes them.")
+    label_smoothing: float = Field(0.0, ge=0, lt=0.5, description="dpo_loss sigmoid: the share of pairs assumed flipped (conservative DPO).")
+    orpo_lambda: float = Field(0.1, gt=0, description="ORPO: weight of the odds-ratio term added to the chosen answers' cross-entropy "
+                               "(TRL's beta).")
 
 
 class EvalConfig(_Section):
@@ -275,6 +291,7 @@ class RunConfig(_Section):
     adapter: AdapterConfig = Field(default_factory=AdapterConfig)
     data: DataConfig
     train: TrainConfig = Field(default_factory=TrainConfig)
+    preference: PreferenceConfig = Field(default_factory=PreferenceConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
@@ -319,6 +336,13 @@ class RunConfig(_Section):
             if why:
                 raise ValueError(f"adapter.init: {self.adapter.init} moves part of each weight into the adapter; it runs with adapter.method: lora "
                                  f"on an unquantized base in one process or under ddp (not with {why})")
+        formats = {(None if isinstance(s, str) else s.format) or self.data.format for s in _as_list(self.data.train)}
+        if (self.train.objective != "sft") != (formats == {"preference"}):
+            raise ValueError(f"train.objective: {self.train.objective} trains on " + ("preference pairs: set data.format: preference" if
+                             self.train.objective != "sft" else "answers, not pairs: set train.objective: dpo or orpo for data.format: preference"))
+        if self.train.objective == "dpo" and self.adapter.method == "full":
+            raise ValueError("train.objective: dpo with adapter.method full needs a frozen reference copy of the model, not offered yet; "
+                             "use an adapter (lora, dora, qlora: the base with the adapter off is the reference) or objective orpo")
         if self.model.quantization is not None and self.adapter.method == "full":
             raise ValueError("model.quantization: quantized weights cannot be fully fine-tuned; use adapter.method lora or dora (QLoRA)")
         if self.train.mixed_precision == "fp16" and self.model.dtype == "bfloat16":

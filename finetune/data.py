@@ -49,6 +49,7 @@ class _Samples:
     first: np.ndarray  # the first trained position (-1: none)
     trains: np.ndarray
     cached: bool
+    width: int  # tokens a row holds: max_seq_len, or twice that where a sample is a preference pair
 
 
 def load_data(cfg: DataConfig, tokenizer, seed: int, eval_examples: int = 0, say=print) -> Datasets:
@@ -85,7 +86,7 @@ def load_data(cfg: DataConfig, tokenizer, seed: int, eval_examples: int = 0, say
         eval_split, stats["eval"] = None, {}
     if eval_split is not None and len(eval_split) == 0:
         eval_split = None
-    if cfg.format == "completion":
+    if cfg.format in ("completion", "preference"):  # no single answer to compare a generation with
         examples = []
     stats["seconds"] = time.perf_counter() - started
     return Datasets(split, eval_split, examples, stats)
@@ -105,11 +106,12 @@ def _tokenized(sources: list[SourceConfig], cfg: DataConfig, tokenizer, say) -> 
     table = pa.concat_tables(tables)
     full = table.column("length").to_numpy()  # int32: per sample, never per token
     first = table.column("first_target").to_numpy()
-    cut = np.minimum(full, cfg.max_seq_len)
+    width = cfg.max_seq_len * (2 if sources[0].format == "preference" else 1)  # the config keeps pairs apart from other formats
+    cut = np.minimum(full, width)
     windows = np.repeat([s.format == "completion" and cfg.long_documents == "chunk" for s in sources], [b - a for a, b in ranges])
     chunked = windows & (full > cfg.max_seq_len)
-    return _Samples(table, keys, ranges, sources, full, cut, (full > cfg.max_seq_len) & ~chunked, chunked, first,
-                    chunked | ((first >= 1) & (first < cut)), cached)
+    return _Samples(table, keys, ranges, sources, full, cut, (full > width) & ~chunked, chunked, first,
+                    chunked | ((first >= 1) & (first < cut)), cached, width)
 
 
 def _weighted(samples: np.ndarray, weight: float, seed: int, index: int) -> np.ndarray:
@@ -127,13 +129,14 @@ def _split(source: _Samples, samples: np.ndarray, cfg: DataConfig, seed: int, ro
         raise UserError(_nothing_trained(source, samples, cfg))
     picks, starts, lengths, context = _pieces(source, usable, cfg)
     order, offsets = _layout(source, picks, starts, lengths, cfg, seed, role) if cfg.packing else unpacked(len(picks))
-    split = Split(source.table.select(["input_ids", "labels"]), picks, lengths, order, offsets, starts, context)
+    pairs = source.table.column("chosen_length").to_numpy()[picks] if source.width > cfg.max_seq_len else None
+    split = Split(source.table.select(["input_ids", "labels"]), picks, lengths, order, offsets, starts, context, pairs)
     dropped = samples[~source.trains[samples]]
     stats = {"samples": len(usable), "truncated": int(source.truncated[samples].sum()), "chunked": int(source.chunked[usable].sum()),
              "windows": len(picks) - len(usable) + int(source.chunked[usable].sum()), "dropped_no_target": len(dropped),
              "first_dropped": _where(source, dropped[0]) if len(dropped) else None, "rows": len(split), "tokens": int(lengths.sum())}
     if cfg.packing and len(split):
-        stats["fill"] = stats["tokens"] / (len(split) * cfg.max_seq_len)
+        stats["fill"] = stats["tokens"] / (len(split) * source.width)
     return split, stats
 
 
@@ -141,7 +144,7 @@ def _pieces(source: _Samples, samples: np.ndarray, cfg: DataConfig) -> tuple[np.
     """(sample, start, length, context tokens) of what the rows are made of: a sample cut to
     max_seq_len, or a long document's windows of max_seq_len tokens, each starting chunk_overlap
     tokens before the previous one ended (those tokens are its context, trained once, before)."""
-    width, overlap = cfg.max_seq_len, cfg.chunk_overlap
+    width, overlap = source.width, cfg.chunk_overlap
     chunked = source.chunked[samples]
     full = source.full[samples].astype(np.int64)
     count = np.where(chunked, -(-(full - overlap) // (width - overlap)), 1)
@@ -173,14 +176,14 @@ def _where(source: _Samples, sample: int) -> str:
 def _layout(source: _Samples, samples: np.ndarray, starts: np.ndarray, lengths: np.ndarray, cfg: DataConfig, seed: int,
             role: str) -> tuple[np.ndarray, np.ndarray]:
     """pack(), cached next to the tokens: keyed by the entries, the pieces taken and max_seq_len."""
-    h = hashlib.sha256(json.dumps([PACK_VERSION, source.keys, role, cfg.max_seq_len, str(samples.dtype)]).encode())
+    h = hashlib.sha256(json.dumps([PACK_VERSION, source.keys, role, source.width, str(samples.dtype)]).encode())
     h.update(memoryview(np.ascontiguousarray(samples)))
     h.update(memoryview(np.ascontiguousarray(starts)))
     path = cache_root(cfg) / f"pack-{h.hexdigest()[:24]}.npz"
     if path.exists():
         with np.load(path) as saved:
             return saved["order"], saved["offsets"]
-    order, offsets = pack(lengths, cfg.max_seq_len)
+    order, offsets = pack(lengths, source.width)
     tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp.npz")
     np.savez(tmp, order=order, offsets=offsets)
     os.replace(tmp, path)  # two processes racing write the same layout

@@ -6,14 +6,17 @@ import math
 
 import torch
 
-from finetune.loss import token_loss_sum, trained_tokens
 from finetune.packing import Split
 from finetune.rows import IGNORE, prompt_and_answer
 
 
 @torch.no_grad()
-def eval_loss(model, rows: Split, batch_size: int, pad_id: int, accelerator, max_batches: int | None) -> dict:
-    """Mean per-token loss and perplexity over this rank's share of the eval rows, reduced over ranks."""
+def eval_loss(model, rows: Split, batch_size: int, pad_id: int, accelerator, max_batches: int | None, objective=None) -> dict:
+    """The objective's mean loss (per token: with perplexity; per pair: with its metrics) over this
+    rank's share of the eval rows, reduced over ranks."""
+    from finetune.objectives import SFT
+
+    objective = objective or SFT()
     was_training = model.training
     model.eval()
     world = accelerator.num_processes
@@ -22,19 +25,26 @@ def eval_loss(model, rows: Split, batch_size: int, pad_id: int, accelerator, max
     # a rank with fewer rows repeats a row with its labels ignored.
     count = math.ceil(math.ceil(len(rows) / world) / batch_size)
     count = min(count, max_batches) if max_batches else count
-    total = torch.zeros(2, dtype=torch.float64)
+    total = torch.zeros(2 + len(objective.metrics), dtype=torch.float64)
     for b in range(count):
         chunk = mine[b * batch_size : (b + 1) * batch_size]
         batch = rows.batch(chunk or [0], pad_id)
         if not chunk:
             batch["labels"].fill_(IGNORE)
         batch = {k: v.to(accelerator.device) for k, v in batch.items()}
+        counts = objective.counts(batch)
         with accelerator.autocast():
-            total[0] += token_loss_sum(model, batch).double().cpu()
-        total[1] += trained_tokens(batch)
+            parts = objective.losses(model, batch, counts)
+        total[0] += parts.tokens.double().cpu()
+        if parts.metrics is not None:
+            total[2:] += parts.metrics.double().cpu()
+        total[1] += counts[0]
     total = accelerator.reduce(total.to(accelerator.device), "sum").cpu()
     model.train(was_training)
     loss = (total[0] / total[1]).item() if total[1] > 0 else float("nan")
+    if objective.metrics:
+        return {"eval_loss": loss, "eval_pairs": int(total[1]),
+                **{f"eval_{name}": (value / total[1]).item() if total[1] > 0 else float("nan") for name, value in zip(objective.metrics, total[2:])}}
     return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0)), "eval_tokens": int(total[1])}
 
 

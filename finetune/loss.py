@@ -31,6 +31,7 @@ def trained_tokens(batch: dict[str, torch.Tensor]) -> int:
 class Losses:
     tokens: torch.Tensor  # cross-entropy summed over the trained tokens
     router: torch.Tensor | None = None  # mixture-of-experts models: the router's load-balancing loss of this forward
+    metrics: torch.Tensor | None = None  # an objective's metrics (finetune/objectives.py), as sums over this micro-batch
 
 
 def token_loss_sum(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from pathlib import Path
 
@@ -117,7 +118,7 @@ def tracked_config(cfg) -> dict:
 def tracker_kwargs(logging, output_dir: Path) -> dict:
     """Each tracker's own names for the run's name, entity and tags (accelerate's init_kwargs)."""
     name = logging.run_name or Path(output_dir).resolve().name
-    return {"wandb": {"name": name, "entity": logging.entity, "tags": logging.tags or None},
+    return {"wandb": {"name": name, "entity": logging.entity, "tags": logging.tags or None, "dir": os.environ.get("WANDB_DIR", str(output_dir))},
             "mlflow": {"run_name": name, "tags": dict.fromkeys(logging.tags, "") or None}}
 
 

@@ -264,6 +264,15 @@ def apply_adapter(model, cfg: AdapterConfig, gradient_checkpointing: bool, say=p
         raise UserError(f"adapter: {str(err).splitlines()[0]}") from None
 
 
+def compile_layers(model) -> None:
+    """torch.compile the model in place, one region at a time (accelerate's regional compilation): the
+    decoder layers share one compiled graph, so compiling costs about one layer's time. In place, the
+    parameter names (checkpoints, adapters) and the hooks FSDP or ZeRO add later stay as without it."""
+    from accelerate.utils import compile_regions_fsdp2 as compile_in_place  # in place, whatever the strategy
+
+    compile_in_place(model)
+
+
 ROUTERS = {"gate", "router", "shared_expert_gate"}  # in an MoE model, the linear layers that pick experts
 
 

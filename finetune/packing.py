@@ -130,11 +130,12 @@ class Split:
     source weighted above 1, or a long document's windows), each `lengths` tokens from `starts` (0 but
     for a document's later windows); row r holds samples[order[offsets[r]:offsets[r+1]]]. `context`:
     leading tokens of each that are not trained (1: nothing precedes a sample's first token; a later
-    window's overlap with the one before)."""
+    window's overlap with the one before). `pairs`: for preference pairs, where each sample's second
+    sequence (the rejected answer's) starts."""
 
     def __init__(self, table, samples: np.ndarray, lengths: np.ndarray, order: np.ndarray, offsets: np.ndarray,
-                 starts: np.ndarray | None = None, context: np.ndarray | None = None):
-        self.samples, self.lengths = samples, lengths
+                 starts: np.ndarray | None = None, context: np.ndarray | None = None, pairs: np.ndarray | None = None):
+        self.samples, self.lengths, self.pairs = samples, lengths, pairs
         self.starts = np.zeros(len(samples), dtype=np.int64) if starts is None else starts
         self.context = np.ones(len(samples), dtype=np.int64) if context is None else context
         self.order, self.offsets = order, offsets
@@ -161,6 +162,10 @@ class Split:
             context = np.minimum(self.context[members], lengths)
             labels[np.repeat(starts, context) + np.arange(int(context.sum())) - np.repeat(np.cumsum(context) - context, context)] = IGNORE
             positions = np.arange(len(ids)) - np.repeat(starts, lengths)
+            if self.pairs is not None:  # the rejected sequence is a sample of its own: positions from 0, nothing predicts its first token
+                second = starts + self.pairs[members]
+                positions -= np.repeat(self.pairs[members], lengths) * (positions >= np.repeat(self.pairs[members], lengths))
+                labels[second] = IGNORE
             out.append(Row(ids, labels, positions))
         return out
 

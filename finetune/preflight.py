@@ -47,7 +47,14 @@ def check_precision(cfg: RunConfig) -> None:
 def check_trackers(cfg: RunConfig) -> None:
     for name in cfg.logging.report_to:
         if importlib.util.find_spec(name) is None:
-            raise UserError(f"logging.report_to: '{name}' is not installed (pip install {name}) or remove it")
+            raise UserError(f"logging.report_to: '{name}' is not installed (pip install finetune-kit[{name}]) or remove it")
+    # MLflow 3 keeps runs in a database (sqlite:///mlflow.db in the working directory unless
+    # MLFLOW_TRACKING_URI says otherwise); mlflow-skinny alone cannot open one.
+    store = os.environ.get("MLFLOW_TRACKING_URI") or "sqlite:///mlflow.db"
+    if "mlflow" in cfg.logging.report_to and "://" in store and not store.startswith(("http", "file", "databricks")) and (
+            importlib.util.find_spec("sqlalchemy") is None or importlib.util.find_spec("alembic") is None):
+        raise UserError(f"logging.report_to: mlflow's store {store} needs sqlalchemy and alembic (pip install finetune-kit[mlflow]); "
+                        "or set MLFLOW_TRACKING_URI to your tracking server")
 
 
 def check_processes(cfg: RunConfig) -> None:

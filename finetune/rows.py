@@ -26,7 +26,7 @@ ALPACA_PROMPT = (
     "### Instruction:\n{instruction}\n\n{input_block}### Response:\n"
 )
 CHAT_ROLES = {"system", "user", "assistant", "tool"}
-FORMATS = ("alpaca", "chat", "completion")
+FORMATS = ("alpaca", "chat", "completion", "preference")
 SUFFIXES = (".jsonl", ".json", ".parquet", ".csv", ".txt")
 # ShareGPT's speakers (`from`) as chat roles: its own names, OpenAI's, and those of LLaMA-Factory's tool rows.
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "model": "assistant", "system": "system",
@@ -56,6 +56,8 @@ def _row_problem(row: object, fmt: str) -> str | None:
         return text("text")
     if fmt == "alpaca":
         return text("instruction") or text("input", required=False) or text("output")
+    if fmt == "preference":
+        return _pair_problem(row, text)
     messages = row.get("messages")
     if not isinstance(messages, list) or not messages:
         return "missing or empty field 'messages'"
@@ -69,6 +71,23 @@ def _row_problem(row: object, fmt: str) -> str | None:
         return "no non-empty assistant message"
     if row.get("tools") is not None and not isinstance(row["tools"], list):
         return "field 'tools' must be a list of function schemas"
+    return None
+
+
+def _pair_problem(row: dict, text) -> str | None:
+    """A preference pair: prompt, chosen and rejected all text, or all chat messages (chosen and
+    rejected the assistant's answers to the prompt's conversation)."""
+    if isinstance(row.get("prompt"), str):
+        return text("prompt") or text("chosen") or text("rejected")
+    for key in ("prompt", "chosen", "rejected"):
+        messages = row.get(key)
+        if not isinstance(messages, list) or not messages:
+            return f"missing field '{key}' (text, or a list of chat messages)" if messages is None else f"field '{key}' must be text or a non-empty list of messages"
+        for i, msg in enumerate(messages):
+            if not isinstance(msg, dict) or msg.get("role") not in CHAT_ROLES or not isinstance(msg.get("content"), str):
+                return f"{key}[{i}] must be {{role: system|user|assistant|tool, content: string}}"
+    if any(m["role"] != "assistant" for key in ("chosen", "rejected") for m in row[key]):
+        return "chosen and rejected must be assistant messages"
     return None
 
 
@@ -92,7 +111,24 @@ def canonical(row: object, fmt: str, columns: dict[str, str] | None = None) -> t
         row, problem = _chat_shape(row)
         if problem:
             return row, problem
+    if fmt == "preference":
+        row = _pair_shape(row)
     return row, _row_problem(row, fmt)
+
+
+def _pair_shape(row: dict) -> dict:
+    """A chat pair as TRL's conversational rows: the shared history under `prompt` (also accepted as
+    `messages`), each answer a list of messages (one given as a string or a single message is wrapped)."""
+    if "prompt" not in row and isinstance(row.get("messages"), list):
+        row = {**{k: v for k, v in row.items() if k != "messages"}, "prompt": row["messages"]}
+    if isinstance(row.get("prompt"), list):
+        for key in ("chosen", "rejected"):
+            answer = row.get(key)
+            if isinstance(answer, str):
+                row = {**row, key: [{"role": "assistant", "content": answer}]}
+            elif isinstance(answer, dict):
+                row = {**row, key: [answer]}
+    return row
 
 
 def _chat_shape(row: dict) -> tuple[dict, str | None]:
@@ -291,6 +327,46 @@ def tokenize_rows(rows: list[dict], tokenizer, fmt: str) -> list[tuple[list[int]
     prompts = tokenizer([_alpaca_prompt(r) for r in rows], add_special_tokens=True)["input_ids"]
     answers = tokenizer([r["output"] for r in rows], add_special_tokens=False)["input_ids"]
     return [(p + a + [tokenizer.eos_token_id], [False] * len(p) + [True] * (len(a) + 1)) for p, a in zip(prompts, answers)]
+
+
+def tokenize_pairs(rows: list[dict], tokenizer, max_seq_len: int) -> list[tuple[list[int], list[bool], int, int] | str]:
+    """Preference rows -> (chosen ids + rejected ids, which are trained, the chosen sequence's length,
+    where the answer starts) each, or the reason a template refused the row. Each sequence is the prompt
+    and one answer; as TRL tokenizes them, the answer is what follows the longest common start of the
+    tokenized prompt and prompt + answer (text pairs get the EOS token after each answer; chat pairs are
+    rendered by the chat template). Each is cut to max_seq_len (its start kept); a pair that keeps no
+    answer token on one side comes back empty."""
+    out = []
+    for row in rows:
+        try:
+            sides = [_pair_side(row, key, tokenizer) for key in ("chosen", "rejected")]
+        except UserError as err:
+            out.append(str(err))
+            continue
+        start = min(_common_start(prompt, ids) for prompt, ids in sides)
+        cut = [ids[:max_seq_len] for _, ids in sides]
+        if start >= max_seq_len:
+            out.append(([], [], 0, start))
+            continue
+        trained = [[i >= start for i in range(len(ids))] for ids in cut]
+        out.append((cut[0] + cut[1], trained[0] + trained[1], len(cut[0]), start))
+    return out
+
+
+def _pair_side(row: dict, key: str, tokenizer) -> tuple[list[int], list[int]]:
+    """(the prompt's ids, the prompt and one answer's ids)."""
+    if isinstance(row["prompt"], str):
+        eos = tokenizer.eos_token or ""
+        answer = row[key] if row[key].endswith(eos) else row[key] + eos
+        return tokenizer(row["prompt"])["input_ids"], tokenizer(row["prompt"] + answer)["input_ids"]
+    tools = row.get("tools")
+    prompt = render(tokenizer, row["prompt"], add_generation_prompt=True, tools=tools)
+    full = render(tokenizer, row["prompt"] + row[key], tools=tools)
+    return tokenizer(prompt, add_special_tokens=False)["input_ids"], tokenizer(full, add_special_tokens=False)["input_ids"]
+
+
+def _common_start(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def prompt_and_answer(row: dict, tokenizer, fmt: str) -> tuple[str, str]:

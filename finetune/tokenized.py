@@ -23,9 +23,9 @@ from pathlib import Path
 from finetune.config import DataConfig, SourceConfig
 from finetune.errors import UserError
 from finetune.locks import exclusive
-from finetune.rows import IGNORE, Skipped, checked_rows, tokenize_rows, where
+from finetune.rows import IGNORE, Skipped, checked_rows, tokenize_pairs, tokenize_rows, where
 
-TOKENIZE_VERSION = 3  # raise it when the ids or loss mask a row turns into change (2: masks from the chat template; 3: rows cached in their canonical shape)
+TOKENIZE_VERSION = 4  # raise it when the ids or loss mask a row turns into change (2: masks from the chat template; 3: rows cached in their canonical shape; 4: preference pairs)
 LARGE = 10_000  # rows from which tokenization uses every core unless data.num_proc says otherwise
 
 
@@ -41,7 +41,9 @@ def fingerprint(source: SourceConfig, cfg: DataConfig, tokenizer) -> str:
     h.update(f"{path.resolve() if stat else source.path}|{stat.st_size if stat else ''}|{stat.st_mtime_ns if stat else ''}".encode())
     h.update(tokenizer.backend_tokenizer.to_str().encode())
     h.update(str(tokenizer.chat_template).encode())
-    h.update(json.dumps([TOKENIZE_VERSION, source.format, source.bad_rows, cfg.train_on_prompt, cfg.split, tokenizer.eos_token_id, source.columns]).encode())
+    cut = cfg.max_seq_len if source.format == "preference" else None  # pairs are cut when tokenized, each side on its own
+    h.update(json.dumps([TOKENIZE_VERSION, source.format, source.bad_rows, cfg.train_on_prompt, cfg.split, tokenizer.eos_token_id, source.columns,
+                         cut]).encode())
     return h.hexdigest()[:24]
 
 
@@ -115,7 +117,7 @@ def _build(source: SourceConfig, cfg: DataConfig, tokenizer, work: Path, say) ->
     # faults in a few pages around each batch's header (the kernel's fault-around), so fewer, larger
     # batches keep that small (500-row batches: ~126 MiB of mapped pages at 1M rows; 4,000: ~16 MiB).
     tokens = rows.with_format("arrow").map(_tokenize_batch, batched=True, batch_size=4000, num_proc=num_proc if num_proc > 1 else None,
-                      fn_kwargs={"tokenizer": tokenizer, "fmt": source.format, "train_on_prompt": cfg.train_on_prompt},
+                      fn_kwargs={"tokenizer": tokenizer, "fmt": source.format, "train_on_prompt": cfg.train_on_prompt, "max_seq_len": cfg.max_seq_len},
                       features=_features(datasets), cache_file_name=str(work / "tokens.arrow"), desc=f"tokenizing {source.path}")
     _refused_rows(tokens.data.table, source, skipped)
     if skipped.count:
@@ -141,18 +143,22 @@ def _refused_rows(table, source: SourceConfig, skipped: Skipped) -> None:
 def _features(datasets):
     ids = datasets.Sequence(datasets.Value("int32"))
     return datasets.Features({"row": datasets.Value("string"), "line": datasets.Value("int64"), "input_ids": ids, "labels": ids,
-                              "length": datasets.Value("int32"), "first_target": datasets.Value("int32"), "problem": datasets.Value("string")})
+                              "length": datasets.Value("int32"), "first_target": datasets.Value("int32"), "chosen_length": datasets.Value("int32"),
+                              "problem": datasets.Value("string")})
 
 
-def _tokenize_batch(batch, tokenizer, fmt: str, train_on_prompt: bool):
+def _tokenize_batch(batch, tokenizer, fmt: str, train_on_prompt: bool, max_seq_len: int):
     """datasets.map's function, on Arrow batches: rows -> token columns built from flat numpy arrays
-    (no per-token Python lists for Arrow to convert)."""
+    (no per-token Python lists for Arrow to convert). A preference pair is one sample: the chosen
+    sequence, then the rejected one from `chosen_length` on."""
     import numpy as np
     import pyarrow as pa
 
-    results = tokenize_rows([json.loads(r) for r in batch.column("row").to_pylist()], tokenizer, fmt)
+    rows = [json.loads(r) for r in batch.column("row").to_pylist()]
+    results = tokenize_pairs(rows, tokenizer, max_seq_len) if fmt == "preference" else tokenize_rows(rows, tokenizer, fmt)
     problems = [r if isinstance(r, str) else None for r in results]
-    results = [([], []) if isinstance(r, str) else r for r in results]
+    results = [([], [], 0, -1) if isinstance(r, str) else r for r in results]
+    train_on_prompt = train_on_prompt and fmt != "preference"
     lengths = np.fromiter((len(r[0]) for r in results), dtype=np.int64, count=len(results))
     offsets = np.concatenate([[0], np.cumsum(lengths)])
     total = int(offsets[-1])
@@ -165,9 +171,12 @@ def _tokenize_batch(batch, tokenizer, fmt: str, train_on_prompt: bool):
     first = np.full(len(results), -1, dtype=np.int32)
     rows, at = np.unique(np.searchsorted(offsets, hits, side="right") - 1, return_index=True)
     first[rows] = position[hits[at]]
+    if fmt == "preference":  # where the answers start, also for a pair cut before it (so the data step can say why it dropped)
+        first = np.array([r[3] for r in results], dtype=np.int32)
     arrow_offsets = pa.array(offsets.astype(np.int32))
     return (batch.append_column("input_ids", pa.ListArray.from_arrays(arrow_offsets, pa.array(ids)))
             .append_column("labels", pa.ListArray.from_arrays(arrow_offsets, pa.array(labels)))
             .append_column("length", pa.array(lengths.astype(np.int32)))
             .append_column("first_target", pa.array(first))
+            .append_column("chosen_length", pa.array(np.array([r[2] if fmt == "preference" else 0 for r in results], dtype=np.int32)))
             .append_column("problem", pa.array(problems, type=pa.string())))

@@ -43,9 +43,9 @@ from finetune.errors import EXIT_DIVERGED, EXIT_PREEMPTED, Stopped, UserError
 from finetune.guard import Guard, Verdict, data_step
 from finetune.evaluate import eval_loss, exact_match
 from finetune.locks import hold_output_dir, release_output_dir
-from finetune.loss import losses, trained_tokens
+from finetune.objectives import SFT, Preference, objective_for
 from finetune.metrics import EVENTS_FILE, RunLog, plot_loss_curve, tracked_config, tracker_kwargs, write_event
-from finetune.model import adapter_input_casting_off, apply_adapter, describe, load_tokenizer
+from finetune.model import adapter_input_casting_off, apply_adapter, compile_layers, describe, load_tokenizer
 from finetune.optim import current_lr, set_peak_lr
 from finetune.stage import staged_model
 from finetune.supervise import Watchdog, stop_with_launcher, watch_preemption
@@ -188,6 +188,7 @@ class RunState:
     schedule: Schedule
     engine: Replicated = None  # model, optimizer, scheduler and checkpoint layout of the strategy
     base: str = ""  # the base model as the saved adapter names it
+    objective: SFT | Preference = field(default_factory=SFT)  # what a step minimises: sft, dpo or orpo
     router_coef: float = 0.0
     rss_before_model: int = 0
     before: dict | None = None  # exact match on eval prompts before training
@@ -254,6 +255,7 @@ def load_inputs(cfg: RunConfig, accelerator, preemption) -> RunState:
     data = load_data(cfg.data, tokenizer, cfg.train.seed, eval_examples=cfg.eval.generate_samples if main else 0, say=each)
     stop_if_preempted(preemption.signal is not None, preemption.name, Path(cfg.train.output_dir), main, "while the data loaded")
     run = RunState(cfg, accelerator, preemption, model_cfg, tokenizer, data, plan_steps(cfg, len(data.train), world))
+    run.objective = objective_for(cfg.train, cfg.preference)
     s = data.stats["train"]
     run.say(
         f"data: {s['samples']} samples -> {s['rows']} rows, {s['tokens']} tokens"
@@ -311,6 +313,8 @@ def load_and_prepare_model(run: RunState) -> None:
     if cfg.eval.generate_samples and run.main and run.data.eval_examples:
         run.before = exact_match(model, run.tokenizer, run.data.eval_examples[: cfg.eval.generate_samples], cfg.data.format, cfg.eval.max_new_tokens)
         run.say(f"before training: exact match {run.before['exact_match']:.1%} on {run.before['n']} eval prompts")
+    if cfg.model.compile:
+        compile_layers(model)
     run.engine.prepare(model, run.schedule.total_steps)
 
 
@@ -348,6 +352,7 @@ class StepOutcome:
     router_loss: float | None  # MoE: the router's auxiliary loss, mean over the step's forwards
     preempted: bool  # a rank has been signalled: save and stop
     time_due: bool  # checkpoint.save_every_minutes has passed
+    metrics: dict[str, float]  # the objective's own (preference: rewards, margin, accuracy), means over the step's pairs
 
 
 def train_loop(run: RunState) -> None:
@@ -379,6 +384,7 @@ def train_loop(run: RunState) -> None:
                         "time": time.time()}
             if done.router_loss is not None:
                 run.last["router_aux_loss"] = done.router_loss
+            run.last.update(done.metrics)
             log.write(run.last)
             window_tokens, window_start = 0, now
         if cfg.eval.every and run.step % cfg.eval.every == 0 and run.step < total:
@@ -405,29 +411,33 @@ def train_step(run: RunState) -> StepOutcome:
     position = data_step(step, run.guard.state.skip_windows + [list(w) for w in cfg.train.skip_data])
     epoch, micro_batches, real_tokens = batches_at(run.data, cfg, run.schedule, position, rank, world, run.tokenizer.pad_token_id)
     micro_batches = [{k: v.to(device) for k, v in b.items()} for b in micro_batches]
-    # The loss is a mean over every trained token of the step, across micro-batches and ranks: each
-    # micro-batch contributes its sum divided by the global count (times world size, because DDP
+    # The loss is a mean over every trained token (or pair) of the step, across micro-batches and ranks:
+    # each micro-batch contributes its sum divided by the global count (times world size, because DDP
     # averages gradients over ranks).
-    local = torch.tensor([sum(trained_tokens(b) for b in micro_batches), real_tokens], device=device)
-    global_tokens, global_real = accelerator.reduce(local, "sum").tolist()
+    objective = run.objective
+    local = torch.tensor([*map(sum, zip(*(objective.counts(b) for b in micro_batches))), real_tokens], device=device)
+    *totals, global_real = accelerator.reduce(local, "sum").tolist()
     loss_sum, router_sum = torch.zeros((), device=device), torch.zeros((), device=device)
+    metric_sums = torch.zeros(len(objective.metrics), device=device)
     for i, batch in enumerate(micro_batches):
         with engine.accumulating(last=i == len(micro_batches) - 1):  # gradients are reduced across ranks once per step
-            parts = losses(engine.model, batch, router=run.router_coef > 0)
+            parts = objective.losses(engine.model, batch, totals, router=run.router_coef > 0)
             loss = parts.tokens * faults.loss_factor(position, rank)
-            scaled = loss * (world / max(global_tokens, 1))
+            scaled = loss * (world / max(totals[0], 1))
             if parts.router is not None:  # MoE load balancing: its mean over the step's forwards, as the model weighs it
                 scaled = scaled + parts.router * (run.router_coef / len(micro_batches))
                 router_sum += parts.router.detach()
             engine.backward(scaled)
         loss_sum += loss.detach()
+        if parts.metrics is not None:
+            metric_sums += parts.metrics.float()
     # The preemption signal and the save clock ride along with the loss.
     minutes = cfg.checkpoint.save_every_minutes
     due = minutes > 0 and time.monotonic() - run.last_save > 60 * minutes
     local = torch.stack([loss_sum.float(), loss_sum.new_tensor(float(run.preemption.signal is not None)), loss_sum.new_tensor(float(due)),
-                         router_sum.float()])
-    total_loss, preempted, time_due, router_loss = accelerator.reduce(local, "sum").tolist()
-    step_loss = total_loss / max(global_tokens, 1)
+                         router_sum.float(), *metric_sums])
+    total_loss, preempted, time_due, router_loss, *metric_totals = accelerator.reduce(local, "sum").tolist()
+    step_loss = total_loss / max(totals[0], 1)
     if step - run.start_step < FIRST_STEPS_CHECKED:
         check_first_steps(step, step_loss)
     grad_norm = engine.clip(run.guard.state.max_grad_norm or cfg.train.max_grad_norm or float("inf"))
@@ -442,16 +452,20 @@ def train_step(run: RunState) -> StepOutcome:
     if verdict.action == "apply" or (verdict.action == "skip" and engine.steps_in_backward):  # ZeRO has stepped regardless
         engine.scheduler.step()
     return StepOutcome(epoch, step_loss, grad_norm, verdict, int(global_real),
-                       router_loss / (len(micro_batches) * world) if run.router_coef > 0 else None, preempted > 0, time_due > 0)
+                       router_loss / (len(micro_batches) * world) if run.router_coef > 0 else None, preempted > 0, time_due > 0,
+                       {name: value / max(totals[0], 1) for name, value in zip(objective.metrics, metric_totals)})
 
 
 def evaluate(run: RunState, step: int) -> dict | None:
     if not run.data.eval:
         return None
     cfg = run.cfg
-    result = eval_loss(run.engine.model, run.data.eval, cfg.train.micro_batch_size, run.tokenizer.pad_token_id, run.accelerator, cfg.eval.max_batches)
+    result = eval_loss(run.engine.model, run.data.eval, cfg.train.micro_batch_size, run.tokenizer.pad_token_id, run.accelerator, cfg.eval.max_batches,
+                       run.objective)
     run.log.write({"step": step, **result})
-    run.log.print(f"step {step}: eval loss {result['eval_loss']:.4f}, perplexity {result['eval_ppl']:.2f}")
+    run.log.print(f"step {step}: eval loss {result['eval_loss']:.4f}, " + (f"perplexity {result['eval_ppl']:.2f}" if "eval_ppl" in result else
+                  f"reward accuracy {result['eval_reward_accuracy']:.1%}, margin {result['eval_reward_margin']:.3f}; the model's own pick is the chosen "
+                  f"answer in {result['eval_choice_accuracy']:.1%} of pairs"))
     return result
 
 
@@ -545,7 +559,7 @@ def summarize(run: RunState) -> dict:
     summary.update(run.guard.report())
     if summary["final_is_best"] is False:
         score = functools.partial(eval_loss, engine.model, run.data.eval, cfg.train.micro_batch_size, run.tokenizer.pad_token_id, run.accelerator,
-                                  cfg.eval.max_batches)
+                                  cfg.eval.max_batches, run.objective)
         summary.update(last_good(run.out, int(run.guard.state.best[0]), score if run.data.eval and engine.replicated else None,
                                  engine.unwrap()))
         run.say(f"the final weights are not the best seen: loss level {summary['final_loss_level']:.4g} vs {summary['best_loss_level']:.4g} at "
@@ -697,7 +711,8 @@ def _check_restart_loop(cfg: RunConfig, path: Path | None, accelerator) -> None:
 def _summary_line(summary: dict) -> str:
     parts = [f"done: {summary['steps']} steps, final train loss {summary['train_loss']:.4f}"]
     if "eval_loss" in summary:
-        parts.append(f"eval loss {summary['eval_loss']:.4f} (ppl {summary['eval_ppl']:.2f})")
+        parts.append(f"eval loss {summary['eval_loss']:.4f} " + (f"(ppl {summary['eval_ppl']:.2f})" if "eval_ppl" in summary else
+                     f"(reward accuracy {summary['eval_reward_accuracy']:.1%})"))
     parts.append(f"{summary['elapsed_s']:.1f} s")
     lines = [", ".join(parts)]
     if summary.get("loss_curve"):

@@ -137,12 +137,12 @@ def _cases():
         "d.csv:2: 1 more fields than the header names")
     add("data-csv-missing-column", lambda k: k.train(data={"train": k.file("e.csv", "question,output\nhi,there\n")}),
         "e.csv:2: missing field 'instruction' (format 'alpaca'; set data.bad_rows: skip to skip bad rows)")
-    add("data-columns-unknown-field", lambda k: k.train(data={"columns": {"prompt": "q"}}), "data.columns.prompt")
+    add("data-columns-unknown-field", lambda k: k.train(data={"columns": {"answer": "q"}}), "data.columns.answer")
     add("data-only-blank-lines", lambda k: k.train(data={"train": k.file("d.jsonl", "\n\n")}), "data: no usable rows in")
     add("data-eval-missing", lambda k: k.train(data={"eval": str(k.tmp / "none.jsonl")}), "eval: file not found")
     add("data-eval-and-fraction", lambda k: k.train(data={"eval": str(DEMO_DATA / "eval.jsonl"), "eval_fraction": 0.1}),
         "set either data.eval or data.eval_fraction")
-    add("data-format-bogus", lambda k: k.train(data={"format": "sharegpt"}), "data.format: Input should be 'completion', 'alpaca' or 'chat'")
+    add("data-format-bogus", lambda k: k.train(data={"format": "sharegpt"}), "data.format: Input should be 'completion', 'alpaca', 'chat' or 'preference'")
     add("data-max-seq-len-zero", lambda k: k.train(data={"max_seq_len": 0}), "data.max_seq_len: Input should be greater than or equal to 2")
     add("data-max-seq-len-one", lambda k: k.train(data={"max_seq_len": 1}), "data.max_seq_len: Input should be greater than or equal to 2")
     add("data-max-seq-len-over-model", lambda k: k.train(data={"max_seq_len": 100000}), "data.max_seq_len: 100000 is larger than the model's")
@@ -235,7 +235,7 @@ def _cases():
     add("eval-every-negative", lambda k: k.train(eval={"every": -1}), "eval.every: Input should be greater than or equal to 0")
     add("eval-generate-fsdp", lambda k: k.train(eval={"generate_samples": 2}, distributed={"strategy": "fsdp"}), "eval.generate_samples: not available")
     add("logging-tracker-bogus", lambda k: k.train(logging={"report_to": ["comet"]}), "logging.report_to.0: Input should be")
-    add("logging-tracker-not-installed", lambda k: k.train(logging={"report_to": ["mlflow"]}), "logging.report_to: 'mlflow' is not installed")
+    add("logging-tracker-unknown", lambda k: k.train(logging={"report_to": ["comet"]}), "logging.report_to.0: Input should be 'tensorboard', 'wandb' or 'mlflow'")
     add("logging-every-zero", lambda k: k.train(logging={"log_every": 0}), "logging.log_every: Input should be greater than 0")
     add("resume-path-missing", lambda k: k.train(checkpoint={"resume": str(k.tmp / "gone")}), "checkpoint.resume: expected auto, never or a checkpoint")
     add("resume-not-a-checkpoint", lambda k: k.train(checkpoint={"resume": str((k.tmp / "ck").mkdir() or k.tmp / "ck")}), "checkpoint.resume:")
@@ -347,7 +347,7 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, tiny_model_dir, capsys, buil
 # What train refuses before it loads anything (finetune/preflight.py): validate refuses it alike.
 # Not among them: an output folder under /proc (root passes every access check; only creating it tells).
 PREFLIGHT = {"model-flash-on-cpu", "quant-8bit-dora-cpu", "quant-fp16-cpu", "quant-4bit-odd-width-cpu", "train-fp16-cpu", "train-fp8-cpu",
-             "train-optimizer-offload-cpu", "fsdp-cpu-offload-cpu", "logging-tracker-not-installed", "train-output-dir-a-file",
+             "train-optimizer-offload-cpu", "fsdp-cpu-offload-cpu", "logging-tracker-unknown", "train-output-dir-a-file",
              "train-output-dir-under-a-file", "train-output-dir-foreign"}
 
 

@@ -145,6 +145,21 @@ def test_neftune_noise_changes_training_but_not_evaluation(tmp_path, tiny_model_
     assert abs(steps["noisy"][0] - steps["plain"][0]) > 1e-4  # the first step's forward already saw noisy embeddings
 
 
+def test_model_compile_compiles_every_decoder_layer_and_trains_and_evaluates_the_same(tmp_path, tiny_model_dir, plain_run):
+    plain, cfg = plain_run
+    compiled = base_config(tiny_model_dir, tmp_path / "compiled", data={"train": str(DEMO_DATA / "train.jsonl"), "eval": str(DEMO_DATA / "eval.jsonl")},
+                           train={"max_steps": 3}, eval={"on_start": True, "max_batches": 2})
+    compiled["model"]["compile"] = True
+    result = run(validate_config(compiled, "test"))
+    layers = result.model.get_base_model().model.layers
+    assert all(layer._compiled_call_impl is not None for layer in layers)  # each layer, in place: parameter names unchanged
+    rows = {name: read_jsonl(out / "metrics.jsonl") for name, out in (("plain", plain), ("compiled", tmp_path / "compiled"))}
+    for key in ("loss", "eval_loss"):
+        assert [r[key] for r in rows["compiled"] if key in r] == pytest.approx([r[key] for r in rows["plain"] if key in r], abs=1e-5)
+    ours, theirs = (load_file(out / "adapter_model.safetensors") for out in (tmp_path / "compiled", plain))
+    assert ours.keys() == theirs.keys() and all(torch.allclose(ours[k], theirs[k], atol=1e-5) for k in ours)
+
+
 def test_config_overrides_reach_the_model_the_merge_and_the_length_check(tmp_path, tiny_model_dir):
     rope = {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}
     out = _train(tmp_path, tiny_model_dir, "rope", data={"eval": None, "max_seq_len": 128},
@@ -361,13 +376,67 @@ def test_the_loss_curve_shows_the_learning_rate_and_the_guards_events_and_tracke
     assert logged["data.format"] == "alpaca" and logged["train.skip_data"] == "[]" and len(logged) > 90  # every key, not only train's
 
 
-def test_tracker_names_reach_wandb_and_mlflow_in_their_own_words(tmp_path):
-    from finetune.config import LoggingConfig
-    from finetune.metrics import tracker_kwargs
+def _wandb_records(path):
+    """The records of an offline W&B run file: a 7-byte header, then LevelDB's log format (32 KiB blocks
+    of chunks with a 7-byte header each: crc, length, type) around protobuf Records."""
+    from wandb.proto import wandb_internal_pb2
 
-    kwargs = tracker_kwargs(LoggingConfig(run_name="r1", entity="team", tags=["lora", "demo"]), tmp_path)
-    assert kwargs == {"wandb": {"name": "r1", "entity": "team", "tags": ["lora", "demo"]}, "mlflow": {"run_name": "r1", "tags": {"lora": "", "demo": ""}}}
-    assert tracker_kwargs(LoggingConfig(), tmp_path / "out-3")["wandb"]["name"] == "out-3"
+    data, pos, record = path.read_bytes(), 7, b""
+    while pos + 7 <= len(data):
+        if 32768 - pos % 32768 < 7:  # a block's tail too short for a header is padding
+            pos += 32768 - pos % 32768
+            continue
+        length, kind = int.from_bytes(data[pos + 4:pos + 6], "little"), data[pos + 6]
+        record, pos = record + data[pos + 7:pos + 7 + length], pos + 7 + length
+        if kind in (1, 4):  # a full record, or the last chunk of one
+            parsed = wandb_internal_pb2.Record()
+            parsed.ParseFromString(record)
+            record = b""
+            yield parsed
+
+
+def test_wandb_offline_and_mlflow_get_the_run_names_the_whole_config_and_the_metrics(tmp_path, tiny_model_dir, monkeypatch):
+    pytest.importorskip("wandb")
+    mlflow = pytest.importorskip("mlflow")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
+    out = tmp_path / "out"
+    cfg = base_config(tiny_model_dir, out, data={"eval": None}, train={"max_steps": 4},
+                      logging={"report_to": ["wandb", "mlflow"], "project": "wordkinds", "run_name": "try-7", "tags": ["lora", "demo"]})
+    run(validate_config(cfg, "test"))
+    losses = {r["step"]: r["loss"] for r in read_jsonl(out / "metrics.jsonl") if "loss" in r}
+    assert len(losses) == 4
+
+    records = list(_wandb_records(next(out.glob("wandb/offline-run-*/run-*.wandb"))))  # W&B writes under the run's folder
+    started = next(r.run for r in records if r.WhichOneof("record_type") == "run")
+    assert (started.display_name, started.project, list(started.tags)) == ("try-7", "wordkinds", ["lora", "demo"])
+    config = {u.key: json.loads(u.value_json) for r in records if r.WhichOneof("record_type") == "config" for u in r.config.update}
+    assert config["adapter.r"] == 8 and config["logging.run_name"] == "try-7" and len(config) > 90
+    history = [{"/".join(i.nested_key) or i.key: json.loads(i.value_json) for i in r.history.item}
+               for r in records if r.WhichOneof("record_type") == "history"]
+    assert {h["_step"]: h["loss"] for h in history if "loss" in h} == pytest.approx(losses, abs=1e-6)
+
+    client = mlflow.MlflowClient()
+    (logged,) = client.search_runs([client.get_experiment_by_name("wordkinds").experiment_id])
+    assert logged.info.run_name == "try-7" and {"lora", "demo"} <= set(logged.data.tags)
+    assert logged.data.params["adapter.r"] == "8" and len(logged.data.params) > 90
+    history = {m.step: m.value for m in client.get_metric_history(logged.info.run_id, "loss")}
+    assert history == pytest.approx(losses, abs=1e-6)
+
+
+def test_mlflow_without_a_database_driver_is_refused_in_one_line(tmp_path, tiny_model_dir, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "sqlalchemy" else real(name, *a))
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    cfg = base_config(tiny_model_dir, tmp_path / "out", logging={"report_to": ["mlflow"]})
+    with pytest.raises(UserError, match=r"sqlite:///mlflow.db needs sqlalchemy and alembic \(pip install finetune-kit\[mlflow\]\)"):
+        run(validate_config(cfg, "test"))
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://tracking.example:5000")  # a server needs no driver here
+    from finetune.preflight import check_trackers
+
+    check_trackers(validate_config(cfg, "test"))
 
 
 @pytest.mark.parametrize("init", ["pissa", "olora"])

@@ -1,0 +1,171 @@
+"""Preference tuning (train.objective dpo / orpo): pairs read and laid out as TRL does, losses and
+gradients equal to TRL's trainers, and the SFT loop's guarantees (resume, two processes) on pairs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import DEMO_DATA, base_config, read_jsonl
+from finetune.config import DataConfig, PreferenceConfig, validate_config
+from finetune.errors import UserError
+from finetune.train import run
+
+PAIRS = [
+    {"prompt": "What kind of word is this?\n\nrabbit\n", "chosen": "noun", "rejected": "verb"},
+    {"prompt": "What kind of word is this?\n\nsmall\n", "chosen": "adjective", "rejected": "name"},
+    {"prompt": "What kind of word is this?\n\nfinds\n", "chosen": "verb", "rejected": "the kind of word that names a thing"},
+    {"prompt": "Which kind is Anna?\n", "chosen": "a name, as it is written with a capital", "rejected": "noun"},
+]
+
+
+def _pairs_config(model_dir, out, objective="dpo", **sections):
+    cfg = base_config(model_dir, out, **sections)
+    cfg["data"] = {"train": str(DEMO_DATA / "pairs-train.jsonl"), "eval": str(DEMO_DATA / "pairs-eval.jsonl"), "format": "preference",
+                   "max_seq_len": 64, **sections.get("data", {})}
+    cfg["train"] = {**cfg["train"], "objective": objective, "max_steps": 6, "micro_batch_size": 4, "lr": 5e-3, **sections.get("train", {})}
+    return cfg
+
+
+def _adapted(model_dir):
+    """The tiny model with a LoRA adapter whose B is not zero, so the policy differs from the reference."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir), LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0,
+                                                                                       target_modules="all-linear", init_lora_weights=False))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.mul_(0.3)  # peft's random B moves the logits a lot on a 64-wide model; a milder difference from the reference
+    return model
+
+
+def _trl_loss(kind, variant, adapted, tokenizer, tmp_path):
+    """TRL's loss on the four pairs as one batch, with the adapter's weights (its gradients land in the
+    returned trainer's model). TRL gets the base and a LoRA config, so that its reference is the base
+    with the adapter off, as ours (given a PeftModel, it would take the adapter's starting state)."""
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(adapted.name_or_path)
+    lora = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules="all-linear")
+
+    if kind == "dpo":
+        from trl import DPOConfig, DPOTrainer
+
+        args = DPOConfig(output_dir=str(tmp_path / "trl"), beta=0.1, loss_type=[variant], per_device_train_batch_size=4, report_to=[],
+                         use_cpu=True, max_length=None, bf16=False)
+        trainer = DPOTrainer(model=model, args=args, train_dataset=Dataset.from_list(PAIRS), processing_class=tokenizer, peft_config=lora)
+    else:
+        from trl.experimental.orpo import ORPOConfig, ORPOTrainer
+
+        args = ORPOConfig(output_dir=str(tmp_path / "trl"), beta=0.1, per_device_train_batch_size=4, report_to=[], use_cpu=True, bf16=False,
+                          max_length=256)
+        trainer = ORPOTrainer(model=model, args=args, train_dataset=Dataset.from_list(PAIRS), processing_class=tokenizer, peft_config=lora)
+    model = trainer.model
+    mine = dict(adapted.named_parameters())
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(mine[name])
+    batch = trainer.data_collator([trainer.train_dataset[i] for i in range(len(PAIRS))])
+    model.train()
+    loss = trainer.compute_loss(model, batch)
+    loss.backward()
+    return loss.item(), trainer
+
+
+@pytest.mark.parametrize("kind,variant", [("dpo", "sigmoid"), ("dpo", "ipo"), ("dpo", "hinge"), ("orpo", None)])
+def test_loss_and_gradients_equal_trls(tmp_path, tiny_model_dir, kind, variant):
+    pytest.importorskip("trl")
+    from transformers import AutoTokenizer
+
+    from finetune.data import load_data
+    from finetune.objectives import Preference
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    expected, trainer = _trl_loss(kind, variant, _adapted(tiny_model_dir), tokenizer, tmp_path)
+
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps(p) + "\n" for p in PAIRS))
+    data = load_data(DataConfig(train=str(path), format="preference", max_seq_len=128, cache_dir=str(tmp_path / "cache")), tokenizer, seed=0)
+    batch = data.train.batch(range(len(data.train)), tokenizer.pad_token_id)  # the four pairs, packed into rows
+    ours = _adapted(tiny_model_dir).train()
+    objective = Preference(kind, PreferenceConfig(beta=0.1, dpo_loss=variant or "sigmoid", orpo_lambda=0.1))
+    counts = objective.counts(batch)
+    assert counts[0] == 4 and len(data.train) < 4  # pairs share rows
+    loss = objective.losses(ours, batch, counts).tokens / counts[0]
+    loss.backward()
+    assert loss.item() == pytest.approx(expected, abs=1e-5)
+    grads = {n: p.grad for n, p in trainer.model.named_parameters() if p.grad is not None}
+    for name, p in ours.named_parameters():
+        if p.grad is not None:
+            assert torch.allclose(p.grad, grads[name], atol=1e-6, rtol=1e-4), name
+
+
+def test_pairs_are_tokenized_as_trl_does_and_laid_out_as_two_sequences(tmp_path, tiny_model_dir):
+    pytest.importorskip("trl")
+    from transformers import AutoTokenizer
+
+    from finetune.data import load_data
+    from finetune.objectives import answers
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    _, trainer = _trl_loss("dpo", "sigmoid", _adapted(tiny_model_dir), tokenizer, tmp_path)
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps(p) + "\n" for p in PAIRS))
+    data = load_data(DataConfig(train=str(path), format="preference", max_seq_len=128, packing=False, cache_dir=str(tmp_path / "c")), tokenizer, seed=0)
+    for i, row in enumerate(data.train.rows(range(len(PAIRS)))):
+        expected = trainer.train_dataset[i]
+        prompt = expected["prompt_ids"]
+        chosen, rejected = prompt + expected["chosen_ids"], prompt + expected["rejected_ids"]
+        assert list(row.input_ids) == chosen + rejected
+        assert list(row.position_ids) == list(range(len(chosen))) + list(range(len(rejected)))
+        trained = [j for j, label in enumerate(row.labels) if label != -100]
+        assert trained == [*range(len(prompt), len(chosen)), *range(len(chosen) + len(prompt), len(chosen) + len(rejected))]
+    batch = data.train.batch(range(len(PAIRS)), tokenizer.pad_token_id)
+    assert answers(batch)[2] == 2 * len(PAIRS)
+
+
+def test_dpo_run_learns_the_preference_resumes_exactly_and_logs_its_metrics(tmp_path, tiny_model_dir):
+    cfg = _pairs_config(tiny_model_dir, tmp_path / "dpo", eval={"on_start": True, "every": 3}, checkpoint={"save_every": 3})
+    run(validate_config(cfg, "test"))
+    rows = read_jsonl(tmp_path / "dpo" / "metrics.jsonl")
+    steps = [r for r in rows if "loss" in r]
+    assert steps[0]["loss"] == pytest.approx(0.6931, abs=1e-3)  # policy = reference at the start: -log sigmoid(0)
+    later = steps[2:]
+    assert sum(r["loss"] for r in later) / len(later) < 0.65 and min(r["reward_margin"] for r in later) > 0.05
+    assert sum(r["reward_accuracy"] for r in later) / len(later) > 0.7 and {"rewards_chosen", "logps_rejected", "choice_accuracy"} <= set(steps[-1])
+    evals = [r for r in rows if "eval_loss" in r]
+    assert evals[0]["eval_reward_accuracy"] == 0 and evals[0]["eval_loss"] == pytest.approx(0.6931, abs=1e-4) and evals[-1]["eval_pairs"] == 108
+    # Resume from step 3: the last three steps' losses are bit-identical.
+    resumed = _pairs_config(tiny_model_dir, tmp_path / "resumed", eval={"on_start": True, "every": 3}, checkpoint={"resume": str(tmp_path / "dpo" / "checkpoints" / "step-000003")})
+    run(validate_config(resumed, "test"))
+    again = [r["loss"] for r in read_jsonl(tmp_path / "resumed" / "metrics.jsonl") if "loss" in r]
+    assert again == [r["loss"] for r in steps[3:]]
+
+
+def test_orpo_trains_full_fine_tuning_without_a_reference(tmp_path, tiny_model_dir):
+    cfg = _pairs_config(tiny_model_dir, tmp_path / "orpo", objective="orpo", adapter={"method": "full"}, train={"lr": 1e-3})
+    run(validate_config(cfg, "test"))
+    steps = [r for r in read_jsonl(tmp_path / "orpo" / "metrics.jsonl") if "loss" in r]
+    assert steps[-1]["loss"] < steps[0]["loss"] - 0.5  # the chosen answers' cross-entropy falls fast from a random model's
+
+
+def test_preference_settings_are_checked_in_one_line(tmp_path, tiny_model_dir):
+    for sections, why in (({"train": {"objective": "sft"}}, "set train.objective: dpo or orpo"),
+                          ({"adapter": {"method": "full"}}, "frozen reference copy"),):
+        with pytest.raises(UserError, match=why):
+            validate_config(_pairs_config(tiny_model_dir, tmp_path / "out", **sections), "test")
+    with pytest.raises(UserError, match="set data.format: preference"):
+        validate_config(base_config(tiny_model_dir, tmp_path / "out", train={"objective": "dpo"}), "test")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps(PAIRS[0]) + "\n" + json.dumps({"prompt": "Hi", "chosen": "Hello"}) + "\n")
+    cfg = _pairs_config(tiny_model_dir, tmp_path / "out", data={"train": str(bad), "eval": None})
+    with pytest.raises(UserError, match=r"bad.jsonl:2: missing field 'rejected'"):
+        run(validate_config(cfg, "test"))
