@@ -34,10 +34,15 @@ $(VENV)/.installed: pyproject.toml
 demo/model/config.json: | install
 	$(VENV)/bin/finetune make-demo-model --out demo/model
 
+# A finished run's folder is never trained into again (finetune refuses): an earlier demo run is moved aside, not deleted.
+keep_previous = if [ -f $(1)/summary.json ]; then mv $(1) $(1).$$(date +%Y%m%d-%H%M%S) && echo "the previous run in $(1) was moved to $(1).<time>"; fi
+
 demo: install demo/model/config.json
+	@$(call keep_previous,outputs/demo)
 	$(VENV)/bin/finetune train --config configs/demo.yaml
 
 demo-dpo: install demo/model/config.json
+	@$(call keep_previous,outputs/dpo)
 	$(VENV)/bin/finetune train --config configs/dpo.yaml
 
 test: install

@@ -256,6 +256,9 @@ class GuardConfig(_Section):
                          "within the window, or ends the run that far above the run's best (0 = off)...")
     drift_sigmas: float = Field(4.0, gt=0, description="...and the rise is this many times the level's own noise (from the window's robust "
                                 "deviation), so that noisy small batches do not read as a drift.")
+    min_rise: float | None = Field(None, ge=0, description="...and a spike or drift raises the loss by more than this (absolute). null: 0 for "
+                                   "sft and orpo; for dpo the loss it starts at (ln 2 for sigmoid): its per-batch loss swings that much "
+                                   "between pairs it already ranks well and a few it does not, without any divergence.")
     grad_collapse: float = Field(20.0, ge=0, description="Within the first `window` steps, stop when the gradient norm's level has fallen this many times "
                                  "more than the loss has (both from step 1): Adam pushed the weights into a flat, saturated region, the mark of a "
                                  "learning rate too high from the start (healthy runs measured: at most 3.4). 0 = off.")
@@ -340,9 +343,6 @@ class RunConfig(_Section):
         if (self.train.objective != "sft") != (formats == {"preference"}):
             raise ValueError(f"train.objective: {self.train.objective} trains on " + ("preference pairs: set data.format: preference" if
                              self.train.objective != "sft" else "answers, not pairs: set train.objective: dpo or orpo for data.format: preference"))
-        if self.train.objective == "dpo" and self.adapter.method == "full":
-            raise ValueError("train.objective: dpo with adapter.method full needs a frozen reference copy of the model, not offered yet; "
-                             "use an adapter (lora, dora, qlora: the base with the adapter off is the reference) or objective orpo")
         if self.model.quantization is not None and self.adapter.method == "full":
             raise ValueError("model.quantization: quantized weights cannot be fully fine-tuned; use adapter.method lora or dora (QLoRA)")
         if self.train.mixed_precision == "fp16" and self.model.dtype == "bfloat16":

@@ -232,7 +232,7 @@ def init_deepspeed(model: torch.nn.Module, optimizer: torch.optim.Optimizer, cfg
 
     layer = max((sum(getattr(p, "ds_numel", p.numel()) for p in block.parameters()) for block in decoder_layers(model)), default=None)
     engine, ds_optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=deepspeed_config(cfg, world, layer))
-    return engine, ds_optimizer
+    return engine, ds_optimizer  # optimizer None: a frozen model (DPO's reference), an engine that only computes
 
 
 def gathered_trainable_state(model: torch.nn.Module, keep: bool) -> dict[str, torch.Tensor]:

@@ -93,6 +93,12 @@ class Replicated:
         """What save_pretrained writes when the model's own state dict would not do (a collective)."""
         return None
 
+    def reference(self, model_cfg: ModelConfig, say) -> torch.nn.Module:
+        """A frozen copy of the base, held as the policy is (DPO's reference under full fine-tuning):
+        whole on every rank here, with accelerate's autocast like the policy, no DDP wrapper."""
+        model = frozen(self.load(model_cfg, say))
+        return self.accelerator.prepare_model(model, evaluation_mode=True)
+
 
 class FSDP(Replicated):
     """FSDP2 (`fully_shard` per decoder layer): rank 0 loads or streams the weights, every rank keeps its shards."""
@@ -119,6 +125,11 @@ class FSDP(Replicated):
 
     def final_state(self) -> dict[str, torch.Tensor]:
         return full_state_dict(self.model, self.cfg.adapter.method != "full")
+
+    def reference(self, model_cfg: ModelConfig, say) -> torch.nn.Module:
+        """Sharded as the policy, loaded (streamed) the same way."""
+        model = frozen(self.load(model_cfg, say))
+        return shard_fsdp2(model, self.cfg, self.accelerator.device, self.world, self.stream_from)
 
 
 class Zero(Replicated):
@@ -150,11 +161,21 @@ class Zero(Replicated):
     def unwrap(self) -> torch.nn.Module:
         return self.model.module
 
+    def reference(self, model_cfg: ModelConfig, say) -> torch.nn.Module:
+        """ZeRO-3: partitioned while it loads, then a DeepSpeed engine without an optimizer (gathers each
+        layer for its forward, as the policy's does); ZeRO-2 shards no weights: whole on every rank."""
+        model = frozen(self.load(model_cfg, say))
+        return init_deepspeed(model, None, self.cfg, self.world)[0] if self.gathers else model
+
     def final_state(self) -> dict[str, torch.Tensor]:
         # Training is over and any checkpoint is written: the optimizer's states (momentum, Adam's
         # moments) make room for the gathered copy rank 0 builds.
         self.optimizer.optimizer.state.clear()
         return gathered_trainable_state(self.unwrap(), keep=self.accelerator.is_main_process)
+
+
+def frozen(model: torch.nn.Module) -> torch.nn.Module:
+    return model.requires_grad_(False).eval()
 
 
 def trained(model: torch.nn.Module) -> list[torch.nn.Parameter]:

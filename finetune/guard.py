@@ -76,9 +76,10 @@ class Guard:
     'apply'
     """
 
-    def __init__(self, cfg: GuardConfig, state: dict | None = None):
+    def __init__(self, cfg: GuardConfig, state: dict | None = None, min_rise: float = 0.0):
         self.cfg = cfg
         self.state = _load(state)
+        self.min_rise = min_rise  # the smallest rise of the loss that can be a spike or a drift (guard.min_rise, resolved)
 
     def check(self, step: int, loss: float, grad_norm: float) -> Verdict:
         """Judge optimizer step `step` (0-based) from its loss and gradient norm."""
@@ -116,7 +117,7 @@ class Guard:
         if len(history) < cfg.min_history:
             return ""
         median, spread = _median_and_spread([h[1] for h in history])
-        if loss > cfg.loss_spike_ratio * median and loss > median + cfg.loss_spike_sigmas * spread:
+        if loss > cfg.loss_spike_ratio * median and loss > median + max(cfg.loss_spike_sigmas * spread, self.min_rise):
             return f"loss spike {loss:.4g} (recent median {median:.4g}, robust deviation {spread:.2g})"
         grad_median = statistics.median(h[2] for h in history)
         if grad_norm > cfg.grad_spike_ratio * grad_median:
@@ -167,7 +168,7 @@ class Guard:
         sqrt(DRIFT_STEPS)), so that noisy small batches do not read as a drift."""
         noise = 1.25 * _median_and_spread([h[1] for h in self.state.history[-self.cfg.window :]])[1] / math.sqrt(DRIFT_STEPS)
         fraction = self.cfg.drift if fraction is None else fraction
-        return level > (1 + fraction) * reference and level - reference > self.cfg.drift_sigmas * noise
+        return level > (1 + fraction) * reference and level - reference > max(self.cfg.drift_sigmas * noise, self.min_rise)
 
     def _escalate(self, reason: str, before_step: int) -> Verdict:
         if self.state.rollbacks >= self.cfg.max_rollbacks:

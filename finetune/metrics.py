@@ -67,9 +67,8 @@ class RunLog:
         numbers = {k: v for k, v in row.items() if isinstance(v, (int, float)) and k != "step"}
         self.accelerator.log(numbers, step=row["step"])
         if self.bar is not None and "loss" in row:
-            self.bar.set_postfix(
-                loss=f"{row['loss']:.4f}", lr=f"{row['lr']:.2e}", tok_s=f"{row['tokens_per_s']:.0f}", refresh=False
-            )
+            preference = {"acc": f"{row['reward_accuracy']:.2f}", "margin": f"{row['reward_margin']:.3f}"} if "reward_margin" in row else {}
+            self.bar.set_postfix(loss=f"{row['loss']:.4f}", **preference, lr=f"{row['lr']:.2e}", tok_s=f"{row['tokens_per_s']:.0f}", refresh=False)
 
     def event(self, kind: str, step: int | None, message: str, any_rank: bool = False) -> None:
         """Something happened that a person should know about (a skip, a rollback, a restart, a
@@ -128,12 +127,14 @@ EVENT_STYLES = {"skip": ("tab:red", ":"), "anomaly": ("tab:red", ":"), "rollback
 
 
 def curve_data(output_dir: Path) -> dict:
-    """What loss_curve.png shows: train loss, eval loss and learning rate per step, and the events with a step."""
+    """What loss_curve.png shows: train loss, eval loss (and a preference run's eval reward accuracy) and learning rate per
+    step, and the events with a step."""
     rows = read_metrics(output_dir)
     path = Path(output_dir) / EVENTS_FILE
     events = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
     return {"train": [(r["step"], r["loss"]) for r in rows if "loss" in r and math.isfinite(r["loss"])],
             "eval": [(r["step"], r["eval_loss"]) for r in rows if "eval_loss" in r],
+            "accuracy": [(r["step"], r["eval_reward_accuracy"]) for r in rows if "eval_reward_accuracy" in r],  # preference runs
             "lr": [(r["step"], r["lr"]) for r in rows if "lr" in r],
             "events": [(e["step"], e["event"]) for e in events if e.get("step") is not None and e.get("event") in EVENT_STYLES]}
 
@@ -153,13 +154,15 @@ def plot_loss_curve(output_dir: Path) -> Path | None:
     ax.plot(*zip(*data["train"]), label="train loss", linewidth=1.2)
     if data["eval"]:
         ax.plot(*zip(*data["eval"]), "o-", label="eval loss", markersize=4)
+    if data["accuracy"]:
+        ax.plot(*zip(*data["accuracy"]), "s--", color="tab:purple", label="eval reward accuracy", markersize=4)
     seen = set()
     for step, kind in data["events"]:
         colour, style = EVENT_STYLES[kind]
         ax.axvline(step, color=colour, linestyle=style, linewidth=1, alpha=0.8, label=None if kind in seen else kind)
         seen.add(kind)
     ax.set_xlabel("optimizer step")
-    ax.set_ylabel("loss (per token)")
+    ax.set_ylabel("loss (per pair) / accuracy" if data["accuracy"] else "loss (per token)")
     ax.grid(alpha=0.3)
     handles, labels = ax.get_legend_handles_labels()
     if data["lr"]:

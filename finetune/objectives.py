@@ -29,6 +29,7 @@ class SFT:
     """Summed cross-entropy over the trained tokens, a mean over the step's tokens."""
 
     metrics: tuple[str, ...] = ()
+    start_loss = 0.0  # what the guard's min_rise defaults to: any rise of a cross-entropy may be divergence
 
     def counts(self, batch: dict[str, torch.Tensor]) -> list[int]:
         return [trained_tokens(batch)]
@@ -39,14 +40,23 @@ class SFT:
 
 @dataclass
 class Preference:
-    """DPO (the reference is the base with the adapter off) or ORPO (no reference), a mean over pairs."""
+    """DPO (the reference is the base with the adapter off, or a frozen copy) or ORPO (no reference), a mean over pairs."""
 
     kind: str  # dpo or orpo
     cfg: PreferenceConfig
+    reference: torch.nn.Module | None = None  # DPO with full fine-tuning: a frozen copy (engines.reference); else the adapter-off model
 
     # Means over pairs. reward_accuracy: chosen's reward above rejected's (TRL's rewards/accuracies; 0 while the policy is the
     # reference); choice_accuracy: the policy gives the chosen answer the higher log-probability (what the model would pick).
     metrics = ("rewards_chosen", "rewards_rejected", "reward_margin", "reward_accuracy", "logps_chosen", "logps_rejected", "choice_accuracy")
+
+    @property
+    def start_loss(self) -> float:
+        """DPO's loss while the policy is the reference (ln 2 for sigmoid); ORPO's is a cross-entropy, judged as one (0)."""
+        if self.kind == "orpo":
+            return 0.0
+        zero = torch.zeros(1)
+        return float(dpo_loss(zero, zero, zero + 1, zero + 1, self.cfg)[0])
 
     def counts(self, batch: dict[str, torch.Tensor]) -> list[int]:
         keep, answer, n = answers(batch)
@@ -60,8 +70,8 @@ class Preference:
         logps, length = answer_sums(token[keep[keep | nll]], answer, n)
         chosen, rejected = logps[0::2], logps[1::2]
         if self.kind == "dpo":
-            with torch.no_grad(), adapters_off(model):
-                reference, _ = answer_sums(token_logps(model, batch, keep), answer, n)
+            with torch.no_grad(), adapters_off(model) if self.reference is None else contextlib.nullcontext():
+                reference, _ = answer_sums(token_logps(model if self.reference is None else self.reference, batch, keep), answer, n)
             loss, rewards = dpo_loss(chosen - reference[0::2], rejected - reference[1::2], length[0::2], length[1::2], self.cfg)
         else:
             loss, rewards = orpo_loss(chosen, rejected, length[0::2], length[1::2], self.cfg.orpo_lambda)

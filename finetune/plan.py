@@ -168,6 +168,8 @@ def estimate(shape: Shape, cfg: RunConfig, s: Setup) -> dict[str, float]:
         rows["gathered for compute"] = gathered(shape, s, full)
     if s.strategy.startswith("zero"):  # DeepSpeed's optimizer keeps an fp32 copy of its partition, even of fp32 weights
         rows["fp32 master weights (DeepSpeed)"] = n_train * 4 / s.devices
+    if cfg.train.objective == "dpo" and full:  # a frozen copy of the base, held as the policy is (adapters: the base with them off)
+        rows["DPO reference model"] = base / s.devices if s.splits_weights else base
     temporaries = dense_temporaries(shape, cfg, s)
     if temporaries:
         rows["dense weight temporaries"] = temporaries

@@ -379,6 +379,10 @@ def prompt_and_answer(row: dict, tokenizer, fmt: str) -> tuple[str, str]:
         if tokenizer.chat_template:
             return render(tokenizer, _alpaca_messages(row)[:1], add_generation_prompt=True), row["output"]
         return _alpaca_prompt(row), row["output"]
+    if fmt == "preference":  # the chosen answer
+        if isinstance(row["prompt"], str):
+            return row["prompt"], row["chosen"]
+        return render(tokenizer, row["prompt"], add_generation_prompt=True, tools=row.get("tools")), row["chosen"][-1]["content"]
     raise ValueError("completion rows have no prompt/answer split")
 
 

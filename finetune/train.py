@@ -316,6 +316,9 @@ def load_and_prepare_model(run: RunState) -> None:
     if cfg.model.compile:
         compile_layers(model)
     run.engine.prepare(model, run.schedule.total_steps)
+    if cfg.train.objective == "dpo" and cfg.adapter.method == "full":
+        run.objective.reference = run.engine.reference(run.model_cfg, run.say)
+        run.say("dpo: the reference is a frozen copy of the base, held as the policy is")
 
 
 def resume_or_start(run: RunState) -> None:
@@ -331,7 +334,7 @@ def resume_or_start(run: RunState) -> None:
     run.log = RunLog(run.out, run.schedule.total_steps, run.accelerator, run.main, cfg.logging.progress_bar, run.step)
     for kind, message in resumed.events:
         run.log.event(kind, run.step, message)
-    run.guard = Guard(cfg.guard, resumed.guard_state)
+    run.guard = Guard(cfg.guard, resumed.guard_state, cfg.guard.min_rise if cfg.guard.min_rise is not None else run.objective.start_loss)
     set_peak_lr(engine.scheduler, cfg.train.lr * run.guard.state.lr_scale)  # the config's LR wins over the checkpoint's (OPT's logbook)
     rank = run.accelerator.process_index
     run.watchdog = Watchdog(cfg.watchdog, on_hang=lambda message: run.log.event("hang", run.watchdog.step, f"rank {rank}: {message}", any_rank=True))

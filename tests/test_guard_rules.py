@@ -175,3 +175,15 @@ def test_the_collapse_rule_judges_the_first_window_only_and_can_be_turned_off():
 
 def feed_pairs(guard: Guard, steps) -> list[tuple[int, str]]:
     return [(i, v.action) for i, (loss, grad) in enumerate(steps) if (v := guard.check(i, loss, grad)).action != "apply"]
+
+
+def test_a_dpo_loss_near_zero_swings_without_alarm_but_a_rise_above_its_start_rolls_back():
+    """DPO's per-batch loss near 0 swings by most of ln 2 (a few pairs the policy still ranks wrong);
+    with min_rise = ln 2 (the dpo default) that is noise, while the same series read as a cross-entropy
+    (min_rise 0) has spikes and a drift. A real divergence, the loss well above where it started, is still caught."""
+    rng = random.Random(1)
+    settled = [0.6931 * math.exp(-i / 15) for i in range(60)] + [0.02 + 0.6 * (rng.random() < 0.1) + 0.01 * rng.random() for _ in range(60)]
+    assert feed(Guard(GuardConfig(), min_rise=0.0), settled)  # the cross-entropy reading
+    assert feed(Guard(GuardConfig(), min_rise=math.log(2)), settled) == []
+    diverged = settled + [2.5 + 0.1 * rng.random() for _ in range(DRIFT_STEPS)]
+    assert feed(Guard(GuardConfig(), min_rise=math.log(2)), diverged)[-1][1] in ("skip", "rollback", "stop")

@@ -8,7 +8,8 @@ import json
 import pytest
 import torch
 
-from conftest import DEMO_DATA, base_config, read_jsonl
+from conftest import DEMO_DATA, base_config, read_jsonl, run_cli, write_config
+from finetune.cli import main
 from finetune.config import DataConfig, PreferenceConfig, validate_config
 from finetune.errors import UserError
 from finetune.train import run
@@ -132,8 +133,8 @@ def test_pairs_are_tokenized_as_trl_does_and_laid_out_as_two_sequences(tmp_path,
     assert answers(batch)[2] == 2 * len(PAIRS)
 
 
-def test_dpo_run_learns_the_preference_resumes_exactly_and_logs_its_metrics(tmp_path, tiny_model_dir):
-    cfg = _pairs_config(tiny_model_dir, tmp_path / "dpo", eval={"on_start": True, "every": 3}, checkpoint={"save_every": 3})
+def test_dpo_run_learns_the_preference_and_logs_its_metrics(tmp_path, tiny_model_dir):
+    cfg = _pairs_config(tiny_model_dir, tmp_path / "dpo", eval={"on_start": True, "every": 3}, logging={"plot": True})
     run(validate_config(cfg, "test"))
     rows = read_jsonl(tmp_path / "dpo" / "metrics.jsonl")
     steps = [r for r in rows if "loss" in r]
@@ -143,11 +144,27 @@ def test_dpo_run_learns_the_preference_resumes_exactly_and_logs_its_metrics(tmp_
     assert sum(r["reward_accuracy"] for r in later) / len(later) > 0.7 and {"rewards_chosen", "logps_rejected", "choice_accuracy"} <= set(steps[-1])
     evals = [r for r in rows if "eval_loss" in r]
     assert evals[0]["eval_reward_accuracy"] == 0 and evals[0]["eval_loss"] == pytest.approx(0.6931, abs=1e-4) and evals[-1]["eval_pairs"] == 108
-    # Resume from step 3: the last three steps' losses are bit-identical.
-    resumed = _pairs_config(tiny_model_dir, tmp_path / "resumed", eval={"on_start": True, "every": 3}, checkpoint={"resume": str(tmp_path / "dpo" / "checkpoints" / "step-000003")})
-    run(validate_config(resumed, "test"))
-    again = [r["loss"] for r in read_jsonl(tmp_path / "resumed" / "metrics.jsonl") if "loss" in r]
-    assert again == [r["loss"] for r in steps[3:]]
+    from finetune.metrics import curve_data
+
+    assert [a for _, a in curve_data(tmp_path / "dpo")["accuracy"]] == [r["eval_reward_accuracy"] for r in evals]  # on loss_curve.png
+    assert (tmp_path / "dpo" / "loss_curve.png").stat().st_size > 10_000
+    # The adapter merges and is checked as an SFT one is (its check texts: prompts with their chosen answers).
+    assert main(["merge", "--adapter", str(tmp_path / "dpo"), "--out", str(tmp_path / "merged"), "--dtype", "fp32"]) == 0
+    report = json.loads((tmp_path / "merged" / "merge_report.json").read_text())
+    assert report["passed"] and report["check_texts"] == 4 and report["merged_vs_tuned"]["max"] < 1e-3 and report["adapter_effect"]["max"] > 1e-3
+
+
+def test_kill_9_mid_dpo_run_then_resume_gives_the_same_losses(tmp_path, tiny_model_dir):
+    cfg = _pairs_config(tiny_model_dir, tmp_path / "reference", data={"eval": None})
+    run(validate_config(cfg, "test"))
+    expected = [r["loss"] for r in read_jsonl(tmp_path / "reference" / "metrics.jsonl") if "loss" in r]
+    cfg["train"]["output_dir"] = str(tmp_path / "out")
+    config = str(write_config(tmp_path / "dpo.yaml", cfg))
+    killed = run_cli("train", "--config", config, "--save-every", "3", env={"FINETUNE_FAULT": "kill@4"})
+    assert killed.returncode == -9, killed.stderr[-2000:]  # SIGKILL at the start of step 4, after the checkpoint of step 3
+    resumed = run_cli("train", "--config", config, "--save-every", "3")
+    assert resumed.returncode == 0 and "step-000003 at step 3" in resumed.stdout, resumed.stderr[-2000:]
+    assert [r["loss"] for r in read_jsonl(tmp_path / "out" / "metrics.jsonl") if "loss" in r] == expected  # bitwise
 
 
 def test_orpo_trains_full_fine_tuning_without_a_reference(tmp_path, tiny_model_dir):
@@ -158,8 +175,7 @@ def test_orpo_trains_full_fine_tuning_without_a_reference(tmp_path, tiny_model_d
 
 
 def test_preference_settings_are_checked_in_one_line(tmp_path, tiny_model_dir):
-    for sections, why in (({"train": {"objective": "sft"}}, "set train.objective: dpo or orpo"),
-                          ({"adapter": {"method": "full"}}, "frozen reference copy"),):
+    for sections, why in (({"train": {"objective": "sft"}}, "set train.objective: dpo or orpo"),):
         with pytest.raises(UserError, match=why):
             validate_config(_pairs_config(tiny_model_dir, tmp_path / "out", **sections), "test")
     with pytest.raises(UserError, match="set data.format: preference"):
@@ -169,3 +185,50 @@ def test_preference_settings_are_checked_in_one_line(tmp_path, tiny_model_dir):
     cfg = _pairs_config(tiny_model_dir, tmp_path / "out", data={"train": str(bad), "eval": None})
     with pytest.raises(UserError, match=r"bad.jsonl:2: missing field 'rejected'"):
         run(validate_config(cfg, "test"))
+
+
+@pytest.mark.parametrize("strategy,method", [(s, m) for s in ("ddp", "fsdp", "zero3") for m in ("lora", "full")])
+def test_two_processes_match_one_on_pairs(tmp_path, tiny_model_dir, strategy, method):
+    """DPO with 2 processes x 2 rows = 1 process x 4 rows; its reference the adapter-off base (lora), or
+    a frozen copy held as the policy is (full: whole, FSDP-sharded, ZeRO-3-partitioned)."""
+    from test_distributed import _train
+
+    pairs = {"data": {"train": str(DEMO_DATA / "pairs-train.jsonl"), "format": "preference", "max_seq_len": 64},
+             "train": {"objective": "dpo"}}
+    _, one, _ = _train(tmp_path, "one", tiny_model_dir, method, 1, strategy, **pairs)
+    _, two, summary = _train(tmp_path, "two", tiny_model_dir, method, 2, strategy, **pairs)
+    assert summary["world_size"] == 2 and len(two) == 4 and one[0] == pytest.approx(0.6931, abs=1e-4)
+    assert two == pytest.approx(one, rel=1e-4, abs=1e-5) and two[-1] < one[0] - 0.01
+
+
+def test_plan_counts_dpos_frozen_reference_under_full_fine_tuning_only(tmp_path, tiny_model_dir):
+    from finetune.plan import make_plan
+
+    rows = {}
+    for objective, method in (("dpo", "full"), ("orpo", "full"), ("dpo", "lora")):
+        cfg = validate_config(_pairs_config(tiny_model_dir, tmp_path / "out", objective=objective, adapter={"method": method}), "test")
+        rows[objective, method] = make_plan(cfg).rows
+    reference = rows["dpo", "full"]["DPO reference model"]
+    assert reference == rows["dpo", "full"]["weights"] > 0  # a second copy of the base, as the policy holds it
+    assert "DPO reference model" not in rows["orpo", "full"] and "DPO reference model" not in rows["dpo", "lora"]
+    sharded = validate_config(_pairs_config(tiny_model_dir, tmp_path / "out", adapter={"method": "full"}, distributed={"strategy": "fsdp"}), "test")
+    assert make_plan(sharded, devices=2).rows["DPO reference model"] == reference / 2
+
+
+def test_the_guard_skips_a_poisoned_dpo_step_and_judges_the_preference_loss(tmp_path, tiny_model_dir, monkeypatch):
+    from finetune import faults
+    from finetune.guard import Guard
+    from finetune.train import RunState
+
+    monkeypatch.setattr(faults, "FAULT", faults.parse("nan@12"))  # a poisoned batch (FINETUNE_FAULT, in-process), after the first-steps check
+    seen = {}
+    real = Guard.__init__
+
+    def spy(self, cfg, state=None, min_rise=0.0):
+        seen["min_rise"] = min_rise
+        real(self, cfg, state, min_rise)
+
+    monkeypatch.setattr(Guard, "__init__", spy)
+    run(validate_config(_pairs_config(tiny_model_dir, tmp_path / "out", data={"eval": None}, train={"max_steps": 14}), "test"))
+    events = [(e["step"], e["event"]) for e in read_jsonl(tmp_path / "out" / "events.jsonl")]
+    assert (12, "skip") in events and seen["min_rise"] == pytest.approx(0.6931, abs=1e-4)  # dpo's default: the loss it starts at
