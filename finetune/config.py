@@ -78,10 +78,11 @@ class AdapterConfig(_Section):
         "all-linear", description="'all-linear' or a list of module names (e.g. [q_proj, v_proj])."
     )
     rslora: bool = Field(False, description="Rank-stabilised LoRA scaling.")
-    init: Literal["default", "gaussian", "pissa", "olora"] = Field(
+    init: Literal["default", "gaussian", "pissa", "olora", "loftq"] = Field(
         "default", description="peft's LoRA initialisation: default (B = 0), gaussian, pissa (A, B from the weight's principal singular "
         "vectors, the rest left in the base) or olora (from its QR decomposition); pissa and olora: the saved adapter is converted "
-        "by peft to a plain LoRA adapter (rank 2r) for the original base.")
+        "by peft to a plain LoRA adapter (rank 2r) for the original base. loftq (4-bit bases): A, B the best rank-r fix of each "
+        "layer's quantization error, from the original weights in the model's safetensors files.")
     modules_to_save: list[str] | None = Field(None, description="Extra modules trained in full and saved with the adapter.")
 
     @field_validator("target_modules")
@@ -343,6 +344,11 @@ class RunConfig(_Section):
         if (self.train.objective != "sft") != (formats == {"preference"}):
             raise ValueError(f"train.objective: {self.train.objective} trains on " + ("preference pairs: set data.format: preference" if
                              self.train.objective != "sft" else "answers, not pairs: set train.objective: dpo or orpo for data.format: preference"))
+        if self.adapter.init == "loftq":
+            why = ("adapter.method lora" if self.adapter.method != "lora" else "model.quantization bits: 4" if q is None or q.bits != 4
+                   else f"not distributed.strategy {strategy}" if strategy not in ("ddp", "none") else None)
+            if why:
+                raise ValueError(f"adapter.init: loftq fits LoRA to a 4-bit base's quantization error, in one process or under ddp; it needs {why}")
         if self.model.quantization is not None and self.adapter.method == "full":
             raise ValueError("model.quantization: quantized weights cannot be fully fine-tuned; use adapter.method lora or dora (QLoRA)")
         if self.train.mixed_precision == "fp16" and self.model.dtype == "bfloat16":

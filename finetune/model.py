@@ -254,7 +254,7 @@ def apply_adapter(model, cfg: AdapterConfig, gradient_checkpointing: bool, say=p
         target_modules=modules,
         target_parameters=parameters or None,
         use_dora=cfg.method == "dora",
-        init_lora_weights={"default": True}.get(cfg.init, cfg.init),
+        init_lora_weights={"default": True, "loftq": True}.get(cfg.init, cfg.init),  # loftq: replaced after (loftq_init)
         use_rslora=cfg.rslora,
         modules_to_save=cfg.modules_to_save,
     )
@@ -262,6 +262,17 @@ def apply_adapter(model, cfg: AdapterConfig, gradient_checkpointing: bool, say=p
         return get_peft_model(model, lora)
     except (ValueError, TypeError) as err:
         raise UserError(f"adapter: {str(err).splitlines()[0]}") from None
+
+
+def loftq_init(model, cfg: ModelConfig) -> None:
+    """LoftQ through peft (replace_lora_weights_loftq): each 4-bit layer's A and B become the best
+    rank-r approximation of its quantization error, W - dequantize(Q(W)), with W read from the model's
+    safetensors files, so training starts nearer the full-precision model than QLoRA's B = 0."""
+    from peft import replace_lora_weights_loftq
+
+    from finetune.stage import resolve_source
+
+    replace_lora_weights_loftq(model, model_path=str(resolve_source(cfg.name_or_path, cfg.revision)))
 
 
 def compile_layers(model) -> None:

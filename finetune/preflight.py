@@ -22,7 +22,7 @@ def check(cfg: RunConfig) -> None:
     model.check_supported(cfg)
     optim.check_optimizer(cfg.train)
     distributed.check_strategy(cfg)
-    check_precision(cfg)
+    check_gpu_features(cfg)
     check_trackers(cfg)
     runtime.launcher_strategy(cfg)
     check_processes(cfg)
@@ -31,10 +31,13 @@ def check(cfg: RunConfig) -> None:
         check_not_finished(Path(cfg.train.output_dir), cfg.checkpoint.resume)
 
 
-def check_precision(cfg: RunConfig) -> None:
+def check_gpu_features(cfg: RunConfig) -> None:
+    """What needs a GPU: fp16 and fp8 mixed precision, LoftQ."""
     import torch
 
     mp, cuda = cfg.train.mixed_precision, torch.cuda.is_available()
+    if cfg.adapter.init == "loftq" and not cuda:
+        raise UserError("adapter.init: loftq needs an NVIDIA GPU (peft's replace_lora_weights_loftq computes on CUDA); use init: default here")
     if mp == "fp16" and not cuda:
         raise UserError("train.mixed_precision: fp16 needs a GPU (accelerate runs fp16 with loss scaling on GPUs only); use bf16 on CPU")
     if mp == "fp8":

@@ -45,7 +45,7 @@ from finetune.evaluate import eval_loss, exact_match
 from finetune.locks import hold_output_dir, release_output_dir
 from finetune.objectives import SFT, Preference, objective_for
 from finetune.metrics import EVENTS_FILE, RunLog, plot_loss_curve, tracked_config, tracker_kwargs, write_event
-from finetune.model import adapter_input_casting_off, apply_adapter, compile_layers, describe, load_tokenizer
+from finetune.model import adapter_input_casting_off, apply_adapter, compile_layers, describe, load_tokenizer, loftq_init
 from finetune.optim import current_lr, set_peak_lr
 from finetune.stage import staged_model
 from finetune.supervise import Watchdog, stop_with_launcher, watch_preemption
@@ -287,6 +287,8 @@ def load_and_prepare_model(run: RunState) -> None:
     model.name_or_path = model.config.name_or_path = run.base
     run.router_coef = families.router_aux_loss_coef(model.config.to_dict()) if t.router_aux_loss_coef is None else t.router_aux_loss_coef
     model = apply_adapter(model, cfg.adapter, t.gradient_checkpointing, say=run.say)
+    if cfg.adapter.init == "loftq":
+        loftq_init(model, run.model_cfg)
     if cfg.adapter.init in MUTATED_INITS and run.main:
         # PiSSA/OLoRA move part of each weight into the adapter: peft converts the final adapter for the
         # original base from this record of where training started (the same for every start: SVD/QR).

@@ -460,8 +460,20 @@ def test_pissa_and_olora_start_at_the_base_train_differently_and_save_an_adapter
         assert (plain(input_ids=ids, use_cache=False).logits - trained).abs().max() < 1e-4
 
 
+def test_loftq_is_refused_without_a_gpu_in_one_line(tmp_path, tiny_model_dir):
+    """peft's replace_lora_weights_loftq computes on CUDA; tests/test_gpu.py runs it where there is one."""
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: tests/test_gpu.py runs LoftQ")
+    cfg = base_config(tiny_model_dir, tmp_path / "out", adapter={"init": "loftq"})
+    cfg["model"]["quantization"] = {"bits": 4}
+    with pytest.raises(UserError, match="adapter.init: loftq needs an NVIDIA GPU"):
+        run(validate_config(cfg, "test"))
+
+
 def test_pissa_is_refused_where_it_cannot_be_converted(tmp_path, tiny_model_dir):
     for sections, why in (({"adapter": {"init": "pissa", "method": "dora"}}, "not with adapter.method lora"),
-                          ({"adapter": {"init": "olora"}, "distributed": {"strategy": "fsdp"}}, "not with distributed.strategy fsdp")):
+                          ({"adapter": {"init": "olora"}, "distributed": {"strategy": "fsdp"}}, "not with distributed.strategy fsdp"),
+                          ({"adapter": {"init": "loftq"}}, "loftq fits LoRA to a 4-bit base's quantization error, in one process or under "
+                                                           "ddp; it needs model.quantization bits: 4")):
         with pytest.raises(UserError, match=why):
             validate_config(base_config(tiny_model_dir, tmp_path / "out", **sections), "test")

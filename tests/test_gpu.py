@@ -305,3 +305,13 @@ def test_fsdp2_over_a_4bit_base_trains_like_the_unsharded_model(tiny_model_dir):
     assert result["error"] is None, result["error"]
     assert result["reference"][-1] < 0.97 * result["reference"][0]
     assert result["sharded"] == pytest.approx(result["reference"], rel=1e-3)
+
+
+def test_loftq_starts_a_4bit_base_nearer_the_full_precision_model(tmp_path, tiny_model_dir):
+    """The first step's loss is taken before any update: the starting model's."""
+    four_bit = {"name_or_path": str(tiny_model_dir), "quantization": {"bits": 4}}
+    first = {name: _train(tmp_path, tiny_model_dir, name, train={"max_steps": 1}, **sections)[1][0]
+             for name, sections in (("bf16", {}), ("qlora", {"model": four_bit}), ("loftq", {"model": four_bit, "adapter": {"init": "loftq"}}))}
+    print(first)
+    assert abs(first["qlora"] - first["bf16"]) > 1e-4  # quantization moved the loss
+    assert abs(first["loftq"] - first["bf16"]) < 0.5 * abs(first["qlora"] - first["bf16"]), first
