@@ -133,6 +133,39 @@ def test_pairs_are_tokenized_as_trl_does_and_laid_out_as_two_sequences(tmp_path,
     assert answers(batch)[2] == 2 * len(PAIRS)
 
 
+def test_chat_pairs_are_rendered_and_tokenized_as_trls_conversational_rows(tmp_path, tiny_model_dir):
+    pytest.importorskip("trl")
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+    from trl import DPOConfig, DPOTrainer
+
+    from finetune.data import load_data
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    rows = [json.loads(line) for line in (DEMO_DATA / "pairs-eval.jsonl").read_text().splitlines()[:3]]
+    theirs = [{"prompt": r["messages"], "chosen": [{"role": "assistant", "content": r["chosen"]}],
+               "rejected": [{"role": "assistant", "content": r["rejected"]}]} for r in rows]
+    args = DPOConfig(output_dir=str(tmp_path / "trl"), report_to=[], use_cpu=True, max_length=None)
+    trainer = DPOTrainer(model=_adapted(tiny_model_dir), args=args, train_dataset=Dataset.from_list(theirs), processing_class=tokenizer)
+    data = load_data(DataConfig(train=str(DEMO_DATA / "pairs-eval.jsonl"), format="preference", max_seq_len=128, packing=False,
+                                cache_dir=str(tmp_path / "c")), tokenizer, seed=0)
+    for i, row in enumerate(data.train.rows(range(3))):
+        expected = trainer.train_dataset[i]
+        prompt = expected["prompt_ids"]
+        assert list(row.input_ids) == prompt + expected["chosen_ids"] + prompt + expected["rejected_ids"]
+        assert sum(label != -100 for label in row.labels) == len(expected["chosen_ids"]) + len(expected["rejected_ids"])
+
+
+@pytest.mark.parametrize("adapter,model", [({"method": "dora"}, {}), ({"method": "lora"}, {"quantization": {"bits": 4}})], ids=["dora", "qlora"])
+def test_dpo_with_dora_and_a_4bit_base_starts_at_the_reference_and_learns(tmp_path, tiny_model_dir, adapter, model):
+    cfg = _pairs_config(tiny_model_dir, tmp_path / "out", adapter=adapter, data={"eval": None}, train={"max_steps": None, "overfit_batch": 8})
+    cfg["model"].update(model)
+    run(validate_config(cfg, "test"))
+    steps = [r for r in read_jsonl(tmp_path / "out" / "metrics.jsonl") if "loss" in r]
+    assert steps[0]["loss"] == pytest.approx(0.6931, abs=1e-3)  # the adapter off is the reference: the policy at the start
+    assert steps[-1]["loss"] < 0.6 and all(b["loss"] < a["loss"] for a, b in zip(steps, steps[1:])), steps  # the same pairs each step: learned
+
+
 def test_dpo_run_learns_the_preference_and_logs_its_metrics(tmp_path, tiny_model_dir):
     cfg = _pairs_config(tiny_model_dir, tmp_path / "dpo", eval={"on_start": True, "every": 3}, logging={"plot": True})
     run(validate_config(cfg, "test"))
@@ -187,7 +220,7 @@ def test_preference_settings_are_checked_in_one_line(tmp_path, tiny_model_dir):
         run(validate_config(cfg, "test"))
 
 
-@pytest.mark.parametrize("strategy,method", [(s, m) for s in ("ddp", "fsdp", "zero3") for m in ("lora", "full")])
+@pytest.mark.parametrize("strategy,method", [(s, m) for s in ("ddp", "fsdp", "zero3") for m in ("lora", "full")] + [("zero2", "lora")])
 def test_two_processes_match_one_on_pairs(tmp_path, tiny_model_dir, strategy, method):
     """DPO with 2 processes x 2 rows = 1 process x 4 rows; its reference the adapter-off base (lora), or
     a frozen copy held as the policy is (full: whole, FSDP-sharded, ZeRO-3-partitioned)."""
