@@ -341,6 +341,8 @@ class RunConfig(_Section):
                 raise ValueError(f"adapter.init: {self.adapter.init} moves part of each weight into the adapter; it runs with adapter.method: lora "
                                  f"on an unquantized base in one process or under ddp (not with {why})")
         formats = {(None if isinstance(s, str) else s.format) or self.data.format for s in _as_list(self.data.train)}
+        if self.train.objective != "sft" and self.data.train_on_prompt:
+            raise ValueError("data.train_on_prompt: preference losses compare the answers only; set it to false")
         if (self.train.objective != "sft") != (formats == {"preference"}):
             raise ValueError(f"train.objective: {self.train.objective} trains on " + ("preference pairs: set data.format: preference" if
                              self.train.objective != "sft" else "answers, not pairs: set train.objective: dpo or orpo for data.format: preference"))

@@ -86,7 +86,7 @@ def load_data(cfg: DataConfig, tokenizer, seed: int, eval_examples: int = 0, say
         eval_split, stats["eval"] = None, {}
     if eval_split is not None and len(eval_split) == 0:
         eval_split = None
-    if cfg.format in ("completion", "preference"):  # no single answer to compare a generation with
+    if cfg.format == "completion":  # no prompt and answer to compare a generation with (preference pairs: the chosen answer)
         examples = []
     stats["seconds"] = time.perf_counter() - started
     return Datasets(split, eval_split, examples, stats)

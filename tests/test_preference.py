@@ -265,3 +265,8 @@ def test_the_guard_skips_a_poisoned_dpo_step_and_judges_the_preference_loss(tmp_
     run(validate_config(_pairs_config(tiny_model_dir, tmp_path / "out", data={"eval": None}, train={"max_steps": 14}), "test"))
     events = [(e["step"], e["event"]) for e in read_jsonl(tmp_path / "out" / "events.jsonl")]
     assert (12, "skip") in events and seen["min_rise"] == pytest.approx(0.6931, abs=1e-4)  # dpo's default: the loss it starts at
+
+
+def test_train_on_prompt_is_refused_for_pairs(tmp_path, tiny_model_dir):
+    with pytest.raises(UserError, match="data.train_on_prompt: preference losses compare the answers only"):
+        validate_config(_pairs_config(tiny_model_dir, tmp_path / "out", data={"train_on_prompt": True}), "test")
