@@ -270,3 +270,19 @@ def test_the_guard_skips_a_poisoned_dpo_step_and_judges_the_preference_loss(tmp_
 def test_train_on_prompt_is_refused_for_pairs(tmp_path, tiny_model_dir):
     with pytest.raises(UserError, match="data.train_on_prompt: preference losses compare the answers only"):
         validate_config(_pairs_config(tiny_model_dir, tmp_path / "out", data={"train_on_prompt": True}), "test")
+
+
+def test_label_smoothing_is_conservative_dpo():
+    """TRL 1.16's sigmoid loss has no label smoothing any more; cDPO's formula, by hand: a share eps of
+    pairs taken as flipped, -(1 - eps) log sigmoid(beta d) - eps log sigmoid(-beta d)."""
+    import math
+
+    from finetune.objectives import dpo_loss
+
+    chosen, rejected, ones = torch.tensor([1.5, -0.5, 0.2]), torch.tensor([0.5, 0.5, 0.2]), torch.ones(3)
+    log_sigmoid = lambda x: -math.log1p(math.exp(-x))  # noqa: E731
+    for eps in (0.0, 0.1, 0.3):
+        loss, (good, bad) = dpo_loss(chosen, rejected, ones, ones, PreferenceConfig(beta=0.5, label_smoothing=eps))
+        expected = sum(-(1 - eps) * log_sigmoid(0.5 * d) - eps * log_sigmoid(-0.5 * d) for d in (1.0, -1.0, 0.0))
+        assert loss.item() == pytest.approx(expected, abs=1e-6)
+        assert good.tolist() == pytest.approx([0.75, -0.25, 0.1]) and bad.tolist() == pytest.approx([0.25, 0.25, 0.1])
