@@ -1,4 +1,5 @@
-"""Evaluation: per-token loss on held-out rows, and greedy generation scored by exact match."""
+"""Evaluation: the run's loss on held-out rows (per token, or per preference pair with its metrics),
+and greedy generation scored by exact match."""
 
 from __future__ import annotations
 

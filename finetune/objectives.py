@@ -60,7 +60,7 @@ class Preference:
 
     def counts(self, batch: dict[str, torch.Tensor]) -> list[int]:
         keep, answer, n = answers(batch)
-        return [n // 2, int(chosen_sequences(batch, keep, answer).sum())]
+        return [n // 2, int(chosen_sequences(batch, keep, answer).sum()) if self.kind == "orpo" else 0]
 
     def losses(self, model, batch: dict[str, torch.Tensor], totals: list[float], router: bool = False) -> Losses:
         keep, answer, n = answers(batch)

@@ -158,7 +158,6 @@ def _tokenize_batch(batch, tokenizer, fmt: str, train_on_prompt: bool, max_seq_l
     results = tokenize_pairs(rows, tokenizer, max_seq_len) if fmt == "preference" else tokenize_rows(rows, tokenizer, fmt)
     problems = [r if isinstance(r, str) else None for r in results]
     results = [([], [], 0, -1) if isinstance(r, str) else r for r in results]
-    train_on_prompt = train_on_prompt and fmt != "preference"
     lengths = np.fromiter((len(r[0]) for r in results), dtype=np.int64, count=len(results))
     offsets = np.concatenate([[0], np.cumsum(lengths)])
     total = int(offsets[-1])
