@@ -89,10 +89,10 @@ def objective_for(train, preference: PreferenceConfig) -> SFT | Preference:
 
 def answers(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, int]:
     """(which positions predict a trained token, the answer each of those belongs to (0, 1, 2, ...), how many answers)."""
-    labels, positions = batch["labels"], batch["position_ids"]
+    labels = batch["labels"]
     keep = torch.zeros_like(labels, dtype=torch.bool)
     keep[:, :-1] = labels[:, 1:] != IGNORE
-    sequence = ((positions == 0).flatten().cumsum(0) - 1).view_as(positions)[keep]  # a sequence's first label is never trained
+    sequence = _sequences(batch["position_ids"])[keep]  # a sequence's first label is never trained
     _, answer = torch.unique_consecutive(sequence, return_inverse=True)
     count = int(answer[-1]) + 1 if len(answer) else 0
     if count % 2:
@@ -102,13 +102,17 @@ def answers(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor,
 
 def chosen_sequences(batch: dict[str, torch.Tensor], keep: torch.Tensor, answer: torch.Tensor) -> torch.Tensor:
     """The positions that predict a token of a chosen answer's sequence (its prompt too, not its first token)."""
-    positions = batch["position_ids"]
-    sequence = ((positions == 0).flatten().cumsum(0) - 1).view_as(positions)
+    sequence = _sequences(batch["position_ids"])
     inside = torch.zeros_like(keep)
     inside[:, :-1] = sequence[:, 1:] == sequence[:, :-1]
     chosen = torch.zeros(int(sequence.max()) + 1, dtype=torch.bool, device=keep.device)
     chosen[sequence[keep][answer % 2 == 0]] = True
     return inside & chosen[sequence]
+
+
+def _sequences(positions: torch.Tensor) -> torch.Tensor:
+    """Each position's sequence of the batch, numbered 0, 1, ... in row order (positions restart at each)."""
+    return ((positions == 0).flatten().cumsum(0) - 1).view_as(positions)
 
 
 def token_logps(model, batch: dict[str, torch.Tensor], where: torch.Tensor) -> torch.Tensor:
