@@ -14,12 +14,19 @@ Sliding-window layers (Mistral, Qwen2, Phi-3, Gemma 2/3) pass `sliding_window`: 
 itself and the `sliding_window - 1` keys before it, as transformers' masks define it. Logit soft-capping
 (Gemma 2) is not done here: `model.load_model` runs such models with eager attention instead.
 
+On CUDA, per-sample calls made a 1.1B step host-bound (docs/platform-notes.md), so a layer makes one
+call there: torch's flash-attention varlen kernel (`torch.nn.attention.varlen`) in bf16/fp16, otherwise
+transformers' own sdpa over the block-diagonal mask it builds from the restarting position_ids.
+
 Registered with transformers' AttentionInterface under PACKED_SDPA; models load with it when the
 config asks for sdpa. Outside training (eval, generation with a KV cache or padding) it is plain sdpa,
 whose mask transformers builds with the windows and sample boundaries.
 """
 
 from __future__ import annotations
+
+import functools
+import inspect
 
 import torch
 import torch.nn.functional as F
@@ -62,6 +69,11 @@ def packed_sdpa_forward(module, query, key, value, attention_mask, dropout: floa
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     if position_ids.shape[0] != query.shape[0]:
         position_ids = position_ids.expand(query.shape[0], -1)
+    if query.is_cuda:
+        dtype = _varlen_dtype(query, dropout)
+        if dtype is None:
+            return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+        return varlen_attention(query, key, value, sample_bounds(position_ids), scale, dtype, window), None
     bounds = sample_bounds(position_ids)
     spans = [(b, s, e) for b, row in enumerate(bounds) for s, e in zip(row, row[1:])]
     ours = query.device.type == "cpu" and dropout == 0.0
@@ -85,23 +97,61 @@ def _split_sdpa(query, key, value, bounds: list[list[int]], window: int | None, 
     """torch's sdpa per sample, the samples of a row taken by one split and put back by one concatenation.
 
     Slicing each sample out instead costs a zero-filled gradient of the whole (B, H, L, D) tensor per
-    sample and slice in backward, and writing each output into place a copy per sample: on an H100 these
-    and cuDNN attention's per-call host work (~1.2 ms a backward, a graph per sample length) made a
-    1.1B step CPU-bound (docs/platform-notes.md); cuDNN is therefore left out of the backends tried."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
+    sample and slice in backward, and writing each output into place a copy per sample."""
     rows = []
-    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
-        for b, edges in enumerate(bounds):
-            lengths = [e - s for s, e in zip(edges, edges[1:])]
-            outs = []
-            for q, k, v in zip(query[b].split(lengths, 1), key[b].split(lengths, 1), value[b].split(lengths, 1)):
-                banded = window is not None and window < q.shape[1]
-                mask = _allowed(q.shape[1], window, q.device) if banded else None
-                outs.append(F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, dropout_p=dropout, is_causal=not banded,
-                                                           scale=scale, enable_gqa=gqa)[0])
-            rows.append(torch.cat(outs, 1).transpose(0, 1))
+    for b, edges in enumerate(bounds):
+        lengths = [e - s for s, e in zip(edges, edges[1:])]
+        outs = []
+        for q, k, v in zip(query[b].split(lengths, 1), key[b].split(lengths, 1), value[b].split(lengths, 1)):
+            banded = window is not None and window < q.shape[1]
+            mask = _allowed(q.shape[1], window, q.device) if banded else None
+            outs.append(F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, dropout_p=dropout, is_causal=not banded,
+                                                       scale=scale, enable_gqa=gqa)[0])
+        rows.append(torch.cat(outs, 1).transpose(0, 1))
     return torch.stack(rows)
+
+
+def _varlen_dtype(query: torch.Tensor, dropout: float) -> torch.dtype | None:
+    """The dtype torch's varlen kernel would compute in (sdpa's: autocast's if on), or None where it cannot
+    run: torch without `varlen_attn(window_size=...)` (before 2.11), fp32, dropout, or head sizes
+    flash-attention does not take (over 256, or not a multiple of 8)."""
+    device = query.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else query.dtype
+    if dropout or dtype not in (torch.float16, torch.bfloat16) or query.shape[-1] > 256 or query.shape[-1] % 8 or _varlen() is None:
+        return None
+    return dtype
+
+
+@functools.cache
+def _varlen():
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn if "window_size" in inspect.signature(varlen_attn).parameters else None
+
+
+def varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bounds: list[list[int]], scale: float,
+                     dtype: torch.dtype, window: int | None = None) -> torch.Tensor:
+    """All samples of a packed batch in one call of torch's flash-attention varlen kernel (CUDA, bf16/fp16):
+    query (B, H, L, D), key/value (B, H_kv, L, D) -> (B, L, H, D); `bounds` as sample_bounds gives them.
+
+    The rows are laid end to end as one (B*L, H, D) sequence cut at every sample start, each sample
+    causal; a window keeps a query to itself and the `window - 1` keys before it (transformers' masks)."""
+    varlen_attn = _varlen()
+    batch, heads, length, dim = query.shape
+    q, k, v = (x.transpose(1, 2).reshape(batch * length, x.shape[1], dim).to(dtype) for x in (query, key, value))
+    extra = {}
+    if k.shape[1] != heads:
+        if "enable_gqa" in inspect.signature(varlen_attn).parameters:
+            extra["enable_gqa"] = True
+        else:  # torch 2.11 takes as many key/value heads as query heads
+            k, v = (x.repeat_interleave(heads // x.shape[1], 1) for x in (k, v))
+    starts = [b * length + s for b, edges in enumerate(bounds) for s in edges[:-1]] + [batch * length]
+    longest = max(e - s for s, e in zip(starts, starts[1:]))
+    cu = torch.tensor(starts, dtype=torch.int32).to(query.device, non_blocking=True)
+    out = varlen_attn(q, k, v, cu, cu, longest, longest, scale=scale, window_size=(-1 if window is None else window - 1, 0), **extra)
+    return out.view(batch, length, heads, dim)
 
 
 def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, spans: list[tuple[int, int, int]], scale: float,

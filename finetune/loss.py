@@ -18,9 +18,12 @@ import torch.nn.functional as F
 from finetune import families
 from finetune.rows import IGNORE
 
-# Logits held at once: 16 MiB in fp32. Each chunk reads the whole head weight twice, so smaller chunks
-# make the matmuls memory-bound (8 MiB ran the bench's steps ~6% slower); much larger ones leave the cache.
+# Logits held at once: 16 MiB in fp32 on CPU. Each chunk reads the whole head weight twice, so smaller
+# chunks make the matmuls memory-bound (8 MiB ran the bench's steps ~6% slower); much larger ones leave
+# the cache. A GPU takes 256 MiB (2,048 tokens of a 32k vocabulary): its chunks of 128 tokens were a
+# dozen small kernel launches each, on a step that was already host-bound (docs/platform-notes.md).
 CHUNK_ELEMENTS = 2**22
+CHUNK_ELEMENTS_CUDA = 2**26
 
 
 def trained_tokens(batch: dict[str, torch.Tensor]) -> int:
@@ -110,7 +113,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         wide = torch.promote_types(weight.dtype, torch.float32)  # softmax and d(weight) sums: fp32 at least
         grad_weight = torch.zeros_like(weight, dtype=wide) if need_weight else None
         total = torch.zeros((), dtype=wide, device=hidden.device)
-        chunk = max(1, CHUNK_ELEMENTS // weight.shape[0])
+        chunk = max(1, (CHUNK_ELEMENTS_CUDA if hidden.is_cuda else CHUNK_ELEMENTS) // weight.shape[0])
         for start in range(0, hidden.shape[0], chunk):
             h, t = hidden[start : start + chunk], targets[start : start + chunk]
             # Widen first: log_softmax(bf16, dtype=float32) took a path 5x slower on CPU (torch 2.13).

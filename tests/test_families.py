@@ -84,14 +84,14 @@ def _grads(model) -> dict[str, torch.Tensor]:
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def _textbook(model, samples) -> tuple[float, dict]:
+def _textbook(model, samples, device: str = "cpu") -> tuple[float, dict]:
     """The library's eager attention and full logits, one sample at a time, plain cross-entropy."""
     model.set_attn_implementation("eager")
     model.zero_grad()
     total = 0.0
     for ids, labels in samples:
-        logits = model(input_ids=torch.tensor([ids]), use_cache=False).logits[0, :-1]
-        value = F.cross_entropy(logits.float(), torch.tensor(labels[1:]), ignore_index=IGNORE, reduction="sum")
+        logits = model(input_ids=torch.tensor([ids], device=device), use_cache=False).logits[0, :-1]
+        value = F.cross_entropy(logits.float(), torch.tensor(labels[1:], device=device), ignore_index=IGNORE, reduction="sum")
         value.backward()
         total += value.item()
     return total, _grads(model)

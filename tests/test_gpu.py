@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from conftest import REPO, base_config, read_jsonl, write_config
+from test_families import FAMILIES, family_dirs  # noqa: F401 (a fixture)
 from finetune.config import validate_config
 from finetune.train import run
 
@@ -109,12 +110,25 @@ def _packed_batch_cuda(model_dir):
     return {k: v.cuda() for k, v in _packed_batch(model_dir).items()}
 
 
-def test_packed_rows_on_cuda_never_attend_across_samples(tiny_model_dir):
-    """A packed row's logits (training mode, per-sample sdpa) == each sample run alone, in bf16."""
+def _attention_path(monkeypatch, path: str) -> None:
+    """varlen: torch's flash varlen kernel, one call per layer (torch >= 2.11); sdpa-mask: transformers'
+    sdpa over its block-diagonal mask, which finetune falls back to where varlen cannot run."""
+    from finetune import attention
+
+    if path == "sdpa-mask":
+        monkeypatch.setattr(attention, "_varlen", lambda: None)
+    elif attention._varlen() is None:
+        pytest.skip(f"torch {torch.__version__} has no varlen_attn(window_size=...)")
+
+
+@pytest.mark.parametrize("path", ["varlen", "sdpa-mask"])
+def test_packed_rows_on_cuda_never_attend_across_samples(tiny_model_dir, monkeypatch, path):
+    """A packed row's logits (training mode) == each sample run alone, in bf16."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from finetune.attention import PACKED_SDPA, register, sample_bounds
 
+    _attention_path(monkeypatch, path)
     batch = _packed_batch_cuda(tiny_model_dir)
     pad = AutoTokenizer.from_pretrained(tiny_model_dir).pad_token_id
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16, attn_implementation=register()).cuda().train()
@@ -128,12 +142,12 @@ def test_packed_rows_on_cuda_never_attend_across_samples(tiny_model_dir):
                     continue  # the padding segment
                 alone = model(input_ids=batch["input_ids"][row : row + 1, s:e], use_cache=False).logits.float()[0]
                 worst = max(worst, (packed[row, s:e] - alone).abs().max().item() / alone.abs().max().item())
-    print(f"packed vs alone, bf16 sdpa on CUDA: worst relative difference {worst:.2e}")
+    print(f"packed vs alone, bf16 {path} on CUDA: worst relative difference {worst:.2e}")
     assert worst < 2e-2  # bf16 rounding; attention across samples changes logits by O(1)
 
 
-@pytest.mark.parametrize("impl", ["sdpa", "flash_attention_2"])
-def test_packed_training_on_cuda_equals_eager_attention_over_the_block_mask(tiny_model_dir, impl):
+@pytest.mark.parametrize("impl", ["sdpa/varlen", "sdpa/sdpa-mask", "flash_attention_2"])
+def test_packed_training_on_cuda_equals_eager_attention_over_the_block_mask(tiny_model_dir, monkeypatch, impl):
     """Logits and gradients of a packed batch: the kernel used in training == eager over the block-diagonal mask."""
     from test_fast_paths import _loss_and_grads
     from transformers import AutoModelForCausalLM
@@ -142,15 +156,42 @@ def test_packed_training_on_cuda_equals_eager_attention_over_the_block_mask(tiny
 
     if impl == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
         pytest.skip("flash-attn is not installed (it ships no wheels on PyPI)")
+    if impl.startswith("sdpa/"):
+        _attention_path(monkeypatch, impl.split("/")[1])
     batch = _packed_batch_cuda(tiny_model_dir)
     results = {}
-    for name in ("eager", register() if impl == "sdpa" else impl):
+    for name in ("eager", register() if impl.startswith("sdpa") else impl):
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16, attn_implementation=name).cuda().train()
         results[name] = _loss_and_grads(model, batch)
     (eager_loss, eager_grads), (loss, grads) = results.values()
     assert abs(loss - eager_loss) < 1e-2 * eager_loss, (loss, eager_loss)
     for name, grad in eager_grads.items():
+        assert torch.allclose(grads[name].float(), grad.float(), rtol=5e-2, atol=5e-2 * grad.float().abs().max().item()), name
+
+
+@pytest.mark.parametrize("path", ["varlen", "sdpa-mask"])
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f != "gemma2"])  # Gemma 2 soft-caps: eager attention, no packed path
+def test_packed_training_on_cuda_equals_each_sample_alone_in_every_family(family_dirs, monkeypatch, family, path):
+    """Each family's packed batch (sliding windows, GQA, q/k norms, experts) in bf16 on CUDA: the loss
+    and gradients of the training path equal eager attention and full logits on each sample alone."""
+    from test_families import _batch, _grads, _samples, _textbook
+
+    from finetune import loss
+    from finetune.config import ModelConfig
+    from finetune.model import load_model
+
+    _attention_path(monkeypatch, path)
+    model = load_model(ModelConfig(name_or_path=str(family_dirs(family)), dtype="bfloat16"), say=lambda _: None).cuda().train()
+    samples = _samples(model.config.vocab_size)
+    model.zero_grad()
+    packed = loss.token_loss_sum(model, {k: v.cuda() for k, v in _batch(samples, packed=True).items()})
+    packed.backward()
+    packed, grads = packed.item(), _grads(model)
+    reference, reference_grads = _textbook(model, samples, device="cuda")
+    print(f"{family} {path}: packed {packed:.4f} vs each alone {reference:.4f}")
+    assert abs(packed - reference) < 1e-2 * reference, (packed, reference)
+    for name, grad in reference_grads.items():
         assert torch.allclose(grads[name].float(), grad.float(), rtol=5e-2, atol=5e-2 * grad.float().abs().max().item()), name
 
 
