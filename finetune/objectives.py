@@ -66,12 +66,12 @@ class Preference:
         keep, answer, n = answers(batch)
         # ORPO's cross-entropy covers the chosen sequences whole, prompt included (TRL's ORPOTrainer; the ORPO authors' code)
         nll = chosen_sequences(batch, keep, answer) if self.kind == "orpo" else torch.zeros_like(keep)
-        token = token_logps(model, batch, keep | nll)
+        token, aux = token_logps(model, batch, keep | nll, router)
         logps, length = answer_sums(token[keep[keep | nll]], answer, n)
         chosen, rejected = logps[0::2], logps[1::2]
         if self.kind == "dpo":
             with torch.no_grad(), adapters_off(model) if self.reference is None else contextlib.nullcontext():
-                reference, _ = answer_sums(token_logps(model if self.reference is None else self.reference, batch, keep), answer, n)
+                reference, _ = answer_sums(token_logps(model if self.reference is None else self.reference, batch, keep)[0], answer, n)
             loss, rewards = dpo_loss(chosen - reference[0::2], rejected - reference[1::2], length[0::2], length[1::2], self.cfg)
         else:
             loss, rewards = orpo_loss(chosen, rejected, length[0::2], length[1::2], self.cfg.orpo_lambda)
@@ -80,7 +80,7 @@ class Preference:
         good, bad = rewards
         metrics = torch.stack([good.sum(), bad.sum(), (good - bad).sum(), (good > bad).sum().to(good.dtype), chosen.detach().sum(),
                                rejected.detach().sum(), (chosen > rejected).sum().to(good.dtype)])
-        return Losses(loss, metrics=metrics)
+        return Losses(loss, aux, metrics)
 
 
 def objective_for(train, preference: PreferenceConfig) -> SFT | Preference:
@@ -115,12 +115,14 @@ def _sequences(positions: torch.Tensor) -> torch.Tensor:
     return ((positions == 0).flatten().cumsum(0) - 1).view_as(positions)
 
 
-def token_logps(model, batch: dict[str, torch.Tensor], where: torch.Tensor) -> torch.Tensor:
-    """log p(next token) at each position of `where`, in order. Logits only there (transformers'
-    logits_to_keep mask), log-softmax in fp32."""
-    out = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False, logits_to_keep=where)
+def token_logps(model, batch: dict[str, torch.Tensor], where: torch.Tensor, router: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log p(next token) at each position of `where`, in order, and with `router` the MoE router's
+    load-balancing loss of this forward (added as TRL's preference trainers add it). Logits only there
+    (transformers' logits_to_keep mask), log-softmax in fp32."""
+    extra = {"output_router_logits": True} if router else {}
+    out = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False, logits_to_keep=where, **extra)
     targets = batch["input_ids"][:, 1:][where[:, :-1]]
-    return torch.log_softmax(out.logits.float(), dim=-1).gather(1, targets[:, None])[:, 0]
+    return torch.log_softmax(out.logits.float(), dim=-1).gather(1, targets[:, None])[:, 0], out.aux_loss if router else None
 
 
 def answer_sums(token: torch.Tensor, answer: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from conftest import DEMO_DATA, base_config, read_jsonl, run_cli, write_config
+from test_families import family_dirs  # noqa: F401 (a fixture)
 from finetune.cli import main
 from finetune.config import DataConfig, PreferenceConfig, validate_config
 from finetune.errors import UserError
@@ -286,3 +287,38 @@ def test_label_smoothing_is_conservative_dpo():
         expected = sum(-(1 - eps) * log_sigmoid(0.5 * d) - eps * log_sigmoid(-0.5 * d) for d in (1.0, -1.0, 0.0))
         assert loss.item() == pytest.approx(expected, abs=1e-6)
         assert good.tolist() == pytest.approx([0.75, -0.25, 0.1]) and bad.tolist() == pytest.approx([0.25, 0.25, 0.1])
+
+
+def test_moe_preference_runs_train_the_routers_load_balancing_loss(tmp_path, family_dirs):
+    """Mixtral: a DPO forward hands back the router's load-balancing loss as the model computes it
+    (TRL adds it to its preference losses alike), the preference loss itself unchanged; a run trains
+    it with the config's coefficient and logs it, and a coefficient of 0 leaves it out."""
+    from transformers import AutoTokenizer
+
+    from finetune.config import AdapterConfig, ModelConfig
+    from finetune.data import load_data
+    from finetune.model import apply_adapter, load_model
+    from finetune.objectives import Preference
+
+    model_dir = family_dirs("mixtral")
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps(p) + "\n" for p in PAIRS))
+    data = load_data(DataConfig(train=str(path), format="preference", max_seq_len=128, cache_dir=str(tmp_path / "cache")), tokenizer, seed=0)
+    batch = data.train.batch(range(len(data.train)), tokenizer.pad_token_id)
+    model = apply_adapter(load_model(ModelConfig(name_or_path=str(model_dir)), say=lambda _: None), AdapterConfig(r=4, dropout=0.0),
+                          gradient_checkpointing=False).train()
+    objective = Preference("dpo", PreferenceConfig())
+    counts = objective.counts(batch)
+    with torch.no_grad():
+        parts, plain = objective.losses(model, batch, counts, router=True), objective.losses(model, batch, counts)
+        own = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False, output_router_logits=True).aux_loss
+    assert plain.router is None and parts.tokens.item() == pytest.approx(plain.tokens.item(), abs=1e-6)
+    assert parts.router.item() == pytest.approx(own.item(), abs=1e-6) and parts.router.item() > 1.0  # ~num_experts_per_tok when balanced
+
+    for name, coef in (("routed", None), ("off", 0.0)):
+        run(validate_config(_pairs_config(model_dir, tmp_path / name, data={"eval": None}, train={"max_steps": 3, "router_aux_loss_coef": coef}),
+                            "test"))
+        steps = [r for r in read_jsonl(tmp_path / name / "metrics.jsonl") if "loss" in r]
+        assert steps[0]["loss"] == pytest.approx(0.6931, abs=1e-3)
+        assert all(("router_aux_loss" in r) == (coef is None) for r in steps), steps
