@@ -97,16 +97,19 @@ Columns = dict[Literal["text", "instruction", "input", "output", "messages", "co
 
 
 class SourceConfig(_Section):
-    path: str = Field(description="A local .jsonl/.json/.parquet/.csv/.txt file, or a hub dataset name.")
+    path: str = Field(description="A local .jsonl/.json/.parquet/.csv/.txt file (gzipped too, but parquet), a folder of them or one "
+                      "datasets' save_to_disk wrote, or a hub dataset name.")
     format: Literal["completion", "alpaca", "chat", "preference"] | None = Field(None, description="This source's format (null: data.format).")
     columns: Columns | None = Field(None, description="This source's column names (null: data.columns).")
     weight: float = Field(1.0, gt=0, description="Sampling weight: 2 repeats every sample twice, 0.5 takes a seeded half, 1.5 both.")
     bad_rows: Literal["fail", "skip"] | None = Field(None, description="This source's bad-row policy (null: data.bad_rows).")
+    split: str | None = Field(None, description="This source's split, of a folder or hub dataset (null: data.split).")
 
 
 class DataConfig(_Section):
-    train: str | list[str | SourceConfig] = Field(description="Training data: local .jsonl/.json/.parquet/.csv/.txt file(s) or hub dataset "
-                                                  "names, or a list of sources {path, format, columns, weight, bad_rows} to mix.")
+    train: str | list[str | SourceConfig] = Field(description="Training data: local .jsonl/.json/.parquet/.csv/.txt file(s) (or .gz), folders "
+                                                  "of them, or hub dataset names, or a list of sources {path, format, columns, weight, bad_rows, "
+                                                  "split} to mix.")
     format: Literal["completion", "alpaca", "chat", "preference"] = Field(
         "alpaca", description="completion: {text}; alpaca: {instruction, input?, output}; chat: {messages: [{role, content}]} (content may be a "
         "list of text parts) or ShareGPT's {conversations: [{from, value}]}; preference (train.objective dpo/orpo): {prompt, chosen, "
@@ -126,7 +129,8 @@ class DataConfig(_Section):
                                       "model's own; chatml, llama3 or alpaca (built-in, with generation markers); or a .jinja file.")
     bad_rows: Literal["fail", "skip"] = Field("fail", description="Invalid rows: fail with file:line, or skip and count them.")
     cache_dir: str | None = Field(None, description="Tokenized-data cache (default $FINETUNE_CACHE or ~/.cache/finetune).")
-    split: str = Field("train", description="Split to read from a hub dataset.")
+    split: str = Field("train", description="Split to read from folders and hub datasets, found by datasets' rules (train-*, data/train-*, "
+                       "a train/ folder; a folder without splits is all train); a source's own split comes first.")
     num_proc: int | None = Field(None, gt=0, description="Processes for tokenization (null: every core for sources of 10,000+ rows, else 1).")
     tokenize_wait_minutes: float = Field(120, gt=0, description="How long a process waits for another one tokenizing the same data on this node.")
 
@@ -372,14 +376,15 @@ def _as_list(value: str | list | None) -> list:
 
 def looks_local(path: str) -> bool:
     """A data or model reference is a local path if it exists or looks like a file path rather than a hub id."""
-    return Path(path).exists() or path.startswith((".", "/", "~")) or Path(path).suffix in {".jsonl", ".json", ".parquet", ".csv", ".txt"}
+    return Path(path).exists() or path.startswith((".", "/", "~")) or Path(path).suffix in {".jsonl", ".json", ".parquet", ".csv", ".txt", ".gz"}
 
 
 def data_sources(value, data: DataConfig) -> list[SourceConfig]:
     """data.train or data.eval as sources, each with its format and bad-row policy filled in."""
-    return [SourceConfig(path=s, format=data.format, bad_rows=data.bad_rows, columns=data.columns) if isinstance(s, str)
+    return [SourceConfig(path=s, format=data.format, bad_rows=data.bad_rows, columns=data.columns, split=data.split) if isinstance(s, str)
             else s.model_copy(update={"format": s.format or data.format, "bad_rows": s.bad_rows or data.bad_rows,
-                                      "columns": data.columns if s.columns is None else s.columns}) for s in _as_list(value)]
+                                      "columns": data.columns if s.columns is None else s.columns, "split": s.split or data.split})
+            for s in _as_list(value)]
 
 
 # ----------------------------------------------------------------------------------------------

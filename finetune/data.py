@@ -170,7 +170,7 @@ def _nothing_trained(source: _Samples, samples: np.ndarray, cfg: DataConfig) -> 
 def _where(source: _Samples, sample: int) -> str:
     """A sample as its file and line."""
     index = next(i for i, (a, b) in enumerate(source.ranges) if a <= sample < b)
-    return where(source.sources[index].path, int(source.table.column("line")[int(sample)].as_py()))
+    return where(source.sources[index].path, int(source.table.column("line")[int(sample)].as_py()), source.sources[index].split)
 
 
 def _layout(source: _Samples, samples: np.ndarray, starts: np.ndarray, lengths: np.ndarray, cfg: DataConfig, seed: int,

@@ -55,7 +55,7 @@ def check_texts(adapter: Adapter, tokenizer, prompts_file: str | None, n: int = 
 
         source = data_sources(adapter.run.data.train, adapter.run.data)[0]
         try:
-            rows = [row for _, row in islice(checked_rows(source.path, source.format, "skip", Skipped(), columns=source.columns), n)]  # the first n
+            rows = [row for _, row in islice(checked_rows(source.path, source.format, "skip", Skipped(), source.split, source.columns), n)]  # the first n
             if rows and source.format == "completion":
                 return [row["text"] for row in rows]
             if rows:

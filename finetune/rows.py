@@ -1,8 +1,10 @@
 """Rows: read them from files, check them, and turn one into token ids with a loss mask.
 
-Local JSONL, CSV and text files are read line by line (never a list of every row), so a bad row is
-reported with its file and line; JSON lists, Parquet (in record batches) and hub datasets are read
-through their libraries. Rows are brought to their format's own shape first (`canonical`: mapped
+Local JSONL, CSV and text files (gzip-compressed too) are read line by line (never a list of every
+row), so a bad row is reported with its file and line; JSON lists, Parquet (in record batches) and hub
+datasets are read through their libraries. A folder is read as `datasets.load_dataset` reads one: the
+files of the split (train-*, data/train-*, a train/ folder; else every data file is train), or a
+folder written by `save_to_disk`. Rows are brought to their format's own shape first (`canonical`: mapped
 columns, ShareGPT conversations, OpenAI content parts).
 A row becomes `input_ids` and `labels` (-100 where no loss is taken): completion rows train on every
 token, alpaca and chat rows on the answers, as the chat template marks them (finetune/chat.py).
@@ -10,7 +12,9 @@ token, alpaca and chat rows on the answers, as the chat template marks them (fin
 
 from __future__ import annotations
 
+import gzip
 import json
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +31,8 @@ ALPACA_PROMPT = (
 )
 CHAT_ROLES = {"system", "user", "assistant", "tool"}
 FORMATS = ("alpaca", "chat", "completion", "preference")
-SUFFIXES = (".jsonl", ".json", ".parquet", ".csv", ".txt")
+SUFFIXES = (".jsonl", ".json", ".parquet", ".csv", ".txt")  # and .jsonl.gz, .json.gz, .csv.gz, .txt.gz
+LINE_BITS = 40  # a row of a folder is numbered (file index << LINE_BITS) | line, so that errors can name file:line
 # ShareGPT's speakers (`from`) as chat roles: its own names, OpenAI's, and those of LLaMA-Factory's tool rows.
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "model": "assistant", "system": "system",
                   "tool": "tool", "function": "tool", "observation": "tool", "function_call": "assistant"}
@@ -167,14 +172,65 @@ class _Invalid:
 def located(source: str, split: str = "train") -> Iterator[tuple[int, object]]:
     """(line or row number, row) of one source, streamed; a line that is not JSON comes as _Invalid."""
     path = Path(source).expanduser()
-    if path.is_dir():
-        raise UserError(f"{path}: is a folder; expected a {', '.join(SUFFIXES)} file")
     if not path.exists():
         yield from _hub_rows(source, split)
-    elif path.suffix in (".csv", ".txt"):
+    elif path.is_dir() and _saved(path):
+        yield from _saved_rows(path, split)
+    elif path.is_dir():
+        for index, file in enumerate(folder_files(path, split)):
+            for number, row in _file_rows(file):
+                yield index << LINE_BITS | number, row
+    else:
+        yield from _file_rows(path)
+
+
+def _saved(folder: Path) -> bool:
+    """Written by datasets' save_to_disk (a Dataset or a DatasetDict)?"""
+    return (folder / "state.json").exists() or (folder / "dataset_dict.json").exists()
+
+
+def data_kind(path: Path) -> str:
+    """The data format a file's name says: '.jsonl' for both x.jsonl and x.jsonl.gz."""
+    return Path(path.stem).suffix if path.suffix == ".gz" else path.suffix
+
+
+def folder_files(folder: Path, split: str) -> list[Path]:
+    """The data files of `split` in a folder, found by datasets' own rules, all of one kind."""
+    from datasets.data_files import EmptyDatasetError, get_data_patterns, resolve_pattern
+
+    try:
+        patterns = get_data_patterns(str(folder))
+    except EmptyDatasetError:
+        patterns = {}
+    if patterns and split not in patterns:
+        raise UserError(f"{folder}: no files of split '{split}' in this folder (it has {', '.join(map(str, patterns))}); "
+                        f"set the source's split (data.split for all)")
+    found = sorted({Path(f) for pattern in patterns.get(split, []) for f in resolve_pattern(pattern, str(folder))})
+    files = [f for f in found if readable(f)]
+    kinds = sorted({data_kind(f) for f in files})
+    if not files:
+        raise UserError(f"{folder}: no data files ({', '.join(SUFFIXES)}, or those gzipped) in this folder")
+    if len(kinds) > 1:
+        raise UserError(f"{folder}: holds data files of {len(kinds)} kinds ({', '.join(kinds)}); keep one kind in it, or name the files")
+    return files
+
+
+def _file_rows(path: Path) -> Iterator[tuple[int, object]]:
+    try:
+        yield from _read_file(path)
+    except (gzip.BadGzipFile, EOFError, zlib.error) as err:
+        raise UserError(f"{path}: not a readable gzip file ({err})") from None
+
+
+def _read_file(path: Path) -> Iterator[tuple[int, object]]:
+    kind = data_kind(path)
+    if not readable(path):
+        raise UserError(f"{path}: unsupported data file type '{''.join(path.suffixes[-2:]) or path.name}' "
+                        f"(expected {', '.join(SUFFIXES)}, or one of those but .parquet gzipped)")
+    if kind in (".csv", ".txt"):
         yield from _text_rows(path)
-    elif path.suffix == ".jsonl":
-        with path.open("rb") as fh:
+    elif kind == ".jsonl":
+        with _open(path) as fh:
             for number, raw in enumerate(fh, 1):
                 try:
                     line = raw.decode("utf-8")
@@ -186,9 +242,10 @@ def located(source: str, split: str = "train") -> Iterator[tuple[int, object]]:
                         yield number, json.loads(line)
                     except json.JSONDecodeError as err:
                         yield number, _Invalid(f"invalid JSON ({err.msg})")
-    elif path.suffix == ".json":
+    elif kind == ".json":
         try:
-            rows = json.loads(path.read_text(encoding="utf-8"))
+            with _open(path) as fh:
+                rows = json.loads(fh.read().decode("utf-8"))
         except UnicodeDecodeError:
             raise UserError(f"{path}: not UTF-8 text") from None
         except json.JSONDecodeError as err:
@@ -198,10 +255,19 @@ def located(source: str, split: str = "train") -> Iterator[tuple[int, object]]:
         if not isinstance(rows, list):
             raise UserError(f"{path}: expected a JSON list of rows (or JSONL)")
         yield from enumerate(rows, 1)
-    elif path.suffix == ".parquet":
-        yield from _parquet_rows(path)
     else:
-        raise UserError(f"{path}: unsupported data file type '{path.suffix}' (expected {', '.join(SUFFIXES)})")
+        yield from _parquet_rows(path)
+
+
+def readable(path: Path) -> bool:
+    """A data file finetune reads: one of SUFFIXES, or one of those gzipped (Parquet compresses inside)."""
+    return data_kind(path) in SUFFIXES and not (path.suffix == ".gz" and data_kind(path) == ".parquet")
+
+
+def _open(path: Path, text: bool = False):
+    if path.suffix == ".gz":
+        return gzip.open(path, "rt", encoding="utf-8", newline="") if text else gzip.open(path, "rb")
+    return path.open(encoding="utf-8", newline="") if text else path.open("rb")
 
 
 def _text_rows(path: Path) -> Iterator[tuple[int, object]]:
@@ -210,8 +276,8 @@ def _text_rows(path: Path) -> Iterator[tuple[int, object]]:
     import csv
 
     try:
-        with path.open(encoding="utf-8", newline="") as fh:
-            if path.suffix == ".txt":
+        with _open(path, text=True) as fh:
+            if data_kind(path) == ".txt":
                 for number, line in enumerate(fh, 1):
                     if line.strip():
                         yield number, {"text": line.rstrip("\r\n")}
@@ -250,9 +316,28 @@ def _hub_rows(source: str, split: str) -> Iterator[tuple[int, object]]:
     yield from enumerate(ds, 1)
 
 
-def where(source: str, number: int) -> str:
-    """How an error names a row: file:line in JSONL, the row number elsewhere."""
-    return f"{source}:{number}" if source.endswith((".jsonl", ".csv", ".txt")) else f"{source}: row {number}"
+def _saved_rows(path: Path, split: str) -> Iterator[tuple[int, object]]:
+    """The rows of a folder that `datasets`' save_to_disk wrote (a Dataset, or a DatasetDict's split)."""
+    import datasets
+
+    try:
+        ds = datasets.load_from_disk(str(path))
+    except Exception as err:  # noqa: BLE001 - any failure here means "can't read this folder"
+        raise UserError(f"{path}: cannot load this save_to_disk folder: {str(err).splitlines()[0]}") from None
+    if isinstance(ds, datasets.DatasetDict):
+        if split not in ds:
+            raise UserError(f"{path}: no split '{split}' in this dataset (it has {', '.join(ds)}); set the source's split (data.split for all)")
+        ds = ds[split]
+    yield from enumerate(ds, 1)
+
+
+def where(source: str, number: int, split: str = "train") -> str:
+    """How an error names a row: file:line where a file has lines (in a folder too), the row number elsewhere."""
+    path = Path(source).expanduser()
+    if path.is_dir() and not _saved(path):
+        source, number = str(folder_files(path, split)[number >> LINE_BITS]), number & ((1 << LINE_BITS) - 1)
+    lines = data_kind(Path(source)) in (".jsonl", ".csv", ".txt")
+    return f"{source}:{number}" if lines else f"{source}: row {number}"
 
 
 class Skipped:
@@ -277,9 +362,9 @@ def checked_rows(source: str, fmt: str, bad_rows: str, skipped: Skipped, split: 
         elif bad_rows == "fail":
             other = [f for f in FORMATS if f != fmt and not isinstance(raw, _Invalid) and canonical(raw, f, columns)[1] is None]
             hint = f"this row looks like format '{other[0]}': set data.format: {other[0]}" if other else "set data.bad_rows: skip to skip bad rows"
-            raise UserError(f"{where(source, number)}: {problem} (format '{fmt}'; {hint})")
+            raise UserError(f"{where(source, number, split)}: {problem} (format '{fmt}'; {hint})")
         else:
-            skipped.add(f"{where(source, number)}: {problem}")
+            skipped.add(f"{where(source, number, split)}: {problem}")
 
 
 # ----------------------------------------------------------------------------------------------

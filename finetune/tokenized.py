@@ -7,7 +7,7 @@ most `data.tokenize_wait_minutes`), then map the same files: one copy in the pag
 
 Columns: `input_ids`, `labels` (int32 lists), `length`, `first_target` (the first position after the
 first whose label is trained, -1 if none), `row` (the row as JSON, for eval prompts), `line` (its
-line or row number, for messages) and `problem` (why the chat template refused the row, if it did). The key covers the source (path, size, mtime), the tokenizer and
+line or row number, for messages) and `problem` (why the chat template refused the row, if it did). The key covers the source (each file's path, size and mtime, every file of a folder; its split), the tokenizer and
 chat template, the settings that change the tokens, and TOKENIZE_VERSION.
 """
 
@@ -37,12 +37,15 @@ def cache_root(cfg: DataConfig) -> Path:
 def fingerprint(source: SourceConfig, cfg: DataConfig, tokenizer) -> str:
     h = hashlib.sha256()
     path = Path(source.path).expanduser()
-    stat = path.stat() if path.exists() else None
-    h.update(f"{path.resolve() if stat else source.path}|{stat.st_size if stat else ''}|{stat.st_mtime_ns if stat else ''}".encode())
+    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path] if path.exists() else []
+    for file in files:  # a folder: every file in it, so that an added, removed or changed shard makes a new entry
+        stat = file.stat()
+        h.update(f"{file.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode())
+    h.update(f"{source.path}|{source.split}".encode())
     h.update(tokenizer.backend_tokenizer.to_str().encode())
     h.update(str(tokenizer.chat_template).encode())
     cut = cfg.max_seq_len if source.format == "preference" else None  # pairs are cut when tokenized, each side on its own
-    h.update(json.dumps([TOKENIZE_VERSION, source.format, source.bad_rows, cfg.train_on_prompt, cfg.split, tokenizer.eos_token_id, source.columns,
+    h.update(json.dumps([TOKENIZE_VERSION, source.format, source.bad_rows, cfg.train_on_prompt, tokenizer.eos_token_id, source.columns,
                          cut]).encode())
     return h.hexdigest()[:24]
 
@@ -98,7 +101,7 @@ def _build(source: SourceConfig, cfg: DataConfig, tokenizer, work: Path, say) ->
     features = datasets.Features({"row": datasets.Value("string"), "line": datasets.Value("int64")})
     with ArrowWriter(features=features, path=str(rows_file)) as writer, tqdm(desc=f"reading {source.path}", unit=" rows", delay=2) as bar:
         batch = {"row": [], "line": []}
-        for number, row in checked_rows(source.path, source.format, source.bad_rows, skipped, cfg.split, source.columns):
+        for number, row in checked_rows(source.path, source.format, source.bad_rows, skipped, source.split, source.columns):
             batch["row"].append(json.dumps(row, ensure_ascii=False))
             batch["line"].append(number)
             if len(batch["row"]) == 1000:
@@ -136,8 +139,8 @@ def _refused_rows(table, source: SourceConfig, skipped: Skipped) -> None:
     bad = pc.indices_nonzero(pc.is_valid(table.column("problem")))
     for line, problem in zip(table.column("line").take(bad).to_pylist(), table.column("problem").take(bad).to_pylist()):
         if source.bad_rows == "fail":
-            raise UserError(f"{where(source.path, line)}: {problem.removeprefix('data: ')} (set data.bad_rows: skip to skip such rows)")
-        skipped.add(f"{where(source.path, line)}: {problem.removeprefix('data: ')}")
+            raise UserError(f"{where(source.path, line, source.split)}: {problem.removeprefix('data: ')} (set data.bad_rows: skip to skip such rows)")
+        skipped.add(f"{where(source.path, line, source.split)}: {problem.removeprefix('data: ')}")
 
 
 def _features(datasets):

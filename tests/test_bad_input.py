@@ -108,7 +108,7 @@ def _cases():
     add("data-train-empty-list", lambda k: k.train(data={"train": []}), "train: the list of training sources is empty")
     add("data-file-missing", lambda k: k.train(data={"train": str(k.tmp / "none.jsonl")}), "train: file not found")
     add("data-folder-named-jsonl", lambda k: k.train(data={"train": (k.tmp.joinpath("d.jsonl").mkdir(), str(k.tmp / "d.jsonl"))[1]}),
-        "d.jsonl: is a folder")
+        "d.jsonl: no data files")
     add("data-not-utf8", lambda k: k.train(data={"train": k.file("d.jsonl", json.dumps(GOOD_ROW).encode() + b"\n\xff\xfe\n")}),
         "d.jsonl:2: not UTF-8 text")
     add("data-bad-json-line", lambda k: k.train(data={"train": k.file("d.jsonl", json.dumps(GOOD_ROW) + "\n{oops\n")}),

@@ -243,6 +243,54 @@ def test_parquet_and_json_read_like_jsonl(tmp_path):
     assert read_rows([str(tmp_path / "d.json")], "alpaca", "fail") == rows
 
 
+def test_folders_and_gzipped_files_read_as_datasets_finds_them(tmp_path, tok):
+    """A hub snapshot's folder (data/train-*-of-*.parquet, data/test-*, a README): each split's shards
+    in order, as datasets.load_dataset reads them; a folder of .jsonl.gz files (all train), its bad
+    line named by file and line; a save_to_disk DatasetDict; the cache sees a shard added."""
+    import gzip
+
+    import datasets
+
+    rows = [{"instruction": f"q{i}", "input": "", "output": f"a{i}"} for i in range(9)]
+    hub = tmp_path / "hub"
+    (hub / "data").mkdir(parents=True)
+    (hub / "README.md").write_text("# a dataset card\n")
+    for name, part in (("train-00000-of-00002", rows[:4]), ("train-00001-of-00002", rows[4:7]), ("test-00000-of-00001", rows[7:])):
+        datasets.Dataset.from_list(part).to_parquet(str(hub / "data" / f"{name}.parquet"))
+    assert read_rows([str(hub)], "alpaca", "fail") == rows[:7] == list(datasets.load_dataset(str(hub), split="train"))
+    assert [row for _, row in checked_rows(str(hub), "alpaca", "fail", Skipped(), "test")] == rows[7:]
+    with pytest.raises(UserError, match=r"hub: no files of split 'validation' in this folder \(it has train, test\)"):
+        list(checked_rows(str(hub), "alpaca", "fail", Skipped(), "validation"))
+
+    shards = tmp_path / "shards"
+    (shards / "more").mkdir(parents=True)
+    for name, part in (("a.jsonl.gz", rows[:5]), ("more/b.jsonl.gz", rows[5:])):
+        with gzip.open(shards / name, "wt") as fh:
+            fh.write("".join(json.dumps(r) + "\n" for r in part))
+    assert read_rows([str(shards)], "alpaca", "fail") == rows
+    cfg = DataConfig(train=str(shards), eval=[{"path": str(hub), "split": "test"}], format="alpaca", max_seq_len=64, packing=False,
+                     cache_dir=str(tmp_path / "cache"))
+    data = load_data(cfg, tok, seed=0)
+    assert len(data.train) == 9 and len(data.eval) == 2
+    with gzip.open(shards / "more" / "c.jsonl.gz", "wt") as fh:
+        fh.write(json.dumps(rows[0]) + "\n" + '{"instruction": "q"}\n')
+    with pytest.raises(UserError, match=rf"{shards / 'more' / 'c.jsonl.gz'}:2: missing field 'output'"):
+        load_data(cfg, tok, seed=0)  # a new shard: tokenized anew, not the cached entry
+    (shards / "more" / "c.jsonl.gz").write_bytes(b"not gzip")
+    with pytest.raises(UserError, match=r"c.jsonl.gz: not a readable gzip file"):
+        read_rows([str(shards)], "alpaca", "fail")
+    (shards / "more" / "c.jsonl.gz").unlink()
+    (shards / "notes.txt").write_text("a line\n")
+    with pytest.raises(UserError, match=r"shards: holds data files of 2 kinds \(.jsonl, .txt\)"):
+        read_rows([str(shards)], "alpaca", "fail")
+
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(rows[:6]), "test": datasets.Dataset.from_list(rows[6:])}).save_to_disk(
+        str(tmp_path / "saved"))
+    assert read_rows([str(tmp_path / "saved")], "alpaca", "fail") == rows[:6]
+    with pytest.raises(UserError, match=r"saved: no split 'dev' in this dataset \(it has train, test\)"):
+        list(checked_rows(str(tmp_path / "saved"), "alpaca", "fail", Skipped(), "dev"))
+
+
 def test_eval_fraction_holds_out_a_seeded_share(tmp_path, tok):
     total = 60
     path = _alpaca(tmp_path / "rows.jsonl", [{"instruction": f"word {i}", "output": f"answer {i}"} for i in range(total)])
@@ -276,7 +324,7 @@ def test_mixing_sources_by_weight_and_naming_a_bad_one(tmp_path, tok):
 
 def test_unreadable_inputs_fail_with_one_line(tmp_path):
     (tmp_path / "dir.jsonl").mkdir()
-    with pytest.raises(UserError, match="dir.jsonl: is a folder"):
+    with pytest.raises(UserError, match="dir.jsonl: no data files"):
         read_rows([str(tmp_path / "dir.jsonl")], "alpaca", "fail")
     (tmp_path / "bytes.jsonl").write_bytes(b'{"instruction": "a", "output": "b"}\n\xff\xfe{"x": 1}\n')
     with pytest.raises(UserError, match=r"bytes.jsonl:2: not UTF-8 text"):
