@@ -1,4 +1,4 @@
-"""`finetune` command line: train, validate, plan, stage, merge, generate, configs, make-demo-model.
+"""`finetune` command line: train, validate, data, plan, stage, merge, generate, configs, make-demo-model.
 
 Bad input ends with one line on stderr and exit code 2, never a traceback.
 """
@@ -114,6 +114,13 @@ def build_parser() -> argparse.ArgumentParser:
                        "key with its value.")
     _run_options(p)
 
+    p = sub.add_parser("data", help="tokenize the data as train would and show what is trained",
+                       description="Run train's data step alone: read and check every row, tokenize (filling the cache, so that "
+                       "train then starts at once; on a cluster, do it once before launching), pack, print the counts train prints, "
+                       "then the first sequences decoded as the model reads them, with the tokens the loss is taken on «marked».")
+    _run_options(p)
+    p.add_argument("--show", type=_number(int, 0, "0 or more"), default=3, metavar="N", help="sequences to print (default 3; 0: counts only)")
+
     p = sub.add_parser("plan", help="estimate memory per device before launching",
                        description="Estimate the memory a run needs per device (weights, gradients, optimizer states, "
                        "activations) from the model's config.json alone, say whether it fits, and which switch would make it fit.")
@@ -215,6 +222,19 @@ def run_generate(args: argparse.Namespace) -> None:
     answer_file(model, tokenizer, rows, args.out, args.batch_size, chat=args.chat, max_new_tokens=args.max_new_tokens, temperature=args.temperature)
 
 
+def show_data(cfg, count: int) -> None:
+    from finetune.chat import choose_template
+    from finetune.data import load_data, show, summary_lines
+    from finetune.model import load_tokenizer
+
+    tokenizer = load_tokenizer(cfg.model)
+    choose_template(tokenizer, cfg.data.chat_template, cfg.data.format, say=print)
+    data = load_data(cfg.data, tokenizer, cfg.train.seed)
+    print("\n".join(summary_lines(data, cfg.data.max_seq_len)))
+    for text in show(data.train, tokenizer, count):
+        print(text)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     quiet_libraries()
@@ -233,6 +253,8 @@ def main(argv: list[str] | None = None) -> int:
             from finetune.train import run
 
             run(resolve_config(args))
+        elif args.command == "data":
+            show_data(resolve_config(args), args.show)
         elif args.command == "plan":
             from finetune import plan
 

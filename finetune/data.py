@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -19,7 +20,7 @@ import numpy as np
 from finetune.config import DataConfig, SourceConfig, data_sources
 from finetune.errors import UserError
 from finetune.packing import Split, pack, unpacked
-from finetune.rows import where
+from finetune.rows import IGNORE, where
 from finetune.tokenized import cache_root, fingerprint, tokenized
 
 PACK_VERSION = 1  # raise it when pack() lays out rows differently
@@ -90,6 +91,41 @@ def load_data(cfg: DataConfig, tokenizer, seed: int, eval_examples: int = 0, say
         examples = []
     stats["seconds"] = time.perf_counter() - started
     return Datasets(split, eval_split, examples, stats)
+
+
+def summary_lines(data: Datasets, max_seq_len: int) -> list[str]:
+    """What the data step made of the sources, as train prints it: samples, rows, tokens, what was cut or left out."""
+    s = data.stats["train"]
+    lines = [f"data: {s['samples']} samples -> {s['rows']} rows, {s['tokens']} tokens"
+             + (f", {s['fill']:.0%} of packed rows filled" if "fill" in s else "")
+             + f", {s['truncated']} truncated" + (f", {s['chunked']} long documents as {s['windows']} windows" if s["chunked"] else "")
+             + f"; {len(data.eval) if data.eval else 0} eval rows; cache {'hit' if data.stats['cache_hit'] else 'written'} ({data.stats['seconds']:.1f} s)"]
+    if s["dropped_no_target"]:
+        lines.append(f"data: {s['dropped_no_target']} sample(s) left out: nothing to train within data.max_seq_len={max_seq_len} "
+                     f"(the prompt fills it, or the answer is empty); first: {s['first_dropped']}")
+    if len(s["sources"]) > 1:
+        lines += [f"  {source['path']}: {source['samples']} samples, {source['tokens']} tokens" for source in s["sources"]]
+    return lines
+
+
+def show(split: Split, tokenizer, count: int) -> Iterator[str]:
+    """The first `count` sequences of the first rows, decoded as the model reads them, the tokens that
+    are trained «marked like this» (a preference pair shows as its two sequences)."""
+    shown = 0
+    for r in range(len(split)):
+        row = split.rows([r])[0]
+        ids, labels, positions = (np.asarray(x) for x in (row.input_ids, row.labels, row.position_ids))
+        edges = [*np.flatnonzero(positions == 0), len(ids)]
+        for s, e in zip(edges, edges[1:]):
+            if shown == count:
+                return
+            trained = labels[s:e] != IGNORE
+            if not trained.any():
+                continue  # a row's padding
+            cuts = [0, *(np.flatnonzero(np.diff(trained.astype(np.int8))) + 1), e - s]
+            text = "".join(("«{}»" if trained[a] else "{}").format(tokenizer.decode(ids[s + a : s + b].tolist())) for a, b in zip(cuts, cuts[1:]))
+            shown += 1
+            yield f"--- sequence {shown} of row {r + 1}: {e - s} tokens, {int(trained.sum())} trained ---\n{text}"
 
 
 def _tokenized(sources: list[SourceConfig], cfg: DataConfig, tokenizer, say) -> _Samples:

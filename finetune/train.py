@@ -35,7 +35,7 @@ import torch
 from finetune import checkpoint, families, faults, preflight, runtime
 from finetune.chat import choose_template
 from finetune.config import CONFIG_FILE, MUTATED_INITS, SUMMARY_FILE, ModelConfig, RunConfig, looks_local, to_yaml
-from finetune.data import Datasets, load_data
+from finetune.data import Datasets, load_data, summary_lines
 from finetune.packing import epoch_batches
 from finetune.distributed import local_numel
 from finetune.engines import Replicated, engine_class, engine_for
@@ -256,19 +256,8 @@ def load_inputs(cfg: RunConfig, accelerator, preemption) -> RunState:
     stop_if_preempted(preemption.signal is not None, preemption.name, Path(cfg.train.output_dir), main, "while the data loaded")
     run = RunState(cfg, accelerator, preemption, model_cfg, tokenizer, data, plan_steps(cfg, len(data.train), world))
     run.objective = objective_for(cfg.train, cfg.preference)
-    s = data.stats["train"]
-    run.say(
-        f"data: {s['samples']} samples -> {s['rows']} rows, {s['tokens']} tokens"
-        + (f", {s['fill']:.0%} of packed rows filled" if "fill" in s else "")
-        + f", {s['truncated']} truncated" + (f", {s['chunked']} long documents as {s['windows']} windows" if s["chunked"] else "")
-        + f"; {len(data.eval) if data.eval else 0} eval rows; cache {'hit' if data.stats['cache_hit'] else 'written'} ({data.stats['seconds']:.1f} s)"
-    )
-    if s["dropped_no_target"]:
-        run.say(f"data: {s['dropped_no_target']} sample(s) left out: nothing to train within data.max_seq_len={cfg.data.max_seq_len} "
-                f"(the prompt fills it, or the answer is empty); first: {s['first_dropped']}")
-    if len(s["sources"]) > 1:
-        for source in s["sources"]:
-            run.say(f"  {source['path']}: {source['samples']} samples, {source['tokens']} tokens")
+    for line in summary_lines(data, cfg.data.max_seq_len):
+        run.say(line)
     return run
 
 

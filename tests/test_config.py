@@ -96,7 +96,7 @@ def test_shipped_configs_validate(name):
 
 
 def test_every_command_has_help():
-    for cmd in ([], ["train"], ["validate"], ["make-demo-model"]):
+    for cmd in ([], ["train"], ["validate"], ["data"], ["make-demo-model"]):
         result = run_cli(*cmd, "--help")
         assert result.returncode == 0 and "usage:" in result.stdout
 

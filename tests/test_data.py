@@ -358,3 +358,32 @@ def test_two_processes_on_a_node_tokenize_once(tmp_path, demo_tokenizer_dir):
     assert len({out.strip().splitlines()[-1].split()[1] for out in outs}) == 1
     assert sum("another process is tokenizing" in out for out in outs) == 1
     assert sum("tokenizing " in out and "examples" in out for out in outs) == 1  # one progress bar: one tokenization
+
+
+def test_data_command_tokenizes_as_train_does_and_marks_the_trained_tokens(tmp_path, tiny_model_dir, capsys):
+    """`finetune data`: train's counts, the first sequences with exactly the trained tokens «marked»,
+    and the cache filled, so that the run's data step is a cache hit."""
+    from conftest import write_config
+
+    from finetune.cli import main
+    from finetune.config import validate_config
+    from finetune.model import load_tokenizer
+
+    rows = [{"instruction": "Name the kind of word.", "input": w, "output": k} for w, k in (("rabbit", "noun"), ("small", "adjective"))] * 3
+    cfg = base_config(tiny_model_dir, tmp_path / "out", data={"train": _alpaca(tmp_path / "rows.jsonl", rows), "eval": None,
+                                                              "cache_dir": str(tmp_path / "cache")})
+    path = write_config(tmp_path / "c.yaml", cfg)
+    assert main(["data", "--config", str(path), "--show", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "data: 6 samples -> 2 rows, 192 tokens" in out and "cache written" in out
+    shown = out.split("--- sequence ")[1:]
+    assert len(shown) == 2 and shown[0].startswith("1 of row 1")
+    tok = load_tokenizer(validate_config(cfg, "test").model)
+    for text in shown:
+        body = text.split("---\n", 1)[1]
+        row = next(r for r in rows if f"\n{r['input']}\n" in body.split("«")[0])  # packed in a shuffled order
+        sample = tokenize_row(row, tok, "alpaca", train_on_prompt=False)
+        trained = [i for i, label in zip(sample["input_ids"], sample["labels"]) if label != IGNORE]
+        assert body.count("«") == 1 and body.split("«")[1].split("»")[0] == tok.decode(trained) == f"{row['output']}</s>"
+    assert main(["data", "--config", str(path), "--show", "0"]) == 0
+    assert "cache hit" in capsys.readouterr().out
