@@ -116,7 +116,7 @@ def show(split: Split, tokenizer, count: int) -> Iterator[str]:
         row = split.rows([r])[0]
         ids, labels, positions = (np.asarray(x) for x in (row.input_ids, row.labels, row.position_ids))
         edges = [*np.flatnonzero(positions == 0), len(ids)]
-        for s, e in zip(edges, edges[1:]):
+        for i, (s, e) in enumerate(zip(edges, edges[1:])):
             if shown == count:
                 return
             trained = labels[s:e] != IGNORE
@@ -125,7 +125,8 @@ def show(split: Split, tokenizer, count: int) -> Iterator[str]:
             cuts = [0, *(np.flatnonzero(np.diff(trained.astype(np.int8))) + 1), e - s]
             text = "".join(("«{}»" if trained[a] else "{}").format(tokenizer.decode(ids[s + a : s + b].tolist())) for a, b in zip(cuts, cuts[1:]))
             shown += 1
-            yield f"--- sequence {shown} of row {r + 1}: {e - s} tokens, {int(trained.sum())} trained ---\n{text}"
+            side = f" ({('chosen', 'rejected')[i % 2]})" if split.pairs is not None else ""  # a pair's two sequences lie side by side
+            yield f"--- sequence {shown}{side} of row {r + 1}: {e - s} tokens, {int(trained.sum())} trained ---\n{text}"
 
 
 def _tokenized(sources: list[SourceConfig], cfg: DataConfig, tokenizer, say) -> _Samples:

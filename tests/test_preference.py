@@ -322,3 +322,17 @@ def test_moe_preference_runs_train_the_routers_load_balancing_loss(tmp_path, fam
         steps = [r for r in read_jsonl(tmp_path / name / "metrics.jsonl") if "loss" in r]
         assert steps[0]["loss"] == pytest.approx(0.6931, abs=1e-3)
         assert all(("router_aux_loss" in r) == (coef is None) for r in steps), steps
+
+
+def test_data_command_shows_each_pair_as_its_chosen_and_rejected_sequences(tmp_path, tiny_model_dir, capsys):
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps(p) + "\n" for p in PAIRS))
+    cfg = _pairs_config(tiny_model_dir, tmp_path / "out", data={"train": str(path), "eval": None, "cache_dir": str(tmp_path / "cache")})
+    assert main(["data", "--config", str(write_config(tmp_path / "c.yaml", cfg)), "--show", "8"]) == 0
+    shown = capsys.readouterr().out.split("--- sequence ")[1:]
+    assert len(shown) == 8
+    for chosen, rejected in zip(shown[0::2], shown[1::2]):
+        assert "(chosen)" in chosen.split("\n")[0] and "(rejected)" in rejected.split("\n")[0]
+        pair = next(p for p in PAIRS if p["prompt"] in chosen)
+        marked = [text.split("«")[1].split("»")[0] for text in (chosen, rejected)]
+        assert marked == [pair["chosen"] + "</s>", pair["rejected"] + "</s>"] and pair["prompt"] in rejected.split("«")[0]
