@@ -61,7 +61,12 @@ PEERS = {
     "hf-bf16-flatten": ("hf", "bf16", "flatten", "Trainer, bf16 weights + bf16=True, DataCollatorWithFlattening (padding-free)"),
     "trl-bf16-flatten": ("trl", "bf16", "flatten", "SFTTrainer, bf16 weights + bf16=True, padding_free, completion_only_loss"),
 }
-RUNNERS = ["finetune", *PEERS]
+OURS = {
+    "finetune": "finetune train: bf16 base, fp32 LoRA, bf16 autocast, packed rows, attention within each sample, loss on trained tokens only",
+    "finetune-compiled": "the same with model.compile: each decoder layer through torch.compile (on a GPU, fewer kernel launches a layer)",
+}
+RUNNERS = [*OURS, *PEERS]
+DEFAULT = {"cpu": ["finetune", *PEERS], "cuda": ["finetune", "finetune-compiled", "hf-bf16-flatten"]}  # CPU: make bench-compile
 
 
 # ------------------------------------------------------------------------------------------------
@@ -126,11 +131,11 @@ def prepare(work: Path, sizes: Sizes) -> dict:
     return settings
 
 
-def finetune_config(work: Path, out: Path, settings: dict) -> Path:
+def finetune_config(work: Path, out: Path, settings: dict, compiled: bool = False) -> Path:
     import yaml
 
     cfg = {
-        "model": {"name_or_path": str(work / "model"), "dtype": "bfloat16"},
+        "model": {"name_or_path": str(work / "model"), "dtype": "bfloat16", "compile": compiled},
         "adapter": {"method": "lora", "r": settings["lora_r"], "alpha": settings["lora_alpha"], "dropout": 0.0, "target_modules": "all-linear"},
         "data": {"train": str(work / "train.jsonl"), "format": "alpaca", "max_seq_len": settings["max_seq_len"], "packing": True,
                  "cache_dir": str(work / "cache")},
@@ -140,7 +145,7 @@ def finetune_config(work: Path, out: Path, settings: dict) -> Path:
         "logging": {"progress_bar": False, "plot": False},
         "checkpoint": {"resume": "never"},
     }
-    path = work / "finetune.yaml"
+    path = work / ("finetune-compiled.yaml" if compiled else "finetune.yaml")
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     return path
 
@@ -165,8 +170,8 @@ def run_once(name: str, work: Path, settings: dict, repeat: int, device: str) ->
     out = work / "runs" / f"{name}-{repeat}"
     out.parent.mkdir(parents=True, exist_ok=True)
     log = out.with_suffix(".log")
-    if name == "finetune":
-        config = finetune_config(work, out, settings)
+    if name in OURS:
+        config = finetune_config(work, out, settings, compiled=name == "finetune-compiled")
         start, rss = spawn([sys.executable, "-m", "finetune", "train", "--config", str(config)], log)
         steps = [{"time": r["time"], "tokens": r["tokens"]} for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
                  if "loss" in r]
@@ -309,7 +314,7 @@ def table(results: dict[str, list[dict]], settings: dict, sizes: Sizes, ceiling:
           device: str) -> list[str]:
     med = {name: {k: statistics.median(r[k] for r in runs) for k in ("tok_s", "first_step_s", "peak_rss_mib", "peak_gpu_mib", "eval_loss")}
            for name, runs in results.items()}
-    peers = [n for n in med if n != "finetune"]
+    peers = [n for n in med if n not in OURS]
     best = max(peers, key=lambda n: med[n]["tok_s"]) if peers else None
     fpt = flops_per_token(sizes, settings)
     params = sizes.layers * (4 * sizes.hidden**2 + 3 * sizes.hidden * sizes.hidden * 11 // 4) + 2 * sizes.vocab * sizes.hidden
@@ -328,8 +333,7 @@ def table(results: dict[str, list[dict]], settings: dict, sizes: Sizes, ceiling:
         "|---|---|---|---|---|---|" + ("---|" if device == "cuda" else "") + "---|---|",
     ]
     for name, m in med.items():
-        how = ("finetune train: bf16 base, fp32 LoRA, bf16 autocast, packed rows, per-sample attention, loss on trained tokens only"
-               if name == "finetune" else PEERS[name][3])
+        how = OURS[name] if name in OURS else PEERS[name][3]
         vs = f"{m['tok_s'] / med[best]['tok_s']:.2f}x" if best else "-"
         gpu = f"{m['peak_gpu_mib']:.0f} | " if device == "cuda" else ""
         lines.append(f"| {name} | {how} | {m['tok_s']:.0f} | {vs} | {m['first_step_s']:.1f} | {m['peak_rss_mib']:.0f} | {gpu}"
@@ -343,7 +347,7 @@ def table(results: dict[str, list[dict]], settings: dict, sizes: Sizes, ceiling:
         + (f"finetune's first step: {med['finetune']['first_step_s'] / bare:.2f}x that." if "finetune" in med else ""),
         f"Steps per epoch: finetune {results['finetune'][0]['steps'] if 'finetune' in results else '-'} "
         f"({settings['ft_micro_batch']} packed rows x {settings['ft_grad_accum']}), peers "
-        f"{next((r[0]['steps'] for n, r in results.items() if n != 'finetune'), '-')} "
+        f"{next((r[0]['steps'] for n, r in results.items() if n not in OURS), '-')} "
         f"({settings['peer_micro_batch']} samples x {settings['peer_grad_accum']}). Real tokens trained: "
         + ", ".join(f"{n} {r[0]['tokens']:,}" for n, r in results.items()) + ".",
     ]
@@ -371,7 +375,7 @@ def plot(results: dict[str, list[dict]], path: Path) -> None:
     for ax, key, title in zip(axes, ("tok_s", "peak_rss_mib", "first_step_s"), ("real tokens / s (higher is better)",
                                                                             "peak RSS, MiB", "seconds to first step")):
         values = [statistics.median(r[key] for r in results[n]) for n in names]
-        ax.barh(names, values, color=["tab:green" if n == "finetune" else "tab:gray" for n in names])
+        ax.barh(names, values, color=["tab:green" if n in OURS else "tab:gray" for n in names])
         ax.set_title(title)
         ax.invert_yaxis()
         for i, v in enumerate(values):
@@ -384,7 +388,8 @@ def plot(results: dict[str, list[dict]], path: Path) -> None:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--runners", default=None, help=f"comma-separated, of: {', '.join(RUNNERS)} (default all; on cuda finetune,hf-bf16-flatten)")
+    p.add_argument("--runners", default=None, help=f"comma-separated, of: {', '.join(RUNNERS)} (default: {', '.join(DEFAULT['cpu'])}; "
+                   f"on cuda {', '.join(DEFAULT['cuda'])})")
     p.add_argument("--quick", action="store_true", help="tiny model and data, 1 repeat: checks the harness in seconds")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                    help="cuda: a 1.1B Llama shape, rows of 2,048 tokens, finetune vs HF Trainer + peft on the GPU (results compare-cuda)")
@@ -396,7 +401,7 @@ def main(argv: list[str] | None = None) -> None:
     name = args.name or ("compare-quick" if args.quick else f"compare-{args.device}" if args.device == "cuda" else "compare")
     work = args.work or REPO / ".cache" / "bench" / name
     work.mkdir(parents=True, exist_ok=True)
-    runners = [r for r in (args.runners or ",".join(RUNNERS if args.device == "cpu" else ["finetune", "hf-bf16-flatten"])).split(",") if r]
+    runners = [r for r in (args.runners or ",".join(DEFAULT[args.device])).split(",") if r]
     unknown = set(runners) - set(RUNNERS)
     if unknown:
         p.error(f"--runners: unknown {', '.join(sorted(unknown))}; choose from {', '.join(RUNNERS)}")

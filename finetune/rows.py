@@ -225,7 +225,7 @@ def _file_rows(path: Path) -> Iterator[tuple[int, object]]:
 def _read_file(path: Path) -> Iterator[tuple[int, object]]:
     kind = data_kind(path)
     if not readable(path):
-        raise UserError(f"{path}: unsupported data file type '{''.join(path.suffixes[-2:]) or path.name}' "
+        raise UserError(f"{path}: unsupported data file type '{''.join(path.suffixes[-2:]) if path.suffix == '.gz' else path.suffix or path.name}' "
                         f"(expected {', '.join(SUFFIXES)}, or one of those but .parquet gzipped)")
     if kind in (".csv", ".txt"):
         yield from _text_rows(path)
@@ -346,9 +346,10 @@ class Skipped:
     def __init__(self):
         self.count, self.first = 0, None
 
-    def add(self, location: str) -> None:
+    def add(self, source: str, number: int, split: str, problem: str) -> None:
         self.count += 1
-        self.first = self.first or location
+        if self.first is None:  # only the first is named: where() lists a folder's files to find the row's
+            self.first = f"{where(source, number, split)}: {problem}"
 
 
 def checked_rows(source: str, fmt: str, bad_rows: str, skipped: Skipped, split: str = "train",
@@ -364,7 +365,7 @@ def checked_rows(source: str, fmt: str, bad_rows: str, skipped: Skipped, split: 
             hint = f"this row looks like format '{other[0]}': set data.format: {other[0]}" if other else "set data.bad_rows: skip to skip bad rows"
             raise UserError(f"{where(source, number, split)}: {problem} (format '{fmt}'; {hint})")
         else:
-            skipped.add(f"{where(source, number, split)}: {problem}")
+            skipped.add(source, number, split, problem)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -140,7 +140,7 @@ def _refused_rows(table, source: SourceConfig, skipped: Skipped) -> None:
     for line, problem in zip(table.column("line").take(bad).to_pylist(), table.column("problem").take(bad).to_pylist()):
         if source.bad_rows == "fail":
             raise UserError(f"{where(source.path, line, source.split)}: {problem.removeprefix('data: ')} (set data.bad_rows: skip to skip such rows)")
-        skipped.add(f"{where(source.path, line, source.split)}: {problem.removeprefix('data: ')}")
+        skipped.add(source.path, line, source.split, problem.removeprefix("data: "))
 
 
 def _features(datasets):

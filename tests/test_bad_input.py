@@ -133,6 +133,7 @@ def _cases():
     add("data-json-not-a-list", lambda k: k.train(data={"train": k.file("d.json", '{"a": 1}')}), "d.json: expected a JSON list of rows")
     add("data-json-invalid", lambda k: k.train(data={"train": k.file("d.json", '[{"a": 1},')}), "d.json:1: invalid JSON")
     add("data-tsv", lambda k: k.train(data={"train": k.file("d.tsv", "a\tb\n")}), "d.tsv: unsupported data file type '.tsv'")
+    add("data-dotted-name", lambda k: k.train(data={"train": k.file("d.v2.tsv", "a\tb\n")}), "d.v2.tsv: unsupported data file type '.tsv'")
     add("data-csv-extra-field", lambda k: k.train(data={"train": k.file("d.csv", "instruction,output\nhi,there,again\n")}),
         "d.csv:2: 1 more fields than the header names")
     add("data-csv-missing-column", lambda k: k.train(data={"train": k.file("e.csv", "question,output\nhi,there\n")}),
