@@ -29,7 +29,7 @@ def find_adapter(path: str, base: str | None) -> Adapter:
     folder = Path(path).expanduser()
     if not folder.is_dir():
         raise UserError(f"--adapter: no such folder: {path}")
-    run = load_config(folder / CONFIG_FILE, check_model=False, saved=True) if (folder / CONFIG_FILE).is_file() else None
+    run = load_config(folder / CONFIG_FILE, check_model=False, check_paths=False) if (folder / CONFIG_FILE).is_file() else None
     if (folder / "adapter_config.json").is_file():
         saved_base = read_json_object(folder / "adapter_config.json", "--adapter").get("base_model_name_or_path")
         chosen = base or saved_base

@@ -18,13 +18,20 @@ On CUDA, per-sample calls made a 1.1B step host-bound (docs/platform-notes.md), 
 call there: torch's flash-attention varlen kernel (`torch.nn.attention.varlen`) in bf16/fp16, otherwise
 transformers' own sdpa over the block-diagonal mask it builds from the restarting position_ids.
 
-Registered with transformers' AttentionInterface under PACKED_SDPA; models load with it when the
-config asks for sdpa. Outside training (eval, generation with a KV cache or padding) it is plain sdpa,
-whose mask transformers builds with the windows and sample boundaries.
+Registered with transformers' AttentionInterface under PACKED_SDPA; models whose attention goes
+through that interface load with it when the config asks for sdpa. It splits rows in training (also
+when gradient checkpointing recomputes a layer in the backward) and in eval forwards over packed rows,
+which run inside `packed_rows()`; any other forward (generation with a KV cache or padding) is plain
+sdpa over the mask transformers builds.
+
+Not every architecture keeps packed samples apart: some build their masks from an attention mask alone
+(ALiBi, learned positions) or carry a state along the row (SSM and linear-attention layers), and some
+never route attention through the interface. `leak` measures it on the loaded model itself.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 
@@ -36,6 +43,19 @@ SHORT_SAMPLE = 1024  # tokens: above it the saved probabilities outweigh the spe
 
 
 _last: tuple[torch.Tensor, int, list[list[int]]] | None = None  # every layer of a forward sees the same position_ids
+_packed = False  # inside packed_rows()
+
+
+@contextlib.contextmanager
+def packed_rows():
+    """An eval forward over packed rows: attention follows the restarting position_ids, as in training,
+    whatever mask the model built. Outside it, generation keeps plain sdpa over its padding mask."""
+    global _packed
+    before, _packed = _packed, True
+    try:
+        yield
+    finally:
+        _packed = before
 
 
 def sample_bounds(position_ids: torch.Tensor) -> list[list[int]]:
@@ -62,7 +82,7 @@ def packed_sdpa_forward(module, query, key, value, attention_mask, dropout: floa
     if unsupported:  # load_model picks eager attention for these models; reaching here would be silently wrong
         raise NotImplementedError(f"{PACKED_SDPA} does not implement {', '.join(unsupported)}; load this model with eager attention")
     position_ids = kwargs.get("position_ids")
-    if not module.training or position_ids is None or query.shape[2] != key.shape[2] or position_ids.dim() != 2:
+    if not (module.training or _packed) or position_ids is None or query.shape[2] != key.shape[2] or position_ids.dim() != 2:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     gqa = key.shape[1] != query.shape[1]
     window = kwargs.get("sliding_window")
@@ -239,6 +259,34 @@ def _sample(query, key, value, b: int, s: int, e: int, dtype: torch.dtype):
     if groups > 1:
         k, v = k.repeat_interleave(groups, 0), v.repeat_interleave(groups, 0)
     return q.to(dtype), k.to(dtype), v.to(dtype)
+
+
+@torch.no_grad()
+def leak(model, device: torch.device | str) -> float:
+    """How far a packed sample's logits move towards having the sample before it as context: 0 where
+    the model keeps packed samples apart, near 1 where they see each other (nan: context changes nothing).
+
+    A sample of 8 tokens is run alone, after 12 others in a packed row (positions restarting), and after
+    them as plain context; the first is its difference from alone, measured in units of the last. Run on
+    every process at once (a sharded model gathers its weights in each forward), in eval mode: no dropout."""
+    config = getattr(model, "config", None) or model.module.config  # DDP/DeepSpeed wrap the model
+    generator = torch.Generator().manual_seed(0)
+    before, sample = (torch.randint(0, config.vocab_size, (n,), generator=generator) for n in (12, 8))
+    runs = {"alone": (sample, torch.arange(8)),
+            "packed": (torch.cat([before, sample]), torch.cat([torch.arange(12), torch.arange(8)])),
+            "context": (torch.cat([before, sample]), torch.arange(20))}
+    was_training = model.training
+    model.eval()
+    logits = {}
+    try:
+        with packed_rows():
+            for name, (ids, positions) in runs.items():
+                out = model(input_ids=ids[None].to(device), position_ids=positions[None].to(device), use_cache=False)
+                logits[name] = out.logits[0, -8:].float()
+    finally:
+        model.train(was_training)
+    moved, context = ((logits[name] - logits["alone"]).abs().max().item() for name in ("packed", "context"))
+    return moved / context if context > 0 else float("nan")
 
 
 def register() -> str:

@@ -164,7 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def resolve_config(args: argparse.Namespace, check_model: bool = True):
+def resolve_config(args: argparse.Namespace, check_paths: bool = True):
     from finetune.config import load_config
 
     overrides = list(args.overrides)
@@ -172,7 +172,7 @@ def resolve_config(args: argparse.Namespace, check_model: bool = True):
         value = getattr(args, flag, None)
         if value is not None:
             overrides.append(f"{key}={value}")
-    return load_config(args.config, overrides, check_model=check_model)
+    return load_config(args.config, overrides, check_paths=check_paths)
 
 
 def quiet_libraries() -> None:
@@ -258,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "plan":
             from finetune import plan
 
-            cfg = resolve_config(args)
+            cfg = resolve_config(args, check_paths=False)  # a plan reads the model's shape alone
             gpu = args.gpu_mem is not None or __import__("torch").cuda.is_available()
             budget, where = (plan.parse_size(args.gpu_mem), "GPU") if args.gpu_mem else plan.available_memory()
             result = plan.make_plan(cfg, devices=args.gpus, strategy=args.strategy, gpu=gpu)

@@ -144,7 +144,7 @@ class DataConfig(_Section):
     @field_validator("chat_template")
     @classmethod
     def _template_known(cls, value: str | None, info: ValidationInfo) -> str | None:
-        if value is not None and value not in CHAT_TEMPLATES and not _saved(info) and not Path(value).expanduser().is_file():
+        if value is not None and value not in CHAT_TEMPLATES and not _paths_unchecked(info) and not Path(value).expanduser().is_file():
             raise ValueError(f"expected {', '.join(CHAT_TEMPLATES)} or a Jinja template file; no file {value}")
         return value
 
@@ -245,7 +245,7 @@ class CheckpointConfig(_Section):
     @field_validator("resume")
     @classmethod
     def _resume_path_exists(cls, value: str, info: ValidationInfo) -> str:
-        if value not in ("auto", "never") and not _saved(info) and not Path(value).expanduser().is_dir():
+        if value not in ("auto", "never") and not _paths_unchecked(info) and not Path(value).expanduser().is_dir():
             raise ValueError(f"expected auto, never or a checkpoint folder; no folder {value}")
         return value
 
@@ -310,7 +310,7 @@ class RunConfig(_Section):
     @field_validator("data")
     @classmethod
     def _data_files_exist(cls, data: DataConfig, info: ValidationInfo) -> DataConfig:
-        for key in ("train", "eval") if not _saved(info) else ():
+        for key in ("train", "eval") if not _paths_unchecked(info) else ():
             sources = _as_list(getattr(data, key))
             if key == "train" and not sources:
                 raise ValueError("train: the list of training sources is empty")
@@ -362,10 +362,10 @@ class RunConfig(_Section):
         return self
 
 
-def _saved(info: ValidationInfo) -> bool:
-    """A run's saved config read back (by merge and generate): its paths were checked when it ran,
-    relative to where it ran, and need not exist from here."""
-    return bool(info.context and info.context.get("saved"))
+def _paths_unchecked(info: ValidationInfo) -> bool:
+    """Paths in the config need not exist from here: a run's saved config read back (merge, generate;
+    its paths were checked when it ran, relative to where it ran), or a plan (it reads the model alone)."""
+    return bool(info.context and info.context.get("check_paths") is False)
 
 
 def _as_list(value: str | list | None) -> list:
@@ -484,9 +484,10 @@ def _first_sentence(path: Path) -> str:
     return text.split(". ", 1)[0].rstrip(".")
 
 
-def load_config(path: str | os.PathLike, overrides: list[str] = (), check_model: bool = True, saved: bool = False) -> RunConfig:
+def load_config(path: str | os.PathLike, overrides: list[str] = (), check_model: bool = True, check_paths: bool = True) -> RunConfig:
     """Read, override and validate a run config. Raises UserError with one line on any problem.
-    saved: a run's own saved config read back, whose data paths need not exist from here."""
+    check_paths: False where data, template and resume paths need not exist from here (a run's saved
+    config read back; a plan)."""
     path = find_config(path)
     if not path.is_file():
         hint = "" if path.parent != Path(".") else " (nor a shipped config: finetune configs lists them)"
@@ -505,15 +506,15 @@ def load_config(path: str | os.PathLike, overrides: list[str] = (), check_model:
         keys, value = parse_override(item)
         apply_override(raw, keys, value, f"--set {item}")
     # Relative data and model paths are relative to the working directory, as users type them.
-    cfg = validate_config(raw, str(path), saved)
+    cfg = validate_config(raw, str(path), check_paths)
     if check_model:
         check_against_model(cfg, str(path))
     return cfg
 
 
-def validate_config(raw: dict, source: str, saved: bool = False) -> RunConfig:
+def validate_config(raw: dict, source: str, check_paths: bool = True) -> RunConfig:
     try:
-        return RunConfig.model_validate(raw, context={"saved": saved})
+        return RunConfig.model_validate(raw, context={"check_paths": check_paths})
     except ValidationError as err:
         raise UserError(f"{source}: {_describe(err)}") from None
 

@@ -52,6 +52,12 @@ PLAIN_HEAD_MODELS = {"llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gem
                      "mixtral", "qwen2_moe", "qwen3_moe"}
 
 
+# The families whose layers linear_layers() spells out, each tested against the loaded model and the
+# published counts (tests/test_families.py); the planner reads any other architecture off the model
+# built on the meta device.
+SPELLED_OUT = {"llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "mixtral", "qwen2_moe", "qwen3_moe"}
+
+
 def num_experts(config: dict) -> int:
     c = text_config(config)
     return int(c.get("num_local_experts") or c.get("num_experts") or 0)

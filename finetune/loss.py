@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from finetune import families
+from finetune.attention import packed_rows
 from finetune.rows import IGNORE
 
 # Logits held at once: 16 MiB in fp32 on CPU. Each chunk reads the whole head weight twice, so smaller
@@ -46,7 +47,8 @@ def losses(model, batch: dict[str, torch.Tensor], router: bool = False) -> Losse
     """The cross-entropy sum and, with `router`, the MoE router's auxiliary loss (as the model computes
     it with output_router_logits; transformers adds it only when labels are passed, which we do not).
 
-    No attention_mask: the restarting position_ids tell transformers where samples (and padding) begin.
+    No attention_mask: the restarting position_ids say where samples (and padding) begin, to finetune's
+    packed attention (train and eval alike) and to the masks transformers builds.
     """
     labels = batch["labels"]
     keep = torch.zeros_like(labels, dtype=torch.bool)
@@ -57,7 +59,8 @@ def losses(model, batch: dict[str, torch.Tensor], router: bool = False) -> Losse
         inputs["output_router_logits"] = True
     parts = fusable_parts(model)
     if parts is None:
-        out = model(**inputs, logits_to_keep=keep)
+        with packed_rows():
+            out = model(**inputs, logits_to_keep=keep)
         return Losses(F.cross_entropy(out.logits.float(), targets, reduction="sum"), out.aux_loss if router else None)
     decoder, head = parts
     captured = []
@@ -69,7 +72,8 @@ def losses(model, batch: dict[str, torch.Tensor], router: bool = False) -> Losse
 
     hook = decoder.register_forward_hook(grab)
     try:
-        out = model(**inputs, logits_to_keep=torch.zeros_like(keep))  # the lm_head sees no rows
+        with packed_rows():
+            out = model(**inputs, logits_to_keep=torch.zeros_like(keep))  # the lm_head sees no rows
     finally:
         hook.remove()
     hidden, autocast_dtype = captured[0]

@@ -91,17 +91,35 @@ def quantization_config(cfg: ModelConfig, partitioned: bool = False):
     )
 
 
-def attention_for(cfg: ModelConfig, config: dict) -> tuple[str, str | None]:
+def attention_for(cfg: ModelConfig, config) -> tuple[str, str | None]:
     """The attn_implementation to load with, and a notice where it is not the one configured.
 
-    sdpa runs per packed sample while training (finetune/attention.py) and as plain sdpa otherwise;
-    models that soft-cap attention logits (Gemma 2) run eager attention, which does it, instead."""
+    sdpa is finetune's packed attention (finetune/attention.py) for models whose attention goes through
+    transformers' AttentionInterface; others keep their own sdpa, or eager where they have none (a
+    model class says which it supports). Models that soft-cap attention logits (Gemma 2) run eager
+    attention, which does it."""
     if cfg.attn_implementation != "sdpa":
         return cfg.attn_implementation, None
-    if families.attention_softcap(config):
-        return "eager", (f"model: {config.get('model_type')} soft-caps its attention logits, which sdpa cannot do: "
+    kind = config.model_type
+    if families.attention_softcap(config.to_dict()):
+        return "eager", (f"model: {kind} soft-caps its attention logits, which sdpa cannot do: "
                          "using eager attention (model.attn_implementation: flash_attention_2 on a GPU also does it)")
-    return register_packed_sdpa(), None
+    model_class = _causal_lm_class(config)
+    if model_class is not None and getattr(model_class, "_supports_sdpa", False) is not True:
+        return "eager", f"model: {kind} has no sdpa attention in transformers: using eager attention"
+    if getattr(model_class, "_supports_attention_backend", False) is True:
+        return register_packed_sdpa(), None
+    return "sdpa", None  # its own attention code (or remote code): whether packed samples stay apart is measured at the start
+
+
+def _causal_lm_class(config):
+    """The transformers class AutoModelForCausalLM would build for this config (None: remote code or unknown)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    try:
+        return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    except KeyError:
+        return None
 
 
 def load_model(cfg: ModelConfig, device: torch.device | str = "cpu", skeleton: str | None = None, say=print):
@@ -121,7 +139,7 @@ def load_model(cfg: ModelConfig, device: torch.device | str = "cpu", skeleton: s
     except (OSError, ValueError) as err:
         raise UserError(f"model.name_or_path: cannot read the config of '{cfg.name_or_path}': {_first_line(err)}") from None
     override_config(config, cfg.config_overrides)
-    attn, notice = attention_for(cfg, config.to_dict())
+    attn, notice = attention_for(cfg, config)
     if notice:
         say(notice)
     if skeleton:
@@ -287,6 +305,13 @@ def compile_layers(model) -> None:
 ROUTERS = {"gate", "router", "shared_expert_gate"}  # in an MoE model, the linear layers that pick experts
 
 
+def linear_like(module) -> bool:
+    """A linear layer as peft adapts it: nn.Linear, or the Conv1D of GPT-2-era models (its weight transposed)."""
+    from transformers.pytorch_utils import Conv1D
+
+    return isinstance(module, (torch.nn.Linear, Conv1D))
+
+
 def lora_targets(model, wanted: str | list[str]) -> tuple[str | list[str], list[str]]:
     """(target_modules, target_parameters) for peft.
 
@@ -295,7 +320,7 @@ def lora_targets(model, wanted: str | list[str]) -> tuple[str | list[str], list[
     linear layer but the head and the routers, and the experts' fused 3-D weights. In a list, the name
     `experts` stands for those expert weights; any other name must match some linear layer."""
     head = model.get_output_embeddings()
-    linears = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear) and m is not head}
+    linears = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if linear_like(m) and m is not head}
     experts = sorted({f"{module.rsplit('.', 1)[-1]}.{p}" for module, m in model.named_modules() if module.endswith("experts")
                       for p, w in m.named_parameters(recurse=False) if w.dim() == 3})
     if wanted == "all-linear":

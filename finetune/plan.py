@@ -65,6 +65,8 @@ def read_shape(model_path: str) -> Shape:
     if why:
         raise UserError(f"plan: {path}: {why}")
     c = families.text_config(config)
+    if c.get("model_type") not in families.SPELLED_OUT:
+        return skeleton_shape(path.parent)
     try:
         linears = families.linear_layers(config)
         heads = c["num_attention_heads"]
@@ -78,6 +80,45 @@ def read_shape(model_path: str) -> Shape:
         raise UserError(f"plan: {path} lacks {err.args[0]} (the planner knows decoder-only transformers)") from None
     except (TypeError, ValueError, ZeroDivisionError):
         raise UserError(f"plan: {path}: a size in it is not a positive number") from None
+
+
+def skeleton_shape(folder: Path) -> Shape:
+    """Any other architecture, read off the model built on the meta device (no weights, no memory): its
+    linear layers (nn.Linear and GPT-2's Conv1D) grouped by name and shape, experts' fused 3-D weights
+    (a token passes through num_experts_per_tok of them), and everything else (embeddings, learned
+    positions, norms, biases) counted as it is."""
+    import torch
+
+    from finetune.config import ModelConfig
+    from finetune.model import ROUTERS, linear_like, load_model
+
+    try:
+        model = load_model(ModelConfig(name_or_path=str(folder)), skeleton="meta", say=lambda _: None)
+    except Exception as err:  # noqa: BLE001 - an architecture transformers cannot build from this config
+        raise UserError(f"plan: {folder / 'config.json'}: transformers cannot build this model from it ({str(err).splitlines()[0]})") from None
+    config, head, embed = model.config, model.get_output_embeddings(), model.get_input_embeddings()
+    routed = getattr(config, "num_experts_per_tok", None) or 1
+    found: dict[tuple, list[int]] = {}  # (name, fan_in, fan_out, expert) -> [copies, active]
+    for name, module in model.named_modules():
+        if linear_like(module) and module is not head:
+            shape = (module.in_features, module.out_features) if isinstance(module, torch.nn.Linear) else tuple(module.weight.shape)
+            counts = found.setdefault((name.rsplit(".", 1)[-1], *shape, False), [0, 0])
+            counts[0], counts[1] = counts[0] + 1, counts[1] + 1
+        elif name.endswith("experts"):
+            for weight_name, weight in module.named_parameters(recurse=False):
+                if weight.dim() == 3:
+                    counts = found.setdefault((f"experts.{weight_name}", weight.shape[1], weight.shape[2], True), [0, 0])
+                    counts[0], counts[1] = counts[0] + weight.shape[0], counts[1] + min(routed, weight.shape[0])
+    moe = any(expert for *_, expert in found)  # routers are told apart in mixture-of-experts models only, as model.lora_targets does
+    linears = [Linear(name, fan_in, fan_out, copies, active, expert=expert, router=moe and not expert and name in ROUTERS)
+               for (name, fan_in, fan_out, expert), (copies, active) in found.items()]
+    vocab, hidden = embed.weight.shape
+    tied = head is not None and head.weight is embed.weight
+    heads = config.num_attention_heads
+    width = next((w for w in (getattr(config, key, None) for key in ("intermediate_size", "ffn_dim", "n_inner")) if isinstance(w, int)), 4 * hidden)
+    other = sum(p.numel() for p in model.parameters()) - sum(layer.params for layer in linears) - vocab * hidden * (1 if tied else 2)
+    return Shape(vocab=vocab, hidden=hidden, layers=config.num_hidden_layers, kv_dim=(getattr(config, "num_key_value_heads", None) or heads) * (hidden // heads),
+                 mlp_width=width, tied=tied, linears=tuple(linears), norms_and_biases=other)
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 from finetune import checkpoint, families, faults, preflight, runtime
+from finetune.attention import leak
 from finetune.chat import choose_template
 from finetune.config import CONFIG_FILE, MUTATED_INITS, SUMMARY_FILE, ModelConfig, RunConfig, looks_local, to_yaml
 from finetune.data import Datasets, load_data, summary_lines
@@ -52,6 +53,10 @@ from finetune.supervise import Watchdog, stop_with_launcher, watch_preemption
 
 
 
+# A packed sample's logits may move by rounding (bf16 kernels over rows of other lengths), a small
+# share of what the sample before it would move them as context; samples that see each other move them
+# most of the way.
+LEAK_TOLERANCE = 0.05
 INITIAL_ADAPTER = "initial-adapter"  # where such an adapter started, for peft's conversion at the end
 
 
@@ -310,6 +315,24 @@ def load_and_prepare_model(run: RunState) -> None:
     if cfg.train.objective == "dpo" and cfg.adapter.method == "full":
         run.objective.reference = run.engine.reference(run.model_cfg, run.say)
         run.say("dpo: the reference is a frozen copy of the base, held as the policy is")
+    if cfg.data.packing or cfg.train.objective != "sft":
+        check_packed_rows(run)
+
+
+def check_packed_rows(run: RunState) -> None:
+    """Refuse a model that lets the samples of a packed row see each other (measured on it, every
+    process at once): it would train and evaluate on other samples' context without a sign."""
+    with run.accelerator.autocast():
+        moved = leak(run.engine.model, run.accelerator.device)
+    if not moved > LEAK_TOLERANCE:  # nan: context changes nothing, there is nothing to leak
+        return
+    config = run.engine.unwrap().config
+    how = (f"{config.model_type} ({config._attn_implementation} attention) lets the samples of a packed row see each other "
+           f"(measured at the start: a sample's logits moved {moved:.0%} of the way to having the sample before it as context)")
+    if run.cfg.train.objective == "sft":
+        raise UserError(f"data.packing: {how}; set data.packing: false")
+    raise UserError(f"train.objective: {run.cfg.train.objective} packs each pair's chosen and rejected sequences in one row, and {how}: "
+                    "this model cannot be preference-tuned by finetune")
 
 
 def resume_or_start(run: RunState) -> None:

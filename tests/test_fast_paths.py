@@ -86,7 +86,8 @@ def test_trained_token_loss_equals_full_logits_loss(tiny_model_dir, monkeypatch,
 @pytest.mark.parametrize("short_sample", [attention.SHORT_SAMPLE, 0], ids=["causal_attention", "torch-sdpa"])
 def test_packed_sdpa_equals_masked_attention_in_training(tiny_model_dir, monkeypatch, short_sample):
     """Per-sample attention (GQA model, padded second row), by our kernel or torch's, == eager attention
-    over the block-diagonal mask: logits and gradients; outside training it is plain sdpa."""
+    over the block-diagonal mask: logits and gradients; in eval too, and outside packed_rows() (generation)
+    it is plain sdpa."""
     monkeypatch.setattr(attention, "SHORT_SAMPLE", short_sample)
     batch = _packed_batch(tiny_model_dir)
     assert [len(b) for b in sample_bounds(batch["position_ids"])] == [5, 4]  # 4 samples | 2 samples + pad
@@ -95,7 +96,8 @@ def test_packed_sdpa_equals_masked_attention_in_training(tiny_model_dir, monkeyp
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation=impl).train()
         assert model.config._attn_implementation == impl
-        logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
+        with attention.packed_rows():
+            logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
         logits.float().pow(2).mean().backward()
         results[impl] = logits.detach(), {n: p.grad for n, p in model.named_parameters()}
     (eager_logits, eager_grads), (packed_logits, packed_grads) = results["eager"], results[PACKED_SDPA]
@@ -103,9 +105,15 @@ def test_packed_sdpa_equals_masked_attention_in_training(tiny_model_dir, monkeyp
     for name, grad in eager_grads.items():
         assert torch.allclose(packed_grads[name], grad, atol=1e-5), name
     model.eval()
+    with torch.no_grad(), attention.packed_rows():
+        evaluated = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
+    calls = []
+    monkeypatch.setattr(attention, "sample_bounds", lambda *a: calls.append(a))  # plain sdpa never splits rows
     with torch.no_grad():
         again = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
-    assert torch.allclose(again, eager_logits, atol=1e-5)
+    assert not calls
+    for other in (evaluated, again):
+        assert torch.allclose(other, eager_logits, atol=1e-5)
 
 
 def test_fused_loss_follows_autocast_inside_the_forward(tiny_model_dir, monkeypatch):

@@ -126,6 +126,7 @@ def test_packed_rows_on_cuda_never_attend_across_samples(tiny_model_dir, monkeyp
     """A packed row's logits (training mode) == each sample run alone, in bf16."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from finetune import attention
     from finetune.attention import PACKED_SDPA, register, sample_bounds
 
     _attention_path(monkeypatch, path)
@@ -134,7 +135,8 @@ def test_packed_rows_on_cuda_never_attend_across_samples(tiny_model_dir, monkeyp
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16, attn_implementation=register()).cuda().train()
     assert model.config._attn_implementation == PACKED_SDPA
     with torch.no_grad():
-        packed = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits.float()
+        with attention.packed_rows():
+            packed = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits.float()
         worst = 0.0
         for row, bounds in enumerate(sample_bounds(batch["position_ids"])):
             for s, e in zip(bounds, bounds[1:]):

@@ -88,3 +88,16 @@ def test_plan_command_says_what_would_fit():
     assert "-> fits" in result.stdout
     result = run_cli("plan", "--config", "docs/examples/plan-7b-qlora.yaml", "--gpu-mem", "lots")
     assert result.returncode == 2 and "expected a size like 80GiB" in result.stderr
+
+
+def test_plan_reads_the_model_alone_from_any_folder(tmp_path, monkeypatch, capsys):
+    """A shipped config by name, planned from a folder where its data paths do not exist: a plan needs
+    the model's shape only (training from there still names the missing file)."""
+    from finetune.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    model = str(REPO / "docs" / "examples" / "llama-3.1-8b")
+    assert main(["plan", "--config", "lora", "--model", model, "--gpu-mem", "80GiB"]) == 0
+    assert "| total" in capsys.readouterr().out
+    assert main(["validate", "--config", "lora", "--model", model]) == 2
+    assert "data: train: file not found: demo/data/train.jsonl" in capsys.readouterr().err
