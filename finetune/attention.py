@@ -25,8 +25,9 @@ which run inside `packed_rows()`; any other forward (generation with a KV cache 
 sdpa over the mask transformers builds.
 
 Not every architecture keeps packed samples apart: some build their masks from an attention mask alone
-(ALiBi, learned positions) or carry a state along the row (SSM and linear-attention layers), and some
-never route attention through the interface. `leak` measures it on the loaded model itself.
+(ALiBi, learned positions), some never route attention through the interface (`leak` measures both on
+the loaded model itself), and SSM, linear-attention and short-convolution layers carry a state along
+the row whatever the masks say (`mixer_outside_attention` finds them).
 """
 
 from __future__ import annotations
@@ -262,16 +263,16 @@ def _sample(query, key, value, b: int, s: int, e: int, dtype: torch.dtype):
 
 
 @torch.no_grad()
-def leak(model, device: torch.device | str) -> float:
+def leak(model, vocab_size: int, device: torch.device | str) -> float:
     """How far a packed sample's logits move towards having the sample before it as context: 0 where
     the model keeps packed samples apart, near 1 where they see each other (nan: context changes nothing).
 
     A sample of 8 tokens is run alone, after 12 others in a packed row (positions restarting), and after
     them as plain context; the first is its difference from alone, measured in units of the last. Run on
-    every process at once (a sharded model gathers its weights in each forward), in eval mode: no dropout."""
-    config = getattr(model, "config", None) or model.module.config  # DDP/DeepSpeed wrap the model
+    every process at once (a sharded model gathers its weights in each forward), in eval mode: no dropout.
+    `model` may be wrapped (DDP, FSDP, a DeepSpeed engine): it is only called."""
     generator = torch.Generator().manual_seed(0)
-    before, sample = (torch.randint(0, config.vocab_size, (n,), generator=generator) for n in (12, 8))
+    before, sample = (torch.randint(0, vocab_size, (n,), generator=generator) for n in (12, 8))
     runs = {"alone": (sample, torch.arange(8)),
             "packed": (torch.cat([before, sample]), torch.cat([torch.arange(12), torch.arange(8)])),
             "context": (torch.cat([before, sample]), torch.arange(20))}
@@ -287,6 +288,18 @@ def leak(model, device: torch.device | str) -> float:
         model.train(was_training)
     moved, context = ((logits[name] - logits["alone"]).abs().max().item() for name in ("packed", "context"))
     return moved / context if context > 0 else float("nan")
+
+
+def mixer_outside_attention(model) -> str | None:
+    """The class of a layer that mixes tokens along the row outside attention, or None: SSM,
+    linear-attention and short-convolution layers (Mamba, Jamba, Qwen3-Next, LFM2) all run a causal
+    nn.Conv1d, which no attention layer has. Their state runs on from one packed sample into the next;
+    on small random models that moved the logits too little to measure against bf16 rounding while the
+    gradients were 12-23% off (bench/families.py)."""
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Conv1d):
+            return type(model.get_submodule(name.rpartition(".")[0])).__name__
+    return None
 
 
 def register() -> str:

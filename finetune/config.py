@@ -538,6 +538,11 @@ def _describe(err: ValidationError) -> str:
 _UNION_TAG = re.compile(r"^(str|int|float|bool|list\[.*\]|dict\[.*\]|tuple\[.*\]|[A-Z]\w*Config)$")  # a union branch's name in a location
 
 
+# Where a config.json gives the longest sequence: most families, GPT-2/GPT-J/CodeGen/GPT-BigCode, MPT.
+# ALiBi models (Bloom) have no limit to give.
+CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len")
+
+
 def check_against_model(cfg: RunConfig, source: str) -> None:
     """Checks that need the model's config.json (read as JSON: no weights, no transformers import)."""
     model_dir = Path(cfg.model.name_or_path).expanduser()
@@ -546,13 +551,10 @@ def check_against_model(cfg: RunConfig, source: str) -> None:
             raise UserError(f"{source}: model.name_or_path: folder not found: {cfg.model.name_or_path}")
         return  # a hub id: checked when it is loaded
     model_cfg = read_model_config(model_dir, f"{source}: model.name_or_path")
-    model_cfg = model_cfg.get("text_config") or model_cfg
-    positions = cfg.model.config_overrides.get("max_position_embeddings", model_cfg.get("max_position_embeddings"))
-    if positions and cfg.data.max_seq_len > positions:
-        raise UserError(
-            f"{source}: data.max_seq_len: {cfg.data.max_seq_len} is larger than the model's "
-            f"max_position_embeddings ({positions})"
-        )
+    model_cfg = {**(model_cfg.get("text_config") or model_cfg), **cfg.model.config_overrides}
+    key = next((k for k in CONTEXT_KEYS if model_cfg.get(k)), None)
+    if key and cfg.data.max_seq_len > model_cfg[key]:
+        raise UserError(f"{source}: data.max_seq_len: {cfg.data.max_seq_len} is larger than the model's {key} ({model_cfg[key]})")
 
 
 def read_model_config(folder: Path, what: str) -> dict:

@@ -65,7 +65,9 @@ def read_shape(model_path: str) -> Shape:
     if why:
         raise UserError(f"plan: {path}: {why}")
     c = families.text_config(config)
-    if c.get("model_type") not in families.SPELLED_OUT:
+    if not c.get("model_type"):
+        raise UserError(f"plan: {path} lacks model_type (the planner knows decoder-only transformers)")
+    if c["model_type"] not in families.SPELLED_OUT:
         return skeleton_shape(path.parent)
     try:
         linears = families.linear_layers(config)
@@ -94,6 +96,8 @@ def skeleton_shape(folder: Path) -> Shape:
 
     try:
         model = load_model(ModelConfig(name_or_path=str(folder)), skeleton="meta", say=lambda _: None)
+    except UserError as err:
+        raise UserError(f"plan: {err}") from None
     except Exception as err:  # noqa: BLE001 - an architecture transformers cannot build from this config
         raise UserError(f"plan: {folder / 'config.json'}: transformers cannot build this model from it ({str(err).splitlines()[0]})") from None
     config, head, embed = model.config, model.get_output_embeddings(), model.get_input_embeddings()

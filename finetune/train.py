@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from finetune import checkpoint, families, faults, preflight, runtime
-from finetune.attention import leak
+from finetune.attention import leak, mixer_outside_attention
 from finetune.chat import choose_template
 from finetune.config import CONFIG_FILE, MUTATED_INITS, SUMMARY_FILE, ModelConfig, RunConfig, looks_local, to_yaml
 from finetune.data import Datasets, load_data, summary_lines
@@ -320,15 +320,21 @@ def load_and_prepare_model(run: RunState) -> None:
 
 
 def check_packed_rows(run: RunState) -> None:
-    """Refuse a model that lets the samples of a packed row see each other (measured on it, every
-    process at once): it would train and evaluate on other samples' context without a sign."""
-    with run.accelerator.autocast():
-        moved = leak(run.engine.model, run.accelerator.device)
-    if not moved > LEAK_TOLERANCE:  # nan: context changes nothing, there is nothing to leak
-        return
-    config = run.engine.unwrap().config
-    how = (f"{config.model_type} ({config._attn_implementation} attention) lets the samples of a packed row see each other "
-           f"(measured at the start: a sample's logits moved {moved:.0%} of the way to having the sample before it as context)")
+    """Refuse a model that lets the samples of a packed row see each other (found in its layers, or
+    measured on it, every process at once): it would train and evaluate on other samples' context
+    without a sign."""
+    model = run.engine.unwrap()
+    kind = f"{model.config.model_type} ({model.config._attn_implementation} attention)"
+    mixer = mixer_outside_attention(model)
+    if mixer:
+        how = f"{kind} mixes tokens outside attention ({mixer}), carrying a state from one packed sample into the next"
+    else:
+        with run.accelerator.autocast():
+            moved = leak(run.engine.model, model.config.vocab_size, run.accelerator.device)
+        if not moved > LEAK_TOLERANCE:  # nan: context changes nothing, there is nothing to leak
+            return
+        how = (f"{kind} lets the samples of a packed row see each other (measured at the start: a sample's logits "
+               f"moved {moved:.0%} of the way to having the sample before it as context)")
     if run.cfg.train.objective == "sft":
         raise UserError(f"data.packing: {how}; set data.packing: false")
     raise UserError(f"train.objective: {run.cfg.train.objective} packs each pair's chosen and rejected sequences in one row, and {how}: "

@@ -1,0 +1,214 @@
+"""Architectures beyond the tested matrix: does finetune keep the samples of a packed row apart?
+
+Each architecture is built tiny from its transformers config class (random weights, dropout off) and
+loaded through finetune's own loader. Per architecture:
+
+  attention      the implementation finetune picks (sdpa_packed: finetune's packed attention; sdpa:
+                 the model's own; eager where transformers has none, said at load)
+  leak fp32/bf16 attention.leak: how far a packed sample's logits move towards having the sample
+                 before it as context (0: apart; train refuses packing above LEAK_TOLERANCE)
+  mixer          attention.mixer_outside_attention: an SSM, linear-attention or convolution layer that
+                 carries a state along the row (train refuses packing where there is one)
+  loss, grads    where it does not leak: finetune's loss over packed and unpacked rows, in training and
+                 in eval, against the library's eager attention on each sample alone (full fine-tuning;
+                 largest relative difference; a gradient that is zero in exact arithmetic is measured
+                 against 1e-4 of the model's largest)
+
+The families of tests/test_families.py (and GPT-2, OPT, GPT-J, Bloom, Falcon, Qwen3-Next) are tested in
+`make test`; this sweep covers the rest. About 3 minutes on 2 CPU cores.
+
+usage: python bench/families.py [--only gpt2,opt]   (results: bench/results/families.md)
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+from pathlib import Path
+
+from common import report
+
+import torch
+import torch.nn.functional as F
+
+T = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=512)
+KV = dict(T, num_key_value_heads=2)
+GPT = dict(n_embd=64, n_layer=2, n_head=4, n_positions=512, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+LINEAR_ATTENTION = dict(head_dim=16, linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
+                        layer_types=["linear_attention", "full_attention"])
+MAMBA2 = dict(mamba_n_heads=8, mamba_d_head=16, mamba_d_state=8, mamba_n_groups=1)
+ARCHS = {  # name: (model_type, config)
+    "llama (reference)": ("llama", KV),
+    "gpt2": ("gpt2", GPT),
+    "gpt_bigcode": ("gpt_bigcode", dict(GPT, multi_query=True)),
+    "gptj": ("gptj", dict(GPT, rotary_dim=8)),
+    "codegen": ("codegen", dict(GPT, rotary_dim=8)),
+    "gpt_neo": ("gpt_neo", dict(hidden_size=64, num_layers=2, num_heads=4, attention_types=[[["global", "local"], 1]], window_size=8,
+                                max_position_embeddings=512, resid_dropout=0.0, embed_dropout=0.0, attention_dropout=0.0)),
+    "gpt_neox": ("gpt_neox", dict(T, rotary_pct=0.25)),
+    "opt": ("opt", dict(hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4, word_embed_proj_dim=64,
+                        max_position_embeddings=512, dropout=0.0)),
+    "bloom": ("bloom", dict(hidden_size=64, n_layer=2, n_head=4)),
+    "mpt": ("mpt", dict(d_model=64, n_layers=2, n_heads=4, max_seq_len=512)),
+    "falcon": ("falcon", dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, new_decoder_architecture=True, num_kv_heads=2)),
+    "falcon (alibi)": ("falcon", dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, alibi=True)),
+    "phi": ("phi", T),
+    "stablelm": ("stablelm", KV),
+    "persimmon": ("persimmon", T),
+    "olmo": ("olmo", T),
+    "olmo2": ("olmo2", KV),
+    "olmo3": ("olmo3", dict(KV, sliding_window=8)),
+    "olmoe": ("olmoe", dict(KV, num_experts=4, num_experts_per_tok=2)),
+    "granite": ("granite", KV),
+    "granitemoe": ("granitemoe", dict(KV, num_local_experts=4, num_experts_per_tok=2)),
+    "cohere": ("cohere", KV),
+    "cohere2": ("cohere2", dict(KV, sliding_window=8)),
+    "gemma": ("gemma", dict(KV, head_dim=16)),
+    "starcoder2": ("starcoder2", dict(KV, sliding_window=8)),
+    "smollm3": ("smollm3", KV),
+    "glm": ("glm", dict(KV, head_dim=16)),
+    "glm4": ("glm4", dict(KV, head_dim=16)),
+    "exaone4": ("exaone4", dict(KV, sliding_window=8)),
+    "ernie4_5": ("ernie4_5", KV),
+    "seed_oss": ("seed_oss", KV),
+    "nemotron": ("nemotron", KV),
+    "arcee": ("arcee", KV),
+    "apertus": ("apertus", KV),
+    "gpt_oss": ("gpt_oss", dict(KV, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+                                layer_types=["sliding_attention", "full_attention"])),
+    "jamba": ("jamba", dict(KV, num_experts=2, num_experts_per_tok=1, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
+                            expert_layer_offset=1, mamba_d_state=8, mamba_expand=2, use_mamba_kernels=False)),
+    "lfm2": ("lfm2", dict(KV, layer_types=["conv", "full_attention"])),
+    "qwen3_next": ("qwen3_next", dict(KV, **LINEAR_ATTENTION, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                      shared_expert_intermediate_size=32)),
+    "qwen3_5_text": ("qwen3_5_text", dict(KV, **LINEAR_ATTENTION)),
+    "bamba": ("bamba", dict(KV, attn_layer_indices=[1], **MAMBA2)),
+    "granitemoehybrid": ("granitemoehybrid", dict(KV, layer_types=["mamba", "attention"], num_local_experts=2, num_experts_per_tok=1, **MAMBA2)),
+    "zamba2": ("zamba2", dict(KV, mamba_d_state=8, mamba_headdim=16, n_mamba_heads=8, layers_block_type=["mamba", "hybrid"], num_mem_blocks=1,
+                              attention_head_dim=16)),
+    "mamba": ("mamba", dict(hidden_size=64, num_hidden_layers=2, state_size=8)),
+}
+VOCAB = 512
+LENGTHS = (30, 12, 25, 9, 40)  # samples, most longer than the windows above
+
+
+def build(work: Path, name: str) -> Path:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    kind, extra = ARCHS[name]
+    out = work / name.split()[0] / kind
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(AutoConfig.for_model(kind, vocab_size=VOCAB, bos_token_id=1, eos_token_id=2, pad_token_id=0, **extra)).save_pretrained(out)
+    return out
+
+
+def without_dropout(model):
+    """Dropout off everywhere (modules and the rates attention layers keep as floats): paths are compared number for number."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        for key, value in list(vars(module).items()):
+            if "dropout" in key and isinstance(value, float):
+                setattr(module, key, 0.0)
+    return model
+
+
+def samples() -> list[tuple[list[int], list[int]]]:
+    from finetune.rows import IGNORE
+
+    generator = torch.Generator().manual_seed(1)
+    out = []
+    for n in LENGTHS:
+        ids = torch.randint(3, VOCAB, (n,), generator=generator).tolist()
+        out.append((ids, [IGNORE] * (n // 3) + ids[n // 3 :]))
+    return out
+
+
+def batch(data, packed: bool) -> dict[str, torch.Tensor]:
+    from finetune.packing import Row, collate
+
+    groups = [data[:3], data[3:]] if packed else [[s] for s in data]
+    rows = [Row([t for s in g for t in s[0]], [t for s in g for t in s[1]], [p for s in g for p in range(len(s[0]))]) for g in groups]
+    return collate(rows, pad_id=0)
+
+
+def loss_and_grads(model, fn) -> tuple[float, dict[str, torch.Tensor]]:
+    model.zero_grad()
+    value = fn()
+    value.backward()
+    return value.item(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def compare(model) -> tuple[float, float]:
+    """Largest relative loss and gradient difference of finetune's paths from eager attention on each sample alone."""
+    from finetune import loss
+    from finetune.rows import IGNORE
+
+    data = samples()
+    ours = [loss_and_grads(model, lambda packed=packed: loss.token_loss_sum(model, batch(data, packed))) for packed in (True, False)]
+    with torch.no_grad():
+        evaluated = loss.token_loss_sum(model.eval(), batch(data, packed=True)).item()
+    model.train().set_attn_implementation("eager")
+
+    def textbook():
+        total = 0
+        for ids, labels in data:
+            logits = model(input_ids=torch.tensor([ids]), use_cache=False).logits[0, :-1]
+            total = total + F.cross_entropy(logits.float(), torch.tensor(labels[1:]), ignore_index=IGNORE, reduction="sum")
+        return total
+
+    reference, grads = loss_and_grads(model, textbook)
+    floor = 1e-4 * max(g.abs().max().item() for g in grads.values())
+    loss_diff = max(abs(value - reference) / reference for value in (ours[0][0], ours[1][0], evaluated))
+    grad_diff = max((theirs[n] - g).abs().max().item() / max(g.abs().max().item(), floor) for _, theirs in ours for n, g in grads.items())
+    return loss_diff, grad_diff
+
+
+def measure(folder: Path) -> dict:
+    from finetune.attention import leak, mixer_outside_attention
+    from finetune.config import ModelConfig
+    from finetune.model import load_model
+    from finetune.train import LEAK_TOLERANCE
+
+    said = []
+    model = without_dropout(load_model(ModelConfig(name_or_path=str(folder)), say=said.append)).train()
+    row = {"attention": model.config._attn_implementation, "notice": "; ".join(said), "leak": leak(model, VOCAB, "cpu")}
+    half = without_dropout(load_model(ModelConfig(name_or_path=str(folder), dtype="bfloat16"), say=lambda _: None)).train()
+    row["leak bf16"] = leak(half, VOCAB, "cpu")
+    row["mixer"] = mixer_outside_attention(model)
+    row["apart"] = not row["mixer"] and not row["leak"] > LEAK_TOLERANCE and not row["leak bf16"] > LEAK_TOLERANCE
+    row["loss"], row["grads"] = compare(model)  # also where refused: what packing would have done
+    return row
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--only", default="", help=f"comma-separated, of: {', '.join(ARCHS)}")
+    args = p.parse_args()
+    names = [n for n in args.only.split(",") if n] or list(ARCHS)
+    unknown = set(names) - set(ARCHS)
+    if unknown:
+        p.error(f"--only: unknown {', '.join(sorted(unknown))}")
+    lines = ["| architecture | attention | leak fp32 | leak bf16 | mixer outside attention | with packing | loss diff | grad diff |",
+             "|---|---|---|---|---|---|---|---|"]
+    with tempfile.TemporaryDirectory() as work:
+        for name in names:
+            try:
+                row = measure(build(Path(work), name))
+            except Exception as err:  # noqa: BLE001 - a row of the table, not the end of the sweep
+                lines.append(f"| {name} | error: {type(err).__name__}: {str(err).splitlines()[0][:120]} | | | | | | |")
+                print(lines[-1], flush=True)
+                continue
+            exact = row["loss"] < 2e-6 and row["grads"] < 2e-5
+            verdict = ("exact" if exact else "MISMATCH") if row["apart"] else "refused at start"
+            lines.append(f"| {name} | {row['attention']} | {row['leak']:.3f} | {row['leak bf16']:.3f} | {row['mixer'] or '-'} | {verdict} | "
+                         f"{row['loss']:.1e} | {row['grads']:.1e} |")
+            print(lines[-1], flush=True)
+    lines += ["", f"torch {torch.__version__}, transformers {__import__('transformers').__version__}; "
+              "tiny random models (2 layers, 64 wide, vocabulary 512), 5 samples of 9-40 tokens in 2 packed rows, full fine-tuning, fp32. "
+              "Loss and grad diff: finetune's paths against eager attention on each sample alone; for refused models, what packing would have trained."]
+    report("families", lines)
+
+
+if __name__ == "__main__":
+    main()
