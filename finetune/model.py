@@ -179,7 +179,7 @@ def load_model(cfg: ModelConfig, device: torch.device | str = "cpu", skeleton: s
         # Freezes the base and upcasts the unquantized parts (norms, embeddings, lm_head) to fp32, as
         # peft recommends for stable k-bit training. Checkpointing is set up in apply_adapter.
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
-        if str(device) == "cpu":
+        if torch.device(device).type == "cpu":  # "cpu:0" in a multi-process run
             _keep_one_cpu_4bit_path(model)
             _own_unquantized_weights(model)
     model.config.use_cache = False  # no KV cache while training; generation turns it on per call

@@ -47,6 +47,22 @@ def test_qlora_learns_and_the_adapter_reloads_on_a_fresh_4bit_base(tmp_path, dem
     assert (a - b).abs().max() < 1e-5
 
 
+@pytest.mark.parametrize("device", ["cpu", "cpu:0"])
+def test_a_4bit_base_keeps_one_kernel_through_eval_on_any_cpu_device(tiny_model_dir, device):
+    """A rank of a multi-process run loads onto "cpu:0": there too the first eval-mode forward must not
+    repack the 4-bit weights for bitsandbytes' bf16 kernel (no autograd; logits move), which it did
+    while the guard matched the device by its name "cpu" alone."""
+    from finetune.config import ModelConfig, QuantizationConfig
+
+    cfg = ModelConfig(name_or_path=str(tiny_model_dir), quantization=QuantizationConfig(**{**QLORA, "compute_dtype": "float32"}))
+    model = load_model(cfg, torch.device(device), say=lambda _: None)
+    ids = torch.arange(3, 11)[None]
+    with torch.no_grad():
+        first, again = (model.eval()(input_ids=ids, use_cache=False).logits for _ in range(2))
+    assert torch.equal(first, again)
+    assert not any(getattr(m.weight.quant_state, "packing_format_for_cpu", False) for m in model.modules() if hasattr(m, "support_avx512bf16_for_cpu"))
+
+
 def test_8bit_base_with_lora_trains(tmp_path, demo_model_dir):
     out = tmp_path / "out"
     cfg = validate_config(base_config(
