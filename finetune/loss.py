@@ -58,11 +58,6 @@ def losses(model, batch: dict[str, torch.Tensor], router: bool = False) -> Losse
     if router:
         inputs["output_router_logits"] = True
     parts = fusable_parts(model)
-    if parts is None:
-        with packed_rows():
-            out = model(**inputs, logits_to_keep=keep)
-        return Losses(F.cross_entropy(out.logits.float(), targets, reduction="sum"), out.aux_loss if router else None)
-    decoder, head = parts
     captured = []
 
     def grab(_module, _args, out):
@@ -70,17 +65,22 @@ def losses(model, batch: dict[str, torch.Tensor], router: bool = False) -> Losse
         device = out[0].device.type
         captured.append((out[0], torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None))
 
-    hook = decoder.register_forward_hook(grab)
+    # Fused: the decoder's output is taken by a hook and the lm_head sees no rows.
+    hook = parts[0].register_forward_hook(grab) if parts else None
     try:
         with packed_rows():
-            out = model(**inputs, logits_to_keep=torch.zeros_like(keep))  # the lm_head sees no rows
+            out = model(**inputs, logits_to_keep=keep if parts is None else torch.zeros_like(keep))
     finally:
-        hook.remove()
+        if hook is not None:
+            hook.remove()
+    aux = out.aux_loss if router else None
+    if parts is None:
+        return Losses(F.cross_entropy(out.logits.float(), targets, reduction="sum"), aux)
     hidden, autocast_dtype = captured[0]
-    hidden, weight = hidden[keep], head.weight
+    hidden, weight = hidden[keep], parts[1].weight
     if autocast_dtype is not None:
         hidden, weight = hidden.to(autocast_dtype), weight.to(autocast_dtype)
-    return Losses(linear_cross_entropy(hidden, weight, targets), out.aux_loss if router else None)
+    return Losses(linear_cross_entropy(hidden, weight, targets), aux)
 
 
 def fusable_parts(model) -> tuple[torch.nn.Module, torch.nn.Linear] | None:

@@ -89,6 +89,8 @@ def skeleton_shape(folder: Path) -> Shape:
     linear layers (nn.Linear and GPT-2's Conv1D) grouped by name and shape, experts' fused 3-D weights
     (a token passes through num_experts_per_tok of them), and everything else (embeddings, learned
     positions, norms, biases) counted as it is."""
+    from collections import Counter
+
     import torch
 
     from finetune.config import ModelConfig
@@ -102,20 +104,22 @@ def skeleton_shape(folder: Path) -> Shape:
         raise UserError(f"plan: {folder / 'config.json'}: transformers cannot build this model from it ({str(err).splitlines()[0]})") from None
     config, head, embed = model.config, model.get_output_embeddings(), model.get_input_embeddings()
     routed = getattr(config, "num_experts_per_tok", None) or 1
-    found: dict[tuple, list[int]] = {}  # (name, fan_in, fan_out, expert) -> [copies, active]
+    copies, active = Counter(), Counter()  # by (name, fan_in, fan_out, expert)
     for name, module in model.named_modules():
         if linear_like(module) and module is not head:
             shape = (module.in_features, module.out_features) if isinstance(module, torch.nn.Linear) else tuple(module.weight.shape)
-            counts = found.setdefault((name.rsplit(".", 1)[-1], *shape, False), [0, 0])
-            counts[0], counts[1] = counts[0] + 1, counts[1] + 1
+            key = (name.rsplit(".", 1)[-1], *shape, False)
+            copies[key] += 1
+            active[key] += 1
         elif name.endswith("experts"):
             for weight_name, weight in module.named_parameters(recurse=False):
                 if weight.dim() == 3:
-                    counts = found.setdefault((f"experts.{weight_name}", weight.shape[1], weight.shape[2], True), [0, 0])
-                    counts[0], counts[1] = counts[0] + weight.shape[0], counts[1] + min(routed, weight.shape[0])
-    moe = any(expert for *_, expert in found)  # routers are told apart in mixture-of-experts models only, as model.lora_targets does
-    linears = [Linear(name, fan_in, fan_out, copies, active, expert=expert, router=moe and not expert and name in ROUTERS)
-               for (name, fan_in, fan_out, expert), (copies, active) in found.items()]
+                    key = (f"experts.{weight_name}", weight.shape[1], weight.shape[2], True)
+                    copies[key] += weight.shape[0]
+                    active[key] += min(routed, weight.shape[0])
+    moe = any(expert for *_, expert in copies)  # routers are told apart in mixture-of-experts models only, as model.lora_targets does
+    linears = [Linear(name, fan_in, fan_out, n, active[name, fan_in, fan_out, expert], expert=expert, router=moe and not expert and name in ROUTERS)
+               for (name, fan_in, fan_out, expert), n in copies.items()]
     vocab, hidden = embed.weight.shape
     tied = head is not None and head.weight is embed.weight
     heads = config.num_attention_heads
