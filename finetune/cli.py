@@ -111,7 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("validate", help="check a config and print it fully resolved",
                        description="Validate a config (and overrides) without loading the model: everything `train` would refuse "
                        "before loading, this machine's hardware, packages, launcher and output folder included; then print every "
-                       "key with its value.")
+                       "key with its value. An output folder holding a finished run is named in a warning (train refuses it; "
+                       "the config itself is fine).")
     _run_options(p)
 
     p = sub.add_parser("data", help="tokenize the data as train would and show what is trained",
@@ -244,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
             from finetune.config import to_yaml
 
             cfg = resolve_config(args)
-            preflight.check(cfg)  # what train would refuse before loading, for this machine
+            preflight.check(cfg, warn=lambda line: print(f"warning: {line}", file=sys.stderr))  # what train would refuse, for this machine
             print(to_yaml(cfg), end="")
         elif args.command == "train":
             from finetune.supervise import watch_preemption

@@ -16,7 +16,10 @@ from finetune.config import CONFIG_FILE, SUMMARY_FILE, RunConfig
 from finetune.errors import UserError
 
 
-def check(cfg: RunConfig) -> None:
+def check(cfg: RunConfig, warn=None) -> None:
+    """Raise UserError for what train would refuse. `warn` (validate's) takes what concerns a run
+    rather than the config: a finished run in the output folder is named, not refused, since the
+    config itself is fine and only `train` would overwrite that run."""
     from finetune import distributed, model, optim, runtime
 
     model.check_supported(cfg)
@@ -28,7 +31,11 @@ def check(cfg: RunConfig) -> None:
     check_processes(cfg)
     if int(os.environ.get("RANK", "0")) == 0:  # the process that will create and lock it
         check_output_dir(Path(cfg.train.output_dir))
-        check_not_finished(Path(cfg.train.output_dir), cfg.checkpoint.resume)
+        finished = finished_run(Path(cfg.train.output_dir), cfg.checkpoint.resume)
+        if finished and warn is None:
+            raise UserError(finished)
+        if finished:
+            warn(f"{finished} (train refuses this folder)")
 
 
 def check_gpu_features(cfg: RunConfig) -> None:
@@ -88,8 +95,8 @@ def check_output_dir(out: Path) -> None:
                         "choose an empty or new folder")
 
 
-def check_not_finished(out: Path, resume: str) -> None:
-    """A finished run's folder is not trained into again by accident: resuming from its last
+def finished_run(out: Path, resume: str) -> str | None:
+    """Why train must not use this folder, if it holds a finished run: resuming from its last
     checkpoint (or starting afresh) would replace the finished adapter or model. Resuming from a
     checkpoint named on purpose (to train on with more steps) is allowed."""
     if resume in ("auto", "never") and (out / SUMMARY_FILE).is_file():
@@ -97,4 +104,5 @@ def check_not_finished(out: Path, resume: str) -> None:
 
         newest = next(reversed(checkpoint.step_dirs(out / checkpoint.CHECKPOINTS)), None)
         again = f"; or continue it on purpose with --resume {newest} (and a higher --max-steps)" if newest else ""
-        raise UserError(f"train.output_dir: {out} holds a finished run ({SUMMARY_FILE}); start a new run with --output-dir NEW_DIR{again}")
+        return f"train.output_dir: {out} holds a finished run ({SUMMARY_FILE}); start a new run with --output-dir NEW_DIR{again}"
+    return None

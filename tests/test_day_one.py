@@ -10,6 +10,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file
 
 from conftest import DEMO_DATA, REPO, base_config, read_jsonl
@@ -196,6 +197,29 @@ def test_a_finished_run_is_not_trained_over_by_accident(plain_run, monkeypatch, 
     assert err == [f"error: train.output_dir: {out} holds a finished run (summary.json); start a new run with --output-dir NEW_DIR; "
                    f"or continue it on purpose with --resume {out / 'checkpoints' / 'step-000002'} (and a higher --max-steps)"]
     assert (out / "adapter_model.safetensors").read_bytes() == adapter
+    # validate checks the config: the finished run is named in a warning, not refused.
+    assert main(["validate", "--config", config]) == 0
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning: ")]
+    assert warnings == [f"warning: train.output_dir: {out} holds a finished run (summary.json); start a new run with --output-dir NEW_DIR; "
+                        f"or continue it on purpose with --resume {out / 'checkpoints' / 'step-000002'} (and a higher --max-steps) "
+                        "(train refuses this folder)"]
+
+
+@pytest.mark.parametrize("name", ["lora", "dora", "full", "demo"])
+def test_shipped_configs_validate_after_make_demo(plain_run, name, tmp_path, monkeypatch, capsys):
+    """The README's order, `make demo` then `make test`, in a copy of the repo: the shipped configs
+    validate with a finished demo run in outputs/demo (validate names it; train would refuse it)."""
+    finished, _ = plain_run
+    shutil.copytree(REPO / "configs", tmp_path / "configs")
+    shutil.copytree(DEMO_DATA, tmp_path / "demo" / "data")
+    shutil.copytree(finished, tmp_path / "outputs" / "demo")  # what `make demo` leaves
+    monkeypatch.chdir(tmp_path)
+    assert main(["validate", "--config", f"configs/{name}.yaml", "--set", "model.name_or_path=hub-org/some-model"]) == 0
+    out, err = capsys.readouterr()
+    assert yaml.safe_load(out)["data"]["train"]
+    assert [line.split(" holds ")[0] for line in err.splitlines() if line.startswith("warning: ")] == (
+        ["warning: train.output_dir: outputs/demo"] if name == "demo" else [])
+    assert [p.name for p in (tmp_path / "outputs").iterdir()] == ["demo"]  # validate wrote nothing
 
 
 def test_merge_and_generate_work_from_another_directory(plain_run, tmp_path, monkeypatch, capsys):
