@@ -212,7 +212,8 @@ class PreferenceConfig(_Section):
 
 class EvalConfig(_Section):
     every: int = Field(0, ge=0, description="Eval loss every N optimizer steps (0 = only at the end).")
-    on_start: bool = Field(False, description="Also evaluate before the first step (a baseline for the curve).")
+    on_start: bool = Field(True, description="Also evaluate before the first step: the curve's baseline, and the guard's start point "
+                           "for the final eval loss (a run that ends worse than it started stops with exit 3).")
     max_batches: int | None = Field(None, gt=0, description="Cap on eval batches per evaluation.")
     generate_samples: int = Field(0, ge=0, description="Greedy-generate answers for this many eval prompts before and after training; report exact-match accuracy.")
     max_new_tokens: int = Field(48, gt=0, description="Token budget for those generations.")
@@ -259,7 +260,7 @@ class GuardConfig(_Section):
     grad_spike_ratio: float = Field(100.0, gt=1, description="A gradient norm this many times the recent median is a spike too (clipping bounds lesser ones).")
     drift: float = Field(0.1, ge=0, description="Roll back when the loss level (median of the last 10 steps) rises this fraction above its lowest "
                          "within the window, or ends the run that far above the run's best (0 = off)...")
-    drift_sigmas: float = Field(4.0, gt=0, description="...and the rise is this many times the level's own noise (from the window's robust "
+    drift_sigmas: float = Field(6.0, gt=0, description="...and the rise is this many times the noise of a difference of two levels (from the window's step-to-step "
                                 "deviation), so that noisy small batches do not read as a drift.")
     min_rise: float | None = Field(None, ge=0, description="...and a spike or drift raises the loss by more than this (absolute). null: 0 for "
                                    "sft and orpo; for dpo the loss it starts at (ln 2 for sigmoid): its per-batch loss swings that much "

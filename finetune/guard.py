@@ -14,6 +14,15 @@
                      fell (`grad_collapse`): a learning rate too high from the start leaves no good
                      checkpoint, since every one was trained at it.
 
+The start is a reference too. Before the first step the run measures its start level (the median loss
+of the first DRIFT_STEPS steps' batches at the initial weights) and, with eval data, its eval loss.
+Within the warmup and the `window` steps after it, a level risen above the start level (by `drift`,
+and by `drift_sigmas` times the noise of two such medians, from the start batches' own spread) is a
+learning rate too hot from the first step: roll back to the start (an adapter's step-0 checkpoint)
+with the LR lowered, as for any divergence. A run that ends worse than it started (its final eval loss
+more than `drift` above the eval before training; without eval data, its level risen above the start
+level as above) is no success: train saves it, says so and exits with code 3 (`worse_than_start`).
+
 Every statistic is a median of the per-token loss: a healthy run's odd hard batch (2x the loss, 20x
 the gradient norm were seen on the demo) moves nothing, and the early steep descent does not widen the
 band for the rest of the run. A rollback takes the guard back to the history it had at that
@@ -63,6 +72,8 @@ class GuardState:
     skip_windows: list[list[int]] = field(default_factory=list)  # [from_step, batches]: data skipped from that step on
     best: list[float] | None = None  # [step, level]: the lowest level of the run so far
     start: list[float] | None = None  # [loss, grad_norm] of the run's first step, before any update
+    start_level: list[float] | None = None  # [level, spread] of the first DRIFT_STEPS steps' losses at the initial weights
+    start_eval: float | None = None  # the eval loss before the first step
 
 
 class Guard:
@@ -76,10 +87,17 @@ class Guard:
     'apply'
     """
 
-    def __init__(self, cfg: GuardConfig, state: dict | None = None, min_rise: float = 0.0):
+    def __init__(self, cfg: GuardConfig, state: dict | None = None, min_rise: float = 0.0, warmup: int = 0):
         self.cfg = cfg
         self.state = _load(state)
         self.min_rise = min_rise  # the smallest rise of the loss that can be a spike or a drift (guard.min_rise, resolved)
+        self.early_steps = warmup + cfg.window  # a level above the start level within these steps is a hot start
+
+    def set_start(self, losses: list[float], eval_loss: float | None = None) -> None:
+        """Where the run starts: the losses of the first steps' batches at the initial weights (the
+        same batches the first level is taken over) and the eval loss before the first step."""
+        self.state.start_level = list(_median_and_spread(losses)) if len(losses) >= DRIFT_STEPS else None
+        self.state.start_eval = eval_loss
 
     def check(self, step: int, loss: float, grad_norm: float) -> Verdict:
         """Judge optimizer step `step` (0-based) from its loss and gradient norm."""
@@ -99,7 +117,10 @@ class Guard:
         if levels and (s.best is None or levels[-1][1] < s.best[1]):
             s.best = list(levels[-1])
         collapse = self._collapse(step)
-        return Verdict("stop", collapse, 0) if collapse else self._drift(levels, step)
+        if collapse:
+            return Verdict("stop", collapse, 0)
+        hot = self._hot_start(step)
+        return self._escalate(hot, 0) if hot else self._drift(levels, step)
 
     def finish(self, step: int) -> Verdict:
         """The verdict on the final weights: a run whose level ended more than `drift` above the best
@@ -109,6 +130,46 @@ class Guard:
             return APPLY
         return self._escalate(f"the run ended at loss level {level:.4g}, above its best {best[1]:.4g} (step {int(best[0]) + 1}) "
                               f"by more than guard.drift={self.cfg.drift:g}", int(best[0]))
+
+    def worse_than_start(self, final_eval: float | None = None) -> str:
+        """Why the run ended worse than it started ("" if it did not): its eval loss, where measured
+        before and after, more than `drift` above the start's (the same rows, no batch noise);
+        otherwise its level risen above the start level."""
+        s, drift = self.state, self.cfg.drift
+        if not self.cfg.enabled or not drift:
+            return ""
+        if s.start_eval is not None and final_eval is not None:
+            if final_eval > (1 + drift) * s.start_eval:
+                return f"the eval loss ended at {final_eval:.4g}, above its {s.start_eval:.4g} before the first step by more than guard.drift={drift:g}"
+            return ""
+        level = self.level()
+        if level is None or not self._above_start(level):
+            return ""
+        return f"the loss level ended at {level:.4g}, above the {s.start_level[0]:.4g} it started from (the first steps' batches before training)"
+
+    def _hot_start(self, step: int) -> str:
+        """A level risen above the start level during the warmup or the `window` steps after it."""
+        level = self.level()
+        if step >= self.early_steps or level is None or not self._above_start(level):
+            return ""
+        return (f"the loss level rose to {level:.4g} (median of the last {DRIFT_STEPS} steps) from {self.state.start_level[0]:.4g} where "
+                f"the run started (the first {DRIFT_STEPS} steps' batches at the initial weights), within its first {self.early_steps} "
+                "steps: a learning rate too high from the start")
+
+    def _above_start(self, level: float) -> bool:
+        """`level` risen above the start level, clear of the noise of the difference of two levels
+        (the larger of the start batches' spread and the window's: ten losses alone often understate it)."""
+        if not self.cfg.drift or self.state.start_level is None:
+            return False
+        start, spread = self.state.start_level
+        return self._risen(level, start, noise=self._level_noise(spread))
+
+    def _level_noise(self, spread: float = 0.0) -> float:
+        """The noise of the difference of two levels: a median of DRIFT_STEPS losses wanders by about
+        1.25 x their spread / sqrt(DRIFT_STEPS), and the difference of two by sqrt(2) times that.
+        The spread is the window's (or `spread`, if larger)."""
+        spread = max(spread, _step_to_step_spread([h[1] for h in self.state.history[-self.cfg.window :]]))
+        return math.sqrt(2) * 1.25 * spread / math.sqrt(DRIFT_STEPS)
 
     def _anomaly(self, loss: float, grad_norm: float) -> str:
         if not math.isfinite(loss) or not math.isfinite(grad_norm):
@@ -162,11 +223,12 @@ class Guard:
         return self._escalate(f"loss drifted up to {now:.4g} (median of the last {DRIFT_STEPS} steps) from {lowest:.4g}, "
                               f"its lowest within {self.cfg.window} steps (step {lowest_step + 1})", lowest_step)
 
-    def _risen(self, level: float, reference: float, fraction: float | None = None) -> bool:
+    def _risen(self, level: float, reference: float, fraction: float | None = None, noise: float | None = None) -> bool:
         """Is `level` a real rise above `reference`: `fraction` (default `drift`) above it, and clear of
-        the level's noise (a median of DRIFT_STEPS losses wanders by about 1.25 x their spread /
-        sqrt(DRIFT_STEPS)), so that noisy small batches do not read as a drift."""
-        noise = 1.25 * _median_and_spread([h[1] for h in self.state.history[-self.cfg.window :]])[1] / math.sqrt(DRIFT_STEPS)
+        the level's noise (by default: a median of DRIFT_STEPS losses wanders by about 1.25 x their
+        spread / sqrt(DRIFT_STEPS)), so that noisy small batches do not read as a drift."""
+        if noise is None:
+            noise = self._level_noise()
         fraction = self.cfg.drift if fraction is None else fraction
         return level > (1 + fraction) * reference and level - reference > max(self.cfg.drift_sigmas * noise, self.min_rise)
 
@@ -199,7 +261,9 @@ class Guard:
         """For the summary: the final level against the best of the run, and whether it is the best."""
         level, best = self.level(), self.state.best
         final_is_best = None if level is None or best is None else not self._risen(level, best[1], BEST_TOLERANCE)
-        return {"final_loss_level": level, "best_loss_level": best[1] if best else None,
+        s = self.state
+        return {"start_loss_level": s.start_level[0] if s.start_level else None, "start_eval_loss": s.start_eval,
+                "final_loss_level": level, "best_loss_level": best[1] if best else None,
                 "best_level_step": int(best[0]) + 1 if best else None, "final_is_best": final_is_best,
                 "rollbacks": self.state.rollbacks, "lr_scale": self.state.lr_scale}
 
@@ -219,6 +283,17 @@ def _median_and_spread(values: list[float]) -> tuple[float, float]:
     MIN_SPREAD of the median)."""
     median = statistics.median(values)
     return median, max(MAD_TO_SIGMA * statistics.median(abs(x - median) for x in values), MIN_SPREAD * abs(median))
+
+
+def _step_to_step_spread(values: list[float]) -> float:
+    """A robust standard deviation of the losses from the differences of successive ones (each of
+    two batches' noise: sqrt(2) sigma): a falling or rising trend does not widen it, as it does the
+    spread around the median. At least MIN_SPREAD of the median."""
+    floor = MIN_SPREAD * abs(statistics.median(values))
+    if len(values) < 3:
+        return max(_median_and_spread(values)[1], floor)
+    steps = [abs(b - a) for a, b in zip(values, values[1:])]
+    return max(MAD_TO_SIGMA * statistics.median(steps) / math.sqrt(2), floor)
 
 
 def data_step(step: int, windows: list[list[int]]) -> int:

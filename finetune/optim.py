@@ -102,12 +102,16 @@ def current_lr(scheduler) -> float:
     return scheduler.optimizer.param_groups[0]["lr"]
 
 
+def warmup_steps(cfg: TrainConfig, total_steps: int) -> int:
+    return cfg.warmup_steps or math.ceil(cfg.warmup_ratio * total_steps)
+
+
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig, total_steps: int):
     """transformers' schedules (LambdaLRs): a linear warmup, then cosine or linear decay to lr x
     min_lr_ratio, constant, or warmup-stable-decay."""
     from transformers import get_scheduler
 
-    warmup = cfg.warmup_steps or math.ceil(cfg.warmup_ratio * total_steps)
+    warmup = warmup_steps(cfg, total_steps)
     after = max(0, total_steps - warmup)
     name, extra = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup"}.get(cfg.scheduler), {}
     if cfg.scheduler == "cosine" and cfg.min_lr_ratio:

@@ -41,13 +41,13 @@ from finetune.packing import epoch_batches
 from finetune.distributed import local_numel
 from finetune.engines import Replicated, engine_class, engine_for
 from finetune.errors import EXIT_DIVERGED, EXIT_PREEMPTED, Stopped, UserError
-from finetune.guard import Guard, Verdict, data_step
+from finetune.guard import DRIFT_STEPS, Guard, Verdict, data_step
 from finetune.evaluate import eval_loss, exact_match
 from finetune.locks import hold_output_dir, release_output_dir
 from finetune.objectives import SFT, Preference, objective_for
 from finetune.metrics import EVENTS_FILE, RunLog, plot_loss_curve, tracked_config, tracker_kwargs, write_event
 from finetune.model import adapter_input_casting_off, apply_adapter, compile_layers, describe, load_tokenizer, loftq_init
-from finetune.optim import current_lr, set_peak_lr
+from finetune.optim import current_lr, set_peak_lr, warmup_steps
 from finetune.stage import staged_model
 from finetune.supervise import Watchdog, stop_with_launcher, watch_preemption
 
@@ -242,9 +242,39 @@ def setup(cfg: RunConfig) -> RunState:
     stop_if_preempted(signalled, preemption.name, run.out, run.main, "before the first step")
     runtime.keep_freed_memory(gathers=run.engine.gathers)
     runtime.reset_peak_rss()
-    if cfg.eval.on_start and run.step == 0:
-        evaluate(run, 0)
+    if run.step == 0:
+        start_point(run)
     return run
+
+
+def start_point(run: RunState) -> None:
+    """Before the first step: the eval baseline and, unless a step-0 checkpoint holds them already,
+    where the guard judges the run from (the first steps' batches at the initial weights, the eval
+    loss) and, for adapters, that checkpoint: the start to roll back to costs a few MB at most."""
+    cfg, guard = run.cfg, run.guard
+    result = evaluate(run, 0) if cfg.eval.on_start else None
+    if not cfg.guard.enabled or guard.state.start_level is not None or run.schedule.total_steps <= DRIFT_STEPS:
+        return
+    guard.set_start(start_losses(run), result["eval_loss"] if result else None)
+    run.say(f"start: loss level {guard.state.start_level[0]:.4f} on the first {DRIFT_STEPS} steps' batches before training")
+    if cfg.adapter.method != "full":
+        save(run, 0)
+
+
+def start_losses(run: RunState) -> list[float]:
+    """The losses of the first DRIFT_STEPS steps' batches at the initial weights, each as its step
+    will compute it (training mode, dropout included); the RNG is put back afterwards, so the steps
+    themselves are the same as without this measurement."""
+    losses, rng = [], checkpoint.rng_state()
+    try:
+        with torch.no_grad():
+            for position in range(DRIFT_STEPS):
+                _, micro_batches, totals, _ = step_batches(run, position)
+                loss = sum(run.objective.losses(run.engine.model, batch, totals).tokens.float() for batch in micro_batches)
+                losses.append(run.accelerator.reduce(loss, "sum").item() / max(totals[0], 1))
+    finally:
+        checkpoint.set_rng_state(rng)
+    return losses
 
 
 def load_inputs(cfg: RunConfig, accelerator, preemption) -> RunState:
@@ -354,7 +384,8 @@ def resume_or_start(run: RunState) -> None:
     run.log = RunLog(run.out, run.schedule.total_steps, run.accelerator, run.main, cfg.logging.progress_bar, run.step)
     for kind, message in resumed.events:
         run.log.event(kind, run.step, message)
-    run.guard = Guard(cfg.guard, resumed.guard_state, cfg.guard.min_rise if cfg.guard.min_rise is not None else run.objective.start_loss)
+    run.guard = Guard(cfg.guard, resumed.guard_state, cfg.guard.min_rise if cfg.guard.min_rise is not None else run.objective.start_loss,
+                      warmup=warmup_steps(cfg.train, run.schedule.total_steps))
     set_peak_lr(engine.scheduler, cfg.train.lr * run.guard.state.lr_scale)  # the config's LR wins over the checkpoint's (OPT's logbook)
     rank = run.accelerator.process_index
     run.watchdog = Watchdog(cfg.watchdog, on_hang=lambda message: run.log.event("hang", run.watchdog.step, f"rank {rank}: {message}", any_rank=True))
@@ -432,14 +463,11 @@ def train_step(run: RunState) -> StepOutcome:
     rank, world, device = accelerator.process_index, accelerator.num_processes, accelerator.device
     faults.inject(step, rank)
     position = data_step(step, run.guard.state.skip_windows + [list(w) for w in cfg.train.skip_data])
-    epoch, micro_batches, real_tokens = batches_at(run.data, cfg, run.schedule, position, rank, world, run.tokenizer.pad_token_id)
-    micro_batches = [{k: v.to(device) for k, v in b.items()} for b in micro_batches]
+    epoch, micro_batches, totals, global_real = step_batches(run, position)
     # The loss is a mean over every trained token (or pair) of the step, across micro-batches and ranks:
     # each micro-batch contributes its sum divided by the global count (times world size, because DDP
     # averages gradients over ranks).
     objective = run.objective
-    local = torch.tensor([*map(sum, zip(*(objective.counts(b) for b in micro_batches))), real_tokens], device=device)
-    *totals, global_real = accelerator.reduce(local, "sum").tolist()
     loss_sum, router_sum = torch.zeros((), device=device), torch.zeros((), device=device)
     metric_sums = torch.zeros(len(objective.metrics), device=device)
     for i, batch in enumerate(micro_batches):
@@ -477,6 +505,18 @@ def train_step(run: RunState) -> StepOutcome:
     return StepOutcome(epoch, step_loss, grad_norm, verdict, int(global_real),
                        router_loss / (len(micro_batches) * world) if run.router_coef > 0 else None, preempted > 0, time_due > 0,
                        {name: value / max(totals[0], 1) for name, value in zip(objective.metrics, metric_totals)})
+
+
+def step_batches(run: RunState, position: int) -> tuple[int, list[dict], list[float], float]:
+    """The micro-batches of data step `position` for this rank, on its device, with the objective's
+    counts (and the real tokens) summed over the step's micro-batches and every rank."""
+    accelerator = run.accelerator
+    epoch, micro_batches, real_tokens = batches_at(run.data, run.cfg, run.schedule, position, accelerator.process_index,
+                                                   accelerator.num_processes, run.tokenizer.pad_token_id)
+    micro_batches = [{k: v.to(accelerator.device) for k, v in b.items()} for b in micro_batches]
+    local = torch.tensor([*map(sum, zip(*(run.objective.counts(b) for b in micro_batches))), real_tokens], device=accelerator.device)
+    *totals, global_real = accelerator.reduce(local, "sum").tolist()
+    return epoch, micro_batches, totals, global_real
 
 
 def evaluate(run: RunState, step: int) -> dict | None:
@@ -520,7 +560,9 @@ def roll_back(run: RunState, trouble_step: int, verdict: Verdict) -> tuple[int, 
     guard, engine, lr = run.guard, run.engine, run.cfg.train.lr
     target = checkpoint.find_good(run.out, verdict.before_step)  # at or before the trouble (a drift: its lowest level)
     if verdict.action == "stop" or target is None:
-        if target:
+        if target and checkpoint.step_of(target) == 0:
+            where = f"only the start is good ({target}, the adapter as initialised): lower train.lr (e.g. 10x) and start a new run"
+        elif target:
             where = (f"the last good checkpoint is {target}. Start again from it by hand with a lower train.lr and/or "
                      "train.skip_data (see events.jsonl)")
         elif verdict.before_step == 0:
@@ -566,9 +608,25 @@ def finish(run: RunState) -> RunResult:
         (run.out / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
         run.say(_summary_line(summary))
         checkpoint.clear_starts(run.out)  # a finished run ends any restart loop
+    worse = ended_worse(run, summary)
     runtime.finish_distributed(accelerator)
     accelerator.end_training()  # trackers; the process group is already gone
+    if worse:
+        raise Stopped(worse, EXIT_DIVERGED)
     return RunResult(summary, unwrapped)
+
+
+def ended_worse(run: RunState, summary: dict) -> str:
+    """A run that ended worse than it started is saved (summary.json says so) but is no success: the
+    stop's message names the start and what to change ("" when the run did not end worse)."""
+    if not summary.get("worse_than_start"):
+        return ""
+    start = summary["start_checkpoint"]
+    where = f"its start is {start} (the adapter as initialised)" if start else "the model before training was better"
+    message = (f"the run ended worse than it started: {summary['worse_than_start']}; {where}. Lower train.lr (e.g. 10x) and start a new "
+               f"run; what it saved in {run.out} is kept (summary.json: final_is_best false)")
+    run.log.event("stop", run.schedule.total_steps, f"guard: {message}")
+    return message
 
 
 def summarize(run: RunState) -> dict:
@@ -580,7 +638,11 @@ def summarize(run: RunState) -> dict:
         summary["router_aux_loss"] = last["router_aux_loss"]
     summary.update(final_eval or {})
     summary.update(run.guard.report())
-    if summary["final_is_best"] is False:
+    worse = run.guard.worse_than_start(final_eval["eval_loss"] if final_eval else None)
+    if worse:
+        start = checkpoint.find_good(run.out, 0)
+        summary.update(final_is_best=False, worse_than_start=worse, start_checkpoint=str(start) if start else None)
+    elif summary["final_is_best"] is False:
         score = functools.partial(eval_loss, engine.model, run.data.eval, cfg.train.micro_batch_size, run.tokenizer.pad_token_id, run.accelerator,
                                   cfg.eval.max_batches, run.objective)
         summary.update(last_good(run.out, int(run.guard.state.best[0]), score if run.data.eval and engine.replicated else None,

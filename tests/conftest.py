@@ -116,3 +116,59 @@ def base_config(model_dir: Path, out_dir: Path, **sections) -> dict:
     for name, values in sections.items():
         cfg.setdefault(name, {}).update(values)
     return cfg
+
+
+def build_bpe_model(out: Path, corpus_rows: list[str], steps: int = 300) -> Path:
+    """A small pretrained Llama with a byte-level BPE tokenizer of 4,096 tokens (GPT-2's
+    pre-tokenization, words merged into tokens as in real models, unlike the demo's near-character
+    one), pretrained with finetune's full fine-tuning on `corpus_rows` (JSONL lines of {"text": ...})."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    from finetune.config import validate_config
+    from finetune.demo import CHAT_TEMPLATE, SPECIAL
+    from finetune.train import run
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=4096, special_tokens=SPECIAL, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator([json.loads(row)["text"] for row in corpus_rows], trainer)
+    bos = tok.token_to_id("<s>")
+    tok.post_processor = processors.Sequence([processors.ByteLevel(trim_offsets=False),
+                                              processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos)])])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                                        additional_special_tokens=SPECIAL[3:], chat_template=CHAT_TEMPLATE, model_max_length=1024)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=352, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, max_position_embeddings=512, bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    init, corpus = out.parent / f"{out.name}-init", out.parent / f"{out.name}-corpus.jsonl"
+    LlamaForCausalLM(config).save_pretrained(init)
+    tokenizer.save_pretrained(init)
+    corpus.write_text("\n".join(corpus_rows) + "\n")
+    run(validate_config({
+        "model": {"name_or_path": str(init), "dtype": "float32"}, "adapter": {"method": "full"},
+        "data": {"train": str(corpus), "format": "completion", "max_seq_len": 256},
+        "train": {"output_dir": str(out), "max_steps": steps, "micro_batch_size": 8, "lr": 3e-3, "warmup_steps": 10, "mixed_precision": "bf16"},
+        "eval": {"on_start": False}, "logging": {"report_to": [], "progress_bar": False, "plot": False, "log_every": 10}}, "bpe-model"))
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(True)  # the test that asked for the model starts a run of its own
+    return out
+
+
+@pytest.fixture(scope="session")
+def bpe_model_dir(tmp_path_factory) -> Path:
+    """The BPE model pretrained on the demo corpus but its last 500 rows, which `bpe_finetune_rows`
+    holds for fine-tuning (text the model has the style of but never saw)."""
+    rows = (DEMO_DATA / "corpus.jsonl").read_text().splitlines()
+    return build_bpe_model(tmp_path_factory.mktemp("bpe") / "model", rows[:-500])
+
+
+@pytest.fixture(scope="session")
+def bpe_finetune_rows(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("bpe-rows") / "rows.jsonl"
+    path.write_text("\n".join((DEMO_DATA / "corpus.jsonl").read_text().splitlines()[-500:]) + "\n")
+    return path
