@@ -128,6 +128,13 @@ def build_parser() -> argparse.ArgumentParser:
     _run_options(p)
     p.add_argument("--gpus", type=_number(int, 1, "at least 1"), default=1, metavar="N", help="devices the run is spread over (default 1)")
     p.add_argument("--gpu-mem", metavar="SIZE", help="memory per device, e.g. 80GiB (default: this machine's GPU, else its available RAM)")
+    p.add_argument("--tflops", type=_number(float, 1e-9, "a positive number"), metavar="N",
+                   help="peak dense TFLOP/s of one device in the training precision (e.g. 989 for an H100 SXM in bf16): also "
+                        "predict the step time from FLOPs per token at --mfu, and the collectives at --bandwidth")
+    p.add_argument("--mfu", type=_number(float, 1e-9, "a share of the peak, above 0"), default=0.4, metavar="F",
+                   help="the share of --tflops the run reaches (default 0.4)")
+    p.add_argument("--bandwidth", metavar="SIZE", help="collective bandwidth per device per second, e.g. 400GB (NVLink) or 50GB "
+                   "(one 400 Gb/s NIC per GPU across nodes); default: communication not timed")
     p.add_argument("--strategy", choices=STRATEGIES, default=None,
                    help="as distributed.strategy (default: the config's): none/ddp: every device holds the whole model; fsdp: "
                         "weights, gradients and optimizer split over devices; zero2 (DeepSpeed): gradients and optimizer split; "
@@ -261,9 +268,14 @@ def main(argv: list[str] | None = None) -> int:
 
             cfg = resolve_config(args, check_paths=False)  # a plan reads the model's shape alone
             gpu = args.gpu_mem is not None or __import__("torch").cuda.is_available()
-            budget, where = (plan.parse_size(args.gpu_mem), "GPU") if args.gpu_mem else plan.available_memory()
+            budget, where = (plan.parse_size(args.gpu_mem, "--gpu-mem"), "GPU") if args.gpu_mem else plan.available_memory()
             result = plan.make_plan(cfg, devices=args.gpus, strategy=args.strategy, gpu=gpu)
             print(plan.render(result, budget, where, plan.alternatives(cfg, result, gpu)))
+            if args.mfu > 1:
+                raise UserError(f"--mfu {args.mfu:g}: expected a share of the peak, above 0 and at most 1")
+            if args.tflops:
+                bandwidth = plan.parse_size(args.bandwidth, "--bandwidth") if args.bandwidth else 0.0
+                print(plan.render_time(plan.step_time(cfg, result.setup, args.tflops, args.mfu, bandwidth), args.tflops, args.mfu, bandwidth))
         elif args.command == "merge":
             from finetune.merge import merge
 

@@ -5,7 +5,8 @@
                      `grad_spike_ratio` times its median), is not applied (no optimizer or scheduler step).
   rung 2, roll back: after `skips_before_rollback` such steps within `window` steps, or a drift (the
                      level, the median loss of the last DRIFT_STEPS steps, more than `drift` above its
-                     lowest in the last `window` steps), the loop restores the last good checkpoint from
+                     lowest in the last `window` steps and `drift_sigmas` times the noise of the
+                     difference of two levels), the loop restores the last good checkpoint from
                      before the trouble, multiplies the LR by `lr_backoff`, skips the data between that
                      checkpoint and the trouble, optionally tightens clipping, and goes on (what
                      OPT-175B's and PaLM's teams did by hand).
@@ -17,7 +18,8 @@
 The start is a reference too. Before the first step the run measures its start level (the median loss
 of the first DRIFT_STEPS steps' batches at the initial weights) and, with eval data, its eval loss.
 Within the warmup and the `window` steps after it, a level risen above the start level (by `drift`,
-and by `drift_sigmas` times the noise of two such medians, from the start batches' own spread) is a
+and by `drift_sigmas` times the noise of two such medians, from the larger of the start batches'
+spread and the window's) is a
 learning rate too hot from the first step: roll back to the start (an adapter's step-0 checkpoint)
 with the LR lowered, as for any divergence. A run that ends worse than it started (its final eval loss
 more than `drift` above the eval before training; without eval data, its level risen above the start
@@ -25,7 +27,9 @@ level as above) is no success: train saves it, says so and exits with code 3 (`w
 
 Every statistic is a median of the per-token loss: a healthy run's odd hard batch (2x the loss, 20x
 the gradient norm were seen on the demo) moves nothing, and the early steep descent does not widen the
-band for the rest of the run. A rollback takes the guard back to the history it had at that
+band for the rest of the run (the level's noise comes from the differences of successive losses, which
+a trend hardly moves; taking the lowest of many levels as the reference is why the threshold is
+`drift_sigmas` = 6 noise units: bench/guard.py measures the false alarms on flat runs). A rollback takes the guard back to the history it had at that
 checkpoint, so the steps after it are judged against the good state at once: a divergence that comes
 back is caught again and leads to the next rung. At the end of the run the level is compared with
 the best of the whole run (`finish`): a run never ends with exit 0 on weights that drifted worse.

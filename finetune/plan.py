@@ -8,7 +8,7 @@ on GPUs, a reserve for the CUDA context and allocator slack.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from finetune import families
@@ -142,6 +142,8 @@ class Setup:
     activation_bytes: int
     checkpointing: bool
     strategy: str  # distributed.strategy's names: none | ddp (replicated) | fsdp | zero2 | zero3 | zero3_offload
+    devices: int
+    fsdp_cpu_offload: bool = False  # distributed.fsdp_cpu_offload
 
     @property
     def splits_states(self) -> bool:
@@ -152,7 +154,11 @@ class Setup:
     def splits_weights(self) -> bool:
         """Weights split too and gathered layer by layer to compute (FSDP, ZeRO-3)."""
         return self.strategy in ("fsdp", "zero3", "zero3_offload")
-    devices: int
+
+    @property
+    def offloads(self) -> bool:
+        """Sharded weights, gradients and optimizer states kept in CPU RAM (a GPU run)."""
+        return self.strategy == "zero3_offload" or (self.strategy == "fsdp" and self.fsdp_cpu_offload)
 
 
 def setup_from_config(cfg: RunConfig, devices: int, strategy: str | None = None) -> Setup:
@@ -165,6 +171,7 @@ def setup_from_config(cfg: RunConfig, devices: int, strategy: str | None = None)
         activation_bytes=2 if mp in ("bf16", "fp16", "fp8") or weight_bytes == 2 else 4,
         checkpointing=cfg.train.gradient_checkpointing, devices=devices,
         strategy=(strategy or cfg.distributed.strategy) if devices > 1 else "none",  # one process runs unsharded (engines.engine_for)
+        fsdp_cpu_offload=cfg.distributed.fsdp_cpu_offload,
     )
 
 
@@ -291,20 +298,77 @@ class Plan:
     total_params: int
     active_params: int  # per token: differs from total_params with experts
     unquantized_experts: int  # expert and router weights a quantized base keeps in full precision
+    host: dict[str, float] = field(default_factory=dict)  # offloaded to CPU RAM, per process
 
 
 def make_plan(cfg: RunConfig, devices: int = 1, strategy: str | None = None, gpu: bool = False, setup: Setup | None = None) -> Plan:
-    """strategy: as distributed.strategy names it (default: the config's). ZeRO-3 offload is planned
-    as ZeRO-3: what it moves to CPU RAM is counted on the device."""
+    """strategy: as distributed.strategy names it (default: the config's). On GPUs, ZeRO-3 offload and
+    FSDP's CPU offload keep the sharded weights, gradients and optimizer states in CPU RAM (`host`); the
+    device holds what is gathered for compute, the activations and the temporaries."""
     shape = read_shape(cfg.model.name_or_path)
     setup = setup or setup_from_config(cfg, devices, strategy)
     rows = estimate(shape, cfg, setup)
+    host = {}
+    if gpu and setup.offloads:
+        host = {name: rows.pop(name) for name in ("weights", "gradients", "optimizer states", "fp32 master weights (DeepSpeed)") if name in rows}
     if gpu:
         rows["CUDA context + allocator slack"] = GPU_RESERVE
     elif heap_holes(shape, cfg, setup):
         rows["freed but held by the heap (CPU)"] = heap_holes(shape, cfg, setup)
     return Plan(rows, sum(rows.values()), setup, trainable_params(shape, cfg), shape.linear_params + shape.other_params, shape.active_params,
-                shape.linear_params - shape.quantizable_params)
+                shape.linear_params - shape.quantizable_params, host)
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """A step's time on `devices` devices from its arithmetic alone: FLOPs at a stated share of the
+    peak (MFU) and collective bytes at a stated bandwidth per device."""
+
+    flops_per_token: float
+    tokens: int  # per device per optimizer step
+    compute_s: float
+    comm_bytes: float  # sent per device per step
+    comm_s: float
+
+    @property
+    def overlapped_s(self) -> float:
+        return max(self.compute_s, self.comm_s)
+
+
+def step_time(cfg: RunConfig, s: Setup, tflops: float, mfu: float, bandwidth: float) -> StepTime:
+    """FLOPs per token: each matmul weight costs 2 FLOPs a token forward, 2 for the gradient of its input
+    and 2 more for its own gradient when it is trained (full fine-tuning; an adapter's are negligible);
+    checkpointing runs the forward again (+2). Causal attention adds 2 * seq * q_dim per layer forward
+    (QK^T and AV over half the keys on average), twice that backward. Communication, ring collectives,
+    each moving (d-1)/d of the tensor per device: FSDP/ZeRO-3 gather the weights in every micro-batch's
+    forward and again in its backward, and reduce-scatter the trained gradients once a step; DDP and
+    ZeRO-2 all-reduce (twice the bytes) the trained gradients once a step."""
+    shape = read_shape(cfg.model.name_or_path)
+    full, d = s.method == "full", s.devices
+    matmul = sum(l.fan_in * l.fan_out * l.active for l in shape.linears) + shape.vocab * shape.hidden  # the lm_head too
+    per_weight = 2 + 2 + (2 if full else 0) + (2 if s.checkpointing else 0)
+    q_dim = next((l.fan_out for l in shape.linears if l.name.rsplit(".", 1)[-1] == "q_proj"), shape.hidden)
+    attention = shape.layers * 2 * s.seq_len * q_dim * (1 + 2 + (1 if s.checkpointing else 0))
+    flops = per_weight * matmul + attention
+    tokens = s.micro_batch * s.seq_len * cfg.train.grad_accum
+    weight_bytes = estimate(shape, cfg, replace(s, strategy="none", devices=1))["weights"]  # the whole model as held, gathered
+    grads = trainable_params(shape, cfg) * (s.weight_bytes if full else 4)
+    share = (d - 1) / d
+    if d == 1:
+        sent = 0.0
+    elif s.splits_weights:
+        sent = share * (2 * weight_bytes * cfg.train.grad_accum + grads)
+    else:
+        sent = share * 2 * grads
+    return StepTime(flops, tokens, tokens * flops / (tflops * 1e12 * mfu), sent, sent / bandwidth if bandwidth else 0.0)
+
+
+def render_time(t: StepTime, tflops: float, mfu: float, bandwidth: float) -> str:
+    return (f"time: {t.flops_per_token / 1e9:.1f} GFLOP per token; {t.tokens:,} tokens per device per step at {tflops:g} TFLOP/s x MFU {mfu:g}: "
+            f"compute {t.compute_s:.2f} s; communication {t.comm_bytes / 1e9:.1f} GB per device"
+            + (f" at {bandwidth / 1e9:g} GB/s: {t.comm_s:.2f} s" if bandwidth else "")
+            + f"; step {t.overlapped_s:.2f} s overlapped ({t.compute_s + t.comm_s:.2f} s if not), "
+            f"{t.tokens / t.overlapped_s:,.0f} tokens/s per device")
 
 
 def alternatives(cfg: RunConfig, plan: Plan, gpu: bool) -> list[tuple[str, Plan]]:
@@ -319,6 +383,9 @@ def alternatives(cfg: RunConfig, plan: Plan, gpu: bool) -> list[tuple[str, Plan]
         options.append(("train.optimizer: adamw_8bit", replace(s, optimizer="adamw_8bit")))
     if s.devices > 1 and not s.splits_weights:
         options.append((f"FSDP over {s.devices} devices (distributed.strategy: fsdp)", replace(s, strategy="fsdp")))
+    if gpu and s.splits_weights and not s.offloads:
+        options.append(("sharded states in CPU RAM (distributed.fsdp_cpu_offload: true, or strategy zero3_offload)",
+                        replace(s, strategy="fsdp", fsdp_cpu_offload=True) if s.strategy == "fsdp" else replace(s, strategy="zero3_offload")))
     out = [(label, make_plan(cfg, gpu=gpu, setup=alt)) for label, alt in options]
     if s.bits is None and cfg.adapter.method != "full":
         from finetune.config import QuantizationConfig
@@ -329,7 +396,7 @@ def alternatives(cfg: RunConfig, plan: Plan, gpu: bool) -> list[tuple[str, Plan]
     return sorted(out, key=lambda item: item[1].total)
 
 
-def parse_size(text: str) -> float:
+def parse_size(text: str, option: str) -> float:
     units = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
     t = text.strip().upper().replace(" ", "")
     number = t.rstrip("KMGTIB")
@@ -338,7 +405,7 @@ def parse_size(text: str) -> float:
     except (KeyError, ValueError):
         size = 0.0
     if not size > 0:
-        raise UserError(f"--gpu-mem {text}: expected a size like 80GiB or 24GB")
+        raise UserError(f"{option} {text}: expected a size like 80GiB or 24GB")
     return size
 
 
@@ -369,6 +436,9 @@ def render(plan: Plan, budget: float, where: str, alts: list[tuple[str, Plan]]) 
     ]
     lines += [f"| {name:<32} | {value / scale:>9.2f} |" for name, value in plan.rows.items()]
     lines.append(f"| {'total':<32} | {plan.total / scale:>9.2f} |")
+    if plan.host:
+        lines.append(f"offloaded to CPU RAM, per process: " + ", ".join(f"{name} {value / GiB:.2f} GiB" for name, value in plan.host.items())
+                     + f" ({sum(plan.host.values()) / GiB:.2f} GiB; x {s.devices} processes over the nodes)")
     if s.bits and plan.unquantized_experts:
         lines.append(f"note: bitsandbytes quantizes nn.Linear layers only: {plan.unquantized_experts:,} expert and router parameters stay in fp32")
     fits = plan.total <= budget

@@ -77,6 +77,40 @@ def test_plan_matches_measured_peak_memory(tmp_path, mid_model_dir, name):
     assert 0.8 < planned / measured < 1.2, (planned / 2**20, measured / 2**20)
 
 
+def test_step_time_counts_flops_per_token_and_the_collectives_by_hand():
+    """Full fine-tuning with checkpointing: 8 FLOPs per weight and token (forward, input and weight
+    gradients, the recompute), causal attention 2 x seq x q_dim per layer forward, twice that backward
+    and once more recomputed; FSDP over 8 gathers the (fp32) weights in each micro-batch's
+    forward and backward and reduce-scatters the gradients: 7/8 of each."""
+    from dataclasses import replace
+
+    from finetune.plan import step_time
+
+    cfg = load_config(REPO / "docs/examples/plan-7b-full.yaml", check_model=False, overrides=["train.grad_accum=4"])
+    one = make_plan(cfg).setup
+    t = step_time(cfg, one, tflops=989, mfu=0.5, bandwidth=0)
+    assert t.flops_per_token == 8 * (N_LINEAR + 32000 * 4096) + 32 * 2 * 2048 * 4096 * 4
+    assert t.tokens == 4 * 2048 and t.compute_s == pytest.approx(t.tokens * t.flops_per_token / (989e12 * 0.5))
+    assert t.comm_bytes == 0 and t.overlapped_s == t.compute_s
+    fsdp = step_time(cfg, replace(one, strategy="fsdp", devices=8), tflops=989, mfu=0.5, bandwidth=400e9)
+    assert fsdp.comm_bytes == pytest.approx(7 / 8 * (2 * 4 * N * 4 + 4 * N))  # 4 micro-batches x (forward + backward) gathers + gradients
+    assert fsdp.comm_s == pytest.approx(fsdp.comm_bytes / 400e9)
+    ddp = step_time(cfg, replace(one, strategy="ddp", devices=8), tflops=989, mfu=0.5, bandwidth=400e9)
+    assert ddp.comm_bytes == pytest.approx(7 / 8 * 2 * 4 * N)  # one all-reduce of the gradients
+    lora = load_config(REPO / "docs/examples/plan-7b-qlora.yaml", check_model=False)
+    assert step_time(lora, make_plan(lora).setup, 989, 0.4, 0).flops_per_token == 6 * (N_LINEAR + 32000 * 4096) + 32 * 2 * 2048 * 4096 * 4
+
+
+def test_offload_moves_the_sharded_states_to_cpu_ram_on_gpus():
+    cfg = load_config(REPO / "docs/examples/plan-7b-full.yaml", check_model=False)
+    sharded = make_plan(cfg, devices=8, strategy="zero3", gpu=True)
+    offloaded = make_plan(cfg, devices=8, strategy="zero3_offload", gpu=True)
+    assert set(offloaded.host) == {"weights", "gradients", "optimizer states", "fp32 master weights (DeepSpeed)"}
+    assert offloaded.total + sum(offloaded.host.values()) == pytest.approx(sharded.total)
+    assert offloaded.rows["activations"] == sharded.rows["activations"] and "weights" not in offloaded.rows
+    assert make_plan(cfg, devices=8, strategy="zero3_offload").host == {}  # on a CPU the device is the RAM
+
+
 def test_plan_command_says_what_would_fit():
     result = run_cli("plan", "--config", "docs/examples/plan-7b-full.yaml", "--gpu-mem", "80GiB")
     assert result.returncode == 0, result.stderr
@@ -87,7 +121,9 @@ def test_plan_command_says_what_would_fit():
     result = run_cli("plan", "--config", "docs/examples/plan-7b-qlora.yaml", "--gpu-mem", "24GiB")
     assert "-> fits" in result.stdout
     result = run_cli("plan", "--config", "docs/examples/plan-7b-qlora.yaml", "--gpu-mem", "lots")
-    assert result.returncode == 2 and "expected a size like 80GiB" in result.stderr
+    assert result.returncode == 2 and "--gpu-mem lots: expected a size like 80GiB" in result.stderr
+    result = run_cli("plan", "--config", "docs/examples/plan-7b-full.yaml", "--gpu-mem", "80GiB", "--tflops", "989", "--bandwidth", "400GB")
+    assert result.returncode == 0 and "GFLOP per token" in result.stdout and "at 400 GB/s" in result.stdout, result.stderr
 
 
 def test_plan_reads_the_model_alone_from_any_folder(tmp_path, monkeypatch, capsys):
