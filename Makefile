@@ -9,7 +9,7 @@ TORCH_VERSION  ?= 2.13.0
 TORCH_PIP_ARGS ?=
 export FINETUNE_CACHE ?= $(CURDIR)/.cache/finetune
 
-.PHONY: install demo demo-dpo test bench bench-compile bench-data bench-families bench-fsdp-load bench-guard bench-load bench-large clean help
+.PHONY: install demo demo-dpo test bench bench-compile bench-data bench-families bench-fsdp-load bench-guard bench-load bench-large bench-xl clean help
 
 help:
 	@echo "make demo   - install, build the demo model, fine-tune it (LoRA) and show before/after"
@@ -23,6 +23,7 @@ help:
 	@echo "make bench-fsdp-load - RAM used loading a 0.8 GB model in 1 process vs 2 (ddp, fsdp)"
 	@echo "make bench-load - load times of a 0.9 GB model: disk cold/warm, staged in RAM, vs a plain read"
 	@echo "make bench-large - a 1.1B model through every method and strategy: memory vs plan, speed, checkpoints, merge, staged load (~30 min)"
+	@echo "make bench-xl - an 8B model (Llama-3-8B's shape) on this box: 4-bit load, QLoRA, kill and resume, 2 processes, merge, generate (~60 min, ~50 GB of disk)"
 	@echo "make clean  - remove outputs and the demo model (keeps .venv)"
 
 install: $(VENV)/.installed
@@ -75,6 +76,9 @@ bench-load: install
 
 bench-large: install
 	$(PY) bench/large.py
+
+bench-xl: install
+	$(PY) bench/xl.py
 
 clean:
 	rm -rf outputs demo/model .cache

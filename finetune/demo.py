@@ -133,3 +133,69 @@ def make_demo_model(out: str, steps: int | None = None, overwrite: bool = False,
         shutil.rmtree(work, ignore_errors=True)
     print(f"demo model saved to {out_dir}")
     return out_dir
+
+
+def byte_level_bpe(texts: list[str], vocab: int, fill: bool = True):
+    """A byte-level BPE tokenizer as real models have (GPT-2's pre-tokenization: words merged into
+    tokens, unlike the demo's near-character one) trained on `texts` for up to `vocab` entries. `fill`:
+    where the texts have fewer merges to learn, the vocabulary is filled up to exactly `vocab` with
+    reserved tokens no merge produces (as Llama 3 reserves some; as added tokens instead, 120k of them
+    took transformers a minute to load). Adds <s> in front, as the demo tokenizer does."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    trained = Tokenizer(models.BPE())
+    trained.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trained.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=vocab, special_tokens=SPECIAL, show_progress=False,
+                                                           initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    words = trained.get_vocab()
+    words.update({f"<|reserved_{i}|>": i for i in range(len(words), vocab if fill else 0)})
+    merges = [tuple(m.split(" ", 1)) if isinstance(m, str) else tuple(m) for m in json.loads(trained.to_str())["model"]["merges"]]
+    tok = Tokenizer(models.BPE(vocab=words, merges=merges))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", words["<s>"])])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>", additional_special_tokens=SPECIAL[3:],
+                                   chat_template=CHAT_TEMPLATE, model_max_length=8192)
+
+
+def write_random_model(out: Path, config, tokenizer, shard_bytes: int, say=print) -> Path:
+    """A model of any size with random bf16 weights (std 0.02, norms 1), written tensor after tensor
+    into safetensors shards of about `shard_bytes` with an index, then its config and tokenizer: never
+    more than one shard in memory (an 8B model's 16 GB would not fit beside anything else). Written to
+    a sibling folder and renamed into place when complete."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    config.dtype = "bfloat16"
+    with torch.device("meta"):
+        names = [(name, tuple(p.shape)) for name, p in AutoModelForCausalLM.from_config(config).state_dict().items()]
+    shards, size = [[]], 0
+    for name, shape in names:
+        nbytes = 2 * torch.Size(shape).numel()
+        if size and size + nbytes > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append((name, shape))
+        size += nbytes
+    partial = out.with_name(out.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    generator, weight_map, total = torch.Generator().manual_seed(0), {}, 0
+    for i, shard in enumerate(shards, start=1):
+        file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        tensors = {name: torch.ones(shape, dtype=torch.bfloat16) if name.endswith("norm.weight")
+                   else torch.randn(shape, generator=generator, dtype=torch.bfloat16).mul_(0.02) for name, shape in shard}
+        save_file(tensors, partial / file, metadata={"format": "pt"})
+        written = sum(t.numel() * 2 for t in tensors.values())
+        total += written
+        weight_map.update(dict.fromkeys(tensors, file))
+        say(f"wrote {file} ({written / 1e9:.2f} GB)")
+        del tensors
+    (partial / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    config.save_pretrained(partial)
+    GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id).save_pretrained(partial)
+    tokenizer.save_pretrained(partial)
+    partial.rename(out)
+    return out

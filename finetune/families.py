@@ -119,6 +119,17 @@ def linear_layers(config: dict) -> list[Linear]:
     return out
 
 
+def buffer_bytes(config: dict, weight_bytes: int) -> int:
+    """The model's buffers: the rotary embedding's inverse frequencies in fp32, kept twice (as they are
+    and as first computed), per attention kind (Gemma 3: full and sliding); Gemma's embedding scale, a
+    scalar in the weights' dtype."""
+    c = text_config(config)
+    kind = c.get("model_type")
+    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    frequencies = int(head_dim * c.get("partial_rotary_factor", 1.0)) // 2
+    return (2 if kind == "gemma3_text" else 1) * 2 * frequencies * 4 + (weight_bytes if kind in ("gemma2", "gemma3_text") else 0)
+
+
 def small_params(config: dict) -> int:
     """Norm weights and biases of the decoder: few, never quantized, but counted so that totals match
     the published ones (Gemma 2/3 have four norms a layer, Qwen3 and Gemma 3 norm queries and keys,

@@ -178,10 +178,12 @@ def load_model(cfg: ModelConfig, device: torch.device | str = "cpu", skeleton: s
 
         # Freezes the base and upcasts the unquantized parts (norms, embeddings, lm_head) to fp32, as
         # peft recommends for stable k-bit training. Checkpointing is set up in apply_adapter.
-        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
-        if torch.device(device).type == "cpu":  # "cpu:0" in a multi-process run
-            _keep_one_cpu_4bit_path(model)
+        cpu = torch.device(device).type == "cpu"  # "cpu:0" in a multi-process run
+        if cpu:
             _own_unquantized_weights(model)
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+        if cpu:
+            _keep_one_cpu_4bit_path(model)
     model.config.use_cache = False  # no KV cache while training; generation turns it on per call
     return model
 
@@ -228,12 +230,15 @@ def _keep_one_cpu_4bit_path(model) -> None:
 def _own_unquantized_weights(model) -> None:
     """On CPU the parts left unquantized (embeddings, norms, lm_head) can still be views of the
     safetensors file's memory map, which then keeps the whole file resident: the full-precision
-    weights that were just quantized. Own copies of those few tensors let the mapping go."""
+    weights that were just quantized. Own copies of those few tensors let the mapping go. Called
+    before peft's k-bit preparation, it copies only the fp32 ones: that upcasts the 16-bit ones into
+    new tensors anyway (copying those too, after it, held a second fp32 lm_head: +2 GB at the load's
+    peak for a 128k vocabulary)."""
     import bitsandbytes as bnb
 
     for param in model.parameters():
-        if not isinstance(param, (bnb.nn.Params4bit, bnb.nn.Int8Params)) and not hasattr(param, "ds_id"):  # ZeRO-3 owns its shards
-            param.data = param.data.clone()
+        if param.dtype == torch.float32 and not isinstance(param, (bnb.nn.Params4bit, bnb.nn.Int8Params)) and not hasattr(param, "ds_id"):
+            param.data = param.data.clone()  # ZeRO-3 owns its shards (ds_id)
 
 
 def apply_adapter(model, cfg: AdapterConfig, gradient_checkpointing: bool, say=print):

@@ -22,6 +22,9 @@ REPLICATED = ("none", "ddp")  # every device holds the whole model and its state
 OPTIMIZER_STATE_BYTES = {"adamw": None, "paged_adamw_32bit": 8, "adamw_8bit": 2, "paged_adamw_8bit": 2, "lion": 4, "lion_8bit": 1}
 GPU_RESERVE = 1.0 * GiB  # CUDA context + caching-allocator slack, measured-ish; 0 on CPU
 BNB_BLOCK = 64  # bitsandbytes 4-bit block size
+# A 4-bit layer's quantization state beyond its per-block scales: the 16-value NF4 code (fp32), and with
+# double quantization the 256-value code of the scales' own quantization and their offset (fp32).
+NF4_STATE, NF4_STATE_DOUBLE = 16 * 4, (16 + 256 + 1) * 4
 
 
 @dataclass(frozen=True)
@@ -34,6 +37,11 @@ class Shape:
     tied: bool
     linears: tuple[Linear, ...]  # every linear layer and expert weight of the decoder (families.linear_layers)
     norms_and_biases: int
+    config: dict  # the config.json read (families.buffer_bytes needs the weights' dtype, known only with the run's config)
+    meta_buffers: int | None = None  # buffer bytes of the model built on the meta device (architectures outside the table)
+
+    def buffers(self, weight_bytes: int) -> int:
+        return self.meta_buffers if self.meta_buffers is not None else families.buffer_bytes(self.config, weight_bytes)
 
     @property
     def linear_params(self) -> int:
@@ -77,7 +85,8 @@ def read_shape(model_path: str) -> Shape:
         width = sum(layer.fan_out // (2 if "gate_up" in layer.name else 1) * layer.active for layer in ups) // c["num_hidden_layers"]
         return Shape(vocab=c["vocab_size"], hidden=c["hidden_size"], layers=c["num_hidden_layers"],
                      kv_dim=(c.get("num_key_value_heads") or heads) * head_dim, mlp_width=width,
-                     tied=bool(c.get("tie_word_embeddings", False)), linears=tuple(linears), norms_and_biases=families.small_params(config))
+                     tied=bool(c.get("tie_word_embeddings", False)), linears=tuple(linears), norms_and_biases=families.small_params(config),
+                     config=config)
     except KeyError as err:
         raise UserError(f"plan: {path} lacks {err.args[0]} (the planner knows decoder-only transformers)") from None
     except (TypeError, ValueError, ZeroDivisionError):
@@ -126,7 +135,8 @@ def skeleton_shape(folder: Path) -> Shape:
     width = next((w for w in (getattr(config, key, None) for key in ("intermediate_size", "ffn_dim", "n_inner")) if isinstance(w, int)), 4 * hidden)
     other = sum(p.numel() for p in model.parameters()) - sum(layer.params for layer in linears) - vocab * hidden * (1 if tied else 2)
     return Shape(vocab=vocab, hidden=hidden, layers=config.num_hidden_layers, kv_dim=(getattr(config, "num_key_value_heads", None) or heads) * (hidden // heads),
-                 mlp_width=width, tied=tied, linears=tuple(linears), norms_and_biases=other)
+                 mlp_width=width, tied=tied, linears=tuple(linears), norms_and_biases=other, config={},
+                 meta_buffers=sum(b.numel() * b.element_size() for b in model.buffers()))
 
 
 @dataclass(frozen=True)
@@ -200,8 +210,9 @@ def estimate(shape: Shape, cfg: RunConfig, s: Setup) -> dict[str, float]:
     # Weights. A quantized base keeps its non-linear parts in fp32 (peft's prepare_model_for_kbit_training).
     kept = shape.linear_params - shape.quantizable_params + shape.other_params  # left unquantized, in fp32
     if s.bits == 4:
-        per_param = 0.5 + (1 / BNB_BLOCK + 4 / (BNB_BLOCK * 256) if cfg.model.quantization.double_quant else 4 / BNB_BLOCK)
-        base = shape.quantizable_params * per_param + kept * 4
+        double = cfg.model.quantization.double_quant
+        per_param = 0.5 + (1 / BNB_BLOCK + 4 / (BNB_BLOCK * 256) if double else 4 / BNB_BLOCK)
+        base = shape.quantizable_params * per_param + kept * 4 + quantized_layers(shape) * (NF4_STATE_DOUBLE if double else NF4_STATE)
     elif s.bits == 8:
         scales = sum(l.fan_out * l.copies for l in shape.linears if not (l.expert or l.router)) * 4  # one fp32 scale per output row
         base = shape.quantizable_params * 1 + scales + kept * 4
@@ -217,7 +228,7 @@ def estimate(shape: Shape, cfg: RunConfig, s: Setup) -> dict[str, float]:
     # Sharding: ZeRO-2 splits gradients and optimizer states, ZeRO-3/FSDP the weights too.
     if s.splits_states:
         grads, optimizer = grads / s.devices, optimizer / s.devices
-    weights = base + adapter
+    weights = base + adapter + shape.buffers(s.weight_bytes)
     rows = {"weights": weights, "gradients": grads, "optimizer states": optimizer, "activations": activations(shape, s)}
     if s.splits_weights:
         rows["weights"] = weights / s.devices
@@ -230,6 +241,10 @@ def estimate(shape: Shape, cfg: RunConfig, s: Setup) -> dict[str, float]:
     if temporaries:
         rows["dense weight temporaries"] = temporaries
     return rows
+
+
+def quantized_layers(shape: Shape) -> int:
+    return sum(layer.copies for layer in shape.linears if not (layer.expert or layer.router))
 
 
 def gathered(shape: Shape, s: Setup, full: bool) -> float:

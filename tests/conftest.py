@@ -119,27 +119,18 @@ def base_config(model_dir: Path, out_dir: Path, **sections) -> dict:
 
 
 def build_bpe_model(out: Path, corpus_rows: list[str], steps: int = 300) -> Path:
-    """A small pretrained Llama with a byte-level BPE tokenizer of 4,096 tokens (GPT-2's
-    pre-tokenization, words merged into tokens as in real models, unlike the demo's near-character
-    one), pretrained with finetune's full fine-tuning on `corpus_rows` (JSONL lines of {"text": ...})."""
+    """A small pretrained Llama with a byte-level BPE tokenizer (GPT-2's pre-tokenization, words merged
+    into tokens as in real models, unlike the demo's near-character one; trained for up to 4,096
+    tokens, the demo corpus yields 847), pretrained with finetune's full fine-tuning on `corpus_rows`
+    (JSONL lines of {"text": ...})."""
     import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     from finetune.config import validate_config
-    from finetune.demo import CHAT_TEMPLATE, SPECIAL
+    from finetune.demo import byte_level_bpe
     from finetune.train import run
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=4096, special_tokens=SPECIAL, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator([json.loads(row)["text"] for row in corpus_rows], trainer)
-    bos = tok.token_to_id("<s>")
-    tok.post_processor = processors.Sequence([processors.ByteLevel(trim_offsets=False),
-                                              processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos)])])
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
-                                        additional_special_tokens=SPECIAL[3:], chat_template=CHAT_TEMPLATE, model_max_length=1024)
+    tokenizer = byte_level_bpe([json.loads(row)["text"] for row in corpus_rows], 4096, fill=False)
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=352, num_hidden_layers=2, num_attention_heads=4,
                          num_key_value_heads=2, max_position_embeddings=512, bos_token_id=tokenizer.bos_token_id,
                          eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False)

@@ -33,7 +33,7 @@ def test_kill_9_then_resume_gives_the_same_losses(tmp_path, reference):
     cfg = {**cfg, "train": {**cfg["train"], "output_dir": str(tmp_path / "out")}}
     killed = _run(tmp_path, cfg, "--save-every", "4", env={"FINETUNE_FAULT": "kill@9"})
     assert killed.returncode == -9  # SIGKILL at the start of step 9, after the checkpoint of step 8
-    assert sorted(p.name for p in (tmp_path / "out" / "checkpoints").iterdir()) == ["step-000004", "step-000008"]
+    assert sorted(p.name for p in (tmp_path / "out" / "checkpoints").iterdir()) == ["step-000000", "step-000004", "step-000008"]  # the start too
     resumed = _run(tmp_path, cfg, "--save-every", "4")
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "resumed from" in resumed.stdout and "step-000008 at step 8" in resumed.stdout
@@ -130,7 +130,7 @@ def test_a_background_save_writes_the_same_bytes_as_a_synchronous_one(tmp_path, 
         manifests[mode] = {p.name: json.loads((p / "manifest.json").read_text()) for p in (out / "checkpoints").iterdir()}
         for files in manifests[mode].values():
             assert files.pop("finetune_config.yaml")  # differs by the output_dir and async_save
-    assert sorted(manifests["true"]) == ["step-000004", "step-000008"]
+    assert sorted(manifests["true"]) == ["step-000000", "step-000004", "step-000008"]
     assert manifests["true"] == manifests["false"]  # every other file's size and sha256
 
 
@@ -140,7 +140,7 @@ def test_a_kill_during_a_background_write_resumes_from_the_previous_checkpoint(t
     cfg = {**cfg, "train": {**cfg["train"], "output_dir": str(out)}}
     killed = _run(tmp_path, cfg, "--save-every", "4", "--set", "checkpoint.async_save=true", env={"FINETUNE_FAULT": "kill-saving@8"})
     assert killed.returncode == -9  # SIGKILL from the writer thread, once the first file of step 8's checkpoint is written
-    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [".step-000008.tmp", "step-000004"]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [".step-000008.tmp", "step-000000", "step-000004"]
     assert not (out / "checkpoints" / ".step-000008.tmp" / "manifest.json").exists()
     resumed = _run(tmp_path, cfg, "--save-every", "4", "--set", "checkpoint.async_save=true")
     assert resumed.returncode == 0, resumed.stderr[-2000:]

@@ -93,4 +93,4 @@ def test_a_preempted_job_ends_with_75_through_the_launch_script(tmp_path, tiny_m
     _, stderr = job.communicate(timeout=120)
     assert job.returncode == 75, stderr[-3000:]
     assert stderr.count("error: preempted at step") == 2
-    assert len(list((tmp_path / "out" / "checkpoints").glob("step-*"))) == 1
+    assert len(list((tmp_path / "out" / "checkpoints").glob("step-*"))) == 2  # the start's and the preemption's

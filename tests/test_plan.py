@@ -13,12 +13,13 @@ from finetune.plan import GiB, make_plan
 N_LINEAR = 32 * (4 * 4096 * 4096 + 3 * 4096 * 11008)  # q, k, v, o + gate, up, down
 N_OTHER = 2 * 32000 * 4096 + (2 * 32 + 1) * 4096  # embeddings, lm_head, norms
 N = N_LINEAR + N_OTHER
+BUFFERS = 2 * 64 * 4  # the rotary embedding's 64 inverse frequencies in fp32, kept twice
 
 
 def test_7b_full_finetune_matches_the_hand_computed_figures():
     assert N == 6_738_415_616  # Llama-2-7B's well-known count
     plan = make_plan(load_config(REPO / "docs/examples/plan-7b-full.yaml", check_model=False))
-    assert plan.rows["weights"] == 4 * N  # fp32
+    assert plan.rows["weights"] == 4 * N + BUFFERS  # fp32
     assert plan.rows["gradients"] == 4 * N
     assert plan.rows["optimizer states"] == 8 * N  # AdamW: two fp32 moments -> 16 bytes/param in all
     tokens, layer = 2048, (9 * 4096 + 3 * 4096 + 4 * 11008) * 2 * 2048  # bf16 activations
@@ -31,7 +32,8 @@ def test_7b_qlora_matches_the_hand_computed_figures():
     lora = 32 * 16 * (4 * (4096 + 4096) + 2 * (4096 + 11008) + (11008 + 4096))
     assert plan.trainable == lora == 39_976_960
     nf4_double_quant = 0.5 + 1 / 64 + 4 / (64 * 256)  # 4-bit values + 8-bit absmax per 64 + fp32 per 256 blocks
-    assert plan.rows["weights"] == pytest.approx(N_LINEAR * nf4_double_quant + N_OTHER * 4 + lora * 4, rel=1e-12)
+    state = 32 * 7 * (16 + 256 + 1) * 4  # per 4-bit layer: the NF4 code, the scales' code and offset (fp32)
+    assert plan.rows["weights"] == pytest.approx(N_LINEAR * nf4_double_quant + N_OTHER * 4 + lora * 4 + state + BUFFERS, rel=1e-12)
     assert plan.rows["gradients"] == lora * 4
     assert plan.rows["optimizer states"] == lora * 2  # 8-bit AdamW: two 1-byte moments
 

@@ -258,9 +258,9 @@ def test_the_guard_skips_a_poisoned_dpo_step_and_judges_the_preference_loss(tmp_
     seen = {}
     real = Guard.__init__
 
-    def spy(self, cfg, state=None, min_rise=0.0):
+    def spy(self, cfg, state=None, min_rise=0.0, **rest):
         seen["min_rise"] = min_rise
-        real(self, cfg, state, min_rise)
+        real(self, cfg, state, min_rise, **rest)
 
     monkeypatch.setattr(Guard, "__init__", spy)
     run(validate_config(_pairs_config(tiny_model_dir, tmp_path / "out", data={"eval": None}, train={"max_steps": 14}), "test"))

@@ -1,0 +1,85 @@
+"""Llama-3-8B's widths and vocabulary with 2 layers (1.5B parameters, 3 GB of bf16 in 1 GB shards):
+what `make bench-xl` shows at full size, checked in `make test`: the planner's arithmetic equals the
+bytes the loaded model holds, and the 4-bit load streams shard by shard."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import DEMO_DATA, REPO, base_config
+from finetune.config import validate_config
+from finetune.plan import make_plan
+
+SHARD_BYTES = 10**9
+
+
+@pytest.fixture(scope="module")
+def wide_model_dir(tmp_path_factory):
+    from transformers import LlamaConfig
+
+    from finetune.demo import byte_level_bpe, write_random_model
+
+    texts = [json.loads(line)["text"] for line in (DEMO_DATA / "corpus.jsonl").read_text().splitlines()[:1500]]
+    tok = byte_level_bpe(texts, 128256)
+    config = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=2, num_attention_heads=32, num_key_value_heads=8,
+                         vocab_size=len(tok), max_position_embeddings=8192, tie_word_embeddings=False, bos_token_id=tok.bos_token_id,
+                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    return write_random_model(tmp_path_factory.mktemp("wide") / "model", config, tok, SHARD_BYTES, say=lambda _: None)
+
+
+def held_bytes(model) -> int:
+    """Every byte of the model's parameters and buffers, and of its 4-bit layers' quantization state
+    (kept beside the weight, neither parameter nor buffer)."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters()) + sum(b.numel() * b.element_size() for b in model.buffers())
+    weights = {id(w): w for w in (getattr(module, "weight", None) for module in model.modules())}  # peft's layer shows its base's weight too
+    for weight in weights.values():
+        state = getattr(weight, "quant_state", None)
+        if state is not None:
+            nested = [state.state2.absmax, state.state2.code, state.offset] if state.nested else []
+            total += sum(t.numel() * t.element_size() for t in (state.absmax, state.code, *nested))
+    return total
+
+
+@pytest.mark.parametrize("model_section", [{"dtype": "bfloat16"},
+                                           {"dtype": "bfloat16", "quantization": {"bits": 4, "compute_dtype": "float32"}},
+                                           {"dtype": "bfloat16", "quantization": {"bits": 4, "double_quant": False, "compute_dtype": "float32"}}],
+                         ids=["lora-bf16", "qlora-nf4-double-quant", "qlora-nf4"])
+def test_the_plan_counts_every_byte_the_loaded_model_holds(wide_model_dir, tmp_path, model_section):
+    from finetune.model import apply_adapter, load_model
+
+    cfg = validate_config(base_config(wide_model_dir, tmp_path / "out", model=model_section, adapter={"r": 16, "target_modules": "all-linear"}),
+                          "test")
+    model = apply_adapter(load_model(cfg.model, say=lambda _: None), cfg.adapter, gradient_checkpointing=True, say=lambda _: None)
+    assert held_bytes(model) == make_plan(cfg).rows["weights"]
+
+
+LOAD = """
+import json, resource, sys, time
+from finetune import runtime
+from finetune.config import ModelConfig, QuantizationConfig
+from finetune.model import load_model
+before = runtime.current_rss()
+load_model(ModelConfig(name_or_path=sys.argv[1], dtype="bfloat16", quantization=QuantizationConfig(bits=4, compute_dtype="float32")),
+           say=lambda _: None)
+print(json.dumps({"before": before, "peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+"""
+
+
+def test_the_4bit_load_holds_the_4bit_model_and_one_shard_at_most(wide_model_dir, tmp_path):
+    """transformers quantizes each weight as it reads it: the load's peak is the 4-bit model (its fp32
+    embeddings and lm_head included, as peft's k-bit preparation leaves them) and one shard's worth of
+    bf16 being read, within 1 GiB."""
+    result = subprocess.run([sys.executable, "-c", LOAD, str(wide_model_dir)], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    measured = json.loads(result.stdout.strip().splitlines()[-1])
+    cfg = validate_config(base_config(wide_model_dir, tmp_path / "out", model={"dtype": "bfloat16", "quantization": {"bits": 4, "compute_dtype": "float32"}}),
+                          "test")
+    model_4bit = make_plan(cfg).rows["weights"]
+    shard = max(p.stat().st_size for p in wide_model_dir.glob("*.safetensors"))
+    used = measured["peak"] - measured["before"]
+    print(f"4-bit load: {used / 2**20:.0f} MiB held at the peak; 4-bit model {model_4bit / 2**20:.0f} MiB, largest shard {shard / 2**20:.0f} MiB")
+    assert used <= model_4bit + shard + 2**30
