@@ -45,7 +45,7 @@ import time
 from pathlib import Path
 
 from common import DATA, REPO, cmdline, report, sample
-from large import floor, planned, train
+from large import MERGE_TOLERANCE, floor, planned, train
 
 CACHE = Path(os.environ.get("FINETUNE_CACHE", REPO / ".cache" / "finetune")) / "bench-xl"
 SHAPE = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, vocab_size=128256)
@@ -87,20 +87,33 @@ def config(model: Path, out: Path, strategy: str, sections: dict, steps: int) ->
 
 
 LOAD = """
-import json, resource, sys, time
+import json, resource, sys, threading, time
 from finetune.config import ModelConfig, QuantizationConfig
 from finetune.model import load_model
 from finetune import runtime
-before = runtime.current_rss()
+
+def anonymous():
+    return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("RssAnon:"))
+
+peak_anon = [0]
+def watch():
+    while True:
+        peak_anon[0] = max(peak_anon[0], anonymous())
+        time.sleep(0.005)
+threading.Thread(target=watch, daemon=True).start()
+before, before_anon = runtime.current_rss(), anonymous()
 began = time.perf_counter()
 load_model(ModelConfig(name_or_path=sys.argv[1], dtype="bfloat16", quantization=QuantizationConfig(bits=4, compute_dtype="float32")), say=lambda _: None)
-print(json.dumps({"seconds": time.perf_counter() - began, "before": before / 2**20,
-                  "peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "after": runtime.current_rss() / 2**20}))
+print(json.dumps({"seconds": time.perf_counter() - began, "before": before / 2**20, "before_anon": before_anon / 2**20,
+                  "peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "peak_anon": peak_anon[0] / 2**20,
+                  "after": runtime.current_rss() / 2**20}))
 """
 
 
 def load_row(model: Path, cfg: dict) -> str:
-    """The 4-bit load alone (its peak from the kernel's high-water mark), against the 4-bit model + one shard + 1 GiB."""
+    """The 4-bit load alone: its peak RSS (the kernel's high-water mark, clean pages of the mapped
+    safetensors files included) and its peak anonymous RSS (sampled every 5 ms: what the process holds),
+    against the 4-bit model + one shard + 1 GiB."""
     from finetune.config import validate_config
     from finetune.plan import make_plan
 
@@ -111,24 +124,27 @@ def load_row(model: Path, cfg: dict) -> str:
     weights = make_plan(validate_config(cfg, "bench")).rows["weights"]  # the 4-bit base and the adapter's weights
     shard = max(p.stat().st_size for p in model.glob("*.safetensors"))
     target = (weights + shard + GiB) / 2**20
-    used = r["peak"] - r["before"]
-    return (f"| load (4-bit, shard by shard) | {r['peak']:.0f} | | target {target:.0f} (4-bit model {weights / 2**20:.0f} + one shard "
-            f"{shard / 2**20:.0f} + 1024) | {'met' if used <= target else 'NOT met'}: {used:.0f} held at the peak, {r['after'] - r['before']:.0f} "
-            f"after | {r['seconds']:.0f} s to load | | |")
+    held, mapped = r["peak_anon"] - r["before_anon"], r["peak"] - r["before"]
+    return (f"| load (4-bit, shard by shard) | {r['peak']:.0f} | {r['peak_anon']:.0f} | target {target:.0f} (4-bit model {weights / 2**20:.0f} + "
+            f"one shard {shard / 2**20:.0f} + 1024) | anonymous {held:.0f}: {'met' if held <= target else 'NOT met'}; RSS {mapped:.0f} with the "
+            f"mapped files' pages: {'met' if mapped <= target else 'not met'}; {r['after'] - r['before']:.0f} after | {r['seconds']:.0f} s to load | | |")
 
 
 def run_row(run: dict, plan: float) -> str:
     if run["code"] != 0 or "summary" not in run:
-        last = [line for line in run["console"].splitlines() if line.strip()][-1:] or ["(no output)"]
-        return f"| {run['name']} | failed (exit {run['code']}): {last[0][:160]} | | | | | | |"
+        lines = [line for line in run["console"].splitlines() if line.strip() and not line.startswith(("=", " "))]
+        why = "a rank was SIGKILLed (on this box: the kernel's out-of-memory killer)" if "Signal 9 (SIGKILL)" in run["console"] else \
+            (lines[-1:] or ["(no output)"])[0][:160]
+        return f"| {run['name']} | failed (exit {run['code']}): {why}; peaks {' / '.join(f'{p:.0f}' for p in run['peaks'])} MiB | | {plan:.0f} | | | | |"
     s, m = run["summary"], run["metrics"]
     used = [peak - s["rss_before_model_mib"] for peak in run["peaks"]]
-    ratios = " / ".join(f"{u / plan:.2f}" for u in used)
+    held = [peak - s["rss_before_model_mib"] for peak in run["anon"]]
+    ratios = "RSS " + " / ".join(f"{u / plan:.3f}" for u in used) + ", anonymous " + " / ".join(f"{u / plan:.3f}" for u in held)
     within = all(0.9 <= u / plan <= 1.1 for u in used)
     per_step = (m[-1]["elapsed_s"] - m[0]["elapsed_s"]) / max(1, len(m) - 1) if len(m) > 1 else m[0]["elapsed_s"]
     saves = [float(x) for x in re.findall(r"training paused ([0-9.]+) s", run["console"])]
     return (f"| {run['name']} | {' / '.join(f'{p:.0f}' for p in run['peaks'])} | {' / '.join(f'{p:.0f}' for p in run['anon'])} | {plan:.0f} | "
-            f"{ratios} ({'within' if within else 'outside'} ±10%) | {per_step:.0f} s per step | "
+            f"{ratios} (RSS {'within' if within else 'outside'} ±10%) | {per_step:.0f} s per step | "
             f"{'save ' + ' / '.join(f'{x:.1f}' for x in saves) + ' s' if saves else ''} | {' '.join(f'{x:.4f}' for x in (r['loss'] for r in m))} |")
 
 
@@ -180,7 +196,10 @@ def merge_row(model: Path, work: Path) -> str:
     shutil.rmtree(merged, ignore_errors=True)
     began = time.perf_counter()
     with (work / "merge.log").open("w") as log:
-        job = subprocess.Popen([sys.executable, "-m", "finetune", "merge", "--adapter", str(work / "qlora-out"), "--out", str(merged), "--dtype", "bf16"],
+        # Three steps on random weights leave updates mostly under half a bf16 step of W: rounding W + BA to
+        # bf16 loses much of them (the check measures how much), so the check is widened as in bench/large.py.
+        job = subprocess.Popen([sys.executable, "-m", "finetune", "merge", "--adapter", str(work / "qlora-out"), "--out", str(merged), "--dtype", "bf16",
+                                "--tolerance", str(MERGE_TOLERANCE)],
                                cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=ENV)
         peaks, anon = sample(job, lambda pid: "merge" in cmdline(pid))
     seconds = time.perf_counter() - began
@@ -204,7 +223,8 @@ def generate_row(what: list[str], work: Path, name: str) -> str:
     first, text = None, b""
     while chunk := job.stdout.read(1):
         text += chunk
-        if first is None and text.startswith(b"The river") and len(text) > len(b"The river"):
+        at = text.find(b"The river")  # the prompt is echoed, then the tokens stream after it
+        if first is None and at >= 0 and len(text) > at + len(b"The river"):
             first = time.perf_counter() - began
     job.wait()
     total = time.perf_counter() - began

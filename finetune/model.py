@@ -364,7 +364,7 @@ def describe(model) -> dict:
         if p.requires_grad:
             trainable += numel
     info = {"total_params": total, "trainable_params": trainable, "param_bytes": nbytes}
-    quantized, kept = 0, {}
+    quantized, kept, dtypes = 0, {}, set()
     for name, module in model.named_modules():
         if not any(True for _ in module.parameters(recurse=False)) or "lora_" in name or "magnitude" in name:
             continue  # containers, and the adapter itself
@@ -373,7 +373,9 @@ def describe(model) -> dict:
         else:
             short = name.split(".")[-1]
             kept[short] = kept.get(short, 0) + 1
+            dtypes |= {str(p.dtype).removeprefix("torch.") for p in module.parameters(recurse=False)}
     if quantized:
         info["quantized_linears"] = quantized
         info["unquantized"] = ", ".join(f"{k} x{v}" if v > 1 else k for k, v in sorted(kept.items()))
+        info["unquantized_dtype"] = "/".join(sorted(dtypes))  # peft's k-bit preparation upcasts them to float32
     return info

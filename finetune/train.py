@@ -268,8 +268,8 @@ def start_losses(run: RunState) -> list[float]:
     losses, rng = [], checkpoint.rng_state()
     try:
         with torch.no_grad():
-            for position in range(DRIFT_STEPS):
-                _, micro_batches, totals, _ = step_batches(run, position)
+            for step in range(DRIFT_STEPS):
+                _, micro_batches, totals, _ = step_batches(run, data_step(step, [list(w) for w in run.cfg.train.skip_data]))
                 loss = sum(run.objective.losses(run.engine.model, batch, totals).tokens.float() for batch in micro_batches)
                 losses.append(run.accelerator.reduce(loss, "sum").item() / max(totals[0], 1))
     finally:
@@ -330,7 +330,7 @@ def load_and_prepare_model(run: RunState) -> None:
         f"{info['param_bytes'] / 2**20:.1f} MiB of weights"
     )
     if "unquantized" in info:
-        run.say(f"quantized: {info['quantized_linears']} linear layers; kept in {cfg.model.dtype if cfg.model.dtype != 'auto' else 'their'} precision: {info['unquantized']}")
+        run.say(f"quantized: {info['quantized_linears']} linear layers; kept in {info['unquantized_dtype']}: {info['unquantized']}")
     run.say(
         f"batch: {t.micro_batch_size} micro x {t.grad_accum} accum x {world} process(es) = "
         f"{t.micro_batch_size * t.grad_accum * world} rows per step; {run.schedule.total_steps} steps "
