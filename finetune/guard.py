@@ -19,19 +19,19 @@ The start is a reference too. Before the first step the run measures its start l
 of the first DRIFT_STEPS steps' batches at the initial weights) and, with eval data, its eval loss.
 Within the warmup and the `window` steps after it, a level risen above the start level (by `drift`,
 and by `drift_sigmas` times the noise of two such medians, from the larger of the start batches'
-spread and the window's) is a
-learning rate too hot from the first step: roll back to the start (an adapter's step-0 checkpoint)
-with the LR lowered, as for any divergence. A run that ends worse than it started (its final eval loss
+spread and the window's) is a learning rate too hot from the first step: roll back to the start (an
+adapter's step-0 checkpoint) with the LR lowered, as for any divergence. A run that ends worse than it started (its final eval loss
 more than `drift` above the eval before training; without eval data, its level risen above the start
 level as above) is no success: train saves it, says so and exits with code 3 (`worse_than_start`).
 
 Every statistic is a median of the per-token loss: a healthy run's odd hard batch (2x the loss, 20x
 the gradient norm were seen on the demo) moves nothing, and the early steep descent does not widen the
 band for the rest of the run (the level's noise comes from the differences of successive losses, which
-a trend hardly moves; taking the lowest of many levels as the reference is why the threshold is
-`drift_sigmas` = 6 noise units: bench/guard.py measures the false alarms on flat runs). A rollback takes the guard back to the history it had at that
-checkpoint, so the steps after it are judged against the good state at once: a divergence that comes
-back is caught again and leads to the next rung. At the end of the run the level is compared with
+a trend hardly moves; the lowest of many levels as the reference is why the threshold is
+`drift_sigmas` = 6 noise units: bench/guard.py measures the false alarms on flat runs). A rollback
+takes the guard back to the history it had at that checkpoint, so the steps after it are judged
+against the good state at once: a divergence that comes back is caught again and leads to the next
+rung. At the end of the run the level is compared with
 the best of the whole run (`finish`): a run never ends with exit 0 on weights that drifted worse.
 
 Bounds (from `min_history` steps on; before that only non-finite values are judged): a loss level

@@ -58,6 +58,9 @@ def check_trackers(cfg: RunConfig) -> None:
     for name in cfg.logging.report_to:
         if importlib.util.find_spec(name) is None:
             raise UserError(f"logging.report_to: '{name}' is not installed (pip install finetune-kit[{name}]) or remove it")
+    if "wandb" in cfg.logging.report_to and not wandb_can_log():
+        raise UserError("logging.report_to: wandb has no API key here (WANDB_API_KEY, or the ~/.netrc entry `wandb login` writes) and is "
+                        "not offline; log in, or set WANDB_MODE=offline to keep the run on disk (`wandb sync` uploads it later)")
     # MLflow 3 keeps runs in a database (sqlite:///mlflow.db in the working directory unless
     # MLFLOW_TRACKING_URI says otherwise); mlflow-skinny alone cannot open one.
     store = os.environ.get("MLFLOW_TRACKING_URI") or "sqlite:///mlflow.db"
@@ -65,6 +68,25 @@ def check_trackers(cfg: RunConfig) -> None:
             importlib.util.find_spec("sqlalchemy") is None or importlib.util.find_spec("alembic") is None):
         raise UserError(f"logging.report_to: mlflow's store {store} needs sqlalchemy and alembic (pip install finetune-kit[mlflow]); "
                         "or set MLFLOW_TRACKING_URI to your tracking server")
+
+
+def wandb_can_log() -> bool:
+    """What wandb.init reads before it would ask for a key and fail deep inside the run: offline or
+    disabled mode, a key or identity token in the environment, or a key for its host in the netrc
+    file (NETRC, else ~/.netrc), as wandb 0.31 looks for them."""
+    import netrc
+    from urllib.parse import urlsplit
+
+    env = os.environ
+    if env.get("WANDB_MODE", "").lower() in ("offline", "dryrun", "disabled") or env.get("WANDB_DISABLED", "").lower() in ("true", "1"):
+        return True
+    if env.get("WANDB_API_KEY") or env.get("WANDB_IDENTITY_TOKEN_FILE"):
+        return True
+    path = Path(env.get("NETRC") or "~/.netrc").expanduser()
+    try:
+        return path.is_file() and netrc.netrc(path).authenticators(urlsplit(env.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname) is not None
+    except (netrc.NetrcParseError, OSError):
+        return False
 
 
 def check_processes(cfg: RunConfig) -> None:

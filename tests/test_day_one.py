@@ -463,6 +463,24 @@ def test_mlflow_without_a_database_driver_is_refused_in_one_line(tmp_path, tiny_
     check_trackers(validate_config(cfg, "test"))
 
 
+def test_wandb_without_a_key_or_offline_mode_is_refused_in_one_line(tmp_path, tiny_model_dir, monkeypatch):
+    """wandb installed, no API key and not offline: refused before loading (it failed after the model
+    loaded, with 33 lines from inside wandb); offline mode or a key in the netrc file pass."""
+    from finetune.preflight import check_trackers
+
+    for name in ("WANDB_MODE", "WANDB_DISABLED", "WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_BASE_URL"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))
+    cfg = validate_config(base_config(tiny_model_dir, tmp_path / "out", logging={"report_to": ["wandb"]}), "test")
+    with pytest.raises(UserError, match=r"^logging.report_to: wandb has no API key here .* set WANDB_MODE=offline"):
+        check_trackers(cfg)
+    (tmp_path / "netrc").write_text("machine api.wandb.ai\n  login user\n  password " + "k" * 40 + "\n")
+    check_trackers(cfg)
+    (tmp_path / "netrc").unlink()
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    check_trackers(cfg)
+
+
 @pytest.mark.parametrize("init", ["pissa", "olora"])
 def test_pissa_and_olora_start_at_the_base_train_differently_and_save_an_adapter_for_the_original_base(tmp_path, tiny_model_dir, init):
     from peft import PeftModel
