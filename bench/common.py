@@ -33,6 +33,19 @@ def build_model(out: Path, layers: int, hidden: int, dtype: str = "float32", voc
     return sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
 
 
+def steps_and_parts(doc: str, steps: int, parts: str):
+    """The options of the benchmarks that run in parts: --steps, and --only (comma-separated parts).
+    Returns the arguments and whether a named part is wanted."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=steps)
+    parser.add_argument("--only", default="", help=f"comma-separated parts: {parts}")
+    args = parser.parse_args()
+    only = set(filter(None, args.only.split(",")))
+    return args, lambda name: not only or name in only
+
+
 def report(name: str, lines: list[str], results: Path = REPO / "bench" / "results") -> None:
     """Print a result table and keep it in RESULTS/NAME.md (bench/results: quoted by the README)."""
     table = "\n".join(lines)

@@ -20,7 +20,6 @@ Prints a markdown table and writes it to bench/results/large.md.
 
 from __future__ import annotations
 
-import argparse
 import json
 import mmap
 import os
@@ -31,7 +30,7 @@ import sys
 import time
 from pathlib import Path
 
-from common import DATA, REPO, cmdline, report, sample
+from common import DATA, REPO, cmdline, report, sample, steps_and_parts
 
 CACHE = Path(os.environ.get("FINETUNE_CACHE", REPO / ".cache" / "finetune")) / "bench-large"
 SHAPE = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32, num_key_value_heads=4, vocab_size=32000)
@@ -248,17 +247,12 @@ CEILING_FP32 = 127e9
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=2)
-    parser.add_argument("--only", default="", help="comma-separated rows (names of RUNS, checkpoint, merge, staged)")
-    args = parser.parse_args()
-    only = set(filter(None, args.only.split(",")))
-    want = lambda name: not only or name in only  # noqa: E731
+    args, want = steps_and_parts(__doc__, 2, "names of RUNS, checkpoint, merge, staged")
     model = build(CACHE / "llama-1.1b")
     h, kv = SHAPE["hidden_size"], SHAPE["hidden_size"] // SHAPE["num_attention_heads"] * SHAPE["num_key_value_heads"]
     params = 2 * SHAPE["vocab_size"] * h + SHAPE["num_hidden_layers"] * (2 * h * h + 2 * h * kv + 3 * h * SHAPE["intermediate_size"] + 2 * h) + h
     work = CACHE / "work"
-    if not only:  # with --only, the other rows' outputs stay (merge reads the LoRA run's adapter)
+    if not args.only:  # with --only, the other rows' outputs stay (merge reads the LoRA run's adapter)
         subprocess.run(["rm", "-rf", str(work)], check=True)
     work.mkdir(parents=True, exist_ok=True)
     lines = [f"Model: Llama 1.1B ({params / 1e9:.2f}B parameters, bf16 safetensors in 500 MB shards), sequence {SEQ}, micro batch 1, "

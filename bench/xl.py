@@ -33,7 +33,6 @@ Prints a markdown table and writes it to bench/results/xl.md.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -44,7 +43,7 @@ import sys
 import time
 from pathlib import Path
 
-from common import DATA, REPO, cmdline, report, sample
+from common import DATA, REPO, cmdline, report, sample, steps_and_parts
 from large import MERGE_TOLERANCE, floor, planned, train
 
 CACHE = Path(os.environ.get("FINETUNE_CACHE", REPO / ".cache" / "finetune")) / "bench-xl"
@@ -230,12 +229,7 @@ def generate_row(what: list[str], work: Path, name: str) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--only", default="", help="comma-separated parts: load, qlora, resume, zero3, lora2, merge, generate")
-    args = parser.parse_args()
-    only = set(filter(None, args.only.split(",")))
-    want = lambda name: not only or name in only  # noqa: E731
+    args, want = steps_and_parts(__doc__, 3, "load, qlora, resume, zero3, lora2, merge, generate")
     free = shutil.disk_usage(CACHE.parent if CACHE.parent.exists() else REPO).free
     if not (CACHE / "llama-8b" / "model.safetensors.index.json").is_file() and free < 50e9:
         sys.exit(f"bench-xl: {free / 1e9:.0f} GB free on the disk; the model needs 16 GB and merge 32 GB more")
