@@ -218,6 +218,7 @@ def estimate(shape: Shape, cfg: RunConfig, s: Setup) -> dict[str, float]:
         base = shape.quantizable_params * 1 + scales + kept * 4
     else:
         base = (shape.linear_params + shape.other_params) * s.weight_bytes
+    base += shape.buffers(s.weight_bytes)  # the rotary frequencies (and Gemma's embedding scale)
     adapter = 0 if full else n_train * 4  # peft keeps adapter weights in fp32
     param_bytes = s.weight_bytes if full else 4
     grads = n_train * param_bytes
@@ -228,7 +229,7 @@ def estimate(shape: Shape, cfg: RunConfig, s: Setup) -> dict[str, float]:
     # Sharding: ZeRO-2 splits gradients and optimizer states, ZeRO-3/FSDP the weights too.
     if s.splits_states:
         grads, optimizer = grads / s.devices, optimizer / s.devices
-    weights = base + adapter + shape.buffers(s.weight_bytes)
+    weights = base + adapter
     rows = {"weights": weights, "gradients": grads, "optimizer states": optimizer, "activations": activations(shape, s)}
     if s.splits_weights:
         rows["weights"] = weights / s.devices
