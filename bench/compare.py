@@ -22,6 +22,7 @@ Usage: python bench/compare.py [--repeats 3] [--runners finetune,hf-bf16-flatten
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -31,7 +32,6 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 from common import DATA, REPO, build_model, report
@@ -39,7 +39,7 @@ from common import DATA, REPO, build_model, report
 RESULTS = REPO / "bench" / "results"
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class Sizes:
     layers: int = 8
     hidden: int = 512
@@ -48,11 +48,14 @@ class Sizes:
     eval_samples: int = 32
     max_seq_len: int = 512
     samples_per_step: int = 10
+    lr: float = 1e-3
 
 
 QUICK = Sizes(layers=2, hidden=64, vocab=2048, train_samples=24, eval_samples=4, max_seq_len=128, samples_per_step=4)
 # --device cuda: a 1.1B Llama shape and rows of 2,048 tokens, so that a step is compute-bound on a GPU.
-CUDA = Sizes(layers=22, hidden=2048, vocab=32000, train_samples=3072, eval_samples=16, max_seq_len=2048, samples_per_step=64)
+# Its LR is 2e-4: at 1e-3 the peer's eval loss varied 2.75-3.02 between runs of the same settings
+# (finetune's 2.84-2.86), too wide to tell whether speed cost quality (bench/results/compare-cuda.md).
+CUDA = Sizes(layers=22, hidden=2048, vocab=32000, train_samples=3072, eval_samples=16, max_seq_len=2048, samples_per_step=64, lr=2e-4)
 
 # name -> (trainer, precision, collator, how it is set up)
 PEERS = {
@@ -66,7 +69,7 @@ OURS = {
     "finetune-compiled": "the same with model.compile: each decoder layer through torch.compile (on a GPU, fewer kernel launches a layer)",
 }
 RUNNERS = [*OURS, *PEERS]
-DEFAULT = {"cpu": ["finetune", *PEERS], "cuda": ["finetune", "finetune-compiled", "hf-bf16-flatten"]}  # CPU: make bench-compile
+DEFAULT = {"cpu": ["finetune", *PEERS], "cuda": ["finetune", "finetune-compiled", "hf-bf16-flatten", "trl-bf16-flatten"]}  # CPU: make bench-compile
 
 
 # ------------------------------------------------------------------------------------------------
@@ -122,7 +125,7 @@ def prepare(work: Path, sizes: Sizes) -> dict:
     fits = [(m, a) for a in (2, 1) for m in range(1, 9) if -(-rows // m) % a == 0]
     micro, accum = min(fits, key=lambda ma: abs(-(-rows // ma[0]) // ma[1] - peer_steps))
     settings = {
-        "lora_r": 16, "lora_alpha": 32, "lr": 1e-3, "seed": 0, "max_seq_len": sizes.max_seq_len,
+        "lora_r": 16, "lora_alpha": 32, "lr": sizes.lr, "seed": 0, "max_seq_len": sizes.max_seq_len,
         "peer_micro_batch": peer_micro, "peer_grad_accum": 2, "ft_micro_batch": micro, "ft_grad_accum": accum,
         "samples": len(lengths), "rows": rows, "tokens": sum(lengths), "mean_len": statistics.mean(lengths), "min_len": min(lengths),
         "max_len": max(lengths), "trained_tokens": sum(sum(1 for x in r["labels"] if x != -100) for r in samples),
@@ -393,6 +396,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--quick", action="store_true", help="tiny model and data, 1 repeat: checks the harness in seconds")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                    help="cuda: a 1.1B Llama shape, rows of 2,048 tokens, finetune vs HF Trainer + peft on the GPU (results compare-cuda)")
+    p.add_argument("--lr", type=float, default=None, help="the constant learning rate of every runner (default 1e-3; on cuda 2e-4)")
     p.add_argument("--work", type=Path, help="working folder (default .cache/bench/compare or compare-quick)")
     p.add_argument("--name", default=None, help="results file name (default compare, or compare-quick)")
     p.add_argument("--results", type=Path, default=RESULTS, help="where NAME.md and NAME.png go (default bench/results)")
@@ -406,6 +410,8 @@ def main(argv: list[str] | None = None) -> None:
     if unknown:
         p.error(f"--runners: unknown {', '.join(sorted(unknown))}; choose from {', '.join(RUNNERS)}")
 
+    if args.lr:
+        sizes = dataclasses.replace(sizes, lr=args.lr)
     settings = prepare(work, sizes)
     results: dict[str, list[dict]] = {r: [] for r in runners}
     for repeat in range(args.repeats):  # interleaved, so a slow spell of the machine hits every runner alike

@@ -20,6 +20,7 @@ if __name__ == "__main__" and not __package__:
     sys.argv[1:1] = ["train"]
     runpy.run_module("finetune", run_name="__main__", alter_sys=True)
 
+import dataclasses
 import functools
 import importlib.util
 import json
@@ -138,10 +139,16 @@ def make_accelerator(cfg: RunConfig):
     handlers = []
     if mp == "fp8" and importlib.util.find_spec("torchao"):
         from accelerate.utils import AORecipeKwargs
+        from torchao.float8 import Float8LinearConfig
 
-        # fp8 runs unsharded here (config.py): torchao's FSDP float8 all-gather would only turn the weights into
-        # tensor subclasses that safetensors cannot save (seen on an H100, docs/platform-notes.md).
-        handlers.append(AORecipeKwargs(enable_fsdp_float8_all_gather=False))
+        # Rowwise scaling: a scale per token. One scale per tensor (accelerate's default) lets the largest
+        # activation of a packed row set every sample's precision: the packed-row check saw a sample's
+        # logits move 6% towards the previous sample's context (docs/platform-notes.md). Rowwise takes no
+        # FSDP float8 all-gather, which only made weights that safetensors cannot save; fp8 runs unsharded.
+        # pad_inner_dim: a micro-batch's token count is rarely a multiple of 16, and the weight gradient's
+        # matmul runs over tokens.
+        rowwise = dataclasses.replace(Float8LinearConfig.from_recipe_name("rowwise"), pad_inner_dim=True)
+        handlers.append(AORecipeKwargs(config=rowwise))
     return Accelerator(mixed_precision=mp, cpu=not cuda, log_with=list(cfg.logging.report_to) or None, project_dir=cfg.train.output_dir,
                        kwargs_handlers=handlers)
 

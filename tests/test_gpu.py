@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from conftest import REPO, base_config, read_jsonl, write_config
-from test_families import FAMILIES, family_dirs  # noqa: F401 (a fixture)
+from test_families import FAMILIES, MOE, family_dirs  # noqa: F401 (a fixture)
 from finetune.config import validate_config
 from finetune.train import run
 
@@ -194,7 +194,37 @@ def test_packed_training_on_cuda_equals_each_sample_alone_in_every_family(family
     print(f"{family} {path}: packed {packed:.4f} vs each alone {reference:.4f}")
     assert abs(packed - reference) < 1e-2 * reference, (packed, reference)
     for name, grad in reference_grads.items():
+        if family in MOE:
+            # In bf16 a near-tie may send a token to another expert: then the gradients of that layer and
+            # all below it move by ~10% as a whole (in fp32 they are equal: the test below).
+            error = (grads[name].float() - grad.float()).norm() / grad.float().norm()
+            print(f"{name}: off by {error.item():.3f}")
+            assert error < 0.15, (name, error.item())
+            continue
         assert torch.allclose(grads[name].float(), grad.float(), rtol=5e-2, atol=5e-2 * grad.float().abs().max().item()), name
+
+
+@pytest.mark.parametrize("family", MOE)
+def test_packed_moe_on_cuda_gets_the_same_gradients_in_fp32(family_dirs, monkeypatch, family):
+    """Every gradient (bf16 rounding can flip a token's experts and move them) equals each sample
+    alone's in fp32 (transformers' sdpa over the block mask: varlen takes bf16 only)."""
+    from test_families import _batch, _grads, _samples, _textbook
+
+    from finetune import loss
+    from finetune.config import ModelConfig
+    from finetune.model import load_model
+
+    _attention_path(monkeypatch, "sdpa-mask")
+    model = load_model(ModelConfig(name_or_path=str(family_dirs(family)), dtype="float32"), say=lambda _: None).cuda().train()
+    samples = _samples(model.config.vocab_size)
+    model.zero_grad()
+    loss.token_loss_sum(model, {k: v.cuda() for k, v in _batch(samples, packed=True).items()}).backward()
+    grads = _grads(model)
+    _, reference = _textbook(model, samples, device="cuda")
+    errors = {name: ((grads[name] - grad).norm() / grad.norm()).item() for name, grad in reference.items()}
+    worst = max(errors, key=errors.get)
+    print(f"{family}: fp32 gradients off by at most {errors[worst]:.2e} ({worst})")
+    assert errors[worst] < 1e-4, (worst, errors[worst])
 
 
 def test_fused_loss_on_cuda_equals_the_plain_loss(tiny_model_dir, monkeypatch):
@@ -350,11 +380,22 @@ def test_fsdp2_over_a_4bit_base_trains_like_the_unsharded_model(tiny_model_dir):
     assert result["sharded"] == pytest.approx(result["reference"], rel=1e-3)
 
 
-def test_loftq_starts_a_4bit_base_nearer_the_full_precision_model(tmp_path, tiny_model_dir):
-    """The first step's loss is taken before any update: the starting model's."""
-    four_bit = {"name_or_path": str(tiny_model_dir), "quantization": {"bits": 4}}
-    first = {name: _train(tmp_path, tiny_model_dir, name, train={"max_steps": 1}, **sections)[1][0]
-             for name, sections in (("bf16", {}), ("qlora", {"model": four_bit}), ("loftq", {"model": four_bit, "adapter": {"init": "loftq"}}))}
-    print(first)
-    assert abs(first["qlora"] - first["bf16"]) > 1e-4  # quantization moved the loss
-    assert abs(first["loftq"] - first["bf16"]) < 0.5 * abs(first["qlora"] - first["bf16"]), first
+def test_loftq_starts_a_4bit_base_nearer_the_full_precision_model(tiny_model_dir):
+    """LoftQ's A and B fit each 4-bit layer's quantization error: before any step, the adapted 4-bit
+    model's logits are nearer the bf16 model's than QLoRA's (B = 0: the 4-bit base alone)."""
+    from finetune.config import AdapterConfig, ModelConfig
+    from finetune.model import apply_adapter, load_model, loftq_init
+
+    batch = _eval_batch(tiny_model_dir)
+    bf16 = ModelConfig(name_or_path=str(tiny_model_dir), dtype="bfloat16")
+    reference = _logits(load_model(bf16, say=lambda _: None).cuda(), batch)
+    error = {}
+    for init in ("default", "loftq"):
+        cfg = ModelConfig(name_or_path=str(tiny_model_dir), dtype="bfloat16", quantization={"bits": 4})
+        model = apply_adapter(load_model(cfg, device="cuda", say=lambda _: None), AdapterConfig(init=init), False, say=lambda _: None)
+        if init == "loftq":
+            loftq_init(model, cfg)
+        error[init] = (_logits(model, batch) - reference).norm().item() / reference.norm().item()
+    print(f"logits' distance to bf16: QLoRA {error['default']:.4f}, LoftQ {error['loftq']:.4f}")
+    assert error["default"] > 1e-3  # quantization moved the logits
+    assert error["loftq"] < 0.9 * error["default"], error
