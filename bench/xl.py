@@ -281,7 +281,7 @@ def main() -> None:
         if (work / "merged").is_dir():
             lines.append(generate_row(["--model", str(work / "merged")], work, "the merged bf16 model"))
         print("\n".join(lines[-2:]), flush=True)
-    report("xl", lines)
+    report("xl" if not args.only else "xl-" + args.only.replace(",", "-"), lines)  # a part alone keeps the whole run's table
 
 
 if __name__ == "__main__":

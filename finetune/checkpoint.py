@@ -22,11 +22,14 @@ that resuming skips.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import random
 import shutil
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -180,6 +183,10 @@ def save(output_dir: str | Path, step: int, model, optimizer, scheduler, trainer
     if layout == "full":
         files[WEIGHTS] = trainable_state(accelerator.unwrap_model(model))
         files["optimizer.pt"] = optimizer.state_dict()
+        # torch numbers the optimizer's parameters; their names let a ZeRO run at any count resume from it
+        names = {id(p): n for n, p in accelerator.unwrap_model(model).named_parameters()}
+        order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+        files["trainer_state.json"] = json.dumps({**json.loads(files["trainer_state.json"]), "optimizer_params": order})
     if not background:
         return _complete(tmp, root, step, files, keep_last)
     live = {name: files.pop(name) for name in (WEIGHTS, "optimizer.pt") if name in files}  # the writer copies these
@@ -372,11 +379,13 @@ def clear_starts(output_dir: str | Path) -> None:
     starts_file(output_dir).unlink(missing_ok=True)
 
 
-def restore(path: Path, model, optimizer, scheduler, accelerator, layout: str = "full") -> dict:
+def restore(path: Path, model, optimizer, scheduler, accelerator, layout: str = "full", scratch: Path | None = None) -> dict:
     """Load a checkpoint into the run; returns its trainer state.
 
-    A DCP checkpoint loads into a run of any world size, sharded or not (DCP reshards); the others
-    into a run of the same layout."""
+    A DCP checkpoint loads into a run of any world size, sharded or not (DCP reshards). A ZeRO one
+    loads into ZeRO at its own process count, and through DeepSpeed's universal-checkpoint
+    conversion (written under `scratch`, then removed) into ZeRO at another count or one process.
+    An unsharded one loads into an unsharded run."""
     import torch.distributed.checkpoint as dcp
     from safetensors.torch import load_file
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
@@ -394,18 +403,126 @@ def restore(path: Path, model, optimizer, scheduler, accelerator, layout: str = 
         return _restore_rest(path, scheduler, accelerator)
     if (path / DEEPSPEED).is_dir():
         written = json.loads((path / "trainer_state.json").read_text())
-        if layout != "deepspeed" or written["world_size"] != accelerator.num_processes:
-            raise ValueError(f"{path} was written by DeepSpeed ZeRO with {written['world_size']} processes; "
-                             "resume it with the same distributed.strategy and process count (or start afresh)")
+        if layout == "dcp":
+            raise ValueError(f"{path} was written by DeepSpeed ZeRO with {written['world_size']} processes; resume it with a "
+                             "zero strategy (any process count) or in one process")
         # DeepSpeed unpickles its own files (torch.load weights_only=False): only ever files this
         # package wrote, whose checksums verify() has just matched against the manifest.
-        model.load_checkpoint(path / DEEPSPEED, tag="state", load_module_strict=False, load_lr_scheduler_states=False)
+        if layout == "deepspeed" and written["world_size"] == accelerator.num_processes:
+            model.load_checkpoint(path / DEEPSPEED, tag="state", load_module_strict=False, load_lr_scheduler_states=False)
+        else:
+            with universal(path, scratch or path.parent, accelerator) as folder:
+                if layout == "deepspeed":
+                    # DeepSpeed reads a universal checkpoint where its config says so; set for this one load.
+                    model._config.load_universal_checkpoint = True
+                    try:
+                        model.load_checkpoint(folder, tag="state", load_module_strict=False, load_lr_scheduler_states=False)
+                    finally:
+                        model._config.load_universal_checkpoint = False
+                else:
+                    _restore_universal(folder / "state" / "zero", accelerator.unwrap_model(model), optimizer, written["step"], path)
+        return _restore_rest(path, scheduler, accelerator)
+    if layout == "deepspeed":
+        _restore_unsharded_into_zero(path, model, optimizer, json.loads((path / "trainer_state.json").read_text()))
         return _restore_rest(path, scheduler, accelerator)
     if layout != "full":
-        raise ValueError(f"{path} was written by an unsharded run; resume it with distributed.strategy: ddp (or start afresh)")
+        raise ValueError(f"{path} was written by an unsharded run; resume it with distributed.strategy: ddp or zero2/zero3 (or start afresh)")
     _copy_trainable(load_file(path / WEIGHTS), accelerator.unwrap_model(model), path)
     optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
     return _restore_rest(path, scheduler, accelerator)
+
+
+@contextlib.contextmanager
+def universal(path: Path, scratch: Path, accelerator):
+    """DeepSpeed's universal form of the ZeRO checkpoint at `path` (its ds_to_universal: one folder
+    per parameter with its fp32 value and optimizer states, whole), converted once by the main process
+    into a folder of ours under `scratch`, removed after the load."""
+    folder = Path(scratch) / f".universal-{path.name}"
+    if accelerator.is_main_process:
+        shutil.rmtree(folder, ignore_errors=True)
+        convert = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(path / DEEPSPEED / "state"),
+                   "--output_folder", str(folder / "state"), "--num_extract_workers", "1", "--num_merge_workers", "1",
+                   "--inject_missing_state"]  # ZeRO-2 files lack a version record that only Megatron writes (in memory: the files stay as they are)
+        done = subprocess.run(convert, capture_output=True, text=True)
+        if done.returncode != 0:
+            shutil.rmtree(folder, ignore_errors=True)
+            raise ValueError(f"{path}: DeepSpeed's universal-checkpoint conversion failed: {(done.stderr or done.stdout).strip().splitlines()[-1:]}")
+        (folder / "latest_universal").write_text("state")
+    accelerator.wait_for_everyone()
+    try:
+        yield folder
+    finally:
+        accelerator.wait_for_everyone()
+        if accelerator.is_main_process:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _restore_universal(zero: Path, model, optimizer, step: int, path: Path) -> None:
+    """A universal checkpoint's trained weights and optimizer states into an unsharded model and its
+    torch optimizer. Its files hold each parameter flattened, one file per state (exp_avg, ...)."""
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    saved = {d.name for d in zero.iterdir() if d.is_dir()}
+    if saved != set(params):
+        raise ValueError(f"{path}: its weights do not match this model's trainable parameters (e.g. {sorted(saved ^ set(params))[0]})")
+    state = optimizer.state_dict()
+    index = {id(p): i for i, p in enumerate(p for group in optimizer.param_groups for p in group["params"])}
+    with torch.no_grad():
+        for name, param in params.items():
+            files = {f.stem: _universal_tensor(f).view(param.shape) for f in (zero / name).glob("*.pt") if f.stem != "step"}
+            param.copy_(files.pop("fp32"))
+            # Adam's step is the run's: ZeRO steps the optimizer at every step (DeepSpeed applies even a skipped one).
+            state["state"][index[id(param)]] = {**files, "step": torch.tensor(float(step))}
+    optimizer.load_state_dict(state)
+
+
+def _universal_tensor(file: Path) -> torch.Tensor:
+    value = torch.load(file, weights_only=True)
+    return value["param"] if isinstance(value, dict) else value  # ZeRO-2's conversion wraps each tensor in a dict
+
+
+def _restore_unsharded_into_zero(path: Path, engine, optimizer, written: dict) -> None:
+    """An unsharded run's checkpoint into a ZeRO engine: every rank reads the whole trained state and
+    keeps its partition, through DeepSpeed's documented routes (GatheredParameters for the weights the
+    forward uses, safe_set_full_* for the fp32 master copy and the optimizer's states)."""
+    import deepspeed
+    from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+    from safetensors.torch import load_file
+
+    names = written.get("optimizer_params")
+    if names is None:
+        raise ValueError(f"{path} was written by one process before checkpoints named the optimizer's parameters; resume it in one process")
+    params = {n: p for n, p in engine.module.named_parameters() if p.requires_grad}
+    if set(names) != set(params):
+        raise ValueError(f"{path}: its weights do not match this model's trainable parameters (e.g. {sorted(set(names) ^ set(params))[0]})")
+    weights, saved = load_file(path / WEIGHTS), torch.load(path / "optimizer.pt", weights_only=True)
+    states = [saved["state"].get(i, {}) for group in saved["param_groups"] for i in group["params"]]
+    _create_zero_optimizer_states(optimizer, next((state for state in states if state), {}))
+    for name, state in zip(names, states):
+        param = params[name]
+        with deepspeed.zero.GatheredParameters([param], modifier_rank=0), torch.no_grad():
+            param.copy_(weights[name])
+        safe_set_full_fp32_param(param, weights[name])
+        for key, value in state.items():
+            if key != "step":
+                safe_set_full_optimizer_state(param, value, key)
+
+
+def _create_zero_optimizer_states(optimizer, example: dict) -> None:
+    """DeepSpeed's torch optimizer creates its states at the first step; create them now, zero, with
+    the saved step count, so that safe_set_full_optimizer_state has somewhere to write. Its optimizer
+    steps flat fp32 partitions: ZeRO-3 keeps them in fp32_partitioned_groups_flat, ZeRO-2 in
+    single_partition_of_fp32_groups (what DeepSpeed's own universal loader writes to)."""
+    flats = getattr(optimizer, "fp32_partitioned_groups_flat", None) or optimizer.single_partition_of_fp32_groups
+    cpu_adam = type(optimizer.optimizer).__name__ == "DeepSpeedCPUAdam"  # counts its steps in a Python int
+    for flat in flats:
+        state = optimizer.optimizer.state[flat]
+        for key, value in example.items():
+            if key == "step":
+                state[key] = int(value) if cpu_adam else value.clone().to(flat.device)
+            else:
+                state.setdefault(key, torch.zeros_like(flat))
+    if hasattr(optimizer, "_lazy_init_hp_params_optimizer_state"):  # ZeRO-2 links each parameter's fragment of them after its first step
+        optimizer._lazy_init_hp_params_optimizer_state()
 
 
 def _copy_trainable(weights: dict[str, torch.Tensor], model, path: Path) -> None:

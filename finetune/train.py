@@ -759,7 +759,7 @@ def resume(cfg: RunConfig, model, optimizer, scheduler, accelerator, layout: str
         return result
     began = time.perf_counter()
     try:
-        state = checkpoint.restore(path, model, optimizer, scheduler, accelerator, layout)
+        state = checkpoint.restore(path, model, optimizer, scheduler, accelerator, layout, scratch=Path(cfg.train.output_dir))
     except ValueError as err:
         raise UserError(f"checkpoint.resume: {err}") from None
     result.step, result.tokens, result.guard_state = state["step"], state["tokens"], state.get("guard")

@@ -170,7 +170,10 @@ def _merges_cleanly(adapter, out) -> None:
     assert report["passed"] and report["merged_vs_tuned"]["max"] < 1e-4 and report["adapter_effect"]["max"] > 1e-3, report
 
 
-def test_zero3_checkpoint_resumes_at_the_same_world_size_and_is_refused_at_another(tmp_path, tiny_model_dir):
+def test_zero3_checkpoint_resumes_at_the_same_world_size_and_at_another(tmp_path, tiny_model_dir):
+    """2 -> 2 through DeepSpeed's own files; 2 -> 1 through its universal-checkpoint conversion (into
+    the resuming run's folder, removed after); 1 -> 2 from an unsharded checkpoint through DeepSpeed's
+    safe_set_full_* routes. The same global batch each way, so the losses continue."""
     import shutil
 
     full, losses, _ = _train(tmp_path, "full", tiny_model_dir, "lora", 2, "zero3", checkpoint={"save_every": 2})
@@ -181,11 +184,14 @@ def test_zero3_checkpoint_resumes_at_the_same_world_size_and_is_refused_at_anoth
     _, resumed, _ = _train(tmp_path, "resumed", tiny_model_dir, "lora", 2, "zero3")
     assert resumed == pytest.approx(losses[2:], rel=1e-5), (resumed, losses)
 
-    cfg = base_config(tiny_model_dir, tmp_path / "one", data={"eval": None}, train={"max_steps": 4, "micro_batch_size": 4, "lr": 1e-2},
-                      distributed={"strategy": "zero3"}, checkpoint={"resume": str(saved)})
-    result = run_cli("train", "--config", str(write_config(tmp_path / "one.yaml", cfg)))
-    assert result.returncode == 2
-    assert "was written by DeepSpeed ZeRO with 2 processes; resume it with the same distributed.strategy and process count" in result.stderr
+    before = {p.name: p.read_bytes() for p in (saved / "deepspeed" / "state").iterdir()}
+    one, at_one, _ = _train(tmp_path, "one", tiny_model_dir, "lora", 1, "zero3", checkpoint={"resume": str(saved), "save_every": 3})
+    assert at_one == pytest.approx(losses[2:], rel=1e-5), (at_one, losses)
+    assert {p.name: p.read_bytes() for p in (saved / "deepspeed" / "state").iterdir()} == before  # converted elsewhere
+    assert not [p.name for p in one.iterdir() if p.name.startswith(".universal")]  # and that copy removed
+
+    _, at_two, _ = _train(tmp_path, "two", tiny_model_dir, "lora", 2, "zero3", checkpoint={"resume": str(one / "checkpoints" / "step-000003")})
+    assert at_two == pytest.approx(losses[3:], rel=1e-5), (at_two, losses)
     _merges_cleanly(saved, tmp_path / "merged")  # DeepSpeed's partitioned files, gathered in one process
 
 
