@@ -9,7 +9,7 @@ TORCH_VERSION  ?= 2.13.0
 TORCH_PIP_ARGS ?=
 export FINETUNE_CACHE ?= $(CURDIR)/.cache/finetune
 
-.PHONY: install demo demo-dpo test bench bench-compile bench-data bench-families bench-fsdp-load bench-guard bench-load bench-large bench-xl clean help
+.PHONY: install demo demo-dpo test bench bench-compile bench-data bench-families bench-fsdp-load bench-guard bench-host bench-load bench-large bench-xl clean help
 
 help:
 	@echo "make demo   - install, build the demo model, fine-tune it (LoRA) and show before/after"
@@ -20,6 +20,7 @@ help:
 	@echo "make bench-data - a million rows: tokenization, start-up, memory vs datasets + HF Trainer (~25 min)"
 	@echo "make bench-families - 40 architectures beyond the tested ones: packed samples kept apart (exact) or refused (~3 min)"
 	@echo "make bench-guard - the divergence guard's false alarms on flat runs and its verdicts on the recorded ones (~1 min, no training)"
+	@echo "make bench-host - the GPU path's host overhead, measured on CPU: operators, host syncs and Python per step vs HF Trainer (~4 min)"
 	@echo "make bench-fsdp-load - RAM used loading a 0.8 GB model in 1 process vs 2 (ddp, fsdp)"
 	@echo "make bench-load - load times of a 0.9 GB model: disk cold/warm, staged in RAM, vs a plain read"
 	@echo "make bench-large - a 1.1B model through every method and strategy: memory vs plan, speed, checkpoints, merge, staged load (~30 min)"
@@ -67,6 +68,9 @@ bench-families: install
 
 bench-guard: install
 	$(PY) bench/guard.py
+
+bench-host: install
+	$(PY) bench/host.py
 
 bench-fsdp-load: install
 	$(PY) bench/fsdp_load.py

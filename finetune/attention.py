@@ -45,6 +45,14 @@ SHORT_SAMPLE = 1024  # tokens: above it the saved probabilities outweigh the spe
 
 _last: tuple[torch.Tensor, int, list[list[int]]] | None = None  # every layer of a forward sees the same position_ids
 _packed = False  # inside packed_rows()
+# bench/host.py alone sets this: the CUDA branch's own Python then runs on CPU tensors (its kernels
+# replaced there by CPU stand-ins of the same signature), so its host overhead is measured without a GPU.
+ACCELERATOR_PATH_ON_CPU = False
+
+
+def accelerator_path(tensor: torch.Tensor) -> bool:
+    """Whether a computation on `tensor` takes the GPU branch: one varlen call a layer, large loss chunks."""
+    return tensor.is_cuda or ACCELERATOR_PATH_ON_CPU
 
 
 @contextlib.contextmanager
@@ -60,8 +68,12 @@ def packed_rows():
 
 
 def sample_bounds(position_ids: torch.Tensor) -> list[list[int]]:
-    """Per row, the offsets where a sample starts, plus the row length at the end (one host sync per forward)."""
+    """Per row, the offsets where a sample starts, plus the row length at the end. Training batches
+    carry them from the host (`with_bounds`); any other device tensor costs a host sync per forward."""
     global _last
+    known = getattr(position_ids, "sample_bounds", None)
+    if known is not None:
+        return known
     if _last is not None and _last[0] is position_ids and _last[1] == position_ids._version:
         return _last[2]
     length = position_ids.shape[-1]
@@ -74,6 +86,44 @@ def sample_bounds(position_ids: torch.Tensor) -> list[list[int]]:
     return result
 
 
+def base_model(model):
+    """The transformers model inside DDP, DeepSpeed and peft wrappers."""
+    inner = getattr(model, "module", model)
+    return inner.get_base_model() if hasattr(inner, "get_base_model") else inner
+
+
+def attention_of(model) -> str | None:
+    return getattr(base_model(model).config, "_attn_implementation", None)
+
+
+def mask_placeholder(device: torch.device | str) -> torch.Tensor:
+    """An attention_mask for forwards over packed rows with this attention: transformers takes a 4-D mask
+    as built and builds none (its test for packed rows costs a host sync per forward, and the block
+    mask L² work) while packed_sdpa_forward works from the sample bounds, or builds the mask itself."""
+    placeholder = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device)
+    placeholder.finetune_placeholder = True
+    return placeholder
+
+
+def _block_mask(position_ids: torch.Tensor, bounds: list[list[int]], window: int | None) -> torch.Tensor:
+    """(B, 1, L, L), True where a query may see a key: the same sample, causal, within the window (transformers' packed mask)."""
+    key = ("finetune_block_mask", window)
+    cached = getattr(position_ids, "finetune_masks", {})
+    if key not in cached:
+        length = position_ids.shape[-1]
+        sample = torch.tensor([[i for i, (s, e) in enumerate(zip(row, row[1:])) for _ in range(e - s)] for row in bounds]).to(position_ids.device)
+        allowed = _allowed(length, window, position_ids.device)
+        cached[key] = ((sample[:, :, None] == sample[:, None, :]) & allowed)[:, None]
+        position_ids.finetune_masks = cached
+    return cached[key]
+
+
+def with_bounds(position_ids: torch.Tensor, host: torch.Tensor) -> torch.Tensor:
+    """`position_ids` (on the device) with the sample bounds of its host copy attached, computed there."""
+    position_ids.sample_bounds = sample_bounds(host)
+    return position_ids
+
+
 @torch.compiler.disable  # its loop follows where samples start (a host sync): under model.compile it runs eagerly between graphs
 def packed_sdpa_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None, **kwargs):
     """query (B, H, L, D), key/value (B, H_kv, L, D) -> (B, L, H, D), as transformers' sdpa returns."""
@@ -83,16 +133,21 @@ def packed_sdpa_forward(module, query, key, value, attention_mask, dropout: floa
     if unsupported:  # load_model picks eager attention for these models; reaching here would be silently wrong
         raise NotImplementedError(f"{PACKED_SDPA} does not implement {', '.join(unsupported)}; load this model with eager attention")
     position_ids = kwargs.get("position_ids")
+    placeholder = getattr(attention_mask, "finetune_placeholder", False)
     if not (module.training or _packed) or position_ids is None or query.shape[2] != key.shape[2] or position_ids.dim() != 2:
+        if placeholder:
+            raise RuntimeError(f"{PACKED_SDPA}: a packed-row forward without its position_ids (mask_placeholder needs them)")
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     gqa = key.shape[1] != query.shape[1]
     window = kwargs.get("sliding_window")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     if position_ids.shape[0] != query.shape[0]:
         position_ids = position_ids.expand(query.shape[0], -1)
-    if query.is_cuda:
+    if accelerator_path(query):
         dtype = _varlen_dtype(query, dropout)
         if dtype is None:
+            if placeholder:
+                attention_mask = _block_mask(position_ids, sample_bounds(position_ids), window)
             return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
         return varlen_attention(query, key, value, sample_bounds(position_ids), scale, dtype, window), None
     bounds = sample_bounds(position_ids)
@@ -280,9 +335,11 @@ def leak(model, vocab_size: int, device: torch.device | str) -> float:
     model.eval()
     logits = {}
     try:
+        # As training runs it: with finetune's attention, transformers is handed no mask to build (mask_placeholder).
+        mask = {"attention_mask": mask_placeholder(device)} if attention_of(model) == PACKED_SDPA else {}
         with packed_rows():
             for name, (ids, positions) in runs.items():
-                out = model(input_ids=ids[None].to(device), position_ids=positions[None].to(device), use_cache=False)
+                out = model(input_ids=ids[None].to(device), position_ids=positions[None].to(device), use_cache=False, **mask)
                 logits[name] = out.logits[0, -8:].float()
     finally:
         model.train(was_training)

@@ -77,8 +77,9 @@ class Replicated:
     def backward(self, loss: torch.Tensor) -> None:
         self.accelerator.backward(loss)
 
-    def clip(self, max_norm: float) -> float:
-        return float(self.accelerator.clip_grad_norm_(self.params, max_norm))
+    def clip(self, max_norm: float) -> torch.Tensor | float:
+        """The gradients' norm before clipping; a device tensor where the engine has one (no host sync)."""
+        return self.accelerator.clip_grad_norm_(self.params, max_norm)
 
     def step(self) -> None:
         self.optimizer.step()
@@ -120,8 +121,8 @@ class FSDP(Replicated):
         self.model.set_requires_gradient_sync(last)
         return nullcontext()
 
-    def clip(self, max_norm: float) -> float:
-        return float(torch.nn.utils.clip_grad_norm_(self.params, max_norm).full_tensor())
+    def clip(self, max_norm: float) -> torch.Tensor:
+        return torch.nn.utils.clip_grad_norm_(self.params, max_norm).full_tensor()
 
     def final_state(self) -> dict[str, torch.Tensor]:
         return full_state_dict(self.model, self.cfg.adapter.method != "full")

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from finetune import families
-from finetune.attention import packed_rows
+from finetune.attention import PACKED_SDPA, accelerator_path, attention_of, base_model, mask_placeholder, packed_rows, with_bounds
 from finetune.rows import IGNORE
 
 # Logits held at once: 16 MiB in fp32 on CPU. Each chunk reads the whole head weight twice, so smaller
@@ -29,6 +29,19 @@ CHUNK_ELEMENTS_CUDA = 2**26
 
 def trained_tokens(batch: dict[str, torch.Tensor]) -> int:
     return int((batch["labels"][:, 1:] != IGNORE).sum())
+
+
+def to_device(batch: dict[str, torch.Tensor], device) -> dict[str, torch.Tensor]:
+    """A host micro-batch on `device`, with what the forward and the loss would otherwise learn from the
+    device by a host sync each (GPU): the sample bounds, and which positions are trained ("trained_at", as
+    flat indices) with their targets."""
+    labels = batch["labels"]
+    keep = torch.zeros_like(labels, dtype=torch.bool)
+    keep[:, :-1] = labels[:, 1:] != IGNORE
+    extra = {"trained_at": keep.flatten().nonzero().squeeze(1), "targets": labels[:, 1:][keep[:, :-1]]}
+    moved = {k: v.to(device, non_blocking=True) for k, v in {**batch, **extra}.items()}
+    with_bounds(moved["position_ids"], batch["position_ids"])
+    return moved
 
 
 @dataclass
@@ -53,10 +66,12 @@ def losses(model, batch: dict[str, torch.Tensor], router: bool = False) -> Losse
     labels = batch["labels"]
     keep = torch.zeros_like(labels, dtype=torch.bool)
     keep[:, :-1] = labels[:, 1:] != IGNORE
-    targets = labels[:, 1:][keep[:, :-1]]
+    targets = batch["targets"] if "targets" in batch else labels[:, 1:][keep[:, :-1]]
     inputs = {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"], "use_cache": False}
-    if router:
+    if router:  # Mixtral-style load balancing reads a 2-D attention_mask if there is one: none then
         inputs["output_router_logits"] = True
+    elif attention_of(model) == PACKED_SDPA:
+        inputs["attention_mask"] = mask_placeholder(labels.device)
     parts = fusable_parts(model)
     captured = []
 
@@ -65,11 +80,12 @@ def losses(model, batch: dict[str, torch.Tensor], router: bool = False) -> Losse
         device = out[0].device.type
         captured.append((out[0], torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None))
 
-    # Fused: the decoder's output is taken by a hook and the lm_head sees no rows.
+    # Fused: the decoder's output is taken by a hook and the lm_head sees one position a row (an integer
+    # logits_to_keep: a mask would cost a host sync to index with).
     hook = parts[0].register_forward_hook(grab) if parts else None
     try:
         with packed_rows():
-            out = model(**inputs, logits_to_keep=keep if parts is None else torch.zeros_like(keep))
+            out = model(**inputs, logits_to_keep=keep if parts is None else 1)
     finally:
         if hook is not None:
             hook.remove()
@@ -77,7 +93,8 @@ def losses(model, batch: dict[str, torch.Tensor], router: bool = False) -> Losse
     if parts is None:
         return Losses(F.cross_entropy(out.logits.float(), targets, reduction="sum"), aux)
     hidden, autocast_dtype = captured[0]
-    hidden, weight = hidden[keep], parts[1].weight
+    hidden = hidden.flatten(0, 1).index_select(0, batch["trained_at"]) if "trained_at" in batch else hidden[keep]
+    weight = parts[1].weight
     if autocast_dtype is not None:
         hidden, weight = hidden.to(autocast_dtype), weight.to(autocast_dtype)
     return Losses(linear_cross_entropy(hidden, weight, targets), aux)
@@ -85,8 +102,7 @@ def losses(model, batch: dict[str, torch.Tensor], router: bool = False) -> Losse
 
 def fusable_parts(model) -> tuple[torch.nn.Module, torch.nn.Linear] | None:
     """(decoder, lm_head) when the loss may bypass the model's logits; None to take the plain path."""
-    inner = getattr(model, "module", model)  # DDP
-    base = inner.get_base_model() if hasattr(inner, "get_base_model") else inner  # peft
+    base = base_model(model)
     if not hasattr(base, "get_decoder") or not families.plain_head(base.config.to_dict()):
         return None
     head = base.get_output_embeddings()
@@ -117,7 +133,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         wide = torch.promote_types(weight.dtype, torch.float32)  # softmax and d(weight) sums: fp32 at least
         grad_weight = torch.zeros_like(weight, dtype=wide) if need_weight else None
         total = torch.zeros((), dtype=wide, device=hidden.device)
-        chunk = max(1, (CHUNK_ELEMENTS_CUDA if hidden.is_cuda else CHUNK_ELEMENTS) // weight.shape[0])
+        chunk = max(1, (CHUNK_ELEMENTS_CUDA if accelerator_path(hidden) else CHUNK_ELEMENTS) // weight.shape[0])
         for start in range(0, hidden.shape[0], chunk):
             h, t = hidden[start : start + chunk], targets[start : start + chunk]
             # Widen first: log_softmax(bf16, dtype=float32) took a path 5x slower on CPU (torch 2.13).

@@ -43,6 +43,7 @@ from finetune.distributed import local_numel
 from finetune.engines import Replicated, engine_class, engine_for
 from finetune.errors import EXIT_DIVERGED, EXIT_PREEMPTED, Stopped, UserError
 from finetune.guard import DRIFT_STEPS, Guard, Verdict, data_step
+from finetune.loss import to_device
 from finetune.evaluate import eval_loss, exact_match
 from finetune.locks import hold_output_dir, release_output_dir
 from finetune.objectives import SFT, Preference, objective_for
@@ -489,16 +490,18 @@ def train_step(run: RunState) -> StepOutcome:
         loss_sum += loss.detach()
         if parts.metrics is not None:
             metric_sums += parts.metrics.float()
-    # The preemption signal and the save clock ride along with the loss.
+    # The preemption signal and the save clock ride along with the loss; the gradient norm (the same on
+    # every rank) joins them after the sum: the step's one host sync.
     minutes = cfg.checkpoint.save_every_minutes
     due = minutes > 0 and time.monotonic() - run.last_save > 60 * minutes
     local = torch.stack([loss_sum.float(), loss_sum.new_tensor(float(run.preemption.signal is not None)), loss_sum.new_tensor(float(due)),
                          router_sum.float(), *metric_sums])
-    total_loss, preempted, time_due, router_loss, *metric_totals = accelerator.reduce(local, "sum").tolist()
+    norm = engine.clip(run.guard.state.max_grad_norm or cfg.train.max_grad_norm or float("inf"))
+    norm = torch.as_tensor(norm, dtype=torch.float32, device=device).reshape(1)
+    total_loss, preempted, time_due, router_loss, *metric_totals, grad_norm = torch.cat([accelerator.reduce(local, "sum"), norm]).tolist()
     step_loss = total_loss / max(totals[0], 1)
     if step - run.start_step < FIRST_STEPS_CHECKED:
         check_first_steps(step, step_loss)
-    grad_norm = engine.clip(run.guard.state.max_grad_norm or cfg.train.max_grad_norm or float("inf"))
     verdict = run.guard.check(step, step_loss, grad_norm)
     if not engine.steps_in_backward:
         if verdict.action == "apply":
@@ -520,9 +523,11 @@ def step_batches(run: RunState, position: int) -> tuple[int, list[dict], list[fl
     accelerator = run.accelerator
     epoch, micro_batches, real_tokens = batches_at(run.data, run.cfg, run.schedule, position, accelerator.process_index,
                                                    accelerator.num_processes, run.tokenizer.pad_token_id)
-    micro_batches = [{k: v.to(accelerator.device) for k, v in b.items()} for b in micro_batches]
-    local = torch.tensor([*map(sum, zip(*(run.objective.counts(b) for b in micro_batches))), real_tokens], device=accelerator.device)
-    *totals, global_real = accelerator.reduce(local, "sum").tolist()
+    local = [*map(sum, zip(*(run.objective.counts(b) for b in micro_batches))), real_tokens]  # counted on the host
+    micro_batches = [to_device(b, accelerator.device) for b in micro_batches]
+    if accelerator.num_processes == 1:
+        return epoch, micro_batches, local[:-1], local[-1]
+    *totals, global_real = accelerator.reduce(torch.tensor(local, device=accelerator.device), "sum").tolist()  # a sync: the loss scale
     return epoch, micro_batches, totals, global_real
 
 

@@ -41,3 +41,32 @@ def test_compare_runs_both_trainers_and_fills_the_table(tmp_path):
     assert set(bound["kinds"]) == {"base", "lora", "attention", "head"}, bound
     assert all(k["seconds"] > 0 and k["gflop"] > 0 for k in bound["kinds"].values())
     assert "Matmuls alone" in table
+
+
+def test_the_gpu_path_syncs_the_host_once_a_step_whatever_the_samples_in_a_row(tmp_path, tiny_model_dir):
+    """bench/host.py's counters on finetune's own step with the CUDA branch selected on CPU (make
+    bench-host measures the 1.1B shape): one host sync a step (the step's numbers read back), and the
+    same operators whether a row holds a few samples or many."""
+    import json
+
+    sys.path.insert(0, str(REPO / "bench"))
+    import host
+
+    words = " ".join(json.loads(line)["text"] for line in (REPO / "demo" / "data" / "corpus.jsonl").read_text().splitlines()[:300]).split()
+    runs = {}
+    for name, size in (("long", 40), ("short", 6)):
+        work = tmp_path / name
+        work.mkdir()
+        (work / "model").symlink_to(tiny_model_dir)
+        rows = [{"instruction": "Continue.", "input": " ".join(words[i : i + size]), "output": " ".join(words[i + size : i + 2 * size])}
+                for i in range(0, 60 * size, size)]
+        (work / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        counter = host.Counter()
+        calls = host.Calls(counter)
+        with counter, calls:
+            result = host.finetune_steps(work, 4, counter, seq=256)
+        runs[name] = (result["samples_per_row"], sum(counter.ops.values()) / 3, dict(host.syncs(counter, calls)))
+    (long_samples, long_ops, long_syncs), (short_samples, short_ops, short_syncs) = runs["long"], runs["short"]
+    assert short_samples > 2 * long_samples, runs
+    assert long_syncs == short_syncs == {".tolist()": 3}, runs  # 3 counted steps
+    assert long_ops == short_ops, runs

@@ -239,3 +239,24 @@ def test_varlen_layout_equals_attention_per_sample(monkeypatch, with_gqa, window
     got = attention.varlen_attention(query, key, value, bounds, 0.25, torch.float32, window)
     want = attention._split_sdpa(query, key, value, bounds, window, 0.25, 0.0, True)
     assert got.shape == (2, 12, 4, 16) and torch.allclose(got, want, atol=1e-6), (got - want).abs().max()
+
+
+@pytest.mark.parametrize("branch", ["cpu", "gpu-varlen", "gpu-sdpa-mask"])
+def test_a_training_batch_from_the_host_gives_the_loss_of_eager_attention(tiny_model_dir, monkeypatch, branch):
+    """A micro-batch as the loop moves it (loss.to_device: sample bounds, trained positions and targets
+    from the host; transformers builds no mask) == eager attention over transformers' block mask, on
+    each branch the attention takes: CPU's, and the GPU's two run here on CPU tensors (the varlen
+    kernel as its documented contract; sdpa over the mask finetune builds from the bounds)."""
+    batch = _packed_batch(tiny_model_dir)
+    eager = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation="eager").train()
+    want = _loss_and_grads(eager, batch)
+    if branch != "cpu":
+        monkeypatch.setattr(attention, "ACCELERATOR_PATH_ON_CPU", True)
+        # varlen computes in bf16/fp16 only: an fp32 run takes the sdpa-mask branch.
+        monkeypatch.setattr(attention, "_varlen", (lambda: _documented_varlen(True)) if branch == "gpu-varlen" else (lambda: None))
+        monkeypatch.setattr(attention, "_varlen_dtype", lambda query, dropout: torch.float32 if attention._varlen() else None)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation=register()).train()
+    got = _loss_and_grads(model, loss.to_device(batch, "cpu"))
+    assert got[0] == pytest.approx(want[0], rel=1e-5)
+    for name, grad in want[1].items():
+        assert torch.allclose(got[1][name], grad, atol=1e-5), (name, (got[1][name] - grad).abs().max())
