@@ -56,8 +56,7 @@ def hold_output_dir(out: Path, say=print):
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         handle.close()
-        raise UserError(f"train.output_dir: {out} is in use by another run ({holder or 'unknown holder'}); "
-                        "wait for it to end, or choose another train.output_dir") from None
+        raise _in_use(out, holder) from None
     if holder:
         say(f"train.output_dir: {out}: taking over the lock of a run that has ended ({holder})")
     handle.seek(0)
@@ -68,6 +67,25 @@ def hold_output_dir(out: Path, say=print):
 
 
 LOCK_FILE = ".finetune.lock"
+
+
+def check_free(out: Path) -> None:
+    """Refuse, in one line, an output directory whose lock a live run holds (preflight: before a
+    launcher's rendezvous, where a second launch of a running job would otherwise fail)."""
+    path = out / LOCK_FILE
+    if not path.is_file():
+        return
+    with open(path) as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise _in_use(out, _describe(handle.read())) from None
+        fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _in_use(out: Path, holder: str) -> UserError:
+    return UserError(f"train.output_dir: {out} is in use by another run ({holder or 'unknown holder'}); "
+                     "wait for it to end, or choose another train.output_dir")
 
 
 def release_output_dir(handle) -> None:

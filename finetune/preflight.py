@@ -100,7 +100,7 @@ def check_output_dir(out: Path) -> None:
     """The output folder can be made (or is there and writable) and holds nothing but a finetune run's
     files: a run writes README.md, config.json and more, and must not replace a user's."""
     from finetune import checkpoint
-    from finetune.locks import LOCK_FILE
+    from finetune.locks import LOCK_FILE, check_free
 
     if out.exists() and not out.is_dir():
         raise UserError(f"train.output_dir: {out} is a file; expected a folder (or a path to create)")
@@ -111,6 +111,7 @@ def check_output_dir(out: Path) -> None:
         return
     if not os.access(out, os.W_OK | os.X_OK):
         raise UserError(f"train.output_dir: {out} is not writable")
+    check_free(out)
     names = {p.name for p in out.iterdir()}
     if names and not names & {CONFIG_FILE, LOCK_FILE, checkpoint.CHECKPOINTS}:  # a run's, or checkpoints brought here to resume from
         raise UserError(f"train.output_dir: {out} holds files that are not a finetune run's ({', '.join(sorted(names)[:3])}); "

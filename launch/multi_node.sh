@@ -42,6 +42,14 @@ while [ $# -gt 0 ]; do
 done
 [ $# -gt 0 ] || { echo "launch/multi_node.sh: no training arguments (e.g. -- --config configs/lora.yaml)" >&2; exit 2; }
 
+# A fixed-size job launched again while its first launch still runs would fail at the rendezvous with a
+# stack trace; `finetune validate` says first, in one line, which run holds the output folder (and
+# anything else train would refuse). An elastic range (MIN:MAX) lets nodes join a running job: no check.
+case "$nnodes" in
+    *:*) ;;
+    *) [ "${DRY_RUN:-0}" = "1" ] || PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -m finetune validate "$@" > /dev/null ;;
+esac
+
 gpus="$(gpu_count)"
 nper="${nper:-$([ "$gpus" = "0" ] && echo 1 || echo "$gpus")}"
 setup_cpu_if_needed "$nper"

@@ -94,3 +94,20 @@ def test_a_preempted_job_ends_with_75_through_the_launch_script(tmp_path, tiny_m
     assert job.returncode == 75, stderr[-3000:]
     assert stderr.count("error: preempted at step") == 2
     assert len(list((tmp_path / "out" / "checkpoints").glob("step-*"))) == 2  # the start's and the preemption's
+
+
+def test_a_second_launch_of_a_running_job_is_refused_in_one_line_before_the_rendezvous(tmp_path, tiny_model_dir):
+    from finetune.locks import hold_output_dir, release_output_dir
+
+    config = _config(tmp_path, tiny_model_dir)
+    (tmp_path / "out").mkdir()
+    lock = hold_output_dir(tmp_path / "out", say=lambda _: None)  # the first launch's rank 0, still running
+    try:
+        cmd = ["bash", "launch/multi_node.sh", "--nnodes", "1", "--rdzv-port", str(_free_port()), "--", "--config", config]
+        result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120, env=ENV)
+    finally:
+        release_output_dir(lock)
+    assert result.returncode == 2, result.stderr[-2000:]
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and f"is in use by another run (pid {os.getpid()} on" in lines[0], lines
+    assert not (tmp_path / "out" / "metrics.jsonl").exists()
