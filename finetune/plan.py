@@ -253,9 +253,15 @@ def gathered(shape: Shape, s: Setup, full: bool) -> float:
     lm_head) stay gathered through forward and backward; each decoder layer's are gathered twice over
     while in use (the all-gather's output and the per-parameter copies made from it; ZeRO-3 prefetches
     the next layer instead). Full fine-tuning adds the same layer's and the root's unsharded gradients
-    before they are reduce-scattered."""
-    layer = shape.linear_params / shape.layers * s.weight_bytes
-    root = shape.other_params * s.weight_bytes
+    before they are reduce-scattered. A quantized base is gathered as it is held: peft keeps the root
+    in fp32, and a layer's linear weights stay packed (4 or 8 bits) beside its fp32 remainder."""
+    if s.bits:
+        packed = shape.quantizable_params * (0.5 if s.bits == 4 else 1)
+        layer = (packed + (shape.linear_params - shape.quantizable_params) * 4) / shape.layers
+        root = shape.other_params * 4
+    else:
+        layer = shape.linear_params / shape.layers * s.weight_bytes
+        root = shape.other_params * s.weight_bytes
     return root + 2 * layer + (root + layer if full else 0)
 
 

@@ -252,7 +252,7 @@ def test_fp8_trains_close_to_bf16(tmp_path, tiny_model_dir):
     _, fp8, _ = _train(tmp_path, tiny_model_dir, "fp8", adapter={"method": "full"}, train={"lr": 1e-3, "mixed_precision": "fp8"})
     print(f"fp8 {fp8[0]:.3f} -> {fp8[-1]:.3f}; bf16 {bf16[0]:.3f} -> {bf16[-1]:.3f}")
     assert fp8[-1] < 0.75 * fp8[0]
-    assert abs(fp8[-1] - bf16[-1]) < 0.1 * bf16[-1]
+    assert abs(fp8[-1] - bf16[-1]) < 0.005 * bf16[-1]  # measured on an H100: 4.565 against 4.564
 
 
 def test_optimizer_states_offloaded_to_cpu_train(tmp_path, tiny_model_dir):

@@ -139,3 +139,18 @@ def test_plan_reads_the_model_alone_from_any_folder(tmp_path, monkeypatch, capsy
     assert "| total" in capsys.readouterr().out
     assert main(["validate", "--config", "lora", "--model", model]) == 2
     assert "data: train: file not found: demo/data/train.jsonl" in capsys.readouterr().err
+
+
+def test_zero3_gathers_a_quantized_base_as_it_is_held():
+    """peft keeps a 4-bit base's embeddings and lm_head in fp32, and the layers stay packed: ZeRO-3
+    gathers those (at 8B the 16-bit root the plan assumed was 2.1 GB short of what a rank held)."""
+    from dataclasses import replace as with_
+
+    from finetune.plan import gathered, read_shape
+
+    cfg = load_config(REPO / "docs/examples/plan-7b-qlora.yaml", check_model=False)
+    plan = make_plan(cfg, devices=2, strategy="zero3")
+    shape = read_shape(str(REPO / "docs/examples/llama-2-7b"))
+    root, packed = shape.other_params * 4, shape.quantizable_params * 0.5 / shape.layers
+    assert plan.setup.bits == 4 and plan.rows["gathered for compute"] == pytest.approx(root + 2 * packed, rel=1e-3)
+    assert gathered(shape, with_(plan.setup, bits=None), False) == pytest.approx((shape.other_params + 2 * shape.linear_params / 32) * 2)
