@@ -74,7 +74,7 @@ def flops(func, operands: tuple) -> int:
 
 def time_alone(op, operands: tuple, scalars: tuple, reps: int = 3) -> float:
     """Median seconds of one call on fresh operands of the recorded layout (warm, as in a loop)."""
-    args = [torch.empty_strided(shape, stride, dtype=getattr(torch, dtype)).normal_() for shape, stride, dtype in operands]
+    args = [_random_strided(shape, stride, getattr(torch, dtype)) for shape, stride, dtype in operands]
     op(*args, **dict(scalars))
     times = []
     for _ in range(reps):
@@ -82,6 +82,12 @@ def time_alone(op, operands: tuple, scalars: tuple, reps: int = 3) -> float:
         op(*args, **dict(scalars))
         times.append(time.perf_counter() - start)
     return sorted(times)[len(times) // 2]
+
+
+def _random_strided(shape: tuple, stride: tuple, dtype: torch.dtype) -> torch.Tensor:
+    """Random values in the recorded layout, overlapping ones (a stride of 0: an expanded operand) too."""
+    span = 1 + sum((n - 1) * st for n, st in zip(shape, stride)) if all(shape) else 0
+    return torch.randn(span, dtype=dtype).as_strided(shape, stride)
 
 
 def main() -> None:
