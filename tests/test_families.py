@@ -125,13 +125,17 @@ def _load(model_dir, method: str):
 
 
 @pytest.mark.parametrize("method, variant", [("lora", "causal_attention"), ("full", "causal_attention"), ("full", "torch-sdpa"),
-                                             ("full", "logits-to-keep")])
+                                             ("full", "logits-to-keep"), ("full", "gpu-sdpa-mask")])
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_fast_paths_equal_eager_attention_on_each_sample_alone(family_dirs, monkeypatch, family, method, variant):
     """causal_attention: our CPU kernel and the fused loss; torch-sdpa: every sample through torch's sdpa
-    (a band mask where it slides); logits-to-keep: the model's own head on the trained positions."""
+    (a band mask where it slides); logits-to-keep: the model's own head on the trained positions;
+    gpu-sdpa-mask: the CUDA branch run on CPU tensors where varlen cannot (fp32): sdpa over the block
+    mask finetune builds from the sample bounds, windows included."""
     if variant == "torch-sdpa":
         monkeypatch.setattr(attention, "SHORT_SAMPLE", 0)
+    if variant == "gpu-sdpa-mask":
+        monkeypatch.setattr(attention, "ACCELERATOR_PATH_ON_CPU", True)
     model = _load(family_dirs(family), method)
     samples = _samples(model.config.vocab_size)
     expected_impl = "eager" if family == "gemma2" else attention.PACKED_SDPA  # soft-capping: eager, said in one line
