@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -36,6 +37,19 @@ def run_cli(*args: str, cwd: Path = REPO, env: dict | None = None, timeout: int 
         [sys.executable, "-m", "finetune", *args], cwd=cwd, capture_output=True, text=True, timeout=timeout,
         env={**os.environ, **(env or {})},
     )
+
+
+def finetune_cli(capsys, *args: str):
+    """`finetune ARGS` in this process, for what a fresh process proves nothing more about (its output
+    and exit code): returncode, stdout, stderr as run_cli gives them. An unexpected exception fails the test."""
+    from finetune.cli import main
+
+    try:
+        code = main(list(args))
+    except SystemExit as exit:  # argparse: --help, usage errors
+        code = exit.code
+    out = capsys.readouterr()
+    return types.SimpleNamespace(returncode=code, stdout=out.out, stderr=out.err)
 
 
 def write_config(path: Path, cfg: dict) -> Path:

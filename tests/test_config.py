@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from conftest import REPO, base_config, run_cli, write_config
+from conftest import REPO, base_config, finetune_cli, write_config
 
 
 def _bad(cfg: dict, keys: list[str], value) -> dict:
@@ -39,10 +39,10 @@ BAD = [
 
 
 @pytest.mark.parametrize("keys,value,words", BAD, ids=[".".join(k) + "=" + str(v)[:12] for k, v, _ in BAD])
-def test_bad_config_one_line_exit_2(tmp_path, tiny_model_dir, keys, value, words):
+def test_bad_config_one_line_exit_2(tmp_path, tiny_model_dir, keys, value, words, capsys):
     cfg = _bad(base_config(tiny_model_dir, tmp_path / "out"), keys, value)
     path = write_config(tmp_path / "bad.yaml", cfg)
-    result = run_cli("validate", "--config", str(path))
+    result = finetune_cli(capsys, "validate", "--config", str(path))
     assert result.returncode == 2, result.stdout + result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr  # one line, no traceback
@@ -51,24 +51,24 @@ def test_bad_config_one_line_exit_2(tmp_path, tiny_model_dir, keys, value, words
         assert word in lines[0], lines[0]
 
 
-def test_invalid_yaml_names_the_line(tmp_path):
+def test_invalid_yaml_names_the_line(tmp_path, capsys):
     path = tmp_path / "broken.yaml"
     path.write_text("model:\n  name_or_path: x\ntrain: [unclosed\n")
-    result = run_cli("validate", "--config", str(path))
+    result = finetune_cli(capsys, "validate", "--config", str(path))
     assert result.returncode == 2
     assert f"{path}:" in result.stderr and "not valid YAML" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
 
 
-def test_missing_config_file(tmp_path):
-    result = run_cli("validate", "--config", str(tmp_path / "nope.yaml"))
+def test_missing_config_file(tmp_path, capsys):
+    result = finetune_cli(capsys, "validate", "--config", str(tmp_path / "nope.yaml"))
     assert result.returncode == 2 and "config file not found" in result.stderr
 
 
-def test_overrides_are_typed_and_flags_map_to_keys(tmp_path, tiny_model_dir):
+def test_overrides_are_typed_and_flags_map_to_keys(tmp_path, tiny_model_dir, capsys):
     path = write_config(tmp_path / "ok.yaml", base_config(tiny_model_dir, tmp_path / "out"))
-    result = run_cli(
-        "validate", "--config", str(path), "--set", "train.lr=1e-4", "--set", "adapter.target_modules=[q_proj, v_proj]",
+    result = finetune_cli(
+        capsys, "validate", "--config", str(path), "--set", "train.lr=1e-4", "--set", "adapter.target_modules=[q_proj, v_proj]",
         "--set", "data.packing=false", "--max-steps", "7", "--output-dir", str(tmp_path / "elsewhere"),
     )
     assert result.returncode == 0, result.stderr
@@ -82,15 +82,15 @@ def test_overrides_are_typed_and_flags_map_to_keys(tmp_path, tiny_model_dir):
     assert resolved["train"]["scheduler"] == "cosine" and resolved["model"]["trust_remote_code"] is False
 
 
-def test_bad_override_is_one_line(tmp_path, tiny_model_dir):
+def test_bad_override_is_one_line(tmp_path, tiny_model_dir, capsys):
     path = write_config(tmp_path / "ok.yaml", base_config(tiny_model_dir, tmp_path / "out"))
-    result = run_cli("validate", "--config", str(path), "--set", "train.lr")
+    result = finetune_cli(capsys, "validate", "--config", str(path), "--set", "train.lr")
     assert result.returncode == 2 and "expected KEY=VALUE" in result.stderr
 
 
-def test_every_command_has_help():
+def test_every_command_has_help(capsys):
     for cmd in ([], ["train"], ["validate"], ["data"], ["make-demo-model"]):
-        result = run_cli(*cmd, "--help")
+        result = finetune_cli(capsys, *cmd, "--help")
         assert result.returncode == 0 and "usage:" in result.stdout
 
 

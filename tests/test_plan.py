@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from conftest import REPO, base_config, run_cli, write_config
+from conftest import REPO, base_config, finetune_cli, run_cli, write_config
 from finetune.config import load_config, validate_config
 from finetune.plan import GiB, make_plan
 
@@ -113,18 +113,18 @@ def test_offload_moves_the_sharded_states_to_cpu_ram_on_gpus():
     assert make_plan(cfg, devices=8, strategy="zero3_offload").host == {}  # on a CPU the device is the RAM
 
 
-def test_plan_command_says_what_would_fit():
-    result = run_cli("plan", "--config", "docs/examples/plan-7b-full.yaml", "--gpu-mem", "80GiB")
+def test_plan_command_says_what_would_fit(capsys):
+    result = finetune_cli(capsys, "plan", "--config", "docs/examples/plan-7b-full.yaml", "--gpu-mem", "80GiB")
     assert result.returncode == 0, result.stderr
     assert "does NOT fit" in result.stdout and "train.optimizer: adamw_8bit" in result.stdout
     assert "| total" in result.stdout
-    result = run_cli("plan", "--config", "docs/examples/plan-7b-full.yaml", "--gpus", "8", "--gpu-mem", "80GiB")
+    result = finetune_cli(capsys, "plan", "--config", "docs/examples/plan-7b-full.yaml", "--gpus", "8", "--gpu-mem", "80GiB")
     assert "FSDP over 8 devices" in result.stdout
-    result = run_cli("plan", "--config", "docs/examples/plan-7b-qlora.yaml", "--gpu-mem", "24GiB")
+    result = finetune_cli(capsys, "plan", "--config", "docs/examples/plan-7b-qlora.yaml", "--gpu-mem", "24GiB")
     assert "-> fits" in result.stdout
-    result = run_cli("plan", "--config", "docs/examples/plan-7b-qlora.yaml", "--gpu-mem", "lots")
+    result = finetune_cli(capsys, "plan", "--config", "docs/examples/plan-7b-qlora.yaml", "--gpu-mem", "lots")
     assert result.returncode == 2 and "--gpu-mem lots: expected a size like 80GiB" in result.stderr
-    result = run_cli("plan", "--config", "docs/examples/plan-7b-full.yaml", "--gpu-mem", "80GiB", "--tflops", "989", "--bandwidth", "400GB")
+    result = finetune_cli(capsys, "plan", "--config", "docs/examples/plan-7b-full.yaml", "--gpu-mem", "80GiB", "--tflops", "989", "--bandwidth", "400GB")
     assert result.returncode == 0 and "GFLOP per token" in result.stdout and "at 400 GB/s" in result.stdout, result.stderr
 
 

@@ -11,7 +11,7 @@ import subprocess
 import sys
 import time
 
-from conftest import REPO, base_config, read_jsonl, run_cli
+from conftest import REPO, base_config, finetune_cli, read_jsonl, run_cli
 from finetune.config import validate_config
 from finetune.stage import MANIFEST, PARTIAL, source_files, staged_name
 from finetune.train import run
@@ -28,7 +28,7 @@ def _same_files(src, dest) -> None:
         assert want["sha256"] == _sha(src / name) == _sha(dest / name), name
 
 
-def test_stage_verifies_reuses_and_restages_when_the_source_changes(tmp_path, tiny_model_dir, ram_root):
+def test_stage_verifies_reuses_and_restages_when_the_source_changes(tmp_path, tiny_model_dir, ram_root, capsys):
     src = tmp_path / "model"
     shutil.copytree(tiny_model_dir, src)
     (src / "checkpoints").mkdir()  # a run's sub-folders stay behind
@@ -36,22 +36,22 @@ def test_stage_verifies_reuses_and_restages_when_the_source_changes(tmp_path, ti
     root = ram_root / "reuse"
     dest = root / staged_name(src)
 
-    first = run_cli("stage", "--model", str(src), "--root", str(root))
+    first = finetune_cli(capsys, "stage", "--model", str(src), "--root", str(root))
     assert first.returncode == 0 and "staged in" in first.stdout, first.stderr
     _same_files(src, dest)
     assert not (dest / "checkpoints").exists()
     inode = (dest / "model.safetensors").stat().st_ino
 
-    again = run_cli("stage", "--model", str(src), "--root", str(root))
+    again = finetune_cli(capsys, "stage", "--model", str(src), "--root", str(root))
     assert "already staged and current" in again.stdout
     assert (dest / "model.safetensors").stat().st_ino == inode  # reused, not copied
-    assert "current" in run_cli("stage", "--list", "--root", str(root)).stdout
+    assert "current" in finetune_cli(capsys, "stage", "--list", "--root", str(root)).stdout
 
     # A changed source (size and mtime) is noticed by the listing and re-staged by the next stager.
     config = json.loads((src / "config.json").read_text())
     (src / "config.json").write_text(json.dumps({**config, "note": "edited"}, indent=2))
-    assert "stale (source changed)" in run_cli("stage", "--list", "--root", str(root)).stdout
-    assert "staged in" in run_cli("stage", "--model", str(src), "--root", str(root)).stdout
+    assert "stale (source changed)" in finetune_cli(capsys, "stage", "--list", "--root", str(root)).stdout
+    assert "staged in" in finetune_cli(capsys, "stage", "--model", str(src), "--root", str(root)).stdout
     _same_files(src, dest)
 
     # Same size and mtime but other bytes: only a checksum sees it (--verify).
@@ -61,21 +61,21 @@ def test_stage_verifies_reuses_and_restages_when_the_source_changes(tmp_path, ti
     data[-1] ^= 0xFF
     weights.write_bytes(bytes(data))
     os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))
-    assert "already staged" in run_cli("stage", "--model", str(src), "--root", str(root)).stdout
-    verified = run_cli("stage", "--model", str(src), "--root", str(root), "--verify")
+    assert "already staged" in finetune_cli(capsys, "stage", "--model", str(src), "--root", str(root)).stdout
+    verified = finetune_cli(capsys, "stage", "--model", str(src), "--root", str(root), "--verify")
     assert "staged in" in verified.stdout, verified.stderr
     _same_files(src, dest)
 
     # A damaged copy (truncated in RAM) is not trusted either.
     with open(dest / "model.safetensors", "r+b") as f:
         f.truncate(100)
-    assert "staged in" in run_cli("stage", "--model", str(src), "--root", str(root)).stdout
+    assert "staged in" in finetune_cli(capsys, "stage", "--model", str(src), "--root", str(root)).stdout
     _same_files(src, dest)
 
-    evicted = run_cli("stage", "--evict", str(src), "--root", str(root))
+    evicted = finetune_cli(capsys, "stage", "--evict", str(src), "--root", str(root))
     assert evicted.returncode == 0 and not dest.exists()
-    assert "nothing staged" in run_cli("stage", "--list", "--root", str(root)).stdout
-    missing = run_cli("stage", "--evict", "no-such-model", "--root", str(root))
+    assert "nothing staged" in finetune_cli(capsys, "stage", "--list", "--root", str(root)).stdout
+    missing = finetune_cli(capsys, "stage", "--evict", "no-such-model", "--root", str(root))
     assert missing.returncode == 2 and missing.stderr.count("\n") == 1
 
 
