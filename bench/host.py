@@ -34,7 +34,7 @@ import functools
 import json
 import os
 import platform
-import sys
+import shutil
 import time
 from pathlib import Path
 
@@ -190,8 +190,6 @@ def finetune_steps(work: Path, steps: int, counter: Counter, seq: int = 2048) ->
                      "scheduler": "constant", "mixed_precision": "bf16"},
            "logging": {"progress_bar": False, "plot": False, "log_every": 1000},
            "checkpoint": {"resume": "never"}}
-    import shutil
-
     shutil.rmtree(work / "out", ignore_errors=True)
     calls, step_batches, train_step = [0], train.step_batches, train.train_step
     wall, rows = [], []
