@@ -175,9 +175,8 @@ def save(output_dir: str | Path, step: int, model, optimizer, scheduler, trainer
     if not accelerator.is_main_process:
         _shards_written = shards  # wait() joins it
         return None
-    files = {"scheduler.pt": scheduler.state_dict(),
-             "trainer_state.json": json.dumps({**trainer_state, "step": step, "world_size": accelerator.num_processes}),
-             CONFIG_FILE: config_yaml}
+    state = {**trainer_state, "step": step, "world_size": accelerator.num_processes}
+    files = {"scheduler.pt": scheduler.state_dict(), CONFIG_FILE: config_yaml}
     if getattr(accelerator, "scaler", None) is not None:  # fp16 on a GPU: the dynamic loss scale
         files["scaler.pt"] = accelerator.scaler.state_dict()
     if layout == "full":
@@ -185,8 +184,8 @@ def save(output_dir: str | Path, step: int, model, optimizer, scheduler, trainer
         files["optimizer.pt"] = optimizer.state_dict()
         # torch numbers the optimizer's parameters; their names let a ZeRO run at any count resume from it
         names = {id(p): n for n, p in accelerator.unwrap_model(model).named_parameters()}
-        order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
-        files["trainer_state.json"] = json.dumps({**json.loads(files["trainer_state.json"]), "optimizer_params": order})
+        state["optimizer_params"] = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+    files["trainer_state.json"] = json.dumps(state)
     if not background:
         return _complete(tmp, root, step, files, keep_last)
     live = {name: files.pop(name) for name in (WEIGHTS, "optimizer.pt") if name in files}  # the writer copies these
@@ -379,17 +378,18 @@ def clear_starts(output_dir: str | Path) -> None:
     starts_file(output_dir).unlink(missing_ok=True)
 
 
-def restore(path: Path, model, optimizer, scheduler, accelerator, layout: str = "full", scratch: Path | None = None) -> dict:
+def restore(path: Path, model, optimizer, scheduler, accelerator, layout: str, scratch: Path) -> dict:
     """Load a checkpoint into the run; returns its trainer state.
 
     A DCP checkpoint loads into a run of any world size, sharded or not (DCP reshards). A ZeRO one
     loads into ZeRO at its own process count, and through DeepSpeed's universal-checkpoint
-    conversion (written under `scratch`, then removed) into ZeRO at another count or one process.
+    conversion (written under `scratch`, the resuming run's folder, then removed) into ZeRO at another count or one process.
     An unsharded one loads into an unsharded run."""
     import torch.distributed.checkpoint as dcp
     from safetensors.torch import load_file
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
+    written = json.loads((path / "trainer_state.json").read_text())
     if (path / SHARDED).is_dir():
         if layout == "deepspeed":
             raise ValueError(f"{path} was written by an FSDP run; resume it with distributed.strategy: fsdp (any process count)")
@@ -400,9 +400,8 @@ def restore(path: Path, model, optimizer, scheduler, accelerator, layout: str = 
             raise ValueError(f"{path}: its weights do not match this model's trainable parameters ({str(err).splitlines()[0][:200]})") from None
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
                        options=StateDictOptions(ignore_frozen_params=True, strict=False))  # frozen weights come from the base
-        return _restore_rest(path, scheduler, accelerator)
+        return _restore_rest(path, scheduler, accelerator, written)
     if (path / DEEPSPEED).is_dir():
-        written = json.loads((path / "trainer_state.json").read_text())
         if layout == "dcp":
             raise ValueError(f"{path} was written by DeepSpeed ZeRO with {written['world_size']} processes; resume it with a "
                              "zero strategy (any process count) or in one process")
@@ -411,7 +410,7 @@ def restore(path: Path, model, optimizer, scheduler, accelerator, layout: str = 
         if layout == "deepspeed" and written["world_size"] == accelerator.num_processes:
             model.load_checkpoint(path / DEEPSPEED, tag="state", load_module_strict=False, load_lr_scheduler_states=False)
         else:
-            with universal(path, scratch or path.parent, accelerator) as folder:
+            with universal(path, scratch, accelerator) as folder:
                 if layout == "deepspeed":
                     # DeepSpeed reads a universal checkpoint where its config says so; set for this one load.
                     model._config.load_universal_checkpoint = True
@@ -421,15 +420,15 @@ def restore(path: Path, model, optimizer, scheduler, accelerator, layout: str = 
                         model._config.load_universal_checkpoint = False
                 else:
                     _restore_universal(folder / "state" / "zero", accelerator.unwrap_model(model), optimizer, written["step"], path)
-        return _restore_rest(path, scheduler, accelerator)
+        return _restore_rest(path, scheduler, accelerator, written)
     if layout == "deepspeed":
-        _restore_unsharded_into_zero(path, model, optimizer, json.loads((path / "trainer_state.json").read_text()))
-        return _restore_rest(path, scheduler, accelerator)
+        _restore_unsharded_into_zero(path, model, optimizer, written)
+        return _restore_rest(path, scheduler, accelerator, written)
     if layout != "full":
         raise ValueError(f"{path} was written by an unsharded run; resume it with distributed.strategy: ddp or zero2/zero3 (or start afresh)")
     _copy_trainable(load_file(path / WEIGHTS), accelerator.unwrap_model(model), path)
     optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
-    return _restore_rest(path, scheduler, accelerator)
+    return _restore_rest(path, scheduler, accelerator, written)
 
 
 @contextlib.contextmanager
@@ -461,9 +460,7 @@ def _restore_universal(zero: Path, model, optimizer, step: int, path: Path) -> N
     """A universal checkpoint's trained weights and optimizer states into an unsharded model and its
     torch optimizer. Its files hold each parameter flattened, one file per state (exp_avg, ...)."""
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}
-    saved = {d.name for d in zero.iterdir() if d.is_dir()}
-    if saved != set(params):
-        raise ValueError(f"{path}: its weights do not match this model's trainable parameters (e.g. {sorted(saved ^ set(params))[0]})")
+    _check_trainable({d.name for d in zero.iterdir() if d.is_dir()}, params, path)
     state = optimizer.state_dict()
     index = {id(p): i for i, p in enumerate(p for group in optimizer.param_groups for p in group["params"])}
     with torch.no_grad():
@@ -492,8 +489,7 @@ def _restore_unsharded_into_zero(path: Path, engine, optimizer, written: dict) -
     if names is None:
         raise ValueError(f"{path} was written by one process before checkpoints named the optimizer's parameters; resume it in one process")
     params = {n: p for n, p in engine.module.named_parameters() if p.requires_grad}
-    if set(names) != set(params):
-        raise ValueError(f"{path}: its weights do not match this model's trainable parameters (e.g. {sorted(set(names) ^ set(params))[0]})")
+    _check_trainable(names, params, path)
     weights, saved = load_file(path / WEIGHTS), torch.load(path / "optimizer.pt", weights_only=True)
     states = [saved["state"].get(i, {}) for group in saved["param_groups"] for i in group["params"]]
     _create_zero_optimizer_states(optimizer, next((state for state in states if state), {}))
@@ -525,11 +521,16 @@ def _create_zero_optimizer_states(optimizer, example: dict) -> None:
         optimizer._lazy_init_hp_params_optimizer_state()
 
 
+def _check_trainable(saved, params: dict, path: Path) -> None:
+    """The names a checkpoint holds against the model's trainable parameters: the same set, or one line."""
+    differ = sorted(set(saved) ^ set(params))
+    if differ:
+        raise ValueError(f"{path}: its weights do not match this model's trainable parameters (e.g. {differ[0]})")
+
+
 def _copy_trainable(weights: dict[str, torch.Tensor], model, path: Path) -> None:
     params = dict(model.named_parameters())
-    missing = sorted(set(weights) ^ {n for n, p in params.items() if p.requires_grad})
-    if missing:
-        raise ValueError(f"{path}: its weights do not match this model's trainable parameters (e.g. {missing[0]})")
+    _check_trainable(weights, {n: p for n, p in params.items() if p.requires_grad}, path)
     with torch.no_grad():
         for name, value in weights.items():
             params[name].copy_(value)
@@ -557,11 +558,11 @@ def load_trainable(path: Path, model) -> None:
         _copy_trainable(load_file(path / WEIGHTS), model, path)
 
 
-def _restore_rest(path: Path, scheduler, accelerator) -> dict:
+def _restore_rest(path: Path, scheduler, accelerator, written: dict) -> dict:
     scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
     if (path / "scaler.pt").exists() and getattr(accelerator, "scaler", None) is not None:
         accelerator.scaler.load_state_dict(torch.load(path / "scaler.pt", weights_only=True))
     rng_file = path / f"rng-rank{accelerator.process_index}.pt"
     if rng_file.exists():  # absent when resuming at a larger world size: that rank starts fresh
         set_rng_state(torch.load(rng_file, weights_only=True))
-    return json.loads((path / "trainer_state.json").read_text())
+    return written

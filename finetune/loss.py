@@ -36,12 +36,18 @@ def to_device(batch: dict[str, torch.Tensor], device) -> dict[str, torch.Tensor]
     device by a host sync each (GPU): the sample bounds, and which positions are trained ("trained_at", as
     flat indices) with their targets."""
     labels = batch["labels"]
-    keep = torch.zeros_like(labels, dtype=torch.bool)
-    keep[:, :-1] = labels[:, 1:] != IGNORE
+    keep = trained_mask(labels)
     extra = {"trained_at": keep.flatten().nonzero().squeeze(1), "targets": labels[:, 1:][keep[:, :-1]]}
     moved = {k: v.to(device, non_blocking=True) for k, v in {**batch, **extra}.items()}
     with_bounds(moved["position_ids"], batch["position_ids"])
     return moved
+
+
+def trained_mask(labels: torch.Tensor) -> torch.Tensor:
+    """True at each position whose next token is trained: where its logits are needed."""
+    keep = torch.zeros_like(labels, dtype=torch.bool)
+    keep[:, :-1] = labels[:, 1:] != IGNORE
+    return keep
 
 
 @dataclass
@@ -64,8 +70,7 @@ def losses(model, batch: dict[str, torch.Tensor], router: bool = False) -> Losse
     packed attention (train and eval alike) and to the masks transformers builds.
     """
     labels = batch["labels"]
-    keep = torch.zeros_like(labels, dtype=torch.bool)
-    keep[:, :-1] = labels[:, 1:] != IGNORE
+    keep = trained_mask(labels)
     targets = batch["targets"] if "targets" in batch else labels[:, 1:][keep[:, :-1]]
     inputs = {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"], "use_cache": False}
     if router:  # Mixtral-style load balancing reads a 2-D attention_mask if there is one: none then

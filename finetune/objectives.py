@@ -21,8 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from finetune.config import PreferenceConfig
-from finetune.loss import Losses, losses, trained_tokens
-from finetune.rows import IGNORE
+from finetune.loss import Losses, losses, trained_mask, trained_tokens
 
 
 class SFT:
@@ -89,9 +88,7 @@ def objective_for(train, preference: PreferenceConfig) -> SFT | Preference:
 
 def answers(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, int]:
     """(which positions predict a trained token, the answer each of those belongs to (0, 1, 2, ...), how many answers)."""
-    labels = batch["labels"]
-    keep = torch.zeros_like(labels, dtype=torch.bool)
-    keep[:, :-1] = labels[:, 1:] != IGNORE
+    keep = trained_mask(batch["labels"])
     sequence = _sequences(batch["position_ids"])[keep]  # a sequence's first label is never trained
     _, answer = torch.unique_consecutive(sequence, return_inverse=True)
     count = int(answer[-1]) + 1 if len(answer) else 0

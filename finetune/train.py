@@ -583,7 +583,7 @@ def roll_back(run: RunState, trouble_step: int, verdict: Verdict) -> tuple[int, 
             where = "there is no good checkpoint to roll back to (set checkpoint.save_every)"
         run.log.event("stop", trouble_step, f"guard: {verdict.reason}; {where}")
         raise Stopped(f"step {trouble_step + 1}: training diverged: {verdict.reason}; {where}", EXIT_DIVERGED)
-    state = checkpoint.restore(target, engine.model, engine.optimizer, engine.scheduler, run.accelerator, engine.layout)
+    state = checkpoint.restore(target, engine.model, engine.optimizer, engine.scheduler, run.accelerator, engine.layout, run.out)
     guard.rolled_back(state["step"], trouble_step, saved=state.get("guard"))
     set_peak_lr(engine.scheduler, lr * guard.state.lr_scale)
     run.log.event("rollback", trouble_step, f"guard: {verdict.reason}; rolled back to {target.name}, LR x{guard.state.lr_scale:g} "
@@ -764,7 +764,7 @@ def resume(cfg: RunConfig, model, optimizer, scheduler, accelerator, layout: str
         return result
     began = time.perf_counter()
     try:
-        state = checkpoint.restore(path, model, optimizer, scheduler, accelerator, layout, scratch=Path(cfg.train.output_dir))
+        state = checkpoint.restore(path, model, optimizer, scheduler, accelerator, layout, Path(cfg.train.output_dir))
     except ValueError as err:
         raise UserError(f"checkpoint.resume: {err}") from None
     result.step, result.tokens, result.guard_state = state["step"], state["tokens"], state.get("guard")
