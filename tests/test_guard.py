@@ -146,7 +146,7 @@ def test_resume_refuses_a_changed_model_setting_but_takes_a_new_lr(tmp_path, tin
 
 def test_time_based_saves(tmp_path, tiny_model_dir):
     out = tmp_path / "out"
-    cfg = _cfg(tiny_model_dir, out, steps=30, checkpoint={"save_every_minutes": 0.0001, "keep_last": 100})
+    cfg = _cfg(tiny_model_dir, out, steps=30, checkpoint={"save_every_minutes": 1e-9, "keep_last": 100})
     result = _train(tmp_path, cfg)
     assert result.returncode == 0, result.stderr[-2000:]
     assert len(list((out / "checkpoints").glob("step-*"))) == 1 + 29  # the start, then after every step but the last
