@@ -107,14 +107,15 @@ def _write_all(fd: int, view: memoryview) -> None:
         view = view[os.write(fd, view):]
 
 
-def write_safetensors(tensors: dict, out: HashedFile) -> None:
-    """`tensors` (name -> torch.Tensor) in the safetensors format, streamed to `out` (safetensors
-    itself writes only to a path or to bytes in memory). Same order and header as
+def write_safetensors(tensors: dict, out: HashedFile, metadata: dict[str, str] | None = None) -> None:
+    """`tensors` (name -> torch.Tensor) in the safetensors format, streamed to `out`: safetensors
+    itself writes only to a path or to bytes in memory, and `save_file` serializes the whole file
+    into memory first (a second copy of a 5 GB shard). Same order and header as
     `safetensors.torch.save_file` writes."""
     import torch
 
     order = sorted(tensors, key=lambda name: (-tensors[name].element_size(), name))
-    header, offset = {}, 0
+    header, offset = ({"__metadata__": metadata} if metadata else {}), 0
     for name in order:
         tensor = tensors[name]
         kind = SAFETENSORS_DTYPES.get(str(tensor.dtype).removeprefix("torch."))

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -60,7 +60,8 @@ def _linear_out_dims(cfg: ModelConfig) -> dict[str, int]:
     c = read_model_config(Path(cfg.name_or_path), "model.name_or_path")
     head_dim = c.get("head_dim") or c.get("hidden_size", 0) // max(1, c.get("num_attention_heads", 1))
     kv = c.get("num_key_value_heads") or c.get("num_attention_heads", 0)
-    return {k: v for k, v in {"hidden_size": c.get("hidden_size"), "intermediate_size": c.get("intermediate_size"), "kv_heads*head_dim": kv * head_dim}.items() if v}
+    dims = {"hidden_size": c.get("hidden_size"), "intermediate_size": c.get("intermediate_size"), "kv_heads*head_dim": kv * head_dim}
+    return {k: v for k, v in dims.items() if v}
 
 
 def check_attention(cfg: ModelConfig) -> None:
@@ -160,16 +161,20 @@ def load_model(cfg: ModelConfig, device: torch.device | str = "cpu", skeleton: s
         if not partitioned:
             extra["device_map"] = {"": str(device)}
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            cfg.name_or_path,
-            config=config,
-            revision=cfg.revision,
-            dtype=DTYPES[cfg.dtype],
-            attn_implementation=attn,
-            trust_remote_code=cfg.trust_remote_code,
-            use_safetensors=True,
-            **extra,
-        )
+        with _weights_read_on_demand(cfg, config) as (cls, name, state):
+            model = cls.from_pretrained(
+                name,
+                config=config,
+                state_dict=state,
+                revision=cfg.revision,
+                dtype=DTYPES[cfg.dtype],
+                attn_implementation=attn,
+                trust_remote_code=cfg.trust_remote_code,
+                use_safetensors=True,
+                **extra,
+            )
+        if state is not None:
+            _as_if_read_from(model, Path(cfg.name_or_path))
     except Exception as err:  # noqa: BLE001 - missing, truncated, garbage or mis-shaped weights: the folder's fault, said in one line
         why = "its weights have other shapes than its config.json says" if "mismatched_sizes" in str(err) else _first_line(err)
         raise UserError(f"model.name_or_path: cannot load '{cfg.name_or_path}': {why}") from None
@@ -186,6 +191,45 @@ def load_model(cfg: ModelConfig, device: torch.device | str = "cpu", skeleton: s
             _keep_one_cpu_4bit_path(model)
     model.config.use_cache = False  # no KV cache while training; generation turns it on per call
     return model
+
+
+@contextmanager
+def _weights_read_on_demand(cfg: ModelConfig, config):
+    """What `from_pretrained` reads from: (class, name, state_dict). A quantized base in a local folder
+    is handed over as lazily read slices of its safetensors files, read with pread: from the folder
+    itself transformers memory-maps every shard and keeps each mapped until the whole load ends, so the
+    pages of every bf16 shard it has read stay in the process's RSS (21 GB at an 8B load's peak for a
+    7.4 GB 4-bit model; docs/platform-notes.md) though each weight is quantized as it is read. The
+    same loader then holds about one tensor at a time. A plain load keeps the memory map: weights in
+    the stored dtype are then zero-copy views of the files (the staged ramdisk copy's point). A hub id
+    goes through the library's own path."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    cls = _causal_lm_class(config)
+    folder = Path(cfg.name_or_path).expanduser()
+    files = list(weight_files(folder)) if cfg.quantization is not None and cls is not None and looks_local(cfg.name_or_path) else []
+    if not files:
+        yield AutoModelForCausalLM, cfg.name_or_path, None
+        return
+    handles = []
+    try:
+        for name in files:
+            handles.append(safe_open(folder / name, "pt", device="cpu", backend="pread"))
+        yield cls, None, {key: handle.get_slice(key) for handle in handles for key in handle.keys()}
+    finally:
+        for handle in handles:
+            handle.__exit__(None, None, None)
+
+
+def _as_if_read_from(model, folder: Path) -> None:
+    """What from_pretrained takes from a folder besides the weights: its name (adapters record it as
+    their base) and its generation settings."""
+    from transformers import GenerationConfig
+
+    model.config._name_or_path = model.name_or_path = str(folder)
+    if (folder / "generation_config.json").is_file():
+        model.generation_config = GenerationConfig.from_pretrained(folder)
 
 
 def override_config(config, overrides: dict) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -30,6 +31,10 @@ def test_safetensors_streamed_equal_the_librarys_file_byte_for_byte(folder, monk
     monkeypatch.setattr(diskio, "CHUNK", 2 * diskio.BLOCK)  # many chunks, a padded tail
     tensors = _tensors()
     save_file({k: v.contiguous() for k, v in tensors.items()}, folder / "library.safetensors")
+    save_file({k: v.contiguous() for k, v in tensors.items()}, folder / "library-meta.safetensors", metadata={"format": "pt"})
+    with HashedFile(folder / "ours-meta.safetensors") as out:
+        write_safetensors(tensors, out, metadata={"format": "pt"})  # as merged models are written
+    assert (folder / "ours-meta.safetensors").read_bytes() == (folder / "library-meta.safetensors").read_bytes()
     with HashedFile(folder / "ours.safetensors") as out:
         write_safetensors(tensors, out)
     data = (folder / "ours.safetensors").read_bytes()
