@@ -60,11 +60,13 @@ def attach(base, adapter: Adapter):
     """base + the trained adapter weights, as a PeftModel in eval mode."""
     from peft import PeftModel
 
+    from finetune.checkpointers import load_trainable
+
     try:
         if not adapter.from_checkpoint:
             return PeftModel.from_pretrained(base, adapter.path).eval()
         model = apply_adapter(base, adapter.run.adapter, gradient_checkpointing=False)
-        checkpoint.load_trainable(adapter.path, model)
+        load_trainable(adapter.path, model)
         return model.eval()
     except (RuntimeError, ValueError, KeyError) as err:  # shape or name mismatch with this base
         lines = [line.strip() for line in str(err).splitlines() if line.strip()]

@@ -14,8 +14,9 @@ import sys
 import warnings
 from typing import NoReturn
 
-from finetune.config import DEFAULT_RAMDISK, STRATEGIES, ModelConfig
+from finetune.config import DEFAULT_RAMDISK, ModelConfig
 from finetune.errors import UserError, record_exit
+from finetune.strategy import NAMES as STRATEGIES
 
 # Flags that are shorthands for schema keys (they are applied as --set overrides, after the file).
 SHORTHANDS = {"output_dir": "train.output_dir", "max_steps": "train.max_steps", "model": "model.name_or_path",
@@ -23,7 +24,7 @@ SHORTHANDS = {"output_dir": "train.output_dir", "max_steps": "train.max_steps", 
 
 
 def _run_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", required=True, help="run config YAML (see configs/ and the README for every key)")
+    p.add_argument("--config", required=True, help="run config YAML (see configs/ and docs/configuration.md for every key)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override any config key, e.g. --set train.lr=1e-4 --set adapter.r=8 (repeatable; values parsed as YAML)")
     p.add_argument("--output-dir", help="same as --set train.output_dir=DIR")
@@ -78,8 +79,9 @@ def _output_commands(sub) -> None:
                    help="QLoRA: merge into the dequantized 4-bit weights the adapter was trained on, or the original ones "
                    "(default: whichever reproduces 4-bit+adapter more closely; both are measured and reported)")
     p.add_argument("--check-prompts", metavar="FILE", help="texts to compare logits on, one per line (default: training samples)")
-    p.add_argument("--tolerance", type=_number(float, 0, "a number above 0"), help="largest |logit difference| accepted (default by dtype: fp32 1e-3, fp16 0.05, "
-                   "bf16 0.25; 0.25 too when the 4-bit reference computes in bf16)")
+    p.add_argument("--tolerance", type=_number(float, 0, "a number above 0"),
+                   help="largest |logit difference| accepted (default by dtype: fp32 1e-3, fp16 0.05, bf16 0.25; 0.25 too when the 4-bit "
+                   "reference computes in bf16)")
 
     p = sub.add_parser("generate", help="try a model or an adapter on a prompt (tokens stream as they come), or answer a file of prompts",
                        description="Generate a continuation of a prompt with a model folder (merged or fully fine-tuned) or with "
@@ -288,8 +290,6 @@ def main(argv: list[str] | None = None) -> int:
                   f"check on {report['check_texts']} texts: |logits - base+adapter| max {m['max']:.3g}, mean {m['mean']:.3g} "
                   f"(tolerance {report['tolerance_max']:g}); the adapter moves the base's logits by max {e['max']:.3g}, mean {e['mean']:.3g}")
         elif args.command == "generate":
-            from finetune.generate import generate, load
-
             run_generate(args)
         elif args.command == "configs":
             from finetune.config import shipped_configs

@@ -11,12 +11,14 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from finetune.errors import UserError
+from finetune.strategy import Name as StrategyName
+from finetune.strategy import Strategy
 
 
 class _Section(BaseModel):
@@ -58,7 +60,7 @@ class ModelConfig(_Section):
                                 "from there; later runs reuse the copy. Falls back to the source, with a warning, if it does not fit.")
     ramdisk_reserve_gib: float = Field(4.0, ge=0, description="RAM that must stay available after staging; else the run loads from the source.")
     compile: bool = Field(False, description="torch.compile each decoder layer in place (regional compilation): one compiled layer serves "
-                          "them all; the first steps take longer while it compiles. See the README for its measured effect.")
+                          "them all; the first steps take longer while it compiles. docs/speed.md has its measured effect.")
     config_overrides: dict[str, Any] = Field({}, description="Settings of the model's config.json replaced before loading, e.g. "
                                              "{rope_parameters: {rope_type: linear, factor: 2.0, rope_theta: 10000.0}} for a longer context; "
                                              "merge and generate apply them to the base too.")
@@ -93,7 +95,8 @@ class AdapterConfig(_Section):
         return value
 
 
-Columns = dict[Literal["text", "instruction", "input", "output", "messages", "conversations", "prompt", "chosen", "rejected"], str]  # a format's field -> the file's column
+# a format's field -> the file's column
+Columns = dict[Literal["text", "instruction", "input", "output", "messages", "conversations", "prompt", "chosen", "rejected"], str]
 
 
 class SourceConfig(_Section):
@@ -113,7 +116,7 @@ class DataConfig(_Section):
     format: Literal["completion", "alpaca", "chat", "preference"] = Field(
         "alpaca", description="completion: {text}; alpaca: {instruction, input?, output}; chat: {messages: [{role, content}]} (content may be a "
         "list of text parts) or ShareGPT's {conversations: [{from, value}]}; preference (train.objective dpo/orpo): {prompt, chosen, "
-        "rejected} as text, or chat messages {messages or prompt, chosen, rejected}. README: every accepted shape."
+        "rejected} as text, or chat messages {messages or prompt, chosen, rejected}. docs/data.md: every accepted shape."
     )
     columns: Columns = Field({}, description="The format's fields under other column names, e.g. {instruction: question, output: answer}.")
     eval: str | list[str | SourceConfig] | None = Field(None, description="Held-out eval file(s) or sources; or use eval_fraction.")
@@ -175,7 +178,8 @@ class TrainConfig(_Section):
     neftune_alpha: float | None = Field(None, gt=0, description="NEFTune: uniform noise of alpha / sqrt(tokens x hidden) added to the input "
                                         "embeddings while training (the paper and TRL use 5); null: off.")
     max_grad_norm: float | None = Field(1.0, gt=0, description="Gradient clipping; null turns it off.")
-    skip_data: list[tuple[int, int]] = Field([], description="Data to skip by hand, as [[from_step, batches], ...]: from that optimizer step on, that many steps' batches are left out (manual recovery after a spike).")
+    skip_data: list[tuple[int, int]] = Field([], description="Data to skip by hand, as [[from_step, batches], ...]: from that optimizer step on, "
+                                             "that many steps' batches are left out (manual recovery after a spike).")
     mixed_precision: Literal["no", "bf16", "fp16", "fp8"] = Field("no", description="Autocast precision (fp16/fp8 need a GPU).")
     tf32: bool = Field(False, description="Allow TF32 matmuls on CUDA.")
     gradient_checkpointing: bool = Field(False, description="Recompute activations in backward (non-reentrant).")
@@ -215,14 +219,16 @@ class EvalConfig(_Section):
     on_start: bool = Field(True, description="Also evaluate before the first step: the curve's baseline, and the guard's start point "
                            "for the final eval loss (a run that ends worse than it started stops with exit 3).")
     max_batches: int | None = Field(None, gt=0, description="Cap on eval batches per evaluation.")
-    generate_samples: int = Field(0, ge=0, description="Greedy-generate answers for this many eval prompts before and after training; report exact-match accuracy.")
+    generate_samples: int = Field(0, ge=0, description="Greedy-generate answers for this many eval prompts before and after training; "
+                                  "report exact-match accuracy.")
     max_new_tokens: int = Field(48, gt=0, description="Token budget for those generations.")
 
 
 class LoggingConfig(_Section):
     log_every: int = Field(1, gt=0, description="Write a metrics row every N optimizer steps.")
     report_to: list[Literal["tensorboard", "wandb", "mlflow"]] = Field(
-        default_factory=lambda: ["tensorboard"], description="Trackers (through accelerate); each gets the whole resolved config and the scalars of metrics.jsonl."
+        default_factory=lambda: ["tensorboard"],
+        description="Trackers (through accelerate); each gets the whole resolved config and the scalars of metrics.jsonl."
     )
     project: str = Field("finetune", description="The trackers' project (W&B project, MLflow experiment).")
     run_name: str | None = Field(None, description="The run's name in the trackers (null: the output folder's name).")
@@ -235,7 +241,8 @@ class LoggingConfig(_Section):
 class CheckpointConfig(_Section):
     save_every: int = Field(0, ge=0, description="Save a checkpoint every N optimizer steps (0 = none; the final output is always saved).")
     save_every_minutes: float = Field(0, ge=0, description="Also save when this many minutes have passed since the last save (0 = off).")
-    allow_config_change: bool = Field(False, description="Resume even when settings that change the run (model, adapter, data, batch) differ from the checkpoint's.")
+    allow_config_change: bool = Field(False, description="Resume even when settings that change the run (model, adapter, data, batch) "
+                                      "differ from the checkpoint's.")
     max_restarts_without_progress: int = Field(3, ge=1, description="Refuse to start again after this many starts in a row resumed from the same checkpoint.")
     keep_last: int = Field(2, ge=1, description="Complete checkpoints to keep; older ones are deleted once a newer one is complete.")
     async_save: bool | None = Field(None, description="Write checkpoints in the background (one process, ddp, fsdp): training waits only "
@@ -260,7 +267,8 @@ class GuardConfig(_Section):
     grad_spike_ratio: float = Field(100.0, gt=1, description="A gradient norm this many times the recent median is a spike too (clipping bounds lesser ones).")
     drift: float = Field(0.1, ge=0, description="Roll back when the loss level (median of the last 10 steps) rises this fraction above its lowest "
                          "within the window, or ends the run that far above the run's best (0 = off)...")
-    drift_sigmas: float = Field(6.0, gt=0, description="...and the rise is this many times the noise of a difference of two levels (from the window's step-to-step "
+    drift_sigmas: float = Field(6.0, gt=0, description="...and the rise is this many times the noise of a difference of two levels "
+                                "(from the window's step-to-step "
                                 "deviation), so that noisy small batches do not read as a drift.")
     min_rise: float | None = Field(None, ge=0, description="...and a spike or drift raises the loss by more than this (absolute). null: 0 for "
                                    "sft and orpo; for dpo the loss it starts at (ln 2 for sigmoid): its per-batch loss swings that much "
@@ -270,7 +278,8 @@ class GuardConfig(_Section):
                                  "learning rate too high from the start (healthy runs measured: at most 3.4). 0 = off.")
     skips_before_rollback: int = Field(3, gt=0, description="Skipped steps within the window that trigger a rollback.")
     lr_backoff: float = Field(0.5, gt=0, le=1, description="LR multiplier applied at each rollback.")
-    clip_after_rollback: float | None = Field(None, gt=0, description="Gradient clipping after a rollback (OPT went from 1.0 to 0.3); null keeps train.max_grad_norm.")
+    clip_after_rollback: float | None = Field(None, gt=0, description="Gradient clipping after a rollback (OPT went from 1.0 to 0.3); "
+                                              "null keeps train.max_grad_norm.")
     max_rollbacks: int = Field(3, ge=0, description="Rollbacks before the run stops with a message.")
 
 
@@ -280,16 +289,13 @@ class WatchdogConfig(_Section):
     enabled: bool = Field(True, description="Dump every thread's stack and exit with code 4 when a step hangs (a stuck collective, a dead peer).")
 
 
-Strategy = Literal["none", "ddp", "fsdp", "zero2", "zero3", "zero3_offload"]
-STRATEGIES = get_args(Strategy)  # one vocabulary: the config, `finetune plan --strategy`, the engines
-
-
 class DistributedConfig(_Section):
-    strategy: Strategy = Field(
+    strategy: StrategyName = Field(
         "ddp", description="none (one process only), or with several processes: ddp (replicas, accelerate), fsdp (torch FSDP2 fully_shard per decoder layer), "
         "zero2 / zero3 (DeepSpeed ZeRO: optimizer+gradients / also parameters sharded), zero3_offload (ZeRO-3 with parameters and optimizer in CPU RAM)."
     )
-    fsdp_reshard_after_forward: bool = Field(True, description="FSDP: free gathered weights after forward (full shard); false keeps them (less communication, more memory).")
+    fsdp_reshard_after_forward: bool = Field(True, description="FSDP: free gathered weights after forward (full shard); "
+                                             "false keeps them (less communication, more memory).")
     fsdp_shard_size: int | None = Field(None, gt=0, description="FSDP: processes that share one sharded copy (default: all). "
                                         "Set it to the GPUs per node for hybrid sharding (HSDP): shard within a node, replicate across nodes.")
     fsdp_cpu_offload: bool = Field(False, description="FSDP: keep sharded parameters, gradients and optimizer states in CPU RAM (GPU runs).")
@@ -325,23 +331,24 @@ class RunConfig(_Section):
     def _cross_checks(self) -> RunConfig:
         if self.data.eval is not None and self.data.eval_fraction > 0:
             raise ValueError("data: set either data.eval or data.eval_fraction, not both")
-        strategy = self.distributed.strategy
-        if strategy in ("fsdp", "zero3", "zero3_offload") and self.eval.generate_samples:
+        asked = Strategy.of(self.distributed.strategy)
+        strategy = asked.name
+        if asked.shards_weights and self.eval.generate_samples:
             raise ValueError(f"eval.generate_samples: not available with distributed.strategy {strategy} (the parameters are sharded); set it to 0")
-        if strategy not in ("ddp", "none") and self.train.mixed_precision in ("fp16", "fp8"):
+        if asked.shards_states and self.train.mixed_precision in ("fp16", "fp8"):
             raise ValueError(f"train.mixed_precision: {strategy} runs no/bf16 here (fp16 would need a sharded grad scaler); use bf16")
         q = self.model.quantization
         if strategy == "fsdp" and q is not None:
             raise ValueError("distributed.strategy: fsdp cannot shard a quantized base yet (on CPU FSDP2 drops bitsandbytes' "
                              "quantization state; on CUDA it keeps it, but loading and checkpointing a sharded 4-bit base over "
                              "several GPUs is untested); use zero3 (ZeRO-3 + QLoRA) or ddp")
-        if strategy.startswith("zero") and q is not None and q.bits == 8:
+        if asked.deepspeed and q is not None and q.bits == 8:
             raise ValueError(f"model.quantization: an 8-bit base is not supported under {strategy}; use bits: 4 (QLoRA) or distributed.strategy: ddp")
-        if strategy.startswith("zero") and self.train.optimizer not in ("adamw", "sgd"):
+        if asked.deepspeed and self.train.optimizer not in ("adamw", "sgd"):
             raise ValueError(f"train.optimizer: {self.train.optimizer} is not tested under DeepSpeed ZeRO; use adamw or sgd")
         if self.adapter.init in MUTATED_INITS:
             why = ("adapter.method lora" if self.adapter.method != "lora" else "a quantized base" if q is not None
-                   else f"distributed.strategy {strategy}" if strategy not in ("ddp", "none") else None)
+                   else f"distributed.strategy {strategy}" if not asked.replicated else None)
             if why:
                 raise ValueError(f"adapter.init: {self.adapter.init} moves part of each weight into the adapter; it runs with adapter.method: lora "
                                  f"on an unquantized base in one process or under ddp (not with {why})")
@@ -353,7 +360,7 @@ class RunConfig(_Section):
                              self.train.objective != "sft" else "answers, not pairs: set train.objective: dpo or orpo for data.format: preference"))
         if self.adapter.init == "loftq":
             why = ("adapter.method lora" if self.adapter.method != "lora" else "model.quantization bits: 4" if q is None or q.bits != 4
-                   else f"not distributed.strategy {strategy}" if strategy not in ("ddp", "none") else None)
+                   else f"not distributed.strategy {strategy}" if not asked.replicated else None)
             if why:
                 raise ValueError(f"adapter.init: loftq fits LoRA to a 4-bit base's quantization error, in one process or under ddp; it needs {why}")
         if self.model.quantization is not None and self.adapter.method == "full":
@@ -582,7 +589,7 @@ def to_yaml(cfg: RunConfig) -> str:
 
 
 def reference_markdown() -> str:
-    """Every config key with its type, default and meaning, as Markdown tables (the README's reference)."""
+    """Every config key with its type, default and meaning, as Markdown tables (docs/configuration.md)."""
     lines = []
     for section, field in RunConfig.model_fields.items():
         lines += [f"**`{section}`**", "", "| key | default | meaning |", "| --- | --- | --- |"]

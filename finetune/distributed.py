@@ -14,6 +14,7 @@ import torch
 
 from finetune.config import PRECISIONS, RunConfig
 from finetune.errors import UserError
+from finetune.strategy import Strategy
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -168,14 +169,11 @@ def full_state_dict(model: torch.nn.Module, trainable_only: bool) -> dict[str, t
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=trainable_only))
 
 
-ZERO_STAGES = {"zero2": 2, "zero3": 3, "zero3_offload": 3}
-
-
 def check_strategy(cfg: RunConfig) -> None:
     """Refuse, before loading, a strategy whose engine is missing."""
     import importlib.util
 
-    if cfg.distributed.strategy in ZERO_STAGES and importlib.util.find_spec("deepspeed") is None:
+    if Strategy.of(cfg.distributed.strategy).deepspeed and importlib.util.find_spec("deepspeed") is None:
         raise UserError(f"distributed.strategy: {cfg.distributed.strategy} needs DeepSpeed (pip install 'finetune[deepspeed]')")
     if cfg.distributed.fsdp_cpu_offload and not torch.cuda.is_available():
         raise UserError("distributed.fsdp_cpu_offload: needs a GPU (without one the shards already live in CPU RAM); set it to false")
@@ -188,8 +186,8 @@ def deepspeed_config(cfg: RunConfig, world: int, layer_params: int | None = None
     (5e8 elements per gradient bucket, up to 1e9 parameters kept gathered) are for GPUs beside a large
     host; a 1.1B model's ZeRO-3 LoRA rank held 8.9 GB of CPU RAM for its 2.1 GB shard (5.8 GB with
     these). With them, a rank holds about its shards, two gathered layers and a layer's gradient bucket."""
-    t, strategy = cfg.train, cfg.distributed.strategy
-    zero = {"stage": ZERO_STAGES[strategy], "contiguous_gradients": True, "overlap_comm": False}
+    t, strategy = cfg.train, Strategy.of(cfg.distributed.strategy)
+    zero = {"stage": strategy.zero_stage, "contiguous_gradients": True, "overlap_comm": False}
     if layer_params:
         zero.update(reduce_bucket_size=layer_params, allgather_bucket_size=layer_params)
         if zero["stage"] == 3:
@@ -198,7 +196,7 @@ def deepspeed_config(cfg: RunConfig, world: int, layer_params: int | None = None
             # 10 to 12.4 GB in its first step and was OOM-killed). One layer's worth bounds the copy.
             zero.update(stage3_prefetch_bucket_size=layer_params, stage3_max_live_parameters=2 * layer_params,
                         stage3_max_reuse_distance=layer_params, sub_group_size=layer_params)
-    if strategy == "zero3_offload":
+    if strategy.offload:
         pin = torch.cuda.is_available()
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": pin}
         zero["offload_param"] = {"device": "cpu", "pin_memory": pin}
@@ -218,7 +216,7 @@ def deepspeed_config(cfg: RunConfig, world: int, layer_params: int | None = None
 def zero3_loading(cfg: RunConfig, world: int):
     """Under ZeRO-3, from_pretrained partitions the weights as it loads while this object is alive
     (transformers' documented route); no process then holds the whole model."""
-    if ZERO_STAGES.get(cfg.distributed.strategy) != 3 or world == 1:
+    if Strategy.of(cfg.distributed.strategy, world).zero_stage != 3:
         return None
     import deepspeed
     from transformers.integrations import HfDeepSpeedConfig

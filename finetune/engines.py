@@ -3,7 +3,7 @@
 The training loop calls the same methods whatever the strategy; what differs between one process or
 DDP, FSDP2 and DeepSpeed ZeRO lives here. `engine.load(model_cfg, say)` loads the base as the
 strategy wants it (FSDP: a skeleton on ranks > 0; ZeRO-3: partitioned while loading); once prepared,
-an engine holds the model, optimizer and LR schedule. With one process (whatever the strategy):
+an engine holds the model, optimizer, LR schedule and the checkpointer of its format. With one process (whatever the strategy):
 
 >>> import torch
 >>> from accelerate import Accelerator
@@ -12,7 +12,7 @@ an engine holds the model, optimizer and LR schedule. With one process (whatever
 ...                        "train": {"output_dir": "unused", "lr": 0.1, "max_steps": 3}}, "example")
 >>> engine = engine_for(cfg, Accelerator(cpu=True))
 >>> engine.name, engine.layout, engine.steps_in_backward
-('single', 'full', False)
+('none', 'full', False)
 >>> _ = torch.manual_seed(0)
 >>> engine.prepare(torch.nn.Linear(4, 1), total_steps=3)  # engine.model, .optimizer, .scheduler
 >>> x, y, losses = torch.ones(8, 4), torch.zeros(8, 1), []
@@ -35,27 +35,29 @@ from contextlib import nullcontext
 
 import torch
 
+from finetune.checkpointers import Checkpointer, DcpCheckpointer, DeepSpeedCheckpointer
 from finetune.config import ModelConfig, RunConfig
-from finetune.distributed import (ZERO_STAGES, full_state_dict, gathered_trainable_state, init_deepspeed, shard_fsdp2, stream_source,
-                                  zero3_loading)
+from finetune.distributed import full_state_dict, gathered_trainable_state, init_deepspeed, shard_fsdp2, stream_source, zero3_loading
 from finetune.model import load_model
 from finetune.optim import build_optimizer, build_scheduler, loraplus_params
+from finetune.strategy import Strategy
 
 
 class Replicated:
     """One process, or DDP through accelerate: every rank holds the whole model."""
 
-    layout = "full"  # how checkpoint.save/restore lay out its state
     steps_in_backward = False  # ZeRO: the update happens inside backward, the guard can only roll back
-    gathers = False  # weights gathered layer by layer while computing (the CPU heap tuning is then off)
-    replicated = True  # every rank holds the same trained weights (the end-of-run replica check)
     background_saves = True  # checkpoints may be written while training goes on (DeepSpeed writes its own files, synchronously)
     autocast = True  # accelerate's autocast (FSDP's MixedPrecisionPolicy and DeepSpeed's bf16 mode do its job when sharded)
 
-    def __init__(self, cfg: RunConfig, accelerator, name: str):
-        self.cfg, self.accelerator, self.name = cfg, accelerator, name
+    def __init__(self, cfg: RunConfig, accelerator, strategy: Strategy):
+        self.cfg, self.accelerator, self.strategy = cfg, accelerator, strategy
+        # name as run; layout: how checkpoint.save/restore lay out its state; replicated: every rank holds
+        # the same trained weights (the end-of-run replica check); gathers: weights gathered layer by
+        # layer while computing (the CPU heap tuning is then off)
+        self.name, self.layout, self.replicated, self.gathers = strategy.name, strategy.layout, strategy.replicated, strategy.shards_weights
         self.world, self.rank = accelerator.num_processes, accelerator.process_index
-        self.model = self.optimizer = self.scheduler = None
+        self.model = self.optimizer = self.scheduler = self.checkpointer = None
         self.params: list[torch.nn.Parameter] = []  # the trained ones, as this rank holds them (after prepare)
 
     def load(self, model_cfg: ModelConfig, say) -> torch.nn.Module:
@@ -69,6 +71,7 @@ class Replicated:
         optimizer = build_optimizer(self.params, self.cfg.train, fast=loraplus_params(self.model, self.cfg.train))
         self.scheduler = build_scheduler(optimizer, self.cfg.train, total_steps)
         self.optimizer = self.accelerator.prepare(optimizer)
+        self.checkpointer = Checkpointer(self.model, self.optimizer, self.scheduler, self.accelerator)
 
     def accumulating(self, last: bool):
         """Before the last micro-batch of a step, no gradient reduction across ranks."""
@@ -104,7 +107,7 @@ class Replicated:
 class FSDP(Replicated):
     """FSDP2 (`fully_shard` per decoder layer): rank 0 loads or streams the weights, every rank keeps its shards."""
 
-    layout, gathers, replicated, autocast = "dcp", True, False, False
+    autocast = False
 
     def load(self, model_cfg: ModelConfig, say) -> torch.nn.Module:
         self.stream_from = stream_source(self.cfg.model_copy(update={"model": model_cfg}), say)
@@ -116,6 +119,7 @@ class FSDP(Replicated):
         self.params = trained(self.model)
         self.optimizer = build_optimizer(self.params, self.cfg.train, fast=loraplus_params(self.model, self.cfg.train))
         self.scheduler = build_scheduler(self.optimizer, self.cfg.train, total_steps)
+        self.checkpointer = DcpCheckpointer(self.model, self.optimizer, self.scheduler, self.accelerator)
 
     def accumulating(self, last: bool):
         self.model.set_requires_gradient_sync(last)
@@ -136,18 +140,18 @@ class FSDP(Replicated):
 class Zero(Replicated):
     """DeepSpeed ZeRO-2/3 (offload too): its engine reduces, clips and steps inside backward."""
 
-    layout, steps_in_backward, replicated, autocast, background_saves = "deepspeed", True, False, False, False
+    steps_in_backward, autocast, background_saves = True, False, False
 
-    def __init__(self, cfg: RunConfig, accelerator, name: str):
-        super().__init__(cfg, accelerator, name)
-        self.gathers = ZERO_STAGES[name] == 3
+    def __init__(self, cfg: RunConfig, accelerator, strategy: Strategy):
+        super().__init__(cfg, accelerator, strategy)
         self.partitioning = zero3_loading(cfg, self.world)  # ZeRO-3: weights partitioned as they load, while this lives
 
     def prepare(self, model: torch.nn.Module, total_steps: int) -> None:
         self.params = trained(model)  # the same objects once DeepSpeed wraps the module
-        optimizer = build_optimizer(self.params, self.cfg.train, zero_offload=self.name == "zero3_offload", fast=loraplus_params(model, self.cfg.train))
+        optimizer = build_optimizer(self.params, self.cfg.train, zero_offload=self.strategy.offload, fast=loraplus_params(model, self.cfg.train))
         self.scheduler = build_scheduler(optimizer, self.cfg.train, total_steps)  # drives the groups DeepSpeed wraps
         self.model, self.optimizer = init_deepspeed(model, optimizer, self.cfg, self.world)
+        self.checkpointer = DeepSpeedCheckpointer(self.model, self.optimizer, self.scheduler, self.accelerator)
 
     def accumulating(self, last: bool):
         return nullcontext()  # DeepSpeed reduces at the last micro-batch of its own accord
@@ -183,10 +187,10 @@ def trained(model: torch.nn.Module) -> list[torch.nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
 
 
-def engine_class(cfg: RunConfig, world: int) -> tuple[type[Replicated], str]:
+def engine_class(cfg: RunConfig, world: int) -> tuple[type[Replicated], Strategy]:
     """The engine of distributed.strategy and the strategy as run: sharding applies with several processes only."""
-    strategy = cfg.distributed.strategy if world > 1 else "single"
-    return (FSDP if strategy == "fsdp" else Zero if strategy in ZERO_STAGES else Replicated), strategy
+    strategy = Strategy.of(cfg.distributed.strategy, world)
+    return (FSDP if strategy.layout == "dcp" else Zero if strategy.deepspeed else Replicated), strategy
 
 
 def engine_for(cfg: RunConfig, accelerator) -> Replicated:

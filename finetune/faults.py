@@ -58,13 +58,12 @@ def loss_factor(data_step: int, rank: int) -> float:
     return 1000.0 if _due(data_step, rank, ("spike",)) else 1.0
 
 
-def inject(step: int, rank: int) -> None:
-    """Called at the start of each optimizer step, with the number of steps done."""
+def inject(step: int, rank: int, settle) -> None:
+    """Called at the start of each optimizer step, with the number of steps done. `settle()` first
+    completes a background save, so a test knows the newest checkpoint (kill-saving kills mid-write)."""
     if not _due(step, rank, ("raise", "kill", "hang")):
         return
-    from finetune import checkpoint
-
-    checkpoint.wait()  # a background save completes first, so a test knows the newest checkpoint (kill-saving kills mid-write)
+    settle()
     if FAULT.kind == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
     if FAULT.kind == "hang":

@@ -1,6 +1,6 @@
 """Memory planner: what a run will need per device, from the model's config.json alone.
 
-The arithmetic (bytes per parameter, per token) is spelled out in the README with a worked 7B
+The arithmetic (bytes per parameter, per token) is spelled out in docs/planning.md with a worked 7B
 example. Rows: weights, gradients, optimizer states, activations (with or without checkpointing) and,
 on GPUs, a reserve for the CUDA context and allocator slack.
 """
@@ -15,9 +15,9 @@ from finetune import families
 from finetune.config import DTYPE_BYTES, RunConfig, read_model_config
 from finetune.errors import UserError
 from finetune.families import Linear
+from finetune.strategy import Strategy
 
 GiB = 2**30
-REPLICATED = ("none", "ddp")  # every device holds the whole model and its states
 # Optimizer state bytes per trainable parameter (None: same as the parameter's own bytes, twice).
 OPTIMIZER_STATE_BYTES = {"adamw": None, "paged_adamw_32bit": 8, "adamw_8bit": 2, "paged_adamw_8bit": 2, "lion": 4, "lion_8bit": 1}
 GPU_RESERVE = 1.0 * GiB  # CUDA context + caching-allocator slack, measured-ish; 0 on CPU
@@ -134,7 +134,8 @@ def skeleton_shape(folder: Path) -> Shape:
     heads = config.num_attention_heads
     width = next((w for w in (getattr(config, key, None) for key in ("intermediate_size", "ffn_dim", "n_inner")) if isinstance(w, int)), 4 * hidden)
     other = sum(p.numel() for p in model.parameters()) - sum(layer.params for layer in linears) - vocab * hidden * (1 if tied else 2)
-    return Shape(vocab=vocab, hidden=hidden, layers=config.num_hidden_layers, kv_dim=(getattr(config, "num_key_value_heads", None) or heads) * (hidden // heads),
+    kv_dim = (getattr(config, "num_key_value_heads", None) or heads) * (hidden // heads)
+    return Shape(vocab=vocab, hidden=hidden, layers=config.num_hidden_layers, kv_dim=kv_dim,
                  mlp_width=width, tied=tied, linears=tuple(linears), norms_and_biases=other, config={},
                  meta_buffers=sum(b.numel() * b.element_size() for b in model.buffers()))
 
@@ -156,19 +157,21 @@ class Setup:
     fsdp_cpu_offload: bool = False  # distributed.fsdp_cpu_offload
 
     @property
-    def splits_states(self) -> bool:
-        """Gradients and optimizer states split over the devices (FSDP, ZeRO-2/3)."""
-        return self.strategy not in REPLICATED
+    def run_as(self) -> Strategy:
+        return Strategy.of(self.strategy, self.devices)
 
     @property
-    def splits_weights(self) -> bool:
-        """Weights split too and gathered layer by layer to compute (FSDP, ZeRO-3)."""
-        return self.strategy in ("fsdp", "zero3", "zero3_offload")
+    def shards_states(self) -> bool:
+        return self.run_as.shards_states
+
+    @property
+    def shards_weights(self) -> bool:
+        return self.run_as.shards_weights
 
     @property
     def offloads(self) -> bool:
         """Sharded weights, gradients and optimizer states kept in CPU RAM (a GPU run)."""
-        return self.strategy == "zero3_offload" or (self.strategy == "fsdp" and self.fsdp_cpu_offload)
+        return self.run_as.offload or (self.run_as.name == "fsdp" and self.fsdp_cpu_offload)
 
 
 def setup_from_config(cfg: RunConfig, devices: int, strategy: str | None = None) -> Setup:
@@ -180,7 +183,7 @@ def setup_from_config(cfg: RunConfig, devices: int, strategy: str | None = None)
         micro_batch=cfg.train.micro_batch_size, seq_len=cfg.data.max_seq_len,
         activation_bytes=2 if mp in ("bf16", "fp16", "fp8") or weight_bytes == 2 else 4,
         checkpointing=cfg.train.gradient_checkpointing, devices=devices,
-        strategy=(strategy or cfg.distributed.strategy) if devices > 1 else "none",  # one process runs unsharded (engines.engine_for)
+        strategy=Strategy.of(strategy or cfg.distributed.strategy, devices).name,  # one process runs unsharded
         fsdp_cpu_offload=cfg.distributed.fsdp_cpu_offload,
     )
 
@@ -227,17 +230,17 @@ def estimate(shape: Shape, cfg: RunConfig, s: Setup) -> dict[str, float]:
         state = param_bytes if cfg.train.momentum > 0 else 0
     optimizer = n_train * (2 * param_bytes if state is None else state)
     # Sharding: ZeRO-2 splits gradients and optimizer states, ZeRO-3/FSDP the weights too.
-    if s.splits_states:
+    if s.shards_states:
         grads, optimizer = grads / s.devices, optimizer / s.devices
     weights = base + adapter
     rows = {"weights": weights, "gradients": grads, "optimizer states": optimizer, "activations": activations(shape, s)}
-    if s.splits_weights:
+    if s.shards_weights:
         rows["weights"] = weights / s.devices
         rows["gathered for compute"] = gathered(shape, s, full)
-    if s.strategy.startswith("zero"):  # DeepSpeed's optimizer keeps an fp32 copy of its partition, even of fp32 weights
+    if s.run_as.deepspeed:  # DeepSpeed's optimizer keeps an fp32 copy of its partition, even of fp32 weights
         rows["fp32 master weights (DeepSpeed)"] = n_train * 4 / s.devices
     if cfg.train.objective == "dpo" and full:  # a frozen copy of the base, held as the policy is (adapters: the base with them off)
-        rows["DPO reference model"] = base / s.devices if s.splits_weights else base
+        rows["DPO reference model"] = base / s.devices if s.shards_weights else base
     temporaries = dense_temporaries(shape, cfg, s)
     if temporaries:
         rows["dense weight temporaries"] = temporaries
@@ -287,7 +290,7 @@ def heap_holes(shape: Shape, cfg: RunConfig, s: Setup) -> float:
     a part of their place, so the next layer's need fresh heap. Measured on the 1.1B QLoRA (fp32
     compute) and DoRA runs with checkpointing: about one fp32 copy of the largest adapted weight per
     layer in the forward and again in the backward's recompute (docs/platform-notes.md)."""
-    if s.splits_weights or not dense_temporaries(shape, cfg, s):
+    if s.shards_weights or not dense_temporaries(shape, cfg, s):
         return 0.0
     return 2 * shape.layers * max(l.fan_in * l.fan_out for l in adapted(shape, cfg)) * 4
 
@@ -378,7 +381,7 @@ def step_time(cfg: RunConfig, s: Setup, tflops: float, mfu: float, bandwidth: fl
     share = (d - 1) / d
     if d == 1:
         sent = 0.0
-    elif s.splits_weights:
+    elif s.shards_weights:
         sent = share * (2 * weight_bytes * cfg.train.grad_accum + grads)
     else:
         sent = share * 2 * grads
@@ -400,12 +403,13 @@ def alternatives(cfg: RunConfig, plan: Plan, gpu: bool) -> list[tuple[str, Plan]
     if not s.checkpointing:
         options.append(("train.gradient_checkpointing: true", replace(s, checkpointing=True)))
     if s.micro_batch > 1:
-        options.append((f"train.micro_batch_size: {max(1, s.micro_batch // 2)} (raise grad_accum to keep the batch)", replace(s, micro_batch=max(1, s.micro_batch // 2))))
+        half = max(1, s.micro_batch // 2)
+        options.append((f"train.micro_batch_size: {half} (raise grad_accum to keep the batch)", replace(s, micro_batch=half)))
     if s.optimizer in ("adamw", "paged_adamw_32bit"):
         options.append(("train.optimizer: adamw_8bit", replace(s, optimizer="adamw_8bit")))
-    if s.devices > 1 and not s.splits_weights:
+    if s.devices > 1 and not s.shards_weights:
         options.append((f"FSDP over {s.devices} devices (distributed.strategy: fsdp)", replace(s, strategy="fsdp")))
-    if gpu and s.splits_weights and not s.offloads:
+    if gpu and s.shards_weights and not s.offloads:
         options.append(("sharded states in CPU RAM (distributed.fsdp_cpu_offload: true, or strategy zero3_offload)",
                         replace(s, strategy="fsdp", fsdp_cpu_offload=True) if s.strategy == "fsdp" else replace(s, strategy="zero3_offload")))
     out = [(label, make_plan(cfg, gpu=gpu, setup=alt)) for label, alt in options]
@@ -459,7 +463,7 @@ def render(plan: Plan, budget: float, where: str, alts: list[tuple[str, Plan]]) 
     lines += [f"| {name:<32} | {value / scale:>9.2f} |" for name, value in plan.rows.items()]
     lines.append(f"| {'total':<32} | {plan.total / scale:>9.2f} |")
     if plan.host:
-        lines.append(f"offloaded to CPU RAM, per process: " + ", ".join(f"{name} {value / GiB:.2f} GiB" for name, value in plan.host.items())
+        lines.append("offloaded to CPU RAM, per process: " + ", ".join(f"{name} {value / GiB:.2f} GiB" for name, value in plan.host.items())
                      + f" ({sum(plan.host.values()) / GiB:.2f} GiB; x {s.devices} processes over the nodes)")
     if s.bits and plan.unquantized_experts:
         lines.append(f"note: bitsandbytes quantizes nn.Linear layers only: {plan.unquantized_experts:,} expert and router parameters stay in fp32")

@@ -11,6 +11,7 @@ import torch
 
 from finetune.config import RunConfig
 from finetune.errors import UserError
+from finetune.strategy import NAMES
 
 
 def launcher_strategy(cfg: RunConfig) -> str | None:
@@ -28,8 +29,8 @@ def launcher_strategy(cfg: RunConfig) -> str | None:
     if asked is None:
         return None
     if cfg.distributed.strategy != asked:
-        offered = "ddp, fsdp, zero2, zero3, zero3_offload"
-        fix = f"set distributed.strategy: {asked}" if asked in offered.split(", ") else f"use an accelerate config for one of: {offered}"
+        offered = [name for name in NAMES if name != "none"]
+        fix = f"set distributed.strategy: {asked}" if asked in offered else f"use an accelerate config for one of: {', '.join(offered)}"
         raise UserError(f"accelerate config asks for {asked} but the run config has distributed.strategy: {cfg.distributed.strategy}; "
                         f"{fix} (finetune applies the strategy itself)")
     return flag

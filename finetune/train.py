@@ -36,24 +36,24 @@ import torch
 from finetune import checkpoint, families, faults, preflight, runtime
 from finetune.attention import leak, mixer_outside_attention
 from finetune.chat import choose_template
+from finetune.checkpointers import load_trainable
 from finetune.config import CONFIG_FILE, MUTATED_INITS, SUMMARY_FILE, ModelConfig, RunConfig, looks_local, to_yaml
 from finetune.data import Datasets, load_data, summary_lines
-from finetune.packing import epoch_batches
 from finetune.distributed import local_numel
 from finetune.engines import Replicated, engine_class, engine_for
 from finetune.errors import EXIT_DIVERGED, EXIT_PREEMPTED, Stopped, UserError
-from finetune.guard import DRIFT_STEPS, Guard, Verdict, data_step
-from finetune.loss import to_device
 from finetune.evaluate import eval_loss, exact_match
+from finetune.guard import DRIFT_STEPS, Guard, Verdict, data_step
 from finetune.locks import hold_output_dir, release_output_dir
-from finetune.objectives import SFT, Preference, objective_for
+from finetune.loss import to_device
 from finetune.metrics import EVENTS_FILE, RunLog, plot_loss_curve, tracked_config, tracker_kwargs, write_event
 from finetune.model import adapter_input_casting_off, apply_adapter, compile_layers, describe, load_tokenizer, loftq_init
+from finetune.objectives import SFT, Preference, objective_for
 from finetune.optim import current_lr, set_peak_lr, warmup_steps
+from finetune.packing import epoch_batches
+from finetune.resume import Progress, clear_starts, resume
 from finetune.stage import staged_model
 from finetune.supervise import Watchdog, stop_with_launcher, watch_preemption
-
-
 
 # A packed sample's logits may move by rounding (bf16 kernels over rows of other lengths), a small
 # share of what the sample before it would move them as context; samples that see each other move them
@@ -163,11 +163,8 @@ def run(cfg: RunConfig) -> RunResult:
     try:
         return _run(cfg)
     finally:
-        try:
-            checkpoint.wait()  # a save in flight completes before the run lets go of its folder
-        finally:
-            if lock is not None:
-                release_output_dir(lock)
+        if lock is not None:
+            release_output_dir(lock)
 
 
 def claim_output_dir(out: Path):
@@ -181,11 +178,16 @@ def claim_output_dir(out: Path):
 
 def _run(cfg: RunConfig) -> RunResult:
     run = setup(cfg)
-    # Adapter inputs stay uncast for the whole loop (set once: it walks every module); lifted before
-    # the evaluation and generation after it, which run outside autocast.
-    with adapter_input_casting_off(run.engine.model, run.accelerator.mixed_precision):
-        train_loop(run)
-    return finish(run)
+    try:
+        if run.progress.step == 0:
+            start_point(run)
+        # Adapter inputs stay uncast for the whole loop (set once: it walks every module); lifted before
+        # the evaluation and generation after it, which run outside autocast.
+        with adapter_input_casting_off(run.engine.model, run.accelerator.mixed_precision):
+            train_loop(run)
+        return finish(run)
+    finally:
+        run.engine.checkpointer.wait()  # a save in flight completes before the run lets go of its folder
 
 
 @dataclass
@@ -210,8 +212,7 @@ class RunState:
     guard: Guard | None = None
     watchdog: Watchdog | None = None
     start_step: int = 0  # where this start of the run began (a resumed step, or 0)
-    step: int = 0
-    tokens: int = 0
+    progress: Progress = field(default_factory=Progress)  # progress.step: optimizer steps done
     last: dict = field(default_factory=dict)  # the last logged step's metrics
     started: float = 0.0
     last_save: float = 0.0
@@ -250,8 +251,6 @@ def setup(cfg: RunConfig) -> RunState:
     stop_if_preempted(signalled, preemption.name, run.out, run.main, "before the first step")
     runtime.keep_freed_memory(gathers=run.engine.gathers)
     runtime.reset_peak_rss()
-    if run.step == 0:
-        start_point(run)
     return run
 
 
@@ -266,7 +265,7 @@ def start_point(run: RunState) -> None:
     guard.set_start(start_losses(run), result["eval_loss"] if result else None)
     run.say(f"start: loss level {guard.state.start_level[0]:.4f} on the first {DRIFT_STEPS} steps' batches before training")
     if cfg.adapter.method != "full":
-        save(run, 0)
+        save(run)
 
 
 def start_losses(run: RunState) -> list[float]:
@@ -386,13 +385,12 @@ def resume_or_start(run: RunState) -> None:
                                                        else cfg.adapter.method != "full")
     if cfg.logging.report_to:
         run.accelerator.init_trackers(cfg.logging.project, config=tracked_config(cfg), init_kwargs=tracker_kwargs(cfg.logging, run.out))
-    resumed = resume(cfg, engine.model, engine.optimizer, engine.scheduler, run.accelerator, engine.layout)
-    run.start_step = run.step = resumed.step
-    run.tokens = resumed.tokens
-    run.log = RunLog(run.out, run.schedule.total_steps, run.accelerator, run.main, cfg.logging.progress_bar, run.step)
-    for kind, message in resumed.events:
-        run.log.event(kind, run.step, message)
-    run.guard = Guard(cfg.guard, resumed.guard_state, cfg.guard.min_rise if cfg.guard.min_rise is not None else run.objective.start_loss,
+    run.progress, events = resume(cfg, engine.checkpointer, run.accelerator)
+    run.start_step = run.progress.step
+    run.log = RunLog(run.out, run.schedule.total_steps, run.accelerator, run.main, cfg.logging.progress_bar, run.progress.step)
+    for kind, message in events:
+        run.log.event(kind, run.progress.step, message)
+    run.guard = Guard(cfg.guard, run.progress.guard, cfg.guard.min_rise if cfg.guard.min_rise is not None else run.objective.start_loss,
                       warmup=warmup_steps(cfg.train, run.schedule.total_steps))
     set_peak_lr(engine.scheduler, cfg.train.lr * run.guard.state.lr_scale)  # the config's LR wins over the checkpoint's (OPT's logbook)
     rank = run.accelerator.process_index
@@ -418,58 +416,59 @@ class StepOutcome:
 
 
 def train_loop(run: RunState) -> None:
-    """Steps until the schedule's end. The data a step reads is a function of `run.step`."""
+    """Steps until the schedule's end. The data a step reads is a function of `run.progress.step`."""
     cfg, log, total = run.cfg, run.log, run.schedule.total_steps
     run.engine.model.train()
     run.started = window_start = time.perf_counter()
     window_tokens = 0
-    while run.step < total:
-        run.watchdog.start_step(run.step)
+    while run.progress.step < total:
+        run.watchdog.start_step(run.progress.step)
         done = train_step(run)
         run.watchdog.end_step()
         if done.verdict.action in ("rollback", "stop"):
-            run.step, run.tokens = roll_back(run, run.step, done.verdict)
-            log.advance(run.step - log.position())
+            run.progress = roll_back(run, run.progress.step, done.verdict)
+            log.advance(run.progress.step - log.position())
             continue
         if done.verdict.action == "skip":
-            log.event("anomaly" if run.engine.steps_in_backward else "skip", run.step,
-                      f"guard: step {run.step + 1}: {done.verdict.reason} (DeepSpeed applied it already: only rollbacks help)"
-                      if run.engine.steps_in_backward else f"guard: step {run.step + 1} not applied: {done.verdict.reason}")
-        run.tokens += done.real_tokens
+            log.event("anomaly" if run.engine.steps_in_backward else "skip", run.progress.step,
+                      f"guard: step {run.progress.step + 1}: {done.verdict.reason} (DeepSpeed applied it already: only rollbacks help)"
+                      if run.engine.steps_in_backward else f"guard: step {run.progress.step + 1} not applied: {done.verdict.reason}")
+        run.progress.tokens += done.real_tokens
+        run.progress.epoch = done.epoch
         window_tokens += done.real_tokens
-        run.step += 1
+        run.progress.step += 1
         log.advance()
-        if run.step % cfg.logging.log_every == 0 or run.step == total:
+        if run.progress.step % cfg.logging.log_every == 0 or run.progress.step == total:
             now = time.perf_counter()
-            run.last = {"step": run.step, "epoch": done.epoch, "loss": done.loss, "grad_norm": done.grad_norm, "lr": current_lr(run.engine.scheduler),
-                        "tokens": run.tokens, "tokens_per_s": window_tokens / max(now - window_start, 1e-9), "elapsed_s": now - run.started,
+            run.last = {"step": run.progress.step, "epoch": done.epoch, "loss": done.loss, "grad_norm": done.grad_norm, "lr": current_lr(run.engine.scheduler),
+                        "tokens": run.progress.tokens, "tokens_per_s": window_tokens / max(now - window_start, 1e-9), "elapsed_s": now - run.started,
                         "time": time.time()}
             if done.router_loss is not None:
                 run.last["router_aux_loss"] = done.router_loss
             run.last.update(done.metrics)
             log.write(run.last)
             window_tokens, window_start = 0, now
-        if cfg.eval.every and run.step % cfg.eval.every == 0 and run.step < total:
-            evaluate(run, run.step)
-        every = cfg.checkpoint.save_every and run.step % cfg.checkpoint.save_every == 0
-        if run.step < total and (every or done.time_due or done.preempted):
-            save(run, done.epoch)
-        if done.preempted and run.step < total:
+        if cfg.eval.every and run.progress.step % cfg.eval.every == 0 and run.progress.step < total:
+            evaluate(run, run.progress.step)
+        every = cfg.checkpoint.save_every and run.progress.step % cfg.checkpoint.save_every == 0
+        if run.progress.step < total and (every or done.time_due or done.preempted):
+            save(run)
+        if done.preempted and run.progress.step < total:
             stop_preempted(run)
-        if run.step == total:  # the final weights must not have drifted worse than the run's best
-            verdict = run.guard.finish(run.step - 1)
+        if run.progress.step == total:  # the final weights must not have drifted worse than the run's best
+            verdict = run.guard.finish(run.progress.step - 1)
             if verdict.action != "apply":
-                run.step, run.tokens = roll_back(run, run.step - 1, verdict)
-                log.advance(run.step - log.position())
+                run.progress = roll_back(run, run.progress.step - 1, verdict)
+                log.advance(run.progress.step - log.position())
     log.close_bar()
 
 
 def train_step(run: RunState) -> StepOutcome:
     """Forward and backward over the step's micro-batches; the guard judges the step before the
     engine applies it. One all-reduce and host sync: every rank takes the same decision."""
-    cfg, engine, accelerator, step = run.cfg, run.engine, run.accelerator, run.step
+    cfg, engine, accelerator, step = run.cfg, run.engine, run.accelerator, run.progress.step
     rank, world, device = accelerator.process_index, accelerator.num_processes, accelerator.device
-    faults.inject(step, rank)
+    faults.inject(step, rank, engine.checkpointer.wait)
     position = data_step(step, run.guard.state.skip_windows + [list(w) for w in cfg.train.skip_data])
     epoch, micro_batches, totals, global_real = step_batches(run, position)
     # The loss is a mean over every trained token (or pair) of the step, across micro-batches and ranks:
@@ -505,7 +504,7 @@ def train_step(run: RunState) -> StepOutcome:
     verdict = run.guard.check(step, step_loss, grad_norm)
     if not engine.steps_in_backward:
         if verdict.action == "apply":
-            waited = checkpoint.staged()  # a background save's copy of the weights first
+            waited = engine.checkpointer.staged()  # a background save's copy of the weights first
             if waited > 0.01:
                 run.log.print(f"step {step + 1}: training paused {waited:.2f} s more while the checkpoint was copied")
             engine.step()
@@ -544,12 +543,11 @@ def evaluate(run: RunState, step: int) -> dict | None:
     return result
 
 
-def save(run: RunState, epoch: int) -> None:
-    engine, step = run.engine, run.step
-    trainer_state = {"tokens": run.tokens, "epoch": epoch, "guard": run.guard.state_dict(), "good": run.guard.is_healthy(step)}
+def save(run: RunState) -> None:
+    engine, step = run.engine, run.progress.step
+    progress = dataclasses.replace(run.progress, guard=run.guard.state_dict(), good=run.guard.is_healthy(step))
     began = time.perf_counter()
-    saved = checkpoint.save(run.out, step, engine.model, engine.optimizer, engine.scheduler, trainer_state, to_yaml(run.cfg), run.accelerator,
-                            run.cfg.checkpoint.keep_last, engine.layout, run.background)
+    saved = engine.checkpointer.save(run.out, progress.state_dict(), to_yaml(run.cfg), run.cfg.checkpoint.keep_last, run.background)
     if saved:  # the seconds training waited (bench/large.py compares them with and without background writes)
         run.log.print(f"step {step}: checkpoint {'being written in the background to' if run.background else 'saved to'} {saved} "
                       f"(training paused {time.perf_counter() - began:.2f} s)")
@@ -557,19 +555,20 @@ def save(run: RunState, epoch: int) -> None:
 
 
 def stop_preempted(run: RunState) -> None:
-    checkpoint.wait()
+    run.engine.checkpointer.wait()
     name = run.preemption.name or "a signal on another rank"
-    run.log.event("preempted", run.step, f"{name}: checkpoint saved at step {run.step}; exiting with code {EXIT_PREEMPTED}, "
+    run.log.event("preempted", run.progress.step, f"{name}: checkpoint saved at step {run.progress.step}; exiting with code {EXIT_PREEMPTED}, "
                   "start the same command to resume")
     run.log.close_bar()
     runtime.finish_distributed(run.accelerator)
-    raise Stopped(f"preempted at step {run.step}: checkpoint saved; start the same command to resume", EXIT_PREEMPTED)
+    raise Stopped(f"preempted at step {run.progress.step}: checkpoint saved; start the same command to resume", EXIT_PREEMPTED)
 
 
-def roll_back(run: RunState, trouble_step: int, verdict: Verdict) -> tuple[int, int]:
+def roll_back(run: RunState, trouble_step: int, verdict: Verdict) -> Progress:
     """Back to the newest good checkpoint before the trouble, with a lower LR and the data that led
-    to the trouble skipped; or stop with what was seen. Returns (step, tokens) to go on from."""
+    to the trouble skipped; or stop with what was seen. Returns the progress to go on from."""
     guard, engine, lr = run.guard, run.engine, run.cfg.train.lr
+    engine.checkpointer.wait()
     target = checkpoint.find_good(run.out, verdict.before_step)  # at or before the trouble (a drift: its lowest level)
     if verdict.action == "stop" or target is None:
         if target and checkpoint.step_of(target) == 0:
@@ -583,13 +582,13 @@ def roll_back(run: RunState, trouble_step: int, verdict: Verdict) -> tuple[int, 
             where = "there is no good checkpoint to roll back to (set checkpoint.save_every)"
         run.log.event("stop", trouble_step, f"guard: {verdict.reason}; {where}")
         raise Stopped(f"step {trouble_step + 1}: training diverged: {verdict.reason}; {where}", EXIT_DIVERGED)
-    state = checkpoint.restore(target, engine.model, engine.optimizer, engine.scheduler, run.accelerator, engine.layout, run.out)
-    guard.rolled_back(state["step"], trouble_step, saved=state.get("guard"))
+    back = Progress.from_state_dict(engine.checkpointer.restore(target, run.out))
+    guard.rolled_back(back.step, trouble_step, saved=back.guard)
     set_peak_lr(engine.scheduler, lr * guard.state.lr_scale)
     run.log.event("rollback", trouble_step, f"guard: {verdict.reason}; rolled back to {target.name}, LR x{guard.state.lr_scale:g} "
-                  f"(now {lr * guard.state.lr_scale:.3g}), batches of steps {state['step'] + 1}-{trouble_step + 1} skipped"
+                  f"(now {lr * guard.state.lr_scale:.3g}), batches of steps {back.step + 1}-{trouble_step + 1} skipped"
                   + (f", clipping at {guard.state.max_grad_norm}" if guard.state.max_grad_norm else ""))
-    return state["step"], state["tokens"]
+    return back
 
 
 # ------------------------------------------------------------------------------------------------
@@ -598,7 +597,7 @@ def roll_back(run: RunState, trouble_step: int, verdict: Verdict) -> tuple[int, 
 
 def finish(run: RunState) -> RunResult:
     cfg, engine, accelerator = run.cfg, run.engine, run.accelerator
-    checkpoint.wait()  # the last save complete: last_good may pick it, and DCP's background writes need the process group
+    engine.checkpointer.wait()  # the last save complete: last_good may pick it, and DCP's background writes need the process group
     summary = summarize(run)
     # Save: PEFT adapter or full model, tokenizer and resolved config, in ordinary HF formats.
     accelerator.wait_for_everyone()
@@ -619,7 +618,7 @@ def finish(run: RunState) -> RunResult:
             summary.update(compare_generations(run, unwrapped))
         (run.out / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
         run.say(_summary_line(summary))
-        checkpoint.clear_starts(run.out)  # a finished run ends any restart loop
+        clear_starts(run.out)  # a finished run ends any restart loop
     worse = ended_worse(run, summary)
     runtime.finish_distributed(accelerator)
     accelerator.end_training()  # trackers; the process group is already gone
@@ -645,7 +644,7 @@ def summarize(run: RunState) -> dict:
     """The run's figures: losses, tokens, the guard's report, memory, where things came from."""
     cfg, engine, last = run.cfg, run.engine, run.last
     final_eval = evaluate(run, run.schedule.total_steps)
-    summary = {"steps": run.schedule.total_steps, "train_loss": last.get("loss"), "tokens": run.tokens, "elapsed_s": time.perf_counter() - run.started}
+    summary = {"steps": run.schedule.total_steps, "train_loss": last.get("loss"), "tokens": run.progress.tokens, "elapsed_s": time.perf_counter() - run.started}
     if "router_aux_loss" in last:
         summary["router_aux_loss"] = last["router_aux_loss"]
     summary.update(final_eval or {})
@@ -700,7 +699,7 @@ def last_good(out: Path, best_step: int, evaluate, model) -> dict:
     if path is None or evaluate is None:
         return result
     final = checkpoint.host_copy(checkpoint.trainable_state(model))  # a copy: loading the checkpoint overwrites the parameters
-    checkpoint.load_trainable(path, model)
+    load_trainable(path, model)
     result["last_good_eval_loss"] = evaluate()["eval_loss"]
     model.load_state_dict(final, strict=False)
     return result
@@ -729,80 +728,6 @@ def replicas_identical(params: list[torch.nn.Parameter], accelerator) -> bool:
     """True when every rank holds the same trained weights (replicas that drift apart are a silent bug)."""
     gathered = accelerator.gather(replica_checksum(params).to(accelerator.device)[None]).cpu()
     return bool((gathered == gathered[0]).all())
-
-
-@dataclass
-class Resumed:
-    step: int = 0
-    tokens: int = 0
-    guard_state: dict | None = None
-    events: list[tuple[str, str]] = field(default_factory=list)  # (kind, message) for events.jsonl
-
-
-def resume(cfg: RunConfig, model, optimizer, scheduler, accelerator, layout: str) -> Resumed:
-    """Where to start: a fresh run, or the checkpoint restored (auto: the newest complete one)."""
-    result = Resumed()
-    choice = cfg.checkpoint.resume
-    path = None
-    if choice == "auto":
-        found = checkpoint.find_latest(cfg.train.output_dir)
-        if found is not None:
-            result.events += [("checkpoint_skipped", line) for line in found.skipped]
-            path = found.path
-        if path is None and (found is not None or checkpoint.starts_file(cfg.train.output_dir).exists()):
-            # an earlier start of this run ended (killed, crashed) before it saved a complete checkpoint
-            result.events.append(("restart", "no complete checkpoint to resume from: starting afresh"))
-    elif choice != "never":
-        path = Path(choice)
-        problem = checkpoint.verify(path) if path.is_dir() else "not a folder"
-        if problem:
-            raise UserError(f"checkpoint.resume: {choice}: {problem}")
-    if path is not None:
-        check_config_change(path, cfg, result)
-    _check_restart_loop(cfg, path, accelerator)
-    if path is None:
-        return result
-    began = time.perf_counter()
-    try:
-        state = checkpoint.restore(path, model, optimizer, scheduler, accelerator, layout, Path(cfg.train.output_dir))
-    except ValueError as err:
-        raise UserError(f"checkpoint.resume: {err}") from None
-    result.step, result.tokens, result.guard_state = state["step"], state["tokens"], state.get("guard")
-    result.events.append(("restart", f"resumed from {path} at step {state['step']} ({time.perf_counter() - began:.1f} s)"))
-    return result
-
-
-def check_config_change(path: Path, cfg: RunConfig, result: Resumed) -> None:
-    """Settings that change what is trained must match the checkpoint's; the rest may change (and a
-    new LR or clipping then wins over the checkpoint's)."""
-    import yaml
-
-    from finetune.config import config_changes
-
-    breaking, harmless = config_changes(yaml.safe_load((path / CONFIG_FILE).read_text()) or {}, cfg)
-    if breaking and not cfg.checkpoint.allow_config_change:
-        raise UserError(f"checkpoint.resume: {path} was written with a different config: {'; '.join(breaking[:4])}. "
-                        "Start in a new train.output_dir, or set checkpoint.allow_config_change: true to resume anyway")
-    if breaking or harmless:
-        result.events.append(("config_change", "resuming with changed settings: " + "; ".join(breaking + harmless)))
-
-
-def _check_restart_loop(cfg: RunConfig, path: Path | None, accelerator) -> None:
-    """Refuse to start for the N+1-th time in a row from the same checkpoint with the same config:
-    each of those starts crashed before saving anything newer."""
-    if cfg.checkpoint.resume == "never":
-        return
-    step = (path and checkpoint.step_of(path)) or 0
-    starts = checkpoint.count_starts(cfg.train.output_dir, step, to_yaml(cfg))
-    accelerator.wait_for_everyone()  # every rank has read the record before it changes
-    if starts > cfg.checkpoint.max_restarts_without_progress:
-        raise Stopped(
-            f"restart loop: {starts - 1} starts in a row resumed from {'step ' + str(step) if step else 'the beginning'} and "
-            f"crashed before saving a newer checkpoint (checkpoint.max_restarts_without_progress: "
-            f"{cfg.checkpoint.max_restarts_without_progress}); find the cause in the logs, then delete "
-            f"{checkpoint.starts_file(cfg.train.output_dir)} to try again", EXIT_DIVERGED)
-    if accelerator.is_main_process:
-        checkpoint.record_start(cfg.train.output_dir, step, to_yaml(cfg), starts)
 
 
 def _summary_line(summary: dict) -> str:

@@ -6,7 +6,6 @@ import json
 import os
 
 import pytest
-
 from conftest import base_config, read_jsonl, run_cli, write_config
 
 
@@ -74,7 +73,8 @@ def test_resume_from_a_bad_path_is_one_line(tmp_path, tiny_model_dir):
     cfg = base_config(tiny_model_dir, tmp_path / "out", checkpoint={"resume": str(tmp_path / "nope")})
     result = _run(tmp_path, cfg)
     assert result.returncode == 2 and result.stderr.strip().splitlines() == [
-        f"error: {tmp_path / 'c.yaml'}: checkpoint.resume: expected auto, never or a checkpoint folder; no folder {tmp_path / 'nope'} (got \"{tmp_path / 'nope'}\")"
+        f"error: {tmp_path / 'c.yaml'}: checkpoint.resume: expected auto, never or a checkpoint folder; "
+        f"no folder {tmp_path / 'nope'} (got \"{tmp_path / 'nope'}\")"
     ]  # refused before anything is tokenized or loaded
 
 
@@ -156,6 +156,7 @@ def test_a_background_save_holds_the_weights_of_its_step_once_staged(tmp_path):
     from safetensors.torch import load_file
 
     from finetune import checkpoint
+    from finetune.checkpointers import Checkpointer
 
     model = torch.nn.Linear(4096, 4096)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -164,13 +165,14 @@ def test_a_background_save_holds_the_weights_of_its_step_once_staged(tmp_path):
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
     momentum = optimizer.state[model.weight]["momentum_buffer"].clone()
-    path = checkpoint.save(tmp_path, 1, model, optimizer, scheduler, {"tokens": 0}, "x: 1\n", Accelerator(cpu=True), keep_last=1, background=True)
-    checkpoint.staged()
+    checkpointer = Checkpointer(model, optimizer, scheduler, Accelerator(cpu=True))
+    path = checkpointer.save(tmp_path, 1, {"tokens": 0}, "x: 1\n", keep_last=1, background=True)
+    checkpointer.staged()
     with torch.no_grad():
         for p in model.parameters():
             p.add_(1.0)
         optimizer.state[model.weight]["momentum_buffer"].add_(1.0)
-    checkpoint.wait()
+    checkpointer.wait()
     assert checkpoint.verify(path) is None
     saved = load_file(path / checkpoint.WEIGHTS)
     assert all(torch.equal(saved[name], before[name]) for name in before)

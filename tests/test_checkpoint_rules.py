@@ -19,7 +19,7 @@ def _write(root, step: int, good: bool = True, best: list | None = None, keep_la
     tmp.mkdir(parents=True)
     state = {"step": step, "tokens": 10 * step, "good": good, "guard": {"best": best}}
     files = {checkpoint.WEIGHTS: {"w": torch.full((3,), float(step))}, "trainer_state.json": json.dumps(state)}
-    return checkpoint._complete(tmp, root, step, files, keep_last)
+    return checkpoint.complete(tmp, root, step, files, keep_last)
 
 
 def test_a_complete_checkpoint_verifies_and_each_kind_of_damage_is_named(tmp_path):
@@ -90,7 +90,8 @@ def run_config(tmp_path):
     model = tmp_path / "model"
     model.mkdir()
     (tmp_path / "train.jsonl").write_text('{"text": "a"}\n')
-    raw = {"model": {"name_or_path": str(model)}, "data": {"train": str(tmp_path / "train.jsonl"), "format": "completion"}, "train": {"output_dir": str(tmp_path / "out"), "lr": 1e-3}}
+    raw = {"model": {"name_or_path": str(model)}, "data": {"train": str(tmp_path / "train.jsonl"), "format": "completion"},
+           "train": {"output_dir": str(tmp_path / "out"), "lr": 1e-3}}
     return raw, validate_config(raw, "test")
 
 
