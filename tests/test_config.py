@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import yaml
-
 from conftest import REPO, base_config, finetune_cli, write_config
 
 
@@ -94,11 +93,11 @@ def test_every_command_has_help(capsys):
         assert result.returncode == 0 and "usage:" in result.stdout
 
 
-def test_readme_reference_matches_schema():
+def test_the_configuration_reference_matches_the_schema():
     from finetune.config import reference_markdown
 
-    readme = (REPO / "README.md").read_text()
+    readme = (REPO / "docs" / "configuration.md").read_text()
     start, end = "<!-- config-reference:start -->\n", "<!-- config-reference:end -->"
     assert readme[readme.index(start) + len(start) : readme.index(end)].strip() == reference_markdown().strip(), (
-        "README config reference is stale: regenerate it from finetune.config.reference_markdown()"
+        "docs/configuration.md is stale: regenerate it from finetune.config.reference_markdown()"
     )
