@@ -9,12 +9,13 @@ TORCH_VERSION  ?= 2.13.0
 TORCH_PIP_ARGS ?=
 export FINETUNE_CACHE ?= $(CURDIR)/.cache/finetune
 
-.PHONY: install demo demo-dpo test bench bench-compile bench-data bench-families bench-fsdp-load bench-guard bench-host bench-load bench-large bench-xl clean help
+.PHONY: install demo demo-dpo test test-fast lint bench bench-compile bench-data bench-families bench-fsdp-load bench-guard bench-host bench-load bench-large bench-xl clean help
 
 help:
 	@echo "make demo   - install, build the demo model, fine-tune it (LoRA) and show before/after"
 	@echo "make demo-dpo - install, build the demo model, DPO on the demo's preference pairs: held-out pairs preferred before/after"
-	@echo "make test   - install what is missing, run the tests"
+	@echo "make test   - install what is missing, run ruff (make lint), then the tests"
+	@echo "make test-fast - the same without the tests that start processes (torchrun, the CLI in a subprocess)"
 	@echo "make bench  - finetune vs HF Trainer + peft and TRL SFTTrainer: tokens/s, memory, start-up, loss (~20 min; on a GPU: --device cuda, 1.1B)"
 	@echo "make bench-compile - model.compile (torch.compile per layer) against eager: start-up, s/step, losses (~15 min)"
 	@echo "make bench-data - a million rows: tokenization, start-up, memory vs datasets + HF Trainer (~25 min)"
@@ -50,8 +51,15 @@ demo-dpo: install demo/model/config.json
 	@$(call keep_previous,outputs/dpo)
 	$(VENV)/bin/finetune train --config configs/dpo.yaml
 
-test: install
+test: install lint
 	$(PY) -m pytest -q --durations=15 tests
+
+# Everything but the tests that start processes (tests/conftest.py marks those slow).
+test-fast: install lint
+	$(PY) -m pytest -q --durations=10 -m "not slow" tests
+
+lint: install
+	$(VENV)/bin/ruff check finetune tests bench
 
 bench: install
 	$(PY) -c "import trl" 2>/dev/null || $(PIP) install -q -e ".[bench]" "torch==$$($(PY) -c 'import torch; print(torch.__version__)')"

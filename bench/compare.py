@@ -159,7 +159,8 @@ def finetune_config(work: Path, out: Path, settings: dict, compiled: bool = Fals
 
 def spawn(cmd: list[str], log: Path) -> tuple[float, int]:
     """Run cmd as a fresh process; (start time, peak RSS in bytes). Fails loudly with the log's tail."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])), "TOKENIZERS_PARALLELISM": "false", "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+           "TOKENIZERS_PARALLELISM": "false", "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
     with log.open("w") as fh:
         start = time.time()
         proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=REPO, env=env)
@@ -322,7 +323,7 @@ def table(results: dict[str, list[dict]], settings: dict, sizes: Sizes, ceiling:
     fpt = flops_per_token(sizes, settings)
     params = sizes.layers * (4 * sizes.hidden**2 + 3 * sizes.hidden * sizes.hidden * 11 // 4) + 2 * sizes.vocab * sizes.hidden
     lines = [
-        f"# finetune vs HF Trainer + peft" + (" and TRL SFTTrainer" if "trl-bf16-flatten" in med else "") + f" ({datetime.date.today()}, "
+        "# finetune vs HF Trainer + peft" + (" and TRL SFTTrainer" if "trl-bf16-flatten" in med else "") + f" ({datetime.date.today()}, "
         + (f"{device_name(device)}, torch {__import__('torch').__version__}" if device == "cuda" else
            f"{device_name(device)}, {os.cpu_count()} CPUs, torch threads {os.environ.get('OMP_NUM_THREADS', 'default')}") + ")",
         "",

@@ -26,10 +26,9 @@ import argparse
 import tempfile
 from pathlib import Path
 
-from common import report
-
 import torch
 import torch.nn.functional as F
+from common import report
 
 T = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=512)
 KV = dict(T, num_key_value_heads=2)

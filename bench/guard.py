@@ -18,7 +18,6 @@ import json
 import math
 import random
 import sys
-from pathlib import Path
 
 from common import REPO, report
 

@@ -39,10 +39,9 @@ import time
 from pathlib import Path
 
 import torch
+from common import REPO, report
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
-
-from common import REPO, report
 
 SYNC_OPS = {"aten._local_scalar_dense", "aten.nonzero", "aten.masked_select", "aten._unique2", "aten.repeat_interleave"}
 SYNC_CALLS = {"tolist", "cpu", "numpy"}
@@ -161,7 +160,8 @@ def varlen_stand_in():
 
 
 def prepare(work: Path, samples: int, max_words: int) -> dict:
-    from compare import Sizes, prepare as prepare_compare
+    from compare import Sizes
+    from compare import prepare as prepare_compare
 
     work.mkdir(parents=True, exist_ok=True)
     sizes = Sizes(layers=2, hidden=2048, vocab=32000, train_samples=samples, eval_samples=4, max_seq_len=2048, samples_per_step=10)
@@ -176,8 +176,9 @@ def prepare(work: Path, samples: int, max_words: int) -> dict:
 
 def finetune_steps(work: Path, steps: int, counter: Counter, seq: int = 2048) -> dict:
     """finetune train in this process, counting inside train_step (its data step excluded) from the 2nd step."""
-    import finetune.train as train
     from accelerate.state import AcceleratorState
+
+    import finetune.train as train
     from finetune import attention
     from finetune.config import validate_config
 

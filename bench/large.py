@@ -258,7 +258,8 @@ def main() -> None:
     lines = [f"Model: Llama 1.1B ({params / 1e9:.2f}B parameters, bf16 safetensors in 500 MB shards), sequence {SEQ}, micro batch 1, "
              f"gradient checkpointing, fp32 weights and compute, {args.steps} optimizer steps per run. Peak RSS per process sampled every 0.25 s; "
              "planner ratio = finetune plan / (peak - RSS before the model loaded).", "",
-             "| run | peak RSS per process (MiB) | peak anonymous RSS (MiB) | plan (MiB per process) | plan / RSS | plan / anonymous | s per step | tokens/s | MFU (fp32 ceiling) |",
+             "| run | peak RSS per process (MiB) | peak anonymous RSS (MiB) | plan (MiB per process) | plan / RSS | plan / anonymous "
+             "| s per step | tokens/s | MFU (fp32 ceiling) |",
              "|---|---|---|---|---|---|---|---|---|"]
     for name, (nproc, strategy, sections) in RUNS.items():
         if want(name):

@@ -13,7 +13,6 @@ usage: python bench/plan_table.py   (results: bench/results/plan.md)
 from __future__ import annotations
 
 import sys
-from dataclasses import replace
 
 from common import REPO, report
 

@@ -9,11 +9,12 @@ from pathlib import Path
 
 import torch
 
+from finetune.adapters import attach, find_adapter, load_base, tokenizer_source
+from finetune.chat import render as render_chat
 from finetune.config import ModelConfig
 from finetune.errors import UserError
-from finetune.chat import render as render_chat
-from finetune.evaluate import generate as continuation, sampling
-from finetune.adapters import attach, find_adapter, load_base, tokenizer_source
+from finetune.evaluate import generate as continuation
+from finetune.evaluate import sampling
 from finetune.model import load_model, load_tokenizer
 
 

@@ -87,7 +87,9 @@ def _pair_problem(row: dict, text) -> str | None:
     for key in ("prompt", "chosen", "rejected"):
         messages = row.get(key)
         if not isinstance(messages, list) or not messages:
-            return f"missing field '{key}' (text, or a list of chat messages)" if messages is None else f"field '{key}' must be text or a non-empty list of messages"
+            if messages is None:
+                return f"missing field '{key}' (text, or a list of chat messages)"
+            return f"field '{key}' must be text or a non-empty list of messages"
         for i, msg in enumerate(messages):
             if not isinstance(msg, dict) or msg.get("role") not in CHAT_ROLES or not isinstance(msg.get("content"), str):
                 return f"{key}[{i}] must be {{role: system|user|assistant|tool, content: string}}"
@@ -157,7 +159,8 @@ def _chat_shape(row: dict) -> tuple[dict, str | None]:
             if isinstance(parts, list):
                 kinds = {part.get("type") if isinstance(part, dict) else type(part).__name__ for part in parts}
                 if kinds - {"text"} or not all(isinstance(part.get("text"), str) for part in parts):
-                    return row, f"messages[{i}].content: only text parts can be trained on (got {', '.join(sorted(map(str, kinds - {'text'}))) or 'a part without text'})"
+                    got = ", ".join(sorted(map(str, kinds - {"text"}))) or "a part without text"
+                    return row, f"messages[{i}].content: only text parts can be trained on (got {got})"
                 m = {**m, "content": "".join(part["text"] for part in parts)}
             joined.append(m)
         row = {**row, "messages": joined}

@@ -27,10 +27,10 @@ from fnmatch import fnmatch
 from pathlib import Path
 
 from finetune import faults
-from finetune.diskio import sha256_file
-from finetune.locks import exclusive
 from finetune.config import DEFAULT_RAMDISK, ModelConfig, looks_local
+from finetune.diskio import sha256_file
 from finetune.errors import UserError
+from finetune.locks import exclusive
 
 MANIFEST = ".staged.json"
 PARTIAL = ".partial-"

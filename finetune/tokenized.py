@@ -7,8 +7,9 @@ most `data.tokenize_wait_minutes`), then map the same files: one copy in the pag
 
 Columns: `input_ids`, `labels` (int32 lists), `length`, `first_target` (the first position after the
 first whose label is trained, -1 if none), `row` (the row as JSON, for eval prompts), `line` (its
-line or row number, for messages) and `problem` (why the chat template refused the row, if it did). The key covers the source (each file's path, size and mtime, every file of a folder; its split), the tokenizer and
-chat template, the settings that change the tokens, and TOKENIZE_VERSION.
+line or row number, for messages) and `problem` (why the chat template refused the row, if it did).
+The key covers the source (each file's path, size and mtime, every file of a folder; its split), the
+tokenizer and chat template, the settings that change the tokens, and TOKENIZE_VERSION.
 """
 
 from __future__ import annotations
@@ -25,7 +26,9 @@ from finetune.errors import UserError
 from finetune.locks import exclusive
 from finetune.rows import IGNORE, Skipped, checked_rows, tokenize_pairs, tokenize_rows, where
 
-TOKENIZE_VERSION = 4  # raise it when the ids or loss mask a row turns into change (2: masks from the chat template; 3: rows cached in their canonical shape; 4: preference pairs)
+# Raise it when the ids or loss mask a row turns into change (2: masks from the chat template; 3: rows
+# cached in their canonical shape; 4: preference pairs).
+TOKENIZE_VERSION = 4
 LARGE = 10_000  # rows from which tokenization uses every core unless data.num_proc says otherwise
 
 

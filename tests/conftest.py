@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import types
@@ -23,6 +24,43 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 _SHM_BEFORE = set(Path("/dev/shm").glob("deepspeed_*")) if Path("/dev/shm").is_dir() else set()
+
+
+# A test is `slow` when it starts processes: it, a helper of its module it calls or a fixture it uses
+# runs the CLI in a subprocess, torchrun or accelerate launch. `make test-fast` runs the others.
+LAUNCHES = re.compile(r"\brun_cli\(|\bsubprocess\.|\bPopen\(|torch\.distributed\.run|\"accelerate\", \"launch\"")
+
+
+def _launching(module) -> set[str]:
+    """The names of the module's functions (conftest's too) that start processes, directly or through another."""
+    import inspect
+
+    functions = {}
+    for source in (module, sys.modules[__name__]):
+        for name, value in vars(source).items():
+            function = getattr(value, "__wrapped__", value)  # fixtures
+            if inspect.isfunction(function) and getattr(function, "__module__", None) == source.__name__:
+                functions[name] = inspect.getsource(function)
+    found = {name for name, text in functions.items() if LAUNCHES.search(text)} - {"run_cli"}
+    found.add("run_cli")
+    while True:
+        more = {name for name, text in functions.items() if name not in found and any(re.search(rf"\b{n}\b", text) for n in found)}
+        if not more:
+            return found
+        found |= more
+
+
+def pytest_collection_modifyitems(config, items):
+    import inspect
+
+    cache = {}
+    for item in items:
+        if item.get_closest_marker("slow") or not hasattr(item, "function"):
+            continue
+        launching = cache.setdefault(item.module.__name__, _launching(item.module)) if item.module else set()
+        text = inspect.getsource(item.function)
+        if LAUNCHES.search(text) or launching & set(item.fixturenames) or any(re.search(rf"\b{n}\(", text) for n in launching):
+            item.add_marker(pytest.mark.slow)
 
 
 def pytest_sessionfinish(session, exitstatus):
@@ -177,3 +215,66 @@ def bpe_finetune_rows(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("bpe-rows") / "rows.jsonl"
     path.write_text("\n".join((DEMO_DATA / "corpus.jsonl").read_text().splitlines()[-500:]) + "\n")
     return path
+
+
+# ----------------------------------------------------------------------------------------------
+# The family matrix (tests/test_families.py, and the tests that run each family elsewhere)
+
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+WINDOW = 8  # sliding windows far shorter than the samples below
+# name: (model_type, what the config adds to TINY). Each is the feature that family brings.
+FAMILIES = {
+    "llama3": ("llama", dict(vocab_size=128256, rope_theta=500000.0)),  # GQA, 128k vocabulary, untied head
+    "llama-tied": ("llama", dict(tie_word_embeddings=True)),  # Llama 3.2 1B/3B tie the head to the embeddings
+    "mistral": ("mistral", dict(sliding_window=WINDOW)),
+    "qwen2": ("qwen2", dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1)),  # q/k/v biases; layer 1 slides
+    "qwen3": ("qwen3", dict(head_dim=16)),  # q/k norms
+    "gemma2": ("gemma2", dict(sliding_window=WINDOW, head_dim=16, query_pre_attn_scalar=16)),  # soft-capping (50/30), alternating windows
+    "gemma3": ("gemma3_text", dict(sliding_window=WINDOW, head_dim=16, query_pre_attn_scalar=16, layer_types=["sliding_attention", "full_attention"])),
+    "phi3": ("phi3", dict(sliding_window=WINDOW)),  # fused qkv_proj and gate_up_proj
+    "mixtral": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2)),
+    "qwen2-moe": ("qwen2_moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64,
+                                    mlp_only_layers=[0])),  # a dense first layer, a shared expert
+    "qwen3-moe": ("qwen3_moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=16)),
+}
+MOE = [name for name, (kind, extra) in FAMILIES.items() if "experts" in json.dumps(extra)]
+# Architectures outside the matrix, each for how it treats packed rows (whole configs, not TINY: the
+# older ones name their sizes otherwise). Dropout off: GPT-2-era configs train with it by default,
+# and these tests compare paths number for number.
+NO_DROPOUT = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+OTHERS = {
+    "gpt2": ("gpt2", dict(n_embd=64, n_layer=2, n_head=4, n_positions=512, **NO_DROPOUT)),  # learned positions, Conv1D layers
+    "opt": ("opt", dict(hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4, word_embed_proj_dim=64,
+                        max_position_embeddings=512, dropout=0.0)),  # its masks come from an all-ones attention mask
+    "gptj": ("gptj", dict(n_embd=64, n_layer=2, n_head=4, n_positions=512, rotary_dim=8, **NO_DROPOUT)),  # no sdpa in transformers
+    "bloom": ("bloom", dict(hidden_size=64, n_layer=2, n_head=4)),  # ALiBi from the attention mask
+    "falcon": ("falcon", dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, alibi=True)),  # attention classes of its own
+    "qwen3-next": ("qwen3_next", dict(TINY, head_dim=16, linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
+                                      linear_value_head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                      shared_expert_intermediate_size=32, layer_types=["linear_attention", "full_attention"])),
+    "lfm2": ("lfm2", dict(TINY, num_key_value_heads=2, layer_types=["conv", "full_attention"])),  # a short convolution along the row
+}
+
+
+@pytest.fixture(scope="module")
+def family_dirs(tmp_path_factory, demo_tokenizer_dir):
+    """name -> a saved random tiny model of that family, with the demo tokenizer."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(demo_tokenizer_dir)
+    made = {}
+
+    def get(name: str):
+        if name not in made:
+            kind, extra = FAMILIES[name] if name in FAMILIES else OTHERS[name]
+            ids = dict(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+            config = AutoConfig.for_model(kind, **{"vocab_size": len(tok), **(TINY if name in FAMILIES else {}), **ids, **extra})
+            torch.manual_seed(0)
+            out = tmp_path_factory.mktemp(name)
+            AutoModelForCausalLM.from_config(config).save_pretrained(out)
+            tok.save_pretrained(out)
+            made[name] = out
+        return made[name]
+
+    return get

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from conftest import DEMO_DATA, base_config
+
 from finetune.cli import main
 
 GOOD_ROW = {"instruction": "What kind of word is this?", "input": "apple", "output": "noun"}
@@ -236,7 +236,8 @@ def _cases():
     add("eval-every-negative", lambda k: k.train(eval={"every": -1}), "eval.every: Input should be greater than or equal to 0")
     add("eval-generate-fsdp", lambda k: k.train(eval={"generate_samples": 2}, distributed={"strategy": "fsdp"}), "eval.generate_samples: not available")
     add("logging-tracker-bogus", lambda k: k.train(logging={"report_to": ["comet"]}), "logging.report_to.0: Input should be")
-    add("logging-tracker-unknown", lambda k: k.train(logging={"report_to": ["comet"]}), "logging.report_to.0: Input should be 'tensorboard', 'wandb' or 'mlflow'")
+    add("logging-tracker-unknown", lambda k: k.train(logging={"report_to": ["comet"]}),
+        "logging.report_to.0: Input should be 'tensorboard', 'wandb' or 'mlflow'")
     add("logging-every-zero", lambda k: k.train(logging={"log_every": 0}), "logging.log_every: Input should be greater than 0")
     add("resume-path-missing", lambda k: k.train(checkpoint={"resume": str(k.tmp / "gone")}), "checkpoint.resume: expected auto, never or a checkpoint")
     add("resume-not-a-checkpoint", lambda k: k.train(checkpoint={"resume": str((k.tmp / "ck").mkdir() or k.tmp / "ck")}), "checkpoint.resume:")
@@ -253,7 +254,8 @@ def _cases():
     add("set-no-equals", lambda k: k.train("--set", "train.lr"), "--set train.lr: expected KEY=VALUE")
     add("set-empty-key", lambda k: k.train("--set", "=3"), "--set =3: the key is empty")
     add("set-empty-part", lambda k: k.train("--set", "train..lr=1"), "--set train..lr=1: the key is empty")
-    add("set-yaml-tag", lambda k: k.train("--set", "train.lr=!!python/object:os.system x"), "--set train.lr=!!python/object:os.system x: not a plain YAML value")
+    add("set-yaml-tag", lambda k: k.train("--set", "train.lr=!!python/object:os.system x"),
+        "--set train.lr=!!python/object:os.system x: not a plain YAML value")
     add("set-unparsable", lambda k: k.train("--set", "train.lr=[1,"), "--set train.lr=[1,: not a plain YAML value")
     add("set-into-a-value", lambda k: k.train("--set", "train.lr.x=1"), "lr is not a section")
     add("set-unknown-key", lambda k: k.train("--set", "train.lrr=1"), "train.lrr: unknown key")
@@ -269,9 +271,11 @@ def _cases():
     add("plan-gpu-mem-bogus", lambda k: ["plan", "--config", k.config(), "--gpu-mem", "lots"], "--gpu-mem lots: expected a size like 80GiB")
     add("plan-gpu-mem-zero", lambda k: ["plan", "--config", k.config(), "--gpu-mem", "0GiB"], "--gpu-mem 0GiB: expected a size like 80GiB")
     add("plan-hub-id", lambda k: ["plan", "--config", k.config(model={"name_or_path": "someone/model"})], "the planner reads a local model folder")
-    add("plan-config-garbage", lambda k: ["plan", "--config", k.config(model={"name_or_path": str(k.model_copy(lambda m: (m / "config.json").write_text("{{")))})],
+    add("plan-config-garbage",
+        lambda k: ["plan", "--config", k.config(model={"name_or_path": str(k.model_copy(lambda m: (m / "config.json").write_text("{{")))})],
         "config.json is not valid JSON")
-    add("plan-config-lacks-keys", lambda k: ["plan", "--config", k.config(model={"name_or_path": str(k.model_copy(lambda m: (m / "config.json").write_text('{"a": 1}')))})],
+    add("plan-config-lacks-keys",
+        lambda k: ["plan", "--config", k.config(model={"name_or_path": str(k.model_copy(lambda m: (m / "config.json").write_text('{"a": 1}')))})],
         "lacks")
     # merge
     add("merge-adapter-missing", lambda k: ["merge", "--adapter", str(k.tmp / "gone"), "--out", str(k.tmp / "m")], "--adapter: no such folder")
@@ -293,7 +297,8 @@ def _cases():
         "--check-prompts: no such file")
     add("merge-tolerance-negative", lambda k: ["merge", "--adapter", str(k.adapter()), "--out", str(k.tmp / "m"), "--tolerance", "-1"],
         "--tolerance: expected a number above 0")
-    add("merge-dtype-bogus", lambda k: ["merge", "--adapter", str(k.adapter()), "--out", str(k.tmp / "m"), "--dtype", "int8"], "argument --dtype: invalid choice")
+    add("merge-dtype-bogus", lambda k: ["merge", "--adapter", str(k.adapter()), "--out", str(k.tmp / "m"), "--dtype", "int8"],
+        "argument --dtype: invalid choice")
     # generate
     add("generate-max-new-tokens-negative", lambda k: ["generate", "--model", str(k.model), "--prompt", "hi", "--max-new-tokens", "-1"],
         "--max-new-tokens: expected at least 1")

@@ -9,8 +9,8 @@ from transformers import AutoTokenizer
 
 from finetune.chat import BUILTIN, assistant_mask, choose_template, ends_turns
 from finetune.config import CHAT_TEMPLATES
-from finetune.rows import tokenize_row
 from finetune.errors import UserError
+from finetune.rows import tokenize_row
 
 # Qwen3's rule, written small: the <think> block of an answer is rendered only after the last user
 # turn; past answers lose theirs (their content is cut at </think>).

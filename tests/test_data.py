@@ -10,9 +10,9 @@ import sys
 import numpy as np
 import pytest
 import torch
+from conftest import DEMO_DATA, REPO, base_config
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from conftest import DEMO_DATA, REPO, base_config
 from finetune.config import DataConfig
 from finetune.data import load_data
 from finetune.errors import UserError

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 import yaml
+from conftest import DEMO_DATA, REPO, base_config, read_jsonl
 from safetensors.torch import load_file
 
-from conftest import DEMO_DATA, REPO, base_config, read_jsonl
 from finetune.cli import main
 from finetune.config import SHIPPED_CONFIGS, TrainConfig, load_config, validate_config
 from finetune.errors import UserError
@@ -272,10 +272,9 @@ def _parts(row):
 def _tokens(tmp_path, tokenizer_dir, path, fmt, **data):
     """Every sample of a file as the training loop gets it: (input_ids, labels), one per row."""
     from finetune.chat import choose_template
-    from finetune.config import DataConfig
+    from finetune.config import DataConfig, ModelConfig
     from finetune.data import load_data
     from finetune.model import load_tokenizer
-    from finetune.config import ModelConfig
 
     tok = load_tokenizer(ModelConfig(name_or_path=str(tokenizer_dir)))
     choose_template(tok, None, fmt, say=lambda _: None)
@@ -368,7 +367,8 @@ def test_prompts_longer_than_max_seq_len_are_named_with_what_to_raise(tmp_path, 
     long_prompt = {"instruction": "word " * 80, "input": "", "output": "noun"}
     path = _write(tmp_path / "long.jsonl", [long_prompt, long_prompt])
     with pytest.raises(UserError, match=rf"data: no sample of {path} has a trained token within data.max_seq_len=32: the prompts of 2 of 2 "
-                                        rf"samples are that long or longer \(e.g. {path}:1, whose answer starts at token (\d+)\); raise data.max_seq_len above \1"):
+                                        rf"samples are that long or longer \(e.g. {path}:1, whose answer starts at token (\d+)\); "
+                                        r"raise data.max_seq_len above \1"):
         _load(tmp_path, tiny_model_dir, path, "alpaca", max_seq_len=32)
     _write(path, [ALPACA[0], long_prompt, ALPACA[1]])
     data, _ = _load(tmp_path, tiny_model_dir, path, "alpaca", max_seq_len=32)
@@ -381,9 +381,8 @@ def test_prompts_longer_than_max_seq_len_are_named_with_what_to_raise(tmp_path, 
 def test_the_loss_curve_shows_the_learning_rate_and_the_guards_events_and_trackers_get_the_whole_config(tmp_path, tiny_model_dir, monkeypatch):
     import yaml
 
-    from finetune.metrics import curve_data
-
     from finetune import faults
+    from finetune.metrics import curve_data
 
     monkeypatch.setattr(faults, "FAULT", faults.parse("nan@12"))  # a poisoned batch (FINETUNE_FAULT, in-process): the guard skips that step
     out = tmp_path / "out"

@@ -10,7 +10,6 @@ import sys
 
 import pytest
 import torch
-
 from conftest import REPO, base_config, read_jsonl, run_cli, write_config
 
 

@@ -5,77 +5,19 @@ forward run on each sample alone — on rows longer than the sliding window, pac
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from conftest import FAMILIES, MOE, OTHERS, REPO, base_config, read_jsonl
+from transformers import AutoModelForCausalLM
 
-from conftest import REPO, base_config, read_jsonl
 from finetune import attention, families, loss
 from finetune.config import AdapterConfig, ModelConfig, validate_config
-from finetune.packing import Row, collate
-from finetune.rows import IGNORE
 from finetune.merge import merge
 from finetune.model import apply_adapter, load_model
+from finetune.packing import Row, collate
+from finetune.rows import IGNORE
 from finetune.train import LEAK_TOLERANCE, run
-
-TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
-WINDOW = 8  # sliding windows far shorter than the samples below
-# name: (model_type, what the config adds to TINY). Each is the feature that family brings.
-FAMILIES = {
-    "llama3": ("llama", dict(vocab_size=128256, rope_theta=500000.0)),  # GQA, 128k vocabulary, untied head
-    "llama-tied": ("llama", dict(tie_word_embeddings=True)),  # Llama 3.2 1B/3B tie the head to the embeddings
-    "mistral": ("mistral", dict(sliding_window=WINDOW)),
-    "qwen2": ("qwen2", dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1)),  # q/k/v biases; layer 1 slides
-    "qwen3": ("qwen3", dict(head_dim=16)),  # q/k norms
-    "gemma2": ("gemma2", dict(sliding_window=WINDOW, head_dim=16, query_pre_attn_scalar=16)),  # soft-capping (50/30), alternating windows
-    "gemma3": ("gemma3_text", dict(sliding_window=WINDOW, head_dim=16, query_pre_attn_scalar=16, layer_types=["sliding_attention", "full_attention"])),
-    "phi3": ("phi3", dict(sliding_window=WINDOW)),  # fused qkv_proj and gate_up_proj
-    "mixtral": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2)),
-    "qwen2-moe": ("qwen2_moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64,
-                                    mlp_only_layers=[0])),  # a dense first layer, a shared expert
-    "qwen3-moe": ("qwen3_moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=16)),
-}
-MOE = [name for name, (kind, extra) in FAMILIES.items() if "experts" in json.dumps(extra)]
-# Architectures outside the matrix, each for how it treats packed rows (whole configs, not TINY: the
-# older ones name their sizes otherwise). Dropout off: GPT-2-era configs train with it by default,
-# and these tests compare paths number for number.
-NO_DROPOUT = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-OTHERS = {
-    "gpt2": ("gpt2", dict(n_embd=64, n_layer=2, n_head=4, n_positions=512, **NO_DROPOUT)),  # learned positions, Conv1D layers
-    "opt": ("opt", dict(hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4, word_embed_proj_dim=64,
-                        max_position_embeddings=512, dropout=0.0)),  # its masks come from an all-ones attention mask
-    "gptj": ("gptj", dict(n_embd=64, n_layer=2, n_head=4, n_positions=512, rotary_dim=8, **NO_DROPOUT)),  # no sdpa in transformers
-    "bloom": ("bloom", dict(hidden_size=64, n_layer=2, n_head=4)),  # ALiBi from the attention mask
-    "falcon": ("falcon", dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, alibi=True)),  # attention classes of its own
-    "qwen3-next": ("qwen3_next", dict(TINY, head_dim=16, linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
-                                      linear_value_head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                                      shared_expert_intermediate_size=32, layer_types=["linear_attention", "full_attention"])),
-    "lfm2": ("lfm2", dict(TINY, num_key_value_heads=2, layer_types=["conv", "full_attention"])),  # a short convolution along the row
-}
-
-
-@pytest.fixture(scope="module")
-def family_dirs(tmp_path_factory, demo_tokenizer_dir):
-    """name -> a saved random tiny model of that family, with the demo tokenizer."""
-    tok = AutoTokenizer.from_pretrained(demo_tokenizer_dir)
-    made = {}
-
-    def get(name: str):
-        if name not in made:
-            kind, extra = FAMILIES[name] if name in FAMILIES else OTHERS[name]
-            ids = dict(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-            config = AutoConfig.for_model(kind, **{"vocab_size": len(tok), **(TINY if name in FAMILIES else {}), **ids, **extra})
-            torch.manual_seed(0)
-            out = tmp_path_factory.mktemp(name)
-            AutoModelForCausalLM.from_config(config).save_pretrained(out)
-            tok.save_pretrained(out)
-            made[name] = out
-        return made[name]
-
-    return get
 
 
 def _samples(vocab: int) -> list[tuple[list[int], list[int]]]:
@@ -327,6 +269,29 @@ def test_plan_counts_what_the_model_holds(family_dirs, tmp_path, family):
         if method == "full":
             assert plan.total_params == sum(p.numel() for p in model.parameters())
     assert (plan.active_params < plan.total_params) == (family in MOE)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_the_4bit_load_reads_what_transformers_reads_from_the_folder(family_dirs, family):
+    """load_model hands transformers a quantized base's tensors read on demand instead of the folder
+    (model._weights_read_on_demand: the shards are not kept mapped); from the folder itself the
+    library's own path gives the same model: every weight, quantization state and buffer equal byte
+    for byte, the same dtypes and frozen parameters, the folder's name and generation settings kept."""
+    from peft import prepare_model_for_kbit_training
+
+    from finetune.config import QuantizationConfig
+    from finetune.model import quantization_config
+
+    cfg = ModelConfig(name_or_path=str(family_dirs(family)), dtype="bfloat16", quantization=QuantizationConfig(bits=4, compute_dtype="float32"))
+    ours = load_model(cfg, say=lambda _: None)
+    theirs = AutoModelForCausalLM.from_pretrained(cfg.name_or_path, dtype=torch.bfloat16, quantization_config=quantization_config(cfg),
+                                                  device_map={"": "cpu"})
+    theirs = prepare_model_for_kbit_training(theirs, use_gradient_checkpointing=False)
+    mine, library = ours.state_dict(), theirs.state_dict()
+    assert mine.keys() == library.keys()
+    assert [key for key in mine if mine[key].dtype != library[key].dtype or not torch.equal(mine[key], library[key])] == []
+    assert {n: (p.dtype, p.requires_grad) for n, p in ours.named_parameters()} == {n: (p.dtype, p.requires_grad) for n, p in theirs.named_parameters()}
+    assert (ours.name_or_path, ours.generation_config.to_dict()) == (theirs.name_or_path, theirs.generation_config.to_dict())
 
 
 def test_plan_counts_published_models():

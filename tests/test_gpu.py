@@ -17,9 +17,8 @@ import sys
 
 import pytest
 import torch
+from conftest import FAMILIES, MOE, REPO, base_config, read_jsonl, write_config
 
-from conftest import REPO, base_config, read_jsonl, write_config
-from test_families import FAMILIES, MOE, family_dirs  # noqa: F401 (a fixture)
 from finetune.config import validate_config
 from finetune.train import run
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -14,6 +13,7 @@ import time
 from pathlib import Path
 
 from conftest import REPO, base_config, read_jsonl, run_cli, write_config
+
 from finetune.checkpoint import verify
 from finetune.locks import LOCK_FILE
 

@@ -9,7 +9,6 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import REPO, base_config, write_config
 
 ENV = {**os.environ, "PYTHON": sys.executable}

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from conftest import REPO, base_config, finetune_cli, run_cli, write_config
+
 from finetune.config import load_config, validate_config
 from finetune.plan import GiB, make_plan
 

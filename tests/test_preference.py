@@ -7,9 +7,8 @@ import json
 
 import pytest
 import torch
-
 from conftest import DEMO_DATA, base_config, read_jsonl, run_cli, write_config
-from test_families import family_dirs  # noqa: F401 (a fixture)
+
 from finetune.cli import main
 from finetune.config import DataConfig, PreferenceConfig, validate_config
 from finetune.errors import UserError
@@ -252,7 +251,6 @@ def test_plan_counts_dpos_frozen_reference_under_full_fine_tuning_only(tmp_path,
 def test_the_guard_skips_a_poisoned_dpo_step_and_judges_the_preference_loss(tmp_path, tiny_model_dir, monkeypatch):
     from finetune import faults
     from finetune.guard import Guard
-    from finetune.train import RunState
 
     monkeypatch.setattr(faults, "FAULT", faults.parse("nan@12"))  # a poisoned batch (FINETUNE_FAULT, in-process), after the first-steps check
     seen = {}

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import base_config, read_jsonl, run_cli, write_config
+
 from finetune.config import validate_config
 from finetune.data import load_data
 from finetune.model import load_model, load_tokenizer

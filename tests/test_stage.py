@@ -12,6 +12,7 @@ import sys
 import time
 
 from conftest import REPO, base_config, finetune_cli, read_jsonl, run_cli
+
 from finetune.config import validate_config
 from finetune.stage import MANIFEST, PARTIAL, source_files, staged_name
 from finetune.train import run

@@ -9,8 +9,8 @@ import sys
 
 import pytest
 import torch
-
 from conftest import REPO, base_config, read_jsonl, run_cli, write_config
+
 from finetune.config import validate_config
 from finetune.data import load_data
 from finetune.model import load_tokenizer
