@@ -166,7 +166,7 @@ def test_a_background_save_holds_the_weights_of_its_step_once_staged(tmp_path):
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
     momentum = optimizer.state[model.weight]["momentum_buffer"].clone()
     checkpointer = Checkpointer(model, optimizer, scheduler, Accelerator(cpu=True))
-    path = checkpointer.save(tmp_path, 1, {"tokens": 0}, "x: 1\n", keep_last=1, background=True)
+    path = checkpointer.save(tmp_path, {"step": 1, "tokens": 0}, "x: 1\n", keep_last=1, background=True)
     checkpointer.staged()
     with torch.no_grad():
         for p in model.parameters():
