@@ -3,6 +3,7 @@
 Set FINETUNE_FAULT to `KIND@STEP[:rank=R]` (or `KIND@FIRST-LAST`), e.g. `raise@2:rank=1`: rank 1
 raises once 2 optimizer steps are done, before the third. Kinds:
   raise   an exception                          kill   SIGKILL itself, as the OOM killer would
+  term    SIGTERM itself, as a scheduler preempting the job would (the run saves and exits 75)
   hang    sleep inside the step (a stuck peer)  nan / spike   the loss of the batches of data
           step(s) STEP becomes NaN / 1000x, as a bad batch would make it (keyed to the data, so
           batches skipped after a rollback are not seen again)
@@ -20,7 +21,7 @@ import signal
 import time
 from dataclasses import dataclass
 
-KINDS = ("raise", "kill", "hang", "nan", "spike", "kill-staging", "kill-saving")
+KINDS = ("raise", "kill", "term", "hang", "nan", "spike", "kill-staging", "kill-saving")
 
 
 @dataclass(frozen=True)
@@ -61,7 +62,10 @@ def loss_factor(data_step: int, rank: int) -> float:
 def inject(step: int, rank: int, settle) -> None:
     """Called at the start of each optimizer step, with the number of steps done. `settle()` first
     completes a background save, so a test knows the newest checkpoint (kill-saving kills mid-write)."""
-    if not _due(step, rank, ("raise", "kill", "hang")):
+    if not _due(step, rank, ("raise", "kill", "term", "hang")):
+        return
+    if FAULT.kind == "term":
+        os.kill(os.getpid(), signal.SIGTERM)  # the handler notes it; the step goes on, then the run saves and stops
         return
     settle()
     if FAULT.kind == "kill":

@@ -8,6 +8,7 @@ on GPUs, a reserve for the CUDA context and allocator slack.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -181,7 +182,7 @@ def setup_from_config(cfg: RunConfig, devices: int, strategy: str | None = None)
     return Setup(
         method=cfg.adapter.method, bits=q.bits if q else None, weight_bytes=weight_bytes, optimizer=cfg.train.optimizer,
         micro_batch=cfg.train.micro_batch_size, seq_len=cfg.data.max_seq_len,
-        activation_bytes=2 if mp in ("bf16", "fp16", "fp8") or weight_bytes == 2 else 4,
+        activation_bytes=2 if mp in ("bf16", "fp16", "fp8") or (weight_bytes == 2 and not (q and q.compute_dtype == "float32")) else 4,
         checkpointing=cfg.train.gradient_checkpointing, devices=devices,
         strategy=Strategy.of(strategy or cfg.distributed.strategy, devices).name,  # one process runs unsharded
         fsdp_cpu_offload=cfg.distributed.fsdp_cpu_offload,
@@ -284,15 +285,32 @@ def dense_temporaries(shape: Shape, cfg: RunConfig, s: Setup) -> float:
     return size
 
 
+# A quantized base's dequantized weights from this size on come from fresh mappings on CPU runs
+# (runtime.keep_freed_memory): freed, they leave no hole in the heap.
+MAPPED_FROM = 64 << 20
+
+
 def heap_holes(shape: Shape, cfg: RunConfig, s: Setup) -> float:
-    """CPU runs that keep freed memory in the heap (runtime.keep_freed_memory: all but FSDP/ZeRO-3):
-    each layer's weight-sized temporaries are freed while the small tensors saved for the backward take
-    a part of their place, so the next layer's need fresh heap. Measured on the 1.1B QLoRA (fp32
-    compute) and DoRA runs with checkpointing: about one fp32 copy of the largest adapted weight per
-    layer in the forward and again in the backward's recompute (docs/platform-notes.md)."""
-    if s.shards_weights or not dense_temporaries(shape, cfg, s):
-        return 0.0
+    """What glibc's heap holds beyond live tensors on a CPU run (runtime.keep_freed_memory; not under
+    FSDP/ZeRO-3): freed blocks split by the small tensors kept after them, which the next layer's
+    blocks cannot reuse. DoRA (freed memory kept in the heap): about one fp32 copy of the largest
+    adapted weight per layer in the forward and again in the backward's recompute, measured on the
+    1.1B model with checkpointing (docs/platform-notes.md); a quantized base: below."""
+    if s.shards_weights or not dense_temporaries(shape, cfg, s) or any(key.startswith("MALLOC_") for key in os.environ):
+        return 0.0  # sharded; nothing weight-sized freed; or glibc tuned by the user (finetune leaves it alone)
+    if s.bits:  # with checkpointing (without it every layer's activations are held anyway: counted above)
+        # Dequantized weights of MAPPED_FROM and more come from fresh mappings, returned when freed,
+        # and glibc trims the heap (runtime.keep_freed_memory); what stays split is each layer's
+        # recomputed activations, freed in the backward around the gradient kept for the layer below.
+        # Llama-3-8B's widths (fp32 compute, 512 tokens): the runs peaked at 0.95 of this plan with 32
+        # layers and 0.92 with 8; the 1.1B model (256 tokens): 0.98 (docs/platform-notes.md).
+        return shape.layers * layer_activations(shape, s) if s.checkpointing else 0.0
     return 2 * shape.layers * max(l.fan_in * l.fan_out for l in adapted(shape, cfg)) * 4
+
+
+def layer_activations(shape: Shape, s: Setup) -> float:
+    """What one decoder layer keeps for its backward without checkpointing (see activations)."""
+    return (9 * shape.hidden + 3 * shape.kv_dim + 4 * shape.mlp_width) * s.activation_bytes * s.micro_batch * s.seq_len
 
 
 def activations(shape: Shape, s: Setup) -> float:
@@ -307,7 +325,7 @@ def activations(shape: Shape, s: Setup) -> float:
     vocabulary entry per token.
     """
     tokens = s.micro_batch * s.seq_len
-    per_layer = (9 * shape.hidden + 3 * shape.kv_dim + 4 * shape.mlp_width) * s.activation_bytes * tokens
+    per_layer = layer_activations(shape, s)
     logits = tokens * shape.vocab * (s.activation_bytes + 8)
     if s.checkpointing:
         return shape.layers * tokens * shape.hidden * 4 + 2 * per_layer + logits

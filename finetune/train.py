@@ -249,7 +249,7 @@ def setup(cfg: RunConfig) -> RunState:
     # Every rank agrees whether a signal came during set-up (there is nothing to save yet).
     signalled = accelerator.reduce(torch.tensor(float(preemption.signal is not None), device=accelerator.device), "sum").item() > 0
     stop_if_preempted(signalled, preemption.name, run.out, run.main, "before the first step")
-    runtime.keep_freed_memory(gathers=run.engine.gathers)
+    runtime.keep_freed_memory(gathers=run.engine.gathers, quantized=cfg.model.quantization is not None)
     runtime.reset_peak_rss()
     return run
 

@@ -90,6 +90,37 @@ def finetune_cli(capsys, *args: str):
     return types.SimpleNamespace(returncode=code, stdout=out.out, stderr=out.err)
 
 
+def finetune_in_process(*args: str, fault: str | None = None):
+    """`finetune ARGS` run by the CLI's main in this process, as run_cli gives it (returncode, stdout,
+    stderr), for runs whose process proves nothing more: `fault` is FINETUNE_FAULT's value (kinds that
+    leave the process alive: an injected raise gives the exit code 1 a process would). Kills, hangs and
+    signals need a process of their own (run_cli)."""
+    import contextlib
+    import io
+
+    from accelerate.state import AcceleratorState
+
+    from finetune import faults
+    from finetune.cli import main
+
+    out, err, saved = io.StringIO(), io.StringIO(), faults.FAULT
+    faults.FAULT = faults.parse(fault)
+    assert faults.FAULT is None or faults.FAULT.kind not in ("kill", "term", "hang", "kill-staging", "kill-saving"), fault
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = main(list(args))
+            except RuntimeError as error:
+                if "injected fault" not in str(error):
+                    raise
+                print(f"RuntimeError: {error}", file=sys.stderr)
+                code = 1
+    finally:
+        faults.FAULT = saved
+        AcceleratorState._reset_state(True)  # the next run in this process starts from none
+    return types.SimpleNamespace(returncode=code, stdout=out.getvalue(), stderr=err.getvalue())
+
+
 def write_config(path: Path, cfg: dict) -> Path:
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     return path

@@ -6,7 +6,7 @@ import json
 import os
 
 import pytest
-from conftest import base_config, read_jsonl, run_cli, write_config
+from conftest import base_config, finetune_in_process, read_jsonl, run_cli, write_config
 
 
 def _losses(out):
@@ -18,13 +18,17 @@ def reference(tmp_path_factory, tiny_model_dir):
     """An uninterrupted run: 12 steps with dropout (so RNG state matters) and AdamW."""
     tmp = tmp_path_factory.mktemp("reference")
     cfg = base_config(tiny_model_dir, tmp / "out", adapter={"dropout": 0.1}, data={"eval": None}, train={"max_steps": 12})
-    result = run_cli("train", "--config", str(write_config(tmp / "c.yaml", cfg)))
+    result = finetune_in_process("train", "--config", str(write_config(tmp / "c.yaml", cfg)))
     assert result.returncode == 0, result.stderr[-2000:]
     return cfg, _losses(tmp / "out")
 
 
 def _run(tmp_path, cfg, *extra, env=None):
-    return run_cli("train", "--config", str(write_config(tmp_path / "c.yaml", cfg)), *extra, env=env)
+    """`finetune train`: in this process, or a fresh one where the injected fault kills it."""
+    config = str(write_config(tmp_path / "c.yaml", cfg))
+    if env:
+        return run_cli("train", "--config", config, *extra, env=env)
+    return finetune_in_process("train", "--config", config, *extra)
 
 
 def test_kill_9_then_resume_gives_the_same_losses(tmp_path, reference):

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, base_config, read_jsonl, run_cli, write_config
+from conftest import REPO, base_config, finetune_in_process, read_jsonl, run_cli, write_config
 
 from finetune.guard import DRIFT_STEPS
 
@@ -24,7 +24,12 @@ def _cfg(tiny_model_dir, out, steps=40, **sections):
 
 
 def _train(tmp_path, cfg, *extra, env=None, name="c"):
-    return run_cli("train", "--config", str(write_config(tmp_path / f"{name}.yaml", cfg)), *extra, env=env)
+    """`finetune train`: in this process, or a fresh one where the injected fault kills, signals or hangs it."""
+    config = str(write_config(tmp_path / f"{name}.yaml", cfg))
+    fault = (env or {}).get("FINETUNE_FAULT")
+    if fault and fault.split("@")[0] in ("kill", "term", "hang"):
+        return run_cli("train", "--config", config, *extra, env=env)
+    return finetune_in_process("train", "--config", config, *extra, fault=fault)
 
 
 def _events(out):
@@ -81,25 +86,18 @@ def test_the_guard_stops_after_its_rollbacks_with_the_checkpoint_to_start_from(t
 
 
 def test_sigterm_saves_exits_75_and_resumes_exactly(tmp_path, tiny_model_dir):
+    """A real SIGTERM, sent by the process to itself as step 21 begins (FINETUNE_FAULT=term@20): that
+    step completes, is saved, and the run exits 75; started again it ends as a run never stopped."""
     reference = tmp_path / "reference"
-    assert _train(tmp_path, _cfg(tiny_model_dir, reference, steps=300), name="ref").returncode == 0
+    assert _train(tmp_path, _cfg(tiny_model_dir, reference), name="ref").returncode == 0
     out = tmp_path / "out"
-    config = write_config(tmp_path / "c.yaml", _cfg(tiny_model_dir, out, steps=300))
-    job = subprocess.Popen([sys.executable, "-m", "finetune", "train", "--config", str(config)], cwd=REPO,
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    metrics = out / "metrics.jsonl"
-    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 20):
-        assert job.poll() is None, job.communicate()[1][-2000:]
-        time.sleep(0.05)
-    job.send_signal(signal.SIGTERM)
-    _, stderr = job.communicate(timeout=60)
-    assert job.returncode == 75, stderr[-2000:]
-    saved = sorted((out / "checkpoints").iterdir())
-    assert [p.name for p in saved[:1]] == ["step-000000"] and len(saved) == 2  # the start, and the preemption's
-    step = int(saved[1].name.split("-")[1])
-    assert 20 <= step < 300 and "preempted at step" in stderr
+    cfg = _cfg(tiny_model_dir, out)
+    stopped = _train(tmp_path, cfg, env={"FINETUNE_FAULT": "term@20"})
+    assert stopped.returncode == 75, stopped.stderr[-2000:]
+    saved = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert saved == ["step-000000", "step-000021"] and "preempted at step 21" in stopped.stderr  # the start, and the preemption's
     assert [e["event"] for e in _events(out)] == ["preempted"]
-    resumed = run_cli("train", "--config", str(config))
+    resumed = _train(tmp_path, cfg)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert _losses(out) == _losses(reference)  # bitwise, before and after the preemption
 

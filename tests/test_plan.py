@@ -62,15 +62,17 @@ MEASURED = {
 
 
 @pytest.mark.parametrize("name", list(MEASURED))
-def test_plan_matches_measured_peak_memory(tmp_path, mid_model_dir, name):
+def test_plan_matches_measured_peak_memory(tmp_path, mid_model_dir, name, monkeypatch):
     """Planned total vs (peak RSS - RSS before the model loaded), within 20%.
 
     glibc keeps freed blocks of a dynamically raised size in its heap, which inflates RSS well past
-    the live tensors; a fixed mmap threshold makes RSS track what is really held."""
+    the live tensors; a fixed mmap threshold makes RSS track what is really held (and the plan, as
+    finetune, then counts no heap of its tuning)."""
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "131072")
     cfg = base_config(mid_model_dir, tmp_path / "out", data={"max_seq_len": 512, "eval": None}, train={"max_steps": 2, "micro_batch_size": 4})
     for section, values in MEASURED[name].items():
         cfg.setdefault(section, {}).update(values)
-    result = run_cli("train", "--config", str(write_config(tmp_path / "c.yaml", cfg)), env={"MALLOC_MMAP_THRESHOLD_": "131072"})
+    result = run_cli("train", "--config", str(write_config(tmp_path / "c.yaml", cfg)))
     assert result.returncode == 0, result.stderr[-2000:]
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     measured = (summary["peak_rss_mib"] - summary["rss_before_model_mib"]) * 2**20

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from conftest import REPO, base_config, read_jsonl, run_cli, write_config
+from conftest import REPO, base_config, finetune_in_process, read_jsonl, run_cli, write_config
 
 from finetune.config import validate_config
 from finetune.data import load_data
@@ -45,7 +45,7 @@ def test_demo_config_learns(tmp_path, demo_model_dir):
 def test_overfit_one_batch(tmp_path, tiny_model_dir):
     """The classic sanity check: a model memorises one batch."""
     cfg = base_config(tiny_model_dir, tmp_path / "out", adapter={"method": "full"}, train={"lr": 3e-3, "warmup_steps": 0, "scheduler": "constant"})
-    result = run_cli("train", "--config", str(write_config(tmp_path / "c.yaml", cfg)), "--overfit-batch", "80", "--set", "data.eval=null")
+    result = finetune_in_process("train", "--config", str(write_config(tmp_path / "c.yaml", cfg)), "--overfit-batch", "80", "--set", "data.eval=null")
     assert result.returncode == 0, result.stderr[-3000:]
     losses = [r["loss"] for r in read_jsonl(tmp_path / "out" / "metrics.jsonl") if "loss" in r]
     assert len(losses) == 80
@@ -117,7 +117,7 @@ def test_bad_data_row_stops_train_with_file_and_line(tmp_path, tiny_model_dir):
     data = tmp_path / "d.jsonl"
     data.write_text('{"instruction": "a", "output": "b"}\n{"instruction": "a", "output": 3}\n')
     cfg = base_config(tiny_model_dir, tmp_path / "out", data={"train": str(data), "eval": None, "cache_dir": str(tmp_path / "c")})
-    result = run_cli("train", "--config", str(write_config(tmp_path / "c.yaml", cfg)))
+    result = finetune_in_process("train", "--config", str(write_config(tmp_path / "c.yaml", cfg)))
     assert result.returncode == 2, result.stderr
     assert f"{data}:2: field 'output' must be a string" in result.stderr
 
@@ -163,7 +163,7 @@ def test_gradient_checkpointing_with_lora_gives_the_same_step(tmp_path, tiny_mod
 
 def test_a_nan_loss_in_the_first_steps_stops_the_run_before_the_update(tmp_path, tiny_model_dir):
     cfg = base_config(tiny_model_dir, tmp_path / "out", train={"max_steps": 6, "micro_batch_size": 2})
-    result = run_cli("train", "--config", str(write_config(tmp_path / "c.yaml", cfg)), env={"FINETUNE_FAULT": "nan@2"})
+    result = finetune_in_process("train", "--config", str(write_config(tmp_path / "c.yaml", cfg)), fault="nan@2")
     assert result.returncode == 3, result.stderr[-2000:]  # the run stopped itself: a divergence
     assert "error: step 3: the training loss is nan in the first 10 steps, so the model is not learning; stopped" in result.stderr
     assert "Traceback" not in result.stderr

@@ -5,6 +5,7 @@ bytes the loaded model holds, and the 4-bit load streams shard by shard."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -89,3 +90,31 @@ def test_the_4bit_load_holds_the_4bit_model_and_one_shard_at_most(wide_model_dir
     held = measured["peak"] - measured["before"]
     print(f"4-bit load: peak RSS {held / 2**20:.0f} MiB over the start; 4-bit model {model_4bit / 2**20:.0f} MiB, largest shard {shard / 2**20:.0f} MiB")
     assert model_4bit <= held <= model_4bit + shard + 2**30
+
+
+HEAP = """
+import sys, torch
+from finetune import runtime
+
+runtime.keep_freed_memory(quantized=sys.argv[1] == "quantized")
+before, kept = runtime.current_rss(), []
+for _ in range(4):
+    weight = torch.ones(224 << 18)  # a dequantized 4096 x 14336 weight in fp32 (224 MiB), used, then freed
+    kept.append(torch.ones(2 << 18))  # a small tensor kept for the backward, allocated after it
+    del weight
+print((runtime.current_rss() - before) / 2**20)
+"""
+
+
+@pytest.mark.parametrize("mode, at_most, at_least", [("quantized", 64, 0), ("plain", None, 224)])
+def test_a_quantized_bases_dequantized_weights_go_back_when_freed(mode, at_most, at_least):
+    """runtime.keep_freed_memory: with a quantized base the weights dequantized for each matmul (224 MiB
+    at 8B widths) come from fresh mappings and go back when freed, so the small tensors kept between
+    them split no heap block (the 8B QLoRA run was killed for memory at 23.6 GB that way); a plain run
+    keeps freed blocks in the heap for speed (its temporaries are reused, not faulted in again)."""
+    result = subprocess.run([sys.executable, "-c", HEAP, mode], cwd=REPO, capture_output=True, text=True, timeout=120,
+                            env={k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")})
+    assert result.returncode == 0, result.stderr[-2000:]
+    held = float(result.stdout.strip().splitlines()[-1])
+    print(f"{mode}: {held:.0f} MiB held after 4 freed 224 MiB weights and 4 small tensors kept")
+    assert held >= at_least and (at_most is None or held <= at_most), held
