@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import re
@@ -59,6 +60,8 @@ def pytest_collection_modifyitems(config, items):
             continue
         launching = cache.setdefault(item.module.__name__, _launching(item.module)) if item.module else set()
         text = inspect.getsource(item.function)
+        for other in re.findall(r"from (test_\w+) import", text):  # helpers taken from another test module
+            launching = launching | cache.setdefault(other, _launching(importlib.import_module(other)))
         if LAUNCHES.search(text) or launching & set(item.fixturenames) or any(re.search(rf"\b{n}\(", text) for n in launching):
             item.add_marker(pytest.mark.slow)
 
