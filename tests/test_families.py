@@ -210,7 +210,9 @@ def test_every_family_trains(tmp_path, family_dirs, family, method):
                       train={"overfit_batch": 16, "lr": 1e-2, "scheduler": "constant", "micro_batch_size": 2}, data={"eval": None, "max_seq_len": 64})
     result = run(validate_config(cfg, "test"))
     rows = [r for r in read_jsonl(tmp_path / "out" / "metrics.jsonl") if "loss" in r]
-    assert len(rows) == 16 and rows[-1]["loss"] < 0.92 * rows[0]["loss"], [r["loss"] for r in rows]
+    # 16 steps on one batch: full fine-tuning memorises it (measured: 2-14% of the first loss left);
+    # LoRA, its B starting at zero, takes 10-20% off at this LR.
+    assert len(rows) == 16 and rows[-1]["loss"] < (0.2 if method == "full" else 0.92) * rows[0]["loss"], [r["loss"] for r in rows]
     assert all(("router_aux_loss" in r) == (family in MOE) for r in rows) and ("router_aux_loss" in result.summary) == (family in MOE)
     if method == "lora":
         trained = result.model.eval()
