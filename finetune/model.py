@@ -208,7 +208,7 @@ def _weights_read_on_demand(cfg: ModelConfig, config):
 
     cls = _causal_lm_class(config)
     folder = Path(cfg.name_or_path).expanduser()
-    files = list(weight_files(folder)) if cfg.quantization is not None and cls is not None and looks_local(cfg.name_or_path) else []
+    files = weight_file_names(folder) if cfg.quantization is not None and cls is not None and looks_local(cfg.name_or_path) else []
     if not files:
         yield AutoModelForCausalLM, cfg.name_or_path, None
         return
@@ -242,15 +242,19 @@ def override_config(config, overrides: dict) -> None:
         setattr(config, key, value)
 
 
+def weight_file_names(folder: Path) -> list[str]:
+    """A model folder's safetensors files, from its index ([] if it has none); reads no weight file."""
+    index = folder / "model.safetensors.index.json"
+    return sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else \
+        ["model.safetensors"] if (folder / "model.safetensors").is_file() else []
+
+
 def weight_files(folder: Path) -> dict[str, list[str]]:
     """A model folder's safetensors files and the keys each holds ({} if it has none); reads headers only."""
     from safetensors import safe_open
 
-    index = folder / "model.safetensors.index.json"
-    names = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else \
-        ["model.safetensors"] if (folder / "model.safetensors").is_file() else []
     files = {}
-    for name in names:
+    for name in weight_file_names(folder):
         with safe_open(folder / name, "pt") as f:
             files[name] = list(f.keys())
     return files

@@ -290,13 +290,18 @@ def dense_temporaries(shape: Shape, cfg: RunConfig, s: Setup) -> float:
 MAPPED_FROM = 64 << 20
 
 
+def glibc_tuned_by_user() -> bool:
+    """glibc's MALLOC_* variables set: finetune leaves the heap to them (runtime.keep_freed_memory)."""
+    return any(key.startswith("MALLOC_") for key in os.environ)
+
+
 def heap_holes(shape: Shape, cfg: RunConfig, s: Setup) -> float:
     """What glibc's heap holds beyond live tensors on a CPU run (runtime.keep_freed_memory; not under
     FSDP/ZeRO-3): freed blocks split by the small tensors kept after them, which the next layer's
     blocks cannot reuse. DoRA (freed memory kept in the heap): about one fp32 copy of the largest
     adapted weight per layer in the forward and again in the backward's recompute, measured on the
     1.1B model with checkpointing (docs/platform-notes.md); a quantized base: below."""
-    if s.shards_weights or not dense_temporaries(shape, cfg, s) or any(key.startswith("MALLOC_") for key in os.environ):
+    if s.shards_weights or not dense_temporaries(shape, cfg, s) or glibc_tuned_by_user():
         return 0.0  # sharded; nothing weight-sized freed; or glibc tuned by the user (finetune leaves it alone)
     if s.bits:  # with checkpointing (without it every layer's activations are held anyway: counted above)
         # Dequantized weights of MAPPED_FROM and more come from fresh mappings, returned when freed,

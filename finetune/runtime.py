@@ -11,7 +11,7 @@ import torch
 
 from finetune.config import RunConfig
 from finetune.errors import UserError
-from finetune.plan import MAPPED_FROM
+from finetune.plan import MAPPED_FROM, glibc_tuned_by_user
 from finetune.strategy import NAMES
 
 
@@ -124,7 +124,7 @@ def _libc():
 
 def _ours_to_tune(libc) -> bool:
     """glibc's heap on a CPU run, unless the user set glibc's MALLOC_* variables (their choice wins)."""
-    return not torch.cuda.is_available() and not any(k.startswith("MALLOC_") for k in os.environ) and hasattr(libc, "mallopt")
+    return not torch.cuda.is_available() and not glibc_tuned_by_user() and hasattr(libc, "mallopt")
 
 
 def _proc_status(key: str) -> int:

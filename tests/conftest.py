@@ -83,14 +83,8 @@ def run_cli(*args: str, cwd: Path = REPO, env: dict | None = None, timeout: int 
 def finetune_cli(capsys, *args: str):
     """`finetune ARGS` in this process, for what a fresh process proves nothing more about (its output
     and exit code): returncode, stdout, stderr as run_cli gives them. An unexpected exception fails the test."""
-    from finetune.cli import main
-
-    try:
-        code = main(list(args))
-    except SystemExit as exit:  # argparse: --help, usage errors
-        code = exit.code
-    out = capsys.readouterr()
-    return types.SimpleNamespace(returncode=code, stdout=out.out, stderr=out.err)
+    capsys.readouterr()  # what came before is not this command's
+    return finetune_in_process(*args)
 
 
 def finetune_in_process(*args: str, fault: str | None = None):
@@ -113,6 +107,8 @@ def finetune_in_process(*args: str, fault: str | None = None):
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             try:
                 code = main(list(args))
+            except SystemExit as exit:  # argparse: --help, usage errors
+                code = exit.code
             except RuntimeError as error:
                 if "injected fault" not in str(error):
                     raise
