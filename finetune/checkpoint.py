@@ -91,11 +91,9 @@ def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: p.detach().contiguous().cpu() for name, p in model.named_parameters() if p.requires_grad}
 
 
-def complete(tmp: Path, root: Path, step: int, files: dict, keep_last: int) -> Path:
+def complete(tmp: Path, root: Path, step: int, files: dict, keep_last: int, after_file=None) -> Path:
     """Rank 0's part: its files (hashed as they are written), then fsync, the manifest last, and the
-    atomic rename."""
-    from finetune import faults
-
+    atomic rename. `after_file(step)` runs after each file (the tests' kill-saving fault)."""
     hashes = {}
     for name, value in files.items():
         with HashedFile(tmp / name) as out:
@@ -106,7 +104,8 @@ def complete(tmp: Path, root: Path, step: int, files: dict, keep_last: int) -> P
             else:
                 torch.save(value, out)
         hashes[name] = out.sha256
-        faults.inject_saving(step)
+        if after_file is not None:
+            after_file(step)
     written = {str(p.relative_to(tmp)): p for p in sorted(tmp.rglob("*")) if p.is_file()}
     for name, path in written.items():
         if name not in hashes:  # every rank's RNG states and shards: written by torch and DCP

@@ -50,6 +50,7 @@ class Checkpointer:
         self._staged.set()
         self._errors: list[BaseException] = []
         self._shards = None  # DCP's future for this rank's shards of the save in flight
+        self.after_file = None  # called with the step after each file rank 0 writes (the recipe hands it the tests' faults)
 
     # -- saving
 
@@ -79,7 +80,7 @@ class Checkpointer:
             files["scaler.pt"] = accelerator.scaler.state_dict()
         files[TRAINER_STATE] = json.dumps(state)
         if not background:
-            return complete(tmp, root, step, files, keep_last)
+            return complete(tmp, root, step, files, keep_last, self.after_file)
         live = {name: files.pop(name) for name in (WEIGHTS, "optimizer.pt") if name in files}  # the writer copies these
         self._staged.clear()
         self._writer = threading.Thread(target=self._complete_or_record, args=(shards, tmp, root, step, host_copy(files), live, keep_last),
@@ -107,7 +108,7 @@ class Checkpointer:
                 self._staged.set()
             if shards is not None:
                 shards.result()  # DCP's metadata is written once every rank's files are: they are all there
-            complete(tmp, root, step, files, keep_last)
+            complete(tmp, root, step, files, keep_last, self.after_file)
         except BaseException as err:  # raised in the training thread at its next wait()
             self._errors.append(err)
 

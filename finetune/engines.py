@@ -11,8 +11,8 @@ an engine holds the model, optimizer, LR schedule and the checkpointer of its fo
 >>> cfg = validate_config({"model": {"name_or_path": "org/model"}, "data": {"train": "org/dataset"},
 ...                        "train": {"output_dir": "unused", "lr": 0.1, "max_steps": 3}}, "example")
 >>> engine = engine_for(cfg, Accelerator(cpu=True))
->>> engine.name, engine.layout, engine.steps_in_backward
-('none', 'full', False)
+>>> engine.name, engine.layout
+('none', 'full')
 >>> _ = torch.manual_seed(0)
 >>> engine.prepare(torch.nn.Linear(4, 1), total_steps=3)  # engine.model, .optimizer, .scheduler
 >>> x, y, losses = torch.ones(8, 4), torch.zeros(8, 1), []
@@ -21,9 +21,7 @@ an engine holds the model, optimizer, LR schedule and the checkpointer of its fo
 ...         loss = torch.nn.functional.mse_loss(engine.model(x), y)
 ...         engine.backward(loss)
 ...     norm = engine.clip(1.0)
-...     engine.step()  # the loop skips it where engine.steps_in_backward (ZeRO has stepped already)
-...     engine.scheduler.step()
-...     engine.zero_grad()
+...     moved = engine.apply(True)  # the guard's verdict: apply (ZeRO has stepped inside backward already)
 ...     losses.append(loss.item())
 >>> losses[-1] < losses[0] / 10
 True
@@ -46,7 +44,6 @@ from finetune.strategy import Strategy
 class Replicated:
     """One process, or DDP through accelerate: every rank holds the whole model."""
 
-    steps_in_backward = False  # ZeRO: the update happens inside backward, the guard can only roll back
     background_saves = True  # checkpoints may be written while training goes on (DeepSpeed writes its own files, synchronously)
     autocast = True  # accelerate's autocast (FSDP's MixedPrecisionPolicy and DeepSpeed's bf16 mode do its job when sharded)
 
@@ -84,11 +81,14 @@ class Replicated:
         """The gradients' norm before clipping; a device tensor where the engine has one (no host sync)."""
         return self.accelerator.clip_grad_norm_(self.params, max_norm)
 
-    def step(self) -> None:
-        self.optimizer.step()
-
-    def zero_grad(self) -> None:
+    def apply(self, apply: bool) -> bool:
+        """After the guard's verdict on a computed step: step the optimizer and the LR schedule where it
+        says apply, drop the gradients either way. True where the weights moved."""
+        if apply:
+            self.optimizer.step()
+            self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        return apply
 
     def unwrap(self) -> torch.nn.Module:
         return self.accelerator.unwrap_model(self.model)
@@ -140,7 +140,7 @@ class FSDP(Replicated):
 class Zero(Replicated):
     """DeepSpeed ZeRO-2/3 (offload too): its engine reduces, clips and steps inside backward."""
 
-    steps_in_backward, autocast, background_saves = True, False, False
+    autocast, background_saves = False, False
 
     def __init__(self, cfg: RunConfig, accelerator, strategy: Strategy):
         super().__init__(cfg, accelerator, strategy)
@@ -162,6 +162,12 @@ class Zero(Replicated):
 
     def clip(self, max_norm: float) -> float:
         return float(self.model.get_global_grad_norm())  # clipped inside step, at distributed.deepspeed_config's norm
+
+    def apply(self, apply: bool) -> bool:
+        """DeepSpeed stepped inside backward: a step the guard would skip has moved the weights already
+        (only a rollback undoes it), and the LR schedule follows the optimizer."""
+        self.scheduler.step()
+        return True
 
     def unwrap(self) -> torch.nn.Module:
         return self.model.module

@@ -349,6 +349,7 @@ def load_and_prepare_model(run: RunState) -> None:
     if cfg.model.compile:
         compile_layers(model)
     run.engine.prepare(model, run.schedule.total_steps)
+    run.engine.checkpointer.after_file = faults.inject_saving
     if cfg.train.objective == "dpo" and cfg.adapter.method == "full":
         run.objective.reference = run.engine.reference(run.model_cfg, run.say)
         run.say("dpo: the reference is a frozen copy of the base, held as the policy is")
@@ -408,6 +409,7 @@ class StepOutcome:
     loss: float  # mean over the step's trained tokens, all ranks
     grad_norm: float
     verdict: Verdict
+    moved: bool  # the weights moved (also where DeepSpeed stepped before the guard's verdict to skip)
     real_tokens: int  # non-padding tokens of the step, all ranks
     router_loss: float | None  # MoE: the router's auxiliary loss, mean over the step's forwards
     preempted: bool  # a rank has been signalled: save and stop
@@ -430,9 +432,9 @@ def train_loop(run: RunState) -> None:
             log.advance(run.progress.step - log.position())
             continue
         if done.verdict.action == "skip":
-            log.event("anomaly" if run.engine.steps_in_backward else "skip", run.progress.step,
-                      f"guard: step {run.progress.step + 1}: {done.verdict.reason} (DeepSpeed applied it already: only rollbacks help)"
-                      if run.engine.steps_in_backward else f"guard: step {run.progress.step + 1} not applied: {done.verdict.reason}")
+            log.event("anomaly" if done.moved else "skip", run.progress.step,
+                      f"guard: step {run.progress.step + 1}: {done.verdict.reason} (applied already, inside backward: only rollbacks help)"
+                      if done.moved else f"guard: step {run.progress.step + 1} not applied: {done.verdict.reason}")
         run.progress.tokens += done.real_tokens
         run.progress.epoch = done.epoch
         window_tokens += done.real_tokens
@@ -502,16 +504,12 @@ def train_step(run: RunState) -> StepOutcome:
     if step - run.start_step < FIRST_STEPS_CHECKED:
         check_first_steps(step, step_loss)
     verdict = run.guard.check(step, step_loss, grad_norm)
-    if not engine.steps_in_backward:
-        if verdict.action == "apply":
-            waited = engine.checkpointer.staged()  # a background save's copy of the weights first
-            if waited > 0.01:
-                run.log.print(f"step {step + 1}: training paused {waited:.2f} s more while the checkpoint was copied")
-            engine.step()
-        engine.zero_grad()
-    if verdict.action == "apply" or (verdict.action == "skip" and engine.steps_in_backward):  # ZeRO has stepped regardless
-        engine.scheduler.step()
-    return StepOutcome(epoch, step_loss, grad_norm, verdict, int(global_real),
+    if verdict.action == "apply":
+        waited = engine.checkpointer.staged()  # a background save's copy of the weights first
+        if waited > 0.01:
+            run.log.print(f"step {step + 1}: training paused {waited:.2f} s more while the checkpoint was copied")
+    moved = engine.apply(verdict.action == "apply")
+    return StepOutcome(epoch, step_loss, grad_norm, verdict, moved, int(global_real),
                        router_loss / (len(micro_batches) * world) if run.router_coef > 0 else None, preempted > 0, time_due > 0,
                        {name: value / max(totals[0], 1) for name, value in zip(objective.metrics, metric_totals)})
 

@@ -172,6 +172,24 @@ def test_torchrun_restarts_a_killed_rank_and_the_job_resumes_by_itself(tmp_path,
     assert _losses(tmp_path / "out") == pytest.approx(_losses(tmp_path / "reference"), rel=1e-6)
 
 
+
+def test_under_zero_a_spike_has_moved_the_weights_already_and_is_recorded_as_an_anomaly(tmp_path, tiny_model_dir):
+    """DeepSpeed steps inside backward, before the guard has seen the step's loss: a spike the guard
+    would skip is an anomaly (only a rollback could undo it), and the LR schedule keeps pace with the
+    optimizer (its LR at the last step is a healthy one-process run's)."""
+    cfg = _cfg(tiny_model_dir, tmp_path / "out", steps=24, distributed={"strategy": "zero2"})
+    job = _torchrun(tmp_path, cfg, "zero2", env={"FINETUNE_FAULT": "spike@22"})
+    stdout, stderr = job.communicate(timeout=300)
+    assert job.returncode == 0, stderr[-3000:]
+    events = _events(tmp_path / "out")
+    assert [(e["event"], e["step"]) for e in events] == [("anomaly", 22)], events
+    assert "loss spike" in events[0]["message"] and "only rollbacks help" in events[0]["message"]
+    healthy = _cfg(tiny_model_dir, tmp_path / "healthy", steps=24)
+    assert _train(tmp_path, healthy, name="healthy").returncode == 0
+    lr = [{r["step"]: r["lr"] for r in read_jsonl(out / "metrics.jsonl") if "lr" in r} for out in (tmp_path / "out", tmp_path / "healthy")]
+    assert lr[0][24] == pytest.approx(lr[1][24], rel=1e-9) and lr[0][24] != lr[1][20]
+
+
 def test_sigterm_to_torchrun_makes_every_rank_save_the_same_step(tmp_path, tiny_model_dir):
     cfg = _cfg(tiny_model_dir, tmp_path / "out", steps=2000, distributed={"strategy": "fsdp"})
     job = _torchrun(tmp_path, cfg, "c")
