@@ -197,7 +197,58 @@ def quiet_libraries() -> None:
     warnings.filterwarnings("ignore", message=r"(PiSSA|OLoRA) changes the base weights", category=UserWarning)
 
 
-def run_stage(args: argparse.Namespace) -> None:
+# ------------------------------------------------------------------------------------------------
+# The commands: one function each, named in COMMANDS
+
+
+def train(args: argparse.Namespace) -> None:
+    from finetune.supervise import watch_preemption
+
+    watch_preemption()  # before the heavy imports: a SIGTERM during start-up still ends with 75
+    from finetune.train import run
+
+    run(resolve_config(args))
+
+
+def validate(args: argparse.Namespace) -> None:
+    from finetune import preflight
+    from finetune.config import to_yaml
+
+    cfg = resolve_config(args)
+    preflight.check(cfg, warn=lambda line: print(f"warning: {line}", file=sys.stderr))  # what train would refuse, for this machine
+    print(to_yaml(cfg), end="")
+
+
+def data(args: argparse.Namespace) -> None:
+    from finetune.chat import choose_template
+    from finetune.data import load_data, show, summary_lines
+    from finetune.model import load_tokenizer
+
+    cfg = resolve_config(args)
+    tokenizer = load_tokenizer(cfg.model)
+    choose_template(tokenizer, cfg.data.chat_template, cfg.data.format, say=print)
+    loaded = load_data(cfg.data, tokenizer, cfg.train.seed)
+    print("\n".join(summary_lines(loaded, cfg.data.max_seq_len)))
+    for text in show(loaded.train, tokenizer, args.show):
+        print(text)
+
+
+def plan(args: argparse.Namespace) -> None:
+    from finetune import plan
+
+    cfg = resolve_config(args, check_paths=False)  # a plan reads the model's shape alone
+    gpu = args.gpu_mem is not None or __import__("torch").cuda.is_available()
+    budget, where = (plan.parse_size(args.gpu_mem, "--gpu-mem"), "GPU") if args.gpu_mem else plan.available_memory()
+    result = plan.make_plan(cfg, devices=args.gpus, strategy=args.strategy, gpu=gpu)
+    print(plan.render(result, budget, where, plan.alternatives(cfg, result, gpu)))
+    if args.mfu > 1:
+        raise UserError(f"--mfu {args.mfu:g}: expected a share of the peak, above 0 and at most 1")
+    if args.tflops:
+        bandwidth = plan.parse_size(args.bandwidth, "--bandwidth") if args.bandwidth else 0.0
+        print(plan.render_time(plan.step_time(cfg, result.setup, args.tflops, args.mfu, bandwidth), args.tflops, args.mfu, bandwidth))
+
+
+def stage(args: argparse.Namespace) -> None:
     from finetune import stage
 
     if args.list:
@@ -216,7 +267,19 @@ def run_stage(args: argparse.Namespace) -> None:
               f"(or true for the default) to load from it")
 
 
-def run_generate(args: argparse.Namespace) -> None:
+def merge(args: argparse.Namespace) -> None:
+    from finetune.merge import merge
+
+    report = merge(args.adapter, args.out, base=args.base, dtype=args.dtype, max_shard_size=args.max_shard_size,
+                   qlora_base=args.qlora_base, prompts_file=args.check_prompts, tolerance=args.tolerance, overwrite=args.overwrite)
+    m, e = report["merged_vs_tuned"], report["adapter_effect"]
+    print(f"merged {report['adapter']} into {report['base']} ({report['dtype']}"
+          + (f", QLoRA: {report['qlora_base']} base" if "qlora_base" in report else "") + f") -> {args.out}\n"
+          f"check on {report['check_texts']} texts: |logits - base+adapter| max {m['max']:.3g}, mean {m['mean']:.3g} "
+          f"(tolerance {report['tolerance_max']:g}); the adapter moves the base's logits by max {e['max']:.3g}, mean {e['mean']:.3g}")
+
+
+def generate(args: argparse.Namespace) -> None:
     from finetune.generate import answer_file, generate, load, read_prompts
 
     if args.out and not args.prompts:
@@ -232,76 +295,28 @@ def run_generate(args: argparse.Namespace) -> None:
     answer_file(model, tokenizer, rows, args.out, args.batch_size, chat=args.chat, max_new_tokens=args.max_new_tokens, temperature=args.temperature)
 
 
-def show_data(cfg, count: int) -> None:
-    from finetune.chat import choose_template
-    from finetune.data import load_data, show, summary_lines
-    from finetune.model import load_tokenizer
+def configs(args: argparse.Namespace) -> None:
+    from finetune.config import shipped_configs
 
-    tokenizer = load_tokenizer(cfg.model)
-    choose_template(tokenizer, cfg.data.chat_template, cfg.data.format, say=print)
-    data = load_data(cfg.data, tokenizer, cfg.train.seed)
-    print("\n".join(summary_lines(data, cfg.data.max_seq_len)))
-    for text in show(data.train, tokenizer, count):
-        print(text)
+    for name, about in shipped_configs():
+        print(f"{name:<34} {about}")
+
+
+def make_demo_model(args: argparse.Namespace) -> None:
+    from finetune.demo import make_demo_model
+
+    make_demo_model(args.out, steps=args.steps, overwrite=args.overwrite)
+
+
+COMMANDS = {"train": train, "validate": validate, "data": data, "plan": plan, "stage": stage, "merge": merge, "generate": generate,
+            "configs": configs, "make-demo-model": make_demo_model}
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     quiet_libraries()
     try:
-        if args.command == "validate":
-            from finetune import preflight
-            from finetune.config import to_yaml
-
-            cfg = resolve_config(args)
-            preflight.check(cfg, warn=lambda line: print(f"warning: {line}", file=sys.stderr))  # what train would refuse, for this machine
-            print(to_yaml(cfg), end="")
-        elif args.command == "train":
-            from finetune.supervise import watch_preemption
-
-            watch_preemption()  # before the heavy imports: a SIGTERM during start-up still ends with 75
-            from finetune.train import run
-
-            run(resolve_config(args))
-        elif args.command == "data":
-            show_data(resolve_config(args), args.show)
-        elif args.command == "plan":
-            from finetune import plan
-
-            cfg = resolve_config(args, check_paths=False)  # a plan reads the model's shape alone
-            gpu = args.gpu_mem is not None or __import__("torch").cuda.is_available()
-            budget, where = (plan.parse_size(args.gpu_mem, "--gpu-mem"), "GPU") if args.gpu_mem else plan.available_memory()
-            result = plan.make_plan(cfg, devices=args.gpus, strategy=args.strategy, gpu=gpu)
-            print(plan.render(result, budget, where, plan.alternatives(cfg, result, gpu)))
-            if args.mfu > 1:
-                raise UserError(f"--mfu {args.mfu:g}: expected a share of the peak, above 0 and at most 1")
-            if args.tflops:
-                bandwidth = plan.parse_size(args.bandwidth, "--bandwidth") if args.bandwidth else 0.0
-                print(plan.render_time(plan.step_time(cfg, result.setup, args.tflops, args.mfu, bandwidth), args.tflops, args.mfu, bandwidth))
-        elif args.command == "merge":
-            from finetune.merge import merge
-
-            report = merge(args.adapter, args.out, base=args.base, dtype=args.dtype, max_shard_size=args.max_shard_size,
-                           qlora_base=args.qlora_base, prompts_file=args.check_prompts, tolerance=args.tolerance,
-                           overwrite=args.overwrite)
-            m, e = report["merged_vs_tuned"], report["adapter_effect"]
-            print(f"merged {report['adapter']} into {report['base']} ({report['dtype']}"
-                  + (f", QLoRA: {report['qlora_base']} base" if "qlora_base" in report else "") + f") -> {args.out}\n"
-                  f"check on {report['check_texts']} texts: |logits - base+adapter| max {m['max']:.3g}, mean {m['mean']:.3g} "
-                  f"(tolerance {report['tolerance_max']:g}); the adapter moves the base's logits by max {e['max']:.3g}, mean {e['mean']:.3g}")
-        elif args.command == "generate":
-            run_generate(args)
-        elif args.command == "configs":
-            from finetune.config import shipped_configs
-
-            for name, about in shipped_configs():
-                print(f"{name:<34} {about}")
-        elif args.command == "stage":
-            run_stage(args)
-        elif args.command == "make-demo-model":
-            from finetune.demo import make_demo_model
-
-            make_demo_model(args.out, steps=args.steps, overwrite=args.overwrite)
+        COMMANDS[args.command](args)
     except UserError as err:
         print(f"error: {err}", file=sys.stderr)
         code = err.exit_code
