@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import re
@@ -60,8 +59,6 @@ def pytest_collection_modifyitems(config, items):
             continue
         launching = cache.setdefault(item.module.__name__, _launching(item.module)) if item.module else set()
         text = inspect.getsource(item.function)
-        for other in re.findall(r"from (test_\w+) import", text):  # helpers taken from another test module
-            launching = launching | cache.setdefault(other, _launching(importlib.import_module(other)))
         if LAUNCHES.search(text) or launching & set(item.fixturenames) or any(re.search(rf"\b{n}\(", text) for n in launching):
             item.add_marker(pytest.mark.slow)
 
@@ -308,3 +305,114 @@ def family_dirs(tmp_path_factory, demo_tokenizer_dir):
         return made[name]
 
     return get
+
+
+# ------------------------------------------------------------------------------------------------
+# Batches and gradients the equivalence tests compare (fast paths, families, CUDA)
+
+
+def packed_batch(model_dir):
+    """Six alpaca rows packed into two rows of a batch (the shorter one padded), prompts masked."""
+    from transformers import AutoTokenizer
+
+    from finetune.packing import Row, collate
+    from finetune.rows import IGNORE, tokenize_row
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    rows = [{"instruction": "What kind of word is this?", "input": w, "output": k}
+            for w, k in [("apple", "noun"), ("red", "adjective"), ("finds", "verb"), ("Anna", "name"), ("tiger", "noun"), ("blue", "adjective")]]
+    samples = [tokenize_row(r, tok, "alpaca", False) for r in rows]
+    samples = [(s["input_ids"], [IGNORE] + s["labels"][1:]) for s in samples]
+    packed = [Row(sum((s[0] for s in group), []), sum((s[1] for s in group), []), sum((list(range(len(s[0]))) for s in group), []))
+              for group in (samples[:4], samples[4:])]
+    return collate(packed, tok.pad_token_id)  # two rows, the shorter padded (a segment of its own)
+
+
+def loss_and_grads(model, batch):
+    """finetune's token loss sum over the batch and the trained parameters' gradients."""
+    from finetune import loss
+
+    model.zero_grad()
+    value = loss.token_loss_sum(model, batch)
+    value.backward()
+    return value.item(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def textbook_samples(vocab: int) -> list[tuple[list[int], list[int]]]:
+    """Five samples of 9-40 tokens (most longer than the window), prompts masked, first token never trained."""
+    import torch
+
+    from finetune.rows import IGNORE
+
+    gen = torch.Generator().manual_seed(1)
+    out = []
+    for n in (30, 12, 25, 9, 40):
+        ids = torch.randint(3, min(vocab, 700), (n,), generator=gen).tolist()
+        out.append((ids, [IGNORE] * (n // 3) + ids[n // 3 :]))
+    return out
+
+
+def samples_batch(samples, packed: bool) -> dict:
+    """The samples as a batch: packed into two rows, or one row each."""
+    from finetune.packing import Row, collate
+
+    rows = []
+    for group in ([samples[:3], samples[3:]] if packed else [[s] for s in samples]):
+        ids = [t for s in group for t in s[0]]
+        rows.append(Row(ids, [t for s in group for t in s[1]], [p for s in group for p in range(len(s[0]))]))
+    return collate(rows, pad_id=0)
+
+
+def trained_grads(model) -> dict:
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def textbook(model, samples, device: str = "cpu") -> tuple[float, dict]:
+    """The library's eager attention and full logits, one sample at a time, plain cross-entropy."""
+    import torch
+    import torch.nn.functional as F
+
+    from finetune.rows import IGNORE
+
+    model.set_attn_implementation("eager")
+    model.zero_grad()
+    total = 0.0
+    for ids, labels in samples:
+        logits = model(input_ids=torch.tensor([ids], device=device), use_cache=False).logits[0, :-1]
+        value = F.cross_entropy(logits.float(), torch.tensor(labels[1:], device=device), ignore_index=IGNORE, reduction="sum")
+        value.backward()
+        total += value.item()
+    return total, trained_grads(model)
+
+
+# ------------------------------------------------------------------------------------------------
+# Runs under a distributed strategy (test_distributed, test_preference)
+
+
+def train_strategy(tmp_path, name, model_dir, method, nproc, strategy="ddp", accelerate_config=None, **sections):
+    """`finetune train` under a strategy: one process (in this one) or several (torchrun, or accelerate
+    launch with one of configs/accelerate); (output folder, per-step losses, summary)."""
+    out = tmp_path / name
+    # Global batch 4 rows either way: 1 process x micro 4, or 2 processes x micro 2 (the same rows).
+    cfg = base_config(model_dir, out, adapter={"method": method}, data={"eval": None},
+                      train={"max_steps": 4, "micro_batch_size": 4 // nproc, "lr": 1e-2 if method != "full" else 1e-3},
+                      distributed={"strategy": strategy})
+    for key, values in sections.items():
+        cfg.setdefault(key, {}).update(values)
+    config = str(write_config(tmp_path / f"{name}.yaml", cfg))
+    if nproc == 1:
+        result = finetune_in_process("train", "--config", config)
+    else:
+        env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
+        launcher = ["torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
+        if accelerate_config:
+            launcher = ["accelerate.commands.launch", "--config_file", f"configs/accelerate/{accelerate_config}.yaml", "--main_process_port", "29613"]
+        result = subprocess.run([sys.executable, "-m", *launcher, "finetune/train.py", "--config", config],
+                                cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+        if accelerate_config and accelerate_config != strategy:
+            return result
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    if nproc > 1:
+        (out / "console.log").write_text(result.stdout + result.stderr)
+    losses = [r["loss"] for r in read_jsonl(out / "metrics.jsonl") if "loss" in r]
+    return out, losses, json.loads((out / "summary.json").read_text())

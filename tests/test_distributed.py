@@ -10,40 +10,13 @@ import sys
 
 import pytest
 import torch
-from conftest import REPO, base_config, read_jsonl, run_cli, write_config
-
-
-def _train(tmp_path, name, model_dir, method, nproc, strategy="ddp", accelerate_config=None, **sections):
-    out = tmp_path / name
-    # Global batch 4 rows either way: 1 process x micro 4, or 2 processes x micro 2 (the same rows).
-    cfg = base_config(model_dir, out, adapter={"method": method}, data={"eval": None},
-                      train={"max_steps": 4, "micro_batch_size": 4 // nproc, "lr": 1e-2 if method != "full" else 1e-3},
-                      distributed={"strategy": strategy})
-    for name, values in sections.items():
-        cfg.setdefault(name, {}).update(values)
-    config = str(write_config(tmp_path / f"{name}.yaml", cfg))
-    if nproc == 1:
-        result = run_cli("train", "--config", config)
-    else:
-        env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
-        launcher = ["torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
-        if accelerate_config:
-            launcher = ["accelerate.commands.launch", "--config_file", f"configs/accelerate/{accelerate_config}.yaml", "--main_process_port", "29613"]
-        result = subprocess.run([sys.executable, "-m", *launcher, "finetune/train.py", "--config", config],
-                                cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
-        if accelerate_config and accelerate_config != strategy:
-            return result
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-    if nproc > 1:
-        (out / "console.log").write_text(result.stdout + result.stderr)
-    losses = [r["loss"] for r in read_jsonl(out / "metrics.jsonl") if "loss" in r]
-    return out, losses, json.loads((out / "summary.json").read_text())
+from conftest import REPO, base_config, train_strategy, write_config
 
 
 @pytest.fixture(scope="module")
 def single(tmp_path_factory, tiny_model_dir):
     tmp = tmp_path_factory.mktemp("single")
-    return {m: _train(tmp, f"single-{m}", tiny_model_dir, m, 1) for m in ("lora", "full", "dora")}
+    return {m: train_strategy(tmp, f"single-{m}", tiny_model_dir, m, 1) for m in ("lora", "full", "dora")}
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +31,7 @@ def two_process_runs(tmp_path_factory, tiny_model_dir, ram_root):
             if strategy == "fsdp":  # a synchronous save, compared with a background one below
                 staging["checkpoint"] = {"save_every": 2, "async_save": False}
             runs[strategy] = None  # a failed run fails the first test that asked for it, and is not retried
-            runs[strategy] = _train(tmp_path_factory.mktemp(strategy), "two", tiny_model_dir, "lora", 2, strategy, **staging)
+            runs[strategy] = train_strategy(tmp_path_factory.mktemp(strategy), "two", tiny_model_dir, "lora", 2, strategy, **staging)
         if runs[strategy] is None:
             pytest.fail(f"the shared 2-process {strategy} run failed (see the first test that used it)")
         return runs[strategy]
@@ -74,7 +47,7 @@ def test_two_processes_match_one(tmp_path, tiny_model_dir, single, two_process_r
     if method == "lora":
         out, losses, summary = two_process_runs(strategy)
     else:
-        out, losses, summary = _train(tmp_path, "two", tiny_model_dir, method, 2, strategy, **extra)
+        out, losses, summary = train_strategy(tmp_path, "two", tiny_model_dir, method, 2, strategy, **extra)
     _, ref_losses, ref = single[method]
     assert summary["world_size"] == 2 and summary["strategy"] == strategy
     assert len(losses) == len(ref_losses) == 4
@@ -111,7 +84,7 @@ def test_two_ranks_stage_one_ram_copy_and_both_load_it(two_process_runs, ram_roo
 
 def test_hybrid_fsdp_replicates_across_groups(tmp_path, tiny_model_dir, single):
     """HSDP with shards of 1 process over 2 processes: two replicas (a 2-D mesh), the same losses."""
-    _, losses, summary = _train(tmp_path, "hsdp", tiny_model_dir, "lora", 2, "fsdp", distributed={"fsdp_shard_size": 1})
+    _, losses, summary = train_strategy(tmp_path, "hsdp", tiny_model_dir, "lora", 2, "fsdp", distributed={"fsdp_shard_size": 1})
     assert losses == pytest.approx(single["lora"][1], rel=1e-4, abs=1e-5)
     assert summary["param_numel_per_rank"] == [single["lora"][2]["param_numel_per_rank"][0]] * 2
 
@@ -142,7 +115,7 @@ def test_fsdp_checkpoint_resumes_at_two_and_at_one_process(tmp_path, tiny_model_
     x accum 2) both resume from it and continue with the uninterrupted run's losses."""
     import shutil
 
-    full, losses, _ = _train(tmp_path, "full", tiny_model_dir, "lora", 2, "fsdp", checkpoint={"save_every": 2, "async_save": True})
+    full, losses, _ = train_strategy(tmp_path, "full", tiny_model_dir, "lora", 2, "fsdp", checkpoint={"save_every": 2, "async_save": True})
     saved = full / "checkpoints" / "step-000002"
     assert sorted(p.name for p in (saved / "sharded").iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
     assert "being written in the background" in (full / "console.log").read_text()
@@ -156,7 +129,7 @@ def test_fsdp_checkpoint_resumes_at_two_and_at_one_process(tmp_path, tiny_model_
         out = tmp_path / f"resumed-{nproc}"
         shutil.copytree(saved, out / "checkpoints" / saved.name)
         extra = {"train": {"max_steps": 4, "micro_batch_size": 2, "grad_accum": 2 // nproc, "lr": 1e-2}}
-        _, resumed, _ = _train(tmp_path, f"resumed-{nproc}", tiny_model_dir, "lora", nproc, "fsdp", **extra)
+        _, resumed, _ = train_strategy(tmp_path, f"resumed-{nproc}", tiny_model_dir, "lora", nproc, "fsdp", **extra)
         assert resumed == pytest.approx(losses[2:], rel=1e-5), (nproc, resumed, losses)
     _merges_cleanly(saved, tmp_path / "merged")  # the DCP shards, read in one process
 
@@ -175,21 +148,21 @@ def test_zero3_checkpoint_resumes_at_the_same_world_size_and_at_another(tmp_path
     safe_set_full_* routes. The same global batch each way, so the losses continue."""
     import shutil
 
-    full, losses, _ = _train(tmp_path, "full", tiny_model_dir, "lora", 2, "zero3", checkpoint={"save_every": 2})
+    full, losses, _ = train_strategy(tmp_path, "full", tiny_model_dir, "lora", 2, "zero3", checkpoint={"save_every": 2})
     saved = full / "checkpoints" / "step-000002"
     assert sorted(p.name for p in (saved / "deepspeed" / "state").iterdir() if "optim_states" in p.name) == [
         "zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
     shutil.copytree(saved, tmp_path / "resumed" / "checkpoints" / saved.name)
-    _, resumed, _ = _train(tmp_path, "resumed", tiny_model_dir, "lora", 2, "zero3")
+    _, resumed, _ = train_strategy(tmp_path, "resumed", tiny_model_dir, "lora", 2, "zero3")
     assert resumed == pytest.approx(losses[2:], rel=1e-5), (resumed, losses)
 
     before = {p.name: p.read_bytes() for p in (saved / "deepspeed" / "state").iterdir()}
-    one, at_one, _ = _train(tmp_path, "one", tiny_model_dir, "lora", 1, "zero3", checkpoint={"resume": str(saved), "save_every": 3})
+    one, at_one, _ = train_strategy(tmp_path, "one", tiny_model_dir, "lora", 1, "zero3", checkpoint={"resume": str(saved), "save_every": 3})
     assert at_one == pytest.approx(losses[2:], rel=1e-5), (at_one, losses)
     assert {p.name: p.read_bytes() for p in (saved / "deepspeed" / "state").iterdir()} == before  # converted elsewhere
     assert not [p.name for p in one.iterdir() if p.name.startswith(".universal")]  # and that copy removed
 
-    _, at_two, _ = _train(tmp_path, "two", tiny_model_dir, "lora", 2, "zero3", checkpoint={"resume": str(one / "checkpoints" / "step-000003")})
+    _, at_two, _ = train_strategy(tmp_path, "two", tiny_model_dir, "lora", 2, "zero3", checkpoint={"resume": str(one / "checkpoints" / "step-000003")})
     assert at_two == pytest.approx(losses[3:], rel=1e-5), (at_two, losses)
     _merges_cleanly(saved, tmp_path / "merged")  # DeepSpeed's partitioned files, gathered in one process
 
@@ -212,7 +185,7 @@ def test_a_rank_that_raises_stops_the_whole_job_quickly(tmp_path, tiny_model_dir
 def test_accelerate_launch_config_leads_to_that_strategy_or_is_refused(tmp_path, tiny_model_dir, single, accelerate_config, strategy):
     """accelerate launch --config_file gives the run torchrun gives (same losses), or a refusal when
     the accelerate config and the run config disagree: never a silent fall-back to DDP."""
-    result = _train(tmp_path, "acc", tiny_model_dir, "lora", 2, strategy, accelerate_config=accelerate_config)
+    result = train_strategy(tmp_path, "acc", tiny_model_dir, "lora", 2, strategy, accelerate_config=accelerate_config)
     if accelerate_config == strategy:
         _, losses, summary = result
         assert summary["strategy"] == strategy and summary["world_size"] == 2

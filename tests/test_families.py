@@ -7,52 +7,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
-from conftest import FAMILIES, MOE, OTHERS, REPO, base_config, read_jsonl
+from conftest import FAMILIES, MOE, OTHERS, REPO, base_config, read_jsonl, samples_batch, textbook, textbook_samples, trained_grads
 from transformers import AutoModelForCausalLM
 
 from finetune import attention, families, loss
 from finetune.config import AdapterConfig, ModelConfig, validate_config
 from finetune.merge import merge
 from finetune.model import apply_adapter, load_model
-from finetune.packing import Row, collate
-from finetune.rows import IGNORE
 from finetune.train import LEAK_TOLERANCE, run
-
-
-def _samples(vocab: int) -> list[tuple[list[int], list[int]]]:
-    """Five samples of 9-40 tokens (most longer than the window), prompts masked, first token never trained."""
-    gen = torch.Generator().manual_seed(1)
-    out = []
-    for n in (30, 12, 25, 9, 40):
-        ids = torch.randint(3, min(vocab, 700), (n,), generator=gen).tolist()
-        out.append((ids, [IGNORE] * (n // 3) + ids[n // 3 :]))
-    return out
-
-
-def _batch(samples, packed: bool) -> dict[str, torch.Tensor]:
-    rows = []
-    for group in ([samples[:3], samples[3:]] if packed else [[s] for s in samples]):
-        ids = [t for s in group for t in s[0]]
-        rows.append(Row(ids, [t for s in group for t in s[1]], [p for s in group for p in range(len(s[0]))]))
-    return collate(rows, pad_id=0)
-
-
-def _grads(model) -> dict[str, torch.Tensor]:
-    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
-def _textbook(model, samples, device: str = "cpu") -> tuple[float, dict]:
-    """The library's eager attention and full logits, one sample at a time, plain cross-entropy."""
-    model.set_attn_implementation("eager")
-    model.zero_grad()
-    total = 0.0
-    for ids, labels in samples:
-        logits = model(input_ids=torch.tensor([ids], device=device), use_cache=False).logits[0, :-1]
-        value = F.cross_entropy(logits.float(), torch.tensor(labels[1:], device=device), ignore_index=IGNORE, reduction="sum")
-        value.backward()
-        total += value.item()
-    return total, _grads(model)
 
 
 def _load(model_dir, method: str):
@@ -79,7 +41,7 @@ def test_fast_paths_equal_eager_attention_on_each_sample_alone(family_dirs, monk
     if variant == "gpu-sdpa-mask":
         monkeypatch.setattr(attention, "ACCELERATOR_PATH_ON_CPU", True)
     model = _load(family_dirs(family), method)
-    samples = _samples(model.config.vocab_size)
+    samples = textbook_samples(model.config.vocab_size)
     expected_impl = "eager" if family == "gemma2" else attention.PACKED_SDPA  # soft-capping: eager, said in one line
     assert model.config._attn_implementation == expected_impl
     assert (loss.fusable_parts(model) is None) == (family == "gemma2")  # Gemma 2 soft-caps its logits too
@@ -94,12 +56,12 @@ def _assert_equal_to_each_sample_alone(model, samples) -> None:
     results = {}
     for packed in (True, False):
         model.zero_grad()
-        value = loss.token_loss_sum(model, _batch(samples, packed))
+        value = loss.token_loss_sum(model, samples_batch(samples, packed))
         value.backward()
-        results[packed] = value.item(), _grads(model)
+        results[packed] = value.item(), trained_grads(model)
     with torch.no_grad():  # eval: plain sdpa over transformers' own masks (windows, sample boundaries)
-        evaluated = loss.token_loss_sum(model.eval(), _batch(samples, packed=True)).item()
-    reference, reference_grads = _textbook(model.train(), samples)
+        evaluated = loss.token_loss_sum(model.eval(), samples_batch(samples, packed=True)).item()
+    reference, reference_grads = textbook(model.train(), samples)
     assert reference_grads and all(len(r[1]) == len(reference_grads) for r in results.values())
     # A gradient that is zero in exact arithmetic (a key's bias: softmax ignores a shift of all scores)
     # holds rounding alone: measured against a small share of the model's largest gradient.
@@ -121,7 +83,7 @@ def test_other_architectures_keep_packed_samples_apart(family_dirs, family, attn
     assert model.config._attn_implementation == attn
     assert (attn == "eager") == any("has no sdpa attention in transformers: using eager attention" in line for line in said), said
     assert attention.leak(model, model.config.vocab_size, "cpu") < 1e-4
-    _assert_equal_to_each_sample_alone(model, _samples(model.config.vocab_size))
+    _assert_equal_to_each_sample_alone(model, textbook_samples(model.config.vocab_size))
 
 
 SEE_EACH_OTHER = r"lets the samples of a packed row see each other \(measured at the start: .*\)"
@@ -178,12 +140,12 @@ def test_router_loss_is_trained_as_the_library_computes_it(family_dirs, family):
     model = _load(family_dirs(family), "lora")
     coef = families.router_aux_loss_coef(model.config.to_dict())
     assert coef > 0
-    batch = _batch(_samples(model.config.vocab_size), packed=True)
+    batch = samples_batch(textbook_samples(model.config.vocab_size), packed=True)
     tokens = loss.trained_tokens(batch)
     parts = loss.losses(model, batch, router=True)
     assert parts.router is not None and parts.router.item() > 0
     (parts.tokens / tokens + coef * parts.router).backward()
-    ours = _grads(model)
+    ours = trained_grads(model)
     model.zero_grad()
     model.set_attn_implementation("eager")
     theirs = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], labels=batch["labels"], output_router_logits=True,
@@ -191,7 +153,7 @@ def test_router_loss_is_trained_as_the_library_computes_it(family_dirs, family):
     theirs.loss.backward()
     assert abs((parts.tokens / tokens + coef * parts.router).item() - theirs.loss.item()) < 1e-5
     assert abs(parts.router.item() - theirs.aux_loss.item()) < 1e-6
-    for name, grad in _grads(model).items():
+    for name, grad in trained_grads(model).items():
         assert torch.allclose(ours[name], grad, atol=2e-5 * (grad.abs().max().item() + 1e-12)), name
     router_param = next(n for n in ours if "experts" in n)  # the experts carry adapters (peft target_parameters)
     assert ours[router_param].abs().sum() > 0
@@ -216,7 +178,7 @@ def test_every_family_trains(tmp_path, family_dirs, family, method):
     assert all(("router_aux_loss" in r) == (family in MOE) for r in rows) and ("router_aux_loss" in result.summary) == (family in MOE)
     if method == "lora":
         trained = result.model.eval()
-        ids = torch.tensor([_samples(trained.config.vocab_size)[0][0]])
+        ids = torch.tensor([textbook_samples(trained.config.vocab_size)[0][0]])
         reloaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), tmp_path / "out").eval()
         with torch.no_grad():
             assert torch.allclose(trained(input_ids=ids).logits, reloaded(input_ids=ids).logits, atol=1e-5)

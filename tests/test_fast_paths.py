@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from conftest import loss_and_grads, packed_batch
+from transformers import AutoModelForCausalLM
 
 from finetune import attention, loss
 from finetune.attention import PACKED_SDPA, register, sample_bounds
-from finetune.packing import Row, collate
-from finetune.rows import IGNORE, tokenize_row
+from finetune.rows import IGNORE
 
 
 @pytest.mark.parametrize("weight_trains", [False, True])
@@ -35,24 +35,6 @@ def test_linear_cross_entropy_equals_cross_entropy(monkeypatch, weight_trains):
         assert abs(loss.linear_cross_entropy(hidden, weight, targets).item() - 2 * plain.item()) < 1e-9
 
 
-def _packed_batch(model_dir):
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    rows = [{"instruction": "What kind of word is this?", "input": w, "output": k}
-            for w, k in [("apple", "noun"), ("red", "adjective"), ("finds", "verb"), ("Anna", "name"), ("tiger", "noun"), ("blue", "adjective")]]
-    samples = [tokenize_row(r, tok, "alpaca", False) for r in rows]
-    samples = [(s["input_ids"], [IGNORE] + s["labels"][1:]) for s in samples]
-    packed = [Row(sum((s[0] for s in group), []), sum((s[1] for s in group), []), sum((list(range(len(s[0]))) for s in group), []))
-              for group in (samples[:4], samples[4:])]
-    return collate(packed, tok.pad_token_id)  # two rows, the shorter padded (a segment of its own)
-
-
-def _loss_and_grads(model, batch):
-    model.zero_grad()
-    value = loss.token_loss_sum(model, batch)
-    value.backward()
-    return value.item(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
-
-
 @pytest.mark.parametrize("method", ["lora", "full"])
 def test_trained_token_loss_equals_full_logits_loss(tiny_model_dir, monkeypatch, method):
     """token_loss_sum's fused path == logits of every position + cross-entropy (the textbook loss)."""
@@ -63,23 +45,23 @@ def test_trained_token_loss_equals_full_logits_loss(tiny_model_dir, monkeypatch,
     if method == "lora":
         model = get_peft_model(model, LoraConfig(r=4, target_modules="all-linear", lora_dropout=0.0, init_lora_weights=False))
     model.train()
-    batch = _packed_batch(tiny_model_dir)
+    batch = packed_batch(tiny_model_dir)
     assert loss.fusable_parts(model) is not None
-    fused = _loss_and_grads(model, batch)
+    fused = loss_and_grads(model, batch)
 
     def textbook(model, batch):
         logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
         return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), batch["labels"][:, 1:].flatten(), ignore_index=IGNORE, reduction="sum")
 
     monkeypatch.setattr(loss, "token_loss_sum", textbook)
-    plain = _loss_and_grads(model, batch)
+    plain = loss_and_grads(model, batch)
     assert abs(fused[0] - plain[0]) < 1e-4 * plain[0]
     assert fused[1].keys() == plain[1].keys() and len(fused[1]) > 0
     for name, grad in plain[1].items():
         assert torch.allclose(fused[1][name], grad, atol=1e-5), (name, (fused[1][name] - grad).abs().max())
     monkeypatch.undo()
     monkeypatch.setattr(loss, "fusable_parts", lambda model: None)  # the logits_to_keep path of other architectures
-    kept = _loss_and_grads(model, batch)
+    kept = loss_and_grads(model, batch)
     assert abs(kept[0] - plain[0]) < 1e-4 * plain[0]
 
 
@@ -89,7 +71,7 @@ def test_packed_sdpa_equals_masked_attention_in_training(tiny_model_dir, monkeyp
     over the block-diagonal mask: logits and gradients; in eval too, and outside packed_rows() (generation)
     it is plain sdpa."""
     monkeypatch.setattr(attention, "SHORT_SAMPLE", short_sample)
-    batch = _packed_batch(tiny_model_dir)
+    batch = packed_batch(tiny_model_dir)
     assert [len(b) for b in sample_bounds(batch["position_ids"])] == [5, 4]  # 4 samples | 2 samples + pad
     results = {}
     for impl in ("eager", register()):
@@ -122,10 +104,10 @@ def test_fused_loss_follows_autocast_inside_the_forward(tiny_model_dir, monkeypa
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation="eager").train()
     model.forward = torch.autocast("cpu", dtype=torch.bfloat16)(model.forward)
-    batch = _packed_batch(tiny_model_dir)
-    fused = _loss_and_grads(model, batch)
+    batch = packed_batch(tiny_model_dir)
+    fused = loss_and_grads(model, batch)
     monkeypatch.setattr(loss, "fusable_parts", lambda model: None)
-    kept = _loss_and_grads(model, batch)
+    kept = loss_and_grads(model, batch)
     assert abs(fused[0] - kept[0]) < 1e-3 * kept[0], (fused[0], kept[0])
     head = fused[1]["lm_head.weight"]
     assert head.dtype == torch.float32 and torch.allclose(head, kept[1]["lm_head.weight"], atol=2e-2 * head.abs().max().item())
@@ -247,16 +229,16 @@ def test_a_training_batch_from_the_host_gives_the_loss_of_eager_attention(tiny_m
     from the host; transformers builds no mask) == eager attention over transformers' block mask, on
     each branch the attention takes: CPU's, and the GPU's two run here on CPU tensors (the varlen
     kernel as its documented contract; sdpa over the mask finetune builds from the bounds)."""
-    batch = _packed_batch(tiny_model_dir)
+    batch = packed_batch(tiny_model_dir)
     eager = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation="eager").train()
-    want = _loss_and_grads(eager, batch)
+    want = loss_and_grads(eager, batch)
     if branch != "cpu":
         monkeypatch.setattr(attention, "ACCELERATOR_PATH_ON_CPU", True)
         # varlen computes in bf16/fp16 only: an fp32 run takes the sdpa-mask branch.
         monkeypatch.setattr(attention, "_varlen", (lambda: _documented_varlen(True)) if branch == "gpu-varlen" else (lambda: None))
         monkeypatch.setattr(attention, "_varlen_dtype", lambda query, dropout: torch.float32 if attention._varlen() else None)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation=register()).train()
-    got = _loss_and_grads(model, loss.to_device(batch, "cpu"))
+    got = loss_and_grads(model, loss.to_device(batch, "cpu"))
     assert got[0] == pytest.approx(want[0], rel=1e-5)
     for name, grad in want[1].items():
         assert torch.allclose(got[1][name], grad, atol=1e-5), (name, (got[1][name] - grad).abs().max())

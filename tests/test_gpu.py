@@ -17,7 +17,21 @@ import sys
 
 import pytest
 import torch
-from conftest import FAMILIES, MOE, REPO, base_config, read_jsonl, run_cli, write_config
+from conftest import (
+    FAMILIES,
+    MOE,
+    REPO,
+    base_config,
+    loss_and_grads,
+    packed_batch,
+    read_jsonl,
+    run_cli,
+    samples_batch,
+    textbook,
+    textbook_samples,
+    trained_grads,
+    write_config,
+)
 
 from finetune.config import validate_config
 from finetune.train import run
@@ -128,9 +142,7 @@ def test_qlora_on_cuda_killed_then_resumed_gives_the_same_losses(tmp_path, demo_
 
 
 def _packed_batch_cuda(model_dir):
-    from test_fast_paths import _packed_batch
-
-    return {k: v.cuda() for k, v in _packed_batch(model_dir).items()}
+    return {k: v.cuda() for k, v in packed_batch(model_dir).items()}
 
 
 def _attention_path(monkeypatch, path: str) -> None:
@@ -174,7 +186,6 @@ def test_packed_rows_on_cuda_never_attend_across_samples(tiny_model_dir, monkeyp
 @pytest.mark.parametrize("impl", ["sdpa/varlen", "sdpa/sdpa-mask", "flash_attention_2"])
 def test_packed_training_on_cuda_equals_eager_attention_over_the_block_mask(tiny_model_dir, monkeypatch, impl):
     """Logits and gradients of a packed batch: the kernel used in training == eager over the block-diagonal mask."""
-    from test_fast_paths import _loss_and_grads
     from transformers import AutoModelForCausalLM
 
     from finetune.attention import register
@@ -188,7 +199,7 @@ def test_packed_training_on_cuda_equals_eager_attention_over_the_block_mask(tiny
     for name in ("eager", register() if impl.startswith("sdpa") else impl):
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16, attn_implementation=name).cuda().train()
-        results[name] = _loss_and_grads(model, batch)
+        results[name] = loss_and_grads(model, batch)
     (eager_loss, eager_grads), (loss, grads) = results.values()
     assert abs(loss - eager_loss) < 1e-2 * eager_loss, (loss, eager_loss)
     for name, grad in eager_grads.items():
@@ -200,20 +211,18 @@ def test_packed_training_on_cuda_equals_eager_attention_over_the_block_mask(tiny
 def test_packed_training_on_cuda_equals_each_sample_alone_in_every_family(family_dirs, monkeypatch, family, path):
     """Each family's packed batch (sliding windows, GQA, q/k norms, experts) in bf16 on CUDA: the loss
     and gradients of the training path equal eager attention and full logits on each sample alone."""
-    from test_families import _batch, _grads, _samples, _textbook
-
     from finetune import loss
     from finetune.config import ModelConfig
     from finetune.model import load_model
 
     _attention_path(monkeypatch, path)
     model = load_model(ModelConfig(name_or_path=str(family_dirs(family)), dtype="bfloat16"), say=lambda _: None).cuda().train()
-    samples = _samples(model.config.vocab_size)
+    samples = textbook_samples(model.config.vocab_size)
     model.zero_grad()
-    packed = loss.token_loss_sum(model, {k: v.cuda() for k, v in _batch(samples, packed=True).items()})
+    packed = loss.token_loss_sum(model, {k: v.cuda() for k, v in samples_batch(samples, packed=True).items()})
     packed.backward()
-    packed, grads = packed.item(), _grads(model)
-    reference, reference_grads = _textbook(model, samples, device="cuda")
+    packed, grads = packed.item(), trained_grads(model)
+    reference, reference_grads = textbook(model, samples, device="cuda")
     print(f"{family} {path}: packed {packed:.4f} vs each alone {reference:.4f}")
     assert abs(packed - reference) < 1e-2 * reference, (packed, reference)
     for name, grad in reference_grads.items():
@@ -231,19 +240,17 @@ def test_packed_training_on_cuda_equals_each_sample_alone_in_every_family(family
 def test_packed_moe_on_cuda_gets_the_same_gradients_in_fp32(family_dirs, monkeypatch, family):
     """Every gradient (bf16 rounding can flip a token's experts and move them) equals each sample
     alone's in fp32 (transformers' sdpa over the block mask: varlen takes bf16 only)."""
-    from test_families import _batch, _grads, _samples, _textbook
-
     from finetune import loss
     from finetune.config import ModelConfig
     from finetune.model import load_model
 
     _attention_path(monkeypatch, "sdpa-mask")
     model = load_model(ModelConfig(name_or_path=str(family_dirs(family)), dtype="float32"), say=lambda _: None).cuda().train()
-    samples = _samples(model.config.vocab_size)
+    samples = textbook_samples(model.config.vocab_size)
     model.zero_grad()
-    loss.token_loss_sum(model, {k: v.cuda() for k, v in _batch(samples, packed=True).items()}).backward()
-    grads = _grads(model)
-    _, reference = _textbook(model, samples, device="cuda")
+    loss.token_loss_sum(model, {k: v.cuda() for k, v in samples_batch(samples, packed=True).items()}).backward()
+    grads = trained_grads(model)
+    _, reference = textbook(model, samples, device="cuda")
     errors = {name: ((grads[name] - grad).norm() / grad.norm()).item() for name, grad in reference.items()}
     worst = max(errors, key=errors.get)
     print(f"{family}: fp32 gradients off by at most {errors[worst]:.2e} ({worst})")
@@ -252,7 +259,6 @@ def test_packed_moe_on_cuda_gets_the_same_gradients_in_fp32(family_dirs, monkeyp
 
 def test_fused_loss_on_cuda_equals_the_plain_loss(tiny_model_dir, monkeypatch):
     """linear_cross_entropy (used on CUDA too) == logits + cross-entropy: loss and gradients, bf16 weights."""
-    from test_fast_paths import _loss_and_grads
     from transformers import AutoModelForCausalLM
 
     from finetune import loss
@@ -260,9 +266,9 @@ def test_fused_loss_on_cuda_equals_the_plain_loss(tiny_model_dir, monkeypatch):
     batch = _packed_batch_cuda(tiny_model_dir)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16).cuda().train()
     assert loss.fusable_parts(model) is not None
-    fused = _loss_and_grads(model, batch)
+    fused = loss_and_grads(model, batch)
     monkeypatch.setattr(loss, "fusable_parts", lambda model: None)
-    plain = _loss_and_grads(model, batch)
+    plain = loss_and_grads(model, batch)
     assert abs(fused[0] - plain[0]) < 1e-3 * plain[0], (fused[0], plain[0])
     for name, grad in plain[1].items():
         assert torch.allclose(fused[1][name].float(), grad.float(), rtol=2e-2, atol=2e-2 * grad.float().abs().max().item()), name

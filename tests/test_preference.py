@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from conftest import DEMO_DATA, base_config, read_jsonl, run_cli, write_config
+from conftest import DEMO_DATA, base_config, read_jsonl, run_cli, train_strategy, write_config
 
 from finetune.cli import main
 from finetune.config import DataConfig, PreferenceConfig, validate_config
@@ -224,12 +224,10 @@ def test_preference_settings_are_checked_in_one_line(tmp_path, tiny_model_dir):
 def test_two_processes_match_one_on_pairs(tmp_path, tiny_model_dir, strategy, method):
     """DPO with 2 processes x 2 rows = 1 process x 4 rows; its reference the adapter-off base (lora), or
     a frozen copy held as the policy is (full: whole, FSDP-sharded, ZeRO-3-partitioned)."""
-    from test_distributed import _train
-
     pairs = {"data": {"train": str(DEMO_DATA / "pairs-train.jsonl"), "format": "preference", "max_seq_len": 64},
              "train": {"objective": "dpo"}}
-    _, one, _ = _train(tmp_path, "one", tiny_model_dir, method, 1, strategy, **pairs)
-    _, two, summary = _train(tmp_path, "two", tiny_model_dir, method, 2, strategy, **pairs)
+    _, one, _ = train_strategy(tmp_path, "one", tiny_model_dir, method, 1, strategy, **pairs)
+    _, two, summary = train_strategy(tmp_path, "two", tiny_model_dir, method, 2, strategy, **pairs)
     assert summary["world_size"] == 2 and len(two) == 4 and one[0] == pytest.approx(0.6931, abs=1e-4)
     assert two == pytest.approx(one, rel=1e-4, abs=1e-5) and two[-1] < one[0] - 0.01
 
