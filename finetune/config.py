@@ -299,6 +299,9 @@ class DistributedConfig(_Section):
     fsdp_shard_size: int | None = Field(None, gt=0, description="FSDP: processes that share one sharded copy (default: all). "
                                         "Set it to the GPUs per node for hybrid sharding (HSDP): shard within a node, replicate across nodes.")
     fsdp_cpu_offload: bool = Field(False, description="FSDP: keep sharded parameters, gradients and optimizer states in CPU RAM (GPU runs).")
+    sequence_parallel: int = Field(1, ge=1, description="Split every row's tokens over this many processes (DeepSpeed's Ulysses attention: "
+                                   "an all-to-all over the heads around each attention); the data is spread over world / N groups. It must "
+                                   "divide the process count and the model's attention and key/value heads; sft only.")
 
 
 class RunConfig(_Section):
@@ -332,6 +335,8 @@ class RunConfig(_Section):
         if self.data.eval is not None and self.data.eval_fraction > 0:
             raise ValueError("data: set either data.eval or data.eval_fraction, not both")
         asked = Strategy.of(self.distributed.strategy)
+        if self.distributed.sequence_parallel > 1 and self.train.objective != "sft":
+            raise ValueError(f"distributed.sequence_parallel: splits the rows of sft runs only, not {self.train.objective}'s pairs; set it to 1")
         strategy = asked.name
         if asked.shards_weights and self.eval.generate_samples:
             raise ValueError(f"eval.generate_samples: not available with distributed.strategy {strategy} (the parameters are sharded); set it to 0")

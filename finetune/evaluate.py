@@ -7,21 +7,24 @@ import math
 
 import torch
 
+from finetune.loss import to_device
 from finetune.packing import Split
 from finetune.rows import IGNORE, prompt_and_answer
 
 
 @torch.no_grad()
-def eval_loss(model, rows: Split, batch_size: int, pad_id: int, accelerator, max_batches: int | None, objective=None) -> dict:
+def eval_loss(model, rows: Split, batch_size: int, pad_id: int, accelerator, max_batches: int | None, objective=None, sp=None) -> dict:
     """The objective's mean loss (per token: with perplexity; per pair: with its metrics) over this
-    rank's share of the eval rows, reduced over ranks."""
+    rank's share of the eval rows, reduced over ranks. `sp`: the processes that share each row (their
+    slices of it, as in training)."""
     from finetune.objectives import SFT
+    from finetune.sequence_parallel import SequenceParallel
 
-    objective = objective or SFT()
+    objective, sp = objective or SFT(), sp or SequenceParallel()
     was_training = model.training
     model.eval()
-    world = accelerator.num_processes
-    mine = list(range(accelerator.process_index, len(rows), world))
+    world = sp.data_world(accelerator.num_processes)
+    mine = list(range(sp.data_rank(accelerator.process_index), len(rows), world))
     # Every rank runs the same number of forward passes (a sharded model gathers weights in each);
     # a rank with fewer rows repeats a row with its labels ignored.
     count = math.ceil(math.ceil(len(rows) / world) / batch_size)
@@ -32,7 +35,7 @@ def eval_loss(model, rows: Split, batch_size: int, pad_id: int, accelerator, max
         batch = rows.batch(chunk or [0], pad_id)
         if not chunk:
             batch["labels"].fill_(IGNORE)
-        batch = {k: v.to(accelerator.device) for k, v in batch.items()}
+        batch = to_device(sp.shard(batch, pad_id), accelerator.device)
         counts = objective.counts(batch)
         with accelerator.autocast():
             parts = objective.losses(model, batch, counts)

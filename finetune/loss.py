@@ -28,19 +28,32 @@ CHUNK_ELEMENTS_CUDA = 2**26
 
 
 def trained_tokens(batch: dict[str, torch.Tensor]) -> int:
-    return int((batch["labels"][:, 1:] != IGNORE).sum())
+    return int(batch["keep"].sum() if "keep" in batch else (batch["labels"][:, 1:] != IGNORE).sum())
 
 
 def to_device(batch: dict[str, torch.Tensor], device) -> dict[str, torch.Tensor]:
     """A host micro-batch on `device`, with what the forward and the loss would otherwise learn from the
     device by a host sync each (GPU): the sample bounds, and which positions are trained ("trained_at", as
-    flat indices) with their targets."""
-    labels = batch["labels"]
-    keep = trained_mask(labels)
-    extra = {"trained_at": keep.flatten().nonzero().squeeze(1), "targets": labels[:, 1:][keep[:, :-1]]}
+    flat indices) with their targets. A slice of a row (sequence_parallel.shard) also takes the whole
+    row's position_ids to its attention."""
+    keep, targets = next_token_targets(batch)
+    extra = {"keep": keep, "trained_at": keep.flatten().nonzero().squeeze(1), "targets": targets}
     moved = {k: v.to(device, non_blocking=True) for k, v in {**batch, **extra}.items()}
     with_bounds(moved["position_ids"], batch["position_ids"])
+    if "full_position_ids" in batch:
+        whole = with_bounds(moved.pop("full_position_ids"), batch["full_position_ids"])
+        whole.sequence_group = batch["full_position_ids"].sequence_group
+        moved["position_ids"].sequence_parallel = whole
     return moved
+
+
+def next_token_targets(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(keep, targets): the positions whose next token is trained, and those tokens. A slice of a row
+    carries them, taken from the whole row; otherwise they come from its labels."""
+    if "keep" in batch:
+        return batch["keep"], batch["targets"]
+    keep = trained_mask(batch["labels"])
+    return keep, batch["labels"][:, 1:][keep[:, :-1]]
 
 
 def trained_mask(labels: torch.Tensor) -> torch.Tensor:
@@ -70,8 +83,7 @@ def losses(model, batch: dict[str, torch.Tensor], router: bool = False) -> Losse
     packed attention (train and eval alike) and to the masks transformers builds.
     """
     labels = batch["labels"]
-    keep = trained_mask(labels)
-    targets = batch["targets"] if "targets" in batch else labels[:, 1:][keep[:, :-1]]
+    keep, targets = next_token_targets(batch)
     inputs = {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"], "use_cache": False}
     if router:  # Mixtral-style load balancing reads a 2-D attention_mask if there is one: none then
         inputs["output_router_logits"] = True

@@ -12,7 +12,7 @@ import importlib.util
 import os
 from pathlib import Path
 
-from finetune.config import CONFIG_FILE, SUMMARY_FILE, RunConfig
+from finetune.config import CONFIG_FILE, SUMMARY_FILE, RunConfig, read_model_config
 from finetune.errors import UserError
 
 
@@ -25,6 +25,7 @@ def check(cfg: RunConfig, warn=None) -> None:
     model.check_supported(cfg)
     optim.check_optimizer(cfg.train)
     distributed.check_strategy(cfg)
+    check_sequence_parallel(cfg, launched=warn is None or "WORLD_SIZE" in os.environ)
     check_gpu_features(cfg)
     check_trackers(cfg)
     runtime.launcher_strategy(cfg)
@@ -36,6 +37,18 @@ def check(cfg: RunConfig, warn=None) -> None:
             raise UserError(finished)
         if finished:
             warn(f"{finished} (train refuses this folder)")
+
+
+def check_sequence_parallel(cfg: RunConfig, launched: bool) -> None:
+    """distributed.sequence_parallel against the model's heads (a local folder's config.json) and, once
+    launched (train, or validate under a launcher), the process count."""
+    from finetune import sequence_parallel
+
+    size = cfg.distributed.sequence_parallel
+    folder = Path(cfg.model.name_or_path).expanduser()
+    sequence_parallel.check(size, read_model_config(folder, "model.name_or_path") if (folder / "config.json").is_file() else {})
+    if launched and size > 1:
+        sequence_parallel.check_world(size, int(os.environ.get("WORLD_SIZE", "1")))
 
 
 def check_gpu_features(cfg: RunConfig) -> None:

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from finetune import checkpoint, families, faults, preflight, runtime
+from finetune import checkpoint, families, faults, preflight, runtime, sequence_parallel
 from finetune.attention import leak, mixer_outside_attention
 from finetune.chat import choose_template
 from finetune.checkpointers import load_trainable
@@ -52,6 +52,7 @@ from finetune.objectives import SFT, Preference, objective_for
 from finetune.optim import current_lr, set_peak_lr, warmup_steps
 from finetune.packing import epoch_batches
 from finetune.resume import Progress, clear_starts, resume
+from finetune.sequence_parallel import SequenceParallel
 from finetune.stage import staged_model
 from finetune.supervise import Watchdog, stop_with_launcher, watch_preemption
 
@@ -202,6 +203,7 @@ class RunState:
     data: Datasets
     schedule: Schedule
     engine: Replicated = None  # model, optimizer, scheduler and checkpoint layout of the strategy
+    sequence_parallel: SequenceParallel = field(default_factory=SequenceParallel)  # the processes that share each row, if any
     base: str = ""  # the base model as the saved adapter names it
     objective: SFT | Preference = field(default_factory=SFT)  # what a step minimises: sft, dpo or orpo
     router_coef: float = 0.0
@@ -296,7 +298,8 @@ def load_inputs(cfg: RunConfig, accelerator, preemption) -> RunState:
     choose_template(tokenizer, cfg.data.chat_template, cfg.data.format, say=print if main else (lambda *_: None))
     data = load_data(cfg.data, tokenizer, cfg.train.seed, eval_examples=cfg.eval.generate_samples if main else 0, say=each)
     stop_if_preempted(preemption.signal is not None, preemption.name, Path(cfg.train.output_dir), main, "while the data loaded")
-    run = RunState(cfg, accelerator, preemption, model_cfg, tokenizer, data, plan_steps(cfg, len(data.train), world))
+    sp = sequence_parallel.setup(cfg.distributed.sequence_parallel, rank, world)
+    run = RunState(cfg, accelerator, preemption, model_cfg, tokenizer, data, plan_steps(cfg, len(data.train), sp.data_world(world)), sequence_parallel=sp)
     run.objective = objective_for(cfg.train, cfg.preference)
     for line in summary_lines(data, cfg.data.max_seq_len):
         run.say(line)
@@ -317,6 +320,7 @@ def load_and_prepare_model(run: RunState) -> None:
     run.base = str(Path(cfg.model.name_or_path).expanduser().resolve()) if looks_local(cfg.model.name_or_path) else cfg.model.name_or_path
     model.name_or_path = model.config.name_or_path = run.base
     run.router_coef = families.router_aux_loss_coef(model.config.to_dict()) if t.router_aux_loss_coef is None else t.router_aux_loss_coef
+    sequence_parallel.check_model(run.sequence_parallel.size, model, run.router_coef)
     model = apply_adapter(model, cfg.adapter, t.gradient_checkpointing, say=run.say)
     if cfg.adapter.init == "loftq":
         loftq_init(model, run.model_cfg)
@@ -517,9 +521,11 @@ def train_step(run: RunState) -> StepOutcome:
 def step_batches(run: RunState, position: int) -> tuple[int, list[dict], list[float], float]:
     """The micro-batches of data step `position` for this rank, on its device, with the objective's
     counts (and the real tokens) summed over the step's micro-batches and every rank."""
-    accelerator = run.accelerator
-    epoch, micro_batches, real_tokens = batches_at(run.data, run.cfg, run.schedule, position, accelerator.process_index,
-                                                   accelerator.num_processes, run.tokenizer.pad_token_id)
+    accelerator, sp, pad = run.accelerator, run.sequence_parallel, run.tokenizer.pad_token_id
+    epoch, micro_batches, real_tokens = batches_at(run.data, run.cfg, run.schedule, position, sp.data_rank(accelerator.process_index),
+                                                   sp.data_world(accelerator.num_processes), pad)
+    micro_batches = [sp.shard(b, pad) for b in micro_batches]  # this process's slice of each row (sequence parallelism)
+    real_tokens = 0 if sp.rank else real_tokens  # a row's tokens, counted once among the processes sharing it
     local = [*map(sum, zip(*(run.objective.counts(b) for b in micro_batches))), real_tokens]  # counted on the host
     micro_batches = [to_device(b, accelerator.device) for b in micro_batches]
     if accelerator.num_processes == 1:
@@ -533,7 +539,7 @@ def evaluate(run: RunState, step: int) -> dict | None:
         return None
     cfg = run.cfg
     result = eval_loss(run.engine.model, run.data.eval, cfg.train.micro_batch_size, run.tokenizer.pad_token_id, run.accelerator, cfg.eval.max_batches,
-                       run.objective)
+                       run.objective, run.sequence_parallel)
     run.log.write({"step": step, **result})
     run.log.print(f"step {step}: eval loss {result['eval_loss']:.4f}, " + (f"perplexity {result['eval_ppl']:.2f}" if "eval_ppl" in result else
                   f"reward accuracy {result['eval_reward_accuracy']:.1%}, margin {result['eval_reward_margin']:.3f}; the model's own pick is the chosen "
