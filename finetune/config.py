@@ -59,6 +59,9 @@ class ModelConfig(_Section):
     ramdisk: bool | str = Field(False, description="Stage the model folder in RAM once (true: /dev/shm/finetune, or a tmpfs path) and load "
                                 "from there; later runs reuse the copy. Falls back to the source, with a warning, if it does not fit.")
     ramdisk_reserve_gib: float = Field(4.0, ge=0, description="RAM that must stay available after staging; else the run loads from the source.")
+    tiled_mlp: int = Field(1, ge=1, description="Run each decoder layer's MLP over this many chunks of the row, recomputed chunk by chunk in "
+                           "the backward (DeepSpeed's TiledMLP, from ALST): the MLP's intermediate activations shrink as many times, for "
+                           "one more MLP forward a step. For rows of many thousand tokens; dense MLPs only; needs DeepSpeed installed.")
     compile: bool = Field(False, description="torch.compile each decoder layer in place (regional compilation): one compiled layer serves "
                           "them all; the first steps take longer while it compiles. docs/speed.md has its measured effect.")
     config_overrides: dict[str, Any] = Field({}, description="Settings of the model's config.json replaced before loading, e.g. "

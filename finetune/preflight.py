@@ -25,7 +25,7 @@ def check(cfg: RunConfig, warn=None) -> None:
     model.check_supported(cfg)
     optim.check_optimizer(cfg.train)
     distributed.check_strategy(cfg)
-    check_sequence_parallel(cfg, launched=warn is None or "WORLD_SIZE" in os.environ)
+    check_long_context(cfg, launched=warn is None or "WORLD_SIZE" in os.environ)
     check_gpu_features(cfg)
     check_trackers(cfg)
     runtime.launcher_strategy(cfg)
@@ -39,16 +39,23 @@ def check(cfg: RunConfig, warn=None) -> None:
             warn(f"{finished} (train refuses this folder)")
 
 
-def check_sequence_parallel(cfg: RunConfig, launched: bool) -> None:
+def check_long_context(cfg: RunConfig, launched: bool) -> None:
     """distributed.sequence_parallel against the model's heads (a local folder's config.json) and, once
-    launched (train, or validate under a launcher), the process count."""
+    launched (train, or validate under a launcher), the process count; both it and model.tiled_mlp need DeepSpeed."""
     from finetune import sequence_parallel
+    from finetune.strategy import Strategy
 
-    size = cfg.distributed.sequence_parallel
+    size, world = cfg.distributed.sequence_parallel, int(os.environ.get("WORLD_SIZE", "1"))
+    if cfg.model.tiled_mlp > 1:
+        if importlib.util.find_spec("deepspeed") is None:
+            raise UserError("model.tiled_mlp: runs DeepSpeed's TiledMLP; pip install 'finetune-kit[deepspeed]'")
+        if Strategy.of(cfg.distributed.strategy, world).name == "ddp":
+            raise UserError("model.tiled_mlp: TiledMLP adds each MLP weight's gradient once per chunk, and DDP takes one per step; "
+                            "use distributed.strategy fsdp or a zero strategy with it, or one process")
     folder = Path(cfg.model.name_or_path).expanduser()
     sequence_parallel.check(size, read_model_config(folder, "model.name_or_path") if (folder / "config.json").is_file() else {})
     if launched and size > 1:
-        sequence_parallel.check_world(size, int(os.environ.get("WORLD_SIZE", "1")))
+        sequence_parallel.check_world(size, world)
 
 
 def check_gpu_features(cfg: RunConfig) -> None:

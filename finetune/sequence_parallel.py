@@ -128,3 +128,23 @@ def attention(module, query, key, value, attention_mask, full_positions: torch.T
                                    kv_head_count=key.shape[1], num_hidden_layers=1, process_group=full_positions.sequence_group,
                                    seq_length_is_variable=True)
     return ulysses(module, query, key, value, attention_mask, **kwargs)
+
+
+def tile_mlps(model, shards: int) -> int:
+    """model.tiled_mlp: each decoder layer's dense MLP runs through DeepSpeed's TiledMLP over `shards`
+    chunks of the row (its forward keeps only the input; the backward recomputes one chunk at a time).
+    Returns how many MLPs were tiled; refuses a model whose MLPs are mixtures of experts."""
+    import types
+
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP
+
+    mlps = [(name, m) for name, m in model.named_modules() if name.split(".")[-1] == "mlp"]
+    experts = sorted({type(m).__name__ for _, m in mlps if not type(m).__name__.endswith("MLP")})
+    if experts or not mlps:
+        raise UserError(f"model.tiled_mlp: tiles dense MLPs only; this model's feed-forward layers are {', '.join(experts) or 'not named mlp'}; set it to 1")
+    for _, mlp in mlps:
+        def forward(self, x, _original=type(mlp).forward):
+            return TiledMLP.apply(_original, self, x, shards, [p for p in self.parameters() if p.requires_grad])
+
+        mlp.forward = types.MethodType(forward, mlp)
+    return len(mlps)

@@ -322,6 +322,9 @@ def load_and_prepare_model(run: RunState) -> None:
     run.router_coef = families.router_aux_loss_coef(model.config.to_dict()) if t.router_aux_loss_coef is None else t.router_aux_loss_coef
     sequence_parallel.check_model(run.sequence_parallel.size, model, run.router_coef)
     model = apply_adapter(model, cfg.adapter, t.gradient_checkpointing, say=run.say)
+    if cfg.model.tiled_mlp > 1:
+        count = sequence_parallel.tile_mlps(model, cfg.model.tiled_mlp)
+        run.say(f"tiled MLP: {count} MLPs run over {cfg.model.tiled_mlp} chunks of each row")
     if cfg.adapter.init == "loftq":
         loftq_init(model, run.model_cfg)
     if cfg.adapter.init in MUTATED_INITS and run.main:

@@ -93,13 +93,14 @@ def _losses(out):
 SP2 = {"distributed": {"sequence_parallel": 2}}
 
 
-@pytest.mark.parametrize("strategy,method", [("ddp", "lora"), ("fsdp", "full"), ("zero3", "lora")])
-def test_training_with_two_slices_equals_one_process(tmp_path, tiny_model_dir, strategy, method):
+@pytest.mark.parametrize("strategy,method,tiled", [("ddp", "lora", 1), ("fsdp", "full", 2), ("zero3", "lora", 2)])
+def test_training_with_two_slices_equals_one_process(tmp_path, tiny_model_dir, strategy, method, tiled):
     """The demo data packed into rows of 128 tokens, 4 rows a step, eval included: 2 processes that
-    share every row (a data-parallel world of 1) against one process."""
+    share every row (a data-parallel world of 1), with the MLPs tiled under fsdp and zero3, against one
+    plain process."""
     common = {"train": {"micro_batch_size": 4, "max_steps": 4}, "data": {"eval": str(DEMO_DATA / "eval.jsonl")}, "eval": {"every": 2}}
     _, one, _ = train_strategy(tmp_path, "one", tiny_model_dir, method, 1, "none", **common)
-    out, two, summary = train_strategy(tmp_path, "two", tiny_model_dir, method, 2, strategy, **common, **SP2)
+    out, two, summary = train_strategy(tmp_path, "two", tiny_model_dir, method, 2, strategy, **common, **SP2, model={"tiled_mlp": tiled})
     assert summary["world_size"] == 2 and len(two) == 4
     assert two == pytest.approx(one, rel=1e-5)
     evals = [[r["eval_loss"] for r in read_jsonl(o / "metrics.jsonl") if "eval_loss" in r] for o in (tmp_path / "one", out)]
@@ -146,3 +147,55 @@ def test_a_model_on_eager_attention_or_with_a_router_loss_is_refused(family_dirs
     with pytest.raises(UserError, match="load-balancing loss"):
         sequence_parallel.check_model(2, mixtral, 0.02)
     sequence_parallel.check_model(2, mixtral, 0.0)
+
+
+@pytest.mark.parametrize("family", ["llama3", "qwen2", "phi3"])
+@pytest.mark.parametrize("method", ["lora", "full"])
+def test_a_tiled_mlp_gives_the_untiled_loss_and_gradients(family_dirs, family, method):
+    """model.tiled_mlp 3 (rows of 67 tokens: chunks of 23, 23, 21) under gradient checkpointing, as
+    training runs it: the loss to 1e-6, every gradient to 1e-5 (relative norm)."""
+    import torch
+    from conftest import samples_batch, textbook_samples, trained_grads
+
+    from finetune import loss, sequence_parallel
+    from finetune.config import AdapterConfig, ModelConfig
+    from finetune.model import apply_adapter, load_model
+
+    results, folder = [], str(family_dirs(family))  # built before seeding: building draws random weights
+    for tiled in (1, 3):
+        torch.manual_seed(0)
+        model = load_model(ModelConfig(name_or_path=folder), say=lambda _: None)
+        if method == "lora":
+            model = apply_adapter(model, AdapterConfig(r=4, dropout=0.0), gradient_checkpointing=True)
+            with torch.no_grad():  # B away from zero: A's gradients then differ from zero too
+                for name, p in model.named_parameters():
+                    if "lora_B" in name:
+                        p.normal_(0, 0.05, generator=torch.Generator().manual_seed(len(name)))
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if tiled > 1:
+            assert sequence_parallel.tile_mlps(model, tiled) == model.config.num_hidden_layers
+        model.train()
+        value = loss.token_loss_sum(model, loss.to_device(samples_batch(textbook_samples(model.config.vocab_size), True), "cpu"))
+        value.backward()
+        results.append((value.item(), trained_grads(model)))
+    (plain, expected), (tiled, got) = results
+    assert tiled == pytest.approx(plain, rel=1e-6)
+    assert expected.keys() == got.keys() and any("mlp" in name for name in got)
+    for name, grad in expected.items():
+        assert (got[name] - grad).norm() <= 1e-5 * grad.norm(), name
+
+
+def test_tiling_refuses_experts_and_ddp(tmp_path, tiny_model_dir, family_dirs, monkeypatch):
+    from finetune import sequence_parallel
+    from finetune.config import ModelConfig
+    from finetune.errors import UserError
+    from finetune.model import load_model
+
+    mixtral = load_model(ModelConfig(name_or_path=str(family_dirs("mixtral"))), say=lambda _: None)
+    with pytest.raises(UserError, match="tiles dense MLPs only; this model's feed-forward layers are MixtralSparseMoeBlock"):
+        sequence_parallel.tile_mlps(mixtral, 2)
+    monkeypatch.setenv("WORLD_SIZE", "2")  # as a launcher of 2 processes sets it
+    config = write_config(tmp_path / "c.yaml", base_config(tiny_model_dir, tmp_path / "out", model={"tiled_mlp": 2}))
+    result = finetune_in_process("validate", "--config", str(config))
+    assert result.returncode == 2 and "DDP takes one per step; use distributed.strategy fsdp or a zero strategy" in result.stderr
