@@ -186,6 +186,9 @@ class TrainConfig(_Section):
     mixed_precision: Literal["no", "bf16", "fp16", "fp8"] = Field("no", description="Autocast precision (fp16/fp8 need a GPU).")
     tf32: bool = Field(False, description="Allow TF32 matmuls on CUDA.")
     gradient_checkpointing: bool = Field(False, description="Recompute activations in backward (non-reentrant).")
+    offload_activations: bool = Field(False, description="GPU: keep the tensors saved for the backward (with gradient checkpointing, "
+                                      "each layer's input) in pinned CPU memory, copied back as the backward needs them "
+                                      "(torch.autograd.graph.save_on_cpu); for long rows whose activations outgrow the GPU.")
     router_aux_loss_coef: float | None = Field(None, ge=0, description="Mixture-of-experts models: weight of the router's load-balancing loss "
                                                "added to the training loss (null: the model config's router_aux_loss_coef; 0: off).")
     seed: int = Field(42, description="Seed for weights init, dropout and data order.")

@@ -59,10 +59,13 @@ def check_long_context(cfg: RunConfig, launched: bool) -> None:
 
 
 def check_gpu_features(cfg: RunConfig) -> None:
-    """What needs a GPU: fp16 and fp8 mixed precision, LoftQ."""
+    """What needs a GPU: fp16 and fp8 mixed precision, LoftQ, offloaded activations."""
     import torch
 
     mp, cuda = cfg.train.mixed_precision, torch.cuda.is_available()
+    if cfg.train.offload_activations and not cuda:
+        raise UserError("train.offload_activations: moves saved activations from a GPU to CPU memory; without one they are in CPU memory already; "
+                        "set it to false")
     if cfg.adapter.init == "loftq" and not cuda:
         raise UserError("adapter.init: loftq needs an NVIDIA GPU (peft's replace_lora_weights_loftq computes on CUDA); use init: default here")
     if mp == "fp16" and not cuda:

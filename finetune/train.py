@@ -20,6 +20,7 @@ if __name__ == "__main__" and not __package__:
     sys.argv[1:1] = ["train"]
     runpy.run_module("finetune", run_name="__main__", alter_sys=True)
 
+import contextlib
 import dataclasses
 import functools
 import importlib.util
@@ -488,7 +489,8 @@ def train_step(run: RunState) -> StepOutcome:
     metric_sums = torch.zeros(len(objective.metrics), device=device)
     for i, batch in enumerate(micro_batches):
         with engine.accumulating(last=i == len(micro_batches) - 1):  # gradients are reduced across ranks once per step
-            parts = objective.losses(engine.model, batch, totals, router=run.router_coef > 0)
+            with saved_on_cpu(cfg.train.offload_activations):
+                parts = objective.losses(engine.model, batch, totals, router=run.router_coef > 0)
             loss = parts.tokens * faults.loss_factor(position, rank)
             scaled = loss * (world / max(totals[0], 1))
             if parts.router is not None:  # MoE load balancing: its mean over the step's forwards, as the model weighs it
@@ -519,6 +521,12 @@ def train_step(run: RunState) -> StepOutcome:
     return StepOutcome(epoch, step_loss, grad_norm, verdict, moved, int(global_real),
                        router_loss / (len(micro_batches) * world) if run.router_coef > 0 else None, preempted > 0, time_due > 0,
                        {name: value / max(totals[0], 1) for name, value in zip(objective.metrics, metric_totals)})
+
+
+def saved_on_cpu(offload: bool):
+    """train.offload_activations: what autograd saves in the forward goes to pinned host memory and comes
+    back when the backward reaches it (the backward needs no context: the tensors carry their hooks)."""
+    return torch.autograd.graph.save_on_cpu(pin_memory=True) if offload else contextlib.nullcontext()
 
 
 def step_batches(run: RunState, position: int) -> tuple[int, list[dict], list[float], float]:

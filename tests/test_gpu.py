@@ -294,6 +294,19 @@ def test_optimizer_states_offloaded_to_cpu_train(tmp_path, tiny_model_dir):
     assert abs(offloaded[-1] - plain[-1]) < 0.05 * plain[-1]
 
 
+
+def test_offloaded_activations_and_a_tiled_mlp_train_as_the_plain_run(tmp_path, tiny_model_dir):
+    """train.offload_activations (saved tensors to pinned host memory and back: no bit changes) and
+    model.tiled_mlp (the MLP over 4 chunks in bf16: rounding apart), checkpointed as long rows run."""
+    checkpointed = {"gradient_checkpointing": True, "max_steps": 10}
+    _, kept, plain = _train(tmp_path, tiny_model_dir, "kept", train=checkpointed)
+    _, offloaded, summary = _train(tmp_path, tiny_model_dir, "offloaded", train={**checkpointed, "offload_activations": True})
+    _, tiled, _ = _train(tmp_path, tiny_model_dir, "tiled", train=checkpointed, model={"tiled_mlp": 4})
+    apart = max(abs(a - b) for a, b in zip(tiled, kept))
+    print(f"offloaded: peak GPU {summary['peak_gpu_mib']:.0f} MiB against {plain['peak_gpu_mib']:.0f}; tiled vs plain {apart:.2e}")
+    assert offloaded == kept
+    assert tiled == pytest.approx(kept, rel=2e-2) and tiled[-1] < 0.9 * tiled[0]
+
 def test_nccl_with_one_rank_under_torchrun(tmp_path, tiny_model_dir):
     out = tmp_path / "out"
     cfg = base_config(tiny_model_dir, out, **BF16, train={"max_steps": 20, "micro_batch_size": 8, "lr": 1e-2, "mixed_precision": "bf16"},
