@@ -20,7 +20,8 @@ from finetune.strategy import NAMES as STRATEGIES
 
 # Flags that are shorthands for schema keys (they are applied as --set overrides, after the file).
 SHORTHANDS = {"output_dir": "train.output_dir", "max_steps": "train.max_steps", "model": "model.name_or_path",
-              "overfit_batch": "train.overfit_batch", "save_every": "checkpoint.save_every", "resume": "checkpoint.resume"}
+              "overfit_batch": "train.overfit_batch", "save_every": "checkpoint.save_every", "resume": "checkpoint.resume",
+              "seq_len": "data.max_seq_len", "sequence_parallel": "distributed.sequence_parallel"}
 
 
 def _run_options(p: argparse.ArgumentParser) -> None:
@@ -137,6 +138,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the share of --tflops the run reaches (default 0.4)")
     p.add_argument("--bandwidth", metavar="SIZE", help="collective bandwidth per device per second, e.g. 400GB (NVLink) or 50GB "
                    "(one 400 Gb/s NIC per GPU across nodes); default: communication not timed")
+    p.add_argument("--seq-len", type=_number(int, 1, "at least 1"), metavar="N", help="plan rows of N tokens (same as --set data.max_seq_len=N)")
+    p.add_argument("--sequence-parallel", type=_number(int, 1, "at least 1"), metavar="N",
+                   help="each row's tokens over N of the --gpus devices (same as --set distributed.sequence_parallel=N)")
     p.add_argument("--strategy", choices=STRATEGIES, default=None,
                    help="as distributed.strategy (default: the config's): none/ddp: every device holds the whole model; fsdp: "
                         "weights, gradients and optimizer split over devices; zero2 (DeepSpeed): gradients and optimizer split; "
@@ -234,13 +238,17 @@ def data(args: argparse.Namespace) -> None:
 
 
 def plan(args: argparse.Namespace) -> None:
-    from finetune import plan
+    from finetune import plan, preflight
 
     cfg = resolve_config(args, check_paths=False)  # a plan reads the model's shape alone
     gpu = args.gpu_mem is not None or __import__("torch").cuda.is_available()
     budget, where = (plan.parse_size(args.gpu_mem, "--gpu-mem"), "GPU") if args.gpu_mem else plan.available_memory()
+    if args.gpus % cfg.distributed.sequence_parallel:
+        raise UserError(f"--sequence-parallel {cfg.distributed.sequence_parallel}: does not divide --gpus {args.gpus}")
+    preflight.check_long_context(cfg, launched=False)  # the model's heads against the sequence-parallel size
     result = plan.make_plan(cfg, devices=args.gpus, strategy=args.strategy, gpu=gpu)
     print(plan.render(result, budget, where, plan.alternatives(cfg, result, gpu)))
+    print(plan.render_rows(cfg, result, budget, gpu))
     if args.mfu > 1:
         raise UserError(f"--mfu {args.mfu:g}: expected a share of the peak, above 0 and at most 1")
     if args.tflops:

@@ -22,6 +22,10 @@ GiB = 2**30
 # Optimizer state bytes per trainable parameter (None: same as the parameter's own bytes, twice).
 OPTIMIZER_STATE_BYTES = {"adamw": None, "paged_adamw_32bit": 8, "adamw_8bit": 2, "paged_adamw_8bit": 2, "lion": 4, "lion_8bit": 1}
 GPU_RESERVE = 1.0 * GiB  # CUDA context + caching-allocator slack, measured-ish; 0 on CPU
+# What a CPU training process grows by beyond its tensors once the model is loaded (autograd, the
+# optimizer's first step, thread pools, libraries loaded on first use): 151 MiB measured for a model of
+# a few MB (tests' tiny Llama, 4 steps).
+CPU_RUNTIME = 150 * 2**20
 BNB_BLOCK = 64  # bitsandbytes 4-bit block size
 # A 4-bit layer's quantization state beyond its per-block scales: the 16-value NF4 code (fp32), and with
 # double quantization the 256-value code of the scales' own quantization and their offset (fp32).
@@ -156,6 +160,13 @@ class Setup:
     strategy: str  # distributed.strategy's names: none | ddp (replicated) | fsdp | zero2 | zero3 | zero3_offload
     devices: int
     fsdp_cpu_offload: bool = False  # distributed.fsdp_cpu_offload
+    sequence_parallel: int = 1  # distributed.sequence_parallel: processes sharing each row
+    tiled_mlp: int = 1  # model.tiled_mlp: chunks each MLP runs over
+
+    @property
+    def tokens(self) -> float:
+        """Tokens of a micro-batch one device holds."""
+        return self.micro_batch * self.seq_len / self.sequence_parallel
 
     @property
     def run_as(self) -> Strategy:
@@ -185,7 +196,7 @@ def setup_from_config(cfg: RunConfig, devices: int, strategy: str | None = None)
         activation_bytes=2 if mp in ("bf16", "fp16", "fp8") or (weight_bytes == 2 and not (q and q.compute_dtype == "float32")) else 4,
         checkpointing=cfg.train.gradient_checkpointing, devices=devices,
         strategy=Strategy.of(strategy or cfg.distributed.strategy, devices).name,  # one process runs unsharded
-        fsdp_cpu_offload=cfg.distributed.fsdp_cpu_offload,
+        fsdp_cpu_offload=cfg.distributed.fsdp_cpu_offload, sequence_parallel=cfg.distributed.sequence_parallel, tiled_mlp=cfg.model.tiled_mlp,
     )
 
 
@@ -285,6 +296,9 @@ def dense_temporaries(shape: Shape, cfg: RunConfig, s: Setup) -> float:
     return size
 
 
+# From this many tokens a micro-batch per process, blocks of 1 MiB and more are mapped and handed back
+# when freed on CPU runs (runtime.keep_freed_memory), as under FSDP/ZeRO-3: no heap row.
+LONG_ROWS = 4096
 # A quantized base's dequantized weights from this size on come from fresh mappings on CPU runs
 # (runtime.keep_freed_memory): freed, they leave no hole in the heap.
 MAPPED_FROM = 64 << 20
@@ -301,8 +315,8 @@ def heap_holes(shape: Shape, cfg: RunConfig, s: Setup) -> float:
     blocks cannot reuse. DoRA (freed memory kept in the heap): about one fp32 copy of the largest
     adapted weight per layer in the forward and again in the backward's recompute, measured on the
     1.1B model with checkpointing (docs/platform-notes.md); a quantized base: below."""
-    if s.shards_weights or not dense_temporaries(shape, cfg, s) or glibc_tuned_by_user():
-        return 0.0  # sharded; nothing weight-sized freed; or glibc tuned by the user (finetune leaves it alone)
+    if s.shards_weights or s.tokens >= LONG_ROWS or not dense_temporaries(shape, cfg, s) or glibc_tuned_by_user():
+        return 0.0  # sharded or long rows (large blocks mapped); nothing weight-sized freed; or glibc tuned by the user (left alone)
     if s.bits:  # with checkpointing (without it every layer's activations are held anyway: counted above)
         # Dequantized weights of MAPPED_FROM and more come from fresh mappings, returned when freed,
         # and glibc trims the heap (runtime.keep_freed_memory); what stays split is each layer's
@@ -314,27 +328,56 @@ def heap_holes(shape: Shape, cfg: RunConfig, s: Setup) -> float:
 
 
 def layer_activations(shape: Shape, s: Setup) -> float:
-    """What one decoder layer keeps for its backward without checkpointing (see activations)."""
-    return (9 * shape.hidden + 3 * shape.kv_dim + 4 * shape.mlp_width) * s.activation_bytes * s.micro_batch * s.seq_len
+    """What one decoder layer keeps for its backward without checkpointing (see activations), its MLP's
+    share for one chunk where the MLP is tiled."""
+    return (6 * shape.hidden + 2 * shape.kv_dim + 4 * shape.mlp_width / s.tiled_mlp) * s.activation_bytes * s.tokens
 
 
 def activations(shape: Shape, s: Setup) -> float:
     """Saved tensors of the forward pass, per device, plus the loss's logits.
 
-    Per decoder layer and token a Llama block keeps about 9*h + 3*kv + 4*i values for its backward
-    (norm inputs/outputs, q/k/v and their rotated copies, attention output, residuals, the gate, up,
-    activation and product of the MLP; i is the MLP width a token passes through, with experts the
-    routed ones' and the shared one's). With checkpointing only each block's input (fp32 residual)
-    is kept; in the backward one block is rebuilt and its gradients live beside it (two blocks'
-    worth). The loss keeps the logits, an fp32 copy and their log-softmax: (a + 8) bytes per
-    vocabulary entry per token.
+    Per decoder layer and token a Llama block keeps 6*h + 2*kv + 4*i values for its backward: the two
+    norms' inputs and outputs (the outputs are the projections' inputs), the rotated query, key and
+    value, the attention output, and the MLP's gate, up, activation and product (i is the MLP width a
+    token passes through, with experts the routed ones' and the shared one's). With checkpointing only each block's input (fp32 residual)
+    is kept; in the backward one block is rebuilt, and its gradients take about the room its saved
+    tensors free as the backward goes through them (one block's worth: measured on rows of 2k to 6k
+    tokens, bench/long.py and tests/test_plan.py). A tiled MLP keeps only its input, and holds its intermediates for one chunk at a time,
+    in the backward. Sequence parallelism: a device holds 1/N of each row's tokens (and, inside
+    attention, the whole row for 1/N of the heads: as many values). The loss: see loss_activations.
     """
-    tokens = s.micro_batch * s.seq_len
+    tokens = s.tokens
     per_layer = layer_activations(shape, s)
-    logits = tokens * shape.vocab * (s.activation_bytes + 8)
+    logits = loss_activations(shape, s)
     if s.checkpointing:
-        return shape.layers * tokens * shape.hidden * 4 + 2 * per_layer + logits
-    return shape.layers * per_layer + logits
+        return shape.layers * tokens * shape.hidden * 4 + per_layer + logits
+    chunk = 4 * shape.mlp_width / s.tiled_mlp * s.activation_bytes * tokens if s.tiled_mlp > 1 else 0.0
+    return shape.layers * (per_layer - chunk) + chunk + logits
+
+
+def loss_activations(shape: Shape, s: Setup) -> float:
+    """The loss's share. Where the fused loss runs (a plain lm_head, unsharded: loss.fusable_parts) the
+    logits exist a chunk at a time: it holds the trained tokens' final hidden states and their
+    gradient, and a chunk's logits, log-softmax and gradient in fp32. Otherwise the model's logits of
+    the trained tokens, an fp32 copy and their log-softmax: (a + 8) bytes per vocabulary entry. Every
+    token is counted as trained."""
+    if families.plain_head(shape.config) and not s.shards_weights:
+        from finetune.loss import CHUNK_ELEMENTS
+
+        return 2 * s.tokens * shape.hidden * s.activation_bytes + 3 * CHUNK_ELEMENTS * 4
+    return s.tokens * shape.vocab * (s.activation_bytes + 8)
+
+
+def longest_row(cfg: RunConfig, s: Setup, budget: float, gpu: bool) -> int:
+    """The longest row (tokens, a multiple of 64) whose plan fits `budget` per device, micro-batches of one row."""
+    low, high = 0, 64
+    fits = lambda n: make_plan(cfg, gpu=gpu, setup=replace(s, micro_batch=1, seq_len=n)).total <= budget  # noqa: E731
+    while fits(high) and high < 2**24:
+        low, high = high, high * 2
+    while high - low > 64:
+        middle = (low + high) // 2 // 64 * 64
+        low, high = (middle, high) if fits(middle) else (low, middle)
+    return low
 
 
 @dataclass
@@ -361,8 +404,10 @@ def make_plan(cfg: RunConfig, devices: int = 1, strategy: str | None = None, gpu
         host = {name: rows.pop(name) for name in ("weights", "gradients", "optimizer states", "fp32 master weights (DeepSpeed)") if name in rows}
     if gpu:
         rows["CUDA context + allocator slack"] = GPU_RESERVE
-    elif heap_holes(shape, cfg, setup):
-        rows["freed but held by the heap (CPU)"] = heap_holes(shape, cfg, setup)
+    else:
+        rows["process runtime (CPU)"] = CPU_RUNTIME
+        if heap_holes(shape, cfg, setup):
+            rows["freed but held by the heap (CPU)"] = heap_holes(shape, cfg, setup)
     return Plan(rows, sum(rows.values()), setup, trainable_params(shape, cfg), shape.linear_params + shape.other_params, shape.active_params,
                 shape.linear_params - shape.quantizable_params, host)
 
@@ -398,7 +443,7 @@ def step_time(cfg: RunConfig, s: Setup, tflops: float, mfu: float, bandwidth: fl
     q_dim = next((l.fan_out for l in shape.linears if l.name.rsplit(".", 1)[-1] == "q_proj"), shape.hidden)
     attention = shape.layers * 2 * s.seq_len * q_dim * (1 + 2 + (1 if s.checkpointing else 0))
     flops = per_weight * matmul + attention
-    tokens = s.micro_batch * s.seq_len * cfg.train.grad_accum
+    tokens = s.tokens * cfg.train.grad_accum
     weight_bytes = estimate(shape, cfg, replace(s, strategy="none", devices=1))["weights"]  # the whole model as held, gathered
     grads = trainable_params(shape, cfg) * (s.weight_bytes if full else 4)
     share = (d - 1) / d
@@ -408,6 +453,10 @@ def step_time(cfg: RunConfig, s: Setup, tflops: float, mfu: float, bandwidth: fl
         sent = share * (2 * weight_bytes * cfg.train.grad_accum + grads)
     else:
         sent = share * 2 * grads
+    if s.sequence_parallel > 1:  # Ulysses: q, k, v and the output through an all-to-all per layer, forward and backward (and the recompute)
+        kv_dim = shape.kv_dim
+        sp_share = (s.sequence_parallel - 1) / s.sequence_parallel
+        sent += sp_share * tokens * (2 * q_dim + 2 * kv_dim) * s.activation_bytes * shape.layers * (2 + (1 if s.checkpointing else 0))
     return StepTime(flops, tokens, tokens * flops / (tflops * 1e12 * mfu), sent, sent / bandwidth if bandwidth else 0.0)
 
 
@@ -435,6 +484,11 @@ def alternatives(cfg: RunConfig, plan: Plan, gpu: bool) -> list[tuple[str, Plan]
     if gpu and s.shards_weights and not s.offloads:
         options.append(("sharded states in CPU RAM (distributed.fsdp_cpu_offload: true, or strategy zero3_offload)",
                         replace(s, strategy="fsdp", fsdp_cpu_offload=True) if s.strategy == "fsdp" else replace(s, strategy="zero3_offload")))
+    if s.tiled_mlp == 1:
+        options.append(("model.tiled_mlp: 4 (long rows)", replace(s, tiled_mlp=4)))
+    if s.devices > 1 and s.sequence_parallel == 1 and cfg.train.objective == "sft":
+        options.append((f"distributed.sequence_parallel: {s.devices} (each row's tokens over the {s.devices} devices)",
+                        replace(s, sequence_parallel=s.devices)))
     out = [(label, make_plan(cfg, gpu=gpu, setup=alt)) for label, alt in options]
     if s.bits is None and cfg.adapter.method != "full":
         from finetune.config import QuantizationConfig
@@ -443,6 +497,25 @@ def alternatives(cfg: RunConfig, plan: Plan, gpu: bool) -> list[tuple[str, Plan]
         q.model.quantization = QuantizationConfig()
         out.append(("model.quantization: {bits: 4} (QLoRA)", make_plan(q, gpu=gpu, setup=replace(s, bits=4))))
     return sorted(out, key=lambda item: item[1].total)
+
+
+def render_rows(cfg: RunConfig, plan: Plan, budget: float, gpu: bool) -> str:
+    """Long rows: the activations with and without a tiled MLP, and the longest row that fits a device
+    as planned, with the MLP tiled, and (several devices) with each row over all of them."""
+    s = plan.setup
+    tiled = s if s.tiled_mlp > 1 else replace(s, tiled_mlp=4)
+    other = make_plan(cfg, gpu=gpu, setup=replace(s, tiled_mlp=1) if s.tiled_mlp > 1 else tiled)
+    pair = (plan, other) if s.tiled_mlp > 1 else (other, plan)
+    lines = [f"activations per device: {pair[1].rows['activations'] / GiB:.2f} GiB untiled, {pair[0].rows['activations'] / GiB:.2f} GiB "
+             f"with the MLP tiled x{tiled.tiled_mlp}"]
+    longest = [f"{longest_row(cfg, s, budget, gpu):,} tokens as planned"]
+    if s.tiled_mlp == 1:
+        longest.append(f"{longest_row(cfg, tiled, budget, gpu):,} with the MLP tiled x4")
+    if s.devices > 1 and s.sequence_parallel == 1 and cfg.train.objective == "sft":
+        longest.append(f"{longest_row(cfg, replace(tiled, sequence_parallel=s.devices), budget, gpu):,} tiled and each row over the "
+                       f"{s.devices} devices (distributed.sequence_parallel: {s.devices})")
+    lines.append("longest row that fits a device, one row a micro-batch: " + "; ".join(longest))
+    return "\n".join(lines)
 
 
 def parse_size(text: str, option: str) -> float:
@@ -478,7 +551,9 @@ def render(plan: Plan, budget: float, where: str, alts: list[tuple[str, Plan]]) 
         f"plan: {method}, {plan.trainable:,} trainable of {plan.total_params:,} params"
         + (f" ({plan.active_params:,} active per token)" if plan.active_params != plan.total_params else "") + f", optimizer {s.optimizer}, "
         f"micro-batch {s.micro_batch} x {s.seq_len} tokens, activations in {8 * s.activation_bytes}-bit, "
-        f"checkpointing {'on' if s.checkpointing else 'off'}, strategy {s.strategy} over {s.devices} device(s)",
+        f"checkpointing {'on' if s.checkpointing else 'off'}, strategy {s.strategy} over {s.devices} device(s)"
+        + (f", each row over {s.sequence_parallel} of them (sequence parallel)" if s.sequence_parallel > 1 else "")
+        + (f", MLPs tiled x{s.tiled_mlp}" if s.tiled_mlp > 1 else ""),
         "",
         f"| {'per device':<32} | {unit:>9} |",
         f"| {'-' * 32} | {'-' * 9} |",

@@ -65,7 +65,7 @@ def finish_distributed(accelerator) -> None:
         torch.distributed.destroy_process_group()
 
 
-def keep_freed_memory(gathers: bool = False, quantized: bool = False) -> None:
+def keep_freed_memory(gathers: bool = False, quantized: bool = False, long_rows: bool = False) -> None:
     """CPU runs: tune glibc's heap for the allocations a training step repeats.
 
     One process or DDP: keep freed memory for reuse instead of returning it to the kernel. A step
@@ -82,7 +82,10 @@ def keep_freed_memory(gathers: bool = False, quantized: bool = False) -> None:
     fragment a heap (glibc's default raises its mmap threshold to the largest block freed, up to 32 MB),
     so blocks of 1 MiB and more come from mmap and go back when freed: a 1.1B LoRA rank then peaked
     at 3.9 GB under FSDP (4.6 with the defaults, 12.5 with the tuning above) and 4.0 GB under ZeRO-3
-    (5.8), within the plan (that setting is made before loading too: map_large_blocks). Set just
+    (5.8), within the plan (that setting is made before loading too: map_large_blocks). Long rows
+    (long_rows: plan.LONG_ROWS tokens and more a micro-batch per process) likewise: a row of 6,208 tokens
+    through two layers of the 1.1B model's widths held 4,970 MiB with the tuning for speed and 2,186
+    with this one, for 1.12x the step time (bench/long.py, docs/platform-notes.md). Set just
     before the loop, after what loading freed is handed back (always), so RSS then tracks what
     training holds; left alone when the user set glibc's MALLOC_* variables (their choice wins).
     """
@@ -91,7 +94,7 @@ def keep_freed_memory(gathers: bool = False, quantized: bool = False) -> None:
         return
     if hasattr(libc, "malloc_trim"):
         libc.malloc_trim(0)  # what loading freed goes back first, whatever the settings
-    if gathers:
+    if gathers or long_rows:
         map_large_blocks()
     elif _ours_to_tune(libc):
         if quantized:  # as MALLOC_MMAP_THRESHOLD_ sets it: fixed (glibc no longer raises it as blocks are freed)

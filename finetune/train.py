@@ -52,6 +52,7 @@ from finetune.model import adapter_input_casting_off, apply_adapter, compile_lay
 from finetune.objectives import SFT, Preference, objective_for
 from finetune.optim import current_lr, set_peak_lr, warmup_steps
 from finetune.packing import epoch_batches
+from finetune.plan import LONG_ROWS
 from finetune.resume import Progress, clear_starts, resume
 from finetune.sequence_parallel import SequenceParallel
 from finetune.stage import staged_model
@@ -252,7 +253,8 @@ def setup(cfg: RunConfig) -> RunState:
     # Every rank agrees whether a signal came during set-up (there is nothing to save yet).
     signalled = accelerator.reduce(torch.tensor(float(preemption.signal is not None), device=accelerator.device), "sum").item() > 0
     stop_if_preempted(signalled, preemption.name, run.out, run.main, "before the first step")
-    runtime.keep_freed_memory(gathers=run.engine.gathers, quantized=cfg.model.quantization is not None)
+    tokens = cfg.train.micro_batch_size * cfg.data.max_seq_len / cfg.distributed.sequence_parallel  # a process's share of a micro-batch
+    runtime.keep_freed_memory(gathers=run.engine.gathers, quantized=cfg.model.quantization is not None, long_rows=tokens >= LONG_ROWS)
     runtime.reset_peak_rss()
     return run
 

@@ -295,17 +295,23 @@ def test_optimizer_states_offloaded_to_cpu_train(tmp_path, tiny_model_dir):
 
 
 
-def test_offloaded_activations_and_a_tiled_mlp_train_as_the_plain_run(tmp_path, tiny_model_dir):
-    """train.offload_activations (saved tensors to pinned host memory and back: no bit changes) and
-    model.tiled_mlp (the MLP over 4 chunks in bf16: rounding apart), checkpointed as long rows run."""
+def test_offloaded_activations_train_as_kept_ones(tmp_path, tiny_model_dir):
+    """train.offload_activations: the tensors saved for the backward go to pinned host memory and come
+    back unchanged, checkpointed as long rows run: the same losses to the bit."""
     checkpointed = {"gradient_checkpointing": True, "max_steps": 10}
     _, kept, plain = _train(tmp_path, tiny_model_dir, "kept", train=checkpointed)
     _, offloaded, summary = _train(tmp_path, tiny_model_dir, "offloaded", train={**checkpointed, "offload_activations": True})
-    _, tiled, _ = _train(tmp_path, tiny_model_dir, "tiled", train=checkpointed, model={"tiled_mlp": 4})
-    apart = max(abs(a - b) for a, b in zip(tiled, kept))
-    print(f"offloaded: peak GPU {summary['peak_gpu_mib']:.0f} MiB against {plain['peak_gpu_mib']:.0f}; tiled vs plain {apart:.2e}")
+    print(f"offloaded: peak GPU {summary['peak_gpu_mib']:.0f} MiB against {plain['peak_gpu_mib']:.0f}")
     assert offloaded == kept
-    assert tiled == pytest.approx(kept, rel=2e-2) and tiled[-1] < 0.9 * tiled[0]
+
+
+def test_a_tiled_mlp_on_cuda_trains_as_the_untiled_one(tmp_path, tiny_model_dir):
+    pytest.importorskip("deepspeed")
+    checkpointed = {"gradient_checkpointing": True, "max_steps": 10}
+    _, plain, _ = _train(tmp_path, tiny_model_dir, "plain", train=checkpointed)
+    _, tiled, _ = _train(tmp_path, tiny_model_dir, "tiled", train=checkpointed, model={"tiled_mlp": 4})
+    assert tiled == pytest.approx(plain, rel=2e-2) and tiled[-1] < 0.9 * tiled[0]  # bf16: the chunks round apart
+
 
 def test_nccl_with_one_rank_under_torchrun(tmp_path, tiny_model_dir):
     out = tmp_path / "out"

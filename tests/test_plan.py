@@ -22,9 +22,12 @@ def test_7b_full_finetune_matches_the_hand_computed_figures():
     assert plan.rows["weights"] == 4 * N + BUFFERS  # fp32
     assert plan.rows["gradients"] == 4 * N
     assert plan.rows["optimizer states"] == 8 * N  # AdamW: two fp32 moments -> 16 bytes/param in all
-    tokens, layer = 2048, (9 * 4096 + 3 * 4096 + 4 * 11008) * 2 * 2048  # bf16 activations
-    assert plan.rows["activations"] == 32 * tokens * 4096 * 4 + 2 * layer + tokens * 32000 * (2 + 8)
-    assert round(plan.total / GiB, 2) == 102.73
+    tokens, layer = 2048, (6 * 4096 + 2 * 4096 + 4 * 11008) * 2 * 2048  # bf16 activations
+    fused_loss = 2 * tokens * 4096 * 2 + 3 * 2**22 * 4  # final hidden states and their gradient; one chunk's logits (fp32) thrice
+    assert plan.rows["activations"] == 32 * tokens * 4096 * 4 + layer + fused_loss
+    assert plan.rows["process runtime (CPU)"] == 150 * 2**20
+    gpu = make_plan(load_config(REPO / "docs/examples/plan-7b-full.yaml", check_model=False), gpu=True)
+    assert round(gpu.total / GiB, 2) == 102.78 and "process runtime (CPU)" not in gpu.rows  # 1 GiB of CUDA context instead
 
 
 def test_7b_qlora_matches_the_hand_computed_figures():
