@@ -25,7 +25,7 @@ help:
 	@echo "make bench-fsdp-load - RAM used loading a 0.8 GB model in 1 process vs 2 (ddp, fsdp)"
 	@echo "make bench-load - load times of a 0.9 GB model: disk cold/warm, staged in RAM, vs a plain read"
 	@echo "make bench-large - a 1.1B model through every method and strategy: memory vs plan, speed, checkpoints, merge, staged load (~30 min)"
-	@echo "make bench-long - long rows: the longest row at 3 GiB a process in one process, with sequence parallelism over 2 and a tiled MLP; a 16k row tiled and not (~30 min)"
+	@echo "make bench-long - long rows: the longest row at 2 GiB a process in one process, with sequence parallelism over 2 and a tiled MLP; a 16k row tiled and not (~30 min)"
 	@echo "make bench-xl - an 8B model (Llama-3-8B's shape) on this box: 4-bit load, QLoRA, kill and resume, 2 processes, merge, generate (~60 min, ~50 GB of disk)"
 	@echo "make clean  - remove outputs and the demo model (keeps .venv)"
 

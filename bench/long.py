@@ -17,7 +17,7 @@ peak RSS (per process) against the plan and its seconds a step:
   sp2 + tiled  the same with model.tiled_mlp 4
 and then 16k tokens untiled / tiled in one process.
 
-usage: python bench/long.py [--budget-gib 3] [--steps 2] [--only plain,tiled,sp2,sp2-tiled,16k]   (make bench-long, ~30 min)
+usage: python bench/long.py [--budget-gib 2] [--steps 2] [--only plain,tiled,sp2,sp2-tiled,16k]   (make bench-long, ~30 min)
 Prints a markdown table and writes it to bench/results/long.md.
 """
 
@@ -102,7 +102,7 @@ def measure(model: Path, work: Path, name: str, seq: int, steps: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--budget-gib", type=float, default=3.0, help="memory per process the rows must fit, by the plan (default 3)")
+    parser.add_argument("--budget-gib", type=float, default=2.0, help="memory per process the rows must fit, by the plan (default 2)")
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--only", default="plain,tiled,sp2,sp2-tiled,16k")
     args = parser.parse_args()

@@ -133,6 +133,38 @@ def test_plan_command_says_what_would_fit(capsys):
     assert result.returncode == 0 and "GFLOP per token" in result.stdout and "at 400 GB/s" in result.stdout, result.stderr
 
 
+def test_plan_of_long_rows_splits_them_over_devices_and_tiles_the_mlp(capsys):
+    """Llama-2-7B LoRA at 4k tokens a row, checkpointed, over 8 GPUs: each row over 8 of them divides
+    the activations by 8 (all but the loss's fixed chunk scale with the tokens a device holds); a tiled MLP keeps a
+    quarter of the MLP's share of the rebuilt layer; the longest row grows with both."""
+    from dataclasses import replace
+
+    from finetune.plan import longest_row
+
+    args = ["plan", "--config", "docs/examples/plan-7b-qlora.yaml", "--set", "model.quantization=null", "--set", "train.gradient_checkpointing=true",
+            "--gpus", "8", "--gpu-mem", "80GiB", "--seq-len", "4096"]
+    result = finetune_cli(capsys, *args, "--sequence-parallel", "8")
+    assert result.returncode == 0, result.stderr
+    assert "micro-batch 1 x 4096 tokens" in result.stdout and "each row over 8 of them (sequence parallel)" in result.stdout
+    assert "activations per device:" in result.stdout and "longest row that fits a device" in result.stdout
+    cfg = load_config(REPO / "docs/examples/plan-7b-qlora.yaml", ["model.quantization=null", "train.gradient_checkpointing=true",
+                                                                 "data.max_seq_len=4096"], check_model=False)
+    one = make_plan(cfg, devices=8, gpu=True)
+    split = make_plan(cfg, devices=8, gpu=True, setup=replace(one.setup, sequence_parallel=8))
+    chunk = 3 * 2**22 * 4  # the fused loss's fp32 chunk: the same whatever the tokens
+    assert split.rows["activations"] - chunk == pytest.approx((one.rows["activations"] - chunk) / 8)
+    tiled = make_plan(cfg, devices=8, gpu=True, setup=replace(one.setup, tiled_mlp=4))
+    mlp = 4 * 11008 * 2 * 4096  # the rebuilt layer's MLP share, bf16
+    assert one.rows["activations"] - tiled.rows["activations"] == pytest.approx(mlp * 3 / 4)
+    budget = 80 * GiB
+    assert longest_row(cfg, replace(one.setup, sequence_parallel=8), budget, True) > 7 * longest_row(cfg, one.setup, budget, True)
+    assert f"{longest_row(cfg, one.setup, budget, True):,} tokens as planned" in finetune_cli(capsys, *args).stdout
+    refused = finetune_cli(capsys, *args, "--sequence-parallel", "3", "--gpus", "3")
+    assert refused.returncode == 2 and "3 does not divide the model's attention heads 32 and key/value heads 32" in refused.stderr
+    refused = finetune_cli(capsys, *args, "--sequence-parallel", "16")
+    assert refused.returncode == 2 and "--sequence-parallel 16: does not divide --gpus 8" in refused.stderr
+
+
 def test_plan_reads_the_model_alone_from_any_folder(tmp_path, monkeypatch, capsys):
     """A shipped config by name, planned from a folder where its data paths do not exist: a plan needs
     the model's shape only (training from there still names the missing file)."""
