@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from finetune import model_card
 from finetune.adapters import Adapter, attach, find_adapter, load_base, tokenizer_source
 from finetune.config import PRECISIONS, ModelConfig
 from finetune.errors import EXIT_MERGE_CHECK, Stopped, UserError
@@ -145,6 +146,7 @@ def merge(adapter_path: str, out: str, base: str | None = None, dtype: str | Non
         tokenizer.save_pretrained(tmp)
         effect = report["adapter_effect"]
         report["passed"] = m["max"] <= tolerance and m["max"] < effect["max"]
+        (tmp / model_card.CARD).write_text(model_card.merged_card({**report, "out": str(final)}))
         report["files"] = sorted(p.name for p in tmp.iterdir()) + [REPORT]
         (tmp / REPORT).write_text(json.dumps(report, indent=2) + "\n")
         if not report["passed"]:

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from finetune import checkpoint, families, faults, preflight, runtime, sequence_parallel
+from finetune import checkpoint, families, faults, model_card, preflight, runtime, sequence_parallel
 from finetune.attention import leak, mixer_outside_attention
 from finetune.chat import choose_template
 from finetune.checkpointers import load_trainable
@@ -633,6 +633,8 @@ def finish(run: RunState) -> RunResult:
         summary.update(saved_to=str(run.out), adapter=cfg.adapter.method != "full", loss_curve=str(plot) if plot else None)
         if run.before is not None:
             summary.update(compare_generations(run, unwrapped))
+        # The folder's README.md is a model card of this run (it replaces the template peft's save wrote).
+        (run.out / model_card.CARD).write_text(model_card.run_card(cfg, summary, run.out))
         (run.out / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
         run.say(_summary_line(summary))
         clear_starts(run.out)  # a finished run ends any restart loop

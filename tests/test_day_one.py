@@ -134,6 +134,20 @@ def plain_run(tmp_path_factory, tiny_model_dir):
     return tmp / "out", cfg
 
 
+def test_a_run_folder_has_a_model_card_of_the_run(plain_run):
+    """README.md in the Hub's model-card format (huggingface_hub reads it): the base, peft, the data,
+    no license chosen for the user; the run's eval loss, the reproducing command and its config."""
+    from huggingface_hub import ModelCard
+
+    out, cfg = plain_run
+    summary = json.loads((out / "summary.json").read_text())
+    card = ModelCard.load(out / "README.md")
+    assert card.data.base_model == summary["base_model"] and card.data.library_name == "peft" and card.data.license is None
+    assert card.data.datasets == ["train.jsonl"] and {"finetune", "sft", "lora"} <= set(card.data.tags)
+    assert f"| eval loss | {summary['eval_loss']:.4g} |" in card.text and "finetune train --config finetune_config.yaml" in card.text
+    assert (out / "finetune_config.yaml").read_text().strip() in card.text and "![loss curve]" not in card.text  # plots off here
+
+
 def test_neftune_noise_changes_training_but_not_evaluation(tmp_path, tiny_model_dir, plain_run):
     plain, cfg = plain_run
     noisy = base_config(tiny_model_dir, tmp_path / "noisy", data={"train": str(DEMO_DATA / "train.jsonl"), "eval": str(DEMO_DATA / "eval.jsonl")},

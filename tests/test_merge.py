@@ -90,6 +90,11 @@ def test_merged_lora_loads_with_plain_transformers_in_shards_and_generates_the_s
     report = json.loads((merged / "merge_report.json").read_text())
     assert report["passed"] and report["merged_vs_tuned"]["max"] < 1e-4
     assert not any(k.startswith("base_model") or "lora" in k for k in index["weight_map"])
+    from huggingface_hub import ModelCard
+
+    card = ModelCard.load(merged / "README.md")  # the Hub's model-card format
+    assert card.data.library_name == "transformers" and card.data.base_model == report["base"] and "merged" in card.data.tags
+    assert f"max {report['merged_vs_tuned']['max']:.3g}" in card.text and card.data.license is None
 
     out = subprocess.run([sys.executable, "-c", PLAIN_LOAD, str(merged), str(IDS.tolist()), str(tmp_path / "logits.safetensors")],
                          capture_output=True, text=True, cwd=tmp_path)
