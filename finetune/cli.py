@@ -1,4 +1,4 @@
-"""`finetune` command line: train, validate, data, plan, stage, merge, generate, configs, make-demo-model.
+"""`finetune` command line: train, validate, data, plan, stage, merge, export, generate, configs, make-demo-model.
 
 Bad input ends with one line on stderr and exit code 2, never a traceback.
 """
@@ -83,6 +83,18 @@ def _output_commands(sub) -> None:
     p.add_argument("--tolerance", type=_number(float, 0, "a number above 0"),
                    help="largest |logit difference| accepted (default by dtype: fp32 1e-3, fp16 0.05, bf16 0.25; 0.25 too when the 4-bit "
                    "reference computes in bf16)")
+
+    p = sub.add_parser("export", help="write a model or an adapter as one GGUF file for llama.cpp and Ollama, verified",
+                       description="Write a model folder (merged or fully fine-tuned), or an adapter merged first, as one GGUF file "
+                       "through the gguf package (llama.cpp's own writer), then load it back through transformers' GGUF loader and "
+                       "compare its logits, greedy tokens and tokenizer with the model's; above the tolerance nothing is written "
+                       "(exit 5). An Ollama Modelfile is written beside it. Families: llama, mistral, qwen2, qwen3.")
+    which = p.add_mutually_exclusive_group(required=True)
+    which.add_argument("--model", metavar="DIR", help="a model folder (e.g. the output of finetune merge)")
+    which.add_argument("--adapter", metavar="DIR", help="a run's adapter (or a checkpoint): merged in fp32 first, then exported")
+    p.add_argument("--format", choices=["gguf"], default="gguf", help="the file format (gguf)")
+    p.add_argument("--out", required=True, metavar="FILE", help="the GGUF file to write (a new file)")
+    p.add_argument("--type", choices=["f16", "q8_0"], default="f16", help="f16 (default), or q8_0 (8-bit blocks, llama.cpp's Q8_0)")
 
     p = sub.add_parser("generate", help="try a model or an adapter on a prompt (tokens stream as they come), or answer a file of prompts",
                        description="Generate a continuation of a prompt with a model folder (merged or fully fine-tuned) or with "
@@ -303,6 +315,13 @@ def generate(args: argparse.Namespace) -> None:
     answer_file(model, tokenizer, rows, args.out, args.batch_size, chat=args.chat, max_new_tokens=args.max_new_tokens, temperature=args.temperature)
 
 
+def export(args: argparse.Namespace) -> None:
+    from finetune.export import export
+
+    report = export(args.model, args.adapter, args.out, args.type)
+    print(f"wrote {report['out']} ({report['type']}, {report['bytes'] / 2**20:.1f} MiB) and a Modelfile beside it")
+
+
 def configs(args: argparse.Namespace) -> None:
     from finetune.config import shipped_configs
 
@@ -316,7 +335,7 @@ def make_demo_model(args: argparse.Namespace) -> None:
     make_demo_model(args.out, steps=args.steps, overwrite=args.overwrite)
 
 
-COMMANDS = {"train": train, "validate": validate, "data": data, "plan": plan, "stage": stage, "merge": merge, "generate": generate,
+COMMANDS = {"train": train, "validate": validate, "data": data, "plan": plan, "stage": stage, "merge": merge, "export": export, "generate": generate,
             "configs": configs, "make-demo-model": make_demo_model}
 
 

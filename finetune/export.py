@@ -1,0 +1,203 @@
+"""`finetune export --format gguf`: a model folder (merged, or fully fine-tuned) as one GGUF file for
+llama.cpp and Ollama, verified before it is published.
+
+The file is written by the `gguf` package, the llama.cpp project's own writer on PyPI: its tensor names
+(`get_tensor_name_map`), its metadata keys and its Q8_0 quantization. What the package leaves to
+llama.cpp's conversion script, and this module does for the families it names, is the per-family
+glue: which architecture a config is, which metadata it needs, and Llama's query/key rows reordered
+for llama.cpp's rotary layout. The tokenizer goes in as llama.cpp's "gpt2" byte-level BPE (tokens,
+types, merges, special ids, chat template).
+
+Before the file lands at --out it is loaded back through transformers' GGUF loader
+(`from_pretrained(..., gguf_file=...)`) and its logits compared with the folder's on a few texts; above
+the tolerance nothing is published. An Ollama `Modelfile` is written beside it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from finetune.config import read_model_config
+from finetune.errors import EXIT_MERGE_CHECK, Stopped, UserError
+
+# model_type -> (the gguf package's architecture, query/key rows reordered for llama.cpp's rotary layout)
+FAMILIES = {"llama": ("LLAMA", True), "mistral": ("LLAMA", True), "qwen2": ("QWEN2", False), "qwen3": ("QWEN3", False)}
+TYPES = ("f16", "q8_0")
+TOLERANCE = {"f16": 0.25, "q8_0": 1.0}  # largest |logit difference| published: f16 as a bf16 merge; q8_0 is reported, bounded loosely
+CHECK_TEXTS = ["What kind of word is this?\n\nrabbit", "The quick brown fox jumps over the lazy dog.", "In the river there was a castle."]
+
+
+def export(model_dir: str | None, adapter: str | None, out: str, kind: str = "f16", say=print) -> dict:
+    """A model folder, or an adapter merged first (finetune merge, verified, into a folder beside --out
+    that goes afterwards), written as GGUF at `out`."""
+    if importlib.util.find_spec("gguf") is None:
+        raise UserError("--format gguf: needs the gguf package (pip install 'finetune-kit[gguf]')")
+    if adapter is None:
+        return export_gguf(model_dir, out, kind, say)
+    from finetune.merge import merge
+
+    merged = check_out(out).with_name(f".{Path(out).name}.merged.tmp")  # before the merge's minutes
+    try:
+        merge(adapter, str(merged), dtype="fp32", say=say)
+        return export_gguf(str(merged), out, kind, say)
+    finally:
+        shutil.rmtree(merged, ignore_errors=True)
+
+
+def export_gguf(model_dir: str, out: str, kind: str = "f16", say=print) -> dict:
+    """Write `model_dir` as GGUF at `out` (a new file), verified; returns the report."""
+    import gguf
+
+    folder, target = Path(model_dir).expanduser(), check_out(out)
+    config = read_model_config(folder, "--model")
+    family = config.get("model_type")
+    if family not in FAMILIES:
+        raise UserError(f"--model: {folder} is a {family} model; GGUF export covers {', '.join(sorted(FAMILIES))} (merge first, then export)")
+    window = config.get("sliding_window") if family == "mistral" or config.get("use_sliding_window") else None
+    if window and window < config.get("max_position_embeddings", 0):
+        raise UserError(f"--model: {folder} attends within a sliding window of {window} tokens, which GGUF's "
+                        f"{FAMILIES[family][0].lower()} architecture does not carry (llama.cpp would attend over the whole context)")
+    if kind not in TYPES:
+        raise UserError(f"--type {kind}: expected one of {', '.join(TYPES)}")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    arch, permuted = FAMILIES[family]
+    tmp = target.with_name(f".{target.name}.tmp")
+    try:
+        writer = gguf.GGUFWriter(str(tmp), gguf.MODEL_ARCH_NAMES[getattr(gguf.MODEL_ARCH, arch)])
+        _metadata(writer, config, folder.name, kind)
+        _vocabulary(writer, tokenizer, folder)
+        _tensors(writer, model, config, getattr(gguf.MODEL_ARCH, arch), permuted, kind)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        report = _verify(model, tokenizer, tmp, kind)
+        report.update(model=str(folder), out=str(target), type=kind, family=family, bytes=tmp.stat().st_size)
+        say(f"GGUF ({kind}) loaded back by transformers: logits within max {report['max']:.3g} (mean {report['mean']:.3g}) of the model's "
+            f"on {len(CHECK_TEXTS)} texts, greedy tokens {'the same' if report['same_greedy'] else 'DIFFERENT'}")
+        if report["max"] > TOLERANCE[kind]:
+            raise Stopped(f"GGUF check failed: logits differ by up to {report['max']:.4g} (tolerance {TOLERANCE[kind]:g}); nothing written to {target}",
+                          exit_code=EXIT_MERGE_CHECK)
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
+    modelfile = target.with_name("Modelfile")
+    if not modelfile.exists():  # Ollama's recipe: `ollama create NAME -f Modelfile`
+        modelfile.write_text(f"FROM ./{target.name}\n")
+    return report
+
+
+def check_out(out: str) -> Path:
+    target = Path(out).expanduser()
+    if target.exists():
+        raise UserError(f"--out: {target} exists; name a new file")
+    if not target.parent.is_dir():
+        raise UserError(f"--out: {target.parent} is not a folder")
+    return target
+
+
+def _metadata(writer, config: dict, name: str, kind: str) -> None:
+    import gguf
+
+    heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    writer.add_name(name)
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(config.get("num_key_value_heads") or heads)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_freq_base(float(config.get("rope_theta") or (config.get("rope_parameters") or {}).get("rope_theta", 10000.0)))
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_vocab_size(config["vocab_size"])
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16 if kind == "f16" else gguf.LlamaFileType.MOSTLY_Q8_0)
+
+
+def _vocabulary(writer, tokenizer, folder: Path) -> None:
+    """llama.cpp's "gpt2" tokenizer: every token by id (byte-level strings), their types, the merges."""
+    import gguf
+
+    data = json.loads(tokenizer.backend_tokenizer.to_str())
+    if data["model"]["type"] != "BPE" or "ByteLevel" not in json.dumps(data.get("pre_tokenizer")):
+        raise UserError(f"--model: {folder}'s tokenizer is not a byte-level BPE; GGUF export writes llama.cpp's gpt2 tokenizer only")
+    vocab = tokenizer.get_vocab()
+    tokens = [""] * len(vocab)
+    for token, index in vocab.items():
+        tokens[index] = token
+    special = set(tokenizer.all_special_tokens) | {t.content for t in tokenizer.added_tokens_decoder.values() if t.special}
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([gguf.TokenType.CONTROL if t in special else gguf.TokenType.NORMAL for t in tokens])
+    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in data["model"]["merges"]])
+    for key, value in (("bos", tokenizer.bos_token_id), ("eos", tokenizer.eos_token_id), ("pad", tokenizer.pad_token_id)):
+        if value is not None:
+            getattr(writer, f"add_{key}_token_id")(value)
+    probe = tokenizer("a").input_ids  # whether encoding adds BOS/EOS, as llama.cpp is to
+    writer.add_add_bos_token(tokenizer.bos_token_id is not None and probe[:1] == [tokenizer.bos_token_id])
+    writer.add_add_eos_token(tokenizer.eos_token_id is not None and probe[-1:] == [tokenizer.eos_token_id])
+    if tokenizer.chat_template:
+        writer.add_chat_template(tokenizer.chat_template)
+
+
+def _tensors(writer, model, config: dict, arch, permuted: bool, kind: str) -> None:
+    import gguf
+
+    names = gguf.get_tensor_name_map(arch, config["num_hidden_layers"])
+    heads, kv = config["num_attention_heads"], config.get("num_key_value_heads") or config["num_attention_heads"]
+    for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight" and config.get("tie_word_embeddings"):
+            continue  # llama.cpp ties the output to token_embd when output.weight is missing
+        target = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        if target is None:
+            raise UserError(f"--model: no GGUF name for the tensor {name}")
+        data = tensor.float().numpy()
+        if permuted and name.endswith(("q_proj.weight", "k_proj.weight")):
+            data = _rotary_rows(data, heads if "q_proj" in name else kv)
+        if data.ndim == 1 or kind == "f16" and data.ndim != 2:
+            writer.add_tensor(target, data.astype(np.float32))
+        elif kind == "f16":
+            writer.add_tensor(target, data.astype(np.float16))
+        else:
+            writer.add_tensor(target, gguf.quants.quantize(data, gguf.GGMLQuantizationType.Q8_0), raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+
+
+def _rotary_rows(weight: np.ndarray, heads: int) -> np.ndarray:
+    """Llama's query/key rows in llama.cpp's order: within each head the two rotary halves interleaved
+    (as convert_hf_to_gguf.py permutes them; transformers' GGUF loader undoes it)."""
+    return weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+@torch.no_grad()
+def _verify(model, tokenizer, path: Path, kind: str) -> dict:
+    """Logits of the file loaded back by transformers against the model's, greedy tokens, and the
+    file's tokenizer against the folder's on the same texts."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    back = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    its_tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    worst, total, count, same = 0.0, 0.0, 0, True
+    for text in CHECK_TEXTS:
+        ids = tokenizer(text, return_tensors="pt").input_ids
+        if its_tokenizer(text).input_ids != ids[0].tolist():
+            raise Stopped(f"GGUF check failed: the file's tokenizer encodes {text!r} otherwise than the model's; nothing written",
+                          exit_code=EXIT_MERGE_CHECK)
+        a, b = model(input_ids=ids).logits, back(input_ids=ids).logits
+        worst, total, count = max(worst, (a - b).abs().max().item()), total + (a - b).abs().sum().item(), count + a.numel()
+        grow = {"max_new_tokens": 8, "do_sample": False, "pad_token_id": tokenizer.pad_token_id}
+        same = same and torch.equal(model.generate(ids, **grow), back.generate(ids, **grow))
+    return {"max": worst, "mean": total / count, "same_greedy": same, "check_texts": len(CHECK_TEXTS)}
