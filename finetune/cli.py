@@ -1,4 +1,4 @@
-"""`finetune` command line: train, validate, data, plan, stage, merge, export, generate, configs, make-demo-model.
+"""`finetune` command line: train, validate, data, plan, stage, merge, export, eval, generate, configs, make-demo-model.
 
 Bad input ends with one line on stderr and exit code 2, never a traceback.
 """
@@ -95,6 +95,21 @@ def _output_commands(sub) -> None:
     p.add_argument("--format", choices=["gguf"], default="gguf", help="the file format (gguf)")
     p.add_argument("--out", required=True, metavar="FILE", help="the GGUF file to write (a new file)")
     p.add_argument("--type", choices=["f16", "q8_0"], default="f16", help="f16 (default), or q8_0 (8-bit blocks, llama.cpp's Q8_0)")
+
+    p = sub.add_parser("eval", help="score a model or an adapter on lm-evaluation-harness tasks",
+                       description="Run EleutherAI's lm-evaluation-harness on a model folder or on base + adapter as trained (a run "
+                       "folder or a checkpoint), through its Python API: registered task names whose data is reachable, or task YAML "
+                       "files in the harness's format (their local data files taken relative to the file). Prompts go through the "
+                       "tokenizer's chat template where it has one. Prints the table and writes it as JSON beside the model "
+                       "(harness_eval.json) or to --out. The demo's task: demo/eval/word_kind.yaml.")
+    which = p.add_mutually_exclusive_group(required=True)
+    which.add_argument("--model", metavar="DIR", help="a model folder (e.g. the output of finetune merge)")
+    which.add_argument("--adapter", metavar="DIR", help="an adapter folder or checkpoint; its base is loaded as in training")
+    p.add_argument("--base", metavar="PATH_OR_ID", help="with --adapter: another base than the one it names")
+    p.add_argument("--tasks", required=True, help="comma-separated task names or task YAML files")
+    p.add_argument("--limit", type=_number(int, 1, "at least 1"), help="at most this many samples per task")
+    p.add_argument("--batch-size", type=_number(int, 1, "at least 1"), default=8, help="samples per forward (default 8)")
+    p.add_argument("--out", metavar="FILE", help="write the results here (a new file) instead of beside the model")
 
     p = sub.add_parser("generate", help="try a model or an adapter on a prompt (tokens stream as they come), or answer a file of prompts",
                        description="Generate a continuation of a prompt with a model folder (merged or fully fine-tuned) or with "
@@ -322,6 +337,12 @@ def export(args: argparse.Namespace) -> None:
     print(f"wrote {report['out']} ({report['type']}, {report['bytes'] / 2**20:.1f} MiB) and a Modelfile beside it")
 
 
+def eval_tasks(args: argparse.Namespace) -> None:
+    from finetune.harness import evaluate
+
+    evaluate(args.model, args.adapter, [t.strip() for t in args.tasks.split(",") if t.strip()], args.base, args.limit, args.batch_size, args.out)
+
+
 def configs(args: argparse.Namespace) -> None:
     from finetune.config import shipped_configs
 
@@ -335,8 +356,8 @@ def make_demo_model(args: argparse.Namespace) -> None:
     make_demo_model(args.out, steps=args.steps, overwrite=args.overwrite)
 
 
-COMMANDS = {"train": train, "validate": validate, "data": data, "plan": plan, "stage": stage, "merge": merge, "export": export, "generate": generate,
-            "configs": configs, "make-demo-model": make_demo_model}
+COMMANDS = {"train": train, "validate": validate, "data": data, "plan": plan, "stage": stage, "merge": merge, "export": export,
+            "eval": eval_tasks, "generate": generate, "configs": configs, "make-demo-model": make_demo_model}
 
 
 def main(argv: list[str] | None = None) -> int:

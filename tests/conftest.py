@@ -174,6 +174,20 @@ def demo_model_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def demo_run(tmp_path_factory, demo_model_dir):
+    """The shipped demo config, 60 steps from the demo model (a fresh process, tensorboard on): (its
+    output folder, the finished process)."""
+    out = tmp_path_factory.mktemp("demo-run") / "out"
+    result = run_cli(
+        "train", "--config", "configs/demo.yaml", "--model", str(demo_model_dir), "--output-dir", str(out),
+        "--max-steps", "60", "--set", "eval.on_start=true", "--set", "eval.every=0", "--set", "eval.generate_samples=0",
+        "--set", "logging.report_to=[tensorboard]",
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return out, result
+
+
+@pytest.fixture(scope="session")
 def ram_root() -> Path:
     """A staging root on the RAM-backed /dev/shm (as model.ramdisk uses), removed at the end."""
     import shutil

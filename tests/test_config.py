@@ -88,7 +88,7 @@ def test_bad_override_is_one_line(tmp_path, tiny_model_dir, capsys):
 
 
 def test_every_command_has_help(capsys):
-    for cmd in ([], ["train"], ["validate"], ["data"], ["plan"], ["export"], ["make-demo-model"]):
+    for cmd in ([], ["train"], ["validate"], ["data"], ["plan"], ["export"], ["eval"], ["make-demo-model"]):
         result = finetune_cli(capsys, *cmd, "--help")
         assert result.returncode == 0 and "usage:" in result.stdout
 

@@ -17,15 +17,9 @@ from finetune.model import load_tokenizer
 from finetune.train import run
 
 
-def test_demo_config_learns(tmp_path, demo_model_dir):
+def test_demo_config_learns(demo_run):
     """The shipped demo config: eval loss on held-out words falls by more than half in 60 steps."""
-    out = tmp_path / "demo-run"
-    result = run_cli(
-        "train", "--config", "configs/demo.yaml", "--model", str(demo_model_dir), "--output-dir", str(out),
-        "--max-steps", "60", "--set", "eval.on_start=true", "--set", "eval.every=0", "--set", "eval.generate_samples=0",
-        "--set", "logging.report_to=[tensorboard]",
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+    out, result = demo_run
     evals = [r for r in read_jsonl(out / "metrics.jsonl") if "eval_loss" in r]
     assert evals[0]["step"] == 0 and evals[-1]["step"] == 60
     assert evals[-1]["eval_loss"] < 0.5 * evals[0]["eval_loss"], evals
