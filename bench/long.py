@@ -100,6 +100,13 @@ def measure(model: Path, work: Path, name: str, seq: int, steps: int) -> dict:
             "losses": [m["loss"] for m in run["metrics"]]}
 
 
+def cpu_name() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").is_file() else []:
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.machine()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--budget-gib", type=float, default=2.0, help="memory per process the rows must fit, by the plan (default 2)")
@@ -122,7 +129,7 @@ def main() -> None:
             rows.append(measure(model, work, f"{name} @16k", 16384, 1))
             print(rows[-1], flush=True)
     plain = next((r["seq"] for r in rows if r["name"] == "plain"), None)
-    lines = [f"Long rows (bench/long.py; {platform.processor() or platform.machine()}, {os.cpu_count()} cores): the 1.1B model's widths with "
+    lines = [f"Long rows (bench/long.py; {cpu_name()}, {os.cpu_count()} cores): the 1.1B model's widths with "
              f"2 layers, LoRA r 16, fp32, checkpointing, one row a step; memory per process = peak RSS - RSS before the model loaded.",
              "", "| run | processes | row (tokens) | x plain | peak per process (MiB) | plan (MiB) | measured / plan | s / step |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
