@@ -341,6 +341,9 @@ class RunConfig(_Section):
         if self.data.eval is not None and self.data.eval_fraction > 0:
             raise ValueError("data: set either data.eval or data.eval_fraction, not both")
         asked = Strategy.of(self.distributed.strategy)
+        if self.model.tiled_mlp > 1 and self.model.compile:
+            raise ValueError("model.tiled_mlp: its MLPs run through an autograd function of DeepSpeed's that model.compile is not supported "
+                             "with yet; set one of them off")
         if self.distributed.sequence_parallel > 1 and self.train.objective != "sft":
             raise ValueError(f"distributed.sequence_parallel: splits the rows of sft runs only, not {self.train.objective}'s pairs; set it to 1")
         strategy = asked.name

@@ -131,6 +131,7 @@ def test_sizes_that_cannot_work_are_refused_in_one_line_before_loading(tmp_path,
     assert "4 does not divide the model's key/value heads 2; choose a divisor of 2" in refused({"distributed": {"sequence_parallel": 4}})
     assert "splits the rows of sft runs only, not dpo's pairs" in refused({**SP2, "train": {"objective": "dpo"}, "data": {"format": "preference"}})
     assert "2 does not divide the 1 processes started" in refused(SP2, "train")
+    assert "model.compile is not supported with yet" in refused({"model": {"tiled_mlp": 2, "compile": True}})
     if not __import__("torch").cuda.is_available():
         assert "train.offload_activations: moves saved activations from a GPU" in refused({"train": {"offload_activations": True}})
     assert not (tmp_path / "out" / "metrics.jsonl").exists()
