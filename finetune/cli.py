@@ -15,7 +15,7 @@ import warnings
 from typing import NoReturn
 
 from finetune.config import DEFAULT_RAMDISK, ModelConfig
-from finetune.errors import UserError, record_exit
+from finetune.errors import EXIT_MERGE_CHECK, Stopped, UserError, record_exit
 from finetune.strategy import NAMES as STRATEGIES
 
 # Flags that are shorthands for schema keys (they are applied as --set overrides, after the file).
@@ -71,7 +71,10 @@ def _output_commands(sub) -> None:
                        "samples (or --check-prompts) the saved model's logits are compared with base+adapter; the numbers are printed "
                        "and written to OUT/merge_report.json, and above the tolerance nothing is written (exit 5).")
     p.add_argument("--adapter", required=True, metavar="DIR", help="adapter folder (OUTPUT, or OUTPUT/checkpoints/step-N)")
-    p.add_argument("--out", required=True, metavar="DIR", help="new folder for the merged model (must not exist or be empty)")
+    p.add_argument("--out", metavar="DIR", help="new folder for the merged model (must not exist or be empty)")
+    p.add_argument("--check-serving", action="store_true", help="only say whether vLLM loads the adapter as it is (its LoRA rules: no "
+                   "modules_to_save, no DoRA, no bias, the rank within --max-lora-rank, linear modules only) and with which "
+                   "--max-lora-rank; exit 5 where it would not (then merge)")
     p.add_argument("--overwrite", action="store_true", help="--out may hold an earlier merge: its files are replaced, any others kept")
     p.add_argument("--base", metavar="PATH_OR_ID", help="base model (default: the one the adapter names)")
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="dtype written (default: the base's stored dtype)")
@@ -304,6 +307,18 @@ def stage(args: argparse.Namespace) -> None:
 
 def merge(args: argparse.Namespace) -> None:
     from finetune.merge import merge
+
+    if args.check_serving:
+        from finetune.adapters import find_adapter
+        from finetune.serving import check_vllm
+
+        serving = check_vllm(find_adapter(args.adapter, args.base).path)
+        print(serving.line())
+        if not serving.loads:
+            raise Stopped("vLLM would not load this adapter as it is", exit_code=EXIT_MERGE_CHECK)
+        return
+    if not args.out:
+        raise UserError("merge: --out is required (or --check-serving alone)")
 
     report = merge(args.adapter, args.out, base=args.base, dtype=args.dtype, max_shard_size=args.max_shard_size,
                    qlora_base=args.qlora_base, prompts_file=args.check_prompts, tolerance=args.tolerance, overwrite=args.overwrite)

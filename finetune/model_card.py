@@ -35,6 +35,10 @@ def run_card(cfg: RunConfig, summary: dict, out: Path) -> str:
              f"{summary.get('steps')} optimizer steps, {summary.get('tokens', 0):,} tokens trained).", "",
              "## Results", "", "| measure | value |", "| --- | --- |"]
     lines += [f"| {label} | {_number(summary[key])} |" for key, label in RESULTS if summary.get(key) is not None]
+    vllm = summary.get("vllm")
+    if vllm:
+        lines += ["", f"Serving: vLLM loads this adapter with `--enable-lora --max-lora-rank {vllm['max_lora_rank']}`." if vllm["loads"] else
+                  f"Serving: vLLM would not load this adapter ({'; '.join(vllm['problems'])}): merge it first (`finetune merge`)."]
     events = _events(Path(out))
     lines += ["", "## Training", "",
               f"Guard events (divergence skips, rollbacks, stops): {len(events) or 'none'}."]

@@ -55,6 +55,7 @@ from finetune.packing import epoch_batches
 from finetune.plan import LONG_ROWS
 from finetune.resume import Progress, clear_starts, resume
 from finetune.sequence_parallel import SequenceParallel
+from finetune.serving import check_vllm
 from finetune.stage import staged_model
 from finetune.supervise import Watchdog, stop_with_launcher, watch_preemption
 
@@ -631,6 +632,10 @@ def finish(run: RunState) -> RunResult:
         run.tokenizer.save_pretrained(run.out)
         plot = plot_loss_curve(run.out) if cfg.logging.plot else None
         summary.update(saved_to=str(run.out), adapter=cfg.adapter.method != "full", loss_curve=str(plot) if plot else None)
+        if summary["adapter"]:
+            serving = check_vllm(run.out)
+            summary["vllm"] = {"loads": serving.loads, "max_lora_rank": serving.max_lora_rank, "problems": serving.problems}
+            run.say(serving.line())
         if run.before is not None:
             summary.update(compare_generations(run, unwrapped))
         # The folder's README.md is a model card of this run (it replaces the template peft's save wrote).

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import torch
-from conftest import REPO, base_config, run_cli
+from conftest import REPO, base_config, finetune_cli, run_cli, write_config
 
 from finetune.cli import main
 from finetune.config import validate_config
@@ -177,6 +177,21 @@ def test_bad_merges_say_why_in_one_line_and_leave_nothing(tmp_path, tiny_model_d
     assert code == 5  # the failed check
     assert sorted(p.name for p in tmp_path.iterdir()) == ["taken"]  # no half-written output anywhere
     assert run_cli("generate", "--model", str(tmp_path / "nope"), "--prompt", "x").returncode == 2
+
+
+def test_check_serving_says_whether_vllm_loads_the_adapter(tmp_path, tiny_model_dir, lora_run, capsys):
+    """vLLM's LoRA rules (its PEFTHelper): a LoRA of rank 8 loads with --max-lora-rank 8; DoRA and
+    modules_to_save do not, each named, exit 5; nothing is merged either way."""
+    result = finetune_cli(capsys, "merge", "--adapter", str(lora_run), "--check-serving")
+    assert result.returncode == 0 and "vLLM loads this adapter" in result.stdout and "--max-lora-rank 8 " in result.stdout
+    assert json.loads((lora_run / "summary.json").read_text())["vllm"] == {"loads": True, "max_lora_rank": 8, "problems": []}
+    out = tmp_path / "dora"
+    cfg = base_config(tiny_model_dir, out, adapter={"method": "dora", "modules_to_save": ["lm_head"]}, data={"eval": None}, train={"max_steps": 1})
+    trained = finetune_cli(capsys, "train", "--config", str(write_config(tmp_path / "c.yaml", cfg)))
+    assert trained.returncode == 0 and "serving: vLLM would not load this adapter" in trained.stdout  # said at the save
+    result = finetune_cli(capsys, "merge", "--adapter", str(out), "--check-serving")
+    assert result.returncode == 5 and "DoRA (vLLM does not support it)" in result.stdout and "modules_to_save ['lm_head']" in result.stdout
+    assert "merge it first" in result.stdout and not list(tmp_path.glob("*merged*"))
 
 
 def test_merge_help_explains_the_check():
