@@ -118,7 +118,7 @@ class DataConfig(_Section):
                                                   "split} to mix.")
     format: Literal["completion", "alpaca", "chat", "preference"] = Field(
         "alpaca", description="completion: {text}; alpaca: {instruction, input?, output}; chat: {messages: [{role, content}]} (content may be a "
-        "list of text parts) or ShareGPT's {conversations: [{from, value}]}; preference (train.objective dpo/orpo): {prompt, chosen, "
+        "list of text parts) or ShareGPT's {conversations: [{from, value}]}; preference (train.objective dpo/orpo/cpo/simpo): {prompt, chosen, "
         "rejected} as text, or chat messages {messages or prompt, chosen, rejected}. docs/data.md: every accepted shape."
     )
     columns: Columns = Field({}, description="The format's fields under other column names, e.g. {instruction: question, output: answer}.")
@@ -192,8 +192,9 @@ class TrainConfig(_Section):
     router_aux_loss_coef: float | None = Field(None, ge=0, description="Mixture-of-experts models: weight of the router's load-balancing loss "
                                                "added to the training loss (null: the model config's router_aux_loss_coef; 0: off).")
     seed: int = Field(42, description="Seed for weights init, dropout and data order.")
-    objective: Literal["sft", "dpo", "orpo"] = Field("sft", description="sft: cross-entropy on the answers; dpo or orpo: preference pairs "
-                                                     "(data.format: preference), settings under preference:.")
+    objective: Literal["sft", "dpo", "orpo", "cpo", "simpo"] = Field(
+        "sft", description="sft: cross-entropy on the answers; dpo, orpo, cpo or simpo: preference pairs (data.format: preference), "
+        "settings under preference:. dpo holds the policy to a reference (the base); orpo, cpo and simpo need none.")
     overfit_batch: int = Field(0, ge=0, description="Sanity check: train this many steps on the first batch only (0 = off).")
 
     @field_validator("mixed_precision", mode="before")
@@ -218,6 +219,10 @@ class PreferenceConfig(_Section):
     label_smoothing: float = Field(0.0, ge=0, lt=0.5, description="dpo_loss sigmoid: the share of pairs assumed flipped (conservative DPO).")
     orpo_lambda: float = Field(0.1, gt=0, description="ORPO: weight of the odds-ratio term added to the chosen answers' cross-entropy "
                                "(TRL's beta).")
+    simpo_gamma: float = Field(0.5, ge=0, description="SimPO: the target margin between the chosen and rejected answers' average "
+                               "log-probabilities, in units of beta (TRL's simpo_gamma).")
+    cpo_alpha: float | None = Field(None, ge=0, description="CPO and SimPO: weight of the chosen answers' mean cross-entropy added to the "
+                                    "preference loss (TRL's cpo_alpha). null: 1.0 for cpo (the paper's), 0 for simpo (plain SimPO).")
 
 
 class EvalConfig(_Section):

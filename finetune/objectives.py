@@ -1,4 +1,4 @@
-"""What a step minimises: cross-entropy on the answers (sft), or a preference loss over pairs (dpo, orpo).
+"""What a step minimises: cross-entropy on the answers (sft), or a preference loss over pairs (dpo, orpo, cpo, simpo).
 
 The loop asks an objective two things per micro-batch: `counts` (what the step's loss is a mean over:
 trained tokens, or pairs; ORPO also counts the tokens of the chosen sequences), which the loop sums over the
@@ -8,7 +8,7 @@ totals turns into its share of the step's mean, with the objective's metrics as 
 A preference pair is two sequences of a batch, one after the other: prompt + chosen answer, then prompt
 + rejected answer, each with position_ids from 0 (packing.Split lays them out). Only the answers'
 tokens are labelled, so a batch's answers are its sequences that have a trained token, chosen and
-rejected alternating. Losses are TRL's (DPOTrainer, ORPOTrainer), tested against them.
+rejected alternating. Losses are TRL's (DPOTrainer, ORPOTrainer, CPOTrainer), tested against them.
 """
 
 from __future__ import annotations
@@ -39,9 +39,10 @@ class SFT:
 
 @dataclass
 class Preference:
-    """DPO (the reference is the base with the adapter off, or a frozen copy) or ORPO (no reference), a mean over pairs."""
+    """DPO (the reference is the base with the adapter off, or a frozen copy), or ORPO, CPO and SimPO (no
+    reference), a mean over pairs."""
 
-    kind: str  # dpo or orpo
+    kind: str  # dpo, orpo, cpo or simpo
     cfg: PreferenceConfig
     reference: torch.nn.Module | None = None  # DPO with full fine-tuning: a frozen copy (engines.reference); else the adapter-off model
 
@@ -51,20 +52,38 @@ class Preference:
 
     @property
     def start_loss(self) -> float:
-        """DPO's loss while the policy is the reference (ln 2 for sigmoid); ORPO's is a cross-entropy, judged as one (0)."""
-        if self.kind == "orpo":
+        """DPO's loss while the policy is the reference (ln 2 for sigmoid); the reference-free losses start anywhere: judged as a
+        cross-entropy (0)."""
+        if self.kind != "dpo":
             return 0.0
         zero = torch.zeros(1)
         return float(dpo_loss(zero, zero, zero + 1, zero + 1, self.cfg)[0])
 
+    @property
+    def nll_weight(self) -> float:
+        """The weight of the chosen answers' mean cross-entropy in the loss: ORPO's 1, CPO's and SimPO's cpo_alpha."""
+        if self.kind in ("cpo", "simpo"):
+            return self.cfg.cpo_alpha if self.cfg.cpo_alpha is not None else float(self.kind == "cpo")
+        return float(self.kind == "orpo")
+
     def counts(self, batch: dict[str, torch.Tensor]) -> list[int]:
         keep, answer, n = answers(batch)
-        return [n // 2, int(chosen_sequences(batch, keep, answer).sum()) if self.kind == "orpo" else 0]
+        return [n // 2, int(self._nll_positions(batch, keep, answer).sum()) if self.nll_weight else 0]
+
+    def _nll_positions(self, batch, keep: torch.Tensor, answer: torch.Tensor) -> torch.Tensor:
+        """Where the cross-entropy is taken: ORPO's covers the chosen sequences whole, prompt included (TRL's ORPOTrainer; the
+        ORPO authors' code), CPO's the chosen answers (TRL's CPOTrainer)."""
+        if not self.nll_weight:
+            return torch.zeros_like(keep)
+        if self.kind == "orpo":
+            return chosen_sequences(batch, keep, answer)
+        chosen = torch.zeros_like(keep)
+        chosen[keep] = answer % 2 == 0
+        return chosen
 
     def losses(self, model, batch: dict[str, torch.Tensor], totals: list[float], router: bool = False) -> Losses:
         keep, answer, n = answers(batch)
-        # ORPO's cross-entropy covers the chosen sequences whole, prompt included (TRL's ORPOTrainer; the ORPO authors' code)
-        nll = chosen_sequences(batch, keep, answer) if self.kind == "orpo" else torch.zeros_like(keep)
+        nll = self._nll_positions(batch, keep, answer)
         token, aux = token_logps(model, batch, keep | nll, router)
         logps, length = answer_sums(token[keep[keep | nll]], answer, n)
         chosen, rejected = logps[0::2], logps[1::2]
@@ -72,10 +91,12 @@ class Preference:
             with torch.no_grad(), adapters_off(model) if self.reference is None else contextlib.nullcontext():
                 reference, _ = answer_sums(token_logps(model if self.reference is None else self.reference, batch, keep)[0], answer, n)
             loss, rewards = dpo_loss(chosen - reference[0::2], rejected - reference[1::2], length[0::2], length[1::2], self.cfg)
-        else:
+        elif self.kind == "orpo":
             loss, rewards = orpo_loss(chosen, rejected, length[0::2], length[1::2], self.cfg.orpo_lambda)
-            # plus the mean cross-entropy over those tokens: as a sum to divide by the pairs, weighted pairs / tokens
-            loss = loss - token[nll[keep | nll]].sum() * (totals[0] / max(totals[1], 1))
+        else:
+            loss, rewards = cpo_loss(chosen, rejected, length[0::2], length[1::2], self.kind == "simpo", self.cfg)
+        if self.nll_weight:  # the mean cross-entropy over those tokens: as a sum to divide by the pairs, weighted pairs / tokens
+            loss = loss - self.nll_weight * token[nll[keep | nll]].sum() * (totals[0] / max(totals[1], 1))
         good, bad = rewards
         metrics = torch.stack([good.sum(), bad.sum(), (good - bad).sum(), (good > bad).sum().to(good.dtype), chosen.detach().sum(),
                                rejected.detach().sum(), (chosen > rejected).sum().to(good.dtype)])
@@ -158,6 +179,19 @@ def orpo_loss(chosen: torch.Tensor, rejected: torch.Tensor, chosen_len: torch.Te
     good, bad = chosen / chosen_len, rejected / rejected_len
     log_odds = (good - bad) - (_log1mexp(good) - _log1mexp(bad))
     return -weight * F.logsigmoid(log_odds).sum(), (weight * good.detach(), weight * bad.detach())
+
+
+def cpo_loss(chosen: torch.Tensor, rejected: torch.Tensor, chosen_len: torch.Tensor, rejected_len: torch.Tensor, simpo: bool,
+             cfg: PreferenceConfig) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """CPO's (summed log-probabilities) or SimPO's (per-token averages, less a margin of gamma / beta)
+    sigmoid loss summed over the pairs, and the rewards (beta x those log-probabilities), as TRL's
+    CPOTrainer computes them; no reference model."""
+    if simpo:
+        chosen, rejected = chosen / chosen_len.clamp(min=1), rejected / rejected_len.clamp(min=1)
+    logits = chosen - rejected - (cfg.simpo_gamma / cfg.beta if simpo else 0.0)
+    eps = cfg.label_smoothing
+    per_pair = -(1 - eps) * F.logsigmoid(cfg.beta * logits) - eps * F.logsigmoid(-cfg.beta * logits)
+    return per_pair.sum(), (cfg.beta * chosen.detach(), cfg.beta * rejected.detach())
 
 
 def _log1mexp(x: torch.Tensor) -> torch.Tensor:

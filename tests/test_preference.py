@@ -62,6 +62,12 @@ def _trl_loss(kind, variant, adapted, tokenizer, tmp_path):
         args = DPOConfig(output_dir=str(tmp_path / "trl"), beta=0.1, loss_type=[variant], per_device_train_batch_size=4, report_to=[],
                          use_cpu=True, max_length=None, bf16=False)
         trainer = DPOTrainer(model=model, args=args, train_dataset=Dataset.from_list(PAIRS), processing_class=tokenizer, peft_config=lora)
+    elif kind in ("cpo", "simpo"):
+        from trl.experimental.cpo import CPOConfig, CPOTrainer
+
+        args = CPOConfig(output_dir=str(tmp_path / "trl"), beta=0.1, loss_type="sigmoid" if kind == "cpo" else "simpo", cpo_alpha=variant,
+                         simpo_gamma=0.5, per_device_train_batch_size=4, report_to=[], use_cpu=True, bf16=False, max_length=256)
+        trainer = CPOTrainer(model=model, args=args, train_dataset=Dataset.from_list(PAIRS), processing_class=tokenizer, peft_config=lora)
     else:
         from trl.experimental.orpo import ORPOConfig, ORPOTrainer
 
@@ -81,7 +87,8 @@ def _trl_loss(kind, variant, adapted, tokenizer, tmp_path):
     return loss.item(), trainer
 
 
-@pytest.mark.parametrize("kind,variant", [("dpo", "sigmoid"), ("dpo", "ipo"), ("dpo", "hinge"), ("orpo", None)])
+@pytest.mark.parametrize("kind,variant", [("dpo", "sigmoid"), ("dpo", "ipo"), ("dpo", "hinge"), ("orpo", None), ("cpo", 1.0), ("simpo", 0.0),
+                                          ("simpo", 0.5)])
 def test_loss_and_gradients_equal_trls(tmp_path, tiny_model_dir, kind, variant):
     pytest.importorskip("trl")
     from transformers import AutoTokenizer
@@ -97,7 +104,8 @@ def test_loss_and_gradients_equal_trls(tmp_path, tiny_model_dir, kind, variant):
     data = load_data(DataConfig(train=str(path), format="preference", max_seq_len=128, cache_dir=str(tmp_path / "cache")), tokenizer, seed=0)
     batch = data.train.batch(range(len(data.train)), tokenizer.pad_token_id)  # the four pairs, packed into rows
     ours = _adapted(tiny_model_dir).train()
-    objective = Preference(kind, PreferenceConfig(beta=0.1, dpo_loss=variant or "sigmoid", orpo_lambda=0.1))
+    settings = {"cpo_alpha": variant} if kind in ("cpo", "simpo") else {"dpo_loss": variant or "sigmoid"}
+    objective = Preference(kind, PreferenceConfig(beta=0.1, orpo_lambda=0.1, simpo_gamma=0.5, **settings))
     counts = objective.counts(batch)
     assert counts[0] == 4 and len(data.train) < 4  # pairs share rows
     loss = objective.losses(ours, batch, counts).tokens / counts[0]
@@ -206,6 +214,19 @@ def test_orpo_trains_full_fine_tuning_without_a_reference(tmp_path, tiny_model_d
     steps = [r for r in read_jsonl(tmp_path / "orpo" / "metrics.jsonl") if "loss" in r]
     assert steps[-1]["loss"] < steps[0]["loss"] - 0.5  # the chosen answers' cross-entropy falls fast from a random model's
 
+
+@pytest.mark.parametrize("objective", ["cpo", "simpo"])
+def test_reference_free_cpo_and_simpo_learn_the_preference(tmp_path, tiny_model_dir, objective):
+    """LoRA on the demo pairs, 12 steps: on the held-out pairs the eval loss falls and the rewards' margin
+    (beta x the chosen minus the rejected answers' log-probabilities: summed for CPO, per token for
+    SimPO) grows."""
+    out = tmp_path / objective
+    cfg = _pairs_config(tiny_model_dir, out, objective=objective, train={"max_steps": 12, "lr": 1e-2})
+    run(validate_config(cfg, "test"))
+    evals = [r for r in read_jsonl(out / "metrics.jsonl") if "eval_loss" in r]
+    first, last = evals[0], evals[-1]
+    assert first["step"] == 0 and last["step"] == 12
+    assert last["eval_loss"] < first["eval_loss"] and last["eval_reward_margin"] > first["eval_reward_margin"] + 0.01, (first, last)
 
 def test_preference_settings_are_checked_in_one_line(tmp_path, tiny_model_dir):
     for sections, why in (({"train": {"objective": "sft"}}, "set train.objective: dpo or orpo"),):
