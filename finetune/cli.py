@@ -91,7 +91,7 @@ def _output_commands(sub) -> None:
                        description="Write a model folder (merged or fully fine-tuned), or an adapter merged first, as one GGUF file "
                        "through the gguf package (llama.cpp's own writer), then load it back through transformers' GGUF loader and "
                        "compare its logits, greedy tokens and tokenizer with the model's; above the tolerance nothing is written "
-                       "(exit 5). An Ollama Modelfile is written beside it. Families: llama, mistral, qwen2, qwen3.")
+                       "(exit 5). An Ollama Modelfile is written beside it. Families: llama, mistral, qwen2, qwen3, gemma2.")
     which = p.add_mutually_exclusive_group(required=True)
     which.add_argument("--model", metavar="DIR", help="a model folder (e.g. the output of finetune merge)")
     which.add_argument("--adapter", metavar="DIR", help="a run's adapter (or a checkpoint): merged in fp32 first, then exported")

@@ -28,7 +28,8 @@ from finetune.config import read_model_config
 from finetune.errors import EXIT_MERGE_CHECK, Stopped, UserError
 
 # model_type -> (the gguf package's architecture, query/key rows reordered for llama.cpp's rotary layout)
-FAMILIES = {"llama": ("LLAMA", True), "mistral": ("LLAMA", True), "qwen2": ("QWEN2", False), "qwen3": ("QWEN3", False)}
+FAMILIES = {"llama": ("LLAMA", True), "mistral": ("LLAMA", True), "qwen2": ("QWEN2", False), "qwen3": ("QWEN3", False),
+            "gemma2": ("GEMMA2", False)}
 TYPES = ("f16", "q8_0")
 TOLERANCE = {"f16": 0.25, "q8_0": 1.0}  # largest |logit difference| published: f16 as a bf16 merge; q8_0 is reported, bounded loosely
 CHECK_TEXTS = ["What kind of word is this?\n\nrabbit", "The quick brown fox jumps over the lazy dog.", "In the river there was a castle."]
@@ -60,6 +61,10 @@ def export_gguf(model_dir: str, out: str, kind: str = "f16", say=print) -> dict:
     family = config.get("model_type")
     if family not in FAMILIES:
         raise UserError(f"--model: {folder} is a {family} model; GGUF export covers {', '.join(sorted(FAMILIES))} (merge first, then export)")
+    if family == "gemma2" and not config.get("head_dim") == config.get("query_pre_attn_scalar") == 256:
+        raise UserError(f"--model: {folder} scales attention by query_pre_attn_scalar {config.get('query_pre_attn_scalar')} with heads of "
+                        f"{config.get('head_dim')}; GGUF export takes Gemma 2 with both 256 (as the 2B and 9B releases; llama.cpp and "
+                        "transformers' GGUF reader assume it)")
     window = config.get("sliding_window") if family == "mistral" or config.get("use_sliding_window") else None
     if window and window < config.get("max_position_embeddings", 0):
         raise UserError(f"--model: {folder} attends within a sliding window of {window} tokens, which GGUF's "
@@ -123,6 +128,10 @@ def _metadata(writer, config: dict, name: str, kind: str) -> None:
     writer.add_value_length(head_dim)
     writer.add_rope_freq_base(float(config.get("rope_theta") or (config.get("rope_parameters") or {}).get("rope_theta", 10000.0)))
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    if config.get("model_type") == "gemma2":  # its alternate layers attend within a window; logits soft-capped
+        writer.add_sliding_window(config["sliding_window"])
+        writer.add_attn_logit_softcapping(config["attn_logit_softcapping"])
+        writer.add_final_logit_softcapping(config["final_logit_softcapping"])
     writer.add_vocab_size(config["vocab_size"])
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16 if kind == "f16" else gguf.LlamaFileType.MOSTLY_Q8_0)
 
@@ -168,6 +177,8 @@ def _tensors(writer, model, config: dict, arch, permuted: bool, kind: str) -> No
         data = tensor.float().numpy()
         if permuted and name.endswith(("q_proj.weight", "k_proj.weight")):
             data = _rotary_rows(data, heads if "q_proj" in name else kv)
+        if config.get("model_type") == "gemma2" and name.endswith("norm.weight"):
+            data = data + 1  # Gemma's norms scale by (1 + weight); llama.cpp's by the weight stored
         if data.ndim == 1 or kind == "f16" and data.ndim != 2:
             writer.add_tensor(target, data.astype(np.float32))
         elif kind == "f16":

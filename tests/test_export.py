@@ -11,15 +11,17 @@ pytest.importorskip("gguf")
 
 @pytest.fixture(scope="module")
 def exportable(tmp_path_factory, demo_tokenizer_dir):
-    """Mistral and Qwen2 as their larger releases ship (no sliding window in use), and Qwen3 with its
+    """Mistral and Qwen2 as their larger releases ship (no sliding window in use), Qwen3 with its
     releases' head size of 128 (transformers 5.23's GGUF reader takes Qwen3's default head_dim, not the
-    file's key length); built like family_dirs'."""
+    file's key length), and Gemma 2 with heads of 256 scaled by 256 (the 2B and 9B releases') and a
+    window of 8 tokens; built like family_dirs'."""
     import torch
     from conftest import TINY
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     tok, made = AutoTokenizer.from_pretrained(demo_tokenizer_dir), {}
-    for kind, extra in (("mistral", {"sliding_window": None}), ("qwen2", {"use_sliding_window": False}), ("qwen3", {"head_dim": 128})):
+    for kind, extra in (("mistral", {"sliding_window": None}), ("qwen2", {"use_sliding_window": False}), ("qwen3", {"head_dim": 128}),
+                        ("gemma2", {"head_dim": 256, "query_pre_attn_scalar": 256, "sliding_window": 8})):
         ids = dict(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
         torch.manual_seed(0)
         made[kind] = tmp_path_factory.mktemp(kind)
@@ -29,11 +31,13 @@ def exportable(tmp_path_factory, demo_tokenizer_dir):
     return made
 
 
-@pytest.mark.parametrize("family,kind", [("llama-tied", "f16"), ("llama-tied", "q8_0"), ("mistral", "f16"), ("qwen2", "f16"), ("qwen3", "q8_0")])
+@pytest.mark.parametrize("family,kind", [("llama-tied", "f16"), ("llama-tied", "q8_0"), ("mistral", "f16"), ("qwen2", "f16"), ("qwen3", "q8_0"),
+                                         ("gemma2", "f16"), ("gemma2", "q8_0")])
 def test_a_model_round_trips_through_gguf(tmp_path, family_dirs, exportable, family, kind, capsys):
     """Llama (tied head: no output tensor, llama.cpp ties it), Mistral (query/key rows reordered for
-    llama.cpp's rotary layout, as Llama's), Qwen2 (q/k/v biases), Qwen3 (q/k norms). f16 within
-    1e-3 of the fp32 model; q8_0 within 2e-2 (measured: 3e-4 and 7e-3 on the tiny Llama)."""
+    llama.cpp's rotary layout, as Llama's), Qwen2 (q/k/v biases), Qwen3 (q/k norms), Gemma 2 (norms of
+    1 + weight, soft-capping, a sliding window on alternate layers, tied head). f16 within 1e-3 of the
+    fp32 model; q8_0 within 2e-2 (measured: 3e-4 and 7e-3 on the tiny Llama, 6e-4 and 1.4e-2 on Gemma 2)."""
     out = tmp_path / "model.gguf"
     folder = exportable.get(family) or family_dirs(family)
     result = finetune_cli(capsys, "export", "--model", str(folder), "--out", str(out), "--type", kind)
@@ -62,7 +66,8 @@ def test_bad_exports_say_why_in_one_line_and_leave_nothing(tmp_path, family_dirs
         return result.stderr
 
     out = str(tmp_path / "x.gguf")
-    assert "is a gemma2 model; GGUF export covers llama, mistral, qwen2, qwen3" in refused("--model", str(family_dirs("gemma2")), "--out", out)
+    assert "is a phi3 model; GGUF export covers gemma2, llama, mistral, qwen2, qwen3" in refused("--model", str(family_dirs("phi3")), "--out", out)
+    assert "query_pre_attn_scalar 16 with heads of 16" in refused("--model", str(family_dirs("gemma2")), "--out", out)
     assert "has no config.json (not a HF model folder)" in refused("--model", str(tmp_path), "--out", out)
     assert "sliding window of 8 tokens, which GGUF's llama architecture does not carry" in refused("--model", str(family_dirs("mistral")), "--out", out)
     (tmp_path / "taken.gguf").write_text("mine")
