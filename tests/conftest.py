@@ -168,17 +168,17 @@ def tiny_model_dir(tmp_path_factory, demo_tokenizer_dir) -> Path:
 def demo_model_dir(tmp_path_factory) -> Path:
     """The demo base model, built by the real command with a short pretraining."""
     out = tmp_path_factory.mktemp("demo") / "model"
-    result = run_cli("make-demo-model", "--out", str(out), "--steps", "120")
+    result = finetune_in_process("make-demo-model", "--out", str(out), "--steps", "120")
     assert result.returncode == 0, result.stderr[-3000:]
     return out
 
 
 @pytest.fixture(scope="session")
 def demo_run(tmp_path_factory, demo_model_dir):
-    """The shipped demo config, 60 steps from the demo model (a fresh process, tensorboard on): (its
-    output folder, the finished process)."""
+    """The shipped demo config, 60 steps from the demo model (tensorboard on): (its output folder, the
+    command's result)."""
     out = tmp_path_factory.mktemp("demo-run") / "out"
-    result = run_cli(
+    result = finetune_in_process(
         "train", "--config", "configs/demo.yaml", "--model", str(demo_model_dir), "--output-dir", str(out),
         "--max-steps", "60", "--set", "eval.on_start=true", "--set", "eval.every=0", "--set", "eval.generate_samples=0",
         "--set", "logging.report_to=[tensorboard]",
