@@ -7,6 +7,7 @@ on GPUs, a reserve for the CUDA context and allocator slack.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from dataclasses import dataclass, field, replace
@@ -70,9 +71,16 @@ class Shape:
 
 
 def read_shape(model_path: str) -> Shape:
+    """The model's shape from its config.json (one read per file version: a plan's alternatives and the
+    longest-row search re-plan the same model dozens of times; other architectures build a skeleton)."""
     path = Path(model_path).expanduser() / "config.json"
     if not path.is_file():
         raise UserError(f"plan: {path} not found: the planner reads a local model folder's config.json")
+    return _read_shape(path, path.stat().st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=32)
+def _read_shape(path: Path, version: int) -> Shape:
     config = read_model_config(path.parent, "plan")
     why = families.unsupported(config)
     if why:

@@ -52,9 +52,11 @@ def check_long_context(cfg: RunConfig, launched: bool) -> None:
         if Strategy.of(cfg.distributed.strategy, world).name == "ddp":
             raise UserError("model.tiled_mlp: TiledMLP adds each MLP weight's gradient once per chunk, and DDP takes one per step; "
                             "use distributed.strategy fsdp or a zero strategy with it, or one process")
+    if size == 1:
+        return
     folder = Path(cfg.model.name_or_path).expanduser()
     sequence_parallel.check(size, read_model_config(folder, "model.name_or_path") if (folder / "config.json").is_file() else {})
-    if launched and size > 1:
+    if launched:
         sequence_parallel.check_world(size, world)
 
 

@@ -84,8 +84,6 @@ def check_world(size: int, world: int) -> None:
 def check(size: int, model_config: dict) -> None:
     """Before loading: DeepSpeed is there and the heads split evenly (Ulysses hands each process
     heads / N query heads and key/value heads / N key/value heads)."""
-    if size == 1:
-        return
     if importlib.util.find_spec("deepspeed") is None:
         raise UserError("distributed.sequence_parallel: runs DeepSpeed's Ulysses attention; pip install 'finetune-kit[deepspeed]'")
     text = model_config.get("text_config") or model_config

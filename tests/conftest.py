@@ -299,24 +299,26 @@ OTHERS = {
 
 @pytest.fixture(scope="module")
 def family_dirs(tmp_path_factory, demo_tokenizer_dir):
-    """name -> a saved random tiny model of that family, with the demo tokenizer."""
+    """name -> a saved random tiny model of that family, with the demo tokenizer; keyword arguments
+    change its config (another model, built and kept beside it)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(demo_tokenizer_dir)
     made = {}
 
-    def get(name: str):
-        if name not in made:
+    def get(name: str, **changes):
+        key = (name, tuple(sorted(changes.items())))
+        if key not in made:
             kind, extra = FAMILIES[name] if name in FAMILIES else OTHERS[name]
             ids = dict(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-            config = AutoConfig.for_model(kind, **{"vocab_size": len(tok), **(TINY if name in FAMILIES else {}), **ids, **extra})
+            config = AutoConfig.for_model(kind, **{"vocab_size": len(tok), **(TINY if name in FAMILIES else {}), **ids, **extra, **changes})
             torch.manual_seed(0)
             out = tmp_path_factory.mktemp(name)
             AutoModelForCausalLM.from_config(config).save_pretrained(out)
             tok.save_pretrained(out)
-            made[name] = out
-        return made[name]
+            made[key] = out
+        return made[key]
 
     return get
 

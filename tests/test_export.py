@@ -9,37 +9,22 @@ from conftest import base_config, finetune_cli, write_config
 pytest.importorskip("gguf")
 
 
-@pytest.fixture(scope="module")
-def exportable(tmp_path_factory, demo_tokenizer_dir):
-    """Mistral and Qwen2 as their larger releases ship (no sliding window in use), Qwen3 with its
-    releases' head size of 128 (transformers 5.23's GGUF reader takes Qwen3's default head_dim, not the
-    file's key length), and Gemma 2 with heads of 256 scaled by 256 (the 2B and 9B releases') and a
-    window of 8 tokens; built like family_dirs'."""
-    import torch
-    from conftest import TINY
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    tok, made = AutoTokenizer.from_pretrained(demo_tokenizer_dir), {}
-    for kind, extra in (("mistral", {"sliding_window": None}), ("qwen2", {"use_sliding_window": False}), ("qwen3", {"head_dim": 128}),
-                        ("gemma2", {"head_dim": 256, "query_pre_attn_scalar": 256, "sliding_window": 8})):
-        ids = dict(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-        torch.manual_seed(0)
-        made[kind] = tmp_path_factory.mktemp(kind)
-        config = AutoConfig.for_model(kind, vocab_size=len(tok), **{**TINY, **ids, **extra})
-        AutoModelForCausalLM.from_config(config).save_pretrained(made[kind])
-        tok.save_pretrained(made[kind])
-    return made
+# Mistral and Qwen2 as their larger releases ship (no sliding window in use), Qwen3 with its releases'
+# head size of 128 (transformers 5.23's GGUF reader takes Qwen3's default head_dim, not the file's key
+# length), Gemma 2 with heads of 256 scaled by 256 (the 2B and 9B releases') and a window of 8 tokens.
+AS_RELEASED = {"mistral": {"sliding_window": None}, "qwen2": {"use_sliding_window": False}, "qwen3": {"head_dim": 128},
+               "gemma2": {"head_dim": 256, "query_pre_attn_scalar": 256, "sliding_window": 8}}
 
 
 @pytest.mark.parametrize("family,kind", [("llama-tied", "f16"), ("llama-tied", "q8_0"), ("mistral", "f16"), ("qwen2", "f16"), ("qwen3", "q8_0"),
                                          ("gemma2", "f16"), ("gemma2", "q8_0")])
-def test_a_model_round_trips_through_gguf(tmp_path, family_dirs, exportable, family, kind, capsys):
+def test_a_model_round_trips_through_gguf(tmp_path, family_dirs, family, kind, capsys):
     """Llama (tied head: no output tensor, llama.cpp ties it), Mistral (query/key rows reordered for
     llama.cpp's rotary layout, as Llama's), Qwen2 (q/k/v biases), Qwen3 (q/k norms), Gemma 2 (norms of
     1 + weight, soft-capping, a sliding window on alternate layers, tied head). f16 within 1e-3 of the
     fp32 model; q8_0 within 2e-2 (measured: 3e-4 and 7e-3 on the tiny Llama, 6e-4 and 1.4e-2 on Gemma 2)."""
     out = tmp_path / "model.gguf"
-    folder = exportable.get(family) or family_dirs(family)
+    folder = family_dirs(family, **AS_RELEASED.get(family, {}))
     result = finetune_cli(capsys, "export", "--model", str(folder), "--out", str(out), "--type", kind)
     assert result.returncode == 0, result.stderr
     assert out.is_file() and (tmp_path / "Modelfile").read_text() == "FROM ./model.gguf\n"
