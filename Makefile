@@ -9,11 +9,12 @@ TORCH_VERSION  ?= 2.13.0
 TORCH_PIP_ARGS ?=
 export FINETUNE_CACHE ?= $(CURDIR)/.cache/finetune
 
-.PHONY: install demo demo-dpo test test-fast lint bench bench-compile bench-data bench-families bench-fsdp-load bench-guard bench-host bench-load bench-large bench-long bench-xl clean help
+.PHONY: install demo demo-dpo demo-grpo test test-fast lint bench bench-compile bench-data bench-families bench-fsdp-load bench-guard bench-host bench-load bench-large bench-long bench-xl clean help
 
 help:
 	@echo "make demo   - install, build the demo model, fine-tune it (LoRA) and show before/after"
 	@echo "make demo-dpo - install, build the demo model, DPO on the demo's preference pairs: held-out pairs preferred before/after"
+	@echo "make demo-grpo - install, build the demo model, a short SFT merged, then GRPO with the exact-match reward: held-out answers before/after"
 	@echo "make test   - install what is missing, run ruff (make lint), then the tests"
 	@echo "make test-fast - the same without the tests that start processes (torchrun, the CLI in a subprocess)"
 	@echo "make bench  - finetune vs HF Trainer + peft and TRL SFTTrainer: tokens/s, memory, start-up, loss (~20 min; on a GPU: --device cuda, 1.1B)"
@@ -51,6 +52,15 @@ demo: install demo/model/config.json
 demo-dpo: install demo/model/config.json
 	@$(call keep_previous,outputs/dpo)
 	$(VENV)/bin/finetune train --config configs/dpo.yaml
+
+# GRPO needs a policy that sometimes answers right: 200 SFT steps (exact match ~70%), merged, are its base.
+demo-grpo: install demo/model/config.json
+	@$(call keep_previous,outputs/grpo-sft)
+	@$(call keep_previous,outputs/grpo)
+	@if [ -d outputs/grpo-sft-merged ]; then mv outputs/grpo-sft-merged outputs/grpo-sft-merged.$$(date +%Y%m%d-%H%M%S); fi
+	$(VENV)/bin/finetune train --config configs/demo.yaml --output-dir outputs/grpo-sft --set train.max_steps=200 --set eval.every=0
+	$(VENV)/bin/finetune merge --adapter outputs/grpo-sft --out outputs/grpo-sft-merged
+	$(VENV)/bin/finetune train --config configs/grpo.yaml
 
 test: install lint
 	$(PY) -m pytest -q --durations=15 tests

@@ -3,7 +3,8 @@
 - corpus.jsonl: simple English-like text the demo model is pretrained on (format: completion);
 - train.jsonl / eval.jsonl: "What kind of word is this?" in Alpaca format (noun, adjective, verb or
   name); pairs-train.jsonl / pairs-eval.jsonl: the same question as preference pairs (format:
-  preference), the word's kind chosen over each wrong kind, for `make demo-dpo`. The pretrained base does not follow the instruction; a LoRA fine-tune learns to, and the
+  preference), the word's kind chosen over each wrong kind, for `make demo-dpo`; prompts-train.jsonl /
+  prompts-eval.jsonl: the question as a chat prompt with its answer (format: prompt), for `make demo-grpo`. The pretrained base does not follow the instruction; a LoRA fine-tune learns to, and the
   eval words are never in the fine-tuning data, so exact-match accuracy on them shows that the
   fine-tune taught the task on top of what the base learned about each word in pretraining.
 
@@ -58,6 +59,11 @@ def pair_rows(word: str) -> list[dict]:
     return [{"messages": question, "chosen": KINDS[word], "rejected": kind} for kind in ("noun", "adjective", "verb", "name") if kind != KINDS[word]]
 
 
+def prompt_row(word: str) -> dict:
+    """The question as a chat prompt with its answer, for GRPO (format: prompt): the policy samples answers, exact match scores them."""
+    return {"prompt": [{"role": "user", "content": f"What kind of word is this?\n\n{word}"}], "answer": KINDS[word]}
+
+
 def main() -> None:
     rng = random.Random(1234)
     out = Path(__file__).parent / "data"
@@ -74,7 +80,8 @@ def main() -> None:
     rng.shuffle(train)
     pairs = {"pairs-train.jsonl": [p for w in vocab[:cut] for p in pair_rows(w)], "pairs-eval.jsonl": [p for w in vocab[cut:] for p in pair_rows(w)]}
     random.Random(99).shuffle(pairs["pairs-train.jsonl"])
-    for name, part in (("train.jsonl", train), ("eval.jsonl", [task_row(w) for w in vocab[cut:]]), *pairs.items()):
+    prompts = {"prompts-train.jsonl": [prompt_row(w) for w in vocab[:cut]], "prompts-eval.jsonl": [prompt_row(w) for w in vocab[cut:]]}
+    for name, part in (("train.jsonl", train), ("eval.jsonl", [task_row(w) for w in vocab[cut:]]), *pairs.items(), *prompts.items()):
         with (out / name).open("w") as fh:
             fh.writelines(json.dumps(r) + "\n" for r in part)
 

@@ -99,13 +99,14 @@ class AdapterConfig(_Section):
 
 
 # a format's field -> the file's column
-Columns = dict[Literal["text", "instruction", "input", "output", "messages", "conversations", "prompt", "chosen", "rejected"], str]
+Columns = dict[Literal["text", "instruction", "input", "output", "messages", "conversations", "prompt", "chosen", "rejected", "answer"], str]
+Format = Literal["completion", "alpaca", "chat", "preference", "prompt"]
 
 
 class SourceConfig(_Section):
     path: str = Field(description="A local .jsonl/.json/.parquet/.csv/.txt file (gzipped too, but parquet), a folder of them or one "
                       "datasets' save_to_disk wrote, or a hub dataset name.")
-    format: Literal["completion", "alpaca", "chat", "preference"] | None = Field(None, description="This source's format (null: data.format).")
+    format: Format | None = Field(None, description="This source's format (null: data.format).")
     columns: Columns | None = Field(None, description="This source's column names (null: data.columns).")
     weight: float = Field(1.0, gt=0, description="Sampling weight: 2 repeats every sample twice, 0.5 takes a seeded half, 1.5 both.")
     bad_rows: Literal["fail", "skip"] | None = Field(None, description="This source's bad-row policy (null: data.bad_rows).")
@@ -116,10 +117,11 @@ class DataConfig(_Section):
     train: str | list[str | SourceConfig] = Field(description="Training data: local .jsonl/.json/.parquet/.csv/.txt file(s) (or .gz), folders "
                                                   "of them, or hub dataset names, or a list of sources {path, format, columns, weight, bad_rows, "
                                                   "split} to mix.")
-    format: Literal["completion", "alpaca", "chat", "preference"] = Field(
+    format: Format = Field(
         "alpaca", description="completion: {text}; alpaca: {instruction, input?, output}; chat: {messages: [{role, content}]} (content may be a "
         "list of text parts) or ShareGPT's {conversations: [{from, value}]}; preference (train.objective dpo/orpo/cpo/simpo): {prompt, chosen, "
-        "rejected} as text, or chat messages {messages or prompt, chosen, rejected}. docs/data.md: every accepted shape."
+        "rejected} as text, or chat messages {messages or prompt, chosen, rejected}; prompt (train.objective grpo): {prompt (text or chat "
+        "messages), answer?, any other columns the reward functions read}. docs/data.md: every accepted shape."
     )
     columns: Columns = Field({}, description="The format's fields under other column names, e.g. {instruction: question, output: answer}.")
     eval: str | list[str | SourceConfig] | None = Field(None, description="Held-out eval file(s) or sources; or use eval_fraction.")
@@ -192,9 +194,10 @@ class TrainConfig(_Section):
     router_aux_loss_coef: float | None = Field(None, ge=0, description="Mixture-of-experts models: weight of the router's load-balancing loss "
                                                "added to the training loss (null: the model config's router_aux_loss_coef; 0: off).")
     seed: int = Field(42, description="Seed for weights init, dropout and data order.")
-    objective: Literal["sft", "dpo", "orpo", "cpo", "simpo"] = Field(
+    objective: Literal["sft", "dpo", "orpo", "cpo", "simpo", "grpo"] = Field(
         "sft", description="sft: cross-entropy on the answers; dpo, orpo, cpo or simpo: preference pairs (data.format: preference), "
-        "settings under preference:. dpo holds the policy to a reference (the base); orpo, cpo and simpo need none.")
+        "settings under preference:. dpo holds the policy to a reference (the base); orpo, cpo and simpo need none. grpo: online RL on "
+        "prompts (data.format: prompt): completions sampled by the policy, scored by reward functions, settings under grpo:.")
     overfit_batch: int = Field(0, ge=0, description="Sanity check: train this many steps on the first batch only (0 = off).")
 
     @field_validator("mixed_precision", mode="before")
@@ -223,6 +226,30 @@ class PreferenceConfig(_Section):
                                "log-probabilities, in units of beta (TRL's simpo_gamma).")
     cpo_alpha: float | None = Field(None, ge=0, description="CPO and SimPO: weight of the chosen answers' mean cross-entropy added to the "
                                     "preference loss (TRL's cpo_alpha). null: 1.0 for cpo (the paper's), 0 for simpo (plain SimPO).")
+
+
+class GRPOConfig(_Section):
+    rewards: list[str] = Field(["exact_match"], min_length=1, description="Reward functions, summed (weighted): exact_match (1 where the "
+                               "completion, stripped, equals the row's answer), format (1 where it matches format_pattern whole), length "
+                               "(minus the share of max_completion_length used), or module:function / path/to/file.py:function, called as TRL "
+                               "calls them: f(prompts=, completions=, completion_ids=, **the rows' other columns) -> a float per completion.")
+    reward_weights: list[float] | None = Field(None, description="A weight per reward function (null: 1 each).")
+    format_pattern: str = Field(r"\S.*", description="The format reward's regular expression (Python re, matched against the whole completion, "
+                                "DOTALL).")
+    num_generations: int = Field(8, ge=2, description="Completions sampled per prompt (the group whose rewards are normalised).")
+    max_completion_length: int = Field(64, gt=0, description="Tokens a completion may have (it ends earlier at the EOS token).")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature of the completions.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling: the smallest set of tokens whose probabilities sum to this.")
+    top_k: int = Field(0, ge=0, description="Sample among the k most likely tokens (0: all).")
+    beta: float = Field(0.0, ge=0, description="Weight of the KL term to the reference (the base with the adapter off; a frozen copy for full "
+                        "fine-tuning); 0 (TRL's default) loads no reference and skips its forward.")
+    epsilon: float = Field(0.2, gt=0, description="The policy ratio's clipping range below 1 (and above, unless epsilon_high).")
+    epsilon_high: float | None = Field(None, gt=0, description="The clipping range above 1 (DAPO's clip-higher; null: epsilon).")
+    loss_type: Literal["grpo", "dr_grpo", "dapo"] = Field("dapo", description="grpo: each completion's mean over its tokens, then the mean over "
+                                                         "completions; dr_grpo: the sum over tokens / (completions x max_completion_length); dapo "
+                                                         "(TRL's bnpo at one micro-batch): the mean over every completion token of the step.")
+    scale_rewards: Literal["group", "none"] = Field("group", description="Advantages: a group's rewards less their mean, divided by their "
+                                                    "standard deviation (group) or not (none: Dr. GRPO).")
 
 
 class EvalConfig(_Section):
@@ -321,6 +348,7 @@ class RunConfig(_Section):
     data: DataConfig
     train: TrainConfig = Field(default_factory=TrainConfig)
     preference: PreferenceConfig = Field(default_factory=PreferenceConfig)
+    grpo: GRPOConfig = Field(default_factory=GRPOConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
@@ -373,10 +401,20 @@ class RunConfig(_Section):
                                  f"on an unquantized base in one process or under ddp (not with {why})")
         formats = {(None if isinstance(s, str) else s.format) or self.data.format for s in _as_list(self.data.train)}
         if self.train.objective != "sft" and self.data.train_on_prompt:
-            raise ValueError("data.train_on_prompt: preference losses compare the answers only; set it to false")
-        if (self.train.objective != "sft") != (formats == {"preference"}):
-            raise ValueError(f"train.objective: {self.train.objective} trains on " + ("preference pairs: set data.format: preference" if
-                             self.train.objective != "sft" else "answers, not pairs: set train.objective: dpo or orpo for data.format: preference"))
+            raise ValueError(f"data.train_on_prompt: {self.train.objective} takes its loss on the answers only; set it to false")
+        wanted = {"sft": None, "grpo": "prompt"}.get(self.train.objective, "preference")
+        if wanted is None and formats & {"preference", "prompt"}:
+            raise ValueError("train.objective: sft trains on answers; set train.objective: dpo, orpo, cpo or simpo for data.format: preference, "
+                             "grpo for data.format: prompt")
+        if wanted is not None and formats != {wanted}:
+            raise ValueError(f"train.objective: {self.train.objective} trains on " + ("preference pairs: set data.format: preference"
+                             if wanted == "preference" else "prompts: set data.format: prompt ({prompt, answer?, ...} rows)"))
+        g = self.grpo
+        if g.reward_weights is not None and len(g.reward_weights) != len(g.rewards):
+            raise ValueError(f"grpo.reward_weights: {len(g.reward_weights)} weights for {len(g.rewards)} reward functions; give one each")
+        if self.train.objective == "grpo" and asked.shards_weights:
+            raise ValueError(f"train.objective: grpo samples its completions with the whole model in each process; distributed.strategy "
+                             f"{strategy} shards the weights: use ddp or zero2")
         if self.adapter.init == "loftq":
             why = ("adapter.method lora" if self.adapter.method != "lora" else "model.quantization bits: 4" if q is None or q.bits != 4
                    else f"not distributed.strategy {strategy}" if not asked.replicated else None)

@@ -165,14 +165,18 @@ def _split(source: _Samples, samples: np.ndarray, cfg: DataConfig, seed: int, ro
     if role == "train" and len(usable) == 0:
         raise UserError(_nothing_trained(source, samples, cfg))
     picks, starts, lengths, context = _pieces(source, usable, cfg)
-    order, offsets = _layout(source, picks, starts, lengths, cfg, seed, role) if cfg.packing else unpacked(len(picks))
+    prompts = source.sources[0].format == "prompt"  # the config keeps prompts apart from other formats; each is sampled from alone
+    order, offsets = _layout(source, picks, starts, lengths, cfg, seed, role) if cfg.packing and not prompts else unpacked(len(picks))
     pairs = source.table.column("chosen_length").to_numpy()[picks] if source.width > cfg.max_seq_len else None
-    split = Split(source.table.select(["input_ids", "labels"]), picks, lengths, order, offsets, starts, context, pairs)
+    split = Split(source.table.select(["input_ids", "labels", "row"] if prompts else ["input_ids", "labels"]), picks, lengths, order, offsets,
+                  starts, context, pairs)
+    if prompts:
+        split.locate = lambda sample: _where(source, sample)
     dropped = samples[~source.trains[samples]]
     stats = {"samples": len(usable), "truncated": int(source.truncated[samples].sum()), "chunked": int(source.chunked[usable].sum()),
              "windows": len(picks) - len(usable) + int(source.chunked[usable].sum()), "dropped_no_target": len(dropped),
              "first_dropped": _where(source, dropped[0]) if len(dropped) else None, "rows": len(split), "tokens": int(lengths.sum())}
-    if cfg.packing and len(split):
+    if cfg.packing and not prompts and len(split):
         stats["fill"] = stats["tokens"] / (len(split) * source.width)
     return split, stats
 

@@ -13,13 +13,17 @@ from finetune.rows import IGNORE, prompt_and_answer
 
 
 @torch.no_grad()
-def eval_loss(model, rows: Split, batch_size: int, pad_id: int, accelerator, max_batches: int | None, objective=None, sp=None) -> dict:
+def eval_loss(model, rows: Split, batch_size: int, pad_id: int, accelerator, max_batches: int | None, objective=None, sp=None,
+              tokenizer=None) -> dict:
     """The objective's mean loss (per token: with perplexity; per pair: with its metrics) over this
     rank's share of the eval rows, reduced over ranks. `sp`: the processes that share each row (their
-    slices of it, as in training)."""
+    slices of it, as in training). GRPO: the mean reward of greedy completions of the eval prompts
+    (eval_loss is its negative)."""
     from finetune.objectives import SFT
     from finetune.sequence_parallel import SequenceParallel
 
+    if hasattr(objective, "evaluate"):
+        return objective.evaluate(getattr(model, "module", model), tokenizer, rows, batch_size, accelerator, max_batches)
     objective, sp = objective or SFT(), sp or SequenceParallel()
     was_training = model.training
     model.eval()

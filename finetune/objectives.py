@@ -29,6 +29,8 @@ class SFT:
 
     metrics: tuple[str, ...] = ()
     start_loss = 0.0  # what the guard's min_rise defaults to: any rise of a cross-entropy may be divergence
+    levels = True  # the loss has a level the guard's drift and start tests can judge
+    metric_total = 0  # the metrics are means over counts' first entry
 
     def counts(self, batch: dict[str, torch.Tensor]) -> list[int]:
         return [trained_tokens(batch)]
@@ -49,6 +51,8 @@ class Preference:
     # Means over pairs. reward_accuracy: chosen's reward above rejected's (TRL's rewards/accuracies; 0 while the policy is the
     # reference); choice_accuracy: the policy gives the chosen answer the higher log-probability (what the model would pick).
     metrics = ("rewards_chosen", "rewards_rejected", "reward_margin", "reward_accuracy", "logps_chosen", "logps_rejected", "choice_accuracy")
+    levels = True
+    metric_total = 0  # over pairs
 
     @property
     def start_loss(self) -> float:
@@ -110,7 +114,7 @@ def objective_for(train, preference: PreferenceConfig) -> SFT | Preference:
 def answers(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, int]:
     """(which positions predict a trained token, the answer each of those belongs to (0, 1, 2, ...), how many answers)."""
     keep = trained_mask(batch["labels"])
-    sequence = _sequences(batch["position_ids"])[keep]  # a sequence's first label is never trained
+    sequence = sequence_index(batch["position_ids"])[keep]  # a sequence's first label is never trained
     _, answer = torch.unique_consecutive(sequence, return_inverse=True)
     count = int(answer[-1]) + 1 if len(answer) else 0
     if count % 2:
@@ -120,7 +124,7 @@ def answers(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor,
 
 def chosen_sequences(batch: dict[str, torch.Tensor], keep: torch.Tensor, answer: torch.Tensor) -> torch.Tensor:
     """The positions that predict a token of a chosen answer's sequence (its prompt too, not its first token)."""
-    sequence = _sequences(batch["position_ids"])
+    sequence = sequence_index(batch["position_ids"])
     inside = torch.zeros_like(keep)
     inside[:, :-1] = sequence[:, 1:] == sequence[:, :-1]
     chosen = torch.zeros(int(sequence.max()) + 1, dtype=torch.bool, device=keep.device)
@@ -128,19 +132,21 @@ def chosen_sequences(batch: dict[str, torch.Tensor], keep: torch.Tensor, answer:
     return inside & chosen[sequence]
 
 
-def _sequences(positions: torch.Tensor) -> torch.Tensor:
+def sequence_index(positions: torch.Tensor) -> torch.Tensor:
     """Each position's sequence of the batch, numbered 0, 1, ... in row order (positions restart at each)."""
     return ((positions == 0).flatten().cumsum(0) - 1).view_as(positions)
 
 
-def token_logps(model, batch: dict[str, torch.Tensor], where: torch.Tensor, router: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+def token_logps(model, batch: dict[str, torch.Tensor], where: torch.Tensor, router: bool = False,
+                temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log p(next token) at each position of `where`, in order, and with `router` the MoE router's
     load-balancing loss of this forward (added as TRL's preference trainers add it). Logits only there
-    (transformers' logits_to_keep mask), log-softmax in fp32."""
+    (transformers' logits_to_keep mask), divided by the sampling temperature (GRPO, as TRL), log-softmax in fp32."""
     extra = {"output_router_logits": True} if router else {}
     out = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False, logits_to_keep=where, **extra)
     targets = batch["input_ids"][:, 1:][where[:, :-1]]
-    return torch.log_softmax(out.logits.float(), dim=-1).gather(1, targets[:, None])[:, 0], out.aux_loss if router else None
+    logits = out.logits.float() if temperature == 1.0 else out.logits.float() / temperature
+    return torch.log_softmax(logits, dim=-1).gather(1, targets[:, None])[:, 0], out.aux_loss if router else None
 
 
 def answer_sums(token: torch.Tensor, answer: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,6 +13,7 @@ with labels -100.
 from __future__ import annotations
 
 import bisect
+import json
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,6 +29,15 @@ class Row:
     input_ids: np.ndarray | list[int]
     labels: np.ndarray | list[int]
     position_ids: np.ndarray | list[int]
+
+
+@dataclass
+class Prompt:
+    """A prompt row (GRPO): its token ids, the row as read, its sample's index in the table."""
+
+    ids: np.ndarray
+    row: dict
+    sample: int
 
 
 def collate(rows: list[Row], pad_id: int) -> dict[str, torch.Tensor]:
@@ -141,6 +151,19 @@ class Split:
         self.order, self.offsets = order, offsets
         self.row_lengths = np.add.reduceat(lengths[order].astype(np.int64), offsets[:-1]) if len(order) else np.zeros(0, dtype=np.int64)
         self.columns = {name: _Column(table.column(name)) for name in ("input_ids", "labels")}
+        self.records = table.column("row") if "row" in table.column_names else None  # prompt rows (GRPO): what reward functions read
+        self.locate = None  # prompt rows: a sample's file:line (set by the data step)
+
+    def prompts(self, rows) -> list[Prompt]:
+        """Prompt rows (one sample each): their ids, the row as read (its other columns go to the reward
+        functions) and the sample's index in the table, which names it whatever the batch or process."""
+        out = []
+        for r in rows:
+            member = self.order[self.offsets[r] : self.offsets[r] + 1]
+            sample = int(self.samples[member[0]])
+            ids = self.columns["input_ids"].cut(self.samples[member], self.lengths[member], self.starts[member])
+            out.append(Prompt(ids, json.loads(self.records[sample].as_py()), sample))
+        return out
 
     def __len__(self) -> int:
         return len(self.offsets) - 1

@@ -30,6 +30,10 @@ def check(cfg: RunConfig, warn=None) -> None:
     check_trackers(cfg)
     runtime.launcher_strategy(cfg)
     check_processes(cfg)
+    if cfg.train.objective == "grpo":  # a reward function that does not import stops here, before any data or model loads
+        from finetune.rewards import load_rewards
+
+        load_rewards(cfg.grpo)
     if int(os.environ.get("RANK", "0")) == 0:  # the process that will create and lock it
         check_output_dir(Path(cfg.train.output_dir))
         finished = finished_run(Path(cfg.train.output_dir), cfg.checkpoint.resume)

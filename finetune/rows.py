@@ -30,7 +30,7 @@ ALPACA_PROMPT = (
     "### Instruction:\n{instruction}\n\n{input_block}### Response:\n"
 )
 CHAT_ROLES = {"system", "user", "assistant", "tool"}
-FORMATS = ("alpaca", "chat", "completion", "preference")
+FORMATS = ("alpaca", "chat", "completion", "preference", "prompt")
 SUFFIXES = (".jsonl", ".json", ".parquet", ".csv", ".txt")  # and .jsonl.gz, .json.gz, .csv.gz, .txt.gz
 LINE_BITS = 40  # a row of a folder is numbered (file index << LINE_BITS) | line, so that errors can name file:line
 # ShareGPT's speakers (`from`) as chat roles: its own names, OpenAI's, and those of LLaMA-Factory's tool rows.
@@ -63,6 +63,8 @@ def _row_problem(row: object, fmt: str) -> str | None:
         return text("instruction") or text("input", required=False) or text("output")
     if fmt == "preference":
         return _pair_problem(row, text)
+    if fmt == "prompt":
+        return _prompt_problem(row, text)
     messages = row.get("messages")
     if not isinstance(messages, list) or not messages:
         return "missing or empty field 'messages'"
@@ -97,6 +99,22 @@ def _pair_problem(row: dict, text) -> str | None:
         return "chosen and rejected must be assistant messages"
     return None
 
+def _prompt_problem(row: dict, text) -> str | None:
+    """A prompt to sample completions for (GRPO): text, or chat messages to answer; `answer` (what the
+    exact_match reward compares with) a string or a number if present."""
+    if isinstance(row.get("prompt"), list):
+        if not row["prompt"]:
+            return "field 'prompt' is an empty list of messages"
+        for i, msg in enumerate(row["prompt"]):
+            if not isinstance(msg, dict) or msg.get("role") not in CHAT_ROLES or not isinstance(msg.get("content"), str):
+                return f"prompt[{i}] must be {{role: system|user|assistant|tool, content: string}}"
+    elif problem := text("prompt"):
+        return problem + " (text, or a list of chat messages)" if problem.startswith("missing") else problem
+    answer = row.get("answer")
+    if answer is not None and (isinstance(answer, bool) or not isinstance(answer, (str, int, float))):
+        return "field 'answer' must be a string or a number"
+    return None
+
 
 def _is_call(call: object) -> bool:
     function = call.get("function") if isinstance(call, dict) else None
@@ -120,6 +138,8 @@ def canonical(row: object, fmt: str, columns: dict[str, str] | None = None) -> t
             return row, problem
     if fmt == "preference":
         row = _pair_shape(row)
+    if fmt == "prompt" and "prompt" not in row and isinstance(row.get("messages"), list):
+        row = {**{k: v for k, v in row.items() if k != "messages"}, "prompt": row["messages"]}
     return row, _row_problem(row, fmt)
 
 
@@ -442,6 +462,32 @@ def tokenize_pairs(rows: list[dict], tokenizer, max_seq_len: int) -> list[tuple[
     return out
 
 
+def tokenize_prompts(rows: list[dict], tokenizer) -> list[tuple[list[int], list[bool]] | str]:
+    """Prompt rows -> (the prompt's ids, nothing trained) each: text as generation reads it (special tokens
+    where the tokenizer has no chat template), chat messages rendered with the generation prompt."""
+    out = []
+    for row in rows:
+        try:
+            ids = prompt_ids(row, tokenizer)
+        except UserError as err:
+            out.append(str(err))
+            continue
+        out.append((ids, [False] * len(ids)))
+    return out
+
+
+def prompt_text(row: dict, tokenizer) -> str:
+    """A prompt row as the text the model completes."""
+    if isinstance(row["prompt"], str):
+        return row["prompt"]
+    return render(tokenizer, row["prompt"], add_generation_prompt=True, tools=row.get("tools"))
+
+
+def prompt_ids(row: dict, tokenizer) -> list[int]:
+    add = isinstance(row["prompt"], str) and not tokenizer.chat_template  # as evaluate.generate tokenizes a prompt
+    return tokenizer(prompt_text(row, tokenizer), add_special_tokens=add)["input_ids"]
+
+
 def _pair_side(row: dict, key: str, tokenizer) -> tuple[list[int], list[int]]:
     """(the prompt's ids, the prompt and one answer's ids)."""
     if isinstance(row["prompt"], str):
@@ -468,6 +514,8 @@ def prompt_and_answer(row: dict, tokenizer, fmt: str) -> tuple[str, str]:
         if tokenizer.chat_template:
             return render(tokenizer, _alpaca_messages(row)[:1], add_generation_prompt=True), row["output"]
         return _alpaca_prompt(row), row["output"]
+    if fmt == "prompt":
+        return prompt_text(row, tokenizer), str(row.get("answer", ""))
     if fmt == "preference":  # the chosen answer
         if isinstance(row["prompt"], str):
             return row["prompt"], row["chosen"]

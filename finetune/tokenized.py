@@ -24,11 +24,11 @@ from pathlib import Path
 from finetune.config import DataConfig, SourceConfig
 from finetune.errors import UserError
 from finetune.locks import exclusive
-from finetune.rows import IGNORE, Skipped, checked_rows, tokenize_pairs, tokenize_rows, where
+from finetune.rows import IGNORE, Skipped, checked_rows, tokenize_pairs, tokenize_prompts, tokenize_rows, where
 
 # Raise it when the ids or loss mask a row turns into change (2: masks from the chat template; 3: rows
 # cached in their canonical shape; 4: preference pairs).
-TOKENIZE_VERSION = 4
+TOKENIZE_VERSION = 4  # 4: preference pairs (prompt rows are a new format: no entry of theirs to invalidate)
 LARGE = 10_000  # rows from which tokenization uses every core unless data.num_proc says otherwise
 
 
@@ -161,7 +161,8 @@ def _tokenize_batch(batch, tokenizer, fmt: str, train_on_prompt: bool, max_seq_l
     import pyarrow as pa
 
     rows = [json.loads(r) for r in batch.column("row").to_pylist()]
-    results = tokenize_pairs(rows, tokenizer, max_seq_len) if fmt == "preference" else tokenize_rows(rows, tokenizer, fmt)
+    results = (tokenize_pairs(rows, tokenizer, max_seq_len) if fmt == "preference" else tokenize_prompts(rows, tokenizer) if fmt == "prompt"
+               else tokenize_rows(rows, tokenizer, fmt))
     problems = [r if isinstance(r, str) else None for r in results]
     results = [([], [], 0, -1) if isinstance(r, str) else r for r in results]
     lengths = np.fromiter((len(r[0]) for r in results), dtype=np.int64, count=len(results))
@@ -178,6 +179,8 @@ def _tokenize_batch(batch, tokenizer, fmt: str, train_on_prompt: bool, max_seq_l
     first[rows] = position[hits[at]]
     if fmt == "preference":  # where the answers start, also for a pair cut before it (so the data step can say why it dropped)
         first = np.array([r[3] for r in results], dtype=np.int32)
+    if fmt == "prompt":  # the last prompt token predicts the first completion token: a prompt longer than max_seq_len is left out
+        first = np.where(lengths > 0, lengths - 1, -1).astype(np.int32)
     arrow_offsets = pa.array(offsets.astype(np.int32))
     return (batch.append_column("input_ids", pa.ListArray.from_arrays(arrow_offsets, pa.array(ids)))
             .append_column("labels", pa.ListArray.from_arrays(arrow_offsets, pa.array(labels)))

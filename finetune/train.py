@@ -44,6 +44,7 @@ from finetune.distributed import local_numel
 from finetune.engines import Replicated, engine_class, engine_for
 from finetune.errors import EXIT_DIVERGED, EXIT_PREEMPTED, Stopped, UserError
 from finetune.evaluate import eval_loss, exact_match
+from finetune.grpo import GRPO
 from finetune.guard import DRIFT_STEPS, Guard, Verdict, data_step
 from finetune.locks import hold_output_dir, release_output_dir
 from finetune.loss import to_device
@@ -54,6 +55,7 @@ from finetune.optim import current_lr, set_peak_lr, warmup_steps
 from finetune.packing import epoch_batches
 from finetune.plan import LONG_ROWS
 from finetune.resume import Progress, clear_starts, resume
+from finetune.rewards import load_rewards
 from finetune.sequence_parallel import SequenceParallel
 from finetune.serving import check_vllm
 from finetune.stage import staged_model
@@ -107,6 +109,8 @@ def batches_at(data: Datasets, cfg: RunConfig, schedule: Schedule, position: int
     epoch, k = (0, 0) if t.overfit_batch else divmod(position, schedule.steps_per_epoch)
     batches = _epoch_batches(len(data.train), t.micro_batch_size, t.seed, epoch, rank, world)
     chunk = batches[k * t.grad_accum : (k + 1) * t.grad_accum]
+    if data.train.records is not None:  # prompts (GRPO): the objective's rollout makes the batches and counts their tokens
+        return epoch, [data.train.prompts(idx) for idx in chunk], 0
     real = sum(data.train.tokens(idx) for idx in chunk)  # padding excluded
     return epoch, [data.train.batch(idx, pad_id) for idx in chunk], real
 
@@ -208,7 +212,7 @@ class RunState:
     engine: Replicated = None  # model, optimizer, scheduler and checkpoint layout of the strategy
     sequence_parallel: SequenceParallel = field(default_factory=SequenceParallel)  # the processes that share each row, if any
     base: str = ""  # the base model as the saved adapter names it
-    objective: SFT | Preference = field(default_factory=SFT)  # what a step minimises: sft, dpo or orpo
+    objective: SFT | Preference | GRPO = field(default_factory=SFT)  # what a step minimises
     router_coef: float = 0.0
     rss_before_model: int = 0
     before: dict | None = None  # exact match on eval prompts before training
@@ -266,7 +270,7 @@ def start_point(run: RunState) -> None:
     loss) and, for adapters, that checkpoint: the start to roll back to costs a few MB at most."""
     cfg, guard = run.cfg, run.guard
     result = evaluate(run, 0) if cfg.eval.on_start else None
-    if not cfg.guard.enabled or guard.state.start_level is not None or run.schedule.total_steps <= DRIFT_STEPS:
+    if not cfg.guard.enabled or guard.state.start_level is not None or run.schedule.total_steps <= DRIFT_STEPS or not run.objective.levels:
         return
     guard.set_start(start_losses(run), result["eval_loss"] if result else None)
     run.say(f"start: loss level {guard.state.start_level[0]:.4f} on the first {DRIFT_STEPS} steps' batches before training")
@@ -304,7 +308,10 @@ def load_inputs(cfg: RunConfig, accelerator, preemption) -> RunState:
     stop_if_preempted(preemption.signal is not None, preemption.name, Path(cfg.train.output_dir), main, "while the data loaded")
     sp = sequence_parallel.setup(cfg.distributed.sequence_parallel, rank, world)
     run = RunState(cfg, accelerator, preemption, model_cfg, tokenizer, data, plan_steps(cfg, len(data.train), sp.data_world(world)), sequence_parallel=sp)
-    run.objective = objective_for(cfg.train, cfg.preference)
+    if cfg.train.objective == "grpo":
+        run.objective = GRPO(cfg.grpo, load_rewards(cfg.grpo), cfg.train.seed, locate=data.train.locate)
+    else:
+        run.objective = objective_for(cfg.train, cfg.preference)
     for line in summary_lines(data, cfg.data.max_seq_len):
         run.say(line)
     return run
@@ -361,9 +368,9 @@ def load_and_prepare_model(run: RunState) -> None:
         compile_layers(model)
     run.engine.prepare(model, run.schedule.total_steps)
     run.engine.checkpointer.after_file = faults.inject_saving
-    if cfg.train.objective == "dpo" and cfg.adapter.method == "full":
+    if (cfg.train.objective == "dpo" or cfg.train.objective == "grpo" and cfg.grpo.beta) and cfg.adapter.method == "full":
         run.objective.reference = run.engine.reference(run.model_cfg, run.say)
-        run.say("dpo: the reference is a frozen copy of the base, held as the policy is")
+        run.say(f"{cfg.train.objective}: the reference is a frozen copy of the base, held as the policy is")
     if cfg.data.packing or cfg.train.objective != "sft":
         check_packed_rows(run)
 
@@ -386,6 +393,8 @@ def check_packed_rows(run: RunState) -> None:
                f"moved {moved:.0%} of the way to having the sample before it as context)")
     if run.cfg.train.objective == "sft":
         raise UserError(f"data.packing: {how}; set data.packing: false")
+    if run.cfg.train.objective == "grpo":
+        raise UserError(f"train.objective: grpo packs each prompt's completions in one row, and {how}: this model cannot be trained with grpo by finetune")
     raise UserError(f"train.objective: {run.cfg.train.objective} packs each pair's chosen and rejected sequences in one row, and {how}: "
                     "this model cannot be preference-tuned by finetune")
 
@@ -402,7 +411,9 @@ def resume_or_start(run: RunState) -> None:
     run.log = RunLog(run.out, run.schedule.total_steps, run.accelerator, run.main, cfg.logging.progress_bar, run.progress.step)
     for kind, message in events:
         run.log.event(kind, run.progress.step, message)
-    run.guard = Guard(cfg.guard, run.progress.guard, cfg.guard.min_rise if cfg.guard.min_rise is not None else run.objective.start_loss,
+    # GRPO's loss has no level (the advantages centre it on 0): its guard judges non-finite values and spikes, not drift.
+    guard_cfg = cfg.guard if run.objective.levels else cfg.guard.model_copy(update={"drift": 0.0, "grad_collapse": 0.0})
+    run.guard = Guard(guard_cfg, run.progress.guard, cfg.guard.min_rise if cfg.guard.min_rise is not None else run.objective.start_loss,
                       warmup=warmup_steps(cfg.train, run.schedule.total_steps))
     set_peak_lr(engine.scheduler, cfg.train.lr * run.guard.state.lr_scale)  # the config's LR wins over the checkpoint's (OPT's logbook)
     rank = run.accelerator.process_index
@@ -513,7 +524,7 @@ def train_step(run: RunState) -> StepOutcome:
     norm = torch.as_tensor(norm, dtype=torch.float32, device=device).reshape(1)
     total_loss, preempted, time_due, router_loss, *metric_totals, grad_norm = torch.cat([accelerator.reduce(local, "sum"), norm]).tolist()
     step_loss = total_loss / max(totals[0], 1)
-    if step - run.start_step < FIRST_STEPS_CHECKED:
+    if step - run.start_step < FIRST_STEPS_CHECKED and objective.levels:  # GRPO's loss is 0 where no group's rewards differ
         check_first_steps(step, step_loss)
     verdict = run.guard.check(step, step_loss, grad_norm)
     if verdict.action == "apply":
@@ -523,7 +534,7 @@ def train_step(run: RunState) -> StepOutcome:
     moved = engine.apply(verdict.action == "apply")
     return StepOutcome(epoch, step_loss, grad_norm, verdict, moved, int(global_real),
                        router_loss / (len(micro_batches) * world) if run.router_coef > 0 else None, preempted > 0, time_due > 0,
-                       {name: value / max(totals[0], 1) for name, value in zip(objective.metrics, metric_totals)})
+                       {name: value / max(totals[objective.metric_total], 1) for name, value in zip(objective.metrics, metric_totals)})
 
 
 def saved_on_cpu(offload: bool):
@@ -538,6 +549,8 @@ def step_batches(run: RunState, position: int) -> tuple[int, list[dict], list[fl
     accelerator, sp, pad = run.accelerator, run.sequence_parallel, run.tokenizer.pad_token_id
     epoch, micro_batches, real_tokens = batches_at(run.data, run.cfg, run.schedule, position, sp.data_rank(accelerator.process_index),
                                                    sp.data_world(accelerator.num_processes), pad)
+    if isinstance(run.objective, GRPO):  # the prompts' completions, sampled by the policy as it is now
+        micro_batches, real_tokens = run.objective.rollout(run.engine.unwrap(), run.tokenizer, micro_batches, position, accelerator.device)
     micro_batches = [sp.shard(b, pad) for b in micro_batches]  # this process's slice of each row (sequence parallelism)
     real_tokens = 0 if sp.rank else real_tokens  # a row's tokens, counted once among the processes sharing it
     local = [*map(sum, zip(*(run.objective.counts(b) for b in micro_batches))), real_tokens]  # counted on the host
@@ -553,11 +566,15 @@ def evaluate(run: RunState, step: int) -> dict | None:
         return None
     cfg = run.cfg
     result = eval_loss(run.engine.model, run.data.eval, cfg.train.micro_batch_size, run.tokenizer.pad_token_id, run.accelerator, cfg.eval.max_batches,
-                       run.objective, run.sequence_parallel)
+                       run.objective, run.sequence_parallel, run.tokenizer)
     run.log.write({"step": step, **result})
-    run.log.print(f"step {step}: eval loss {result['eval_loss']:.4f}, " + (f"perplexity {result['eval_ppl']:.2f}" if "eval_ppl" in result else
-                  f"reward accuracy {result['eval_reward_accuracy']:.1%}, margin {result['eval_reward_margin']:.3f}; the model's own pick is the chosen "
-                  f"answer in {result['eval_choice_accuracy']:.1%} of pairs"))
+    if "eval_reward" in result:
+        run.log.print(f"step {step}: eval reward {result['eval_reward']:.4f} (greedy completions of {result['eval_prompts']} prompts; "
+                      + ", ".join(f"{r.metric} {result['eval_' + r.metric]:.4f}" for r in run.objective.rewards) + ")")
+    else:
+        run.log.print(f"step {step}: eval loss {result['eval_loss']:.4f}, " + (f"perplexity {result['eval_ppl']:.2f}" if "eval_ppl" in result else
+                      f"reward accuracy {result['eval_reward_accuracy']:.1%}, margin {result['eval_reward_margin']:.3f}; the model's own pick is the "
+                      f"chosen answer in {result['eval_choice_accuracy']:.1%} of pairs"))
     return result
 
 
@@ -679,7 +696,7 @@ def summarize(run: RunState) -> dict:
         summary.update(final_is_best=False, worse_than_start=worse, start_checkpoint=str(start) if start else None)
     elif summary["final_is_best"] is False:
         score = functools.partial(eval_loss, engine.model, run.data.eval, cfg.train.micro_batch_size, run.tokenizer.pad_token_id, run.accelerator,
-                                  cfg.eval.max_batches, run.objective)
+                                  cfg.eval.max_batches, run.objective, None, run.tokenizer)
         summary.update(last_good(run.out, int(run.guard.state.best[0]), score if run.data.eval and engine.replicated else None,
                                  engine.unwrap()))
         run.say(f"the final weights are not the best seen: loss level {summary['final_loss_level']:.4g} vs {summary['best_loss_level']:.4g} at "
@@ -757,8 +774,8 @@ def replicas_identical(params: list[torch.nn.Parameter], accelerator) -> bool:
 def _summary_line(summary: dict) -> str:
     parts = [f"done: {summary['steps']} steps, final train loss {summary['train_loss']:.4f}"]
     if "eval_loss" in summary:
-        parts.append(f"eval loss {summary['eval_loss']:.4f} " + (f"(ppl {summary['eval_ppl']:.2f})" if "eval_ppl" in summary else
-                     f"(reward accuracy {summary['eval_reward_accuracy']:.1%})"))
+        parts.append(f"eval reward {summary['eval_reward']:.4f}" if "eval_reward" in summary else f"eval loss {summary['eval_loss']:.4f} "
+                     + (f"(ppl {summary['eval_ppl']:.2f})" if "eval_ppl" in summary else f"(reward accuracy {summary['eval_reward_accuracy']:.1%})"))
     parts.append(f"{summary['elapsed_s']:.1f} s")
     lines = [", ".join(parts)]
     if summary.get("loss_curve"):

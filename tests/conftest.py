@@ -379,6 +379,23 @@ def samples_batch(samples, packed: bool) -> dict:
     return collate(rows, pad_id=0)
 
 
+def adapted_lora(model_dir):
+    """The tiny model with a LoRA adapter whose B is not zero, so the policy differs from the reference (test_preference, test_grpo:
+    losses and gradients against TRL's trainers)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir), LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0,
+                                                                                       target_modules="all-linear", init_lora_weights=False))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.mul_(0.3)  # peft's random B moves the logits a lot on a 64-wide model; a milder difference from the reference
+    return model
+
+
 def trained_grads(model) -> dict:
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 

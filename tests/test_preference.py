@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from conftest import DEMO_DATA, base_config, read_jsonl, run_cli, train_strategy, write_config
+from conftest import DEMO_DATA, adapted_lora, base_config, read_jsonl, run_cli, train_strategy, write_config
 
 from finetune.cli import main
 from finetune.config import DataConfig, PreferenceConfig, validate_config
@@ -28,21 +28,6 @@ def _pairs_config(model_dir, out, objective="dpo", **sections):
                    "max_seq_len": 64, **sections.get("data", {})}
     cfg["train"] = {**cfg["train"], "objective": objective, "max_steps": 6, "micro_batch_size": 4, "lr": 5e-3, **sections.get("train", {})}
     return cfg
-
-
-def _adapted(model_dir):
-    """The tiny model with a LoRA adapter whose B is not zero, so the policy differs from the reference."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir), LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0,
-                                                                                       target_modules="all-linear", init_lora_weights=False))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.mul_(0.3)  # peft's random B moves the logits a lot on a 64-wide model; a milder difference from the reference
-    return model
 
 
 def _trl_loss(kind, variant, adapted, tokenizer, tmp_path):
@@ -97,13 +82,13 @@ def test_loss_and_gradients_equal_trls(tmp_path, tiny_model_dir, kind, variant):
     from finetune.objectives import Preference
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    expected, trainer = _trl_loss(kind, variant, _adapted(tiny_model_dir), tokenizer, tmp_path)
+    expected, trainer = _trl_loss(kind, variant, adapted_lora(tiny_model_dir), tokenizer, tmp_path)
 
     path = tmp_path / "pairs.jsonl"
     path.write_text("".join(json.dumps(p) + "\n" for p in PAIRS))
     data = load_data(DataConfig(train=str(path), format="preference", max_seq_len=128, cache_dir=str(tmp_path / "cache")), tokenizer, seed=0)
     batch = data.train.batch(range(len(data.train)), tokenizer.pad_token_id)  # the four pairs, packed into rows
-    ours = _adapted(tiny_model_dir).train()
+    ours = adapted_lora(tiny_model_dir).train()
     settings = {"cpo_alpha": variant} if kind in ("cpo", "simpo") else {"dpo_loss": variant or "sigmoid"}
     objective = Preference(kind, PreferenceConfig(beta=0.1, orpo_lambda=0.1, simpo_gamma=0.5, **settings))
     counts = objective.counts(batch)
@@ -125,7 +110,7 @@ def test_pairs_are_tokenized_as_trl_does_and_laid_out_as_two_sequences(tmp_path,
     from finetune.objectives import answers
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    _, trainer = _trl_loss("dpo", "sigmoid", _adapted(tiny_model_dir), tokenizer, tmp_path)
+    _, trainer = _trl_loss("dpo", "sigmoid", adapted_lora(tiny_model_dir), tokenizer, tmp_path)
     path = tmp_path / "pairs.jsonl"
     path.write_text("".join(json.dumps(p) + "\n" for p in PAIRS))
     data = load_data(DataConfig(train=str(path), format="preference", max_seq_len=128, packing=False, cache_dir=str(tmp_path / "c")), tokenizer, seed=0)
@@ -154,7 +139,7 @@ def test_chat_pairs_are_rendered_and_tokenized_as_trls_conversational_rows(tmp_p
     theirs = [{"prompt": r["messages"], "chosen": [{"role": "assistant", "content": r["chosen"]}],
                "rejected": [{"role": "assistant", "content": r["rejected"]}]} for r in rows]
     args = DPOConfig(output_dir=str(tmp_path / "trl"), report_to=[], use_cpu=True, max_length=None)
-    trainer = DPOTrainer(model=_adapted(tiny_model_dir), args=args, train_dataset=Dataset.from_list(theirs), processing_class=tokenizer)
+    trainer = DPOTrainer(model=adapted_lora(tiny_model_dir), args=args, train_dataset=Dataset.from_list(theirs), processing_class=tokenizer)
     data = load_data(DataConfig(train=str(DEMO_DATA / "pairs-eval.jsonl"), format="preference", max_seq_len=128, packing=False,
                                 cache_dir=str(tmp_path / "c")), tokenizer, seed=0)
     for i, row in enumerate(data.train.rows(range(3))):

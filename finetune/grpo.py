@@ -1,0 +1,195 @@
+"""GRPO (`train.objective: grpo`): completions sampled by the policy, scored by reward functions, and the
+clipped policy-ratio loss on their group-normalised rewards, as TRL's GRPOTrainer computes it.
+
+Each data step's prompts are turned into training micro-batches by `rollout` before the step's
+forward passes: every prompt gets `grpo.num_generations` completions from `generate` (the KV cache,
+the model in eval mode), all of one prompt in one call with no padding, sampled under a seed drawn
+from (train.seed, data step, the prompt's sample index). A prompt's completions are therefore the
+same whichever process, batch or start of the run samples them: a resumed run and two processes
+sample what one uninterrupted process does, with no generator state to checkpoint. A prompt's
+completions are packed into one row (positions restarting at each), trained on their tokens.
+
+One policy update per generation (TRL's default num_iterations=1): the ratio to the sampling policy
+is 1 in value, so the clipping bounds nothing and only its gradient, the advantage times the token's
+log-probability gradient, moves the weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from finetune.config import GRPOConfig
+from finetune.loss import Losses, trained_mask
+from finetune.objectives import adapters_off, sequence_index, token_logps
+from finetune.packing import Prompt, Row, Split, collate
+from finetune.rewards import Reward, score
+from finetune.rows import IGNORE, prompt_text
+
+
+@dataclass
+class GRPO:
+    cfg: GRPOConfig
+    rewards: list[Reward]
+    seed: int
+    reference: torch.nn.Module | None = None  # full fine-tuning with beta > 0: a frozen copy (engines.reference); else the adapter-off model
+    locate: object = None  # sample index -> "file:line" (data.Split.locate), for reward errors
+    metrics: tuple[str, ...] = field(init=False)
+
+    levels = False  # the loss is centred on 0 by the advantages: no level for the guard's drift tests to judge
+    metric_total = 1  # metrics are means over the step's completions (counts' second entry)
+    start_loss = 0.0
+
+    def __post_init__(self):
+        self.metrics = ("reward", "reward_std", "zero_std_groups", "completion_length", "kl", "clip_ratio", *(r.metric for r in self.rewards))
+
+    # -- the loss ------------------------------------------------------------------------------
+
+    def counts(self, batch: dict[str, torch.Tensor]) -> list[int]:
+        """(what the loss is a mean over, completions): completions (grpo), completion tokens (dapo), or
+        completions x max_completion_length (dr_grpo)."""
+        n = len(batch["advantages"])
+        if self.cfg.loss_type == "dapo":
+            return [int((batch["labels"][:, 1:] != IGNORE).sum()), n]
+        return [n * (self.cfg.max_completion_length if self.cfg.loss_type == "dr_grpo" else 1), n]
+
+    def losses(self, model, batch: dict[str, torch.Tensor], totals: list[float], router: bool = False) -> Losses:
+        keep = batch["keep"] if "keep" in batch else trained_mask(batch["labels"])
+        completion = _completion_of(batch, keep)
+        logps, aux = token_logps(model, batch, keep, router, self.cfg.temperature)
+        advantage = batch["advantages"].to(logps.dtype)[completion]
+        ratio = torch.exp(logps - logps.detach())  # 1, with the gradient of the log-probability
+        clipped = torch.clamp(ratio, 1 - self.cfg.epsilon, 1 + (self.cfg.epsilon_high or self.cfg.epsilon))
+        per_token = -torch.min(ratio * advantage, clipped * advantage)
+        kl = torch.zeros_like(logps)
+        if self.cfg.beta:
+            with torch.no_grad(), adapters_off(model) if self.reference is None else contextlib.nullcontext():
+                ref, _ = token_logps(model if self.reference is None else self.reference, batch, keep, temperature=self.cfg.temperature)
+            kl = torch.exp(ref - logps) - (ref - logps) - 1
+            # Times the ratio (1 in value): the unbiased reverse-KL gradient (DeepSeek-V3.2; TRL's use_bias_correction_kl default)
+            per_token = per_token + self.cfg.beta * kl * ratio
+        n = len(batch["advantages"])
+        lengths = torch.bincount(completion, minlength=n).to(logps.dtype)
+        if self.cfg.loss_type == "grpo":  # each completion's mean over its tokens
+            loss = (per_token / lengths[completion]).sum()
+        else:
+            loss = per_token.sum()
+        clip = (((ratio < 1 - self.cfg.epsilon) & (advantage < 0)) | ((ratio > 1 + (self.cfg.epsilon_high or self.cfg.epsilon)) & (advantage > 0)))
+        per_completion = torch.zeros(2, n, dtype=logps.dtype, device=logps.device)
+        per_completion[0].index_add_(0, completion, kl.detach())
+        per_completion[1].index_add_(0, completion, clip.to(logps.dtype))
+        per_completion = per_completion / lengths.clamp(min=1)
+        rewards = batch["rewards"].to(logps.dtype)
+        metrics = torch.cat([torch.stack([batch["reward"].sum(), batch["reward_std"].sum(), batch["zero_std"].sum(), lengths.sum(),
+                                          per_completion[0].sum(), per_completion[1].sum()]).to(logps.dtype), rewards.sum(0)])
+        return Losses(loss, aux, metrics)
+
+    # -- sampling and scoring --------------------------------------------------------------------
+
+    @torch.no_grad()
+    def rollout(self, model, tokenizer, prompts: list[list[Prompt]], position: int, device) -> tuple[list[dict], int]:
+        """The step's micro-batches of prompts as training micro-batches (on the host): each prompt's
+        completions sampled, scored and given their advantages. Also the real tokens they hold."""
+        was_training = model.training
+        model.eval()
+        batches, tokens = [], 0
+        try:
+            for micro in prompts:
+                rows, columns = [], {"advantages": [], "rewards": [], "reward": [], "reward_std": [], "zero_std": []}
+                for prompt in micro:
+                    completions = self.sample(model, tokenizer, prompt, position, device)
+                    row, parts = self._scored(tokenizer, prompt, completions)
+                    rows.append(row)
+                    tokens += len(row.input_ids)
+                    for key, value in parts.items():
+                        columns[key].append(value)
+                batch = collate(rows, tokenizer.pad_token_id)
+                batches.append({**batch, **{key: torch.cat(value) for key, value in columns.items()}})
+        finally:
+            model.train(was_training)
+        return batches, tokens
+
+    def sample(self, model, tokenizer, prompt: Prompt, position: int, device) -> list[list[int]]:
+        """num_generations completions of one prompt (each cut after its EOS token), under the prompt's own seed."""
+        from transformers import GenerationConfig
+
+        cfg = self.cfg
+        seed = int(np.random.SeedSequence([self.seed, position, prompt.sample]).generate_state(1)[0])
+        ids = torch.as_tensor(prompt.ids, dtype=torch.long, device=device)[None].expand(cfg.num_generations, -1)
+        settings = GenerationConfig(do_sample=True, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k or None,
+                                    max_new_tokens=cfg.max_completion_length, pad_token_id=tokenizer.pad_token_id,
+                                    eos_token_id=tokenizer.eos_token_id, use_cache=True)
+        with torch.random.fork_rng(devices=[device] if torch.device(device).type == "cuda" else []):
+            torch.manual_seed(seed)
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=settings)
+        completions = []
+        for seq in out[:, ids.shape[1] :].tolist():
+            end = seq.index(tokenizer.eos_token_id) + 1 if tokenizer.eos_token_id in seq else len(seq)
+            completions.append(seq[:end])
+        return completions
+
+    def _rewards(self, tokenizer, prompt: Prompt, completions: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(each function's reward of each completion, their weighted sums)."""
+        texts = [tokenizer.decode(c, skip_special_tokens=True) for c in completions]
+        chat = not isinstance(prompt.row["prompt"], str)
+        shown = [[{"role": "assistant", "content": t}] for t in texts] if chat else texts
+        locate = self.locate or (lambda sample: f"sample {sample}")
+        table = score(self.rewards, [prompt.row["prompt"]] * len(texts), shown, completions, [prompt.row] * len(texts),
+                      lambda _: f"{locate(prompt.sample)} (prompt {prompt_text(prompt.row, tokenizer)[:60]!r})")
+        per_function = torch.tensor(table, dtype=torch.float32)
+        return per_function, (per_function * torch.tensor([r.weight for r in self.rewards], dtype=torch.float32)).sum(1)
+
+    def _scored(self, tokenizer, prompt: Prompt, completions: list[list[int]]) -> tuple[Row, dict[str, torch.Tensor]]:
+        """One prompt's completions as a packed row (trained on the completions), with their rewards and advantages."""
+        per_function, reward = self._rewards(tokenizer, prompt, completions)
+        std = reward.std().expand_as(reward)  # unbiased, as TRL's nanstd
+        advantages = reward - reward.mean()
+        if self.cfg.scale_rewards == "group":
+            advantages = advantages / (std + 1e-4)
+        ids, labels, positions = [], [], []
+        for completion in completions:
+            sequence = [*prompt.ids.tolist(), *completion]
+            ids += sequence
+            labels += [IGNORE] * len(prompt.ids) + completion
+            positions += range(len(sequence))
+        zero = torch.isclose(std, torch.zeros_like(std)).float()
+        return Row(np.array(ids), np.array(labels), np.array(positions)), {"advantages": advantages, "rewards": per_function,
+                                                                           "reward": reward, "reward_std": std, "zero_std": zero}
+
+    # -- evaluation ------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def evaluate(self, model, tokenizer, rows: Split, batch_size: int, accelerator, max_batches: int | None) -> dict:
+        """The mean reward of greedy completions of this rank's share of the eval prompts, reduced over ranks."""
+        from transformers import GenerationConfig
+
+        was_training = model.training
+        model.eval()
+        world, rank = accelerator.num_processes, accelerator.process_index
+        mine = list(range(rank, len(rows), world))
+        if max_batches:
+            mine = mine[: max_batches * batch_size]
+        settings = GenerationConfig(do_sample=False, max_new_tokens=self.cfg.max_completion_length, pad_token_id=tokenizer.pad_token_id,
+                                    eos_token_id=tokenizer.eos_token_id, use_cache=True)
+        total = torch.zeros(2 + len(self.rewards), dtype=torch.float64)
+        for prompt in rows.prompts(mine):
+            ids = torch.as_tensor(prompt.ids, dtype=torch.long, device=accelerator.device)[None]
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=settings)[0, ids.shape[1] :].tolist()
+            completion = out[: out.index(tokenizer.eos_token_id) + 1] if tokenizer.eos_token_id in out else out
+            per_function, reward = self._rewards(tokenizer, prompt, [completion])
+            total += torch.cat([reward, torch.ones(1), per_function[0]]).double()
+        total = accelerator.reduce(total.to(accelerator.device), "sum").cpu()
+        model.train(was_training)
+        n = max(float(total[1]), 1.0)
+        reward = float(total[0]) / n
+        return {"eval_loss": -reward, "eval_reward": reward, "eval_prompts": int(total[1]),
+                **{f"eval_{r.metric}": float(v) / n for r, v in zip(self.rewards, total[2:])}}
+
+
+def _completion_of(batch: dict[str, torch.Tensor], keep: torch.Tensor) -> torch.Tensor:
+    """The completion (0, 1, ...) each trained position belongs to: the sequences with a trained token, in order."""
+    sequence = sequence_index(batch["position_ids"])[keep]
+    return torch.unique_consecutive(sequence, return_inverse=True)[1]

@@ -1,0 +1,193 @@
+"""GRPO (train.objective grpo): the loss and gradients equal TRL's GRPOTrainer on the same completions and
+advantages; sampling is a function of the step and the prompt (resume, two processes); reward functions
+are checked; a run on the demo raises the reward."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from conftest import DEMO_DATA, adapted_lora, base_config, finetune_in_process, read_jsonl, run_cli, write_config
+
+from finetune.config import GRPOConfig
+from finetune.errors import UserError
+from finetune.grpo import GRPO
+from finetune.loss import to_device
+from finetune.packing import Row, collate
+from finetune.rewards import Reward, exact_match, load_rewards, score
+from finetune.rows import IGNORE
+
+PROMPTS = [[5, 9, 17, 23], [31, 8, 12]]  # two prompts, two completions each
+COMPLETIONS = [[40, 41, 42, 2], [43, 44], [45, 46, 47, 48, 49, 50], [51]]
+ADVANTAGES = torch.tensor([0.9, -0.4, 1.3, -0.2])  # not summing to 0: a loss value that says something
+MAX_COMPLETION = 6
+
+
+def _grpo_config(model_dir, out, **sections):
+    cfg = base_config(model_dir, out, **sections)
+    cfg["data"] = {"train": str(DEMO_DATA / "prompts-train.jsonl"), "eval": str(DEMO_DATA / "prompts-eval.jsonl"), "format": "prompt",
+                   "max_seq_len": 64, **sections.get("data", {})}
+    cfg["train"] = {**cfg["train"], "objective": "grpo", "max_steps": 4, "micro_batch_size": 2, "lr": 5e-3, **sections.get("train", {})}
+    cfg["grpo"] = {"num_generations": 4, "max_completion_length": 4, **sections.get("grpo", {})}
+    cfg["eval"] = {"max_batches": 2, **sections.get("eval", {})}
+    return cfg
+
+
+def _ours(model, cfg: GRPOConfig) -> torch.Tensor:
+    """Our loss on the completions, laid out as the rollout lays them out (a prompt's completions packed in one row)."""
+    rows = []
+    for p, prompt in enumerate(PROMPTS):
+        ids, labels, positions = [], [], []
+        for completion in COMPLETIONS[2 * p : 2 * p + 2]:
+            ids += prompt + completion
+            labels += [IGNORE] * len(prompt) + completion
+            positions += range(len(prompt) + len(completion))
+        rows.append(Row(np.array(ids), np.array(labels), np.array(positions)))
+    n = len(COMPLETIONS)
+    batch = {**collate(rows, 0), "advantages": ADVANTAGES, "rewards": torch.zeros(n, 1), "reward": torch.zeros(n),
+             "reward_std": torch.zeros(n), "zero_std": torch.zeros(n)}
+    objective = GRPO(cfg, [Reward("r", "reward_r", 1.0, None)], seed=0)
+    totals = objective.counts(batch)
+    return objective.losses(model, to_device(batch, "cpu"), totals).tokens / totals[0]
+
+
+def _trls(model, tokenizer, cfg: GRPOConfig, tmp_path) -> torch.Tensor:
+    """TRL's GRPOTrainer._compute_loss on the same completions: prompts left-padded, completions right-padded, as TRL batches them."""
+    from datasets import Dataset
+    from trl import GRPOConfig as TRLConfig
+    from trl import GRPOTrainer
+
+    args = TRLConfig(output_dir=str(tmp_path / "trl"), per_device_train_batch_size=4, num_generations=2, max_completion_length=MAX_COMPLETION,
+                     beta=cfg.beta, loss_type=cfg.loss_type, temperature=cfg.temperature, epsilon=cfg.epsilon, report_to=[], use_cpu=True,
+                     bf16=False)
+    trainer = GRPOTrainer(model=model, reward_funcs=[lambda completions, **_: [0.0] * len(completions)], args=args,
+                          train_dataset=Dataset.from_list([{"prompt": "a"}] * 4), processing_class=tokenizer)
+    trainer.current_gradient_accumulation_steps = 1
+    width = max(map(len, PROMPTS))
+    prompts = [PROMPTS[i // 2] for i in range(4)]
+    prompt_ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    prompt_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    completion_ids = torch.tensor([c + [0] * (MAX_COMPLETION - len(c)) for c in COMPLETIONS])
+    completion_mask = torch.tensor([[1] * len(c) + [0] * (MAX_COMPLETION - len(c)) for c in COMPLETIONS])
+    inputs = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": completion_ids, "completion_mask": completion_mask,
+              "advantages": ADVANTAGES, "num_items_in_batch": completion_mask.sum()}
+    if cfg.beta:
+        with torch.no_grad(), model.disable_adapter():
+            inputs["ref_per_token_logps"], _, _ = trainer._get_per_token_logps_and_entropies(
+                model, torch.cat([prompt_ids, completion_ids], 1), torch.cat([prompt_mask, completion_mask], 1), MAX_COMPLETION)
+    model.train()
+    return trainer._compute_loss(model, inputs)
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo"])
+@pytest.mark.parametrize("beta", [0.0, 0.2])
+def test_loss_and_gradients_equal_trls(tmp_path, tiny_model_dir, loss_type, beta):
+    pytest.importorskip("trl")
+    from transformers import AutoTokenizer
+
+    cfg = GRPOConfig(loss_type=loss_type, beta=beta, temperature=0.8, max_completion_length=MAX_COMPLETION)
+    model = adapted_lora(tiny_model_dir)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    expected = _trls(model, AutoTokenizer.from_pretrained(tiny_model_dir), cfg, tmp_path)
+    expected.backward()
+    expected_grads = [p.grad.clone() for p in trained]
+    model.zero_grad()
+    ours = _ours(model, cfg)
+    ours.backward()
+    assert abs(ours.item() - expected.item()) < 1e-5, (ours.item(), expected.item())
+    assert abs(expected.item()) > 1e-3  # a loss that says something: the advantages do not cancel
+    worst = max((p.grad - g).abs().max().item() for p, g in zip(trained, expected_grads))
+    assert worst < 1e-4 * max(g.abs().max().item() for g in expected_grads), worst
+
+
+@pytest.fixture(scope="module")
+def parity_reward(tmp_path_factory) -> str:
+    """A reward random completions of a random model score unevenly on: the parity of their tokens (id sum)."""
+    path = tmp_path_factory.mktemp("rewards") / "parity.py"
+    path.write_text("def even(completion_ids, **_):\n    return [float(sum(ids) % 2 == 0) + 0.1 * len(ids) for ids in completion_ids]\n")
+    return f"{path}:even"
+
+
+def _steps(out) -> list[dict]:
+    return [r for r in read_jsonl(out / "metrics.jsonl") if "loss" in r]
+
+
+def test_kill_9_mid_grpo_run_then_resume_samples_and_trains_the_same(tmp_path, tiny_model_dir, parity_reward):
+    """A prompt's completions come from a seed of (train.seed, step, prompt): the resumed steps sample the
+    same completions (lengths, rewards) and give the same losses, bitwise, with no sampler state saved."""
+    cfg = _grpo_config(tiny_model_dir, tmp_path / "reference", data={"eval": None}, grpo={"rewards": [parity_reward], "beta": 0.1})
+    assert finetune_in_process("train", "--config", str(write_config(tmp_path / "reference.yaml", cfg))).returncode == 0
+    keys = ("loss", "grad_norm", "reward", "completion_length", "kl")
+    expected = [[r[k] for k in keys] for r in _steps(tmp_path / "reference")]
+    assert len({tuple(e[1:]) for e in expected}) == 4  # every step sampled something else
+    cfg["train"]["output_dir"] = str(tmp_path / "out")
+    config = str(write_config(tmp_path / "grpo.yaml", cfg))
+    killed = run_cli("train", "--config", config, "--save-every", "2", env={"FINETUNE_FAULT": "kill@3"})
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    resumed = finetune_in_process("train", "--config", config, "--save-every", "2")
+    assert resumed.returncode == 0 and "step-000002 at step 2" in resumed.stdout, resumed.stderr[-2000:]
+    assert [[r[k] for k in keys] for r in _steps(tmp_path / "out")] == expected  # bitwise
+
+
+def test_two_processes_sample_and_train_as_one(tmp_path, tiny_model_dir, parity_reward):
+    from conftest import train_strategy
+
+    sections = _grpo_config(tiny_model_dir, tmp_path, grpo={"rewards": [parity_reward, "length"]})
+    sections = {k: sections[k] for k in ("data", "grpo")} | {"train": {"objective": "grpo"}}
+    sections["data"]["eval"] = None
+    _, one, _ = train_strategy(tmp_path, "one", tiny_model_dir, "lora", 1, "ddp", **sections)
+    out, two, summary = train_strategy(tmp_path, "two", tiny_model_dir, "lora", 2, "ddp", **sections)
+    assert summary["world_size"] == 2 and len(two) == 4
+    assert two == pytest.approx(one, rel=1e-4, abs=1e-6)
+    rewards = [[r["reward"], r["completion_length"]] for r in _steps(out)]
+    assert rewards == pytest.approx([[r["reward"], r["completion_length"]] for r in _steps(tmp_path / "one")], abs=1e-6)  # the same completions
+
+
+def test_reward_functions_resolve_and_bad_ones_stop_in_one_line(tmp_path):
+    (tmp_path / "my_rewards.py").write_text(
+        "def shorter(completions, **kw):\n    return [-float(len(c)) for c in completions]\n"
+        "def raises(completions, **kw):\n    raise KeyError('solution')\n"
+        "def text(completions, **kw):\n    return ['high'] * len(completions)\n"
+        "def short_list(completions, **kw):\n    return [1.0]\n"
+        "def nan(completions, **kw):\n    return [float('nan')] * len(completions)\n")
+    path = tmp_path / "my_rewards.py"
+    rewards = load_rewards(GRPOConfig(rewards=["exact_match", f"{path}:shorter", "format", "length"], format_pattern=r"no\w+",
+                                       max_completion_length=4))
+    assert [r.metric for r in rewards] == ["reward_exact_match", "reward_shorter", "reward_format", "reward_length"]
+    table = score(rewards, ["p", "p"], ["noun", " verb "], [[1, 2], [3]], [{"answer": "noun"}, {"answer": "verb"}], lambda i: f"rows.jsonl:{i}")
+    assert table == [[1.0, -4.0, 1.0, -0.5], [1.0, -6.0, 0.0, -0.25]]
+    for name, why in ((f"{path}:missing", "has no function missing"), ("no_such_module:f", "importing no_such_module failed: ModuleNotFoundError"),
+                      (f"{tmp_path}/nope.py:f", "no file"), ("exactmatch", "is not a built-in")):
+        with pytest.raises(UserError, match=why):
+            load_rewards(GRPOConfig(rewards=[name]))
+    for name, why in (("raises", r"raises raised KeyError: 'solution' \(scoring completions of rows.jsonl:0\)"),
+                      ("text", "returned 'high' for a completion of rows.jsonl:0; expected a finite number"),
+                      ("short_list", "returned a list of 1; expected a list of 2 numbers"), ("nan", "returned nan")):
+        with pytest.raises(UserError, match=why):
+            score(load_rewards(GRPOConfig(rewards=[f"{path}:{name}"])), ["p", "p"], ["a", "b"], [[1], [2]], [{}, {}], lambda i: f"rows.jsonl:{i}")
+    with pytest.raises(ValueError, match="no 'answer' column"):
+        exact_match(["noun"])
+
+
+def test_bad_grpo_input_is_one_line_with_exit_2(tmp_path, tiny_model_dir):
+    bad = tmp_path / "prompts.jsonl"
+    bad.write_text(json.dumps({"prompt": "What kind?", "answer": "noun"}) + "\n" + json.dumps({"prompt": [{"role": "user"}]}) + "\n")
+    (tmp_path / "r.py").write_text("def broken(completions, **kw):\n    return [None] * len(completions)\n")
+    cases = [({"data": {"train": str(bad), "eval": None}}, r"prompts.jsonl:2: prompt\[0\] must be \{role"),
+             ({"grpo": {"rewards": [f"{tmp_path}/r.py:broken"]}, "data": {"eval": None}},
+              r"grpo.rewards: .*r.py:broken returned None for a completion of .*prompts-train.jsonl:\d+ \(prompt"),
+             ({"grpo": {"rewards": ["exact_match", "length"], "reward_weights": [1.0]}}, "2 reward functions"),
+             ({"train": {"objective": "sft"}}, "grpo for data.format: prompt"),
+             ({"distributed": {"strategy": "fsdp"}}, "shards the weights")]
+    for i, (sections, why) in enumerate(cases):
+        config = write_config(tmp_path / f"bad{i}.yaml", _grpo_config(tiny_model_dir, tmp_path / f"out{i}", **sections))
+        result = finetune_in_process("train", "--config", str(config))
+        assert result.returncode == 2, (why, result.stderr[-1500:])
+        line = [x for x in result.stderr.splitlines() if x.startswith("error")]
+        assert len(line) == 1 and __import__("re").search(why, line[0]), (why, result.stderr[-1500:])
+    with pytest.raises(UserError, match="set data.format: prompt"):
+        from finetune.config import validate_config
+
+        validate_config(base_config(tiny_model_dir, tmp_path / "x", train={"objective": "grpo"}), "test")
