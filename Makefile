@@ -53,12 +53,12 @@ demo-dpo: install demo/model/config.json
 	@$(call keep_previous,outputs/dpo)
 	$(VENV)/bin/finetune train --config configs/dpo.yaml
 
-# GRPO needs a policy that sometimes answers right: 200 SFT steps (exact match ~70%), merged, are its base.
+# GRPO needs a policy that sometimes answers right: 225 SFT steps (exact match ~89%), merged, are its base.
 demo-grpo: install demo/model/config.json
 	@$(call keep_previous,outputs/grpo-sft)
 	@$(call keep_previous,outputs/grpo)
 	@if [ -d outputs/grpo-sft-merged ]; then mv outputs/grpo-sft-merged outputs/grpo-sft-merged.$$(date +%Y%m%d-%H%M%S); fi
-	$(VENV)/bin/finetune train --config configs/demo.yaml --output-dir outputs/grpo-sft --set train.max_steps=200 --set eval.every=0
+	$(VENV)/bin/finetune train --config configs/demo.yaml --output-dir outputs/grpo-sft --set train.max_steps=225 --set eval.every=0
 	$(VENV)/bin/finetune merge --adapter outputs/grpo-sft --out outputs/grpo-sft-merged
 	$(VENV)/bin/finetune train --config configs/grpo.yaml
 

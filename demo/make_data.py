@@ -4,7 +4,9 @@
 - train.jsonl / eval.jsonl: "What kind of word is this?" in Alpaca format (noun, adjective, verb or
   name); pairs-train.jsonl / pairs-eval.jsonl: the same question as preference pairs (format:
   preference), the word's kind chosen over each wrong kind, for `make demo-dpo`; prompts-train.jsonl /
-  prompts-eval.jsonl: the question as a chat prompt with its answer (format: prompt), for `make demo-grpo`. The pretrained base does not follow the instruction; a LoRA fine-tune learns to, and the
+  prompts-eval.jsonl: the question as a chat prompt with its answer (format: prompt), for `make demo-grpo`;
+  unpaired-train.jsonl / unpaired-eval.jsonl: the question with the right kind (label true) and a wrong one
+  (false), for KTO (format: unpaired). The pretrained base does not follow the instruction; a LoRA fine-tune learns to, and the
   eval words are never in the fine-tuning data, so exact-match accuracy on them shows that the
   fine-tune taught the task on top of what the base learned about each word in pretraining.
 
@@ -64,6 +66,13 @@ def prompt_row(word: str) -> dict:
     return {"prompt": [{"role": "user", "content": f"What kind of word is this?\n\n{word}"}], "answer": KINDS[word]}
 
 
+def unpaired_rows(word: str, index: int) -> list[dict]:
+    """The question with the right kind (desirable) and one wrong kind (undesirable), for KTO (format: unpaired)."""
+    question = [{"role": "user", "content": f"What kind of word is this?\n\n{word}"}]
+    wrong = [k for k in ("noun", "adjective", "verb", "name") if k != KINDS[word]][index % 3]
+    return [{"prompt": question, "completion": KINDS[word], "label": True}, {"prompt": question, "completion": wrong, "label": False}]
+
+
 def main() -> None:
     rng = random.Random(1234)
     out = Path(__file__).parent / "data"
@@ -80,7 +89,10 @@ def main() -> None:
     rng.shuffle(train)
     pairs = {"pairs-train.jsonl": [p for w in vocab[:cut] for p in pair_rows(w)], "pairs-eval.jsonl": [p for w in vocab[cut:] for p in pair_rows(w)]}
     random.Random(99).shuffle(pairs["pairs-train.jsonl"])
-    prompts = {"prompts-train.jsonl": [prompt_row(w) for w in vocab[:cut]], "prompts-eval.jsonl": [prompt_row(w) for w in vocab[cut:]]}
+    prompts = {"prompts-train.jsonl": [prompt_row(w) for w in vocab[:cut]], "prompts-eval.jsonl": [prompt_row(w) for w in vocab[cut:]],
+               "unpaired-train.jsonl": [r for i, w in enumerate(vocab[:cut]) for r in unpaired_rows(w, i)],
+               "unpaired-eval.jsonl": [r for i, w in enumerate(vocab[cut:]) for r in unpaired_rows(w, i)]}
+    random.Random(7).shuffle(prompts["unpaired-train.jsonl"])
     for name, part in (("train.jsonl", train), ("eval.jsonl", [task_row(w) for w in vocab[cut:]]), *pairs.items(), *prompts.items()):
         with (out / name).open("w") as fh:
             fh.writelines(json.dumps(r) + "\n" for r in part)

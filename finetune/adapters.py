@@ -30,8 +30,14 @@ def find_adapter(path: str, base: str | None) -> Adapter:
     if not folder.is_dir():
         raise UserError(f"--adapter: no such folder: {path}")
     run = load_config(folder / CONFIG_FILE, check_model=False, check_paths=False) if (folder / CONFIG_FILE).is_file() else None
+    if run is not None and run.train.objective == "reward":
+        raise UserError(f"--adapter: {folder} is a reward model (train.objective: reward): it scores, it does not generate; "
+                        "score rows with finetune score --model, or use it as a GRPO reward (grpo.rewards: [reward_model:PATH])")
     if (folder / "adapter_config.json").is_file():
-        saved_base = read_json_object(folder / "adapter_config.json", "--adapter").get("base_model_name_or_path")
+        saved = read_json_object(folder / "adapter_config.json", "--adapter")
+        if saved.get("task_type") == "SEQ_CLS":
+            raise UserError(f"--adapter: {folder} is a sequence-classification adapter (a reward model); score rows with finetune score --model")
+        saved_base = saved.get("base_model_name_or_path")
         chosen = base or saved_base
         if not chosen:
             raise UserError(f"--adapter: {folder}/adapter_config.json names no base model; give --base")

@@ -114,6 +114,15 @@ def _output_commands(sub) -> None:
     p.add_argument("--batch-size", type=_number(int, 1, "at least 1"), default=8, help="samples per forward (default 8)")
     p.add_argument("--out", metavar="FILE", help="write the results here (a new file) instead of beside the model")
 
+    p = sub.add_parser("score", help="score rows with a reward model (train.objective: reward)",
+                       description="Score each {prompt, completion} row of a JSONL/JSON/Parquet/CSV file (text, or chat messages with the "
+                       "completion as an assistant message or string) with a reward model that train.objective: reward saved (its run "
+                       "folder: an adapter over its base, or a full model folder): prompt and completion tokenized together as in "
+                       "training, the score at the last token. Writes every row with its score as JSONL to --out.")
+    p.add_argument("--model", metavar="DIR", required=True, help="the reward model: a run folder of train.objective: reward, or its model folder")
+    p.add_argument("--data", metavar="FILE", required=True, help="rows {prompt, completion} to score")
+    p.add_argument("--out", metavar="FILE", required=True, help="a new JSONL file: each row with its score")
+
     p = sub.add_parser("generate", help="try a model or an adapter on a prompt (tokens stream as they come), or answer a file of prompts",
                        description="Generate a continuation of a prompt with a model folder (merged or fully fine-tuned) or with "
                        "base + adapter as trained. Greedy unless --temperature is above 0.")
@@ -352,6 +361,13 @@ def export(args: argparse.Namespace) -> None:
     print(f"wrote {report['out']} ({report['type']}, {report['bytes'] / 2**20:.1f} MiB) and a Modelfile beside it")
 
 
+def score(args: argparse.Namespace) -> None:
+    from finetune.score import score_file
+
+    count = score_file(args.model, args.data, args.out)
+    print(f"scored {count} rows -> {args.out}")
+
+
 def eval_tasks(args: argparse.Namespace) -> None:
     from finetune.harness import evaluate
 
@@ -372,7 +388,7 @@ def make_demo_model(args: argparse.Namespace) -> None:
 
 
 COMMANDS = {"train": train, "validate": validate, "data": data, "plan": plan, "stage": stage, "merge": merge, "export": export,
-            "eval": eval_tasks, "generate": generate, "configs": configs, "make-demo-model": make_demo_model}
+            "eval": eval_tasks, "score": score, "generate": generate, "configs": configs, "make-demo-model": make_demo_model}
 
 
 def main(argv: list[str] | None = None) -> int:

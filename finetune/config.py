@@ -99,8 +99,9 @@ class AdapterConfig(_Section):
 
 
 # a format's field -> the file's column
-Columns = dict[Literal["text", "instruction", "input", "output", "messages", "conversations", "prompt", "chosen", "rejected", "answer"], str]
-Format = Literal["completion", "alpaca", "chat", "preference", "prompt"]
+Columns = dict[Literal["text", "instruction", "input", "output", "messages", "conversations", "prompt", "chosen", "rejected", "answer",
+                       "completion", "label"], str]
+Format = Literal["completion", "alpaca", "chat", "preference", "prompt", "unpaired"]
 
 
 class SourceConfig(_Section):
@@ -121,7 +122,8 @@ class DataConfig(_Section):
         "alpaca", description="completion: {text}; alpaca: {instruction, input?, output}; chat: {messages: [{role, content}]} (content may be a "
         "list of text parts) or ShareGPT's {conversations: [{from, value}]}; preference (train.objective dpo/orpo/cpo/simpo): {prompt, chosen, "
         "rejected} as text, or chat messages {messages or prompt, chosen, rejected}; prompt (train.objective grpo): {prompt (text or chat "
-        "messages), answer?, any other columns the reward functions read}. docs/data.md: every accepted shape."
+        "messages), answer?, any other columns the reward functions read}; unpaired (train.objective kto): {prompt, completion, label: "
+        "true/false}. docs/data.md: every accepted shape."
     )
     columns: Columns = Field({}, description="The format's fields under other column names, e.g. {instruction: question, output: answer}.")
     eval: str | list[str | SourceConfig] | None = Field(None, description="Held-out eval file(s) or sources; or use eval_fraction.")
@@ -194,9 +196,11 @@ class TrainConfig(_Section):
     router_aux_loss_coef: float | None = Field(None, ge=0, description="Mixture-of-experts models: weight of the router's load-balancing loss "
                                                "added to the training loss (null: the model config's router_aux_loss_coef; 0: off).")
     seed: int = Field(42, description="Seed for weights init, dropout and data order.")
-    objective: Literal["sft", "dpo", "orpo", "cpo", "simpo", "grpo"] = Field(
+    objective: Literal["sft", "dpo", "orpo", "cpo", "simpo", "kto", "reward", "grpo"] = Field(
         "sft", description="sft: cross-entropy on the answers; dpo, orpo, cpo or simpo: preference pairs (data.format: preference), "
-        "settings under preference:. dpo holds the policy to a reference (the base); orpo, cpo and simpo need none. grpo: online RL on "
+        "settings under preference:. dpo holds the policy to a reference (the base); orpo, cpo and simpo need none. kto: unpaired examples "
+        "labelled desirable or not (data.format: unpaired), held to the reference as dpo. reward: a reward model (a sequence-classification "
+        "head scoring each sequence's last token) trained on preference pairs with the Bradley-Terry loss. grpo: online RL on "
         "prompts (data.format: prompt): completions sampled by the policy, scored by reward functions, settings under grpo:.")
     overfit_batch: int = Field(0, ge=0, description="Sanity check: train this many steps on the first batch only (0 = off).")
 
@@ -215,8 +219,8 @@ class TrainConfig(_Section):
 
 
 class PreferenceConfig(_Section):
-    beta: float = Field(0.1, gt=0, description="DPO's beta: how strongly the policy is held to the reference (its rewards are beta x the "
-                        "log-probability ratios).")
+    beta: float = Field(0.1, gt=0, description="DPO's (and CPO's, SimPO's, KTO's) beta: how strongly the policy is held to the reference "
+                        "(its rewards are beta x the log-probability ratios).")
     dpo_loss: Literal["sigmoid", "ipo", "hinge"] = Field("sigmoid", description="DPO's loss: sigmoid (the paper's), ipo (squared, on "
                                                           "per-token averages) or hinge (SLiC); as TRL computes them.")
     label_smoothing: float = Field(0.0, ge=0, lt=0.5, description="dpo_loss sigmoid: the share of pairs assumed flipped (conservative DPO).")
@@ -224,6 +228,11 @@ class PreferenceConfig(_Section):
                                "(TRL's beta).")
     simpo_gamma: float = Field(0.5, ge=0, description="SimPO: the target margin between the chosen and rejected answers' average "
                                "log-probabilities, in units of beta (TRL's simpo_gamma).")
+    kto_desirable_weight: float = Field(1.0, gt=0, description="KTO: weight of the desirable examples' losses (TRL's desirable_weight); "
+                                        "with more undesirable than desirable examples, the KTO paper suggests their count ratio (to 4/3 of it).")
+    kto_undesirable_weight: float = Field(1.0, gt=0, description="KTO: weight of the undesirable examples' losses (TRL's undesirable_weight).")
+    center_rewards_coefficient: float | None = Field(None, ge=0, description="Reward models: weight of the mean squared sum of the pair's "
+                                                     "rewards added to the loss, keeping rewards centred on 0 (TRL's; 0.01 in its docs); null: off.")
     cpo_alpha: float | None = Field(None, ge=0, description="CPO and SimPO: weight of the chosen answers' mean cross-entropy added to the "
                                     "preference loss (TRL's cpo_alpha). null: 1.0 for cpo (the paper's), 0 for simpo (plain SimPO).")
 
@@ -231,8 +240,9 @@ class PreferenceConfig(_Section):
 class GRPOConfig(_Section):
     rewards: list[str] = Field(["exact_match"], min_length=1, description="Reward functions, summed (weighted): exact_match (1 where the "
                                "completion, stripped, equals the row's answer), format (1 where it matches format_pattern whole), length "
-                               "(minus the share of max_completion_length used), or module:function / path/to/file.py:function, called as TRL "
-                               "calls them: f(prompts=, completions=, completion_ids=, **the rows' other columns) -> a float per completion.")
+                               "(minus the share of max_completion_length used), reward_model:PATH (a reward model train.objective: reward "
+                               "saved: its score), or module:function / path/to/file.py:function, called as TRL calls them: f(prompts=, "
+                               "completions=, completion_ids=, **the rows' other columns) -> a float per completion.")
     reward_weights: list[float] | None = Field(None, description="A weight per reward function (null: 1 each).")
     format_pattern: str = Field(r"\S.*", description="The format reward's regular expression (Python re, matched against the whole completion, "
                                 "DOTALL).")
@@ -402,16 +412,24 @@ class RunConfig(_Section):
         formats = {(None if isinstance(s, str) else s.format) or self.data.format for s in _as_list(self.data.train)}
         if self.train.objective != "sft" and self.data.train_on_prompt:
             raise ValueError(f"data.train_on_prompt: {self.train.objective} takes its loss on the answers only; set it to false")
-        wanted = {"sft": None, "grpo": "prompt"}.get(self.train.objective, "preference")
-        if wanted is None and formats & {"preference", "prompt"}:
+        wanted = {"sft": None, "grpo": "prompt", "kto": "unpaired"}.get(self.train.objective, "preference")
+        if wanted is None and formats & {"preference", "prompt", "unpaired"}:
             raise ValueError("train.objective: sft trains on answers; set train.objective: dpo, orpo, cpo or simpo for data.format: preference, "
-                             "grpo for data.format: prompt")
+                             "kto for data.format: unpaired, grpo for data.format: prompt")
         if wanted is not None and formats != {wanted}:
-            raise ValueError(f"train.objective: {self.train.objective} trains on " + ("preference pairs: set data.format: preference"
-                             if wanted == "preference" else "prompts: set data.format: prompt ({prompt, answer?, ...} rows)"))
+            raise ValueError(f"train.objective: {self.train.objective} trains on " + {
+                "preference": "preference pairs: set data.format: preference", "prompt": "prompts: set data.format: prompt ({prompt, answer?, ...} rows)",
+                "unpaired": "unpaired examples: set data.format: unpaired ({prompt, completion, label} rows)"}[wanted])
         g = self.grpo
         if g.reward_weights is not None and len(g.reward_weights) != len(g.rewards):
             raise ValueError(f"grpo.reward_weights: {len(g.reward_weights)} weights for {len(g.rewards)} reward functions; give one each")
+        if self.train.objective == "reward":
+            why = ("model.quantization (quantized reward models are not supported yet)" if q is not None else
+                   f"distributed.strategy {strategy} (the score head is not in the base's files it streams; use ddp or zero2)"
+                   if asked.shards_weights else "eval.generate_samples (a reward model scores, it does not generate)"
+                   if self.eval.generate_samples else None)
+            if why:
+                raise ValueError(f"train.objective: reward trains a sequence-classification head; it cannot run with {why}")
         if self.train.objective == "grpo" and asked.shards_weights:
             raise ValueError(f"train.objective: grpo samples its completions with the whole model in each process; distributed.strategy "
                              f"{strategy} shards the weights: use ddp or zero2")

@@ -19,7 +19,7 @@ import numpy as np
 
 from finetune.config import DataConfig, SourceConfig, data_sources
 from finetune.errors import UserError
-from finetune.packing import Split, pack, unpacked
+from finetune.packing import Split, Unpaired, pack, unpacked
 from finetune.rows import IGNORE, where
 from finetune.tokenized import cache_root, fingerprint, tokenized
 
@@ -89,6 +89,8 @@ def load_data(cfg: DataConfig, tokenizer, seed: int, eval_examples: int = 0, say
         eval_split = None
     if cfg.format == "completion":  # no prompt and answer to compare a generation with (preference pairs: the chosen answer)
         examples = []
+    if cfg.format == "unpaired":  # an undesirable completion is no answer to match
+        examples = [row for row in examples if row["label"]]
     stats["seconds"] = time.perf_counter() - started
     return Datasets(split, eval_split, examples, stats)
 
@@ -172,6 +174,8 @@ def _split(source: _Samples, samples: np.ndarray, cfg: DataConfig, seed: int, ro
                   starts, context, pairs)
     if prompts:
         split.locate = lambda sample: _where(source, sample)
+    if source.sources[0].format == "unpaired":  # KTO: each example's label, and where its completion starts (for the mismatched pairs)
+        split.unpaired = Unpaired(source.table.column("chosen_length").to_numpy()[picks].astype(bool), source.first[picks], cfg.max_seq_len)
     dropped = samples[~source.trains[samples]]
     stats = {"samples": len(usable), "truncated": int(source.truncated[samples].sum()), "chunked": int(source.chunked[usable].sum()),
              "windows": len(picks) - len(usable) + int(source.chunked[usable].sum()), "dropped_no_target": len(dropped),

@@ -58,7 +58,7 @@ class Replicated:
         self.params: list[torch.nn.Parameter] = []  # the trained ones, as this rank holds them (after prepare)
 
     def load(self, model_cfg: ModelConfig, say) -> torch.nn.Module:
-        return load_model(model_cfg, self.accelerator.device, say=say)
+        return load_model(model_cfg, self.accelerator.device, say=say, head="score" if self.cfg.train.objective == "reward" else "causal")
 
     def prepare(self, model: torch.nn.Module, total_steps: int) -> None:
         """Wrap the model, then build the optimizer on what this rank holds, and the LR schedule on that

@@ -33,7 +33,7 @@ def eval_loss(model, rows: Split, batch_size: int, pad_id: int, accelerator, max
     # a rank with fewer rows repeats a row with its labels ignored.
     count = math.ceil(math.ceil(len(rows) / world) / batch_size)
     count = min(count, max_batches) if max_batches else count
-    total = torch.zeros(2 + len(objective.metrics), dtype=torch.float64)
+    sums = None  # the loss's, the metrics' and the objective's counts, summed over the batches
     for b in range(count):
         chunk = mine[b * batch_size : (b + 1) * batch_size]
         batch = rows.batch(chunk or [0], pad_id)
@@ -43,17 +43,18 @@ def eval_loss(model, rows: Split, batch_size: int, pad_id: int, accelerator, max
         counts = objective.counts(batch)
         with accelerator.autocast():
             parts = objective.losses(model, batch, counts)
-        total[0] += parts.tokens.double().cpu()
-        if parts.metrics is not None:
-            total[2:] += parts.metrics.double().cpu()
-        total[1] += counts[0]
-    total = accelerator.reduce(total.to(accelerator.device), "sum").cpu()
+        metrics = parts.metrics.double().cpu() if parts.metrics is not None else torch.zeros(len(objective.metrics), dtype=torch.float64)
+        here = torch.cat([parts.tokens.double().cpu().reshape(1), metrics, torch.tensor(counts, dtype=torch.float64)])
+        sums = here if sums is None else sums + here
+    sums = accelerator.reduce(sums.to(accelerator.device), "sum").cpu()
+    loss_sum, metric_sums, counts = sums[0], sums[1 : 1 + len(objective.metrics)], sums[1 + len(objective.metrics) :]
     model.train(was_training)
-    loss = (total[0] / total[1]).item() if total[1] > 0 else float("nan")
+    loss = (loss_sum / counts[0]).item() if counts[0] > 0 else float("nan")
     if objective.metrics:
-        return {"eval_loss": loss, "eval_pairs": int(total[1]),
-                **{f"eval_{name}": (value / total[1]).item() if total[1] > 0 else float("nan") for name, value in zip(objective.metrics, total[2:])}}
-    return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0)), "eval_tokens": int(total[1])}
+        return {"eval_loss": loss, f"eval_{objective.unit}": int(counts[0]),
+                **{f"eval_{name}": (value / counts[c]).item() if counts[c] > 0 else float("nan")
+                   for name, value, c in zip(objective.metrics, metric_sums, objective.metric_counts)}}
+    return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0)), "eval_tokens": int(counts[0])}
 
 
 @torch.no_grad()

@@ -38,13 +38,25 @@ class GRPO:
     reference: torch.nn.Module | None = None  # full fine-tuning with beta > 0: a frozen copy (engines.reference); else the adapter-off model
     locate: object = None  # sample index -> "file:line" (data.Split.locate), for reward errors
     metrics: tuple[str, ...] = field(init=False)
+    metric_counts: tuple[int, ...] = field(init=False)
 
-    levels = False  # the loss is centred on 0 by the advantages: no level for the guard's drift tests to judge
-    metric_total = 1  # metrics are means over the step's completions (counts' second entry)
+    levels = False  # the loss is centred on 0 by the advantages: no start level, no stuck-at-0 check
+    watched_name = "negative mean reward"
+    unit = "prompts"
     start_loss = 0.0
+
+    def watched(self, loss: float, metrics: dict[str, float]) -> float:
+        """What the guard judges: the negative mean reward. Its spikes and drift are a reward collapse, rolled back as a
+        loss's are (the level may be negative: the noise test, not the ratio, decides)."""
+        return -metrics["reward"]
 
     def __post_init__(self):
         self.metrics = ("reward", "reward_std", "zero_std_groups", "completion_length", "kl", "clip_ratio", *(r.metric for r in self.rewards))
+        self.metric_counts = (1,) * len(self.metrics)  # means over the step's completions (counts' second entry)
+
+    def eval_line(self, result: dict) -> str:
+        return (f"eval reward {result['eval_reward']:.4f} (greedy completions of {result['eval_prompts']} prompts; "
+                + ", ".join(f"{r.metric} {result['eval_' + r.metric]:.4f}" for r in self.rewards) + ")")
 
     # -- the loss ------------------------------------------------------------------------------
 

@@ -91,8 +91,9 @@ class Guard:
     'apply'
     """
 
-    def __init__(self, cfg: GuardConfig, state: dict | None = None, min_rise: float = 0.0, warmup: int = 0):
+    def __init__(self, cfg: GuardConfig, state: dict | None = None, min_rise: float = 0.0, warmup: int = 0, watched: str = "loss"):
         self.cfg = cfg
+        self.watched = watched  # what the judged value is, in messages (GRPO: the negative mean reward)
         self.state = _load(state)
         self.min_rise = min_rise  # the smallest rise of the loss that can be a spike or a drift (guard.min_rise, resolved)
         self.early_steps = warmup + cfg.window  # a level above the start level within these steps is a hot start
@@ -132,7 +133,7 @@ class Guard:
         level, best = self.level(), self.state.best
         if not self.cfg.enabled or not self.cfg.drift or level is None or best is None or not self._risen(level, best[1]):
             return APPLY
-        return self._escalate(f"the run ended at loss level {level:.4g}, above its best {best[1]:.4g} (step {int(best[0]) + 1}) "
+        return self._escalate(f"the run ended at {self.watched} level {level:.4g}, above its best {best[1]:.4g} (step {int(best[0]) + 1}) "
                               f"by more than guard.drift={self.cfg.drift:g}", int(best[0]))
 
     def worse_than_start(self, final_eval: float | None = None) -> str:
@@ -182,8 +183,8 @@ class Guard:
         if len(history) < cfg.min_history:
             return ""
         median, spread = _median_and_spread([h[1] for h in history])
-        if loss > cfg.loss_spike_ratio * median and loss > median + max(cfg.loss_spike_sigmas * spread, self.min_rise):
-            return f"loss spike {loss:.4g} (recent median {median:.4g}, robust deviation {spread:.2g})"
+        if loss > median + (cfg.loss_spike_ratio - 1) * abs(median) and loss > median + max(cfg.loss_spike_sigmas * spread, self.min_rise):
+            return f"{self.watched} spike {loss:.4g} (recent median {median:.4g}, robust deviation {spread:.2g})"
         grad_median = statistics.median(h[2] for h in history)
         if grad_norm > cfg.grad_spike_ratio * grad_median:
             return f"grad norm spike {grad_norm:.4g} (recent median {grad_median:.4g})"
@@ -224,7 +225,7 @@ class Guard:
         if not self._risen(now, lowest):
             return APPLY
         # Back to the good state: a checkpoint from no later than the lowest level.
-        return self._escalate(f"loss drifted up to {now:.4g} (median of the last {DRIFT_STEPS} steps) from {lowest:.4g}, "
+        return self._escalate(f"{self.watched} drifted up to {now:.4g} (median of the last {DRIFT_STEPS} steps) from {lowest:.4g}, "
                               f"its lowest within {self.cfg.window} steps (step {lowest_step + 1})", lowest_step)
 
     def _risen(self, level: float, reference: float, fraction: float | None = None, noise: float | None = None) -> bool:
@@ -234,7 +235,8 @@ class Guard:
         if noise is None:
             noise = self._level_noise()
         fraction = self.cfg.drift if fraction is None else fraction
-        return level > (1 + fraction) * reference and level - reference > max(self.cfg.drift_sigmas * noise, self.min_rise)
+        # `fraction` of the reference's size above it: the same as (1 + fraction) x reference for a loss, and right for a negative level too
+        return level > reference + fraction * abs(reference) and level - reference > max(self.cfg.drift_sigmas * noise, self.min_rise)
 
     def _escalate(self, reason: str, before_step: int) -> Verdict:
         if self.state.rollbacks >= self.cfg.max_rollbacks:

@@ -123,14 +123,16 @@ def _causal_lm_class(config):
         return None
 
 
-def load_model(cfg: ModelConfig, device: torch.device | str = "cpu", skeleton: str | None = None, say=print):
+def load_model(cfg: ModelConfig, device: torch.device | str = "cpu", skeleton: str | None = None, say=print, head: str = "causal"):
     """The base model. A quantized base is placed on `device` while loading (bitsandbytes quantizes
     as it places); a plain one is moved later by accelerate.
 
     skeleton: build the architecture without reading any weight: "meta" allocates none (the FSDP
     ranks that receive their shards from rank 0); "empty" allocates them on the CPU uninitialized,
     pages the kernel only provides once written (FSDP's rank 0 when it streams the weights from the
-    files: peft then creates and initializes the adapter on real tensors, as it would on a loaded model)."""
+    files: peft then creates and initializes the adapter on real tensors, as it would on a loaded model).
+    head: "causal" (the LM head), or "score" (a reward model: AutoModelForSequenceClassification with one
+    label, its score head initialized as transformers does)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if looks_local(cfg.name_or_path):
@@ -140,6 +142,8 @@ def load_model(cfg: ModelConfig, device: torch.device | str = "cpu", skeleton: s
     except (OSError, ValueError) as err:
         raise UserError(f"model.name_or_path: cannot read the config of '{cfg.name_or_path}': {_first_line(err)}") from None
     override_config(config, cfg.config_overrides)
+    if head == "score":
+        return _reward_model(cfg, config)
     attn, notice = attention_for(cfg, config)
     if notice:
         say(notice)
@@ -191,6 +195,26 @@ def load_model(cfg: ModelConfig, device: torch.device | str = "cpu", skeleton: s
             _keep_one_cpu_4bit_path(model)
     model.config.use_cache = False  # no KV cache while training; generation turns it on per call
     return model
+
+
+def _reward_model(cfg: ModelConfig, config):
+    """A sequence-classification model with one label over the base's weights (its score head new): a reward
+    model. The pad token is set where the config has none (transformers' pooling asks for one; finetune
+    takes each sequence's score at its last token itself)."""
+    from transformers import AutoModelForSequenceClassification
+
+    config.num_labels = 1
+    if config.pad_token_id is None:
+        eos = config.eos_token_id
+        config.pad_token_id = eos[0] if isinstance(eos, list) else eos
+    attn, _ = attention_for(cfg, config)
+    try:
+        return AutoModelForSequenceClassification.from_pretrained(cfg.name_or_path, config=config, revision=cfg.revision, dtype=DTYPES[cfg.dtype],
+                                                                  attn_implementation=attn, trust_remote_code=cfg.trust_remote_code,
+                                                                  use_safetensors=True)
+    except ValueError as err:  # no sequence-classification class for this architecture
+        raise UserError(f"train.objective: reward: {config.model_type} has no sequence-classification model in transformers "
+                        f"({_first_line(err)})") from None
 
 
 @contextmanager
@@ -318,7 +342,8 @@ def apply_adapter(model, cfg: AdapterConfig, gradient_checkpointing: bool, say=p
         say(f"adapter: LoRA on the experts' fused weights takes no dropout: adapter.dropout {dropout} -> 0 for this model")
         dropout = 0.0
     lora = LoraConfig(
-        task_type="CAUSAL_LM",
+        # A reward model's score head is new: peft trains it whole (modules_to_save) beside the adapter
+        task_type="SEQ_CLS" if type(model).__name__.endswith("ForSequenceClassification") else "CAUSAL_LM",
         r=cfg.r,
         lora_alpha=cfg.alpha,
         lora_dropout=dropout,

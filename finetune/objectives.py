@@ -30,10 +30,18 @@ class SFT:
     metrics: tuple[str, ...] = ()
     start_loss = 0.0  # what the guard's min_rise defaults to: any rise of a cross-entropy may be divergence
     levels = True  # the loss has a level the guard's drift and start tests can judge
-    metric_total = 0  # the metrics are means over counts' first entry
+    watched_name = "loss"  # what `watched` returns, as the guard's messages name it
+    metric_counts: tuple[int, ...] = ()  # per metric, the entry of counts it is a mean over
 
     def counts(self, batch: dict[str, torch.Tensor]) -> list[int]:
         return [trained_tokens(batch)]
+
+    def watched(self, loss: float, metrics: dict[str, float]) -> float:
+        """What the guard judges: the loss."""
+        return loss
+
+    def eval_line(self, result: dict) -> str:
+        return f"eval loss {result['eval_loss']:.4f}, perplexity {result['eval_ppl']:.2f}"
 
     def losses(self, model, batch: dict[str, torch.Tensor], totals: list[float], router: bool = False) -> Losses:
         return losses(model, batch, router=router)
@@ -52,7 +60,9 @@ class Preference:
     # reference); choice_accuracy: the policy gives the chosen answer the higher log-probability (what the model would pick).
     metrics = ("rewards_chosen", "rewards_rejected", "reward_margin", "reward_accuracy", "logps_chosen", "logps_rejected", "choice_accuracy")
     levels = True
-    metric_total = 0  # over pairs
+    watched_name = "loss"
+    metric_counts = (0,) * 7  # over pairs
+    unit = "pairs"
 
     @property
     def start_loss(self) -> float:
@@ -69,6 +79,13 @@ class Preference:
         if self.kind in ("cpo", "simpo"):
             return self.cfg.cpo_alpha if self.cfg.cpo_alpha is not None else float(self.kind == "cpo")
         return float(self.kind == "orpo")
+
+    def watched(self, loss: float, metrics: dict[str, float]) -> float:
+        return loss
+
+    def eval_line(self, result: dict) -> str:
+        return (f"eval loss {result['eval_loss']:.4f}, reward accuracy {result['eval_reward_accuracy']:.1%}, margin "
+                f"{result['eval_reward_margin']:.3f}; the model's own pick is the chosen answer in {result['eval_choice_accuracy']:.1%} of pairs")
 
     def counts(self, batch: dict[str, torch.Tensor]) -> list[int]:
         keep, answer, n = answers(batch)
@@ -107,17 +124,127 @@ class Preference:
         return Losses(loss, aux, metrics)
 
 
-def objective_for(train, preference: PreferenceConfig) -> SFT | Preference:
+@dataclass
+class KTO:
+    """KTO on unpaired examples labelled desirable or not, held to the reference as DPO is (the adapter off, or a
+    frozen copy), a mean over examples. Each micro-batch's reference point is the policy's KL to the reference
+    estimated on mismatched pairs (each prompt with the completion of the example before it: packing.Unpaired),
+    averaged over processes and clamped at 0, without gradient: TRL's KTOTrainer, tested against it."""
+
+    cfg: PreferenceConfig
+    reference: torch.nn.Module | None = None
+
+    metrics = ("kl", "rewards_desirable", "rewards_undesirable", "logps_desirable", "logps_undesirable")
+    metric_counts = (0, 1, 2, 1, 2)  # kl over examples; the rest over desirable (counts[1]) or undesirable (counts[2]) ones
+    unit = "examples"
+    levels = True
+    watched_name = "loss"
+    start_loss = 0.5  # 1 - sigmoid(0) while the policy is the reference: a rise smaller than this is no divergence (as DPO's ln 2)
+
+    def watched(self, loss: float, metrics: dict[str, float]) -> float:
+        return loss
+
+    def eval_line(self, result: dict) -> str:
+        return (f"eval loss {result['eval_loss']:.4f}, rewards {result['eval_rewards_desirable']:.3f} on the desirable completions, "
+                f"{result['eval_rewards_undesirable']:.3f} on the undesirable ones (reference point kl {result['eval_kl']:.4f})")
+
+    def counts(self, batch: dict[str, torch.Tensor]) -> list[int]:
+        _, _, n = answers(batch, pairs=False)
+        desirable = int(batch["desirable"][:n].sum())
+        return [n, desirable, n - desirable]
+
+    def losses(self, model, batch: dict[str, torch.Tensor], totals: list[float], router: bool = False) -> Losses:
+        keep, answer, n = answers(batch, pairs=False)
+        token, aux = token_logps(model, batch, keep, router)
+        logps = answer_sums(token, answer, n)[0]
+        mismatched = {"input_ids": batch["kl_input_ids"], "position_ids": batch["kl_position_ids"], "labels": batch["kl_labels"]}
+        kl_keep, kl_answer, kl_n = answers(mismatched, pairs=False)
+        reference = model if self.reference is None else self.reference
+        with torch.no_grad():
+            policy_kl = answer_sums(token_logps(model, mismatched, kl_keep)[0], kl_answer, kl_n)[0]
+            with adapters_off(model) if self.reference is None else contextlib.nullcontext():
+                ref = answer_sums(token_logps(reference, batch, keep)[0], answer, n)[0]
+                ref_kl = answer_sums(token_logps(reference, mismatched, kl_keep)[0], kl_answer, kl_n)[0]
+        kl = (policy_kl - ref_kl).mean() if kl_n else logps.new_zeros(())
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:  # every rank runs as many forwards
+            torch.distributed.all_reduce(kl)
+            kl = kl / torch.distributed.get_world_size()
+        kl = kl.clamp(min=0)
+        ratio, desirable, beta = logps - ref, batch["desirable"][:n].bool(), self.cfg.beta
+        per = torch.where(desirable, self.cfg.kto_desirable_weight * (1 - torch.sigmoid(beta * (ratio - kl))),
+                          self.cfg.kto_undesirable_weight * (1 - torch.sigmoid(beta * (kl - ratio))))
+        rewards, held = beta * ratio.detach(), logps.detach()
+        metrics = torch.stack([kl * n, rewards[desirable].sum(), rewards[~desirable].sum(), held[desirable].sum(), held[~desirable].sum()])
+        return Losses(per.sum(), aux, metrics)
+
+
+@dataclass
+class RewardModel:
+    """A reward model on preference pairs: the score head's output at each sequence's last token is its reward, and
+    the loss the Bradley-Terry one, -log sigmoid(chosen - rejected), a mean over pairs (TRL's RewardTrainer, tested
+    against it), plus center_rewards_coefficient x the mean squared sum of a pair's rewards where set."""
+
+    cfg: PreferenceConfig
+
+    metrics = ("rewards_chosen", "rewards_rejected", "reward_margin", "accuracy")
+    metric_counts = (0, 0, 0, 0)  # over pairs
+    unit = "pairs"
+    levels = True
+    watched_name = "loss"
+    start_loss = math.log(2)  # equal rewards: a rise below this is no divergence (as DPO's)
+
+    def watched(self, loss: float, metrics: dict[str, float]) -> float:
+        return loss
+
+    def eval_line(self, result: dict) -> str:
+        return (f"eval loss {result['eval_loss']:.4f}, accuracy {result['eval_accuracy']:.1%} (the chosen answer scored higher), "
+                f"margin {result['eval_reward_margin']:.3f}")
+
+    def counts(self, batch: dict[str, torch.Tensor]) -> list[int]:
+        return [answers(batch)[2] // 2]
+
+    def losses(self, model, batch: dict[str, torch.Tensor], totals: list[float], router: bool = False) -> Losses:
+        keep, answer, n = answers(batch)
+        ends = torch.zeros(n, dtype=torch.long, device=keep.device).scatter_reduce(0, answer, keep.flatten().nonzero().squeeze(1), "amax") + 1
+        rewards = sequence_scores(model, batch, ends)
+        chosen, rejected = rewards[0::2], rewards[1::2]
+        loss = -F.logsigmoid(chosen - rejected).sum()
+        if self.cfg.center_rewards_coefficient:
+            loss = loss + self.cfg.center_rewards_coefficient * ((chosen + rejected) ** 2).sum()
+        good, bad = chosen.detach(), rejected.detach()
+        return Losses(loss, None, torch.stack([good.sum(), bad.sum(), (good - bad).sum(), (good > bad).sum().to(good.dtype)]))
+
+
+def sequence_scores(model, batch: dict[str, torch.Tensor], ends: torch.Tensor) -> torch.Tensor:
+    """A sequence-classification model's score at the given flat positions of the batch (each sequence's last token).
+    The model is called whole (through DDP's or DeepSpeed's wrapper, so that its gradients are reduced); the per-token
+    scores come from a hook on its score head, since transformers pools one position a row, not one a packed sequence."""
+    inner = getattr(model, "module", model)
+    inner = inner.base_model.model if hasattr(inner, "peft_config") else inner
+    captured = []
+    handle = inner.score.register_forward_hook(lambda module, args, out: captured.append(out))
+    try:
+        model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False)
+    finally:
+        handle.remove()
+    return captured[0].float().flatten()[ends]
+
+
+def objective_for(train, preference: PreferenceConfig) -> SFT | Preference | KTO | RewardModel:
+    if train.objective == "kto":
+        return KTO(preference)
+    if train.objective == "reward":
+        return RewardModel(preference)
     return SFT() if train.objective == "sft" else Preference(train.objective, preference)
 
 
-def answers(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, int]:
+def answers(batch: dict[str, torch.Tensor], pairs: bool = True) -> tuple[torch.Tensor, torch.Tensor, int]:
     """(which positions predict a trained token, the answer each of those belongs to (0, 1, 2, ...), how many answers)."""
     keep = trained_mask(batch["labels"])
     sequence = sequence_index(batch["position_ids"])[keep]  # a sequence's first label is never trained
     _, answer = torch.unique_consecutive(sequence, return_inverse=True)
     count = int(answer[-1]) + 1 if len(answer) else 0
-    if count % 2:
+    if pairs and count % 2:
         raise ValueError(f"a preference batch holds {count} answers; pairs come as two")
     return keep, answer, count
 

@@ -40,6 +40,42 @@ class Prompt:
     sample: int
 
 
+@dataclass
+class Unpaired:
+    """KTO's unpaired examples: per sample of a split, whether its completion is desirable, where the
+    completion starts, and the longest sequence (the mismatched pairs are cut to it)."""
+
+    desirable: np.ndarray
+    answer_starts: np.ndarray
+    max_seq_len: int
+
+    def mismatched(self, rows: list[Row], groups: list[np.ndarray], lengths: np.ndarray) -> list[Row]:
+        """KTO's reference point pairs, as TRL builds them: each example's prompt with the completion of the
+        example before it in the micro-batch (the first takes the last's), in rows parallel to `rows`
+        (`groups`: each row's samples)."""
+        pieces = []
+        for row, group in zip(rows, groups):
+            at = 0
+            for m in group:
+                n = int(lengths[m])
+                ids = np.asarray(row.input_ids)[at : at + n]
+                answer = min(int(self.answer_starts[m]), n)
+                pieces.append((ids[:answer], ids[answer:]))
+                at += n
+        out, i = [], 0
+        for group in groups:
+            ids, labels, positions = [], [], []
+            for _ in group:
+                prompt, completion = pieces[i][0], pieces[i - 1][1]  # i - 1 = -1: the last example's completion
+                sequence = np.concatenate([prompt, completion])[: self.max_seq_len]
+                ids.append(sequence)
+                labels.append(np.where(np.arange(len(sequence)) >= max(len(prompt), 1), sequence, IGNORE))
+                positions.append(np.arange(len(sequence)))
+                i += 1
+            out.append(Row(np.concatenate(ids), np.concatenate(labels), np.concatenate(positions)))
+        return out
+
+
 def collate(rows: list[Row], pad_id: int) -> dict[str, torch.Tensor]:
     """Stack rows padded to the longest row of this batch. The pad is its own position segment, so no
     attention_mask is needed and real tokens never see it.
@@ -153,6 +189,7 @@ class Split:
         self.columns = {name: _Column(table.column(name)) for name in ("input_ids", "labels")}
         self.records = table.column("row") if "row" in table.column_names else None  # prompt rows (GRPO): what reward functions read
         self.locate = None  # prompt rows: a sample's file:line (set by the data step)
+        self.unpaired: Unpaired | None = None  # KTO's examples: labels and completion starts (set by the data step)
 
     def prompts(self, rows) -> list[Prompt]:
         """Prompt rows (one sample each): their ids, the row as read (its other columns go to the reward
@@ -193,7 +230,14 @@ class Split:
         return out
 
     def batch(self, rows, pad_id: int) -> dict[str, torch.Tensor]:
-        return collate(self.rows(rows), pad_id)
+        built = self.rows(rows)
+        batch = collate(built, pad_id)
+        if self.unpaired is not None:  # KTO: each example's label, and the mismatched pairs its reference point is taken on
+            groups = [self.order[self.offsets[r] : self.offsets[r + 1]] for r in rows]
+            kl = collate(self.unpaired.mismatched(built, groups, self.lengths), pad_id)
+            batch.update({f"kl_{key}": value for key, value in kl.items()},
+                         desirable=torch.from_numpy(self.unpaired.desirable[np.concatenate(groups)]))
+        return batch
 
 
 class _Column:

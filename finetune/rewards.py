@@ -61,6 +61,11 @@ def load_rewards(cfg: GRPOConfig) -> list[Reward]:
     weights = cfg.reward_weights or [1.0] * len(cfg.rewards)
     out = []
     for name, weight in zip(cfg.rewards, weights):
+        if name.startswith("reward_model:"):  # a trained reward model (train.objective: reward)
+            from finetune.score import RewardModelReward
+
+            out.append(Reward(name, "reward_model", weight, RewardModelReward(name.removeprefix("reward_model:"))))
+            continue
         function = built_in.get(name) or _import(name, built_in)
         out.append(Reward(name, "reward_" + re.sub(r"\W", "_", name.rsplit(":", 1)[-1].removesuffix(".py")), weight, function))
     if len({r.metric for r in out}) < len(out):

@@ -30,7 +30,7 @@ ALPACA_PROMPT = (
     "### Instruction:\n{instruction}\n\n{input_block}### Response:\n"
 )
 CHAT_ROLES = {"system", "user", "assistant", "tool"}
-FORMATS = ("alpaca", "chat", "completion", "preference", "prompt")
+FORMATS = ("alpaca", "chat", "completion", "preference", "prompt", "unpaired")
 SUFFIXES = (".jsonl", ".json", ".parquet", ".csv", ".txt")  # and .jsonl.gz, .json.gz, .csv.gz, .txt.gz
 LINE_BITS = 40  # a row of a folder is numbered (file index << LINE_BITS) | line, so that errors can name file:line
 # ShareGPT's speakers (`from`) as chat roles: its own names, OpenAI's, and those of LLaMA-Factory's tool rows.
@@ -65,6 +65,8 @@ def _row_problem(row: object, fmt: str) -> str | None:
         return _pair_problem(row, text)
     if fmt == "prompt":
         return _prompt_problem(row, text)
+    if fmt == "unpaired":
+        return _unpaired_problem(row, text)
     messages = row.get("messages")
     if not isinstance(messages, list) or not messages:
         return "missing or empty field 'messages'"
@@ -84,9 +86,36 @@ def _row_problem(row: object, fmt: str) -> str | None:
 def _pair_problem(row: dict, text) -> str | None:
     """A preference pair: prompt, chosen and rejected all text, or all chat messages (chosen and
     rejected the assistant's answers to the prompt's conversation)."""
-    if isinstance(row.get("prompt"), str):
-        return text("prompt") or text("chosen") or text("rejected")
-    for key in ("prompt", "chosen", "rejected"):
+    return _text_or_messages(row, text, ("prompt", "chosen", "rejected"), "chosen and rejected")
+
+
+def _prompt_problem(row: dict, text) -> str | None:
+    """A prompt to sample completions for (GRPO): text, or chat messages to answer; `answer` (what the
+    exact_match reward compares with) a string or a number if present."""
+    problem = _text_or_messages(row, text, ("prompt",), None)
+    if problem:
+        return problem
+    answer = row.get("answer")
+    if answer is not None and (isinstance(answer, bool) or not isinstance(answer, (str, int, float))):
+        return "field 'answer' must be a string or a number"
+    return None
+
+
+def _unpaired_problem(row: dict, text) -> str | None:
+    """An unpaired example (KTO): a prompt, one completion, and whether it is desirable (a boolean label)."""
+    if "label" not in row:
+        return "missing field 'label' (true: a desirable completion, false: an undesirable one)"
+    if not isinstance(row["label"], bool):
+        return "field 'label' must be true or false"
+    return _text_or_messages(row, text, ("prompt", "completion"), "the completion")
+
+
+def _text_or_messages(row: dict, text, keys: tuple[str, ...], answers: str | None) -> str | None:
+    """The fields `keys` all text (the first decides), or all non-empty lists of chat messages, those after the
+    first (the answers) the assistant's."""
+    if isinstance(row.get(keys[0]), str):
+        return next((p for p in map(text, keys) if p), None)
+    for key in keys:
         messages = row.get(key)
         if not isinstance(messages, list) or not messages:
             if messages is None:
@@ -95,24 +124,8 @@ def _pair_problem(row: dict, text) -> str | None:
         for i, msg in enumerate(messages):
             if not isinstance(msg, dict) or msg.get("role") not in CHAT_ROLES or not isinstance(msg.get("content"), str):
                 return f"{key}[{i}] must be {{role: system|user|assistant|tool, content: string}}"
-    if any(m["role"] != "assistant" for key in ("chosen", "rejected") for m in row[key]):
-        return "chosen and rejected must be assistant messages"
-    return None
-
-def _prompt_problem(row: dict, text) -> str | None:
-    """A prompt to sample completions for (GRPO): text, or chat messages to answer; `answer` (what the
-    exact_match reward compares with) a string or a number if present."""
-    if isinstance(row.get("prompt"), list):
-        if not row["prompt"]:
-            return "field 'prompt' is an empty list of messages"
-        for i, msg in enumerate(row["prompt"]):
-            if not isinstance(msg, dict) or msg.get("role") not in CHAT_ROLES or not isinstance(msg.get("content"), str):
-                return f"prompt[{i}] must be {{role: system|user|assistant|tool, content: string}}"
-    elif problem := text("prompt"):
-        return problem + " (text, or a list of chat messages)" if problem.startswith("missing") else problem
-    answer = row.get("answer")
-    if answer is not None and (isinstance(answer, bool) or not isinstance(answer, (str, int, float))):
-        return "field 'answer' must be a string or a number"
+    if answers and any(m["role"] != "assistant" for key in keys[1:] for m in row[key]):
+        return f"{answers} must be assistant messages"
     return None
 
 
@@ -136,20 +149,20 @@ def canonical(row: object, fmt: str, columns: dict[str, str] | None = None) -> t
         row, problem = _chat_shape(row)
         if problem:
             return row, problem
-    if fmt == "preference":
-        row = _pair_shape(row)
+    if fmt in ("preference", "unpaired"):
+        row = _pair_shape(row, ("chosen", "rejected") if fmt == "preference" else ("completion",))
     if fmt == "prompt" and "prompt" not in row and isinstance(row.get("messages"), list):
         row = {**{k: v for k, v in row.items() if k != "messages"}, "prompt": row["messages"]}
     return row, _row_problem(row, fmt)
 
 
-def _pair_shape(row: dict) -> dict:
+def _pair_shape(row: dict, answers: tuple[str, ...]) -> dict:
     """A chat pair as TRL's conversational rows: the shared history under `prompt` (also accepted as
     `messages`), each answer a list of messages (one given as a string or a single message is wrapped)."""
     if "prompt" not in row and isinstance(row.get("messages"), list):
         row = {**{k: v for k, v in row.items() if k != "messages"}, "prompt": row["messages"]}
     if isinstance(row.get("prompt"), list):
-        for key in ("chosen", "rejected"):
+        for key in answers:
             answer = row.get(key)
             if isinstance(answer, str):
                 row = {**row, key: [{"role": "assistant", "content": answer}]}
@@ -462,6 +475,25 @@ def tokenize_pairs(rows: list[dict], tokenizer, max_seq_len: int) -> list[tuple[
     return out
 
 
+def tokenize_unpaired(rows: list[dict], tokenizer, max_seq_len: int) -> list[tuple[list[int], list[bool], int, int] | str]:
+    """Unpaired rows (KTO) -> (prompt + completion ids cut to max_seq_len, which are trained, 1 for a desirable
+    completion and 0 for an undesirable one, where the completion starts) each, tokenized as a pair's side is."""
+    out = []
+    for row in rows:
+        try:
+            prompt, ids = _pair_side(row, "completion", tokenizer)
+        except UserError as err:
+            out.append(str(err))
+            continue
+        start = _common_start(prompt, ids)
+        if start >= max_seq_len:
+            out.append(([], [], int(row["label"]), start))
+            continue
+        ids = ids[:max_seq_len]
+        out.append((ids, [i >= start for i in range(len(ids))], int(row["label"]), start))
+    return out
+
+
 def tokenize_prompts(rows: list[dict], tokenizer) -> list[tuple[list[int], list[bool]] | str]:
     """Prompt rows -> (the prompt's ids, nothing trained) each: text as generation reads it (special tokens
     where the tokenizer has no chat template), chat messages rendered with the generation prompt."""
@@ -516,6 +548,10 @@ def prompt_and_answer(row: dict, tokenizer, fmt: str) -> tuple[str, str]:
         return _alpaca_prompt(row), row["output"]
     if fmt == "prompt":
         return prompt_text(row, tokenizer), str(row.get("answer", ""))
+    if fmt == "unpaired":  # the completion (the data step keeps the desirable ones as examples)
+        if isinstance(row["prompt"], str):
+            return row["prompt"], row["completion"]
+        return render(tokenizer, row["prompt"], add_generation_prompt=True, tools=row.get("tools")), row["completion"][-1]["content"]
     if fmt == "preference":  # the chosen answer
         if isinstance(row["prompt"], str):
             return row["prompt"], row["chosen"]

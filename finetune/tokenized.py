@@ -24,7 +24,7 @@ from pathlib import Path
 from finetune.config import DataConfig, SourceConfig
 from finetune.errors import UserError
 from finetune.locks import exclusive
-from finetune.rows import IGNORE, Skipped, checked_rows, tokenize_pairs, tokenize_prompts, tokenize_rows, where
+from finetune.rows import IGNORE, Skipped, checked_rows, tokenize_pairs, tokenize_prompts, tokenize_rows, tokenize_unpaired, where
 
 # Raise it when the ids or loss mask a row turns into change (2: masks from the chat template; 3: rows
 # cached in their canonical shape; 4: preference pairs).
@@ -156,13 +156,14 @@ def _features(datasets):
 def _tokenize_batch(batch, tokenizer, fmt: str, train_on_prompt: bool, max_seq_len: int):
     """datasets.map's function, on Arrow batches: rows -> token columns built from flat numpy arrays
     (no per-token Python lists for Arrow to convert). A preference pair is one sample: the chosen
-    sequence, then the rejected one from `chosen_length` on."""
+    sequence, then the rejected one from `chosen_length` on. An unpaired example (KTO) keeps its label there
+    (1: desirable, 0: undesirable)."""
     import numpy as np
     import pyarrow as pa
 
     rows = [json.loads(r) for r in batch.column("row").to_pylist()]
     results = (tokenize_pairs(rows, tokenizer, max_seq_len) if fmt == "preference" else tokenize_prompts(rows, tokenizer) if fmt == "prompt"
-               else tokenize_rows(rows, tokenizer, fmt))
+               else tokenize_unpaired(rows, tokenizer, max_seq_len) if fmt == "unpaired" else tokenize_rows(rows, tokenizer, fmt))
     problems = [r if isinstance(r, str) else None for r in results]
     results = [([], [], 0, -1) if isinstance(r, str) else r for r in results]
     lengths = np.fromiter((len(r[0]) for r in results), dtype=np.int64, count=len(results))
@@ -177,7 +178,7 @@ def _tokenize_batch(batch, tokenizer, fmt: str, train_on_prompt: bool, max_seq_l
     first = np.full(len(results), -1, dtype=np.int32)
     rows, at = np.unique(np.searchsorted(offsets, hits, side="right") - 1, return_index=True)
     first[rows] = position[hits[at]]
-    if fmt == "preference":  # where the answers start, also for a pair cut before it (so the data step can say why it dropped)
+    if fmt in ("preference", "unpaired"):  # where the answers start, also for a sample cut before it (so the data step can say why it dropped)
         first = np.array([r[3] for r in results], dtype=np.int32)
     if fmt == "prompt":  # the last prompt token predicts the first completion token: a prompt longer than max_seq_len is left out
         first = np.where(lengths > 0, lengths - 1, -1).astype(np.int32)
@@ -186,5 +187,5 @@ def _tokenize_batch(batch, tokenizer, fmt: str, train_on_prompt: bool, max_seq_l
             .append_column("labels", pa.ListArray.from_arrays(arrow_offsets, pa.array(labels)))
             .append_column("length", pa.array(lengths.astype(np.int32)))
             .append_column("first_target", pa.array(first))
-            .append_column("chosen_length", pa.array(np.array([r[2] if fmt == "preference" else 0 for r in results], dtype=np.int32)))
+            .append_column("chosen_length", pa.array(np.array([r[2] if fmt in ("preference", "unpaired") else 0 for r in results], dtype=np.int32)))
             .append_column("problem", pa.array(problems, type=pa.string())))

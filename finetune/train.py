@@ -368,7 +368,7 @@ def load_and_prepare_model(run: RunState) -> None:
         compile_layers(model)
     run.engine.prepare(model, run.schedule.total_steps)
     run.engine.checkpointer.after_file = faults.inject_saving
-    if (cfg.train.objective == "dpo" or cfg.train.objective == "grpo" and cfg.grpo.beta) and cfg.adapter.method == "full":
+    if (cfg.train.objective in ("dpo", "kto") or cfg.train.objective == "grpo" and cfg.grpo.beta) and cfg.adapter.method == "full":
         run.objective.reference = run.engine.reference(run.model_cfg, run.say)
         run.say(f"{cfg.train.objective}: the reference is a frozen copy of the base, held as the policy is")
     if cfg.data.packing or cfg.train.objective != "sft":
@@ -393,10 +393,9 @@ def check_packed_rows(run: RunState) -> None:
                f"moved {moved:.0%} of the way to having the sample before it as context)")
     if run.cfg.train.objective == "sft":
         raise UserError(f"data.packing: {how}; set data.packing: false")
-    if run.cfg.train.objective == "grpo":
-        raise UserError(f"train.objective: grpo packs each prompt's completions in one row, and {how}: this model cannot be trained with grpo by finetune")
-    raise UserError(f"train.objective: {run.cfg.train.objective} packs each pair's chosen and rejected sequences in one row, and {how}: "
-                    "this model cannot be preference-tuned by finetune")
+    objective = run.cfg.train.objective
+    what = {"grpo": "each prompt's completions", "kto": "its examples"}.get(objective, "each pair's chosen and rejected sequences")
+    raise UserError(f"train.objective: {objective} packs {what} in one row, and {how}: this model cannot be trained with {objective} by finetune")
 
 
 def resume_or_start(run: RunState) -> None:
@@ -411,10 +410,10 @@ def resume_or_start(run: RunState) -> None:
     run.log = RunLog(run.out, run.schedule.total_steps, run.accelerator, run.main, cfg.logging.progress_bar, run.progress.step)
     for kind, message in events:
         run.log.event(kind, run.progress.step, message)
-    # GRPO's loss has no level (the advantages centre it on 0): its guard judges non-finite values and spikes, not drift.
-    guard_cfg = cfg.guard if run.objective.levels else cfg.guard.model_copy(update={"drift": 0.0, "grad_collapse": 0.0})
+    # GRPO's guard judges the negative mean reward, a level that may be negative: no ratio to the start's gradient norm.
+    guard_cfg = cfg.guard if run.objective.levels else cfg.guard.model_copy(update={"grad_collapse": 0.0})
     run.guard = Guard(guard_cfg, run.progress.guard, cfg.guard.min_rise if cfg.guard.min_rise is not None else run.objective.start_loss,
-                      warmup=warmup_steps(cfg.train, run.schedule.total_steps))
+                      warmup=warmup_steps(cfg.train, run.schedule.total_steps), watched=run.objective.watched_name)
     set_peak_lr(engine.scheduler, cfg.train.lr * run.guard.state.lr_scale)  # the config's LR wins over the checkpoint's (OPT's logbook)
     rank = run.accelerator.process_index
     run.watchdog = Watchdog(cfg.watchdog, on_hang=lambda message: run.log.event("hang", run.watchdog.step, f"rank {rank}: {message}", any_rank=True))
@@ -524,17 +523,17 @@ def train_step(run: RunState) -> StepOutcome:
     norm = torch.as_tensor(norm, dtype=torch.float32, device=device).reshape(1)
     total_loss, preempted, time_due, router_loss, *metric_totals, grad_norm = torch.cat([accelerator.reduce(local, "sum"), norm]).tolist()
     step_loss = total_loss / max(totals[0], 1)
+    metrics = {name: value / max(totals[c], 1) for name, value, c in zip(objective.metrics, metric_totals, objective.metric_counts)}
     if step - run.start_step < FIRST_STEPS_CHECKED and objective.levels:  # GRPO's loss is 0 where no group's rewards differ
         check_first_steps(step, step_loss)
-    verdict = run.guard.check(step, step_loss, grad_norm)
+    verdict = run.guard.check(step, objective.watched(step_loss, metrics), grad_norm)
     if verdict.action == "apply":
         waited = engine.checkpointer.staged()  # a background save's copy of the weights first
         if waited > 0.01:
             run.log.print(f"step {step + 1}: training paused {waited:.2f} s more while the checkpoint was copied")
     moved = engine.apply(verdict.action == "apply")
     return StepOutcome(epoch, step_loss, grad_norm, verdict, moved, int(global_real),
-                       router_loss / (len(micro_batches) * world) if run.router_coef > 0 else None, preempted > 0, time_due > 0,
-                       {name: value / max(totals[objective.metric_total], 1) for name, value in zip(objective.metrics, metric_totals)})
+                       router_loss / (len(micro_batches) * world) if run.router_coef > 0 else None, preempted > 0, time_due > 0, metrics)
 
 
 def saved_on_cpu(offload: bool):
@@ -568,13 +567,7 @@ def evaluate(run: RunState, step: int) -> dict | None:
     result = eval_loss(run.engine.model, run.data.eval, cfg.train.micro_batch_size, run.tokenizer.pad_token_id, run.accelerator, cfg.eval.max_batches,
                        run.objective, run.sequence_parallel, run.tokenizer)
     run.log.write({"step": step, **result})
-    if "eval_reward" in result:
-        run.log.print(f"step {step}: eval reward {result['eval_reward']:.4f} (greedy completions of {result['eval_prompts']} prompts; "
-                      + ", ".join(f"{r.metric} {result['eval_' + r.metric]:.4f}" for r in run.objective.rewards) + ")")
-    else:
-        run.log.print(f"step {step}: eval loss {result['eval_loss']:.4f}, " + (f"perplexity {result['eval_ppl']:.2f}" if "eval_ppl" in result else
-                      f"reward accuracy {result['eval_reward_accuracy']:.1%}, margin {result['eval_reward_margin']:.3f}; the model's own pick is the "
-                      f"chosen answer in {result['eval_choice_accuracy']:.1%} of pairs"))
+    run.log.print(f"step {step}: {run.objective.eval_line(result)}")
     return result
 
 
@@ -774,8 +767,9 @@ def replicas_identical(params: list[torch.nn.Parameter], accelerator) -> bool:
 def _summary_line(summary: dict) -> str:
     parts = [f"done: {summary['steps']} steps, final train loss {summary['train_loss']:.4f}"]
     if "eval_loss" in summary:
-        parts.append(f"eval reward {summary['eval_reward']:.4f}" if "eval_reward" in summary else f"eval loss {summary['eval_loss']:.4f} "
-                     + (f"(ppl {summary['eval_ppl']:.2f})" if "eval_ppl" in summary else f"(reward accuracy {summary['eval_reward_accuracy']:.1%})"))
+        parts.append(f"eval reward {summary['eval_reward']:.4f}" if "eval_reward" in summary else f"eval loss {summary['eval_loss']:.4f}"
+                     + (f" (ppl {summary['eval_ppl']:.2f})" if "eval_ppl" in summary else "")
+                     + (f" (reward accuracy {summary['eval_reward_accuracy']:.1%})" if "eval_reward_accuracy" in summary else ""))
     parts.append(f"{summary['elapsed_s']:.1f} s")
     lines = [", ".join(parts)]
     if summary.get("loss_curve"):

@@ -191,3 +191,21 @@ def test_bad_grpo_input_is_one_line_with_exit_2(tmp_path, tiny_model_dir):
         from finetune.config import validate_config
 
         validate_config(base_config(tiny_model_dir, tmp_path / "x", train={"objective": "grpo"}), "test")
+
+
+def test_a_reward_collapse_is_rolled_back_by_the_guard(tmp_path, tiny_model_dir):
+    """The guard judges GRPO by its negative mean reward: a reward that falls from 1 to 0 for good (here after 12
+    steps' calls) is a drift, rolled back to the last good checkpoint with a lower LR until the rollbacks run out."""
+    (tmp_path / "collapsing.py").write_text("calls = 0\n\ndef reward(completions, **_):\n    global calls\n    calls += 1\n"
+                                            "    return [1.0 if calls <= 24 else 0.0] * len(completions)\n")
+    cfg = _grpo_config(tiny_model_dir, tmp_path / "out", data={"eval": None}, train={"max_steps": 40},
+                       grpo={"rewards": [f"{tmp_path}/collapsing.py:reward"]}, checkpoint={"save_every": 4},
+                       guard={"min_history": 4, "max_rollbacks": 1})
+    result = finetune_in_process("train", "--config", str(write_config(tmp_path / "grpo.yaml", cfg)))
+    assert result.returncode == 3, result.stderr[-2000:]  # rolled back once, then stopped: the reward stays at 0
+    events = read_jsonl(tmp_path / "out" / "events.jsonl")
+    rollback = next(e for e in events if e["event"] == "rollback")
+    # Steps 1-12 scored 1, then 0: the median of 10 steps reaches -0.5 at step 17; the lowest level was at step 10
+    assert "negative mean reward drifted up to -0.5 (median of the last 10 steps) from -1," in rollback["message"], rollback
+    assert rollback["step"] == 16 and "rolled back to step-000008, LR x0.5" in rollback["message"], rollback
+    assert events[-1]["event"] == "stop"

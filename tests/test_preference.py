@@ -214,7 +214,7 @@ def test_reference_free_cpo_and_simpo_learn_the_preference(tmp_path, tiny_model_
     assert last["eval_loss"] < first["eval_loss"] and last["eval_reward_margin"] > first["eval_reward_margin"] + 0.01, (first, last)
 
 def test_preference_settings_are_checked_in_one_line(tmp_path, tiny_model_dir):
-    for sections, why in (({"train": {"objective": "sft"}}, "set train.objective: dpo or orpo"),):
+    for sections, why in (({"train": {"objective": "sft"}}, "set train.objective: dpo, orpo, cpo or simpo for data.format: preference"),):
         with pytest.raises(UserError, match=why):
             validate_config(_pairs_config(tiny_model_dir, tmp_path / "out", **sections), "test")
     with pytest.raises(UserError, match="set data.format: preference"):
@@ -271,7 +271,7 @@ def test_the_guard_skips_a_poisoned_dpo_step_and_judges_the_preference_loss(tmp_
 
 
 def test_train_on_prompt_is_refused_for_pairs(tmp_path, tiny_model_dir):
-    with pytest.raises(UserError, match="data.train_on_prompt: preference losses compare the answers only"):
+    with pytest.raises(UserError, match="data.train_on_prompt: dpo takes its loss on the answers only"):
         validate_config(_pairs_config(tiny_model_dir, tmp_path / "out", data={"train_on_prompt": True}), "test")
 
 
