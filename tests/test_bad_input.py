@@ -138,12 +138,12 @@ def _cases():
         "d.csv:2: 1 more fields than the header names")
     add("data-csv-missing-column", lambda k: k.train(data={"train": k.file("e.csv", "question,output\nhi,there\n")}),
         "e.csv:2: missing field 'instruction' (format 'alpaca'; set data.bad_rows: skip to skip bad rows)")
-    add("data-columns-unknown-field", lambda k: k.train(data={"columns": {"answer": "q"}}), "data.columns.answer")
+    add("data-columns-unknown-field", lambda k: k.train(data={"columns": {"question": "q"}}), "data.columns.question")
     add("data-only-blank-lines", lambda k: k.train(data={"train": k.file("d.jsonl", "\n\n")}), "data: no usable rows in")
     add("data-eval-missing", lambda k: k.train(data={"eval": str(k.tmp / "none.jsonl")}), "eval: file not found")
     add("data-eval-and-fraction", lambda k: k.train(data={"eval": str(DEMO_DATA / "eval.jsonl"), "eval_fraction": 0.1}),
         "set either data.eval or data.eval_fraction")
-    add("data-format-bogus", lambda k: k.train(data={"format": "sharegpt"}), "data.format: Input should be 'completion', 'alpaca', 'chat' or 'preference'")
+    add("data-format-bogus", lambda k: k.train(data={"format": "sharegpt"}), "data.format: Input should be 'completion', 'alpaca', 'chat', 'preference', 'prompt' or 'unpaired'")
     add("data-max-seq-len-zero", lambda k: k.train(data={"max_seq_len": 0}), "data.max_seq_len: Input should be greater than or equal to 2")
     add("data-max-seq-len-one", lambda k: k.train(data={"max_seq_len": 1}), "data.max_seq_len: Input should be greater than or equal to 2")
     add("data-max-seq-len-over-model", lambda k: k.train(data={"max_seq_len": 100000}), "data.max_seq_len: 100000 is larger than the model's")
