@@ -9,7 +9,7 @@ TORCH_VERSION  ?= 2.13.0
 TORCH_PIP_ARGS ?=
 export FINETUNE_CACHE ?= $(CURDIR)/.cache/finetune
 
-.PHONY: install demo demo-dpo demo-grpo test test-fast lint bench bench-compile bench-data bench-families bench-fsdp-load bench-guard bench-host bench-load bench-large bench-long bench-xl clean help
+.PHONY: install demo demo-dpo demo-grpo test test-fast lint bench bench-grpo bench-compile bench-data bench-families bench-fsdp-load bench-guard bench-host bench-load bench-large bench-long bench-xl clean help
 
 help:
 	@echo "make demo   - install, build the demo model, fine-tune it (LoRA) and show before/after"
@@ -18,6 +18,7 @@ help:
 	@echo "make test   - install what is missing, run ruff (make lint), then the tests"
 	@echo "make test-fast - the same without the tests that start processes (torchrun, the CLI in a subprocess)"
 	@echo "make bench  - finetune vs HF Trainer + peft and TRL SFTTrainer: tokens/s, memory, start-up, loss (~20 min; on a GPU: --device cuda, 1.1B)"
+	@echo "make bench-grpo - GRPO steps per second: finetune vs TRL GRPOTrainer on the same model, prompts and sampling (~3 min)"
 	@echo "make bench-compile - model.compile (torch.compile per layer) against eager: start-up, s/step, losses (~15 min)"
 	@echo "make bench-data - a million rows: tokenization, start-up, memory vs datasets + HF Trainer (~25 min)"
 	@echo "make bench-families - 40 architectures beyond the tested ones: packed samples kept apart (exact) or refused (~3 min)"
@@ -75,6 +76,10 @@ lint: install
 bench: install
 	$(PY) -c "import trl" 2>/dev/null || $(PIP) install -q -e ".[bench]" "torch==$$($(PY) -c 'import torch; print(torch.__version__)')"
 	$(PY) bench/compare.py $$($(PY) -c 'import torch; print("--device cuda" if torch.cuda.is_available() else "")')
+
+bench-grpo: install
+	$(PY) -c "import trl" 2>/dev/null || $(PIP) install -q -e ".[bench]" "torch==$$($(PY) -c 'import torch; print(torch.__version__)')"
+	$(PY) bench/grpo.py
 
 bench-compile: install
 	$(PY) bench/compile.py

@@ -46,6 +46,16 @@ def steps_and_parts(doc: str, steps: int, parts: str):
     return args, lambda name: not only or name in only
 
 
+def cpu_name() -> str:
+    """The CPU's model name (speed figures name it: this project's machines vary)."""
+    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").is_file() else []:
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    import platform
+
+    return platform.machine()
+
+
 def report(name: str, lines: list[str], results: Path = REPO / "bench" / "results") -> None:
     """Print a result table and keep it in RESULTS/NAME.md (bench/results: quoted by the README)."""
     table = "\n".join(lines)

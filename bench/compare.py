@@ -26,7 +26,6 @@ import dataclasses
 import datetime
 import json
 import os
-import platform
 import random
 import statistics
 import subprocess
@@ -34,7 +33,7 @@ import sys
 import time
 from pathlib import Path
 
-from common import DATA, REPO, build_model, report
+from common import DATA, REPO, build_model, cpu_name, report
 
 RESULTS = REPO / "bench" / "results"
 
@@ -308,10 +307,7 @@ def device_name(device: str) -> str:
         import torch
 
         return torch.cuda.get_device_name(0)
-    try:
-        return next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.machine()
+    return cpu_name()
 
 
 def table(results: dict[str, list[dict]], settings: dict, sizes: Sizes, ceiling: dict, bare: float, bound: dict | None, repeats: int,

@@ -16,11 +16,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
+import shutil
 import time
 from pathlib import Path
 
-from common import DATA, REPO, build_model, report
+from common import DATA, REPO, build_model, cpu_name, report
 
 CACHE = Path(os.environ.get("FINETUNE_CACHE", REPO / ".cache" / "finetune")) / "bench-grpo"
 PROMPTS, GENERATIONS, LENGTH, LR = 8, 8, 16, 1e-4
@@ -77,10 +77,12 @@ def main() -> None:
     if not (model / "config.json").exists():
         build_model(model, layers=4, hidden=256)
     lines = [f"GRPO, {PROMPTS} prompts x {GENERATIONS} completions of <= {LENGTH} tokens a step, LoRA r16, fp32, 1 process "
-             f"({platform.processor() or platform.machine()}, {os.cpu_count()} cores); steps 2-{args.steps} timed",
+             f"({cpu_name()}, {os.cpu_count()} cores); steps 2-{args.steps} timed",
              "", "| runner | s/step | completions/s |", "|---|---|---|"]
     for name, runner in (("finetune", ours), ("TRL GRPOTrainer", trls)):
-        ends = runner(model, args.steps, CACHE / name.split()[0].lower())
+        out = CACHE / name.split()[0].lower()
+        shutil.rmtree(out, ignore_errors=True)  # this benchmark's own output of an earlier run
+        ends = runner(model, args.steps, out)
         per_step = (ends[-1] - ends[0]) / (len(ends) - 1)
         lines.append(f"| {name} | {per_step:.2f} | {PROMPTS * GENERATIONS / per_step:.0f} |")
     report("grpo", lines)

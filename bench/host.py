@@ -33,13 +33,12 @@ import contextlib
 import functools
 import json
 import os
-import platform
 import shutil
 import time
 from pathlib import Path
 
 import torch
-from common import REPO, report
+from common import REPO, cpu_name, report
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -339,11 +338,7 @@ def table(runs: list[dict]) -> list[str]:
 
 
 def _cpu() -> str:
-    try:
-        name = next(l.split(":", 1)[1].strip() for l in Path("/proc/cpuinfo").read_text().splitlines() if l.startswith("model name"))
-    except (OSError, StopIteration):
-        name = platform.machine()
-    return f"{name}, {os.cpu_count()} CPUs"
+    return f"{cpu_name()}, {os.cpu_count()} CPUs"
 
 
 if __name__ == "__main__":

@@ -25,12 +25,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import shutil
 import sys
 from pathlib import Path
 
-from common import DATA, REPO, report
+from common import DATA, REPO, cpu_name, report
 from large import train
 
 CACHE = Path(os.environ.get("FINETUNE_CACHE", REPO / ".cache" / "finetune")) / "bench-long"
@@ -98,13 +97,6 @@ def measure(model: Path, work: Path, name: str, seq: int, steps: int) -> dict:
     per_step = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else times[0]
     return {"name": name, "seq": seq, "nproc": nproc, "held": held, "plan": plan.total / 2**20, "step_s": per_step,
             "losses": [m["loss"] for m in run["metrics"]]}
-
-
-def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").is_file() else []:
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.machine()
 
 
 def main() -> None:
