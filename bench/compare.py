@@ -27,6 +27,7 @@ import datetime
 import json
 import os
 import random
+import shutil
 import statistics
 import subprocess
 import sys
@@ -171,6 +172,7 @@ def spawn(cmd: list[str], log: Path) -> tuple[float, int]:
 
 def run_once(name: str, work: Path, settings: dict, repeat: int, device: str) -> dict:
     out = work / "runs" / f"{name}-{repeat}"
+    shutil.rmtree(out, ignore_errors=True)  # this benchmark's own run of an earlier `make bench` (finetune refuses a finished run's folder)
     out.parent.mkdir(parents=True, exist_ok=True)
     log = out.with_suffix(".log")
     if name in OURS:

@@ -24,14 +24,14 @@ import torch
 
 from finetune.config import GRPOConfig
 from finetune.loss import Losses, trained_mask
-from finetune.objectives import adapters_off, sequence_index, token_logps
+from finetune.objectives import Objective, adapters_off, sequence_index, token_logps
 from finetune.packing import Prompt, Row, Split, collate
 from finetune.rewards import Reward, score
 from finetune.rows import IGNORE, prompt_text
 
 
 @dataclass
-class GRPO:
+class GRPO(Objective):
     cfg: GRPOConfig
     rewards: list[Reward]
     seed: int
@@ -42,8 +42,6 @@ class GRPO:
 
     levels = False  # the loss is centred on 0 by the advantages: no start level, no stuck-at-0 check
     watched_name = "negative mean reward"
-    unit = "prompts"
-    start_loss = 0.0
 
     def watched(self, loss: float, metrics: dict[str, float]) -> float:
         """What the guard judges: the negative mean reward. Its spikes and drift are a reward collapse, rolled back as a

@@ -24,21 +24,26 @@ from finetune.config import PreferenceConfig
 from finetune.loss import Losses, losses, trained_mask, trained_tokens
 
 
-class SFT:
-    """Summed cross-entropy over the trained tokens, a mean over the step's tokens."""
+class Objective:
+    """What every objective tells the loop besides its counts and losses (the defaults: a loss the guard judges)."""
 
-    metrics: tuple[str, ...] = ()
+    metrics: tuple[str, ...] = ()  # the objective's own metrics, as sums per micro-batch
+    metric_counts: tuple[int, ...] = ()  # per metric, the entry of counts it is a mean over
+    unit = "tokens"  # what counts' first entry counts (eval_<unit> in the eval's results)
     start_loss = 0.0  # what the guard's min_rise defaults to: any rise of a cross-entropy may be divergence
     levels = True  # the loss has a level the guard's drift and start tests can judge
     watched_name = "loss"  # what `watched` returns, as the guard's messages name it
-    metric_counts: tuple[int, ...] = ()  # per metric, the entry of counts it is a mean over
-
-    def counts(self, batch: dict[str, torch.Tensor]) -> list[int]:
-        return [trained_tokens(batch)]
 
     def watched(self, loss: float, metrics: dict[str, float]) -> float:
         """What the guard judges: the loss."""
         return loss
+
+
+class SFT(Objective):
+    """Summed cross-entropy over the trained tokens, a mean over the step's tokens."""
+
+    def counts(self, batch: dict[str, torch.Tensor]) -> list[int]:
+        return [trained_tokens(batch)]
 
     def eval_line(self, result: dict) -> str:
         return f"eval loss {result['eval_loss']:.4f}, perplexity {result['eval_ppl']:.2f}"
@@ -48,7 +53,7 @@ class SFT:
 
 
 @dataclass
-class Preference:
+class Preference(Objective):
     """DPO (the reference is the base with the adapter off, or a frozen copy), or ORPO, CPO and SimPO (no
     reference), a mean over pairs."""
 
@@ -59,8 +64,6 @@ class Preference:
     # Means over pairs. reward_accuracy: chosen's reward above rejected's (TRL's rewards/accuracies; 0 while the policy is the
     # reference); choice_accuracy: the policy gives the chosen answer the higher log-probability (what the model would pick).
     metrics = ("rewards_chosen", "rewards_rejected", "reward_margin", "reward_accuracy", "logps_chosen", "logps_rejected", "choice_accuracy")
-    levels = True
-    watched_name = "loss"
     metric_counts = (0,) * 7  # over pairs
     unit = "pairs"
 
@@ -79,9 +82,6 @@ class Preference:
         if self.kind in ("cpo", "simpo"):
             return self.cfg.cpo_alpha if self.cfg.cpo_alpha is not None else float(self.kind == "cpo")
         return float(self.kind == "orpo")
-
-    def watched(self, loss: float, metrics: dict[str, float]) -> float:
-        return loss
 
     def eval_line(self, result: dict) -> str:
         return (f"eval loss {result['eval_loss']:.4f}, reward accuracy {result['eval_reward_accuracy']:.1%}, margin "
@@ -125,7 +125,7 @@ class Preference:
 
 
 @dataclass
-class KTO:
+class KTO(Objective):
     """KTO on unpaired examples labelled desirable or not, held to the reference as DPO is (the adapter off, or a
     frozen copy), a mean over examples. Each micro-batch's reference point is the policy's KL to the reference
     estimated on mismatched pairs (each prompt with the completion of the example before it: packing.Unpaired),
@@ -137,12 +137,7 @@ class KTO:
     metrics = ("kl", "rewards_desirable", "rewards_undesirable", "logps_desirable", "logps_undesirable")
     metric_counts = (0, 1, 2, 1, 2)  # kl over examples; the rest over desirable (counts[1]) or undesirable (counts[2]) ones
     unit = "examples"
-    levels = True
-    watched_name = "loss"
     start_loss = 0.5  # 1 - sigmoid(0) while the policy is the reference: a rise smaller than this is no divergence (as DPO's ln 2)
-
-    def watched(self, loss: float, metrics: dict[str, float]) -> float:
-        return loss
 
     def eval_line(self, result: dict) -> str:
         return (f"eval loss {result['eval_loss']:.4f}, rewards {result['eval_rewards_desirable']:.3f} on the desirable completions, "
@@ -179,7 +174,7 @@ class KTO:
 
 
 @dataclass
-class RewardModel:
+class RewardModel(Objective):
     """A reward model on preference pairs: the score head's output at each sequence's last token is its reward, and
     the loss the Bradley-Terry one, -log sigmoid(chosen - rejected), a mean over pairs (TRL's RewardTrainer, tested
     against it), plus center_rewards_coefficient x the mean squared sum of a pair's rewards where set."""
@@ -189,12 +184,7 @@ class RewardModel:
     metrics = ("rewards_chosen", "rewards_rejected", "reward_margin", "accuracy")
     metric_counts = (0, 0, 0, 0)  # over pairs
     unit = "pairs"
-    levels = True
-    watched_name = "loss"
     start_loss = math.log(2)  # equal rewards: a rise below this is no divergence (as DPO's)
-
-    def watched(self, loss: float, metrics: dict[str, float]) -> float:
-        return loss
 
     def eval_line(self, result: dict) -> str:
         return (f"eval loss {result['eval_loss']:.4f}, accuracy {result['eval_accuracy']:.1%} (the chosen answer scored higher), "

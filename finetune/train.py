@@ -50,7 +50,7 @@ from finetune.locks import hold_output_dir, release_output_dir
 from finetune.loss import to_device
 from finetune.metrics import EVENTS_FILE, RunLog, plot_loss_curve, tracked_config, tracker_kwargs, write_event
 from finetune.model import adapter_input_casting_off, apply_adapter, compile_layers, describe, load_tokenizer, loftq_init
-from finetune.objectives import SFT, Preference, objective_for
+from finetune.objectives import SFT, Objective, objective_for
 from finetune.optim import current_lr, set_peak_lr, warmup_steps
 from finetune.packing import epoch_batches
 from finetune.plan import LONG_ROWS
@@ -212,7 +212,7 @@ class RunState:
     engine: Replicated = None  # model, optimizer, scheduler and checkpoint layout of the strategy
     sequence_parallel: SequenceParallel = field(default_factory=SequenceParallel)  # the processes that share each row, if any
     base: str = ""  # the base model as the saved adapter names it
-    objective: SFT | Preference | GRPO = field(default_factory=SFT)  # what a step minimises
+    objective: Objective = field(default_factory=SFT)  # what a step minimises (train.objective)
     router_coef: float = 0.0
     rss_before_model: int = 0
     before: dict | None = None  # exact match on eval prompts before training
