@@ -23,8 +23,8 @@ import numpy as np
 import torch
 
 from finetune.config import GRPOConfig
-from finetune.loss import Losses, trained_mask
-from finetune.objectives import Objective, adapters_off, sequence_index, token_logps
+from finetune.loss import Losses
+from finetune.objectives import Objective, adapters_off, answers, token_logps
 from finetune.packing import Prompt, Row, Split, collate
 from finetune.rewards import Reward, score
 from finetune.rows import IGNORE, prompt_text
@@ -67,8 +67,7 @@ class GRPO(Objective):
         return [n * (self.cfg.max_completion_length if self.cfg.loss_type == "dr_grpo" else 1), n]
 
     def losses(self, model, batch: dict[str, torch.Tensor], totals: list[float], router: bool = False) -> Losses:
-        keep = batch["keep"] if "keep" in batch else trained_mask(batch["labels"])
-        completion = _completion_of(batch, keep)
+        keep, completion, _ = answers(batch, pairs=False)
         logps, aux = token_logps(model, batch, keep, router, self.cfg.temperature)
         advantage = batch["advantages"].to(logps.dtype)[completion]
         ratio = torch.exp(logps - logps.detach())  # 1, with the gradient of the log-probability
@@ -197,9 +196,3 @@ class GRPO(Objective):
         reward = float(total[0]) / n
         return {"eval_loss": -reward, "eval_reward": reward, "eval_prompts": int(total[1]),
                 **{f"eval_{r.metric}": float(v) / n for r, v in zip(self.rewards, total[2:])}}
-
-
-def _completion_of(batch: dict[str, torch.Tensor], keep: torch.Tensor) -> torch.Tensor:
-    """The completion (0, 1, ...) each trained position belongs to: the sequences with a trained token, in order."""
-    sequence = sequence_index(batch["position_ids"])[keep]
-    return torch.unique_consecutive(sequence, return_inverse=True)[1]

@@ -220,7 +220,14 @@ def sequence_scores(model, batch: dict[str, torch.Tensor], ends: torch.Tensor) -
     return captured[0].float().flatten()[ends]
 
 
-def objective_for(train, preference: PreferenceConfig) -> SFT | Preference | KTO | RewardModel:
+def objective_for(cfg, locate=None) -> Objective:
+    """The run config's objective (`locate`: a prompt row's file:line, for GRPO's reward errors)."""
+    train, preference = cfg.train, cfg.preference
+    if train.objective == "grpo":
+        from finetune.grpo import GRPO  # grpo builds on this module
+        from finetune.rewards import load_rewards
+
+        return GRPO(cfg.grpo, load_rewards(cfg.grpo), train.seed, locate=locate)
     if train.objective == "kto":
         return KTO(preference)
     if train.objective == "reward":

@@ -548,14 +548,11 @@ def prompt_and_answer(row: dict, tokenizer, fmt: str) -> tuple[str, str]:
         return _alpaca_prompt(row), row["output"]
     if fmt == "prompt":
         return prompt_text(row, tokenizer), str(row.get("answer", ""))
-    if fmt == "unpaired":  # the completion (the data step keeps the desirable ones as examples)
+    if fmt in ("preference", "unpaired"):  # the chosen answer; the completion (the data step keeps the desirable ones as examples)
+        key = "chosen" if fmt == "preference" else "completion"
         if isinstance(row["prompt"], str):
-            return row["prompt"], row["completion"]
-        return render(tokenizer, row["prompt"], add_generation_prompt=True, tools=row.get("tools")), row["completion"][-1]["content"]
-    if fmt == "preference":  # the chosen answer
-        if isinstance(row["prompt"], str):
-            return row["prompt"], row["chosen"]
-        return render(tokenizer, row["prompt"], add_generation_prompt=True, tools=row.get("tools")), row["chosen"][-1]["content"]
+            return row["prompt"], row[key]
+        return render(tokenizer, row["prompt"], add_generation_prompt=True, tools=row.get("tools")), row[key][-1]["content"]
     raise ValueError("completion rows have no prompt/answer split")
 
 

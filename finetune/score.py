@@ -19,38 +19,33 @@ from finetune.rows import _pair_side, canonical, located, where
 
 
 def load_reward_model(path: str, device: str | torch.device = "cpu"):
-    """(model, tokenizer) of a reward model folder or adapter, in eval mode."""
-    from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
+    """(model, tokenizer) of a reward model folder or adapter, in eval mode, loaded as training loaded it."""
+    from peft import PeftModel
+
+    from finetune.config import ModelConfig, read_json_object, read_model_config
+    from finetune.model import load_model, load_tokenizer
 
     folder = Path(path).expanduser()
     if not folder.is_dir():
         raise UserError(f"reward model: folder not found: {path}")
     adapter = folder / "adapter_config.json"
-    try:
-        if adapter.exists():
-            from peft import PeftModel
-
-            settings = json.loads(adapter.read_text())
-            if settings.get("task_type") != "SEQ_CLS":
-                raise UserError(f"reward model: {path} is a {settings.get('task_type')} adapter, not a reward model's (train.objective: reward)")
-            base = settings["base_model_name_or_path"]
-            config = AutoConfig.from_pretrained(base, num_labels=1)
-            config.pad_token_id = config.pad_token_id if config.pad_token_id is not None else _first(config.eos_token_id)
-            model = PeftModel.from_pretrained(AutoModelForSequenceClassification.from_pretrained(base, config=config), folder)
-        else:
-            config = AutoConfig.from_pretrained(folder)
-            if not any(a.endswith("ForSequenceClassification") for a in config.architectures or []) or config.num_labels != 1:
-                raise UserError(f"reward model: {path} is a {', '.join(config.architectures or ['?'])} with {config.num_labels} labels, not a "
-                                "sequence-classification model with one (train.objective: reward saves one)")
-            model = AutoModelForSequenceClassification.from_pretrained(folder)
-    except (OSError, ValueError) as err:
-        raise UserError(f"reward model: cannot load {path}: {str(err).splitlines()[0]}") from None
-    tokenizer = AutoTokenizer.from_pretrained(folder if (folder / "tokenizer_config.json").exists() else base)
+    if adapter.exists():
+        settings = read_json_object(adapter, "reward model")
+        if settings.get("task_type") != "SEQ_CLS":
+            raise UserError(f"reward model: {path} is a {settings.get('task_type')} adapter, not a reward model's (train.objective: reward)")
+        base = settings["base_model_name_or_path"]
+        model = PeftModel.from_pretrained(load_model(ModelConfig(name_or_path=base), head="score"), folder)
+    else:
+        config = read_model_config(folder, "reward model")
+        architectures = config.get("architectures") or ["?"]
+        labels = len(config.get("id2label") or {}) or config.get("num_labels", 2)
+        if not any(a.endswith("ForSequenceClassification") for a in architectures) or labels != 1:
+            raise UserError(f"reward model: {path} is a {', '.join(architectures)} with {labels} labels, not a sequence-classification "
+                            "model with one (train.objective: reward saves one)")
+        base = str(folder)
+        model = load_model(ModelConfig(name_or_path=base), head="score")
+    tokenizer = load_tokenizer(ModelConfig(name_or_path=str(folder) if (folder / "tokenizer_config.json").exists() else base))
     return model.to(device).eval(), tokenizer
-
-
-def _first(value):
-    return value[0] if isinstance(value, list) else value
 
 
 @torch.no_grad()

@@ -28,7 +28,7 @@ from finetune.rows import IGNORE, Skipped, checked_rows, tokenize_pairs, tokeniz
 
 # Raise it when the ids or loss mask a row turns into change (2: masks from the chat template; 3: rows
 # cached in their canonical shape; 4: preference pairs).
-TOKENIZE_VERSION = 4  # 4: preference pairs (prompt rows are a new format: no entry of theirs to invalidate)
+TOKENIZE_VERSION = 4  # 4: preference pairs (prompt and unpaired rows are new formats: no entry of theirs to invalidate)
 LARGE = 10_000  # rows from which tokenization uses every core unless data.num_proc says otherwise
 
 

@@ -55,7 +55,6 @@ from finetune.optim import current_lr, set_peak_lr, warmup_steps
 from finetune.packing import epoch_batches
 from finetune.plan import LONG_ROWS
 from finetune.resume import Progress, clear_starts, resume
-from finetune.rewards import load_rewards
 from finetune.sequence_parallel import SequenceParallel
 from finetune.serving import check_vllm
 from finetune.stage import staged_model
@@ -308,10 +307,7 @@ def load_inputs(cfg: RunConfig, accelerator, preemption) -> RunState:
     stop_if_preempted(preemption.signal is not None, preemption.name, Path(cfg.train.output_dir), main, "while the data loaded")
     sp = sequence_parallel.setup(cfg.distributed.sequence_parallel, rank, world)
     run = RunState(cfg, accelerator, preemption, model_cfg, tokenizer, data, plan_steps(cfg, len(data.train), sp.data_world(world)), sequence_parallel=sp)
-    if cfg.train.objective == "grpo":
-        run.objective = GRPO(cfg.grpo, load_rewards(cfg.grpo), cfg.train.seed, locate=data.train.locate)
-    else:
-        run.objective = objective_for(cfg.train, cfg.preference)
+    run.objective = objective_for(cfg, locate=data.train.locate)
     for line in summary_lines(data, cfg.data.max_seq_len):
         run.say(line)
     return run
