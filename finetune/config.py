@@ -430,9 +430,6 @@ class RunConfig(_Section):
                    if self.eval.generate_samples else None)
             if why:
                 raise ValueError(f"train.objective: reward trains a sequence-classification head; it cannot run with {why}")
-        if self.train.objective == "grpo" and asked.shards_weights:
-            raise ValueError(f"train.objective: grpo samples its completions with the whole model in each process; distributed.strategy "
-                             f"{strategy} shards the weights: use ddp or zero2")
         if self.adapter.init == "loftq":
             why = ("adapter.method lora" if self.adapter.method != "lora" else "model.quantization bits: 4" if q is None or q.bits != 4
                    else f"not distributed.strategy {strategy}" if not asked.replicated else None)

@@ -3,10 +3,11 @@ clipped policy-ratio loss on their group-normalised rewards, as TRL's GRPOTraine
 
 Each data step's prompts are turned into training micro-batches by `rollout` before the step's
 forward passes: every prompt gets `grpo.num_generations` completions from `generate` (the KV cache,
-the model in eval mode), all of one prompt in one call with no padding, sampled under a seed drawn
-from (train.seed, data step, the prompt's sample index). A prompt's completions are therefore the
-same whichever process, batch or start of the run samples them: a resumed run and two processes
-sample what one uninterrupted process does, with no generator state to checkpoint. A prompt's
+the model in eval mode), a micro-batch's prompts left-padded in one call. Each completion is sampled
+by the Gumbel-max trick with noise computed from a seed of (train.seed, data step, the prompt's sample
+index, the completion's index) and the token's step, not drawn from a shared generator: a prompt's
+completions are the same whichever process, batch or start of the run samples them, so a resumed run
+and two processes sample what one uninterrupted process does, with no generator state to checkpoint. A prompt's
 completions are packed into one row (positions restarting at each), trained on their tokens.
 
 One policy update per generation (TRL's default num_iterations=1): the ratio to the sampling policy
@@ -17,6 +18,7 @@ log-probability gradient, moves the weights.
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -37,6 +39,7 @@ class GRPO(Objective):
     seed: int
     reference: torch.nn.Module | None = None  # full fine-tuning with beta > 0: a frozen copy (engines.reference); else the adapter-off model
     locate: object = None  # sample index -> "file:line" (data.Split.locate), for reward errors
+    synced: bool = False  # the weights are sharded over the processes (fsdp, zero3): every rank decodes as many tokens as the longest
     metrics: tuple[str, ...] = field(init=False)
     metric_counts: tuple[int, ...] = field(init=False)
 
@@ -108,8 +111,7 @@ class GRPO(Objective):
         try:
             for micro in prompts:
                 rows, columns = [], {"advantages": [], "rewards": [], "reward": [], "reward_std": [], "zero_std": []}
-                for prompt in micro:
-                    completions = self.sample(model, tokenizer, prompt, position, device)
+                for prompt, completions in zip(micro, self.sample(model, tokenizer, micro, position, device)):
                     row, parts = self._scored(tokenizer, prompt, completions)
                     rows.append(row)
                     tokens += len(row.input_ids)
@@ -121,24 +123,22 @@ class GRPO(Objective):
             model.train(was_training)
         return batches, tokens
 
-    def sample(self, model, tokenizer, prompt: Prompt, position: int, device) -> list[list[int]]:
-        """num_generations completions of one prompt (each cut after its EOS token), under the prompt's own seed."""
-        from transformers import GenerationConfig
+    def sample(self, model, tokenizer, prompts: list[Prompt], position: int, device) -> list[list[list[int]]]:
+        """num_generations completions of each prompt (each cut after its EOS token), all in one `generate`
+        call; completion j of a prompt draws its noise from a seed of (train.seed, data step, the prompt's
+        sample index, j), so it is the same in any batch, process or start of the run."""
+        from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
         cfg = self.cfg
-        seed = int(np.random.SeedSequence([self.seed, position, prompt.sample]).generate_state(1)[0])
-        ids = torch.as_tensor(prompt.ids, dtype=torch.long, device=device)[None].expand(cfg.num_generations, -1)
-        settings = GenerationConfig(do_sample=True, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k or None,
-                                    max_new_tokens=cfg.max_completion_length, pad_token_id=tokenizer.pad_token_id,
-                                    eos_token_id=tokenizer.eos_token_id, use_cache=True)
-        with torch.random.fork_rng(devices=[device] if torch.device(device).type == "cuda" else []):
-            torch.manual_seed(seed)
-            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=settings)
-        completions = []
-        for seq in out[:, ids.shape[1] :].tolist():
-            end = seq.index(tokenizer.eos_token_id) + 1 if tokenizer.eos_token_id in seq else len(seq)
-            completions.append(seq[:end])
-        return completions
+        seeds = np.concatenate([np.random.SeedSequence([self.seed, position, p.sample]).generate_state(cfg.num_generations, np.uint64)
+                                for p in prompts]).view(np.int64)
+        warpers = [TemperatureLogitsWarper(cfg.temperature)]
+        warpers += [TopKLogitsWarper(cfg.top_k)] if cfg.top_k else []
+        warpers += [TopPLogitsWarper(cfg.top_p)] if cfg.top_p < 1 else []
+        repeated = [p.ids for p in prompts for _ in range(cfg.num_generations)]
+        completions = generate(model, tokenizer, repeated, cfg.max_completion_length, device, GumbelSampler(torch.as_tensor(seeds, device=device), warpers),
+                               synced=self.synced)
+        return [completions[i : i + cfg.num_generations] for i in range(0, len(completions), cfg.num_generations)]
 
     def _rewards(self, tokenizer, prompt: Prompt, completions: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """(each function's reward of each completion, their weighted sums)."""
@@ -173,26 +173,109 @@ class GRPO(Objective):
     @torch.no_grad()
     def evaluate(self, model, tokenizer, rows: Split, batch_size: int, accelerator, max_batches: int | None) -> dict:
         """The mean reward of greedy completions of this rank's share of the eval prompts, reduced over ranks."""
-        from transformers import GenerationConfig
-
         was_training = model.training
         model.eval()
         world, rank = accelerator.num_processes, accelerator.process_index
         mine = list(range(rank, len(rows), world))
         if max_batches:
             mine = mine[: max_batches * batch_size]
-        settings = GenerationConfig(do_sample=False, max_new_tokens=self.cfg.max_completion_length, pad_token_id=tokenizer.pad_token_id,
-                                    eos_token_id=tokenizer.eos_token_id, use_cache=True)
         total = torch.zeros(2 + len(self.rewards), dtype=torch.float64)
-        for prompt in rows.prompts(mine):
-            ids = torch.as_tensor(prompt.ids, dtype=torch.long, device=accelerator.device)[None]
-            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=settings)[0, ids.shape[1] :].tolist()
-            completion = out[: out.index(tokenizer.eos_token_id) + 1] if tokenizer.eos_token_id in out else out
-            per_function, reward = self._rewards(tokenizer, prompt, [completion])
-            total += torch.cat([reward, torch.ones(1), per_function[0]]).double()
+        prompts = rows.prompts(mine)
+        # Sharded weights: every rank makes as many `generate` calls (each forward gathers the weights), a short
+        # rank's last ones on a stand-in prompt whose completion is not scored.
+        count = math.ceil(math.ceil(len(rows) / world) / batch_size)
+        count = min(count, max_batches) if max_batches else count
+        stand_in = prompts[:1] or rows.prompts([0])
+        for start in range(0, count * batch_size if self.synced else len(prompts), batch_size):
+            batch = prompts[start : start + batch_size]
+            completions = generate(model, tokenizer, [p.ids for p in batch or stand_in], self.cfg.max_completion_length, accelerator.device,
+                                   synced=self.synced)
+            for prompt, completion in zip(batch, completions):
+                per_function, reward = self._rewards(tokenizer, prompt, [completion])
+                total += torch.cat([reward, torch.ones(1), per_function[0]]).double()
         total = accelerator.reduce(total.to(accelerator.device), "sum").cpu()
         model.train(was_training)
         n = max(float(total[1]), 1.0)
         reward = float(total[0]) / n
         return {"eval_loss": -reward, "eval_reward": reward, "eval_prompts": int(total[1]),
                 **{f"eval_{r.metric}": float(v) / n for r, v in zip(self.rewards, total[2:])}}
+
+
+# -- generation ----------------------------------------------------------------------------------
+
+def generate(model, tokenizer, prompts: list[np.ndarray], max_new_tokens: int, device, sampler=None, synced: bool = False) -> list[list[int]]:
+    """One completion of each prompt (cut after its EOS token) from one `generate` call, the prompts
+    left-padded: greedy, or sampled by `sampler` (a GumbelSampler). `synced`: the weights are sharded, and
+    every rank runs as many forwards as the rank with the longest completion (transformers' synced_gpus)."""
+    from transformers import GenerationConfig, LogitsProcessorList
+
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), tokenizer.pad_token_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p) :] = torch.as_tensor(p, dtype=torch.long)
+        mask[i, width - len(p) :] = 1
+    settings = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
+                                eos_token_id=tokenizer.eos_token_id, use_cache=True)
+    with root_gathered(model):
+        out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=settings,
+                             logits_processor=LogitsProcessorList([] if sampler is None else [sampler]), synced_gpus=synced)
+    completions = []
+    for seq in out[:, width:].tolist():
+        completions.append(seq[: seq.index(tokenizer.eos_token_id) + 1] if tokenizer.eos_token_id in seq else seq)
+    return completions
+
+
+@contextlib.contextmanager
+def root_gathered(model):
+    """FSDP2: the root's own weights (embeddings, final norm, head) gathered for the whole `generate` call. Its
+    gather runs in the root's forward, and a PEFT root's generate calls the inner model's forward, not the root's;
+    the decoder layers, sharded apart, still gather themselves in each forward."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(model, FSDPModule):
+        yield
+        return
+    model.unshard()
+    try:
+        yield
+    finally:
+        model.reshard()
+
+
+class GumbelSampler:
+    """Sampling as greedy decoding: the argmax of logits/temperature (top-k/top-p filtered) plus Gumbel
+    noise is a draw from their softmax (the Gumbel-max trick). The noise of each row is a function of its
+    own seed and the token's step (`uniforms`), never of a shared generator, so one `generate` call
+    samples each row as a call of its own would, whatever rows share its batch or its process."""
+
+    def __init__(self, seeds: torch.Tensor, warpers: list):
+        self.seeds, self.warpers, self.step = seeds, warpers, 0  # one sampler per `generate` call: it is called once a token
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        scores = scores.float()
+        for warp in self.warpers:
+            scores = warp(input_ids, scores)
+        noise = -torch.log(-torch.log(uniforms(self.seeds, self.step, scores.shape[1])))
+        self.step += 1
+        return scores + noise.float()
+
+
+# splitmix64's constants (0x9e3779b97f4a7c15, 0xbf58476d1ce4e5b9, 0x94d049bb133111eb) as int64: torch has no uint64 arithmetic
+_GOLDEN, _MIX1, _MIX2 = (c - (1 << 64) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB))
+
+
+def _shift(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """x >> bits as on unsigned 64-bit numbers (torch shifts int64 arithmetically)."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def uniforms(seeds: torch.Tensor, step: int, width: int) -> torch.Tensor:
+    """(rows, width) numbers in (0, 1), float64: splitmix64's output number step * width + i + 1 from each
+    row's seed, in int64 arithmetic that wraps as unsigned arithmetic does, so equal on every device."""
+    counter = torch.arange(width, device=seeds.device, dtype=torch.long) + (step * width + 1)
+    z = seeds[:, None] + counter[None] * _GOLDEN
+    z = (z ^ _shift(z, 30)) * _MIX1
+    z = (z ^ _shift(z, 27)) * _MIX2
+    z = z ^ _shift(z, 31)
+    return (_shift(z, 11).double() + 0.5) * 2.0**-53

@@ -220,14 +220,16 @@ def sequence_scores(model, batch: dict[str, torch.Tensor], ends: torch.Tensor) -
     return captured[0].float().flatten()[ends]
 
 
-def objective_for(cfg, locate=None) -> Objective:
-    """The run config's objective (`locate`: a prompt row's file:line, for GRPO's reward errors)."""
+def objective_for(cfg, locate=None, world: int = 1) -> Objective:
+    """The run config's objective over `world` processes (`locate`: a prompt row's file:line, for GRPO's reward errors)."""
     train, preference = cfg.train, cfg.preference
     if train.objective == "grpo":
         from finetune.grpo import GRPO  # grpo builds on this module
         from finetune.rewards import load_rewards
+        from finetune.strategy import Strategy
 
-        return GRPO(cfg.grpo, load_rewards(cfg.grpo), train.seed, locate=locate)
+        synced = Strategy.of(cfg.distributed.strategy, world).shards_weights
+        return GRPO(cfg.grpo, load_rewards(cfg.grpo), train.seed, locate=locate, synced=synced)
     if train.objective == "kto":
         return KTO(preference)
     if train.objective == "reward":

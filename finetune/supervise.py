@@ -36,6 +36,7 @@ class Watchdog:
         self.step: int | None = None
         self.started: float | None = None
         self.poll_s = poll_s
+        self.closed = False
         if cfg.enabled:
             threading.Thread(target=self._watch, name="finetune-watchdog", daemon=True).start()
 
@@ -47,15 +48,20 @@ class Watchdog:
             self.durations.append(time.monotonic() - self.started)
         self.started = None
 
+    def close(self) -> None:
+        """The run is over, however it ended: stop watching. A run called in process (tests, notebooks) that
+        raised mid-step would otherwise leave a step open, and the thread would end the host process later."""
+        self.closed = True
+
     def limit(self) -> float:
         typical = statistics.median(self.durations) if self.durations else 0.0
         return max(self.cfg.min_seconds, self.cfg.factor * typical)
 
     def _watch(self) -> None:
-        while True:
+        while not self.closed:
             time.sleep(self.poll_s)
             started = self.started
-            if started is None:
+            if started is None or self.closed:
                 continue
             elapsed, limit = time.monotonic() - started, self.limit()
             if elapsed > limit:

@@ -194,6 +194,7 @@ def _run(cfg: RunConfig) -> RunResult:
             train_loop(run)
         return finish(run)
     finally:
+        run.watchdog.close()
         run.engine.checkpointer.wait()  # a save in flight completes before the run lets go of its folder
 
 
@@ -307,7 +308,7 @@ def load_inputs(cfg: RunConfig, accelerator, preemption) -> RunState:
     stop_if_preempted(preemption.signal is not None, preemption.name, Path(cfg.train.output_dir), main, "while the data loaded")
     sp = sequence_parallel.setup(cfg.distributed.sequence_parallel, rank, world)
     run = RunState(cfg, accelerator, preemption, model_cfg, tokenizer, data, plan_steps(cfg, len(data.train), sp.data_world(world)), sequence_parallel=sp)
-    run.objective = objective_for(cfg, locate=data.train.locate)
+    run.objective = objective_for(cfg, locate=data.train.locate, world=world)
     for line in summary_lines(data, cfg.data.max_seq_len):
         run.say(line)
     return run

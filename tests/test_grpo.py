@@ -131,18 +131,84 @@ def test_kill_9_mid_grpo_run_then_resume_samples_and_trains_the_same(tmp_path, t
     assert [[r[k] for k in keys] for r in _steps(tmp_path / "out")] == expected  # bitwise
 
 
-def test_two_processes_sample_and_train_as_one(tmp_path, tiny_model_dir, parity_reward):
+def _two_sections(tiny_model_dir, tmp, parity_reward) -> dict:
+    """4 steps of 4 prompts, and an eval of 5 prompts every 2 steps: 3 on rank 0 and 2 on rank 1 at 2 processes."""
+    sections = _grpo_config(tiny_model_dir, tmp, grpo={"rewards": [parity_reward, "length"]})
+    rows = (DEMO_DATA / "prompts-eval.jsonl").read_text().splitlines()[:5]
+    (tmp / "eval.jsonl").write_text("\n".join(rows) + "\n")
+    sections["data"]["eval"] = str(tmp / "eval.jsonl")
+    return {k: sections[k] for k in ("data", "grpo")} | {"train": {"objective": "grpo"}, "eval": {"every": 2}}
+
+
+@pytest.fixture(scope="module")
+def one_process_grpo(tmp_path_factory, tiny_model_dir, parity_reward):
+    tmp = tmp_path_factory.mktemp("grpo-one")
     from conftest import train_strategy
 
-    sections = _grpo_config(tiny_model_dir, tmp_path, grpo={"rewards": [parity_reward, "length"]})
-    sections = {k: sections[k] for k in ("data", "grpo")} | {"train": {"objective": "grpo"}}
-    sections["data"]["eval"] = None
-    _, one, _ = train_strategy(tmp_path, "one", tiny_model_dir, "lora", 1, "ddp", **sections)
-    out, two, summary = train_strategy(tmp_path, "two", tiny_model_dir, "lora", 2, "ddp", **sections)
-    assert summary["world_size"] == 2 and len(two) == 4
+    _, losses, _ = train_strategy(tmp, "one", tiny_model_dir, "lora", 1, "ddp", **_two_sections(tiny_model_dir, tmp, parity_reward))
+    return read_jsonl(tmp / "one" / "metrics.jsonl"), losses
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "zero3"])
+def test_two_processes_sample_and_train_as_one(tmp_path, tiny_model_dir, parity_reward, one_process_grpo, strategy):
+    """The same completions (rewards, lengths), losses and greedy eval whether one process or two sample them, the
+    weights whole (ddp) or sharded (fsdp, zero3: every rank decodes as long as the longest; rank 1 evaluates one
+    prompt fewer and runs a stand-in batch)."""
+    from conftest import train_strategy
+
+    records, one = one_process_grpo
+    out, two, summary = train_strategy(tmp_path, "two", tiny_model_dir, "lora", 2, strategy, **_two_sections(tiny_model_dir, tmp_path, parity_reward))
+    assert summary["world_size"] == 2 and summary["strategy"] == strategy and len(two) == 4
     assert two == pytest.approx(one, rel=1e-4, abs=1e-6)
-    sampled = [v for r in _steps(out) for v in (r["reward"], r["completion_length"])]
-    assert sampled == pytest.approx([v for r in _steps(tmp_path / "one") for v in (r["reward"], r["completion_length"])], abs=1e-6)  # the same completions
+    keys = ("reward", "completion_length", "eval_reward")
+    sampled = [r.get(k) for r in read_jsonl(out / "metrics.jsonl") for k in keys]
+    expected = [r.get(k) for r in records for k in keys]
+    assert sampled == pytest.approx(expected, abs=1e-6) and sum(v is not None for v in expected) == 4 + 4 + 3  # evals at 0, 2 and 4
+
+
+def test_gumbel_noise_samples_the_softmax_and_is_splitmix64():
+    """The sampler's uniforms are splitmix64's numbers (its 64-bit arithmetic done in int64); argmax of the
+    warped logits plus their Gumbel noise draws each token as often as softmax(logits / T) over the top k."""
+    from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper
+
+    from finetune.grpo import GumbelSampler, uniforms
+
+    def splitmix64(seed: int, k: int) -> float:
+        z = (seed + k * 0x9E3779B97F4A7C15) % 2**64
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) % 2**64
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) % 2**64
+        return (((z ^ (z >> 31)) >> 11) + 0.5) * 2.0**-53
+
+    seeds = [7, 2**63 + 5, 2**64 - 1]
+    drawn = uniforms(torch.tensor([s - 2**64 if s >= 2**63 else s for s in seeds]), 3, 6)
+    assert drawn.tolist() == [[splitmix64(s, 3 * 6 + i + 1) for i in range(6)] for s in seeds]
+    rows, logits = 40_000, torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0])
+    sampler = GumbelSampler(torch.arange(rows) * 1_000_003, [TemperatureLogitsWarper(0.7), TopKLogitsWarper(3)])
+    picks = sampler(torch.zeros(rows, 1, dtype=torch.long), logits.expand(rows, -1)).argmax(-1)
+    share = torch.bincount(picks, minlength=5).double() / rows
+    expected = torch.cat([torch.softmax(logits[:3].double() / 0.7, 0), torch.zeros(2, dtype=torch.float64)])
+    assert (share - expected).abs().max() < 0.01, (share, expected)  # 4 standard errors at 40,000 draws
+    assert sampler.step == 1 and not torch.equal(sampler(torch.zeros(rows, 2, dtype=torch.long), logits.expand(rows, -1)).argmax(-1), picks)
+
+
+def test_a_prompts_completions_are_the_same_in_any_batch(tiny_model_dir):
+    """One `generate` call samples a micro-batch's prompts left-padded; a prompt's completions are the ones it gets
+    sampled alone (and greedy decoding likewise), so they hang on (seed, step, prompt) and nothing else."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from finetune.grpo import generate
+    from finetune.packing import Prompt
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    objective = GRPO(GRPOConfig(num_generations=4, max_completion_length=8, temperature=1.0), [], seed=3)
+    short, long = Prompt(np.array(PROMPTS[1]), {}, 5), Prompt(np.array(PROMPTS[0] * 3), {}, 9)
+    alone = objective.sample(model, tokenizer, [short], 2, "cpu")[0]
+    beside = objective.sample(model, tokenizer, [long, short], 2, "cpu")
+    assert beside[1] == alone and beside[0] != alone
+    assert len({tuple(c) for c in alone}) == 4  # four different completions of one prompt
+    assert objective.sample(model, tokenizer, [short], 3, "cpu")[0] != alone  # another step, other draws
+    assert generate(model, tokenizer, [long.ids, short.ids], 8, "cpu")[1] == generate(model, tokenizer, [short.ids], 8, "cpu")[0]
 
 
 def test_reward_functions_resolve_and_bad_ones_stop_in_one_line(tmp_path):
@@ -179,14 +245,19 @@ def test_bad_grpo_input_is_one_line_with_exit_2(tmp_path, tiny_model_dir):
              ({"grpo": {"rewards": [f"{tmp_path}/r.py:broken"]}, "data": {"eval": None}},
               r"grpo.rewards: .*r.py:broken returned None for a completion of .*prompts-train.jsonl:\d+ \(prompt"),
              ({"grpo": {"rewards": ["exact_match", "length"], "reward_weights": [1.0]}}, "2 reward functions"),
-             ({"train": {"objective": "sft"}}, "grpo for data.format: prompt"),
-             ({"distributed": {"strategy": "fsdp"}}, "shards the weights")]
+             ({"train": {"objective": "sft"}}, "grpo for data.format: prompt")]
     for i, (sections, why) in enumerate(cases):
         config = write_config(tmp_path / f"bad{i}.yaml", _grpo_config(tiny_model_dir, tmp_path / f"out{i}", **sections))
         result = finetune_in_process("train", "--config", str(config))
         assert result.returncode == 2, (why, result.stderr[-1500:])
         line = [x for x in result.stderr.splitlines() if x.startswith("error")]
         assert len(line) == 1 and __import__("re").search(why, line[0]), (why, result.stderr[-1500:])
+    # The runs that stopped mid-step stopped their watchdogs too: a live one would end this process later (exit 4)
+    import threading
+    import time
+
+    time.sleep(1.0)  # a watchdog looks every 0.5 s
+    assert not [t for t in threading.enumerate() if t.name == "finetune-watchdog"]
     with pytest.raises(UserError, match="set data.format: prompt"):
         from finetune.config import validate_config
 

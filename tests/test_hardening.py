@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from conftest import REPO, base_config, read_jsonl, run_cli, write_config
+from conftest import REPO, base_config, finetune_in_process, read_jsonl, run_cli, write_config
 
 from finetune.checkpoint import verify
 from finetune.locks import LOCK_FILE
@@ -101,7 +101,7 @@ def test_train_refuses_a_folder_of_someone_elses_files(tmp_path, tiny_model_dir)
     out = tmp_path / "mine"
     out.mkdir()
     (out / "README.md").write_text("my notes")
-    result = run_cli("train", "--config", str(write_config(tmp_path / "c.yaml", _cfg(tiny_model_dir, out, steps=2))))
+    result = finetune_in_process("train", "--config", str(write_config(tmp_path / "c.yaml", _cfg(tiny_model_dir, out, steps=2))))
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert f"train.output_dir: {out} holds files that are not a finetune run's (README.md)" in result.stderr
     assert [p.name for p in out.iterdir()] == ["README.md"] and (out / "README.md").read_text() == "my notes"

@@ -20,8 +20,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _config(tmp_path, tiny_model_dir):
-    cfg = base_config(tiny_model_dir, tmp_path / "out", train={"max_steps": 3, "micro_batch_size": 2})
+def _config(tmp_path, tiny_model_dir, **train):
+    cfg = base_config(tiny_model_dir, tmp_path / "out", train={"max_steps": 3, "micro_batch_size": 2, **train})
     return str(write_config(tmp_path / "c.yaml", cfg))
 
 
@@ -33,13 +33,18 @@ def test_help(script):
 
 @pytest.mark.parametrize("launcher", ["torchrun", "accelerate"])
 def test_single_node_script_starts_two_processes(tmp_path, tiny_model_dir, launcher):
+    """`torchrun ... finetune/train.py` and `accelerate launch ... finetune/train.py` (the commands the script prints
+    and runs): two processes that train together, their replicas equal, only rank 0 reporting."""
     cmd = ["bash", "launch/single_node.sh", "--nproc", "2", "--launcher", launcher, "--port", str(_free_port()),
-           "--", "--config", _config(tmp_path, tiny_model_dir)]
+           "--", "--config", _config(tmp_path, tiny_model_dir, grad_accum=2)]
     result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, env=ENV)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "launch: " in result.stderr  # the exact command is printed
+    assert f"launch: {sys.executable} -m {'torch.distributed.run' if launcher == 'torchrun' else 'accelerate.commands.launch'}" in result.stderr
+    assert "finetune/train.py --config" in result.stderr  # the exact command is printed
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["replicas_identical"] is True
+    assert "= 8 rows per step" in result.stdout  # 2 micro x 2 accum x 2 processes
+    assert result.stdout.count("done: 3 steps") == 1  # only rank 0 reports
 
 
 def test_two_nodes_on_loopback_train_together(tmp_path, tiny_model_dir):

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import torch
-from conftest import REPO, base_config, finetune_cli, run_cli, write_config
+from conftest import REPO, base_config, finetune_cli, finetune_in_process, write_config
 
 from finetune.cli import main
 from finetune.config import validate_config
@@ -176,7 +176,7 @@ def test_bad_merges_say_why_in_one_line_and_leave_nothing(tmp_path, tiny_model_d
         assert code in (2, 5) and len(errors) == 1 and words in errors[0] and "Traceback" not in err, (args, err)
     assert code == 5  # the failed check
     assert sorted(p.name for p in tmp_path.iterdir()) == ["taken"]  # no half-written output anywhere
-    assert run_cli("generate", "--model", str(tmp_path / "nope"), "--prompt", "x").returncode == 2
+    assert finetune_in_process("generate", "--model", str(tmp_path / "nope"), "--prompt", "x").returncode == 2
 
 
 def test_check_serving_says_whether_vllm_loads_the_adapter(tmp_path, tiny_model_dir, lora_run, capsys):

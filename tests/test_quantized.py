@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import base_config, read_jsonl, run_cli, write_config
+from conftest import base_config, finetune_in_process, read_jsonl, write_config
 
 from finetune.config import validate_config
 from finetune.data import load_data
@@ -86,7 +86,7 @@ def test_impossible_combinations_refused_before_loading(tmp_path, tiny_model_dir
     if torch.cuda.is_available():
         pytest.skip("CPU-only refusals")
     cfg = base_config(tiny_model_dir, tmp_path / "out", **sections)
-    result = run_cli("train", "--config", str(write_config(tmp_path / "c.yaml", cfg)))
+    result = finetune_in_process("train", "--config", str(write_config(tmp_path / "c.yaml", cfg)))
     assert result.returncode == 2, result.stderr[-2000:]
     assert words in result.stderr and len(result.stderr.strip().splitlines()) == 1
 
@@ -103,7 +103,7 @@ def test_4bit_refuses_widths_the_cpu_kernel_cannot_pack(tmp_path, tiny_model_dir
     config["intermediate_size"] = 100
     (odd / "config.json").write_text(json.dumps(config))
     cfg = base_config(odd, tmp_path / "out", model={"quantization": QLORA})
-    result = run_cli("train", "--config", str(write_config(tmp_path / "c.yaml", cfg)))
+    result = finetune_in_process("train", "--config", str(write_config(tmp_path / "c.yaml", cfg)))
     assert result.returncode == 2 and "intermediate_size=100" in result.stderr
 
 
@@ -137,7 +137,7 @@ def test_qlora_under_zero3_matches_one_process_and_partitions_the_4bit_base(tmp_
                           train={"max_steps": 4, "micro_batch_size": 4 // nproc, "lr": 1e-2}, distributed={"strategy": strategy})
         config = str(write_config(tmp_path / f"p{nproc}.yaml", cfg))
         if nproc == 1:
-            result = run_cli("train", "--config", config)
+            result = finetune_in_process("train", "--config", config)
         else:
             env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
             result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",

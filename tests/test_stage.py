@@ -11,7 +11,7 @@ import subprocess
 import sys
 import time
 
-from conftest import REPO, base_config, finetune_cli, read_jsonl, run_cli
+from conftest import REPO, base_config, finetune_cli, finetune_in_process, read_jsonl, run_cli
 
 from finetune.config import validate_config
 from finetune.stage import MANIFEST, PARTIAL, source_files, staged_name
@@ -119,7 +119,7 @@ def test_concurrent_stagers_make_one_copy(tmp_path, demo_model_dir, ram_root):
 
 def test_runs_load_from_the_staged_copy_or_fall_back_when_it_does_not_fit(tmp_path, tiny_model_dir, ram_root, capsys):
     root = ram_root / "runs"
-    refused = run_cli("stage", "--model", str(tiny_model_dir), "--root", str(root), "--reserve-gib", "100000")
+    refused = finetune_in_process("stage", "--model", str(tiny_model_dir), "--root", str(root), "--reserve-gib", "100000")
     assert refused.returncode == 2 and refused.stderr.count("\n") == 1
     assert "less than model.ramdisk_reserve_gib=100000" in refused.stderr
     assert not [p for p in root.iterdir() if p.is_dir()]  # nothing half-made
