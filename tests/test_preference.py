@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from conftest import DEMO_DATA, adapted_lora, base_config, read_jsonl, run_cli, train_strategy, write_config
+from conftest import DEMO_DATA, adapted_lora, base_config, finetune_in_process, read_jsonl, run_cli, train_strategy, write_config
 
 from finetune.cli import main
 from finetune.config import DataConfig, PreferenceConfig, validate_config
@@ -180,15 +180,24 @@ def test_dpo_run_learns_the_preference_and_logs_its_metrics(tmp_path, tiny_model
     assert report["passed"] and report["check_texts"] == 4 and report["merged_vs_tuned"]["max"] < 1e-3 and report["adapter_effect"]["max"] > 1e-3
 
 
-def test_kill_9_mid_dpo_run_then_resume_gives_the_same_losses(tmp_path, tiny_model_dir):
-    cfg = _pairs_config(tiny_model_dir, tmp_path / "reference", data={"eval": None})
+# Each objective's rows: DPO's and the reward model's pairs, KTO's unpaired examples.
+DATA = {"dpo": ("pairs-train.jsonl", "preference"), "reward": ("pairs-train.jsonl", "preference"), "kto": ("unpaired-train.jsonl", "unpaired")}
+
+
+@pytest.mark.parametrize("objective", ["dpo", "kto", "reward"])
+def test_kill_9_mid_run_then_resume_gives_the_same_losses(tmp_path, tiny_model_dir, objective):
+    """DPO, KTO (its reference point computed again from the mismatched pairs) and a reward model (its score
+    head saved whole in the checkpoint): SIGKILL after the step-3 checkpoint, resumed, the same losses bitwise."""
+    train, kind = DATA[objective]
+    cfg = _pairs_config(tiny_model_dir, tmp_path / "reference", objective=objective, data={"train": str(DEMO_DATA / train), "format": kind, "eval": None})
     run(validate_config(cfg, "test"))
     expected = [r["loss"] for r in read_jsonl(tmp_path / "reference" / "metrics.jsonl") if "loss" in r]
+    assert len(set(expected)) == 6  # every step trained something else
     cfg["train"]["output_dir"] = str(tmp_path / "out")
-    config = str(write_config(tmp_path / "dpo.yaml", cfg))
+    config = str(write_config(tmp_path / f"{objective}.yaml", cfg))
     killed = run_cli("train", "--config", config, "--save-every", "3", env={"FINETUNE_FAULT": "kill@4"})
     assert killed.returncode == -9, killed.stderr[-2000:]  # SIGKILL at the start of step 4, after the checkpoint of step 3
-    resumed = run_cli("train", "--config", config, "--save-every", "3")
+    resumed = finetune_in_process("train", "--config", config, "--save-every", "3")
     assert resumed.returncode == 0 and "step-000003 at step 3" in resumed.stdout, resumed.stderr[-2000:]
     assert [r["loss"] for r in read_jsonl(tmp_path / "out" / "metrics.jsonl") if "loss" in r] == expected  # bitwise
 
@@ -226,15 +235,41 @@ def test_preference_settings_are_checked_in_one_line(tmp_path, tiny_model_dir):
         run(validate_config(cfg, "test"))
 
 
-@pytest.mark.parametrize("strategy,method", [(s, m) for s in ("ddp", "fsdp", "zero3") for m in ("lora", "full")] + [("zero2", "lora")])
-def test_two_processes_match_one_on_pairs(tmp_path, tiny_model_dir, strategy, method):
-    """DPO with 2 processes x 2 rows = 1 process x 4 rows; its reference the adapter-off base (lora), or
-    a frozen copy held as the policy is (full: whole, FSDP-sharded, ZeRO-3-partitioned)."""
-    pairs = {"data": {"train": str(DEMO_DATA / "pairs-train.jsonl"), "format": "preference", "max_seq_len": 64},
-             "train": {"objective": "dpo"}}
-    _, one, _ = train_strategy(tmp_path, "one", tiny_model_dir, method, 1, strategy, **pairs)
-    _, two, summary = train_strategy(tmp_path, "two", tiny_model_dir, method, 2, strategy, **pairs)
-    assert summary["world_size"] == 2 and len(two) == 4 and one[0] == pytest.approx(0.6931, abs=1e-4)
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory, tiny_model_dir):
+    """The one-process reference of each (objective, method), trained once: the same config whatever strategy the
+    two-process run uses (one process is a run of its own under any of them)."""
+    runs = {}
+
+    def get(objective: str, method: str) -> list[float]:
+        if (objective, method) not in runs:
+            tmp = tmp_path_factory.mktemp(f"one-{objective}-{method}")
+            runs[objective, method] = train_strategy(tmp, "one", tiny_model_dir, method, 1, "ddp", **_sections(objective))[1]
+        return runs[objective, method]
+
+    return get
+
+
+def _sections(objective: str) -> dict:
+    train, kind = DATA[objective]
+    return {"data": {"train": str(DEMO_DATA / train), "format": kind, "max_seq_len": 64}, "train": {"objective": objective}}
+
+
+@pytest.mark.parametrize("strategy,method,objective", [(s, m, "dpo") for s in ("ddp", "fsdp", "zero3") for m in ("lora", "full")]
+                         + [("zero2", "lora", "dpo"), ("ddp", "lora", "reward"), ("ddp", "lora", "kto")])
+def test_two_processes_match_one_on_pairs(tmp_path, tiny_model_dir, one_process, strategy, method, objective):
+    """2 processes x 2 rows = 1 process x 4 rows: DPO, its reference the adapter-off base (lora), or a frozen copy
+    held as the policy is (full: whole, FSDP-sharded, ZeRO-3-partitioned); a reward model (score head and LoRA under
+    DDP). KTO's reference point is the KL on each process's mismatched pairs, averaged over the processes: equal
+    at the first step (the policy is the reference), within 1e-3 after it (2e-4 seen)."""
+    one = one_process(objective, method)
+    out, two, summary = train_strategy(tmp_path, "two", tiny_model_dir, method, 2, strategy, **_sections(objective))
+    assert summary["world_size"] == 2 and len(two) == 4
+    if objective == "kto":
+        assert two[0] == pytest.approx(one[0], rel=1e-5) and two == pytest.approx(one, rel=1e-3)
+        assert summary["replicas_identical"] is True
+        return
+    assert objective != "dpo" or one[0] == pytest.approx(0.6931, abs=1e-4)  # the policy starts as its reference: log 2
     assert two == pytest.approx(one, rel=1e-4, abs=1e-5) and two[-1] < one[0] - 0.01
 
 
