@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+from pathlib import Path
 
 import pytest
 from conftest import base_config, finetune_in_process, read_jsonl, run_cli, write_config
@@ -31,27 +33,38 @@ def _run(tmp_path, cfg, *extra, env=None):
     return finetune_in_process("train", "--config", config, *extra)
 
 
-def test_kill_9_then_resume_gives_the_same_losses(tmp_path, reference):
-    cfg, expected = reference
-    cfg = {**cfg, "train": {**cfg["train"], "output_dir": str(tmp_path / "out")}}
-    killed = _run(tmp_path, cfg, "--save-every", "4", env={"FINETUNE_FAULT": "kill@9"})
-    assert killed.returncode == -9  # SIGKILL at the start of step 9, after the checkpoint of step 8
-    assert sorted(p.name for p in (tmp_path / "out" / "checkpoints").iterdir()) == ["step-000000", "step-000004", "step-000008"]  # the start too
+@pytest.fixture(scope="module")
+def killed_at_9(tmp_path_factory, reference):
+    """The reference's config in a fresh process, SIGKILLed at the start of step 9 (after the step-8 checkpoint):
+    its output folder, which each test copies before resuming (or damaging) it."""
+    cfg, _ = reference
+    tmp = tmp_path_factory.mktemp("killed")
+    killed = _run(tmp, {**cfg, "train": {**cfg["train"], "output_dir": str(tmp / "out")}}, "--save-every", "4", env={"FINETUNE_FAULT": "kill@9"})
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    return tmp / "out"
+
+
+def _killed_copy(tmp_path, killed_at_9, reference) -> tuple[dict, Path]:
+    """A copy of the killed run's folder, and the config that resumes it."""
+    shutil.copytree(killed_at_9, tmp_path / "out")
+    cfg, _ = reference
+    return {**cfg, "train": {**cfg["train"], "output_dir": str(tmp_path / "out")}}, tmp_path / "out"
+
+
+def test_kill_9_then_resume_gives_the_same_losses(tmp_path, reference, killed_at_9):
+    cfg, out = _killed_copy(tmp_path, killed_at_9, reference)
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-000000", "step-000004", "step-000008"]  # the start too
     resumed = _run(tmp_path, cfg, "--save-every", "4")
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "resumed from" in resumed.stdout and "step-000008 at step 8" in resumed.stdout
-    losses = _losses(tmp_path / "out")
-    assert losses == expected  # bitwise: the same floats, step for step
-    assert json.loads((tmp_path / "out" / "summary.json").read_text())["steps"] == 12
+    assert _losses(out) == reference[1]  # bitwise: the same floats, step for step
+    assert json.loads((out / "summary.json").read_text())["steps"] == 12
 
 
 @pytest.mark.parametrize("damage", ["truncate", "delete", "no-manifest"])
-def test_a_damaged_newest_checkpoint_is_reported_and_the_previous_one_used(tmp_path, reference, damage):
-    cfg, expected = reference
-    cfg = {**cfg, "train": {**cfg["train"], "output_dir": str(tmp_path / "out")}}
-    killed = _run(tmp_path, cfg, "--save-every", "4", env={"FINETUNE_FAULT": "kill@9"})
-    assert killed.returncode == -9
-    newest = tmp_path / "out" / "checkpoints" / "step-000008"
+def test_a_damaged_newest_checkpoint_is_reported_and_the_previous_one_used(tmp_path, reference, killed_at_9, damage):
+    cfg, out = _killed_copy(tmp_path, killed_at_9, reference)
+    newest = out / "checkpoints" / "step-000008"
     if damage == "truncate":
         path = newest / "optimizer.pt"
         path.write_bytes(path.read_bytes()[:100])
@@ -63,7 +76,7 @@ def test_a_damaged_newest_checkpoint_is_reported_and_the_previous_one_used(tmp_p
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert f"checkpoint {newest} skipped" in resumed.stdout
     assert "step-000004 at step 4" in resumed.stdout
-    assert _losses(tmp_path / "out") == expected
+    assert _losses(out) == reference[1]
 
 
 def test_retention_keeps_the_last_k(tmp_path, tiny_model_dir):
