@@ -422,16 +422,45 @@ def textbook(model, samples, device: str = "cpu") -> tuple[float, dict]:
 # Runs under a distributed strategy (test_distributed, test_preference)
 
 
-def train_strategy(tmp_path, name, model_dir, method, nproc, strategy="ddp", accelerate_config=None, **sections):
-    """`finetune train` under a strategy: one process (in this one) or several (torchrun, or accelerate
-    launch with one of configs/accelerate); (output folder, per-step losses, summary)."""
-    out = tmp_path / name
-    # Global batch 4 rows either way: 1 process x micro 4, or 2 processes x micro 2 (the same rows).
+def strategy_config(model_dir, out, method, nproc, strategy="ddp", **sections) -> dict:
+    """The config train_strategy runs: global batch 4 rows either way (1 process x micro 4, or 2 processes x
+    micro 2: the same rows), 4 steps, no eval, `sections` merged in."""
     cfg = base_config(model_dir, out, adapter={"method": method}, data={"eval": None},
                       train={"max_steps": 4, "micro_batch_size": 4 // nproc, "lr": 1e-2 if method != "full" else 1e-3},
                       distributed={"strategy": strategy})
     for key, values in sections.items():
         cfg.setdefault(key, {}).update(values)
+    return cfg
+
+
+@pytest.fixture(scope="session")
+def trained(tmp_path_factory):
+    """The test run table: `trained(model_dir, method, processes=1, strategy="ddp", **sections)` trains as
+    train_strategy does, once per test session for each distinct config (its output folder aside; one
+    process is the same run under any strategy's name), and gives every test that asks for that run its
+    (output folder, per-step losses, summary). For tests that read a run's outputs and write nothing there."""
+    table = {}
+
+    def get(model_dir, method, processes=1, strategy="ddp", **sections):
+        strategy = "none" if processes == 1 else strategy
+        cfg = strategy_config(model_dir, Path("."), method, processes, strategy, **sections)
+        del cfg["train"]["output_dir"]
+        key = json.dumps([cfg, processes], sort_keys=True, default=str)
+        if key not in table:
+            table[key] = None  # a failed run fails the first test that asked for it, and is not retried
+            table[key] = train_strategy(tmp_path_factory.mktemp("trained"), "run", model_dir, method, processes, strategy, **sections)
+        if table[key] is None:
+            pytest.fail("this shared run failed (see the first test that asked for it)")
+        return table[key]
+
+    return get
+
+
+def train_strategy(tmp_path, name, model_dir, method, nproc, strategy="ddp", accelerate_config=None, **sections):
+    """`finetune train` under a strategy: one process (in this one) or several (torchrun, or accelerate
+    launch with one of configs/accelerate); (output folder, per-step losses, summary)."""
+    out = tmp_path / name
+    cfg = strategy_config(model_dir, out, method, nproc, strategy, **sections)
     config = str(write_config(tmp_path / f"{name}.yaml", cfg))
     if nproc == 1:
         result = finetune_in_process("train", "--config", config)

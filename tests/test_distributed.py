@@ -14,27 +14,20 @@ from conftest import REPO, base_config, train_strategy, write_config
 
 
 @pytest.fixture(scope="module")
-def single(tmp_path_factory, tiny_model_dir):
-    tmp = tmp_path_factory.mktemp("single")
-    return {m: train_strategy(tmp, f"single-{m}", tiny_model_dir, m, 1) for m in ("lora", "full", "dora")}
+def single(trained, tiny_model_dir):
+    return {m: trained(tiny_model_dir, m) for m in ("lora", "full", "dora")}
 
 
 @pytest.fixture(scope="module")
-def two_process_runs(tmp_path_factory, tiny_model_dir, ram_root):
-    """2-process LoRA runs by strategy, shared by the tests that only read their outputs. The ddp run
-    stages the model in RAM (model.ramdisk): both ranks start at once, one copies, both load it."""
-    runs = {}
+def two_process_runs(trained, tiny_model_dir, ram_root):
+    """2-process LoRA runs by strategy (from the run table), for the tests that only read their outputs. The ddp
+    run stages the model in RAM (model.ramdisk): both ranks start at once, one copies, both load it."""
 
     def get(strategy):
-        if strategy not in runs:
-            staging = {"model": {"ramdisk": str(ram_root / "ddp")}} if strategy == "ddp" else {}
-            if strategy == "fsdp":  # a synchronous save, compared with a background one below
-                staging["checkpoint"] = {"save_every": 2, "async_save": False}
-            runs[strategy] = None  # a failed run fails the first test that asked for it, and is not retried
-            runs[strategy] = train_strategy(tmp_path_factory.mktemp(strategy), "two", tiny_model_dir, "lora", 2, strategy, **staging)
-        if runs[strategy] is None:
-            pytest.fail(f"the shared 2-process {strategy} run failed (see the first test that used it)")
-        return runs[strategy]
+        staging = {"model": {"ramdisk": str(ram_root / "ddp")}} if strategy == "ddp" else {}
+        if strategy == "fsdp":  # a synchronous save, compared with a background one below
+            staging["checkpoint"] = {"save_every": 2, "async_save": False}
+        return trained(tiny_model_dir, "lora", 2, strategy, **staging)
 
     return get
 

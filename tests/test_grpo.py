@@ -131,8 +131,10 @@ def test_kill_9_mid_grpo_run_then_resume_samples_and_trains_the_same(tmp_path, t
     assert [[r[k] for k in keys] for r in _steps(tmp_path / "out")] == expected  # bitwise
 
 
-def _two_sections(tiny_model_dir, tmp, parity_reward) -> dict:
+@pytest.fixture(scope="module")
+def two_sections(tmp_path_factory, tiny_model_dir, parity_reward) -> dict:
     """4 steps of 4 prompts, and an eval of 5 prompts every 2 steps: 3 on rank 0 and 2 on rank 1 at 2 processes."""
+    tmp = tmp_path_factory.mktemp("grpo-eval")
     sections = _grpo_config(tiny_model_dir, tmp, grpo={"rewards": [parity_reward, "length"]})
     rows = (DEMO_DATA / "prompts-eval.jsonl").read_text().splitlines()[:5]
     (tmp / "eval.jsonl").write_text("\n".join(rows) + "\n")
@@ -140,29 +142,18 @@ def _two_sections(tiny_model_dir, tmp, parity_reward) -> dict:
     return {k: sections[k] for k in ("data", "grpo")} | {"train": {"objective": "grpo"}, "eval": {"every": 2}}
 
 
-@pytest.fixture(scope="module")
-def one_process_grpo(tmp_path_factory, tiny_model_dir, parity_reward):
-    tmp = tmp_path_factory.mktemp("grpo-one")
-    from conftest import train_strategy
-
-    _, losses, _ = train_strategy(tmp, "one", tiny_model_dir, "lora", 1, "ddp", **_two_sections(tiny_model_dir, tmp, parity_reward))
-    return read_jsonl(tmp / "one" / "metrics.jsonl"), losses
-
-
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp", "zero3"])
-def test_two_processes_sample_and_train_as_one(tmp_path, tiny_model_dir, parity_reward, one_process_grpo, strategy):
+def test_two_processes_sample_and_train_as_one(tiny_model_dir, trained, two_sections, strategy):
     """The same completions (rewards, lengths), losses and greedy eval whether one process or two sample them, the
     weights whole (ddp) or sharded (fsdp, zero3: every rank decodes as long as the longest; rank 1 evaluates one
     prompt fewer and runs a stand-in batch)."""
-    from conftest import train_strategy
-
-    records, one = one_process_grpo
-    out, two, summary = train_strategy(tmp_path, "two", tiny_model_dir, "lora", 2, strategy, **_two_sections(tiny_model_dir, tmp_path, parity_reward))
+    reference, one, _ = trained(tiny_model_dir, "lora", **two_sections)
+    out, two, summary = trained(tiny_model_dir, "lora", 2, strategy, **two_sections)
     assert summary["world_size"] == 2 and summary["strategy"] == strategy and len(two) == 4
     assert two == pytest.approx(one, rel=1e-4, abs=1e-6)
     keys = ("reward", "completion_length", "eval_reward")
     sampled = [r.get(k) for r in read_jsonl(out / "metrics.jsonl") for k in keys]
-    expected = [r.get(k) for r in records for k in keys]
+    expected = [r.get(k) for r in read_jsonl(reference / "metrics.jsonl") for k in keys]
     assert sampled == pytest.approx(expected, abs=1e-6) and sum(v is not None for v in expected) == 4 + 4 + 3  # evals at 0, 2 and 4
 
 

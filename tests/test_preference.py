@@ -235,21 +235,6 @@ def test_preference_settings_are_checked_in_one_line(tmp_path, tiny_model_dir):
         run(validate_config(cfg, "test"))
 
 
-@pytest.fixture(scope="module")
-def one_process(tmp_path_factory, tiny_model_dir):
-    """The one-process reference of each (objective, method), trained once: the same config whatever strategy the
-    two-process run uses (one process is a run of its own under any of them)."""
-    runs = {}
-
-    def get(objective: str, method: str) -> list[float]:
-        if (objective, method) not in runs:
-            tmp = tmp_path_factory.mktemp(f"one-{objective}-{method}")
-            runs[objective, method] = train_strategy(tmp, "one", tiny_model_dir, method, 1, "ddp", **_sections(objective))[1]
-        return runs[objective, method]
-
-    return get
-
-
 def _sections(objective: str) -> dict:
     train, kind = DATA[objective]
     return {"data": {"train": str(DEMO_DATA / train), "format": kind, "max_seq_len": 64}, "train": {"objective": objective}}
@@ -257,12 +242,12 @@ def _sections(objective: str) -> dict:
 
 @pytest.mark.parametrize("strategy,method,objective", [(s, m, "dpo") for s in ("ddp", "fsdp", "zero3") for m in ("lora", "full")]
                          + [("zero2", "lora", "dpo"), ("ddp", "lora", "reward"), ("ddp", "lora", "kto")])
-def test_two_processes_match_one_on_pairs(tmp_path, tiny_model_dir, one_process, strategy, method, objective):
+def test_two_processes_match_one_on_pairs(tmp_path, tiny_model_dir, trained, strategy, method, objective):
     """2 processes x 2 rows = 1 process x 4 rows: DPO, its reference the adapter-off base (lora), or a frozen copy
     held as the policy is (full: whole, FSDP-sharded, ZeRO-3-partitioned); a reward model (score head and LoRA under
     DDP). KTO's reference point is the KL on each process's mismatched pairs, averaged over the processes: equal
     at the first step (the policy is the reference), within 1e-3 after it (2e-4 seen)."""
-    one = one_process(objective, method)
+    _, one, _ = trained(tiny_model_dir, method, **_sections(objective))  # one process: trained once for every strategy
     out, two, summary = train_strategy(tmp_path, "two", tiny_model_dir, method, 2, strategy, **_sections(objective))
     assert summary["world_size"] == 2 and len(two) == 4
     if objective == "kto":

@@ -94,16 +94,16 @@ SP2 = {"distributed": {"sequence_parallel": 2}}
 
 
 @pytest.mark.parametrize("strategy,method,tiled", [("ddp", "lora", 1), ("fsdp", "full", 2), ("zero3", "lora", 2)])
-def test_training_with_two_slices_equals_one_process(tmp_path, tiny_model_dir, strategy, method, tiled):
+def test_training_with_two_slices_equals_one_process(tmp_path, tiny_model_dir, trained, strategy, method, tiled):
     """The demo data packed into rows of 128 tokens, 4 rows a step, eval included: 2 processes that
     share every row (a data-parallel world of 1), with the MLPs tiled under fsdp and zero3, against one
     plain process."""
     common = {"train": {"micro_batch_size": 4, "max_steps": 4}, "data": {"eval": str(DEMO_DATA / "eval.jsonl")}, "eval": {"every": 2}}
-    _, one, _ = train_strategy(tmp_path, "one", tiny_model_dir, method, 1, "none", **common)
+    reference, one, _ = trained(tiny_model_dir, method, **common)
     out, two, summary = train_strategy(tmp_path, "two", tiny_model_dir, method, 2, strategy, **common, **SP2, model={"tiled_mlp": tiled})
     assert summary["world_size"] == 2 and len(two) == 4
     assert two == pytest.approx(one, rel=1e-5)
-    evals = [[r["eval_loss"] for r in read_jsonl(o / "metrics.jsonl") if "eval_loss" in r] for o in (tmp_path / "one", out)]
+    evals = [[r["eval_loss"] for r in read_jsonl(o / "metrics.jsonl") if "eval_loss" in r] for o in (reference, out)]
     assert len(evals[0]) == 3 and evals[1] == pytest.approx(evals[0], rel=1e-5)  # at the start, step 2 and the end
 
 
