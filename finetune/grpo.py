@@ -136,8 +136,8 @@ class GRPO(Objective):
         warpers += [TopKLogitsWarper(cfg.top_k)] if cfg.top_k else []
         warpers += [TopPLogitsWarper(cfg.top_p)] if cfg.top_p < 1 else []
         repeated = [p.ids for p in prompts for _ in range(cfg.num_generations)]
-        completions = generate(model, tokenizer, repeated, cfg.max_completion_length, device, GumbelSampler(torch.as_tensor(seeds, device=device), warpers),
-                               synced=self.synced)
+        sampler = GumbelSampler(torch.as_tensor(seeds, device=device), warpers, cfg.top_k)
+        completions = generate(model, tokenizer, repeated, cfg.max_completion_length, device, sampler, synced=self.synced)
         return [completions[i : i + cfg.num_generations] for i in range(0, len(completions), cfg.num_generations)]
 
     def _rewards(self, tokenizer, prompt: Prompt, completions: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -247,18 +247,26 @@ class GumbelSampler:
     """Sampling as greedy decoding: the argmax of logits/temperature (top-k/top-p filtered) plus Gumbel
     noise is a draw from their softmax (the Gumbel-max trick). The noise of each row is a function of its
     own seed and the token's step (`uniforms`), never of a shared generator, so one `generate` call
-    samples each row as a call of its own would, whatever rows share its batch or its process."""
+    samples each row as a call of its own would, whatever rows share its batch or its process. With a
+    top k, the noise is made for the k candidates alone (the same numbers the whole row would get)."""
 
-    def __init__(self, seeds: torch.Tensor, warpers: list):
-        self.seeds, self.warpers, self.step = seeds, warpers, 0  # one sampler per `generate` call: it is called once a token
+    def __init__(self, seeds: torch.Tensor, warpers: list, top_k: int = 0):
+        self.seeds, self.warpers, self.top_k, self.step = seeds, warpers, top_k, 0  # one sampler per `generate` call: called once a token
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         scores = scores.float()
         for warp in self.warpers:
             scores = warp(input_ids, scores)
-        noise = -torch.log(-torch.log(uniforms(self.seeds, self.step, scores.shape[1])))
+        width, step = scores.shape[1], self.step
         self.step += 1
-        return scores + noise.float()
+        if not self.top_k or self.top_k >= width:
+            return scores + gumbel(uniforms(self.seeds, step, width))
+        values, index = scores.topk(self.top_k, dim=1)
+        return torch.full_like(scores, -float("inf")).scatter_(1, index, values + gumbel(uniforms(self.seeds, step, width, index)))
+
+
+def gumbel(u: torch.Tensor) -> torch.Tensor:
+    return -torch.log(-torch.log(u))
 
 
 # splitmix64's constants (0x9e3779b97f4a7c15, 0xbf58476d1ce4e5b9, 0x94d049bb133111eb) as int64: torch has no uint64 arithmetic
@@ -267,15 +275,18 @@ _GOLDEN, _MIX1, _MIX2 = (c - (1 << 64) for c in (0x9E3779B97F4A7C15, 0xBF58476D1
 
 def _shift(x: torch.Tensor, bits: int) -> torch.Tensor:
     """x >> bits as on unsigned 64-bit numbers (torch shifts int64 arithmetically)."""
-    return (x >> bits) & ((1 << (64 - bits)) - 1)
+    return (x >> bits).bitwise_and_((1 << (64 - bits)) - 1)
 
 
-def uniforms(seeds: torch.Tensor, step: int, width: int) -> torch.Tensor:
-    """(rows, width) numbers in (0, 1), float64: splitmix64's output number step * width + i + 1 from each
-    row's seed, in int64 arithmetic that wraps as unsigned arithmetic does, so equal on every device."""
-    counter = torch.arange(width, device=seeds.device, dtype=torch.long) + (step * width + 1)
-    z = seeds[:, None] + counter[None] * _GOLDEN
-    z = (z ^ _shift(z, 30)) * _MIX1
-    z = (z ^ _shift(z, 27)) * _MIX2
-    z = z ^ _shift(z, 31)
-    return (_shift(z, 11).double() + 0.5) * 2.0**-53
+def uniforms(seeds: torch.Tensor, step: int, width: int, index: torch.Tensor | None = None) -> torch.Tensor:
+    """Numbers in (0, 1), float32, one per row and vocabulary entry (or per entry of `index`, (rows, k)):
+    splitmix64's output number step * width + entry + 1 from each row's seed, in int64 arithmetic that
+    wraps as unsigned arithmetic does, so equal on every device; its top 23 bits make the float (24 would
+    round the largest to 1.0 in float32, and its Gumbel noise to infinity)."""
+    if index is None:
+        index = torch.arange(width, device=seeds.device, dtype=torch.long)[None]
+    z = seeds[:, None] + (index + (step * width + 1)) * _GOLDEN
+    z.bitwise_xor_(_shift(z, 30)).mul_(_MIX1)
+    z.bitwise_xor_(_shift(z, 27)).mul_(_MIX2)
+    z.bitwise_xor_(_shift(z, 31))
+    return (_shift(z, 41).float() + 0.5) * 2.0**-23

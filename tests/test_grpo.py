@@ -158,8 +158,9 @@ def test_two_processes_sample_and_train_as_one(tiny_model_dir, trained, two_sect
 
 
 def test_gumbel_noise_samples_the_softmax_and_is_splitmix64():
-    """The sampler's uniforms are splitmix64's numbers (its 64-bit arithmetic done in int64); argmax of the
-    warped logits plus their Gumbel noise draws each token as often as softmax(logits / T) over the top k."""
+    """The sampler's uniforms are splitmix64's numbers (its 64-bit arithmetic done in int64), never 0 or 1;
+    argmax of the warped logits plus their Gumbel noise draws each token as often as softmax(logits / T)
+    over the top k; the noise made for the top k alone is the whole row's at those entries."""
     from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper
 
     from finetune.grpo import GumbelSampler, uniforms
@@ -168,18 +169,24 @@ def test_gumbel_noise_samples_the_softmax_and_is_splitmix64():
         z = (seed + k * 0x9E3779B97F4A7C15) % 2**64
         z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) % 2**64
         z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) % 2**64
-        return (((z ^ (z >> 31)) >> 11) + 0.5) * 2.0**-53
+        return (((z ^ (z >> 31)) >> 41) + 0.5) * 2.0**-23
 
     seeds = [7, 2**63 + 5, 2**64 - 1]
     drawn = uniforms(torch.tensor([s - 2**64 if s >= 2**63 else s for s in seeds]), 3, 6)
-    assert drawn.tolist() == [[splitmix64(s, 3 * 6 + i + 1) for i in range(6)] for s in seeds]
+    assert torch.equal(drawn, torch.tensor([[splitmix64(s, 3 * 6 + i + 1) for i in range(6)] for s in seeds]))
+    many = uniforms(torch.arange(64) * 7, 0, 100_000)
+    assert 0 < many.min() and many.max() < 1 and abs(many.mean().item() - 0.5) < 1e-3
     rows, logits = 40_000, torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0])
-    sampler = GumbelSampler(torch.arange(rows) * 1_000_003, [TemperatureLogitsWarper(0.7), TopKLogitsWarper(3)])
+    warpers = [TemperatureLogitsWarper(0.7), TopKLogitsWarper(3)]
+    sampler = GumbelSampler(torch.arange(rows) * 1_000_003, warpers)
     picks = sampler(torch.zeros(rows, 1, dtype=torch.long), logits.expand(rows, -1)).argmax(-1)
     share = torch.bincount(picks, minlength=5).double() / rows
     expected = torch.cat([torch.softmax(logits[:3].double() / 0.7, 0), torch.zeros(2, dtype=torch.float64)])
     assert (share - expected).abs().max() < 0.01, (share, expected)  # 4 standard errors at 40,000 draws
     assert sampler.step == 1 and not torch.equal(sampler(torch.zeros(rows, 2, dtype=torch.long), logits.expand(rows, -1)).argmax(-1), picks)
+    wide = torch.randn(64, 5000)
+    whole, only_k = GumbelSampler(torch.arange(64), warpers), GumbelSampler(torch.arange(64), warpers, top_k=3)
+    assert torch.equal(whole(None, wide), only_k(None, wide))
 
 
 def test_a_prompts_completions_are_the_same_in_any_batch(tiny_model_dir):
