@@ -64,7 +64,7 @@ demo-grpo: install demo/model/config.json
 	$(VENV)/bin/finetune train --config configs/grpo.yaml
 
 test: install lint
-	$(PY) -m pytest -q --durations=15 tests
+	$(PY) -m pytest -q --durations=20 tests
 
 # Everything but the tests that start processes (tests/conftest.py marks those slow).
 test-fast: install lint
