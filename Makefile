@@ -38,6 +38,8 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q $(TORCH_PIP_ARGS) torch==$(TORCH_VERSION)
 	# Keep the torch just installed: a looser pin would let pip swap in another build.
 	$(PIP) install -q -e ".[test,deepspeed]" "torch==$$($(PY) -c 'import torch; print(torch.__version__)')"
+	# DeepSpeed compiles its CPU ops on first use, inside a run's launch (~1 min here): once, now.
+	$(PY) -c "from finetune.distributed import build_deepspeed_cpu_ops as b; print('DeepSpeed CPU ops built:', ', '.join(b()) or 'none needed')"
 	touch $@
 
 demo/model/config.json: | install
@@ -63,12 +65,14 @@ demo-grpo: install demo/model/config.json
 	$(VENV)/bin/finetune merge --adapter outputs/grpo-sft --out outputs/grpo-sft-merged
 	$(VENV)/bin/finetune train --config configs/grpo.yaml
 
+# Two workers, one thread each (tests/conftest.py): a tiny model's step is Python on one core, and
+# a test that waits on processes leaves the other core idle.
 test: install lint
-	$(PY) -m pytest -q --durations=20 tests
+	$(PY) -m pytest -q -n 2 --dist loadfile --durations=20 tests
 
 # Everything but the tests that start processes (tests/conftest.py marks those slow).
 test-fast: install lint
-	$(PY) -m pytest -q --durations=10 -m "not slow" tests
+	$(PY) -m pytest -q -n 2 --dist loadfile --durations=10 -m "not slow" tests
 
 lint: install
 	$(VENV)/bin/ruff check finetune tests bench

@@ -8,6 +8,8 @@ accelerate's FSDP plugin silently becomes DDP on a CPU and accelerate + DeepSpee
 
 from __future__ import annotations
 
+import importlib.util
+import os
 from pathlib import Path
 
 import torch
@@ -171,12 +173,29 @@ def full_state_dict(model: torch.nn.Module, trainable_only: bool) -> dict[str, t
 
 def check_strategy(cfg: RunConfig) -> None:
     """Refuse, before loading, a strategy whose engine is missing."""
-    import importlib.util
-
     if Strategy.of(cfg.distributed.strategy).deepspeed and importlib.util.find_spec("deepspeed") is None:
         raise UserError(f"distributed.strategy: {cfg.distributed.strategy} needs DeepSpeed (pip install 'finetune[deepspeed]')")
     if cfg.distributed.fsdp_cpu_offload and not torch.cuda.is_available():
         raise UserError("distributed.fsdp_cpu_offload: needs a GPU (without one the shards already live in CPU RAM); set it to false")
+
+
+def build_deepspeed_cpu_ops() -> list[str]:
+    """Compile DeepSpeed's CPU ops now: CPU Adam (optimizer offload) and the shared-memory comm op, which
+    every ZeRO process loads as it starts, though training never calls it. Unbuilt, the first ZeRO run on
+    a machine compiles them inside its launch (20-35 s each on 2 cores). `make install` calls this; they
+    land where torch keeps JIT extensions ($TORCH_EXTENSIONS_DIR, else ~/.cache/torch_extensions).
+    Nothing where DeepSpeed is absent or its accelerator is not the CPU (on a GPU it builds CUDA ops)."""
+    if importlib.util.find_spec("deepspeed") is None or os.environ.get("DS_ACCELERATOR") != "cpu":
+        return []
+    from deepspeed.accelerator import get_accelerator
+
+    built = []
+    for name in ("CPUAdamBuilder", "ShareMemCommBuilder"):
+        builder = get_accelerator().create_op_builder(name)
+        if builder is not None and builder.is_compatible():
+            builder.load(verbose=False)
+            built.append(builder.NAME)
+    return built
 
 
 def deepspeed_config(cfg: RunConfig, world: int, layer_params: int | None = None) -> dict:

@@ -12,6 +12,13 @@ from finetune.packing import Split
 from finetune.rows import IGNORE, prompt_and_answer
 
 
+def batches_per_rank(rows: int, world: int, batch_size: int, max_batches: int | None) -> int:
+    """How many eval batches every rank runs: the same on all, as a sharded model gathers its weights in
+    each forward (the busiest rank's count, capped by eval.max_batches)."""
+    count = math.ceil(math.ceil(rows / world) / batch_size)
+    return min(count, max_batches) if max_batches else count
+
+
 @torch.no_grad()
 def eval_loss(model, rows: Split, batch_size: int, pad_id: int, accelerator, max_batches: int | None, objective=None, sp=None,
               tokenizer=None) -> dict:
@@ -29,10 +36,8 @@ def eval_loss(model, rows: Split, batch_size: int, pad_id: int, accelerator, max
     model.eval()
     world = sp.data_world(accelerator.num_processes)
     mine = list(range(sp.data_rank(accelerator.process_index), len(rows), world))
-    # Every rank runs the same number of forward passes (a sharded model gathers weights in each);
-    # a rank with fewer rows repeats a row with its labels ignored.
-    count = math.ceil(math.ceil(len(rows) / world) / batch_size)
-    count = min(count, max_batches) if max_batches else count
+    # A rank with fewer rows repeats a row with its labels ignored.
+    count = batches_per_rank(len(rows), world, batch_size, max_batches)
     sums = None  # the loss's, the metrics' and the objective's counts, summed over the batches
     for b in range(count):
         chunk = mine[b * batch_size : (b + 1) * batch_size]

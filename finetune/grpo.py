@@ -18,13 +18,13 @@ log-probability gradient, moves the weights.
 from __future__ import annotations
 
 import contextlib
-import math
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from finetune.config import GRPOConfig
+from finetune.evaluate import batches_per_rank
 from finetune.loss import Losses
 from finetune.objectives import Objective, adapters_off, answers, token_logps
 from finetune.packing import Prompt, Row, Split, collate
@@ -183,8 +183,7 @@ class GRPO(Objective):
         prompts = rows.prompts(mine)
         # Sharded weights: every rank makes as many `generate` calls (each forward gathers the weights), a short
         # rank's last ones on a stand-in prompt whose completion is not scored.
-        count = math.ceil(math.ceil(len(rows) / world) / batch_size)
-        count = min(count, max_batches) if max_batches else count
+        count = batches_per_rank(len(rows), world, batch_size, max_batches)
         stand_in = prompts[:1] or rows.prompts([0])
         for start in range(0, count * batch_size if self.synced else len(prompts), batch_size):
             batch = prompts[start : start + batch_size]

@@ -19,10 +19,11 @@ DEMO_DATA = REPO / "demo" / "data"
 os.environ.setdefault("FINETUNE_CACHE", str(REPO / ".cache" / "finetune-tests"))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-# DeepSpeed JIT-compiles its CPU ops (shared-memory comm, CPU Adam) on first use: build them once
-# per checkout, not once per test run.
-os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # `make test` runs two workers on this 2-core machine: one thread each (and in every process they
+    # start), or their OpenMP threads spin against each other's. Before torch is imported.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 _SHM_BEFORE = set(Path("/dev/shm").glob("deepspeed_*")) if Path("/dev/shm").is_dir() else set()
 
 
@@ -62,12 +63,32 @@ def pytest_collection_modifyitems(config, items):
         text = inspect.getsource(item.function)
         if LAUNCHES.search(text) or launching & set(item.fixturenames) or any(re.search(rf"\b{n}\(", text) for n in launching):
             item.add_marker(pytest.mark.slow)
+    # `make test` runs two workers (pytest-xdist, --dist loadfile), each taking the next whole module as
+    # it finishes one: the longest modules first (seconds measured serially on a fresh clone), so that
+    # neither worker is left with a long module while the other has nothing.
+    items.sort(key=lambda item: -LONGEST.get(Path(str(item.fspath)).stem, 0))
+
+
+LONGEST = {"test_distributed": 249, "test_guard": 106, "test_preference": 93, "test_xl": 65, "test_plan": 63, "test_launch": 54,
+           "test_harness": 52, "test_sequence_parallel": 49, "test_hardening": 43, "test_day_one": 40, "test_bench": 36, "test_grpo": 32}
 
 
 def pytest_sessionfinish(session, exitstatus):
-    """DeepSpeed's CPU comm leaves shared-memory buffers behind; remove those this session made."""
+    """DeepSpeed's CPU comm leaves shared-memory buffers behind; remove those this session made, once
+    every worker is done (a worker that ends first must not take a running job's buffers)."""
+    if hasattr(session.config, "workerinput"):
+        return
     for leftover in set(Path("/dev/shm").glob("deepspeed_*")) - _SHM_BEFORE if Path("/dev/shm").is_dir() else ():
         leftover.unlink(missing_ok=True)
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on now (tests run side by side: no fixed rendezvous port)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def run_cli(*args: str, cwd: Path = REPO, env: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
@@ -469,7 +490,7 @@ def train_strategy(tmp_path, name, model_dir, method, nproc, strategy="ddp", acc
         env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
         launcher = ["torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
         if accelerate_config:
-            launcher = ["accelerate.commands.launch", "--config_file", f"configs/accelerate/{accelerate_config}.yaml", "--main_process_port", "29613"]
+            launcher = ["accelerate.commands.launch", "--config_file", f"configs/accelerate/{accelerate_config}.yaml", "--main_process_port", str(free_port())]
         result = subprocess.run([sys.executable, "-m", *launcher, "finetune/train.py", "--config", config],
                                 cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
         if accelerate_config and accelerate_config != strategy:

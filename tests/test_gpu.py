@@ -22,6 +22,7 @@ from conftest import (
     MOE,
     REPO,
     base_config,
+    free_port,
     loss_and_grads,
     packed_batch,
     read_jsonl,
@@ -410,7 +411,7 @@ def fsdp2_qlora(model_dir: str) -> dict:
 
 
 def test_fsdp2_with_cpu_offload_trains_like_the_unsharded_model(tiny_model_dir):
-    result = _probe("fsdp2_cpu_offload", tiny_model_dir, 29631)
+    result = _probe("fsdp2_cpu_offload", tiny_model_dir, free_port())
     print(f"fsdp2 cpu offload: {result}")
     assert result["param_devices"] == ["cpu"]
     assert result["offloaded"] == pytest.approx(result["reference"], rel=5e-3)
@@ -421,7 +422,7 @@ def test_fsdp2_over_a_4bit_base_trains_like_the_unsharded_model(tiny_model_dir):
     """On CUDA, FSDP2 keeps bitsandbytes' 4-bit state (packed values stored in bf16) and trains as the
     unsharded QLoRA model does (on CPU its DTensors drop that state). finetune still refuses fsdp +
     quantization: its multi-rank load and DCP checkpoints of a 4-bit base need several GPUs to test."""
-    result = _probe("fsdp2_qlora", tiny_model_dir, 29632)
+    result = _probe("fsdp2_qlora", tiny_model_dir, free_port())
     print(f"fsdp2 + qlora: {result}")
     assert result["error"] is None, result["error"]
     assert result["reference"][-1] < 0.97 * result["reference"][0]

@@ -4,20 +4,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
-from conftest import REPO, base_config, write_config
+from conftest import REPO, base_config, free_port, write_config
 
 ENV = {**os.environ, "PYTHON": sys.executable}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _config(tmp_path, tiny_model_dir, **train):
@@ -35,7 +28,7 @@ def test_help(script):
 def test_single_node_script_starts_two_processes(tmp_path, tiny_model_dir, launcher):
     """`torchrun ... finetune/train.py` and `accelerate launch ... finetune/train.py` (the commands the script prints
     and runs): two processes that train together, their replicas equal, only rank 0 reporting."""
-    cmd = ["bash", "launch/single_node.sh", "--nproc", "2", "--launcher", launcher, "--port", str(_free_port()),
+    cmd = ["bash", "launch/single_node.sh", "--nproc", "2", "--launcher", launcher, "--port", str(free_port()),
            "--", "--config", _config(tmp_path, tiny_model_dir, grad_accum=2)]
     result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, env=ENV)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -48,7 +41,7 @@ def test_single_node_script_starts_two_processes(tmp_path, tiny_model_dir, launc
 
 
 def test_two_nodes_on_loopback_train_together(tmp_path, tiny_model_dir):
-    port, config = _free_port(), _config(tmp_path, tiny_model_dir)
+    port, config = free_port(), _config(tmp_path, tiny_model_dir)
     cmd = ["bash", "launch/multi_node.sh", "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-host", "127.0.0.1",
            "--rdzv-port", str(port), "--rdzv-id", f"test-{port}", "--", "--config", config]
     nodes = [subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV) for _ in range(2)]
@@ -107,7 +100,7 @@ def test_a_second_launch_of_a_running_job_is_refused_in_one_line_before_the_rend
     (tmp_path / "out").mkdir()
     lock = hold_output_dir(tmp_path / "out", say=lambda _: None)  # the first launch's rank 0, still running
     try:
-        cmd = ["bash", "launch/multi_node.sh", "--nnodes", "1", "--rdzv-port", str(_free_port()), "--", "--config", config]
+        cmd = ["bash", "launch/multi_node.sh", "--nnodes", "1", "--rdzv-port", str(free_port()), "--", "--config", config]
         result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120, env=ENV)
     finally:
         release_output_dir(lock)
