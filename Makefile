@@ -38,7 +38,11 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q $(TORCH_PIP_ARGS) torch==$(TORCH_VERSION)
 	# Keep the torch just installed: a looser pin would let pip swap in another build.
 	$(PIP) install -q -e ".[test,deepspeed]" "torch==$$($(PY) -c 'import torch; print(torch.__version__)')"
-	# DeepSpeed compiles its CPU ops on first use, inside a run's launch (~1 min here): once, now.
+	touch $@
+
+# DeepSpeed compiles its CPU ops on first use, inside a run's launch (55 s on 2 cores): the suite builds
+# them once, before its first ZeRO test (they land in torch's extension cache, which every later run uses).
+$(VENV)/.deepspeed-ops: $(VENV)/.installed
 	$(PY) -c "from finetune.distributed import build_deepspeed_cpu_ops as b; print('DeepSpeed CPU ops built:', ', '.join(b()) or 'none needed')"
 	touch $@
 
@@ -67,7 +71,7 @@ demo-grpo: install demo/model/config.json
 
 # Two workers, one thread each (tests/conftest.py): a tiny model's step is Python on one core, and
 # a test that waits on processes leaves the other core idle.
-test: install lint
+test: install lint $(VENV)/.deepspeed-ops
 	$(PY) -m pytest -q -n 2 --dist loadfile --durations=20 tests
 
 # Everything but the tests that start processes (tests/conftest.py marks those slow).

@@ -182,7 +182,7 @@ def check_strategy(cfg: RunConfig) -> None:
 def build_deepspeed_cpu_ops() -> list[str]:
     """Compile DeepSpeed's CPU ops now: CPU Adam (optimizer offload) and the shared-memory comm op, which
     every ZeRO process loads as it starts, though training never calls it. Unbuilt, the first ZeRO run on
-    a machine compiles them inside its launch (20-35 s each on 2 cores). `make install` calls this; they
+    a machine compiles them inside its launch (20-35 s each on 2 cores). `make test` calls this first; they
     land where torch keeps JIT extensions ($TORCH_EXTENSIONS_DIR, else ~/.cache/torch_extensions).
     Nothing where DeepSpeed is absent or its accelerator is not the CPU (on a GPU it builds CUDA ops)."""
     if importlib.util.find_spec("deepspeed") is None or os.environ.get("DS_ACCELERATOR") != "cpu":

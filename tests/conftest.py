@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -63,14 +64,6 @@ def pytest_collection_modifyitems(config, items):
         text = inspect.getsource(item.function)
         if LAUNCHES.search(text) or launching & set(item.fixturenames) or any(re.search(rf"\b{n}\(", text) for n in launching):
             item.add_marker(pytest.mark.slow)
-    # `make test` runs two workers (pytest-xdist, --dist loadfile), each taking the next whole module as
-    # it finishes one: the longest modules first (seconds measured serially on a fresh clone), so that
-    # neither worker is left with a long module while the other has nothing.
-    items.sort(key=lambda item: -LONGEST.get(Path(str(item.fspath)).stem, 0))
-
-
-LONGEST = {"test_distributed": 249, "test_guard": 106, "test_preference": 93, "test_xl": 65, "test_plan": 63, "test_launch": 54,
-           "test_harness": 52, "test_sequence_parallel": 49, "test_hardening": 43, "test_day_one": 40, "test_bench": 36, "test_grpo": 32}
 
 
 def pytest_sessionfinish(session, exitstatus):
@@ -157,42 +150,65 @@ def _fresh_accelerate_state():
     AcceleratorState._reset_state(True)
 
 
+def once(tmp_path_factory, name: str, build) -> Path:
+    """The folder `name` that `build(folder)` fills, built once per test session whatever the worker:
+    pytest-xdist's workers each set up session fixtures of their own, so the first to need it builds it
+    under a file lock in the folder their temporary folders share, and the others reuse it. A build that
+    raised is built again by the next that asks."""
+    import fcntl
+    import shutil
+
+    root = tmp_path_factory.getbasetemp()
+    root = root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root
+    folder = root / name
+    with open(root / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (root / f"{name}.done").exists():
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir()
+            build(folder)
+            (root / f"{name}.done").touch()
+    return folder
+
+
 @pytest.fixture(scope="session")
 def demo_tokenizer_dir(tmp_path_factory) -> Path:
     from finetune.demo import build_tokenizer
 
     texts = [json.loads(line)["text"] for line in (DEMO_DATA / "corpus.jsonl").read_text().splitlines()[:1500]]
-    out = tmp_path_factory.mktemp("tokenizer")
-    build_tokenizer(texts).save_pretrained(out)
-    return out
+    return once(tmp_path_factory, "tokenizer", build_tokenizer(texts).save_pretrained)
 
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory, demo_tokenizer_dir) -> Path:
     """A random-weight two-layer Llama with the demo tokenizer: enough for exactness tests."""
-    import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    tok = AutoTokenizer.from_pretrained(demo_tokenizer_dir)
-    config = LlamaConfig(
-        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id, tie_word_embeddings=False,
-    )
-    torch.manual_seed(0)
-    out = tmp_path_factory.mktemp("tiny-model")
-    LlamaForCausalLM(config).save_pretrained(out)
-    tok.save_pretrained(out)
-    return out
+    def build(out):
+        import torch
+        from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+        tok = AutoTokenizer.from_pretrained(demo_tokenizer_dir)
+        config = LlamaConfig(
+            vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=256, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id, tie_word_embeddings=False,
+        )
+        torch.manual_seed(0)
+        LlamaForCausalLM(config).save_pretrained(out)
+        tok.save_pretrained(out)
+
+    return once(tmp_path_factory, "tiny-model", build)
 
 
 @pytest.fixture(scope="session")
 def demo_model_dir(tmp_path_factory) -> Path:
     """The demo base model, built by the real command with a short pretraining."""
-    out = tmp_path_factory.mktemp("demo") / "model"
-    result = finetune_in_process("make-demo-model", "--out", str(out), "--steps", "120")
-    assert result.returncode == 0, result.stderr[-3000:]
-    return out
+
+    def build(folder):
+        result = finetune_in_process("make-demo-model", "--out", str(folder / "model"), "--steps", "120")
+        assert result.returncode == 0, result.stderr[-3000:]
+
+    return once(tmp_path_factory, "demo", build) / "model"
 
 
 @pytest.fixture(scope="session")
@@ -459,8 +475,9 @@ def strategy_config(model_dir, out, method, nproc, strategy="ddp", **sections) -
 def trained(tmp_path_factory):
     """The test run table: `trained(model_dir, method, processes=1, strategy="ddp", **sections)` trains as
     train_strategy does, once per test session for each distinct config (its output folder aside; one
-    process is the same run under any strategy's name), and gives every test that asks for that run its
-    (output folder, per-step losses, summary). For tests that read a run's outputs and write nothing there."""
+    process is the same run under any strategy's name), by whichever worker asks first (`once`), and
+    gives every test that asks for that run its (output folder, per-step losses, summary). For tests
+    that read a run's outputs and write nothing there."""
     table = {}
 
     def get(model_dir, method, processes=1, strategy="ddp", **sections):
@@ -470,7 +487,9 @@ def trained(tmp_path_factory):
         key = json.dumps([cfg, processes], sort_keys=True, default=str)
         if key not in table:
             table[key] = None  # a failed run fails the first test that asked for it, and is not retried
-            table[key] = train_strategy(tmp_path_factory.mktemp("trained"), "run", model_dir, method, processes, strategy, **sections)
+            name = "trained-" + hashlib.sha256(key.encode()).hexdigest()[:16]
+            folder = once(tmp_path_factory, name, lambda f: train_strategy(f, "run", model_dir, method, processes, strategy, **sections))
+            table[key] = run_outputs(folder / "run")
         if table[key] is None:
             pytest.fail("this shared run failed (see the first test that asked for it)")
         return table[key]
@@ -498,5 +517,10 @@ def train_strategy(tmp_path, name, model_dir, method, nproc, strategy="ddp", acc
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     if nproc > 1:
         (out / "console.log").write_text(result.stdout + result.stderr)
+    return run_outputs(out)
+
+
+def run_outputs(out: Path) -> tuple[Path, list[float], dict]:
+    """A finished run's (output folder, per-step losses, summary)."""
     losses = [r["loss"] for r in read_jsonl(out / "metrics.jsonl") if "loss" in r]
     return out, losses, json.loads((out / "summary.json").read_text())

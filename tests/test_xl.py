@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import DEMO_DATA, REPO, base_config
+from conftest import DEMO_DATA, REPO, base_config, write_config
 
 from finetune.config import validate_config
 from finetune.plan import make_plan
@@ -45,32 +45,39 @@ def held_bytes(model) -> int:
     return total
 
 
-@pytest.mark.parametrize("model_section", [{"dtype": "bfloat16"},
-                                           {"dtype": "bfloat16", "quantization": {"bits": 4, "compute_dtype": "float32"}},
-                                           {"dtype": "bfloat16", "quantization": {"bits": 4, "double_quant": False, "compute_dtype": "float32"}}],
-                         ids=["lora-bf16", "qlora-nf4-double-quant", "qlora-nf4"])
+def wide_config(wide_model_dir, out, **model_section) -> dict:
+    return base_config(wide_model_dir, out, model={"dtype": "bfloat16", **model_section}, adapter={"r": 16, "target_modules": "all-linear"})
+
+
+QLORA = {"quantization": {"bits": 4, "compute_dtype": "float32"}}  # double quantization, the default
+
+
+@pytest.mark.parametrize("model_section", [{}, {"quantization": {"bits": 4, "double_quant": False, "compute_dtype": "float32"}}],
+                         ids=["lora-bf16", "qlora-nf4"])
 def test_the_plan_counts_every_byte_the_loaded_model_holds(wide_model_dir, tmp_path, model_section):
+    """The third case, QLoRA with double quantization, is the 4-bit load below."""
     from finetune.model import apply_adapter, load_model
 
-    cfg = validate_config(base_config(wide_model_dir, tmp_path / "out", model=model_section, adapter={"r": 16, "target_modules": "all-linear"}),
-                          "test")
+    cfg = validate_config(wide_config(wide_model_dir, tmp_path / "out", **model_section), "test")
     model = apply_adapter(load_model(cfg.model, say=lambda _: None), cfg.adapter, gradient_checkpointing=True, say=lambda _: None)
     assert held_bytes(model) == make_plan(cfg).rows["weights"]
 
 
 LOAD = """
 import json, sys
-from finetune.config import ModelConfig, QuantizationConfig
-from finetune.model import load_model
+from finetune.config import load_config
+from finetune.model import apply_adapter, load_model
 
 def status(key):
     return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith(key + ":"))
 
+cfg = load_config(sys.argv[1])
 import transformers.modeling_utils, bitsandbytes  # their import is not the load's
 before = status("VmRSS")
-model = load_model(ModelConfig(name_or_path=sys.argv[1], dtype="bfloat16", quantization=QuantizationConfig(bits=4, compute_dtype="float32")),
-                   say=lambda _: None)
-print(json.dumps({"before": before, "peak": status("VmHWM")}))
+model = load_model(cfg.model, say=lambda _: None)
+peak, loaded = status("VmHWM"), held_bytes(model)
+model = apply_adapter(model, cfg.adapter, gradient_checkpointing=True, say=lambda _: None)
+print(json.dumps({"before": before, "peak": peak, "loaded": loaded, "held": held_bytes(model)}))
 """
 
 
@@ -79,14 +86,17 @@ def test_the_4bit_load_holds_the_4bit_model_and_one_shard_at_most(wide_model_dir
     mark: every page the process held, the shards' file pages included) is the 4-bit model (its fp32
     embeddings and lm_head included, as peft's k-bit preparation leaves them) and at most one shard's
     worth of bf16 being read, within 1 GiB. From the folder itself transformers would keep every shard
-    memory-mapped until the load ends (model._weights_read_on_demand)."""
-    result = subprocess.run([sys.executable, "-c", LOAD, str(wide_model_dir)], cwd=REPO, capture_output=True, text=True, timeout=600)
+    memory-mapped until the load ends (model._weights_read_on_demand). With the adapter applied, the
+    model then holds the very bytes the plan counts."""
+    import inspect
+
+    raw = wide_config(wide_model_dir, tmp_path / "out", **QLORA)
+    result = subprocess.run([sys.executable, "-c", inspect.getsource(held_bytes) + LOAD, str(write_config(tmp_path / "c.yaml", raw))], cwd=REPO,
+                            capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     measured = json.loads(result.stdout.strip().splitlines()[-1])
-    cfg = validate_config(base_config(wide_model_dir, tmp_path / "out", model={"dtype": "bfloat16", "quantization": {"bits": 4, "compute_dtype": "float32"}}),
-                          "test")
-    model_4bit = make_plan(cfg).rows["weights"]
-    shard = max(p.stat().st_size for p in wide_model_dir.glob("*.safetensors"))
+    assert measured["held"] == make_plan(validate_config(raw, "test")).rows["weights"]
+    model_4bit, shard = measured["loaded"], max(p.stat().st_size for p in wide_model_dir.glob("*.safetensors"))
     held = measured["peak"] - measured["before"]
     print(f"4-bit load: peak RSS {held / 2**20:.0f} MiB over the start; 4-bit model {model_4bit / 2**20:.0f} MiB, largest shard {shard / 2**20:.0f} MiB")
     assert model_4bit <= held <= model_4bit + shard + 2**30
