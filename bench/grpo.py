@@ -3,7 +3,8 @@
 The model: a 4-layer Llama of hidden size 256 with the demo tokenizer (random weights, built once under
 $FINETUNE_CACHE/bench-grpo), LoRA r 16 on every linear layer, fp32. Each step: 8 of the demo's prompts
 (demo/data/prompts-train.jsonl, chat), 8 completions each of at most 16 tokens sampled at temperature 1,
-the exact-match reward, loss dapo, beta 0 (no reference forward), one process. A random model rarely
+the exact-match reward, loss dapo, beta 0 (no reference forward), gradient checkpointing off (TRL's
+default is on: set off for it, as finetune's), one process. A random model rarely
 ends a completion early, so both sample about the full 16 tokens. Timed from the end of the first step to
 the end of the last (the first includes warm-up).
 
@@ -26,18 +27,33 @@ CACHE = Path(os.environ.get("FINETUNE_CACHE", REPO / ".cache" / "finetune")) / "
 PROMPTS, GENERATIONS, LENGTH, LR = 8, 8, 16, 1e-4
 
 
+def our_config(model: Path, steps: int, out: Path) -> dict:
+    return {"model": {"name_or_path": str(model)}, "adapter": {"method": "lora", "r": 16, "alpha": 32, "dropout": 0.0},
+            "data": {"train": str(DATA / "prompts-train.jsonl"), "format": "prompt", "max_seq_len": 128},
+            "train": {"output_dir": str(out), "objective": "grpo", "max_steps": steps, "micro_batch_size": PROMPTS, "lr": LR, "scheduler": "constant",
+                      "gradient_checkpointing": False},
+            "grpo": {"num_generations": GENERATIONS, "max_completion_length": LENGTH, "temperature": 1.0, "top_k": 0, "top_p": 1.0,
+                     "loss_type": "dapo", "beta": 0.0},
+            "eval": {"on_start": False}, "guard": {"enabled": False},
+            "logging": {"report_to": [], "progress_bar": False, "plot": False}}
+
+
+def trl_args(steps: int, out: Path):
+    """TRL's GRPOConfig with our_config's settings (TRL 1.16 checkpoints gradients by default; finetune does not: off in both)."""
+    from trl import GRPOConfig
+
+    return GRPOConfig(output_dir=str(out), per_device_train_batch_size=PROMPTS * GENERATIONS, num_generations=GENERATIONS,
+                      max_completion_length=LENGTH, temperature=1.0, top_k=0, top_p=1.0, loss_type="dapo", beta=0.0, learning_rate=LR,
+                      lr_scheduler_type="constant", max_steps=steps, logging_steps=1, report_to=[], use_cpu=True, bf16=False,
+                      save_strategy="no", gradient_checkpointing=False)
+
+
 def ours(model: Path, steps: int, out: Path) -> list[float]:
     """finetune's step end times (s)."""
     from finetune.config import validate_config
     from finetune.train import run
 
-    cfg = {"model": {"name_or_path": str(model)}, "adapter": {"method": "lora", "r": 16, "alpha": 32, "dropout": 0.0},
-           "data": {"train": str(DATA / "prompts-train.jsonl"), "format": "prompt", "max_seq_len": 128},
-           "train": {"output_dir": str(out), "objective": "grpo", "max_steps": steps, "micro_batch_size": PROMPTS, "lr": LR, "scheduler": "constant"},
-           "grpo": {"num_generations": GENERATIONS, "max_completion_length": LENGTH, "temperature": 1.0, "loss_type": "dapo", "beta": 0.0},
-           "eval": {"on_start": False}, "guard": {"enabled": False},
-           "logging": {"report_to": [], "progress_bar": False, "plot": False}}
-    run(validate_config(cfg, "bench"))
+    run(validate_config(our_config(model, steps, out), "bench"))
     return [r["time"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
 
 
@@ -46,7 +62,7 @@ def trls(model: Path, steps: int, out: Path) -> list[float]:
     from datasets import Dataset
     from peft import LoraConfig
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOTrainer
 
     rows = [json.loads(line) for line in (DATA / "prompts-train.jsonl").read_text().splitlines()]
     ends: list[float] = []
@@ -58,11 +74,7 @@ def trls(model: Path, steps: int, out: Path) -> list[float]:
     def exact_match(completions, answer, **_):
         return [float(c[-1]["content"].strip() == a) for c, a in zip(completions, answer)]
 
-    args = GRPOConfig(output_dir=str(out), per_device_train_batch_size=PROMPTS * GENERATIONS, num_generations=GENERATIONS,
-                      max_completion_length=LENGTH, temperature=1.0, loss_type="dapo", beta=0.0, learning_rate=LR,
-                      lr_scheduler_type="constant", max_steps=steps, logging_steps=1, report_to=[], use_cpu=True, bf16=False,
-                      save_strategy="no")
-    trainer = GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(model), reward_funcs=[exact_match], args=args,
+    trainer = GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(model), reward_funcs=[exact_match], args=trl_args(steps, out),
                           train_dataset=Dataset.from_list(rows), processing_class=AutoTokenizer.from_pretrained(model),
                           peft_config=LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear"), callbacks=[Clock()])
     trainer.train()
@@ -76,7 +88,7 @@ def main() -> None:
     model = CACHE / "model"
     if not (model / "config.json").exists():
         build_model(model, layers=4, hidden=256)
-    lines = [f"GRPO, {PROMPTS} prompts x {GENERATIONS} completions of <= {LENGTH} tokens a step, LoRA r16, fp32, 1 process "
+    lines = [f"GRPO, {PROMPTS} prompts x {GENERATIONS} completions of <= {LENGTH} tokens a step, LoRA r16, fp32, no gradient checkpointing, 1 process "
              f"({cpu_name()}, {os.cpu_count()} cores); steps 2-{args.steps} timed",
              "", "| runner | s/step | completions/s |", "|---|---|---|"]
     for name, runner in (("finetune", ours), ("TRL GRPOTrainer", trls)):

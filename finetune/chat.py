@@ -164,10 +164,15 @@ def assistant_spans(tokenizer, messages: list[dict], full: str, tools: list | No
             continue
         span = _turn_by_prefixes(tokenizer, messages, i, full, tools)
         if span is None or span[0] < cursor:
-            span = _located_turn(tokenizer, full, msg["content"], cursor)
-        if span is None:
+            span = (_turn_after_prompt(tokenizer, messages, i, full, tools) if msg.get("tool_calls") else None) or \
+                   _located_turn(tokenizer, full, msg.get("content") or "", cursor)
+        if span is None or span[0] < cursor:
             raise UserError(f"data: the chat template rewrites assistant message {i} so that its text is not in the rendered "
                             "conversation; give the template generation markers ({% generation %}) or set data.chat_template")
+        unwritten = [name for name in _called(msg) if name not in full[span[0] : span[1]]]
+        if unwritten:
+            raise UserError(f"data: the chat template does not write the tool calls of assistant message {i} ({', '.join(unwritten)}): the model "
+                            "would learn an empty turn; set data.chat_template to a template that renders tool_calls")
         spans.append(span)
         cursor = span[1]
     return spans
@@ -187,6 +192,34 @@ def _turn_by_prefixes(tokenizer, messages: list[dict], i: int, full: str, tools:
     return len(before) + len(added) - len(added.lstrip()), len(upto)
 
 
+def _called(message: dict) -> list[str]:
+    """The names of the functions an assistant message calls (OpenAI's tool_calls)."""
+    return [(call.get("function") or call).get("name", "") for call in message.get("tool_calls") or []]
+
+
+def _turn_after_prompt(tokenizer, messages: list[dict], i: int, full: str, tools: list | None = None) -> tuple[int, int] | None:
+    """An assistant turn that calls tools, where rendering it alone differs from the whole conversation (Qwen3 marks a
+    last turn's empty reasoning): from the end of the generation prompt up to and with the first special token after
+    it (the end of the turn), its text and its calls."""
+    try:
+        before = render(tokenizer, messages[:i], add_generation_prompt=True, tools=tools)
+    except UserError:
+        return None
+    if not full.startswith(before):
+        return None
+    specials = _special_strings(tokenizer)
+    ends = [(at, len(t)) for t in specials if (at := full.find(t, len(before))) >= 0]
+    if not ends:
+        return None
+    at, length = min(ends)
+    return (len(before), at + length) if full[len(before) : at].strip() else None
+
+
+def _special_strings(tokenizer) -> list[str]:
+    added = [t.content for t in tokenizer.added_tokens_decoder.values() if t.special]
+    return sorted({t for t in tokenizer.all_special_tokens + added if t}, key=len, reverse=True)
+
+
 def _locate(full: str, content: str, cursor: int) -> tuple[int, int] | None:
     """Where a message's text stands in `full` after `cursor`: as written, or stripped, or, for a
     reasoning model's past answer whose <think> block the template dropped, its final part."""
@@ -203,9 +236,7 @@ def _located_turn(tokenizer, full: str, content: str, cursor: int) -> tuple[int,
         return None
     start, end = found
     # The end-of-turn token right after the answer is trained too: it is how the model learns to stop.
-    added = [t.content for t in tokenizer.added_tokens_decoder.values() if t.special]
-    specials = sorted({t for t in tokenizer.all_special_tokens + added if t}, key=len, reverse=True)
-    after = next((t for t in specials if full.startswith(t, end)), "")
+    after = next((t for t in _special_strings(tokenizer) if full.startswith(t, end)), "")
     return start, end + len(after)
 
 

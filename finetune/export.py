@@ -8,9 +8,11 @@ glue: which architecture a config is, which metadata it needs, and Llama's query
 for llama.cpp's rotary layout. The tokenizer goes in as llama.cpp's "gpt2" byte-level BPE (tokens,
 types, merges, special ids, chat template).
 
-Before the file lands at --out it is loaded back through transformers' GGUF loader
-(`from_pretrained(..., gguf_file=...)`) and its logits compared with the folder's on a few texts; above
-the tolerance nothing is published. An Ollama `Modelfile` is written beside it.
+The tokenizer's pre-tokenizer name (`tokenizer.ggml.pre`, from which llama.cpp takes its splitting regex)
+is found by the tokenizer's behaviour. Before the file lands at --out it is read by llama.cpp itself
+(llama-cpp-python, where installed: token ids on hard strings, logits, greedy tokens), else loaded back
+through transformers' GGUF loader (`from_pretrained(..., gguf_file=...)`), and its logits compared with
+the folder's on a few texts; above the tolerance nothing is published. An Ollama `Modelfile` is written beside it.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ def export(model_dir: str | None, adapter: str | None, out: str, kind: str = "f1
     merged = check_out(out).with_name(f".{Path(out).name}.merged.tmp")  # before the merge's minutes
     try:
         merge(adapter, str(merged), dtype="fp32", say=say)
+        say(f"merged {adapter} into its base (checked against base + adapter) for the export")
         return export_gguf(str(merged), out, kind, say)
     finally:
         shutil.rmtree(merged, ignore_errors=True)
@@ -86,13 +89,20 @@ def export_gguf(model_dir: str, out: str, kind: str = "f16", say=print) -> dict:
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
         writer.close()
-        report = _verify(model, tokenizer, tmp, kind)
-        report.update(model=str(folder), out=str(target), type=kind, family=family, bytes=tmp.stat().st_size)
-        say(f"GGUF ({kind}) loaded back by transformers: logits within max {report['max']:.3g} (mean {report['mean']:.3g}) of the model's "
-            f"on {len(CHECK_TEXTS)} texts, greedy tokens {'the same' if report['same_greedy'] else 'DIFFERENT'}")
+        if importlib.util.find_spec("llama_cpp") is not None:  # the client the file is for
+            report = _verify_in_llama_cpp(model, tokenizer, tmp, kind, target)
+            say(f"GGUF ({kind}) in llama.cpp itself (llama-cpp-python {report['version']}): the same token ids as transformers on "
+                f"{report['token_checks']} strings, logits within max {report['max']:.3g} of the model's on {len(CHECK_TEXTS)} texts, "
+                f"greedy tokens {'the same' if report['same_greedy'] else 'DIFFERENT'}")
+        else:  # transformers' GGUF reader, a minute for a 128k vocabulary: read it back through llama.cpp's own where installed
+            report = _verify(model, tokenizer, tmp, kind)
+            say(f"GGUF ({kind}) loaded back by transformers: logits within max {report['max']:.3g} (mean {report['mean']:.3g}) of the model's "
+                f"on {len(CHECK_TEXTS)} texts, greedy tokens {'the same' if report['same_greedy'] else 'DIFFERENT'} (llama.cpp itself: not "
+                "checked; pip install llama-cpp-python)")
         if report["max"] > TOLERANCE[kind]:
             raise Stopped(f"GGUF check failed: logits differ by up to {report['max']:.4g} (tolerance {TOLERANCE[kind]:g}); nothing written to {target}",
                           exit_code=EXIT_MERGE_CHECK)
+        report.update(model=str(folder), out=str(target), type=kind, family=family, bytes=tmp.stat().st_size)
         os.replace(tmp, target)
     finally:
         tmp.unlink(missing_ok=True)
@@ -144,14 +154,19 @@ def _vocabulary(writer, tokenizer, folder: Path) -> None:
     if data["model"]["type"] != "BPE" or "ByteLevel" not in json.dumps(data.get("pre_tokenizer")):
         raise UserError(f"--model: {folder}'s tokenizer is not a byte-level BPE; GGUF export writes llama.cpp's gpt2 tokenizer only")
     vocab = tokenizer.get_vocab()
-    tokens = [""] * len(vocab)
+    # Rows of the embedding beyond the tokenizer's (Qwen: 151,936 rows, 151,669 tokens) get placeholder tokens:
+    # llama.cpp takes one token per row.
+    rows = max(len(vocab), int(json.loads((folder / "config.json").read_text()).get("vocab_size") or 0))
+    tokens = [f"[PAD{i}]" for i in range(rows)]
     for token, index in vocab.items():
         tokens[index] = token
+    unused = set(range(rows)) - set(vocab.values())
     special = set(tokenizer.all_special_tokens) | {t.content for t in tokenizer.added_tokens_decoder.values() if t.special}
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
+    writer.add_tokenizer_pre(pre_tokenizer(tokenizer, folder))
     writer.add_token_list(tokens)
-    writer.add_token_types([gguf.TokenType.CONTROL if t in special else gguf.TokenType.NORMAL for t in tokens])
+    writer.add_token_types([gguf.TokenType.UNUSED if i in unused else gguf.TokenType.CONTROL if t in special else gguf.TokenType.NORMAL
+                            for i, t in enumerate(tokens)])
     writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in data["model"]["merges"]])
     for key, value in (("bos", tokenizer.bos_token_id), ("eos", tokenizer.eos_token_id), ("pad", tokenizer.pad_token_id)):
         if value is not None:
@@ -161,6 +176,36 @@ def _vocabulary(writer, tokenizer, folder: Path) -> None:
     writer.add_add_eos_token(tokenizer.eos_token_id is not None and probe[-1:] == [tokenizer.eos_token_id])
     if tokenizer.chat_template:
         writer.add_chat_template(tokenizer.chat_template)
+
+
+# Strings where byte-level pre-tokenizers part ways: contractions, digit runs, leading and repeated spaces,
+# tabs and newlines, accents, CJK, emoji, code, punctuation runs.
+HARD_STRINGS = ["It isn't red, it's BLUE and they'll see.", "Hello world 12345! 3.14159 and 1,000,000", "  two leading spaces   and more",
+                "\ttab\tseparated\nnew line\n\n\nthree", "naïve café résumé Ångström", "東京は日本の首都です。", "emoji 🤗🚀 here 👍🏽",
+                "def f(x):\n    return x**2  # squared", "I'm, you're, we've, I'd, he'll", "...!!! ??? --- ###", "CamelCaseWord mixed123abc 42nd",
+                " \n leading newline"]
+
+
+def pre_tokenizer(tokenizer, folder: Path) -> str:
+    """llama.cpp's name for how this byte-level BPE splits text before merging (its `tokenizer.ggml.pre`), found
+    by behaviour: the tokenizer's own splits of HARD_STRINGS against each split llama.cpp implements (the table of
+    them transformers' GGUF reader keeps, and GPT-2's). A split llama.cpp has none for is refused in one line."""
+    from tokenizers import Regex, pre_tokenizers
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_PRE_TOKENIZER_SPLITS
+
+    own = tokenizer.backend_tokenizer.pre_tokenizer
+    if own is None:
+        raise UserError(f"--model: {folder}'s tokenizer does not split text before merging; llama.cpp has no pre-tokenizer for that")
+    candidates = {"gpt-2": pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)}
+    for name in ("llama-bpe", "qwen2", "tekken", "gpt-4o", "qwen35"):  # one llama.cpp name for each distinct split
+        candidates[name] = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(GGUF_PRE_TOKENIZER_SPLITS[name]), behavior="isolated"),
+                                                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    splits = [[piece for piece, _ in own.pre_tokenize_str(text)] for text in HARD_STRINGS]
+    for name, candidate in candidates.items():
+        if all([piece for piece, _ in candidate.pre_tokenize_str(text)] == split for text, split in zip(HARD_STRINGS, splits)):
+            return name
+    raise UserError(f"--model: {folder}'s tokenizer splits text as none of llama.cpp's pre-tokenizers does ({', '.join(candidates)}); "
+                    "llama.cpp would tokenize it otherwise, so it is not exported")
 
 
 def _tensors(writer, model, config: dict, arch, permuted: bool, kind: str) -> None:
@@ -191,6 +236,40 @@ def _rotary_rows(weight: np.ndarray, heads: int) -> np.ndarray:
     """Llama's query/key rows in llama.cpp's order: within each head the two rotary halves interleaved
     (as convert_hf_to_gguf.py permutes them; transformers' GGUF loader undoes it)."""
     return weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+@torch.no_grad()
+def _verify_in_llama_cpp(model, tokenizer, path: Path, kind: str, target: Path) -> dict:
+    """The file as llama.cpp reads it (llama-cpp-python): the token ids of HARD_STRINGS and of the special tokens
+    against transformers', logits on CHECK_TEXTS and 8 greedy tokens."""
+    import llama_cpp
+    from llama_cpp import Llama
+
+    try:
+        llm = Llama(model_path=str(path), n_ctx=256, logits_all=True, verbose=False, n_threads=max(1, torch.get_num_threads()))
+    except ValueError as err:
+        raise Stopped(f"GGUF check failed: llama.cpp does not load the file ({err}); nothing written to {target}", exit_code=EXIT_MERGE_CHECK) from None
+    adds_bos = tokenizer.bos_token_id is not None and tokenizer("a").input_ids[:1] == [tokenizer.bos_token_id]
+    texts = HARD_STRINGS + ["".join(t for t in tokenizer.all_special_tokens if t != tokenizer.pad_token) + " after the special tokens"]
+    for text in texts:
+        ours, theirs = tokenizer(text).input_ids, llm.tokenize(text.encode(), add_bos=adds_bos, special=True)
+        if ours != theirs:
+            raise Stopped(f"GGUF check failed: llama.cpp tokenizes {text!r} as {theirs[:12]}..., transformers as {ours[:12]}...; nothing written "
+                          f"to {target}", exit_code=EXIT_MERGE_CHECK)
+    worst, same = 0.0, True
+    for text in CHECK_TEXTS:
+        ids = tokenizer(text).input_ids
+        llm.reset()
+        llm.eval(ids)
+        theirs = torch.from_numpy(np.array(llm.scores[: len(ids)], dtype=np.float32))
+        worst = max(worst, (model(input_ids=torch.tensor([ids])).logits[0] - theirs).abs().max().item())
+        greedy = []
+        for _ in range(8):
+            greedy.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
+            llm.eval(greedy[-1:])
+        grow = {"max_new_tokens": 8, "do_sample": False, "pad_token_id": tokenizer.pad_token_id}
+        same = same and model.generate(torch.tensor([ids]), **grow)[0, len(ids):].tolist() == greedy
+    return {"version": llama_cpp.__version__, "token_checks": len(texts), "max": worst, "same_greedy": same, "checked_by": "llama.cpp"}
 
 
 @torch.no_grad()

@@ -45,6 +45,7 @@ class GRPO(Objective):
 
     levels = False  # the loss is centred on 0 by the advantages: no start level, no stuck-at-0 check
     watched_name = "negative mean reward"
+    final = ("reward", "kl")  # a GRPO loss is centred on 0 by the advantages: it says nothing of the run
 
     def watched(self, loss: float, metrics: dict[str, float]) -> float:
         """What the guard judges: the negative mean reward. Its spikes and drift are a reward collapse, rolled back as a

@@ -19,8 +19,10 @@ The start is a reference too. Before the first step the run measures its start l
 of the first DRIFT_STEPS steps' batches at the initial weights) and, with eval data, its eval loss.
 Within the warmup and the `window` steps after it, a level risen above the start level (by `drift`,
 and by `drift_sigmas` times the noise of two such medians, from the larger of the start batches'
-spread and the window's) is a learning rate too hot from the first step: roll back to the start (an
-adapter's step-0 checkpoint) with the LR lowered, as for any divergence. A run that ends worse than it started (its final eval loss
+spread and the window's) is a learning rate too hot: roll back, with the LR lowered as for any
+divergence, to the checkpoint after the last step whose level was not above the start's (the start,
+an adapter's step-0 checkpoint, for a run hot from its first step; the checkpoint a run was resumed
+from with a hotter LR). A run that ends worse than it started (its final eval loss
 more than `drift` above the eval before training; without eval data, its level risen above the start
 level as above) is no success: train saves it, says so and exits with code 3 (`worse_than_start`).
 
@@ -125,7 +127,7 @@ class Guard:
         if collapse:
             return Verdict("stop", collapse, 0)
         hot = self._hot_start(step)
-        return self._escalate(hot, 0) if hot else self._drift(levels, step)
+        return self._escalate(hot, self._last_cool(levels)) if hot else self._drift(levels, step)
 
     def finish(self, step: int) -> Verdict:
         """The verdict on the final weights: a run whose level ended more than `drift` above the best
@@ -160,6 +162,12 @@ class Guard:
         return (f"the loss level rose to {level:.4g} (median of the last {DRIFT_STEPS} steps) from {self.state.start_level[0]:.4g} where "
                 f"the run started (the first {DRIFT_STEPS} steps' batches at the initial weights), within its first {self.early_steps} "
                 "steps: a learning rate too high from the start")
+
+    def _last_cool(self, levels: list[tuple[int, float]]) -> int:
+        """Where a hot start rolls back to: the checkpoint after the last step whose level was not above the start's
+        (0 for a run hot from its first step; a run resumed with a hotter LR goes back to where it was resumed)."""
+        cool = [step for step, level in levels if not self._above_start(level)]
+        return cool[-1] + 1 if cool else 0
 
     def _above_start(self, level: float) -> bool:
         """`level` risen above the start level, clear of the noise of the difference of two levels

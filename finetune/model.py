@@ -154,6 +154,7 @@ def load_model(cfg: ModelConfig, device: torch.device | str = "cpu", skeleton: s
         with torch.device("meta") if skeleton == "meta" else no_init_weights():
             model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn,
                                                      trust_remote_code=cfg.trust_remote_code)
+        model.tie_weights()  # under no_init_weights transformers leaves a tied head (Llama 3.2, Qwen 2.5/3 small, Gemma) a weight of its own
         model.config.use_cache = False
         return model
     extra = {}

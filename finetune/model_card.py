@@ -69,7 +69,8 @@ def merged_card(report: dict) -> str:
     return str(ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(lines) + "\n"))
 
 
-RESULTS = [("train_loss", "final train loss"), ("eval_loss", "eval loss"), ("eval_ppl", "eval perplexity"), ("eval_reward_accuracy", "eval reward accuracy"),
+RESULTS = [("train_loss", "final train loss"), ("train_reward", "final step's mean reward"), ("train_kl", "final step's KL"),
+           ("eval_loss", "eval loss"), ("eval_ppl", "eval perplexity"), ("eval_reward_accuracy", "eval reward accuracy"),
            ("best_loss_level", "best loss level (the guard's)"), ("exact_match_before", "exact match before training"),
            ("exact_match_after", "exact match after training")]
 

@@ -33,6 +33,7 @@ class Objective:
     start_loss = 0.0  # what the guard's min_rise defaults to: any rise of a cross-entropy may be divergence
     levels = True  # the loss has a level the guard's drift and start tests can judge
     watched_name = "loss"  # what `watched` returns, as the guard's messages name it
+    final = ("loss",)  # the last step's figures the run ends with (summary.json's train_<name>)
 
     def watched(self, loss: float, metrics: dict[str, float]) -> float:
         """What the guard judges: the loss."""

@@ -245,10 +245,12 @@ def estimate(shape: Shape, cfg: RunConfig, s: Setup) -> dict[str, float]:
     adapter = 0 if full else n_train * 4  # peft keeps adapter weights in fp32
     param_bytes = s.weight_bytes if full else 4
     grads = n_train * param_bytes
+    # DeepSpeed's optimizer steps its fp32 master partition: its states are fp32 whatever the weights' dtype.
+    state_bytes = 4 if s.run_as.deepspeed else param_bytes
     state = OPTIMIZER_STATE_BYTES.get(s.optimizer)
     if s.optimizer == "sgd":
-        state = param_bytes if cfg.train.momentum > 0 else 0
-    optimizer = n_train * (2 * param_bytes if state is None else state)
+        state = state_bytes if cfg.train.momentum > 0 else 0
+    optimizer = n_train * (2 * state_bytes if state is None else state)
     # Sharding: ZeRO-2 splits gradients and optimizer states, ZeRO-3/FSDP the weights too.
     if s.shards_states:
         grads, optimizer = grads / s.devices, optimizer / s.devices
@@ -398,6 +400,23 @@ class Plan:
     active_params: int  # per token: differs from total_params with experts
     unquantized_experts: int  # expert and router weights a quantized base keeps in full precision
     host: dict[str, float] = field(default_factory=dict)  # offloaded to CPU RAM, per process
+    refused: str | None = None  # what `finetune train` would refuse in this setup (the schema's own checks)
+
+
+def refusal(cfg: RunConfig, s: Setup) -> str | None:
+    """Why `finetune train` would refuse the config changed to this setup, in the line it would say, or None."""
+    from finetune.config import validate_config
+
+    raw = cfg.model_dump()
+    raw["distributed"].update(strategy=s.strategy if s.devices > 1 else raw["distributed"]["strategy"], fsdp_cpu_offload=s.fsdp_cpu_offload,
+                              sequence_parallel=s.sequence_parallel)
+    raw["train"].update(optimizer=s.optimizer, micro_batch_size=s.micro_batch, gradient_checkpointing=s.checkpointing)
+    raw["model"]["tiled_mlp"] = s.tiled_mlp
+    try:
+        validate_config(raw, "config", check_paths=False)
+    except UserError as err:
+        return str(err).removeprefix("config: ")
+    return None
 
 
 def make_plan(cfg: RunConfig, devices: int = 1, strategy: str | None = None, gpu: bool = False, setup: Setup | None = None) -> Plan:
@@ -417,7 +436,7 @@ def make_plan(cfg: RunConfig, devices: int = 1, strategy: str | None = None, gpu
         if heap_holes(shape, cfg, setup):
             rows["freed but held by the heap (CPU)"] = heap_holes(shape, cfg, setup)
     return Plan(rows, sum(rows.values()), setup, trainable_params(shape, cfg), shape.linear_params + shape.other_params, shape.active_params,
-                shape.linear_params - shape.quantizable_params, host)
+                shape.linear_params - shape.quantizable_params, host, refusal(cfg, setup))
 
 
 @dataclass(frozen=True)
@@ -497,6 +516,8 @@ def alternatives(cfg: RunConfig, plan: Plan, gpu: bool) -> list[tuple[str, Plan]
     if s.devices > 1 and s.sequence_parallel == 1 and cfg.train.objective == "sft":
         options.append((f"distributed.sequence_parallel: {s.devices} (each row's tokens over the {s.devices} devices)",
                         replace(s, sequence_parallel=s.devices)))
+    if plan.refused and s.devices > 1:  # the strategies train would run instead
+        options += [(f"distributed.strategy: {name}", replace(s, strategy=name)) for name in ("ddp", "zero2", "zero3", "fsdp") if name != s.strategy]
     out = [(label, make_plan(cfg, gpu=gpu, setup=alt)) for label, alt in options]
     if s.bits is None and cfg.adapter.method != "full":
         from finetune.config import QuantizationConfig
@@ -504,7 +525,7 @@ def alternatives(cfg: RunConfig, plan: Plan, gpu: bool) -> list[tuple[str, Plan]
         q = cfg.model_copy(deep=True)
         q.model.quantization = QuantizationConfig()
         out.append(("model.quantization: {bits: 4} (QLoRA)", make_plan(q, gpu=gpu, setup=replace(s, bits=4))))
-    return sorted(out, key=lambda item: item[1].total)
+    return sorted([(label, p) for label, p in out if not p.refused], key=lambda item: item[1].total)
 
 
 def render_rows(cfg: RunConfig, plan: Plan, budget: float, gpu: bool) -> str:
@@ -574,6 +595,12 @@ def render(plan: Plan, budget: float, where: str, alts: list[tuple[str, Plan]]) 
     if s.bits and plan.unquantized_experts:
         lines.append(f"note: bitsandbytes quantizes nn.Linear layers only: {plan.unquantized_experts:,} expert and router parameters stay in fp32")
     fits = plan.total <= budget
+    if plan.refused:
+        lines += ["", f"{where}: {budget / GiB:.1f} GiB per device -> finetune train refuses this setup: {plan.refused}"]
+        good = [(label, p) for label, p in alts if p.total <= budget]
+        lines += ["what runs and fits instead:"] + [f"  - {label}: {p.total / GiB:.2f} GiB" for label, p in good] if good else \
+                 ["nothing a single switch changes both runs and fits"]
+        return "\n".join(lines)
     lines += ["", f"{where}: {budget / GiB:.1f} GiB per device -> {'fits' if fits else 'does NOT fit'}"]
     if not fits:
         good = [(label, p) for label, p in alts if p.total <= budget]

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from finetune import families
 from finetune.errors import UserError
 from finetune.rows import IGNORE
 
@@ -91,6 +92,10 @@ def check(size: int, model_config: dict) -> None:
     kv = text.get("num_key_value_heads") or heads
     if heads is None:
         return  # not a folder we can read before loading: check_model says it after
+    if families.attention_softcap(model_config):
+        raise UserError(f"distributed.sequence_parallel: this model soft-caps its attention logits "
+                        f"({families.attention_softcap(model_config)}), which runs eager attention, not finetune's packed attention that "
+                        "Ulysses routes; set it to 1")
     odd = [f"{name} {value}" for name, value in (("attention heads", heads), ("key/value heads", kv)) if value % size]
     if odd:
         raise UserError(f"distributed.sequence_parallel: {size} does not divide the model's {' and '.join(odd)}; choose a divisor of {kv}")

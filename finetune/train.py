@@ -353,9 +353,11 @@ def load_and_prepare_model(run: RunState) -> None:
     )
     if "unquantized" in info:
         run.say(f"quantized: {info['quantized_linears']} linear layers; kept in {info['unquantized_dtype']}: {info['unquantized']}")
+    data_world = run.sequence_parallel.data_world(world)
+    shared = f" (of {world}: {run.sequence_parallel.size} share each row)" if run.sequence_parallel.size > 1 else ""
     run.say(
-        f"batch: {t.micro_batch_size} micro x {t.grad_accum} accum x {world} process(es) = "
-        f"{t.micro_batch_size * t.grad_accum * world} rows per step; {run.schedule.total_steps} steps "
+        f"batch: {t.micro_batch_size} micro x {t.grad_accum} accum x {data_world} process(es){shared} = "
+        f"{t.micro_batch_size * t.grad_accum * data_world} rows per step; {run.schedule.total_steps} steps "
         f"({run.schedule.steps_per_epoch} per epoch)"
     )
     if cfg.eval.generate_samples and run.main and run.data.eval_examples:
@@ -675,7 +677,8 @@ def summarize(run: RunState) -> dict:
     """The run's figures: losses, tokens, the guard's report, memory, where things came from."""
     cfg, engine, last = run.cfg, run.engine, run.last
     final_eval = evaluate(run, run.schedule.total_steps)
-    summary = {"steps": run.schedule.total_steps, "train_loss": last.get("loss"), "tokens": run.progress.tokens, "elapsed_s": time.perf_counter() - run.started}
+    summary = {"steps": run.schedule.total_steps, **{f"train_{name}": last.get(name) for name in run.objective.final}, "tokens": run.progress.tokens,
+               "elapsed_s": time.perf_counter() - run.started}
     if "router_aux_loss" in last:
         summary["router_aux_loss"] = last["router_aux_loss"]
     summary.update(final_eval or {})
@@ -762,7 +765,9 @@ def replicas_identical(params: list[torch.nn.Parameter], accelerator) -> bool:
 
 
 def _summary_line(summary: dict) -> str:
-    parts = [f"done: {summary['steps']} steps, final train loss {summary['train_loss']:.4f}"]
+    final = (f"final step's mean reward {summary['train_reward']:.4f}, KL {summary['train_kl']:.4g}" if "train_reward" in summary
+             else f"final train loss {summary['train_loss']:.4f}")
+    parts = [f"done: {summary['steps']} steps, {final}"]
     if "eval_loss" in summary:
         parts.append(f"eval reward {summary['eval_reward']:.4f}" if "eval_reward" in summary else f"eval loss {summary['eval_loss']:.4f}"
                      + (f" (ppl {summary['eval_ppl']:.2f})" if "eval_ppl" in summary else "")

@@ -361,6 +361,20 @@ def family_dirs(tmp_path_factory, demo_tokenizer_dir):
     return get
 
 
+@pytest.fixture(scope="session")
+def released(tmp_path_factory):
+    """name -> a released model's shape (tests/released.py: docs/examples/NAME/config.json), scaled down with its
+    structure kept, random weights, its family's real tokenizer; keyword arguments change the config (or, as
+    tokenizer=FAMILY, the tokenizer). Built once a session."""
+    from released import build
+
+    def get(name: str, **changes):
+        key = hashlib.sha256(json.dumps(changes, sort_keys=True).encode()).hexdigest()[:8] if changes else "as-released"
+        return once(tmp_path_factory, f"released-{name}-{key}", lambda folder: build(name, folder / "model", **changes)) / "model"
+
+    return get
+
+
 # ------------------------------------------------------------------------------------------------
 # Batches and gradients the equivalence tests compare (fast paths, families, CUDA)
 

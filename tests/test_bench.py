@@ -70,3 +70,23 @@ def test_the_gpu_path_syncs_the_host_once_a_step_whatever_the_samples_in_a_row(t
     assert short_samples > 2 * long_samples, runs
     assert long_syncs == short_syncs == {".tolist()": 3}, runs  # 3 counted steps
     assert long_ops == short_ops, runs
+
+
+def test_the_grpo_benchmark_runs_trl_with_our_settings(tmp_path):
+    """A peer runs with the same settings or the table is no comparison: TRL's defaults that differ from ours
+    (gradient checkpointing on in TRL 1.16) are set to ours."""
+    sys.path.insert(0, str(REPO / "bench"))
+    from grpo import our_config, trl_args
+
+    from finetune.config import validate_config
+
+    ours = validate_config(our_config(tmp_path / "model", 12, tmp_path / "out"), "bench")
+    theirs = trl_args(12, tmp_path / "trl")
+    assert theirs.gradient_checkpointing is ours.train.gradient_checkpointing is False
+    pairs = [(ours.grpo.temperature, theirs.temperature), (ours.grpo.top_k, theirs.top_k), (ours.grpo.top_p, theirs.top_p),
+             (ours.grpo.num_generations, theirs.num_generations), (ours.grpo.max_completion_length, theirs.max_completion_length),
+             (ours.grpo.loss_type, theirs.loss_type), (ours.grpo.beta, theirs.beta), (ours.grpo.epsilon, theirs.epsilon),
+             (ours.grpo.num_iterations if hasattr(ours.grpo, "num_iterations") else 1, theirs.num_iterations),
+             (ours.grpo.scale_rewards, theirs.scale_rewards), (ours.train.lr, theirs.learning_rate),
+             (ours.train.micro_batch_size * ours.grpo.num_generations, theirs.per_device_train_batch_size)]
+    assert all(a == b for a, b in pairs), pairs

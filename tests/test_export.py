@@ -3,40 +3,63 @@ with the logits, greedy tokens and tokenization of the model it came from; bad i
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 from conftest import base_config, finetune_cli, write_config
 
 pytest.importorskip("gguf")
 
 
-# Mistral and Qwen2 as their larger releases ship (no sliding window in use), Qwen3 with its releases'
-# head size of 128 (transformers 5.23's GGUF reader takes Qwen3's default head_dim, not the file's key
-# length), Gemma 2 with heads of 256 scaled by 256 (the 2B and 9B releases') and a window of 8 tokens.
-AS_RELEASED = {"mistral": {"sliding_window": None}, "qwen2": {"use_sliding_window": False}, "qwen3": {"head_dim": 128},
-               "gemma2": {"head_dim": 256, "query_pre_attn_scalar": 256, "sliding_window": 8}}
+# Released shapes (tests/released.py) with their families' real tokenizers; Mistral v0.3 and Gemma 2 ship SentencePiece
+# vocabularies, which GGUF export does not write: their architectures go with Llama 3's byte-level BPE.
+CASES = [("llama-3.2-1b", "f16", {}), ("llama-3.2-1b", "q8_0", {}), ("qwen2.5-0.5b", "f16", {}), ("qwen3-0.6b", "q8_0", {}),
+         ("mistral-7b-v0.3", "f16", {"tokenizer": "llama3", "vocab_size": 128256}), ("gemma-2-9b", "f16", {"tokenizer": "llama3", "vocab_size": 128256}),
+         ("gemma-2-9b", "q8_0", {"tokenizer": "llama3", "vocab_size": 128256})]
+LLAMA_CPP = importlib.util.find_spec("llama_cpp") is not None
 
 
-@pytest.mark.parametrize("family,kind", [("llama-tied", "f16"), ("llama-tied", "q8_0"), ("mistral", "f16"), ("qwen2", "f16"), ("qwen3", "q8_0"),
-                                         ("gemma2", "f16"), ("gemma2", "q8_0")])
-def test_a_model_round_trips_through_gguf(tmp_path, family_dirs, family, kind, capsys):
-    """Llama (tied head: no output tensor, llama.cpp ties it), Mistral (query/key rows reordered for
-    llama.cpp's rotary layout, as Llama's), Qwen2 (q/k/v biases), Qwen3 (q/k norms), Gemma 2 (norms of
-    1 + weight, soft-capping, a sliding window on alternate layers, tied head). f16 within 1e-3 of the
-    fp32 model; q8_0 within 2e-2 (measured: 3e-4 and 7e-3 on the tiny Llama, 6e-4 and 1.4e-2 on Gemma 2)."""
+@pytest.mark.parametrize("name,kind,changes", CASES, ids=[f"{n}-{k}" for n, k, _ in CASES])
+def test_a_model_round_trips_through_gguf_and_llama_cpp_reads_it_as_transformers(tmp_path, released, name, kind, changes, capsys):
+    """Llama 3.2 (tied head: no output tensor, llama.cpp ties it; 128k vocabulary split as llama-bpe), Qwen 2.5 and 3
+    (151,669 tokens for 151,936 rows: placeholders fill the rest; digits split one by one: qwen2), Mistral (query/key
+    rows reordered for llama.cpp's rotary layout, as Llama's), Gemma 2 (norms of 1 + weight, soft-capping, heads of
+    256, tied head). Read by llama.cpp
+    itself (where llama-cpp-python is installed, as make test does; else read back by transformers' GGUF loader): the
+    same token ids as transformers on 13 hard strings and the special tokens, logits within 5e-3 (f16) and 5e-2 (q8_0),
+    the same greedy tokens."""
     out = tmp_path / "model.gguf"
-    folder = family_dirs(family, **AS_RELEASED.get(family, {}))
-    result = finetune_cli(capsys, "export", "--model", str(folder), "--out", str(out), "--type", kind)
+    result = finetune_cli(capsys, "export", "--model", str(released(name, **changes)), "--out", str(out), "--type", kind)
     assert result.returncode == 0, result.stderr
     assert out.is_file() and (tmp_path / "Modelfile").read_text() == "FROM ./model.gguf\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["Modelfile", "model.gguf"]  # nothing else left behind
-    line = next(line for line in result.stdout.splitlines() if "loaded back by transformers" in line)
-    worst = float(line.split("within max ")[1].split()[0])
-    assert worst < (1e-3 if kind == "f16" else 2e-2) and "greedy tokens the same" in line, line
+    line = next(line for line in result.stdout.splitlines() if "in llama.cpp itself" in line or "loaded back by transformers" in line)
+    assert ("in llama.cpp itself" in line) == LLAMA_CPP and "greedy tokens the same" in line, line
+    assert not LLAMA_CPP or "the same token ids as transformers on 13 strings" in line, line
+    assert float(line.split("logits within max ")[1].split()[0]) < (5e-3 if kind == "f16" else 5e-2), line
+    import gguf
+
+    pre = gguf.GGUFReader(str(out)).fields["tokenizer.ggml.pre"]
+    assert bytes(pre.parts[pre.data[0]]).decode() == ("qwen2" if name.startswith("qwen") else "llama-bpe")
 
 
-def test_an_adapter_is_merged_then_exported(tmp_path, tiny_model_dir, capsys):
+@pytest.mark.skipif(not LLAMA_CPP, reason="llama-cpp-python is not installed (make test installs it)")
+def test_the_tokenizers_split_is_what_llama_cpp_is_told():
+    """With "default" (what export wrote before) llama.cpp splits Llama 3's text otherwise than transformers; with the
+    name export finds by the tokenizer's behaviour, the same on every hard string."""
+    from released import tokenizer_dir
+    from transformers import AutoTokenizer
+
+    from finetune.export import HARD_STRINGS, pre_tokenizer
+
+    for family, expected in (("llama3", "llama-bpe"), ("qwen3", "qwen2")):
+        assert pre_tokenizer(AutoTokenizer.from_pretrained(tokenizer_dir(family)), tokenizer_dir(family)) == expected
+    assert len(HARD_STRINGS) == 12
+
+
+def test_an_adapter_is_merged_then_exported(tmp_path, released, capsys):
     out = tmp_path / "run"
-    cfg = base_config(tiny_model_dir, out, data={"eval": None}, train={"max_steps": 2, "lr": 1e-2})
+    cfg = base_config(released("llama-3.2-1b"), out, data={"eval": None}, train={"max_steps": 2, "lr": 1e-2})
     assert finetune_cli(capsys, "train", "--config", str(write_config(tmp_path / "c.yaml", cfg))).returncode == 0
     result = finetune_cli(capsys, "export", "--adapter", str(out), "--out", str(tmp_path / "tuned.gguf"))
     assert result.returncode == 0, result.stderr
@@ -59,4 +82,6 @@ def test_bad_exports_say_why_in_one_line_and_leave_nothing(tmp_path, family_dirs
     assert "exists; name a new file" in refused("--model", str(family_dirs("qwen2")), "--out", str(tmp_path / "taken.gguf"))
     assert (tmp_path / "taken.gguf").read_text() == "mine"
     assert "invalid choice: 'q4'" in refused("--model", str(family_dirs("qwen2")), "--out", out, "--type", "q4")
+    # The demo's tokenizer splits at every space and punctuation mark: llama.cpp has no such pre-tokenizer.
+    assert "splits text as none of llama.cpp's pre-tokenizers does" in refused("--model", str(family_dirs("qwen2", use_sliding_window=False)), "--out", out)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["taken.gguf"]

@@ -129,6 +129,10 @@ def test_kill_9_mid_grpo_run_then_resume_samples_and_trains_the_same(tmp_path, t
     resumed = finetune_in_process("train", "--config", config, "--save-every", "2")
     assert resumed.returncode == 0 and "step-000002 at step 2" in resumed.stdout, resumed.stderr[-2000:]
     assert [[r[k] for k in keys] for r in _steps(tmp_path / "out")] == expected  # bitwise
+    # A GRPO run ends with what it was for: the final step's mean reward and KL, not its loss (centred on 0 by the advantages).
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert (summary["train_reward"], summary["train_kl"]) == (expected[-1][2], expected[-1][4]) and "train_loss" not in summary
+    assert f"final step's mean reward {expected[-1][2]:.4f}, KL {expected[-1][4]:.4g}" in resumed.stdout and "final train loss" not in resumed.stdout
 
 
 @pytest.fixture(scope="module")

@@ -220,6 +220,18 @@ def test_a_learning_rate_too_hot_from_the_first_step_rolls_back_to_the_start():
     assert "where the run started" in verdict.reason and "too high from the start" in verdict.reason
 
 
+def test_a_hotter_lr_after_a_resume_rolls_back_to_the_last_cool_step_not_the_start():
+    """20 healthy steps (the BPE model's LoRA run), then resumed with 250x the LR (the hot run's losses): the level rises
+    above the start within the early window, but the weights were good until step 20: the rollback target (a
+    checkpoint at or before before_step) is the step-20 checkpoint, not step 0."""
+    healthy, hot = _record("bpe_lora_healthy"), _record("bpe_lora_lr_0.5_from_the_start")
+    guard = _started(healthy)
+    steps = healthy["steps"][:20] + hot["steps"][DRIFT_STEPS:]
+    step, verdict = next((i, v) for i, (loss, grad) in enumerate(steps) if (v := guard.check(i, loss, grad)).action not in ("apply", "skip"))
+    assert verdict.action == "rollback" and "where the run started" in verdict.reason and step < 20 + 2 * DRIFT_STEPS, (step, verdict)
+    assert 20 <= verdict.before_step <= step, verdict
+
+
 def test_a_run_that_ends_worse_than_it_started_is_named_by_its_eval_or_else_its_level():
     record = _record("bpe_lora_lr_0.5_from_the_start")
     guard = _started(record)

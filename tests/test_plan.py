@@ -108,6 +108,34 @@ def test_step_time_counts_flops_per_token_and_the_collectives_by_hand():
     assert step_time(lora, make_plan(lora).setup, 989, 0.4, 0).flops_per_token == 6 * (N_LINEAR + 32000 * 4096) + 32 * 2 * 2048 * 4096 * 4
 
 
+def test_deepspeed_keeps_fp32_optimizer_states_of_16_bit_weights():
+    """ZeRO steps an fp32 master copy: AdamW's two moments are fp32 (8 bytes a parameter) where FSDP keeps them in the
+    weights' bf16 (4 bytes). Llama-3-8B's full fine-tuning on 8 GPUs: 3.74 GiB a GPU more than bf16 moments."""
+    cfg = load_config(REPO / "docs/examples/plan-7b-full.yaml", check_model=False, overrides=["model.dtype=bfloat16"])
+    fsdp, zero3 = make_plan(cfg, devices=8, strategy="fsdp", gpu=True), make_plan(cfg, devices=8, strategy="zero3", gpu=True)
+    assert fsdp.rows["optimizer states"] == 2 * 2 * N / 8 and zero3.rows["optimizer states"] == 2 * 4 * N / 8
+    assert zero3.rows["fp32 master weights (DeepSpeed)"] == 4 * N / 8
+    llama = load_config(REPO / "configs/presets/llama3-8b.yaml", check_model=False,
+                        overrides=["adapter.method=full", f"model.name_or_path={REPO / 'docs/examples/llama-3.1-8b'}"])
+    rows = make_plan(llama, devices=8, strategy="zero3", gpu=True).rows
+    assert rows["optimizer states"] == 8 * 8_030_261_248 / 8  # the published parameter count
+    assert round(8_030_261_248 * 4 / 8 / GiB, 2) == 3.74
+
+
+def test_plan_says_what_train_would_refuse_and_offers_only_what_runs(capsys):
+    """FSDP over a 4-bit base: `finetune validate` refuses it, so plan may not say "fits"; it names the refusal and the
+    strategies that run (ZeRO refuses qlora.yaml's paged 8-bit AdamW, so DDP alone), and never offers a refused switch."""
+    args = ("plan", "--config", "qlora", "--model", str(REPO / "docs/examples/llama-3.1-8b"), "--gpus", "2", "--gpu-mem", "24GiB")
+    result = finetune_cli(capsys, *args, "--strategy", "fsdp")
+    assert result.returncode == 0, result.stderr
+    assert "-> finetune train refuses this setup: distributed.strategy: fsdp cannot shard a quantized base yet" in result.stdout
+    assert "-> fits" not in result.stdout and "  - distributed.strategy: ddp: " in result.stdout and "zero3:" not in result.stdout
+    replicated = finetune_cli(capsys, *args, "--gpu-mem", "4GiB")  # does not fit under ddp: the switches offered must run
+    assert "does NOT fit" in replicated.stdout and "FSDP over 2 devices" not in replicated.stdout
+    refused = finetune_cli(capsys, "validate", "--config", "qlora", "--set", "distributed.strategy=fsdp", "--model", str(REPO / "docs/examples/llama-3.1-8b"))
+    assert refused.returncode == 2 and "fsdp cannot shard a quantized base" in refused.stderr
+
+
 def test_offload_moves_the_sharded_states_to_cpu_ram_on_gpus():
     cfg = load_config(REPO / "docs/examples/plan-7b-full.yaml", check_model=False)
     sharded = make_plan(cfg, devices=8, strategy="zero3", gpu=True)

@@ -102,6 +102,7 @@ def test_training_with_two_slices_equals_one_process(tmp_path, tiny_model_dir, t
     reference, one, _ = trained(tiny_model_dir, method, **common)
     out, two, summary = train_strategy(tmp_path, "two", tiny_model_dir, method, 2, strategy, **common, **SP2, model={"tiled_mlp": tiled})
     assert summary["world_size"] == 2 and len(two) == 4
+    assert "batch: 4 micro x 1 accum x 1 process(es) (of 2: 2 share each row) = 4 rows per step" in (out / "console.log").read_text()
     assert two == pytest.approx(one, rel=1e-5)
     evals = [[r["eval_loss"] for r in read_jsonl(o / "metrics.jsonl") if "eval_loss" in r] for o in (reference, out)]
     assert len(evals[0]) == 3 and evals[1] == pytest.approx(evals[0], rel=1e-5)  # at the start, step 2 and the end
@@ -119,10 +120,10 @@ def test_a_checkpoint_of_two_slices_resumes_with_two_bitwise_and_with_one_closel
     assert _losses(alone) == pytest.approx({s: expected[s] for s in (4, 5, 6)}, rel=1e-5)
 
 
-def test_sizes_that_cannot_work_are_refused_in_one_line_before_loading(tmp_path, tiny_model_dir, capsys):
+def test_sizes_that_cannot_work_are_refused_in_one_line_before_loading(tmp_path, tiny_model_dir, family_dirs, capsys):
     """The tiny Llama has 4 attention heads and 2 key/value heads."""
-    def refused(sections, command="validate"):
-        config = write_config(tmp_path / "c.yaml", base_config(tiny_model_dir, tmp_path / "out", **sections))
+    def refused(sections, command="validate", model=tiny_model_dir):
+        config = write_config(tmp_path / "c.yaml", base_config(model, tmp_path / "out", **sections))
         result = finetune_in_process(command, "--config", str(config))
         assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
         return result.stderr
@@ -131,6 +132,7 @@ def test_sizes_that_cannot_work_are_refused_in_one_line_before_loading(tmp_path,
     assert "4 does not divide the model's key/value heads 2; choose a divisor of 2" in refused({"distributed": {"sequence_parallel": 4}})
     assert "splits the rows of sft runs only, not dpo's pairs" in refused({**SP2, "train": {"objective": "dpo"}, "data": {"format": "preference"}})
     assert "2 does not divide the 1 processes started" in refused(SP2, "train")
+    assert "soft-caps its attention logits (50.0), which runs eager attention" in refused(SP2, "validate", family_dirs("gemma2"))
     assert "model.compile is not supported with yet" in refused({"model": {"tiled_mlp": 2, "compile": True}})
     if not __import__("torch").cuda.is_available():
         assert "train.offload_activations: moves saved activations from a GPU" in refused({"train": {"offload_activations": True}})

