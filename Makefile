@@ -91,7 +91,7 @@ test: install lint tokenizers $(VENV)/.llama-cpp $(VENV)/.deepspeed-ops
 	$(PY) -m pytest -q -n 2 --dist loadfile --durations=20 tests
 
 # Everything but the tests that start processes (tests/conftest.py marks those slow).
-test-fast: install lint tokenizers
+test-fast: install lint tokenizers $(VENV)/.llama-cpp
 	$(PY) -m pytest -q -n 2 --dist loadfile --durations=10 -m "not slow" tests
 
 lint: install

@@ -89,15 +89,19 @@ def _output_commands(sub) -> None:
 
     p = sub.add_parser("export", help="write a model or an adapter as one GGUF file for llama.cpp and Ollama, verified",
                        description="Write a model folder (merged or fully fine-tuned), or an adapter merged first, as one GGUF file "
-                       "through the gguf package (llama.cpp's own writer), then load it back through transformers' GGUF loader and "
-                       "compare its logits, greedy tokens and tokenizer with the model's; above the tolerance nothing is written "
-                       "(exit 5). An Ollama Modelfile is written beside it. Families: llama, mistral, qwen2, qwen3, gemma2.")
+                       "through the gguf package (llama.cpp's own writer; k-quants by llama.cpp's quantizer), then read it in "
+                       "llama.cpp itself (llama-cpp-python; else transformers' GGUF loader) and compare its token ids, logits and greedy "
+                       "tokens with the model's; above the tolerance nothing is written (exit 5). An Ollama Modelfile is written beside "
+                       "it. With --lora, an adapter alone as a GGUF LoRA file. Families: llama, mistral, qwen2, qwen3, gemma2.")
     which = p.add_mutually_exclusive_group(required=True)
     which.add_argument("--model", metavar="DIR", help="a model folder (e.g. the output of finetune merge)")
     which.add_argument("--adapter", metavar="DIR", help="a run's adapter (or a checkpoint): merged in fp32 first, then exported")
+    p.add_argument("--lora", action="store_true", help="with --adapter: write the adapter alone as a GGUF LoRA file for llama.cpp "
+                   "(llama-cli -m BASE.gguf --lora FILE), checked by applying it in llama.cpp to the base (needs llama-cpp-python)")
     p.add_argument("--format", choices=["gguf"], default="gguf", help="the file format (gguf)")
     p.add_argument("--out", required=True, metavar="FILE", help="the GGUF file to write (a new file)")
-    p.add_argument("--type", choices=["f16", "q8_0"], default="f16", help="f16 (default), or q8_0 (8-bit blocks, llama.cpp's Q8_0)")
+    p.add_argument("--type", choices=["f16", "q8_0", "q4_k_m", "q5_k_m", "q6_k"], default="f16",
+                   help="f16 (default), q8_0 (8-bit blocks, llama.cpp's Q8_0), or a k-quant made by llama.cpp's own quantizer (needs llama-cpp-python)")
 
     p = sub.add_parser("eval", help="score a model or an adapter on lm-evaluation-harness tasks",
                        description="Run EleutherAI's lm-evaluation-harness on a model folder or on base + adapter as trained (a run "
@@ -357,6 +361,14 @@ def generate(args: argparse.Namespace) -> None:
 def export(args: argparse.Namespace) -> None:
     from finetune.export import export
 
+    if args.lora:
+        from finetune.export import export_lora
+
+        if not args.adapter:
+            raise UserError("--lora: writes an adapter alone; give --adapter DIR")
+        report = export_lora(args.adapter, args.out)
+        print(f"wrote {report['out']} (GGUF LoRA, {report['bytes'] / 2**20:.2f} MiB) for a GGUF of {report['base']}")
+        return
     report = export(args.model, args.adapter, args.out, args.type)
     print(f"wrote {report['out']} ({report['type']}, {report['bytes'] / 2**20:.1f} MiB) and a Modelfile beside it")
 

@@ -21,6 +21,7 @@ import importlib.util
 import json
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -32,8 +33,11 @@ from finetune.errors import EXIT_MERGE_CHECK, Stopped, UserError
 # model_type -> (the gguf package's architecture, query/key rows reordered for llama.cpp's rotary layout)
 FAMILIES = {"llama": ("LLAMA", True), "mistral": ("LLAMA", True), "qwen2": ("QWEN2", False), "qwen3": ("QWEN3", False),
             "gemma2": ("GEMMA2", False)}
-TYPES = ("f16", "q8_0")
-TOLERANCE = {"f16": 0.25, "q8_0": 1.0}  # largest |logit difference| published: f16 as a bf16 merge; q8_0 is reported, bounded loosely
+# llama.cpp's k-quants, made from the f16 file by llama.cpp's own quantizer (llama-cpp-python): its ftype names
+K_QUANTS = {"q4_k_m": "LLAMA_FTYPE_MOSTLY_Q4_K_M", "q5_k_m": "LLAMA_FTYPE_MOSTLY_Q5_K_M", "q6_k": "LLAMA_FTYPE_MOSTLY_Q6_K"}
+TYPES = ("f16", "q8_0", *K_QUANTS)
+# largest |logit difference| published: f16 as a bf16 merge; the quantized types are reported, bounded loosely
+TOLERANCE = {"f16": 0.25, "q8_0": 1.0, "q6_k": 1.0, "q5_k_m": 1.5, "q4_k_m": 2.0}
 CHECK_TEXTS = ["What kind of word is this?\n\nrabbit", "The quick brown fox jumps over the lazy dog.", "In the river there was a castle."]
 
 
@@ -74,21 +78,26 @@ def export_gguf(model_dir: str, out: str, kind: str = "f16", say=print) -> dict:
                         f"{FAMILIES[family][0].lower()} architecture does not carry (llama.cpp would attend over the whole context)")
     if kind not in TYPES:
         raise UserError(f"--type {kind}: expected one of {', '.join(TYPES)}")
+    if kind in K_QUANTS and importlib.util.find_spec("llama_cpp") is None:
+        raise UserError(f"--type {kind}: made by llama.cpp's own quantizer; pip install llama-cpp-python (or export f16 and run llama-quantize)")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(folder)
     arch, permuted = FAMILIES[family]
-    tmp = target.with_name(f".{target.name}.tmp")
+    tmp, unquantized = target.with_name(f".{target.name}.tmp"), target.with_name(f".{target.name}.f16.tmp")
+    written = "f16" if kind in K_QUANTS else kind
     try:
-        writer = gguf.GGUFWriter(str(tmp), gguf.MODEL_ARCH_NAMES[getattr(gguf.MODEL_ARCH, arch)])
-        _metadata(writer, config, folder.name, kind)
+        writer = gguf.GGUFWriter(str(unquantized if kind in K_QUANTS else tmp), gguf.MODEL_ARCH_NAMES[getattr(gguf.MODEL_ARCH, arch)])
+        _metadata(writer, config, folder.name, written)
         _vocabulary(writer, tokenizer, folder)
-        _tensors(writer, model, config, getattr(gguf.MODEL_ARCH, arch), permuted, kind)
+        _tensors(writer, model, config, getattr(gguf.MODEL_ARCH, arch), permuted, written)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
         writer.close()
+        if kind in K_QUANTS:
+            _quantize(unquantized, tmp, kind)
         if importlib.util.find_spec("llama_cpp") is not None:  # the client the file is for
             report = _verify_in_llama_cpp(model, tokenizer, tmp, kind, target)
             say(f"GGUF ({kind}) in llama.cpp itself (llama-cpp-python {report['version']}): the same token ids as transformers on "
@@ -106,10 +115,106 @@ def export_gguf(model_dir: str, out: str, kind: str = "f16", say=print) -> dict:
         os.replace(tmp, target)
     finally:
         tmp.unlink(missing_ok=True)
+        unquantized.unlink(missing_ok=True)
     modelfile = target.with_name("Modelfile")
     if not modelfile.exists():  # Ollama's recipe: `ollama create NAME -f Modelfile`
         modelfile.write_text(f"FROM ./{target.name}\n")
     return report
+
+
+def export_lora(adapter_path: str, out: str, say=print) -> dict:
+    """A LoRA adapter as a GGUF LoRA file that llama.cpp applies to its base's GGUF (`llama-cli -m base.gguf --lora
+    out.gguf`), checked in llama.cpp itself: the base written as f16 GGUF (a temporary file) with the adapter applied
+    gives base + adapter's logits. Needs llama-cpp-python for the check."""
+    import gguf
+    from safetensors.torch import load_file
+
+    from finetune.adapters import attach, find_adapter, load_base
+
+    target = check_out(out)
+    if importlib.util.find_spec("llama_cpp") is None:
+        raise UserError("--lora: the file is checked by applying it in llama.cpp itself; pip install llama-cpp-python")
+    adapter = find_adapter(adapter_path, None)
+    settings = json.loads((Path(adapter.path) / "adapter_config.json").read_text())
+    odd = [k for k in ("use_dora", "modules_to_save", "rank_pattern", "alpha_pattern") if settings.get(k)]
+    if odd or adapter.quantized:
+        raise UserError(f"--adapter: {adapter.path} is {'a QLoRA adapter' if adapter.quantized else 'set with ' + ', '.join(odd)}; "
+                        "GGUF LoRA files carry plain LoRA on an unquantized base (merge, then export the model)")
+    folder = Path(adapter.base).expanduser()
+    config = read_model_config(folder, "--adapter's base")
+    if config.get("model_type") not in FAMILIES:
+        raise UserError(f"--adapter: its base is a {config.get('model_type')} model; GGUF export covers {', '.join(sorted(FAMILIES))}")
+    arch, permuted = FAMILIES[config["model_type"]]
+    r = settings["r"]
+    scaling = settings["lora_alpha"] / (r ** 0.5 if settings.get("use_rslora") else r)  # llama.cpp scales by alpha / r
+    tmp, scratch = target.with_name(f".{target.name}.tmp"), tempfile.TemporaryDirectory(prefix="finetune-lora-base-")
+    base_file = Path(scratch.name) / "base.gguf"  # with its Modelfile, gone with the folder
+    try:
+        writer = gguf.GGUFWriter(str(tmp), gguf.MODEL_ARCH_NAMES[getattr(gguf.MODEL_ARCH, arch)])
+        writer.add_type(gguf.GGUFType.ADAPTER)
+        writer.add_string(gguf.Keys.Adapter.TYPE, "lora")
+        writer.add_float32(gguf.Keys.Adapter.LORA_ALPHA, scaling * r)
+        _lora_tensors(writer, load_file(Path(adapter.path) / "adapter_model.safetensors"), config, getattr(gguf.MODEL_ARCH, arch), permuted)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        export_gguf(str(folder), str(base_file), "f16", say=lambda _: None)
+        tuned = attach(load_base(adapter, False), adapter)
+        worst, effect = _applied_in_llama_cpp(tuned, base_file, tmp)
+        say(f"GGUF LoRA applied by llama.cpp to its base (f16): logits within max {worst:.3g} of base + adapter's on {len(CHECK_TEXTS)} texts "
+            f"(the adapter moves them by max {effect:.3g})")
+        if worst > TOLERANCE["f16"]:
+            raise Stopped(f"GGUF LoRA check failed: logits differ by up to {worst:.4g} (tolerance {TOLERANCE['f16']:g}); nothing written to {target}",
+                          exit_code=EXIT_MERGE_CHECK)
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
+        scratch.cleanup()
+    return {"out": str(target), "type": "lora", "bytes": target.stat().st_size, "max": worst, "adapter_effect": effect, "base": str(folder)}
+
+
+def _lora_tensors(writer, weights: dict, config: dict, arch, permuted: bool) -> None:
+    """Each adapted layer's A (r x in) and B (out x r) under its GGUF name + .lora_a / .lora_b; B's rows of a query or
+    key projection in llama.cpp's rotary order, as the base's weight."""
+    import gguf
+
+    names = gguf.get_tensor_name_map(arch, config["num_hidden_layers"])
+    heads, kv = config["num_attention_heads"], config.get("num_key_value_heads") or config["num_attention_heads"]
+    for key in sorted(k for k in weights if ".lora_A." in k):
+        layer = key.removeprefix("base_model.model.").replace(".lora_A.weight", ".weight")
+        name = names.get_name(layer, try_suffixes=(".weight",))
+        if name is None:
+            raise UserError(f"--adapter: no GGUF name for the adapted layer {layer}")
+        a, b = weights[key].float().numpy(), weights[key.replace(".lora_A.", ".lora_B.")].float().numpy()
+        if permuted and layer.endswith(("q_proj.weight", "k_proj.weight")):
+            b = _rotary_rows(b, heads if "q_proj" in layer else kv)
+        writer.add_tensor(f"{name}.lora_a", a)
+        writer.add_tensor(f"{name}.lora_b", b)
+
+
+@torch.no_grad()
+def _applied_in_llama_cpp(tuned, base_file: Path, lora_file: Path) -> tuple[float, float]:
+    """The largest |logit difference| between llama.cpp running the base GGUF with the LoRA file and `tuned` (base +
+    adapter in transformers) on CHECK_TEXTS, and how far the adapter moves the base's logits there."""
+    from llama_cpp import Llama
+
+    try:
+        llm = Llama(model_path=str(base_file), lora_path=str(lora_file), n_ctx=256, logits_all=True, verbose=False,
+                    n_threads=max(1, torch.get_num_threads()))
+    except ValueError as err:
+        raise Stopped(f"GGUF LoRA check failed: llama.cpp does not apply the file ({err})", exit_code=EXIT_MERGE_CHECK) from None
+    worst = effect = 0.0
+    for text in CHECK_TEXTS:
+        ids = llm.tokenize(text.encode(), add_bos=False, special=True)
+        llm.reset()
+        llm.eval(ids)
+        theirs = torch.from_numpy(np.array(llm.scores[: len(ids)], dtype=np.float32))
+        ours = tuned(input_ids=torch.tensor([ids])).logits[0].float()
+        with tuned.disable_adapter():
+            effect = max(effect, (ours - tuned(input_ids=torch.tensor([ids])).logits[0].float()).abs().max().item())
+        worst = max(worst, (ours - theirs).abs().max().item())
+    return worst, effect
 
 
 def check_out(out: str) -> Path:
@@ -238,6 +343,19 @@ def _rotary_rows(weight: np.ndarray, heads: int) -> np.ndarray:
     return weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
+def _quantize(source: Path, out: Path, kind: str) -> None:
+    """llama.cpp's quantizer (llama_model_quantize, as its llama-quantize tool runs it) from the f16 file."""
+    import ctypes
+
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, K_QUANTS[kind])
+    params.nthread = max(1, torch.get_num_threads())
+    if llama_cpp.llama_model_quantize(str(source).encode(), str(out).encode(), ctypes.byref(params)) != 0:
+        raise Stopped(f"--type {kind}: llama.cpp's quantizer failed on {source}", exit_code=EXIT_MERGE_CHECK)
+
+
 @torch.no_grad()
 def _verify_in_llama_cpp(model, tokenizer, path: Path, kind: str, target: Path) -> dict:
     """The file as llama.cpp reads it (llama-cpp-python): the token ids of HARD_STRINGS and of the special tokens
@@ -250,7 +368,7 @@ def _verify_in_llama_cpp(model, tokenizer, path: Path, kind: str, target: Path) 
     except ValueError as err:
         raise Stopped(f"GGUF check failed: llama.cpp does not load the file ({err}); nothing written to {target}", exit_code=EXIT_MERGE_CHECK) from None
     adds_bos = tokenizer.bos_token_id is not None and tokenizer("a").input_ids[:1] == [tokenizer.bos_token_id]
-    texts = HARD_STRINGS + ["".join(t for t in tokenizer.all_special_tokens if t != tokenizer.pad_token) + " after the special tokens"]
+    texts = HARD_STRINGS + ["special tokens: " + "".join(t for t in tokenizer.all_special_tokens if t != tokenizer.pad_token) + " and after them"]
     for text in texts:
         ours, theirs = tokenizer(text).input_ids, llm.tokenize(text.encode(), add_bos=adds_bos, special=True)
         if ours != theirs:
@@ -269,7 +387,7 @@ def _verify_in_llama_cpp(model, tokenizer, path: Path, kind: str, target: Path) 
             llm.eval(greedy[-1:])
         grow = {"max_new_tokens": 8, "do_sample": False, "pad_token_id": tokenizer.pad_token_id}
         same = same and model.generate(torch.tensor([ids]), **grow)[0, len(ids):].tolist() == greedy
-    return {"version": llama_cpp.__version__, "token_checks": len(texts), "max": worst, "same_greedy": same, "checked_by": "llama.cpp"}
+    return {"version": llama_cpp.__version__, "token_checks": len(texts), "max": worst, "same_greedy": same}
 
 
 @torch.no_grad()

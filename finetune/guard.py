@@ -20,9 +20,8 @@ of the first DRIFT_STEPS steps' batches at the initial weights) and, with eval d
 Within the warmup and the `window` steps after it, a level risen above the start level (by `drift`,
 and by `drift_sigmas` times the noise of two such medians, from the larger of the start batches'
 spread and the window's) is a learning rate too hot: roll back, with the LR lowered as for any
-divergence, to the checkpoint after the last step whose level was not above the start's (the start,
-an adapter's step-0 checkpoint, for a run hot from its first step; the checkpoint a run was resumed
-from with a hotter LR). A run that ends worse than it started (its final eval loss
+divergence, to the start (an adapter's step-0 checkpoint), or, for a run resumed (with a hotter LR)
+from a checkpoint whose levels were all at or below the start's, to that checkpoint. A run that ends worse than it started (its final eval loss
 more than `drift` above the eval before training; without eval data, its level risen above the start
 level as above) is no success: train saves it, says so and exits with code 3 (`worse_than_start`).
 
@@ -93,8 +92,10 @@ class Guard:
     'apply'
     """
 
-    def __init__(self, cfg: GuardConfig, state: dict | None = None, min_rise: float = 0.0, warmup: int = 0, watched: str = "loss"):
+    def __init__(self, cfg: GuardConfig, state: dict | None = None, min_rise: float = 0.0, warmup: int = 0, watched: str = "loss",
+                 resumed_at: int = 0):
         self.cfg = cfg
+        self.resumed_at = resumed_at  # the step this start of the run resumed from (0: a fresh start)
         self.watched = watched  # what the judged value is, in messages (GRPO: the negative mean reward)
         self.state = _load(state)
         self.min_rise = min_rise  # the smallest rise of the loss that can be a spike or a drift (guard.min_rise, resolved)
@@ -164,10 +165,10 @@ class Guard:
                 "steps: a learning rate too high from the start")
 
     def _last_cool(self, levels: list[tuple[int, float]]) -> int:
-        """Where a hot start rolls back to: the checkpoint after the last step whose level was not above the start's
-        (0 for a run hot from its first step; a run resumed with a hotter LR goes back to where it was resumed)."""
-        cool = [step for step, level in levels if not self._above_start(level)]
-        return cool[-1] + 1 if cool else 0
+        """Where a hot start rolls back to: the checkpoint this start of the run resumed from, where every level
+        before it was at or below the start's (a run resumed with a hotter LR); else the start."""
+        before = [level for step, level in levels if step < self.resumed_at]
+        return self.resumed_at if before and not any(self._above_start(level) for level in before) else 0
 
     def _above_start(self, level: float) -> bool:
         """`level` risen above the start level, clear of the noise of the difference of two levels

@@ -412,7 +412,7 @@ def resume_or_start(run: RunState) -> None:
     # GRPO's guard judges the negative mean reward, a level that may be negative: no ratio to the start's gradient norm.
     guard_cfg = cfg.guard if run.objective.levels else cfg.guard.model_copy(update={"grad_collapse": 0.0})
     run.guard = Guard(guard_cfg, run.progress.guard, cfg.guard.min_rise if cfg.guard.min_rise is not None else run.objective.start_loss,
-                      warmup=warmup_steps(cfg.train, run.schedule.total_steps), watched=run.objective.watched_name)
+                      warmup=warmup_steps(cfg.train, run.schedule.total_steps), watched=run.objective.watched_name, resumed_at=run.start_step)
     set_peak_lr(engine.scheduler, cfg.train.lr * run.guard.state.lr_scale)  # the config's LR wins over the checkpoint's (OPT's logbook)
     rank = run.accelerator.process_index
     run.watchdog = Watchdog(cfg.watchdog, on_hang=lambda message: run.log.event("hang", run.watchdog.step, f"rank {rank}: {message}", any_rank=True))

@@ -225,11 +225,17 @@ def test_a_hotter_lr_after_a_resume_rolls_back_to_the_last_cool_step_not_the_sta
     above the start within the early window, but the weights were good until step 20: the rollback target (a
     checkpoint at or before before_step) is the step-20 checkpoint, not step 0."""
     healthy, hot = _record("bpe_lora_healthy"), _record("bpe_lora_lr_0.5_from_the_start")
-    guard = _started(healthy)
     steps = healthy["steps"][:20] + hot["steps"][DRIFT_STEPS:]
-    step, verdict = next((i, v) for i, (loss, grad) in enumerate(steps) if (v := guard.check(i, loss, grad)).action not in ("apply", "skip"))
+    guard = _started(healthy)
+    for i, (loss, grad) in enumerate(steps[:20]):  # the healthy run up to its step-20 checkpoint ...
+        assert guard.check(i, loss, grad).action == "apply"
+    resumed = _started(healthy)
+    resumed.state, resumed.resumed_at = guard.state, 20  # ... resumed from it with its guard state
+    step, verdict = next((i, v) for i, (loss, grad) in enumerate(steps[20:], 20) if (v := resumed.check(i, loss, grad)).action not in ("apply", "skip"))
     assert verdict.action == "rollback" and "where the run started" in verdict.reason and step < 20 + 2 * DRIFT_STEPS, (step, verdict)
-    assert 20 <= verdict.before_step <= step, verdict
+    assert verdict.before_step == 20, verdict
+    fresh = _started(healthy)  # the same losses in a run that was never resumed: hot from step 0 on, back to the start
+    assert next(v for i, (loss, grad) in enumerate(steps) if (v := fresh.check(i, loss, grad)).action == "rollback").before_step == 0
 
 
 def test_a_run_that_ends_worse_than_it_started_is_named_by_its_eval_or_else_its_level():
