@@ -54,7 +54,8 @@ def main() -> None:
         comm = f", collectives {t.comm_s:.1f} s" if devices > 1 else ""
         lines.append(f"| {name} | {hardware} | {gib('weights')} | {gib('gradients')} | {gib('optimizer states')} | "
                      f"{plan.rows['activations'] / GiB:.1f} / {long.rows['activations'] / GiB:.1f} | {plan.total / GiB:.1f} | "
-                     f"{'yes' if plan.total <= memory * GiB else 'no'} ({memory} GiB) | {sum(plan.host.values()) / GiB:.1f} | "
+                     f"{'yes' if plan.total <= memory * GiB else 'no'} ({memory} GiB){'; train refuses it' if plan.refused else ''} | "
+                     f"{sum(plan.host.values()) / GiB:.1f} | "
                      f"{t.overlapped_s:.1f} s at MFU {mfu:g} (compute {t.compute_s:.1f} s{comm}) |")
     lines += ["", "Sizes in GiB per GPU. Commands: `finetune plan --config configs/presets/PRESET.yaml --model docs/examples/MODEL "
               "--gpus N --strategy S --gpu-mem M --tflops T --mfu 0.4 --bandwidth B` with the overrides in bench/plan_table.py."]
