@@ -597,9 +597,8 @@ def render(plan: Plan, budget: float, where: str, alts: list[tuple[str, Plan]]) 
     fits = plan.total <= budget
     if plan.refused:
         lines += ["", f"{where}: {budget / GiB:.1f} GiB per device -> finetune train refuses this setup: {plan.refused}"]
-        good = [(label, p) for label, p in alts if p.total <= budget]
-        lines += ["what runs and fits instead:"] + [f"  - {label}: {p.total / GiB:.2f} GiB" for label, p in good] if good else \
-                 ["nothing a single switch changes both runs and fits"]
+        good = [f"  - {label}: {p.total / GiB:.2f} GiB" for label, p in alts if p.total <= budget]
+        lines += ["what runs and fits instead:", *good] if good else ["nothing a single switch changes both runs and fits"]
         return "\n".join(lines)
     lines += ["", f"{where}: {budget / GiB:.1f} GiB per device -> {'fits' if fits else 'does NOT fit'}"]
     if not fits:
