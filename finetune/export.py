@@ -90,7 +90,7 @@ def export_gguf(model_dir: str, out: str, kind: str = "f16", say=print) -> dict:
     try:
         writer = gguf.GGUFWriter(str(unquantized if kind in K_QUANTS else tmp), gguf.MODEL_ARCH_NAMES[getattr(gguf.MODEL_ARCH, arch)])
         _metadata(writer, config, folder.name, written)
-        _vocabulary(writer, tokenizer, folder)
+        _vocabulary(writer, tokenizer, folder, config.get("vocab_size") or 0)
         _tensors(writer, model, config, getattr(gguf.MODEL_ARCH, arch), permuted, written)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
@@ -251,7 +251,7 @@ def _metadata(writer, config: dict, name: str, kind: str) -> None:
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16 if kind == "f16" else gguf.LlamaFileType.MOSTLY_Q8_0)
 
 
-def _vocabulary(writer, tokenizer, folder: Path) -> None:
+def _vocabulary(writer, tokenizer, folder: Path, embedding_rows: int) -> None:
     """llama.cpp's "gpt2" tokenizer: every token by id (byte-level strings), their types, the merges."""
     import gguf
 
@@ -261,7 +261,7 @@ def _vocabulary(writer, tokenizer, folder: Path) -> None:
     vocab = tokenizer.get_vocab()
     # Rows of the embedding beyond the tokenizer's (Qwen: 151,936 rows, 151,669 tokens) get placeholder tokens:
     # llama.cpp takes one token per row.
-    rows = max(len(vocab), int(json.loads((folder / "config.json").read_text()).get("vocab_size") or 0))
+    rows = max(len(vocab), embedding_rows)
     tokens = [f"[PAD{i}]" for i in range(rows)]
     for token, index in vocab.items():
         tokens[index] = token
