@@ -75,7 +75,7 @@ tokenizers: install
 	$(PY) tests/released.py
 
 # llama.cpp itself, to read back every GGUF export (llama-cpp-python: no wheel on PyPI for this machine, so its
-# sdist is built once into a wheel kept outside the repo: 5.5 min on 2 cores without its multimodal library).
+# sdist is built once into a wheel kept outside the repo: 4-5.5 min on 2 cores without its multimodal library).
 LLAMA_CPP_VERSION ?= 0.3.36
 WHEELS ?= $(HOME)/.cache/finetune/wheels
 $(VENV)/.llama-cpp: $(VENV)/.installed

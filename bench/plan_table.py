@@ -18,7 +18,7 @@ from common import REPO, report
 
 sys.path.insert(0, str(REPO))
 from finetune.config import load_config  # noqa: E402
-from finetune.plan import GiB, make_plan, step_time  # noqa: E402
+from finetune.plan import GiB, checked_plan, step_time  # noqa: E402
 
 # name, preset, model config, overrides, devices, strategy, GPU memory (GiB), peak TFLOP/s, MFU, bandwidth (GB/s), the hardware
 JOBS = [
@@ -39,7 +39,7 @@ def plan_job(preset, model, overrides, devices, strategy, seq):
     cfg = load_config(REPO / "configs" / "presets" / f"{preset}.yaml",
                       [f"model.name_or_path={REPO / 'docs' / 'examples' / model}", f"data.max_seq_len={seq}", "train.micro_batch_size=1",
                        "train.grad_accum=16", "train.gradient_checkpointing=true", *overrides], check_model=False, check_paths=False)
-    return cfg, make_plan(cfg, devices=devices, strategy=strategy, gpu=True)
+    return cfg, checked_plan(cfg, devices=devices, strategy=strategy, gpu=True)
 
 
 def main() -> None:

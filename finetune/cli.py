@@ -289,7 +289,7 @@ def plan(args: argparse.Namespace) -> None:
     if args.gpus % cfg.distributed.sequence_parallel:
         raise UserError(f"--sequence-parallel {cfg.distributed.sequence_parallel}: does not divide --gpus {args.gpus}")
     preflight.check_long_context(cfg, launched=False)  # the model's heads against the sequence-parallel size
-    result = plan.make_plan(cfg, devices=args.gpus, strategy=args.strategy, gpu=gpu)
+    result = plan.checked_plan(cfg, devices=args.gpus, strategy=args.strategy, gpu=gpu)
     print(plan.render(result, budget, where, plan.alternatives(cfg, result, gpu)))
     print(plan.render_rows(cfg, result, budget, gpu))
     if args.mfu > 1:

