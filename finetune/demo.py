@@ -170,7 +170,10 @@ def write_random_model(out: Path, config, tokenizer, shard_bytes: int, say=print
 
     config.dtype = "bfloat16"
     with torch.device("meta"):
-        names = [(name, tuple(p.shape)) for name, p in AutoModelForCausalLM.from_config(config).state_dict().items()]
+        model = AutoModelForCausalLM.from_config(config)
+    tied = model.get_output_embeddings() is not None and model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    # a tied head is left out: written apart with other values, transformers would load it untied
+    names = [(name, tuple(p.shape)) for name, p in model.state_dict().items() if not (tied and name == "lm_head.weight")]
     shards, size = [[]], 0
     for name, shape in names:
         nbytes = 2 * torch.Size(shape).numel()

@@ -130,6 +130,18 @@ def buffer_bytes(config: dict, weight_bytes: int) -> int:
     return (2 if kind == "gemma3_text" else 1) * 2 * frequencies * 4 + (weight_bytes if kind in ("gemma2", "gemma3_text") else 0)
 
 
+def saved_attention_values(config: dict) -> int:
+    """Values a decoder layer keeps per token for its backward outside the MLP: each norm's input and output,
+    the rotated query, key and value and the attention output (queries and output are heads x head size wide,
+    which Qwen3 and Gemma 3 set apart from the width), and the q/k norms' inputs."""
+    c = text_config(config)
+    kind, h, heads = c.get("model_type"), c["hidden_size"], c["num_attention_heads"]
+    head_dim = c.get("head_dim") or h // heads
+    q, kv = heads * head_dim, (c.get("num_key_value_heads") or heads) * head_dim
+    norms = 4 if kind in ("gemma2", "gemma3_text") else 2
+    return 2 * h * norms + 2 * q + 2 * kv + (q + kv if kind in ("qwen3", "qwen3_moe", "gemma3_text") else 0)
+
+
 def small_params(config: dict) -> int:
     """Norm weights and biases of the decoder: few, never quantized, but counted so that totals match
     the published ones (Gemma 2/3 have four norms a layer, Qwen3 and Gemma 3 norm queries and keys,

@@ -40,6 +40,7 @@ class Shape:
     layers: int
     kv_dim: int
     mlp_width: int  # the MLP's intermediate width a token passes through, averaged over layers (MoE: its experts' and the shared one's)
+    attention_values: int  # what a layer keeps per token for its backward outside the MLP (families.saved_attention_values)
     tied: bool
     linears: tuple[Linear, ...]  # every linear layer and expert weight of the decoder (families.linear_layers)
     norms_and_biases: int
@@ -97,7 +98,7 @@ def _read_shape(path: Path, version: int) -> Shape:
         ups = [layer for layer in linears if layer.name.endswith("up_proj")]
         width = sum(layer.fan_out // (2 if "gate_up" in layer.name else 1) * layer.active for layer in ups) // c["num_hidden_layers"]
         return Shape(vocab=c["vocab_size"], hidden=c["hidden_size"], layers=c["num_hidden_layers"],
-                     kv_dim=(c.get("num_key_value_heads") or heads) * head_dim, mlp_width=width,
+                     kv_dim=(c.get("num_key_value_heads") or heads) * head_dim, mlp_width=width, attention_values=families.saved_attention_values(config),
                      tied=bool(c.get("tie_word_embeddings", False)), linears=tuple(linears), norms_and_biases=families.small_params(config),
                      config=config)
     except KeyError as err:
@@ -149,7 +150,7 @@ def skeleton_shape(folder: Path) -> Shape:
     other = sum(p.numel() for p in model.parameters()) - sum(layer.params for layer in linears) - vocab * hidden * (1 if tied else 2)
     kv_dim = (getattr(config, "num_key_value_heads", None) or heads) * (hidden // heads)
     return Shape(vocab=vocab, hidden=hidden, layers=config.num_hidden_layers, kv_dim=kv_dim,
-                 mlp_width=width, tied=tied, linears=tuple(linears), norms_and_biases=other, config={},
+                 mlp_width=width, attention_values=6 * hidden + 2 * kv_dim, tied=tied, linears=tuple(linears), norms_and_biases=other, config={},
                  meta_buffers=sum(b.numel() * b.element_size() for b in model.buffers()))
 
 
@@ -255,7 +256,7 @@ def estimate(shape: Shape, cfg: RunConfig, s: Setup) -> dict[str, float]:
     if s.shards_states:
         grads, optimizer = grads / s.devices, optimizer / s.devices
     weights = base + adapter
-    rows = {"weights": weights, "gradients": grads, "optimizer states": optimizer, "activations": activations(shape, s)}
+    rows = {"weights": weights, "gradients": grads, "optimizer states": optimizer, "activations": activations(shape, s) + dropped_inputs(shape, cfg, s)}
     if s.shards_weights:
         rows["weights"] = weights / s.devices
         rows["gathered for compute"] = gathered(shape, s, full)
@@ -337,10 +338,20 @@ def heap_holes(shape: Shape, cfg: RunConfig, s: Setup) -> float:
     return 2 * shape.layers * max(l.fan_in * l.fan_out for l in adapted(shape, cfg)) * 4
 
 
+def dropped_inputs(shape: Shape, cfg: RunConfig, s: Setup) -> float:
+    """LoRA dropout (adapter.dropout > 0): each adapted layer keeps its input after dropout for the backward, and the
+    dropout's 1-byte mask, beside what the layer keeps anyway (590 MiB beside Qwen2.5-0.5B's other 1,230 MiB at 512
+    tokens; bench/released.py). With checkpointing one rebuilt layer's worth."""
+    if s.method == "full" or cfg.adapter.dropout == 0:
+        return 0.0
+    values = sum(l.fan_in * l.copies for l in adapted(shape, cfg)) * s.tokens * (s.activation_bytes + 1)
+    return values / shape.layers if s.checkpointing else values
+
+
 def layer_activations(shape: Shape, s: Setup) -> float:
     """What one decoder layer keeps for its backward without checkpointing (see activations), its MLP's
     share for one chunk where the MLP is tiled."""
-    return (6 * shape.hidden + 2 * shape.kv_dim + 4 * shape.mlp_width / s.tiled_mlp) * s.activation_bytes * s.tokens
+    return (shape.attention_values + 4 * shape.mlp_width / s.tiled_mlp) * s.activation_bytes * s.tokens
 
 
 def activations(shape: Shape, s: Setup) -> float:

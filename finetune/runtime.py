@@ -145,6 +145,11 @@ def current_rss() -> int:
     return _proc_status("VmRSS")
 
 
+def current_anonymous() -> int:
+    """Anonymous resident memory of this process now (RSS less mapped files' pages, which the kernel can drop), bytes."""
+    return _proc_status("RssAnon")
+
+
 def peak_rss() -> int:
     """Highest resident memory since the last reset_peak_rss(), in bytes (Linux; 0 elsewhere)."""
     return _proc_status("VmHWM")

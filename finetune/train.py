@@ -215,6 +215,7 @@ class RunState:
     objective: Objective = field(default_factory=SFT)  # what a step minimises (train.objective)
     router_coef: float = 0.0
     rss_before_model: int = 0
+    anonymous_before_model: int = 0
     before: dict | None = None  # exact match on eval prompts before training
     background: bool = False  # checkpoints written in the background
     log: RunLog | None = None
@@ -321,7 +322,7 @@ def load_and_prepare_model(run: RunState) -> None:
     run.engine = engine_for(cfg, run.accelerator)
     if run.engine.gathers:
         runtime.map_large_blocks()
-    run.rss_before_model = runtime.current_rss()
+    run.rss_before_model, run.anonymous_before_model = runtime.current_rss(), runtime.current_anonymous()
     model = run.engine.load(run.model_cfg, run.say)
     # Saved configs name the source, not a RAM copy; a local one by its absolute path, so that the adapter
     # loads from any directory (AutoPeftModelForCausalLM reads it); hub ids stay as they are.
@@ -698,6 +699,7 @@ def summarize(run: RunState) -> dict:
     # Memory held by model, optimizer and activations while training (compare with `finetune plan`).
     gpu = runtime.peak_gpu()
     summary.update(world_size=run.accelerator.num_processes, rss_before_model_mib=run.rss_before_model / 2**20,
+                   anonymous_before_model_mib=run.anonymous_before_model / 2**20,
                    peak_rss_mib=runtime.peak_rss() / 2**20, peak_gpu_mib=gpu / 2**20 if gpu is not None else None,
                    backend=torch.distributed.get_backend() if torch.distributed.is_initialized() else None, strategy=engine.name,
                    model_loaded_from=run.model_cfg.name_or_path, base_model=run.base)  # base_model: what the adapter needs

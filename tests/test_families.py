@@ -279,11 +279,18 @@ PRESETS = sorted((REPO / "configs" / "presets").glob("*.yaml"))
 def test_presets_validate_and_plan_against_their_model_shape(preset, capsys):
     """Each preset names the shape it was written for (docs/examples/NAME, a real config.json, no
     weights): it validates against it (max_seq_len, keys) and plans, MoE totals included."""
+    import re
+
     from finetune.cli import main
 
     text = preset.read_text()
     shape = text.split("--model ", 1)[1].split()[0]
     assert main(["validate", "--config", str(preset), "--model", shape]) == 0
-    assert main(["plan", "--config", str(preset), "--model", shape, "--gpu-mem", "80GiB"]) == 0
+    row = re.search(rf"^\| `{re.escape(preset.stem)}` \|.*\| ([\d.]+) GiB(?:, 1 GPU| each of \d+ GPUs \(`([^`]*)`\)) \|$",
+                    (REPO / "docs" / "models.md").read_text(), re.M)
+    assert row, f"docs/models.md has no row for {preset.stem}"
+    spread = row.group(2).split() if row.group(2) else []
+    assert main(["plan", "--config", str(preset), "--model", shape, "--gpu-mem", "80GiB", *spread]) == 0
     out = capsys.readouterr().out
     assert "| total" in out and ("active per token" in out) == ("experts" in (REPO / shape / "config.json").read_text())
+    assert re.search(r"\| total\s+\|\s+([\d.]+) \|", out).group(1) == row.group(1)  # the figure docs/models.md gives

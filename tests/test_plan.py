@@ -28,6 +28,9 @@ def test_7b_full_finetune_matches_the_hand_computed_figures():
     assert plan.rows["process runtime (CPU)"] == 150 * 2**20
     gpu = make_plan(load_config(REPO / "docs/examples/plan-7b-full.yaml", check_model=False), gpu=True)
     assert round(gpu.total / GiB, 2) == 102.78 and "process runtime (CPU)" not in gpu.rows  # 1 GiB of CUDA context instead
+    cfg = load_config(REPO / "docs/examples/plan-7b-full.yaml", check_model=False)
+    cfg.train.optimizer = "adamw_8bit"
+    assert round(make_plan(cfg, gpu=True).total / GiB, 2) == 65.13  # the switch docs/planning.md names
 
 
 def test_7b_qlora_matches_the_hand_computed_figures():
@@ -39,6 +42,13 @@ def test_7b_qlora_matches_the_hand_computed_figures():
     assert plan.rows["weights"] == pytest.approx(N_LINEAR * nf4_double_quant + N_OTHER * 4 + lora * 4 + state + BUFFERS, rel=1e-12)
     assert plan.rows["gradients"] == lora * 4
     assert plan.rows["optimizer states"] == lora * 2  # 8-bit AdamW: two 1-byte moments
+    # activations as full fine-tuning's, plus LoRA dropout's (0.05 by default): one rebuilt layer's dropped inputs of
+    # its seven adapted layers (bf16) and their 1-byte masks
+    tokens, layer = 2048, (6 * 4096 + 2 * 4096 + 4 * 11008) * 2 * 2048
+    dropped = (4 * 4096 + 2 * 4096 + 11008) * tokens * (2 + 1)
+    assert plan.rows["activations"] == 32 * tokens * 4096 * 4 + layer + 2 * tokens * 4096 * 2 + 3 * 2**22 * 4 + dropped
+    gpu = make_plan(load_config(REPO / "docs/examples/plan-7b-qlora.yaml", check_model=False), gpu=True)
+    assert round(gpu.total / GiB, 2) == 7.29  # docs/planning.md's worked example
 
 
 @pytest.fixture(scope="module")

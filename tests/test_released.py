@@ -88,3 +88,76 @@ def test_preference_pairs_train_each_answer_through_the_real_template(tokenizers
     before, after = {"llama3": ("", "<|eot_id|>"), "qwen3": ("<think>\n\n</think>\n\n", "<|im_end|>\n"), "gemma3": ("", "<end_of_turn>\n")}[family]
     got = [_trained_spans(side_ids, side_trained, tokenizer) for side_ids, side_trained in sides]
     assert got == [[f"{before}Blue.{after}"], [f"{before}I would rather not.{after}"]]
+
+
+SUMS = [{"messages": [{"role": "user", "content": f"What is {a}+{b}?"}, {"role": "assistant", "content": f"{a + b}"}]} for a in range(5) for b in range(5)]
+# shape -> the data format it trains on: its family's chat template, or (the Llama 2 tokenizer has none) the demo's alpaca
+# rows. One shape a template, and Phi-3's fused projections; the other shapes' architectures are these.
+PATHS = {"llama-3.2-1b": "chat", "qwen3-0.6b": "chat", "gemma-3-1b": "chat", "phi-3-mini-4k": "alpaca"}
+
+
+@pytest.mark.parametrize("name", list(PATHS))
+def test_a_released_shape_trains_merges_and_answers_as_transformers_does(tmp_path, released, name, capsys):
+    """LoRA SFT through the family's template (the trained tokens: above), its loss falling; `finetune merge` (which
+    checks the merged model's logits against base + adapter); `finetune generate --chat` on the merged model gives the
+    greedy tokens transformers' own generate gives for the template's rendering of the same turn."""
+    import json
+
+    import torch
+    from conftest import base_config, finetune_cli, read_jsonl, write_config
+    from transformers import AutoModelForCausalLM
+
+    fmt = PATHS[name]
+    data = {"format": "alpaca", "eval": None}
+    if fmt == "chat":
+        (tmp_path / "sums.jsonl").write_text("".join(json.dumps(row) + "\n" for row in SUMS))
+        data.update(train=str(tmp_path / "sums.jsonl"), format="chat")
+    cfg = base_config(released(name), tmp_path / "run", data=data, train={"max_steps": 6, "lr": 2e-2})
+    assert finetune_cli(capsys, "train", "--config", str(write_config(tmp_path / "c.yaml", cfg))).returncode == 0
+    losses = [row["loss"] for row in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "loss" in row]
+    assert losses[-1] < losses[0] - 0.3, losses
+    merged = finetune_cli(capsys, "merge", "--adapter", str(tmp_path / "run"), "--out", str(tmp_path / "merged"))
+    assert merged.returncode == 0, merged.stderr
+    (tmp_path / "ask.jsonl").write_text(json.dumps({"prompt": "What is 2+3?"}) + "\n")
+    chat = ["--chat"] if fmt == "chat" else []
+    asked = finetune_cli(capsys, "generate", "--model", str(tmp_path / "merged"), "--prompts", str(tmp_path / "ask.jsonl"), *chat,
+                         "--max-new-tokens", "6", "--out", str(tmp_path / "answers.jsonl"))
+    assert asked.returncode == 0, asked.stderr
+    ours = read_jsonl(tmp_path / "answers.jsonl")[0]["completion"]
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "merged")
+    if fmt == "chat":
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": "What is 2+3?"}], add_generation_prompt=True, return_tensors="pt",
+                                            return_dict=True)["input_ids"]
+    else:
+        ids = tokenizer("What is 2+3?", return_tensors="pt").input_ids
+    out = model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    assert ours == tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True), ours
+
+
+@pytest.mark.parametrize("family", list(EXPECTED))
+def test_grpo_prompts_are_the_templates_generation_prompt(tokenizers, family):
+    """A GRPO prompt of chat messages is sampled after what transformers' apply_chat_template gives with the
+    generation prompt (Llama 3's assistant header, Qwen3's `<|im_start|>assistant`, Gemma 3's `<start_of_turn>model`)."""
+    from finetune.rows import tokenize_prompts
+
+    tokenizer = tokenizers(family)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?"}] if family != "gemma3" else \
+        [{"role": "user", "content": "What is 2+2?"}]
+    expected = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+    assert tokenize_prompts([{"prompt": messages}], tokenizer)[0][0] == expected
+
+
+def test_grpo_trains_through_a_released_template(tmp_path, released, capsys):
+    """Qwen3's shape and template: prompts rendered with the generation prompt, completions sampled and scored, the
+    run ending with its mean reward and KL."""
+    from conftest import DEMO_DATA, base_config, finetune_cli, read_jsonl, write_config
+
+    cfg = base_config(released("qwen3-0.6b"), tmp_path / "run", data={"train": str(DEMO_DATA / "prompts-train.jsonl"), "format": "prompt",
+                                                                     "eval": None, "max_seq_len": 64},
+                      train={"objective": "grpo", "max_steps": 2, "micro_batch_size": 2, "lr": 5e-3})
+    cfg["grpo"] = {"num_generations": 2, "max_completion_length": 4, "rewards": ["length"]}
+    result = finetune_cli(capsys, "train", "--config", str(write_config(tmp_path / "c.yaml", cfg)))
+    assert result.returncode == 0, result.stderr
+    rows = [row for row in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "reward" in row]
+    assert len(rows) == 2 and "final step's mean reward" in result.stdout, result.stdout[-500:]

@@ -128,3 +128,16 @@ def test_a_quantized_bases_dequantized_weights_go_back_when_freed(mode, at_most,
     held = float(result.stdout.strip().splitlines()[-1])
     print(f"{mode}: {held:.0f} MiB held after 4 freed 224 MiB weights and 4 small tensors kept")
     assert held >= at_least and (at_most is None or held <= at_most), held
+
+
+def test_a_random_model_with_a_tied_head_loads_tied(tmp_path, demo_tokenizer_dir):
+    """Released small models tie their head (bench/released.py builds them so): written apart with other values,
+    the head would load untied (transformers keeps both), and the model would be another, larger one."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+
+    from finetune.demo import write_random_model
+
+    tok = AutoTokenizer.from_pretrained(demo_tokenizer_dir)
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2, vocab_size=len(tok), tie_word_embeddings=True)
+    model = AutoModelForCausalLM.from_pretrained(write_random_model(tmp_path / "model", config, tok, SHARD_BYTES, say=lambda _: None))
+    assert model.lm_head.weight is model.model.embed_tokens.weight
