@@ -34,7 +34,9 @@ from finetune.gguf_vocab import check_in_llama_cpp, quiet_stderr, write_vocabula
 # model_type -> (the gguf package's architecture, query/key rows reordered for llama.cpp's rotary layout)
 FAMILIES = {"llama": ("LLAMA", True), "mistral": ("LLAMA", True), "qwen2": ("QWEN2", False), "qwen3": ("QWEN3", False),
             "gemma2": ("GEMMA2", False), "gemma3_text": ("GEMMA3", False)}
-GEMMAS = ("gemma2", "gemma3_text")  # norms that scale by (1 + weight), heads scaled by query_pre_attn_scalar
+GEMMAS = ("gemma2", "gemma3_text")
+NOT_WRITTEN = {"phi3": "llama.cpp's phi3 turns Phi-3-mini-4k's 2,047-token sliding window off, and Phi-3.5/4's longrope would need "
+                       "its factor tensors, which this export does not write"}  # norms that scale by (1 + weight), heads scaled by query_pre_attn_scalar
 # llama.cpp's k-quants, made from the f16 file by llama.cpp's own quantizer (llama-cpp-python): its ftype names
 K_QUANTS = {"q4_k_m": "LLAMA_FTYPE_MOSTLY_Q4_K_M", "q5_k_m": "LLAMA_FTYPE_MOSTLY_Q5_K_M", "q6_k": "LLAMA_FTYPE_MOSTLY_Q6_K"}
 TYPES = ("f16", "q8_0", *K_QUANTS)
@@ -129,7 +131,8 @@ def _refuse_unwritable(config: dict, folder: Path) -> None:
     """One line for a model llama.cpp's architecture for its family would run otherwise than transformers."""
     family = config.get("model_type")
     if family not in FAMILIES:
-        raise UserError(f"--model: {folder} is a {family} model; GGUF export covers {', '.join(sorted(FAMILIES))} (merge first, then export)")
+        why = f" ({NOT_WRITTEN[family]})" if family in NOT_WRITTEN else ""
+        raise UserError(f"--model: {folder} is a {family} model; GGUF export covers {', '.join(sorted(FAMILIES))}{why} (merge first, then export)")
     if family in GEMMAS and config.get("query_pre_attn_scalar") != config.get("head_dim"):
         raise UserError(f"--model: {folder} scales attention by query_pre_attn_scalar {config.get('query_pre_attn_scalar')} with heads of "
                         f"{config.get('head_dim')}; llama.cpp scales by the head size (GGUF export takes the two equal, as the Gemma 1B-9B releases)")
