@@ -42,7 +42,8 @@ def plan_job(preset, model, overrides, devices, strategy, seq):
     return cfg, checked_plan(cfg, devices=devices, strategy=strategy, gpu=True)
 
 
-def main() -> None:
+def table() -> list[str]:
+    """The table's lines (tests/test_docs.py holds docs/planning.md to them)."""
     lines = ["| job | hardware (assumed) | weights | gradients | optimizer | activations 4k / 32k | total at 4k per GPU | fits | "
              "CPU RAM per process | step (16 x 4k tokens per GPU) |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, preset, model, overrides, devices, strategy, memory, tflops, mfu, bandwidth, hardware in JOBS:
@@ -57,7 +58,11 @@ def main() -> None:
                      f"{'yes' if plan.total <= memory * GiB else 'no'} ({memory} GiB){'; train refuses it' if plan.refused else ''} | "
                      f"{sum(plan.host.values()) / GiB:.1f} | "
                      f"{t.overlapped_s:.1f} s at MFU {mfu:g} (compute {t.compute_s:.1f} s{comm}) |")
-    lines += ["", "Sizes in GiB per GPU. Commands: `finetune plan --config configs/presets/PRESET.yaml --model docs/examples/MODEL "
+    return lines
+
+
+def main() -> None:
+    lines = table() + ["", "Sizes in GiB per GPU. Commands: `finetune plan --config configs/presets/PRESET.yaml --model docs/examples/MODEL "
               "--gpus N --strategy S --gpu-mem M --tflops T --mfu 0.4 --bandwidth B` with the overrides in bench/plan_table.py."]
     report("plan", lines)
 

@@ -107,8 +107,8 @@ def _output_commands(sub) -> None:
                        description="Run EleutherAI's lm-evaluation-harness on a model folder or on base + adapter as trained (a run "
                        "folder or a checkpoint), through its Python API: registered task names whose data is reachable, or task YAML "
                        "files in the harness's format (their local data files taken relative to the file). Prompts go through the "
-                       "tokenizer's chat template where it has one. Prints the table and writes it as JSON beside the model "
-                       "(harness_eval.json) or to --out. The demo's task: demo/eval/word_kind.yaml.")
+                       "tokenizer's chat template where it has one. Prints the table and writes it as JSON to --out, by default "
+                       "harness_eval.json in the current folder (harness_eval-2.json, ... if taken). The demo's task: demo/eval/word_kind.yaml.")
     which = p.add_mutually_exclusive_group(required=True)
     which.add_argument("--model", metavar="DIR", help="a model folder (e.g. the output of finetune merge)")
     which.add_argument("--adapter", metavar="DIR", help="an adapter folder or checkpoint; its base is loaded as in training")

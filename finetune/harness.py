@@ -6,7 +6,8 @@ Tasks are the harness's own: a registered name (whose data must be reachable: th
 here), or a task YAML file in the harness's format, whose local `data_files` are taken relative to the
 file's folder. The demo ships one (demo/eval/word_kind.yaml). Prompts go through the tokenizer's chat
 template where it has one, as finetune trains chat and alpaca rows. The results table is printed and
-written as JSON beside the model (or to --out).
+written as JSON to --out, by default harness_eval.json in the current folder (the model's folder may be
+shared or read-only: it is not written to).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ def evaluate(model_dir: str | None, adapter_dir: str | None, tasks: list[str], b
     if importlib.util.find_spec("lm_eval") is None:
         raise UserError("finetune eval: needs lm-evaluation-harness (pip install 'finetune-kit[eval]')")
     specs = [_task(name) for name in tasks]
-    target = Path(out).expanduser() if out else Path(model_dir or adapter_dir).expanduser() / RESULTS
+    target = Path(out).expanduser() if out else _free_name(Path.cwd() / RESULTS)
     if out and target.exists():
         raise UserError(f"--out: {target} exists; name a new file")
     from lm_eval import simple_evaluate
@@ -51,6 +52,15 @@ def evaluate(model_dir: str | None, adapter_dir: str | None, tasks: list[str], b
     target.write_text(json.dumps(record, indent=2) + "\n")
     say(f"written to {target}")
     return table
+
+
+def _free_name(path: Path) -> Path:
+    """`path`, or the first of path-2, path-3, ... not taken: a results file of an earlier run is not ours to overwrite."""
+    n = 1
+    while path.exists():
+        n += 1
+        path = path.with_name(f"{RESULTS.removesuffix('.json')}-{n}.json")
+    return path
 
 
 def _task(name: str):

@@ -37,9 +37,9 @@ FALLBACK_PROMPTS = ["The quick brown fox jumps over the lazy dog.", "Question: w
                     "Once upon a time, in a small village,"]
 
 
-def check_texts(adapter: Adapter, tokenizer, prompts_file: str | None, n: int = 4) -> list[str]:
+def check_texts(adapter: Adapter, tokenizer, prompts_file: str | None, n: int = 4, say=print) -> list[str]:
     """Texts to compare logits on: --check-prompts (one per line), else the run's first training
-    samples (prompt and answer), else a few generic sentences."""
+    samples (prompt and answer), else a few generic sentences (and a line saying why)."""
     if prompts_file:
         path = Path(prompts_file).expanduser()
         if not path.is_file():
@@ -61,8 +61,9 @@ def check_texts(adapter: Adapter, tokenizer, prompts_file: str | None, n: int = 
                 return [row["text"] for row in rows]
             if rows:
                 return ["".join(prompt_and_answer(row, tokenizer, source.format)) for row in rows]
-        except (UserError, OSError):
-            pass  # the training data moved: fall back to generic prompts
+        except (UserError, OSError) as err:
+            say(f"check texts: the run's training data is not readable ({str(err).splitlines()[0]}); checking on {len(FALLBACK_PROMPTS)} "
+                "generic sentences (--check-prompts FILE names your own)")
     return FALLBACK_PROMPTS
 
 
@@ -101,7 +102,7 @@ def merge(adapter_path: str, out: str, base: str | None = None, dtype: str | Non
     final, tmp = _output_folders(out, overwrite)
     try:
         tokenizer = load_tokenizer(ModelConfig(name_or_path=tokenizer_source(adapter)))
-        texts = check_texts(adapter, tokenizer, prompts_file)
+        texts = check_texts(adapter, tokenizer, prompts_file, say=say)
         dtype = dtype or _stored_dtype(adapter.base)
         tolerance = tolerance if tolerance is not None else max(TOLERANCE[dtype], TOLERANCE["bf16"] if _bf16_compute(adapter) else 0)
 

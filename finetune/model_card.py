@@ -28,10 +28,11 @@ def run_card(cfg: RunConfig, summary: dict, out: Path) -> str:
     if cfg.model.quantization is not None and adapter:
         method = f"Q{method} ({cfg.model.quantization.bits}-bit base)"
     tags = ["finetune", cfg.train.objective, *(["lora"] if cfg.adapter.method == "lora" else ["dora"] if adapter else [])]
-    data = ModelCardData(base_model=summary.get("base_model") or cfg.model.name_or_path, library_name="peft" if adapter else "transformers",
+    base = summary.get("base_model") or cfg.model.name_or_path
+    data = ModelCardData(base_model=hub_id(base), library_name="peft" if adapter else "transformers",
                          pipeline_tag="text-generation", tags=tags, datasets=_datasets(cfg), license=None)
     lines = [f"# {Path(out).name}", "",
-             f"{method} of `{data.base_model}` with finetune ({cfg.train.objective}, "
+             f"{method} of `{base}` with finetune ({cfg.train.objective}, "
              f"{summary.get('steps')} optimizer steps, {summary.get('tokens', 0):,} tokens trained).", "",
              "## Results", "", "| measure | value |", "| --- | --- |"]
     lines += [f"| {label} | {_number(summary[key])} |" for key, label in RESULTS if summary.get(key) is not None]
@@ -56,7 +57,7 @@ def merged_card(report: dict) -> str:
     """The card of a merged folder: base + adapter as one transformers model, with merge's check."""
     from huggingface_hub import ModelCard, ModelCardData
 
-    data = ModelCardData(base_model=report["base"], library_name="transformers", pipeline_tag="text-generation",
+    data = ModelCardData(base_model=hub_id(report["base"]), library_name="transformers", pipeline_tag="text-generation",
                          tags=["finetune", "merged"], license=None)
     check, effect = report["merged_vs_tuned"], report["adapter_effect"]
     lines = [f"# {Path(report['out']).name}", "", f"`{report['base']}` with the adapter `{report['adapter']}` merged into its weights "
@@ -67,6 +68,12 @@ def merged_card(report: dict) -> str:
              f"(mean {effect['mean']:.3g}). Figures in `merge_report.json`.", "", "## License", "",
              "Not set: fill in the `license` field above (the base model's license applies to this work too)."]
     return str(ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(lines) + "\n"))
+
+
+def hub_id(base: str) -> str | None:
+    """The header's base_model: a hub id as given; a local folder is left out (the Hub rejects a path there), and the
+    card's text names it."""
+    return None if looks_local(base) or Path(base).expanduser().exists() else base
 
 
 RESULTS = [("train_loss", "final train loss"), ("train_reward", "final step's mean reward"), ("train_kl", "final step's KL"),

@@ -142,7 +142,12 @@ def test_a_run_folder_has_a_model_card_of_the_run(plain_run):
     out, cfg = plain_run
     summary = json.loads((out / "summary.json").read_text())
     card = ModelCard.load(out / "README.md")
-    assert card.data.base_model == summary["base_model"] and card.data.library_name == "peft" and card.data.license is None
+    # a local base is named in the text, not in the header (the Hub rejects a path as base_model); a hub id goes there
+    assert card.data.base_model is None and f"of `{summary['base_model']}`" in card.text
+    assert card.data.library_name == "peft" and card.data.license is None
+    from finetune.model_card import hub_id
+
+    assert hub_id("meta-llama/Llama-3.2-1B") == "meta-llama/Llama-3.2-1B" and hub_id(str(out)) is None
     assert card.data.datasets == ["train.jsonl"] and {"finetune", "sft", "lora"} <= set(card.data.tags)
     assert f"| eval loss | {summary['eval_loss']:.4g} |" in card.text and "finetune train --config finetune_config.yaml" in card.text
     assert (out / "finetune_config.yaml").read_text().strip() in card.text and "![loss curve]" not in card.text  # plots off here

@@ -15,15 +15,20 @@ pytest.importorskip("lm_eval")
 TASK = str(REPO / "demo" / "eval" / "word_kind.yaml")
 
 
-def test_the_demo_task_rises_with_training_and_equals_the_harness_cli(tmp_path, demo_model_dir, demo_run, capsys):
+def test_the_demo_task_rises_with_training_and_equals_the_harness_cli(tmp_path, demo_model_dir, demo_run, capsys, monkeypatch):
     """Before the demo's 60 steps (the base) and after (base + adapter), then the adapter merged and
-    scored by `lm_eval --model hf` itself: the same accuracy to the last digit."""
+    scored by `lm_eval --model hf` itself: the same accuracy to the last digit. Without --out the results go to the
+    current folder under a name not taken, never into the model's folder."""
     out, _ = demo_run
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "harness_eval.json").write_text("not ours")
+    before = sorted(p.name for p in demo_model_dir.iterdir())
     scores = {}
-    for name, source in (("base", ["--model", str(demo_model_dir)]), ("tuned", ["--adapter", str(out)])):
-        result = finetune_cli(capsys, "eval", *source, "--tasks", TASK, "--out", str(tmp_path / f"{name}.json"))
+    for name, source, file in (("base", ["--model", str(demo_model_dir)], "harness_eval-2.json"), ("tuned", ["--adapter", str(out)], "tuned.json")):
+        result = finetune_cli(capsys, "eval", *source, "--tasks", TASK, *(["--out", file] if name == "tuned" else []))
         assert result.returncode == 0, result.stderr
-        scores[name] = json.loads((tmp_path / f"{name}.json").read_text())["results"]["finetune_word_kind"]
+        scores[name] = json.loads((tmp_path / file).read_text())["results"]["finetune_word_kind"]
+    assert (tmp_path / "harness_eval.json").read_text() == "not ours" and sorted(p.name for p in demo_model_dir.iterdir()) == before
     assert scores["base"]["sample_len"] == scores["tuned"]["sample_len"] == 36
     assert scores["tuned"]["acc"] > scores["base"]["acc"] + 0.2, scores
     merged = tmp_path / "merged"

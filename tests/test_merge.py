@@ -93,7 +93,7 @@ def test_merged_lora_loads_with_plain_transformers_in_shards_and_generates_the_s
     from huggingface_hub import ModelCard
 
     card = ModelCard.load(merged / "README.md")  # the Hub's model-card format
-    assert card.data.library_name == "transformers" and card.data.base_model == report["base"] and "merged" in card.data.tags
+    assert card.data.library_name == "transformers" and card.data.base_model is None and f"`{report['base']}`" in card.text and "merged" in card.data.tags
     assert f"max {report['merged_vs_tuned']['max']:.3g}" in card.text and card.data.license is None
 
     out = subprocess.run([sys.executable, "-c", PLAIN_LOAD, str(merged), str(IDS.tolist()), str(tmp_path / "logits.safetensors")],
@@ -216,3 +216,19 @@ def test_overwrite_replaces_an_earlier_merge_and_nothing_else(tmp_path, lora_run
     (stranger / "a.txt").write_text("x")
     assert main(["merge", "--adapter", str(lora_run), "--out", str(stranger), "--overwrite"]) == 2
     assert "holds files that are not a finetune merge's" in capsys.readouterr().err
+
+
+def test_a_run_whose_data_moved_is_checked_on_generic_sentences_and_says_so(tmp_path, lora_run, capsys):
+    import shutil
+
+    import yaml
+
+    moved = tmp_path / "run"
+    shutil.copytree(lora_run, moved, ignore=shutil.ignore_patterns("checkpoints"))
+    config = yaml.safe_load((moved / "finetune_config.yaml").read_text())
+    config["data"]["train"] = str(tmp_path / "gone.jsonl")
+    (moved / "finetune_config.yaml").write_text(yaml.safe_dump(config))
+    result = finetune_cli(capsys, "merge", "--adapter", str(moved), "--out", str(tmp_path / "merged"))
+    assert result.returncode == 0, result.stderr
+    assert "the run's training data is not readable" in result.stdout and "checking on 3 generic sentences" in result.stdout, result.stdout
+    assert json.loads((tmp_path / "merged" / "merge_report.json").read_text())["check_texts"] == 3

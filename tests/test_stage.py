@@ -97,6 +97,15 @@ def test_a_stager_killed_mid_copy_leaves_nothing_trusted_and_the_next_one_redoes
     _same_files(demo_model_dir, root / staged_name(demo_model_dir))
 
 
+def _until(job, words: str, seconds: float = 120) -> str:
+    """The job's output up to the line holding `words` (a deadline, not a sleep, is what bounds the wait)."""
+    deadline, seen = time.monotonic() + seconds, ""
+    while words not in seen:
+        assert time.monotonic() < deadline and job.poll() is None, f"no {words!r} from the job: {seen}"
+        seen += job.stdout.readline()
+    return seen
+
+
 def test_concurrent_stagers_make_one_copy(tmp_path, demo_model_dir, ram_root):
     """Two stagers start while a third process holds the lock: both wait; then one copies, one reuses."""
     root = ram_root / "concurrent"
@@ -105,12 +114,12 @@ def test_concurrent_stagers_make_one_copy(tmp_path, demo_model_dir, ram_root):
     cmd = [sys.executable, "-m", "finetune", "stage", "--model", str(demo_model_dir), "--root", str(root)]
     with open(root / f"{name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        jobs = [subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
-        time.sleep(6)  # both are past their imports and waiting on the lock
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}  # each line as it is printed
+        jobs = [subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for _ in range(2)]
+        said = [_until(job, "waiting for it") for job in jobs]  # both found the lock held, and wait on it
         assert all(job.poll() is None for job in jobs)
-    outputs = [job.communicate(timeout=120) for job in jobs]
+    outputs = [(before + out, err) for before, (out, err) in zip(said, (job.communicate(timeout=120) for job in jobs))]
     assert [job.returncode for job in jobs] == [0, 0], outputs
-    assert all("waiting for it" in out for out, _ in outputs)
     assert sorted("staged in" in out for out, _ in outputs) == [False, True]
     assert sorted("already staged" in out for out, _ in outputs) == [False, True]
     assert [p.name for p in root.iterdir() if p.is_dir()] == [name]

@@ -1,0 +1,26 @@
+"""Figures in docs/ that a cheap command produces are held to it: a figure edited by hand, or left behind by a
+change to the code that produces it, fails here (`make test-fast` runs this). Figures from benches that take
+minutes or a GPU name their date and commit beside them instead."""
+
+from __future__ import annotations
+
+import re
+import sys
+
+from conftest import REPO
+
+
+def test_the_plan_table_in_planning_md_is_what_bench_plan_table_prints():
+    sys.path.insert(0, str(REPO / "bench"))
+    from plan_table import table
+
+    docs = (REPO / "docs" / "planning.md").read_text()
+    for line in table():
+        assert line in docs, f"docs/planning.md lacks, or has another version of: {line}"
+
+
+def test_the_count_of_bad_input_cases_is_the_tests():
+    from test_bad_input import _cases
+
+    said = re.search(r"runs (\d+) such cases", (REPO / "docs" / "checkpoints.md").read_text())
+    assert said and int(said.group(1)) == len(_cases()), (said and said.group(1), len(_cases()))
