@@ -9,7 +9,7 @@ TORCH_VERSION  ?= 2.13.0
 TORCH_PIP_ARGS ?=
 export FINETUNE_CACHE ?= $(CURDIR)/.cache/finetune
 
-.PHONY: install tokenizers demo demo-dpo demo-grpo test test-fast lint bench bench-grpo bench-compile bench-data bench-families bench-fsdp-load bench-guard bench-host bench-load bench-large bench-long bench-released bench-xl clean help
+.PHONY: install tokenizers demo demo-dpo demo-grpo test test-fast lint bench bench-grpo bench-compile bench-data bench-families bench-fsdp-load bench-guard bench-host bench-load bench-large bench-long bench-released docs-check bench-xl clean help
 
 help:
 	@echo "make demo   - install, build the demo model, fine-tune it (LoRA) and show before/after"
@@ -27,6 +27,7 @@ help:
 	@echo "make bench-host - the GPU path's host overhead, measured on CPU: operators, host syncs and Python per step vs HF Trainer (~4 min)"
 	@echo "make bench-fsdp-load - RAM used loading a 0.8 GB model in 1 process vs 2 (ddp, fsdp)"
 	@echo "make bench-load - load times of a 0.9 GB model: disk cold/warm, staged in RAM, vs a plain read"
+	@echo "make docs-check - the figures in docs/ a bench or a GPU measured, with the commits on their code since (bench/figures.json)"
 	@echo "make bench-released - released shapes at full size (Qwen2.5-0.5B, Qwen3-0.6B, Llama-3.2-1B, Gemma-3-1B): plan vs measured peak (~15 min)"
 	@echo "make bench-large - a 1.1B model through every method and strategy: memory vs plan, speed, checkpoints, merge, staged load (~30 min)"
 	@echo "make bench-long - long rows: the longest row at 2 GiB a process in one process, with sequence parallelism over 2 and a tiled MLP; a 16k row tiled and not (~30 min)"
@@ -129,6 +130,9 @@ bench-load: install
 
 bench-large: install
 	$(PY) bench/large.py
+
+docs-check:
+	python3 bench/docs_check.py
 
 bench-released: install tokenizers
 	$(PY) bench/released.py

@@ -4,7 +4,7 @@ A GPU step is only as fast as the host can issue its kernels: every operator dis
 launch or more, and every host synchronisation (`.item()`, `.tolist()`, `nonzero`, a boolean mask)
 stalls the host until the GPU has caught up. This runs one optimizer step at a time of
 
-  finetune     `finetune train`'s own step with the CUDA branch selected (attention.ACCELERATOR_PATH_ON_CPU):
+  finetune     `finetune train`'s own step with the CUDA branch selected (attention.accelerator_path and loss's replaced):
                one varlen attention call per layer, the GPU's loss chunks; torch's CUDA-only varlen
                kernel is replaced by a CPU stand-in with its signature, registered as one operator
   hf-flatten   HF Trainer + peft, DataCollatorWithFlattening (padding-free), sdpa, bf16
@@ -178,7 +178,7 @@ def finetune_steps(work: Path, steps: int, counter: Counter, seq: int = 2048) ->
     from accelerate.state import AcceleratorState
 
     import finetune.train as train
-    from finetune import attention
+    from finetune import attention, loss
     from finetune.config import validate_config
 
     AcceleratorState._reset_state(True)
@@ -215,8 +215,9 @@ def finetune_steps(work: Path, steps: int, counter: Counter, seq: int = 2048) ->
             counter.on = False
 
     stand_in = varlen_stand_in()
-    with _patched(train, step_batches=data_step, train_step=counted_step), _patched(attention, ACCELERATOR_PATH_ON_CPU=True,
-                                                                                        _varlen=lambda: stand_in):
+    with _patched(train, step_batches=data_step, train_step=counted_step), _patched(attention, accelerator_path=lambda t: True,
+                                                                                        _varlen=lambda: stand_in), \
+            _patched(loss, accelerator_path=lambda t: True):
         train.run(validate_config(cfg, "bench-host"))
     return {"wall": wall, "samples_per_row": sum(rows[1:]) / max(len(rows) - 1, 1)}
 

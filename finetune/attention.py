@@ -45,14 +45,13 @@ SHORT_SAMPLE = 1024  # tokens: above it the saved probabilities outweigh the spe
 
 _last: tuple[torch.Tensor, int, list[list[int]]] | None = None  # every layer of a forward sees the same position_ids
 _packed = False  # inside packed_rows()
-# bench/host.py alone sets this: the CUDA branch's own Python then runs on CPU tensors (its kernels
-# replaced there by CPU stand-ins of the same signature), so its host overhead is measured without a GPU.
-ACCELERATOR_PATH_ON_CPU = False
 
 
 def accelerator_path(tensor: torch.Tensor) -> bool:
-    """Whether a computation on `tensor` takes the GPU branch: one varlen call a layer, large loss chunks."""
-    return tensor.is_cuda or ACCELERATOR_PATH_ON_CPU
+    """Whether a computation on `tensor` takes the GPU branch: one varlen call a layer, large loss chunks.
+    (tests/conftest.py's gpu_branch_on_cpu and bench/host.py replace it, here and in finetune.loss, to run that
+    branch's Python on CPU tensors.)"""
+    return tensor.is_cuda
 
 
 @contextlib.contextmanager

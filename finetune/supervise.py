@@ -81,9 +81,19 @@ class Preemption:
 
     def __init__(self):
         self.signal: int | None = None
+        self._previous = {}  # the handlers it replaced, put back by restore()
         if threading.current_thread() is threading.main_thread():
             for sig in PREEMPT_SIGNALS:
-                signal.signal(sig, self._remember)
+                self._previous[sig] = signal.signal(sig, self._remember)
+
+    def listening(self) -> bool:
+        """Whether its handlers are still the ones installed (a program may have set its own since)."""
+        return all(signal.getsignal(sig) == self._remember for sig in self._previous) if self._previous else True
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
 
     def _remember(self, signum, frame) -> None:
         self.signal = self.signal or signum
@@ -100,9 +110,18 @@ def watch_preemption() -> Preemption:
     """The process's one Preemption, listening from the first call on (`finetune train` calls it
     before the heavy imports, so a signal during start-up is not the default exit 143)."""
     global _PREEMPTION
-    if _PREEMPTION is None:
+    if _PREEMPTION is None or not _PREEMPTION.listening():
         _PREEMPTION = Preemption()
     return _PREEMPTION
+
+
+def release_preemption() -> None:
+    """The signal handlers as they were before watch_preemption (train.run calls it as it ends): a program that
+    calls finetune.train.run keeps its own SIGTERM/SIGUSR1 handling after the run."""
+    global _PREEMPTION
+    if _PREEMPTION is not None and threading.current_thread() is threading.main_thread():
+        _PREEMPTION.restore()
+        _PREEMPTION = None
 
 
 def stop_with_launcher() -> None:

@@ -58,7 +58,7 @@ from finetune.resume import Progress, clear_starts, resume
 from finetune.sequence_parallel import SequenceParallel
 from finetune.serving import check_vllm
 from finetune.stage import staged_model
-from finetune.supervise import Watchdog, stop_with_launcher, watch_preemption
+from finetune.supervise import Watchdog, release_preemption, stop_with_launcher, watch_preemption
 
 # A packed sample's logits may move by rounding (bf16 kernels over rows of other lengths), a small
 # share of what the sample before it would move them as context; samples that see each other move them
@@ -170,6 +170,7 @@ def run(cfg: RunConfig) -> RunResult:
     try:
         return _run(cfg)
     finally:
+        release_preemption()
         if lock is not None:
             release_output_dir(lock)
 

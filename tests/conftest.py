@@ -538,3 +538,24 @@ def run_outputs(out: Path) -> tuple[Path, list[float], dict]:
     """A finished run's (output folder, per-step losses, summary)."""
     losses = [r["loss"] for r in read_jsonl(out / "metrics.jsonl") if "loss" in r]
     return out, losses, json.loads((out / "summary.json").read_text())
+
+
+def gpu_branch_on_cpu(monkeypatch) -> None:
+    """The CUDA branch of the packed attention and the fused loss taken on CPU tensors (their kernels as the tests
+    replace them): finetune.attention.accelerator_path answers yes, where it is defined and where the loss uses it."""
+    from finetune import attention, loss
+
+    monkeypatch.setattr(attention, "accelerator_path", lambda tensor: True)
+    monkeypatch.setattr(loss, "accelerator_path", lambda tensor: True)
+
+
+def wait_for(done, job, what: str, seconds: float = 300, every: float = 0.05) -> None:
+    """Poll `done()` until it holds, while `job` (a Popen) runs: a deadline, not an endless loop, bounds the wait, and
+    a job that ends first fails the test with its stderr."""
+    import time
+
+    deadline = time.monotonic() + seconds
+    while not done():
+        assert job.poll() is None, f"the job ended before {what}: " + job.communicate()[1][-2000:]
+        assert time.monotonic() < deadline, f"no {what} within {seconds:g} s"
+        time.sleep(every)

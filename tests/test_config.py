@@ -45,7 +45,7 @@ def test_bad_config_one_line_exit_2(tmp_path, tiny_model_dir, keys, value, words
     assert result.returncode == 2, result.stdout + result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr  # one line, no traceback
-    assert lines[0].startswith(f"error: {path}") or lines[0].startswith("error: ")
+    assert lines[0].startswith(f"error: {path}: "), lines[0]  # the file first, then the key and what was expected
     for word in words:
         assert word in lines[0], lines[0]
 

@@ -24,3 +24,15 @@ def test_the_count_of_bad_input_cases_is_the_tests():
 
     said = re.search(r"runs (\d+) such cases", (REPO / "docs" / "checkpoints.md").read_text())
     assert said and int(said.group(1)) == len(_cases()), (said and said.group(1), len(_cases()))
+
+
+def test_each_measured_figure_names_the_commit_it_was_measured_at():
+    """bench/figures.json lists the figures a bench or a GPU measured; `make docs-check` counts the commits on their
+    files since. Each doc quotes its figure's commit, and the commit is in this repository's history."""
+    import json
+    import subprocess
+
+    for entry in json.loads((REPO / "bench" / "figures.json").read_text()):
+        assert entry["measured_at"] in (REPO / entry["doc"]).read_text(), entry
+        assert subprocess.run(["git", "cat-file", "-e", f"{entry['measured_at']}^{{commit}}"], cwd=REPO).returncode == 0, entry
+        assert all((REPO / path).exists() for path in entry["paths"]), entry

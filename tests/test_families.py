@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import FAMILIES, MOE, OTHERS, REPO, base_config, read_jsonl, samples_batch, textbook, textbook_samples, trained_grads
+from conftest import FAMILIES, MOE, OTHERS, REPO, base_config, gpu_branch_on_cpu, read_jsonl, samples_batch, textbook, textbook_samples, trained_grads
 from transformers import AutoModelForCausalLM
 
 from finetune import attention, families, loss
@@ -39,7 +39,7 @@ def test_fast_paths_equal_eager_attention_on_each_sample_alone(family_dirs, monk
     if variant == "torch-sdpa":
         monkeypatch.setattr(attention, "SHORT_SAMPLE", 0)
     if variant == "gpu-sdpa-mask":
-        monkeypatch.setattr(attention, "ACCELERATOR_PATH_ON_CPU", True)
+        gpu_branch_on_cpu(monkeypatch)
     model = _load(family_dirs(family), method)
     samples = textbook_samples(model.config.vocab_size)
     expected_impl = "eager" if family == "gemma2" else attention.PACKED_SDPA  # soft-capping: eager, said in one line
@@ -172,8 +172,11 @@ def test_every_family_trains(tmp_path, family_dirs, family, method):
                       train={"overfit_batch": 16, "lr": 1e-2, "scheduler": "constant", "micro_batch_size": 2}, data={"eval": None, "max_seq_len": 64})
     result = run(validate_config(cfg, "test"))
     rows = [r for r in read_jsonl(tmp_path / "out" / "metrics.jsonl") if "loss" in r]
-    # 16 steps on one batch: full fine-tuning memorises it (measured: 2-14% of the first loss left);
-    # LoRA, its B starting at zero, takes 10-20% off at this LR.
+    # 16 steps on one batch: full fine-tuning memorises it (measured: 2-14% of the first loss left). LoRA's B starts at
+    # zero, so an adapter that does not learn leaves the first loss (the base's) where it is; at this LR it takes 10-20%
+    # off (measured 2026-11-27: 0.80-0.90 of the first loss over these families; a higher LR diverges on some). Its
+    # arithmetic is proved elsewhere (the fused loss and packed attention against the library's own paths:
+    # tests/test_fast_paths.py); this proves the adapter learns in every family.
     assert len(rows) == 16 and rows[-1]["loss"] < (0.2 if method == "full" else 0.92) * rows[0]["loss"], [r["loss"] for r in rows]
     assert all(("router_aux_loss" in r) == (family in MOE) for r in rows) and ("router_aux_loss" in result.summary) == (family in MOE)
     if method == "lora":

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import loss_and_grads, packed_batch
+from conftest import gpu_branch_on_cpu, loss_and_grads, packed_batch
 from transformers import AutoModelForCausalLM
 
 from finetune import attention, loss
@@ -233,7 +233,7 @@ def test_a_training_batch_from_the_host_gives_the_loss_of_eager_attention(tiny_m
     eager = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation="eager").train()
     want = loss_and_grads(eager, batch)
     if branch != "cpu":
-        monkeypatch.setattr(attention, "ACCELERATOR_PATH_ON_CPU", True)
+        gpu_branch_on_cpu(monkeypatch)
         # varlen computes in bf16/fp16 only: an fp32 run takes the sdpa-mask branch.
         monkeypatch.setattr(attention, "_varlen", (lambda: _documented_varlen(True)) if branch == "gpu-varlen" else (lambda: None))
         monkeypatch.setattr(attention, "_varlen_dtype", lambda query, dropout: torch.float32 if attention._varlen() else None)

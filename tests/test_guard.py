@@ -7,11 +7,10 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, base_config, finetune_in_process, read_jsonl, run_cli, write_config
+from conftest import REPO, base_config, finetune_in_process, read_jsonl, run_cli, wait_for, write_config
 
 from finetune.guard import DRIFT_STEPS
 
@@ -105,10 +104,8 @@ def test_sigterm_saves_exits_75_and_resumes_exactly(tmp_path, tiny_model_dir):
 def test_a_hung_step_is_caught_by_the_watchdog_with_stacks(tmp_path, tiny_model_dir):
     out = tmp_path / "out"
     cfg = _cfg(tiny_model_dir, out, watchdog={"min_seconds": 3})
-    started = time.monotonic()
-    result = _train(tmp_path, cfg, env={"FINETUNE_FAULT": "hang@15"})
+    result = _train(tmp_path, cfg, env={"FINETUNE_FAULT": "hang@15"})  # the step hangs for good: only the watchdog ends it
     assert result.returncode == 4, result.stderr[-3000:]
-    assert time.monotonic() - started < 90
     assert "watchdog: step 16 has run" in result.stderr
     assert "Thread" in result.stderr and "faults.py" in result.stderr  # every thread's stack, down to the stuck line
     assert [e["event"] for e in _events(out)] == ["hang"]
@@ -194,9 +191,7 @@ def test_sigterm_to_torchrun_makes_every_rank_save_the_same_step(tmp_path, tiny_
     cfg = _cfg(tiny_model_dir, tmp_path / "out", steps=2000, distributed={"strategy": "fsdp"})
     job = _torchrun(tmp_path, cfg, "c")
     metrics = tmp_path / "out" / "metrics.jsonl"
-    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 10):
-        assert job.poll() is None, job.communicate()[1][-2000:]
-        time.sleep(0.1)
+    wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 10, job, "10 logged steps")
     job.send_signal(signal.SIGTERM)  # torchrun passes it on to both workers
     _, stderr = job.communicate(timeout=120)
     assert stderr.count("error: preempted at step") == 2, stderr[-3000:]
@@ -336,9 +331,7 @@ def test_sigterm_before_the_loop_exits_75_with_an_event(tmp_path, tiny_model_dir
     config = write_config(tmp_path / "c.yaml", _cfg(tiny_model_dir, out))
     job = subprocess.Popen([sys.executable, "-m", "finetune", "train", "--config", str(config)], cwd=REPO,
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    while not (out / "finetune_config.yaml").exists():  # the run has started its set-up
-        assert job.poll() is None, job.communicate()[1][-2000:]
-        time.sleep(0.01)
+    wait_for((out / "finetune_config.yaml").exists, job, "the run's set-up", every=0.01)  # the config is written as set-up starts
     job.send_signal(signal.SIGTERM)
     _, stderr = job.communicate(timeout=120)
     assert job.returncode == 75, stderr[-2000:]

@@ -143,3 +143,23 @@ def test_an_adapter_loads_from_anywhere(tmp_path, tiny_model_dir):
         os.chdir(elsewhere)
     with torch.no_grad():
         assert model(input_ids=torch.tensor([[1, 2, 3]])).logits.shape[-1] == model.config.vocab_size
+
+
+def test_a_run_in_a_program_gives_its_signal_handlers_back(tmp_path, tiny_model_dir):
+    """train.run listens for SIGTERM/SIGUSR1 (preemption) while it runs; a program that calls it has its own handlers
+    back afterwards."""
+    import signal
+
+    from finetune.config import validate_config
+    from finetune.train import run
+
+    def mine(signum, frame):
+        pass
+
+    before = {sig: signal.signal(sig, mine) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+    try:
+        run(validate_config(base_config(tiny_model_dir, tmp_path / "out", data={"eval": None}, train={"max_steps": 1}), "test"))
+        assert all(signal.getsignal(sig) is mine for sig in before)
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)

@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO, base_config, free_port, write_config
+from conftest import REPO, base_config, free_port, wait_for, write_config
 
 ENV = {**os.environ, "PYTHON": sys.executable}
 
@@ -77,15 +77,12 @@ def test_a_preempted_job_ends_with_75_through_the_launch_script(tmp_path, tiny_m
     """torchrun itself exits 1 when its workers stop with 75; the script exits with the run's own code,
     which is what a scheduler requeues on."""
     import signal
-    import time
 
     cfg = base_config(tiny_model_dir, tmp_path / "out", train={"max_steps": 2000, "micro_batch_size": 2})
     cmd = ["bash", "launch/single_node.sh", "--nproc", "2", "--", "--config", str(write_config(tmp_path / "c.yaml", cfg))]
     job = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
     metrics = tmp_path / "out" / "metrics.jsonl"
-    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 5):
-        assert job.poll() is None, job.communicate()[1][-2000:]
-        time.sleep(0.1)
+    wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 5, job, "5 logged steps")
     job.send_signal(signal.SIGTERM)
     _, stderr = job.communicate(timeout=120)
     assert job.returncode == 75, stderr[-3000:]
