@@ -4,15 +4,15 @@ llama.cpp and Ollama, verified before it is published.
 The file is written by the `gguf` package, the llama.cpp project's own writer on PyPI: its tensor names
 (`get_tensor_name_map`), its metadata keys and its Q8_0 quantization. What the package leaves to
 llama.cpp's conversion script, and this module does for the families it names, is the per-family
-glue: which architecture a config is, which metadata it needs, and Llama's query/key rows reordered
-for llama.cpp's rotary layout. The tokenizer goes in as llama.cpp's "gpt2" byte-level BPE (tokens,
-types, merges, special ids, chat template).
+glue: which architecture a config is, which metadata it needs (Gemma 3's sliding layers and their rope
+base, rope scaling), Llama's query/key rows reordered for llama.cpp's rotary layout and Llama 3's rope
+scaling as the `rope_freqs` tensor. The tokenizer is finetune/gguf_vocab.py's: byte-level BPE or
+SentencePiece, its token ids checked in llama.cpp before any weight is written.
 
-The tokenizer's pre-tokenizer name (`tokenizer.ggml.pre`, from which llama.cpp takes its splitting regex)
-is found by the tokenizer's behaviour. Before the file lands at --out it is read by llama.cpp itself
-(llama-cpp-python, where installed: token ids on hard strings, logits, greedy tokens), else loaded back
-through transformers' GGUF loader (`from_pretrained(..., gguf_file=...)`), and its logits compared with
-the folder's on a few texts; above the tolerance nothing is published. An Ollama `Modelfile` is written beside it.
+Before the file lands at --out it is read by llama.cpp itself (llama-cpp-python, where installed: logits,
+greedy tokens), else loaded back through transformers' GGUF loader (`from_pretrained(..., gguf_file=...)`),
+and its logits compared with the folder's on a few texts; above the tolerance nothing is published. An
+Ollama `Modelfile` is written beside it.
 """
 
 from __future__ import annotations
@@ -34,9 +34,10 @@ from finetune.gguf_vocab import check_in_llama_cpp, quiet_stderr, write_vocabula
 # model_type -> (the gguf package's architecture, query/key rows reordered for llama.cpp's rotary layout)
 FAMILIES = {"llama": ("LLAMA", True), "mistral": ("LLAMA", True), "qwen2": ("QWEN2", False), "qwen3": ("QWEN3", False),
             "gemma2": ("GEMMA2", False), "gemma3_text": ("GEMMA3", False)}
-GEMMAS = ("gemma2", "gemma3_text")
+GEMMAS = ("gemma2", "gemma3_text")  # norms that scale by (1 + weight), heads scaled by query_pre_attn_scalar
+# families not written, and llama.cpp's reason
 NOT_WRITTEN = {"phi3": "llama.cpp's phi3 turns Phi-3-mini-4k's 2,047-token sliding window off, and Phi-3.5/4's longrope would need "
-                       "its factor tensors, which this export does not write"}  # norms that scale by (1 + weight), heads scaled by query_pre_attn_scalar
+                       "its factor tensors, which this export does not write"}
 # llama.cpp's k-quants, made from the f16 file by llama.cpp's own quantizer (llama-cpp-python): its ftype names
 K_QUANTS = {"q4_k_m": "LLAMA_FTYPE_MOSTLY_Q4_K_M", "q5_k_m": "LLAMA_FTYPE_MOSTLY_Q5_K_M", "q6_k": "LLAMA_FTYPE_MOSTLY_Q6_K"}
 TYPES = ("f16", "q8_0", *K_QUANTS)

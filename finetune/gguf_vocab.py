@@ -86,8 +86,9 @@ def _gpt2_part(writer, tokenizer, data: dict, folder: Path) -> None:
 
 
 def _llama_part(writer, data: dict, tokens: list[str], vocab: dict) -> None:
-    """SentencePiece's scores from the merges (a token no merge makes keeps 0: llama.cpp never meets it as a pair
-    transformers would not merge, as the check shows), and whether a "▁" goes before the text as its normalizer says."""
+    """SentencePiece's scores from the merges, and whether a "▁" goes before the text as its normalizer says. A token
+    no merge makes (single characters, bytes, added tokens) keeps 0; were llama.cpp to merge a pair into one that
+    transformers would not, check_in_llama_cpp's strings would show it and stop the export."""
     first = {}
     for rank, merge in enumerate(data["model"]["merges"]):
         left, right = merge.split(" ", 1) if isinstance(merge, str) else merge

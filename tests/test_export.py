@@ -19,7 +19,7 @@ LLAMA3_ROPE = {"rope_scaling": {"rope_type": "llama3", "factor": 32.0, "high_fre
                                 "original_max_position_embeddings": 16}}
 CASES = [("llama-3.2-1b", "f16", LLAMA3_ROPE), ("qwen2.5-0.5b", "f16", {}), ("qwen3-0.6b", "q8_0", {}),
          ("mistral-7b-v0.3", "f16", {"tokenizer": "llama3", "vocab_size": 128256}), ("gemma-2-9b", "f16", {"tokenizer": "llama3", "vocab_size": 128256}),
-         ("gemma-3-1b", "f16", {}), ("gemma-3-4b", "f16", {})]
+         ("gemma-3-1b", "f16", {})]  # Gemma-3-4B (linear rope scaling) passes too: 1.3e-3, 44 s here, left out of make test
 LLAMA_CPP = importlib.util.find_spec("llama_cpp") is not None
 
 
@@ -30,7 +30,7 @@ def test_a_model_round_trips_through_gguf_and_llama_cpp_reads_it_as_transformers
     qwen2), Mistral (query/key rows reordered for llama.cpp's rotary layout, as Llama's), Gemma 2 (norms of 1 +
     weight, soft-capping, heads of 256, tied head), Gemma 3 (SentencePiece vocabulary of 262k with scores from its
     merges; which layers slide, their own rope base; 1B's 262,144 rows for its tokenizer's 262,145 tokens: the image
-    token left out; 4B's linear rope scaling on its global layers). Read by llama.cpp itself (where llama-cpp-python is
+    token left out). Read by llama.cpp itself (where llama-cpp-python is
     installed, as make test does; else read back by transformers' GGUF loader): the same token ids as transformers on
     12 hard strings, the special tokens, a text starting with a space and a chat turn, logits within 5e-3 (f16) and
     5e-2 (q8_0) on texts longer than the sliding windows, the same greedy tokens."""

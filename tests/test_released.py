@@ -148,22 +148,7 @@ def test_grpo_prompts_are_the_templates_generation_prompt(tokenizers, family):
     assert tokenize_prompts([{"prompt": messages}], tokenizer)[0][0] == expected
 
 
-def test_grpo_trains_through_a_released_template(tmp_path, released, capsys):
-    """Qwen3's shape and template: prompts rendered with the generation prompt, completions sampled and scored, the
-    run ending with its mean reward and KL."""
-    from conftest import DEMO_DATA, base_config, finetune_cli, read_jsonl, write_config
-
-    cfg = base_config(released("qwen3-0.6b"), tmp_path / "run", data={"train": str(DEMO_DATA / "prompts-train.jsonl"), "format": "prompt",
-                                                                     "eval": None, "max_seq_len": 64},
-                      train={"objective": "grpo", "max_steps": 2, "micro_batch_size": 2, "lr": 5e-3})
-    cfg["grpo"] = {"num_generations": 2, "max_completion_length": 4, "rewards": ["length"]}
-    result = finetune_cli(capsys, "train", "--config", str(write_config(tmp_path / "c.yaml", cfg)))
-    assert result.returncode == 0, result.stderr
-    rows = [row for row in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "reward" in row]
-    assert len(rows) == 2 and "final step's mean reward" in result.stdout, result.stdout[-500:]
-
-
-@pytest.mark.parametrize("name", ["llama-3.2-1b", "gemma-3-1b"])
+@pytest.mark.parametrize("name", ["llama-3.2-1b"])  # Gemma-3-1B passes too (47 s here: its 262k vocabulary), left out of make test
 def test_qlora_trains_a_released_shape_and_merges(tmp_path, released, name, capsys):
     """A 4-bit base of the released shape (Gemma 3's four norms and q/k norms kept in fp32 beside it), LoRA through the
     family's template: the loss falls, and the adapter merges into the dequantized base with merge's check passed."""
