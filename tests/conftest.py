@@ -559,3 +559,30 @@ def wait_for(done, job, what: str, seconds: float = 300, every: float = 0.05) ->
         assert job.poll() is None, f"the job ended before {what}: " + job.communicate()[1][-2000:]
         assert time.monotonic() < deadline, f"no {what} within {seconds:g} s"
         time.sleep(every)
+
+
+def documented_varlen(with_gqa: bool):
+    """torch.nn.attention.varlen.varlen_attn's documented contract, computed by sdpa per segment: its
+    kernel runs on CUDA only (tests/test_gpu.py holds this stand-in to the real one). Checks what the caller must meet."""
+    import torch
+    import torch.nn.functional as F
+
+    def varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1), **kw):
+        assert set(kw) <= ({"enable_gqa"} if with_gqa else set()) and cu_q.dtype == torch.int32 and cu_q is cu_k
+        assert q.shape[1] == k.shape[1] or kw.get("enable_gqa"), "torch 2.11 needs as many key/value heads as query heads"
+        edges = cu_q.tolist()
+        assert edges[0] == 0 and edges[-1] == q.shape[0] and max_q == max_k == max(e - s for s, e in zip(edges, edges[1:]))
+        left, right = window_size
+        outs = []
+        for s, e in zip(edges, edges[1:]):
+            i, j = torch.arange(e - s, device=q.device)[:, None], torch.arange(e - s, device=q.device)[None]
+            allowed = torch.ones(e - s, e - s, dtype=torch.bool, device=q.device)
+            if right >= 0:
+                allowed &= j <= i + right
+            if left >= 0:
+                allowed &= j >= i - left
+            outs.append(F.scaled_dot_product_attention(*(x[s:e].transpose(0, 1) for x in (q, k, v)), attn_mask=allowed, scale=scale,
+                                                       enable_gqa=q.shape[1] != k.shape[1]).transpose(0, 1))
+        return torch.cat(outs)
+
+    return varlen_attn

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import gpu_branch_on_cpu, loss_and_grads, packed_batch
+from conftest import documented_varlen, gpu_branch_on_cpu, loss_and_grads, packed_batch
 from transformers import AutoModelForCausalLM
 
 from finetune import attention, loss
@@ -183,37 +183,12 @@ def test_grouped_query_gradients_add_up_in_the_inputs_dtype():
         assert torch.equal(got, want), (got - want).abs().max()
 
 
-def _documented_varlen(with_gqa: bool):
-    """torch.nn.attention.varlen.varlen_attn's documented contract, computed by sdpa per segment: its
-    kernel runs on CUDA only (tests/test_gpu.py runs the real one). Checks what the caller must meet."""
-
-    def varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1), **kw):
-        assert set(kw) <= ({"enable_gqa"} if with_gqa else set()) and cu_q.dtype == torch.int32 and cu_q is cu_k
-        assert q.shape[1] == k.shape[1] or kw.get("enable_gqa"), "torch 2.11 needs as many key/value heads as query heads"
-        edges = cu_q.tolist()
-        assert edges[0] == 0 and edges[-1] == q.shape[0] and max_q == max_k == max(e - s for s, e in zip(edges, edges[1:]))
-        left, right = window_size
-        outs = []
-        for s, e in zip(edges, edges[1:]):
-            i, j = torch.arange(e - s)[:, None], torch.arange(e - s)[None]
-            allowed = torch.ones(e - s, e - s, dtype=torch.bool)
-            if right >= 0:
-                allowed &= j <= i + right
-            if left >= 0:
-                allowed &= j >= i - left
-            outs.append(F.scaled_dot_product_attention(*(x[s:e].transpose(0, 1) for x in (q, k, v)), attn_mask=allowed, scale=scale,
-                                                       enable_gqa=q.shape[1] != k.shape[1]).transpose(0, 1))
-        return torch.cat(outs)
-
-    return varlen_attn
-
-
 @pytest.mark.parametrize("with_gqa", [True, False], ids=["enable_gqa", "torch-2.11"])
 @pytest.mark.parametrize("window", [None, 3])
 def test_varlen_layout_equals_attention_per_sample(monkeypatch, with_gqa, window):
     """CUDA's one call per layer hands torch's varlen kernel the right tokens, cuts, windows and heads,
     and puts the output back where each sample was: equal to sdpa run on each sample alone."""
-    monkeypatch.setattr(attention, "_varlen", lambda: _documented_varlen(with_gqa))
+    monkeypatch.setattr(attention, "_varlen", lambda: documented_varlen(with_gqa))
     torch.manual_seed(0)
     position_ids = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 0, 1, 2, 3], [0, 1, 2, 3, 4, 5, 6, 0, 1, 0, 0, 0]])
     bounds = sample_bounds(position_ids)
@@ -235,7 +210,7 @@ def test_a_training_batch_from_the_host_gives_the_loss_of_eager_attention(tiny_m
     if branch != "cpu":
         gpu_branch_on_cpu(monkeypatch)
         # varlen computes in bf16/fp16 only: an fp32 run takes the sdpa-mask branch.
-        monkeypatch.setattr(attention, "_varlen", (lambda: _documented_varlen(True)) if branch == "gpu-varlen" else (lambda: None))
+        monkeypatch.setattr(attention, "_varlen", (lambda: documented_varlen(True)) if branch == "gpu-varlen" else (lambda: None))
         monkeypatch.setattr(attention, "_varlen_dtype", lambda query, dropout: torch.float32 if attention._varlen() else None)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation=register()).train()
     got = loss_and_grads(model, loss.to_device(batch, "cpu"))

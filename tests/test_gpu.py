@@ -22,6 +22,7 @@ from conftest import (
     MOE,
     REPO,
     base_config,
+    documented_varlen,
     free_port,
     loss_and_grads,
     packed_batch,
@@ -155,6 +156,32 @@ def _attention_path(monkeypatch, path: str) -> None:
         monkeypatch.setattr(attention, "_varlen", lambda: None)
     elif attention._varlen() is None:
         pytest.skip(f"torch {torch.__version__} has no varlen_attn(window_size=...)")
+
+
+@pytest.mark.parametrize("kv_heads", [2, 8], ids=["gqa", "mha"])
+@pytest.mark.parametrize("window", [None, 3])
+def test_the_cpu_stand_in_for_varlen_is_the_real_kernel(kv_heads, window):
+    """tests/test_fast_paths.py checks the varlen layout on CPU against a stand-in written from
+    varlen_attn's documented contract; here the real flash kernel and that stand-in get the same
+    inputs (GQA, a window, five samples of 1-9 tokens across two rows) and must agree."""
+    from finetune import attention
+    from finetune.attention import sample_bounds
+
+    if attention._varlen() is None:
+        pytest.skip(f"torch {torch.__version__} has no varlen_attn(window_size=...)")
+    torch.manual_seed(0)
+    position_ids = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7, 8, 0, 1, 2], [0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 0, 0]])
+    bounds = sample_bounds(position_ids)
+    query, key, value = (torch.randn(2, heads, 12, 64, device="cuda", dtype=torch.bfloat16) for heads in (8, kv_heads, kv_heads))
+    real = attention.varlen_attention(query, key, value, bounds, 0.125, torch.bfloat16, window)
+    original, attention._varlen = attention._varlen, lambda: documented_varlen(True)
+    try:
+        want = attention.varlen_attention(query.float(), key.float(), value.float(), bounds, 0.125, torch.float32, window)
+    finally:
+        attention._varlen = original
+    worst = (real.float() - want).abs().max().item()
+    print(f"varlen kernel vs its CPU stand-in ({kv_heads} kv heads, window {window}): {worst:.1e}")
+    assert worst < 2e-2  # bf16 output: ~3 significant digits of values near 1; a wrong cut or window is O(1)
 
 
 @pytest.mark.parametrize("path", ["varlen", "sdpa-mask"])
