@@ -147,7 +147,16 @@ def tile_mlps(model, shards: int) -> int:
         raise UserError(f"model.tiled_mlp: tiles dense MLPs only; this model's feed-forward layers are {', '.join(experts) or 'not named mlp'}; set it to 1")
     for _, mlp in mlps:
         def forward(self, x, _original=type(mlp).forward):
-            return TiledMLP.apply(_original, self, x, shards, [p for p in self.parameters() if p.requires_grad])
+            device = x.device.type
+            dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+
+            def chunk(module, part):
+                # The backward recomputes each chunk outside the forward's autocast (autograd runs a
+                # Function's backward without it): re-enter it, or a bf16 chunk meets fp32 LoRA weights.
+                with torch.autocast(device, dtype=dtype, enabled=dtype is not None):
+                    return _original(module, part)
+
+            return TiledMLP.apply(chunk, self, x, shards, [p for p in self.parameters() if p.requires_grad])
 
         mlp.forward = types.MethodType(forward, mlp)
     return len(mlps)

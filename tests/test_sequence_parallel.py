@@ -191,6 +191,41 @@ def test_a_tiled_mlp_gives_the_untiled_loss_and_gradients(family_dirs, family, m
         assert (got[name] - grad).norm() <= 1e-5 * grad.norm(), name
 
 
+def test_a_tiled_mlp_recomputes_under_the_forwards_autocast(family_dirs):
+    """bf16 weights and fp32 LoRA under bf16 autocast with peft's input casts off, as bf16 training runs
+    them: the backward's recomputed chunks run under autocast as the forward did (outside it, the first
+    chunk's bf16 input met an fp32 LoRA weight and raised; seen on an H200), and the loss and gradients
+    are the untiled ones."""
+    import torch
+    from conftest import samples_batch, textbook_samples, trained_grads
+
+    from finetune import loss, sequence_parallel
+    from finetune.config import AdapterConfig, ModelConfig
+    from finetune.model import adapter_input_casting_off, apply_adapter, load_model
+
+    results, folder = [], str(family_dirs("llama3"))
+    for tiled in (1, 3):
+        torch.manual_seed(0)
+        model = apply_adapter(load_model(ModelConfig(name_or_path=folder, dtype="bfloat16"), say=lambda _: None), AdapterConfig(r=4, dropout=0.0),
+                              gradient_checkpointing=True)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0, 0.05, generator=torch.Generator().manual_seed(len(name)))
+        if tiled > 1:
+            sequence_parallel.tile_mlps(model, tiled)
+        model.train()
+        with adapter_input_casting_off(model, "bf16"):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                value = loss.token_loss_sum(model, loss.to_device(samples_batch(textbook_samples(model.config.vocab_size), True), "cpu"))
+            value.backward()
+        results.append((value.item(), trained_grads(model)))
+    (plain, expected), (tiled, got) = results
+    assert tiled == pytest.approx(plain, rel=1e-3)  # bf16 matmuls over chunks of 23 rows instead of 67 may round apart
+    for name, grad in expected.items():
+        assert got[name].dtype == torch.float32 and (got[name] - grad).norm() <= 2e-2 * grad.norm(), name
+
+
 def test_tiling_refuses_experts_and_ddp(tmp_path, tiny_model_dir, family_dirs, monkeypatch):
     from finetune import sequence_parallel
     from finetune.config import ModelConfig
