@@ -36,9 +36,10 @@ class Watchdog:
         self.step: int | None = None
         self.started: float | None = None
         self.poll_s = poll_s
-        self.closed = False
-        if cfg.enabled:
-            threading.Thread(target=self._watch, name="finetune-watchdog", daemon=True).start()
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="finetune-watchdog", daemon=True) if cfg.enabled else None
+        if self._thread is not None:
+            self._thread.start()
 
     def start_step(self, step: int) -> None:
         self.step, self.started = step, time.monotonic()
@@ -50,18 +51,21 @@ class Watchdog:
 
     def close(self) -> None:
         """The run is over, however it ended: stop watching. A run called in process (tests, notebooks) that
-        raised mid-step would otherwise leave a step open, and the thread would end the host process later."""
-        self.closed = True
+        raised mid-step would otherwise leave a step open, and the thread would end the host process later.
+        Waits for the thread to end: until it does, its frame holds `on_hang` and through it the run's state
+        (the model on its GPU included)."""
+        self._closed.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
 
     def limit(self) -> float:
         typical = statistics.median(self.durations) if self.durations else 0.0
         return max(self.cfg.min_seconds, self.cfg.factor * typical)
 
     def _watch(self) -> None:
-        while not self.closed:
-            time.sleep(self.poll_s)
+        while not self._closed.wait(self.poll_s):
             started = self.started
-            if started is None or self.closed:
+            if started is None:
                 continue
             elapsed, limit = time.monotonic() - started, self.limit()
             if elapsed > limit:

@@ -23,6 +23,7 @@ if __name__ == "__main__" and not __package__:
 import contextlib
 import dataclasses
 import functools
+import gc
 import importlib.util
 import json
 import math
@@ -173,6 +174,12 @@ def run(cfg: RunConfig) -> RunResult:
         release_preemption()
         if lock is not None:
             release_output_dir(lock)
+        # The run's model and optimizer sit in reference cycles (accelerate's and peft's hooks): freed now,
+        # not at the interpreter's next full collection, so a process that trains again (a sweep, a
+        # notebook, the GPU tests) starts with the last run's weights off its GPU (docs/platform-notes.md).
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
 
 def claim_output_dir(out: Path):
