@@ -160,11 +160,14 @@ def peak_gpu() -> int | None:
     return torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
 
 
-def reset_peak_rss() -> None:
-    """Start measuring the peaks afresh (excludes loading transients, such as quantizing a checkpoint)."""
+def reset_peak_rss() -> bool:
+    """Start measuring the peaks afresh (excludes loading transients, such as quantizing a checkpoint).
+    False where the kernel would not reset the RSS peak (not Linux, or /proc/self/clear_refs refused):
+    peak_rss() then counts from the process's start, loading included."""
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     try:
         Path("/proc/self/clear_refs").write_text("5")
     except OSError:
-        pass
+        return False
+    return True

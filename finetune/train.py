@@ -224,6 +224,7 @@ class RunState:
     router_coef: float = 0.0
     rss_before_model: int = 0
     anonymous_before_model: int = 0
+    peak_rss_since: str = ""  # when peak_rss_mib counts from: the kernel may refuse to reset the peak
     before: dict | None = None  # exact match on eval prompts before training
     background: bool = False  # checkpoints written in the background
     log: RunLog | None = None
@@ -269,7 +270,7 @@ def setup(cfg: RunConfig) -> RunState:
     stop_if_preempted(signalled, preemption.name, run.out, run.main, "before the first step")
     tokens = cfg.train.micro_batch_size * cfg.data.max_seq_len / cfg.distributed.sequence_parallel  # a process's share of a micro-batch
     runtime.keep_freed_memory(gathers=run.engine.gathers, quantized=cfg.model.quantization is not None, long_rows=tokens >= LONG_ROWS)
-    runtime.reset_peak_rss()
+    run.peak_rss_since = "the first step" if runtime.reset_peak_rss() else "the process's start"
     return run
 
 
@@ -708,7 +709,7 @@ def summarize(run: RunState) -> dict:
     gpu = runtime.peak_gpu()
     summary.update(world_size=run.accelerator.num_processes, rss_before_model_mib=run.rss_before_model / 2**20,
                    anonymous_before_model_mib=run.anonymous_before_model / 2**20,
-                   peak_rss_mib=runtime.peak_rss() / 2**20, peak_gpu_mib=gpu / 2**20 if gpu is not None else None,
+                   peak_rss_mib=runtime.peak_rss() / 2**20, peak_rss_since=run.peak_rss_since, peak_gpu_mib=gpu / 2**20 if gpu is not None else None,
                    backend=torch.distributed.get_backend() if torch.distributed.is_initialized() else None, strategy=engine.name,
                    model_loaded_from=run.model_cfg.name_or_path, base_model=run.base)  # base_model: what the adapter needs
     return summary

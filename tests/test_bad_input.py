@@ -145,7 +145,6 @@ def _cases():
         "set either data.eval or data.eval_fraction")
     add("data-format-bogus", lambda k: k.train(data={"format": "sharegpt"}),
         "data.format: Input should be 'completion', 'alpaca', 'chat', 'preference', 'prompt' or 'unpaired'")
-    add("data-max-seq-len-zero", lambda k: k.train(data={"max_seq_len": 0}), "data.max_seq_len: Input should be greater than or equal to 2")
     add("data-max-seq-len-one", lambda k: k.train(data={"max_seq_len": 1}), "data.max_seq_len: Input should be greater than or equal to 2")
     add("data-max-seq-len-over-model", lambda k: k.train(data={"max_seq_len": 100000}), "data.max_seq_len: 100000 is larger than the model's")
     add("data-bad-rows-bogus", lambda k: k.train(data={"bad_rows": "ignore"}), "data.bad_rows: Input should be 'fail' or 'skip'")

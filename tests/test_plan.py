@@ -88,6 +88,7 @@ def test_plan_matches_measured_peak_memory(tmp_path, mid_model_dir, name, monkey
     result = run_cli("train", "--config", str(write_config(tmp_path / "c.yaml", cfg)))
     assert result.returncode == 0, result.stderr[-2000:]
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["peak_rss_since"] == "the first step"  # else the peak would hold the load's transients
     measured = (summary["peak_rss_mib"] - summary["rss_before_model_mib"]) * 2**20
     planned = make_plan(validate_config(cfg, "test")).total
     print(f"{name}: planned {planned / 2**20:.0f} MiB, measured {measured / 2**20:.0f} MiB")
