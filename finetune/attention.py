@@ -134,9 +134,7 @@ def packed_sdpa_forward(module, query, key, value, attention_mask, dropout: floa
     position_ids = kwargs.get("position_ids")
     whole_row = getattr(position_ids, "sequence_parallel", None)
     if whole_row is not None:  # this process holds a slice of each row: attention over the whole row, through Ulysses
-        from finetune import sequence_parallel
-
-        return sequence_parallel.attention(module, query, key, value, attention_mask, whole_row, dropout=dropout, scaling=scaling, **kwargs)
+        return whole_row.route(packed_sdpa_forward, module, query, key, value, attention_mask, whole_row, dropout=dropout, scaling=scaling, **kwargs)
     placeholder = getattr(attention_mask, "finetune_placeholder", False)
     if not (module.training or _packed) or position_ids is None or query.shape[2] != key.shape[2] or position_ids.dim() != 2:
         if placeholder:

@@ -32,7 +32,19 @@ from pathlib import Path
 
 import torch
 
-from finetune.checkpoint import DEEPSPEED, SHARDED, WEIGHTS, checkpoint_root, complete, host_copy, rng_state, set_rng_state, step_dir, trainable_state
+from finetune.checkpoint import (
+    DEEPSPEED,
+    SHARDED,
+    WEIGHTS,
+    checkpoint_root,
+    complete,
+    find_good,
+    host_copy,
+    rng_state,
+    set_rng_state,
+    step_dir,
+    trainable_state,
+)
 from finetune.config import CONFIG_FILE
 
 TRAINER_STATE = "trainer_state.json"
@@ -375,3 +387,17 @@ def load_trainable(path: Path, model) -> None:
         copy_trainable(weights, model, path)
     else:
         copy_trainable(load_file(path / WEIGHTS), model, path)
+
+
+def last_good(out: Path, best_step: int, evaluate, model) -> dict:
+    """Where the final weights are not the best seen: the newest good checkpoint from before the best
+    level, and (unsharded runs with eval data) its eval loss, the final weights put back after."""
+    path = find_good(out, best_step)
+    result = {"last_good_checkpoint": str(path) if path else None, "last_good_eval_loss": None}
+    if path is None or evaluate is None:
+        return result
+    final = host_copy(trainable_state(model))  # a copy: loading the checkpoint overwrites the parameters
+    load_trainable(path, model)
+    result["last_good_eval_loss"] = evaluate()["eval_loss"]
+    model.load_state_dict(final, strict=False)
+    return result

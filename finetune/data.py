@@ -8,8 +8,10 @@ which is cached next to the tokens so that a second run starts at once.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
+import math
 import os
 import time
 from collections.abc import Iterator
@@ -17,9 +19,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from finetune.config import DataConfig, SourceConfig, data_sources
+from finetune.config import DataConfig, RunConfig, SourceConfig, data_sources
 from finetune.errors import UserError
-from finetune.packing import Split, Unpaired, pack, unpacked
+from finetune.packing import Split, Unpaired, epoch_batches, pack, unpacked
 from finetune.rows import IGNORE, where
 from finetune.tokenized import cache_root, fingerprint, tokenized
 
@@ -241,3 +243,44 @@ def _rows(table, samples: np.ndarray) -> list[dict]:
 
 def _paths(value) -> list[str]:
     return [s if isinstance(s, str) else s.path for s in ([value] if isinstance(value, (str, SourceConfig)) else value)]
+
+
+@dataclass
+class Schedule:
+    steps_per_epoch: int
+    total_steps: int
+
+
+def plan_steps(cfg: RunConfig, num_rows: int, world: int) -> Schedule:
+    t = cfg.train
+    batches_per_rank = len(epoch_batches(num_rows, t.micro_batch_size, t.seed, 0, 0, world))
+    steps_per_epoch = batches_per_rank // t.grad_accum
+    if steps_per_epoch == 0:
+        raise UserError(
+            f"data: {num_rows} rows make {batches_per_rank} micro-batch(es) per process, fewer than "
+            f"train.grad_accum={t.grad_accum}: add data or lower train.micro_batch_size / train.grad_accum"
+        )
+    if t.overfit_batch:
+        return Schedule(steps_per_epoch, t.overfit_batch)
+    total = t.max_steps or math.ceil(t.epochs * steps_per_epoch)
+    return Schedule(steps_per_epoch, total)
+
+
+@functools.lru_cache(maxsize=2)
+def _epoch_batches(num_rows: int, micro_batch_size: int, seed: int, epoch: int, rank: int, world: int) -> list[list[int]]:
+    return epoch_batches(num_rows, micro_batch_size, seed, epoch, rank, world)
+
+
+def batches_at(data: Datasets, cfg: RunConfig, schedule: Schedule, position: int, rank: int, world: int, pad_id: int):
+    """(epoch, micro-batches, real tokens) for the data step `position` on this rank.
+
+    A pure function of the position: a resumed or rolled-back run reads exactly what it should.
+    """
+    t = cfg.train
+    epoch, k = (0, 0) if t.overfit_batch else divmod(position, schedule.steps_per_epoch)
+    batches = _epoch_batches(len(data.train), t.micro_batch_size, t.seed, epoch, rank, world)
+    chunk = batches[k * t.grad_accum : (k + 1) * t.grad_accum]
+    if data.train.records is not None:  # prompts (GRPO): the objective's rollout makes the batches and counts their tokens
+        return epoch, [data.train.prompts(idx) for idx in chunk], 0
+    real = sum(data.train.tokens(idx) for idx in chunk)  # padding excluded
+    return epoch, [data.train.batch(idx, pad_id) for idx in chunk], real

@@ -279,3 +279,28 @@ def local_numel(model: torch.nn.Module, params: list[torch.nn.Parameter]) -> int
     if hasattr(zero_optimizer, "single_partition_of_fp32_groups"):  # ZeRO-1/2
         return sum(t.numel() for t in zero_optimizer.single_partition_of_fp32_groups)
     return sum(p.to_local().numel() if hasattr(p, "to_local") else p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel() for p in params)
+
+
+CHECKSUM_CHUNK = 1 << 18  # elements per slice: the check's memory is a few of these, whatever the model's size
+
+
+def replica_checksum(params: list[torch.nn.Parameter]) -> torch.Tensor:
+    """Sum, absolute sum and position-weighted sum of every trained value, in float64, one slice at a
+    time: equal on two replicas only if their weights are, and O(1) memory (no flat copy of the model)."""
+    total = torch.zeros(3, dtype=torch.float64, device=params[0].device if params else "cpu")
+    offset = 0
+    with torch.no_grad():
+        for p in params:
+            flat = p.detach().reshape(-1)
+            for start in range(0, flat.numel(), CHECKSUM_CHUNK):
+                x = flat[start : start + CHECKSUM_CHUNK].double()
+                where = torch.arange(offset + start, offset + start + x.numel(), dtype=torch.float64, device=x.device)
+                total += torch.stack([x.sum(), x.abs().sum(), (x * where).sum()])
+            offset += flat.numel()
+    return total
+
+
+def replicas_identical(params: list[torch.nn.Parameter], accelerator) -> bool:
+    """True when every rank holds the same trained weights (replicas that drift apart are a silent bug)."""
+    gathered = accelerator.gather(replica_checksum(params).to(accelerator.device)[None]).cpu()
+    return bool((gathered == gathered[0]).all())

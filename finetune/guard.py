@@ -50,6 +50,7 @@ import statistics
 from dataclasses import asdict, dataclass, field
 
 from finetune.config import GuardConfig
+from finetune.errors import EXIT_DIVERGED, Stopped
 
 DRIFT_STEPS = 10  # the level is the median loss of this many steps
 MAD_TO_SIGMA = 1.4826  # a normal distribution's standard deviation per median absolute deviation
@@ -318,3 +319,19 @@ def data_step(step: int, windows: list[list[int]]) -> int:
     31
     """
     return step + sum(count for start, count in windows if step >= start)
+
+
+FIRST_STEPS_CHECKED = 10
+
+
+def check_first_steps(step: int, loss: float) -> None:
+    """A loss of exactly 0 or not finite in the first steps means nothing useful is being trained
+    (peers' sharded QLoRA setups have trained for days at loss 0 with NaN gradient norms): stop before
+    the update is applied and before more of the allocation is spent. Every rank sees the same
+    reduced loss, so all stop together."""
+    if loss == 0.0 or not math.isfinite(loss):
+        raise Stopped(
+            f"step {step + 1}: the training loss is {loss} in the first {FIRST_STEPS_CHECKED} steps, so the model is not learning; "
+            "stopped. Usual causes: a learning rate far too high, fp16 overflow, every label masked, or a quantized base whose "
+            "storage dtype does not match what the sharding strategy flattens", EXIT_DIVERGED
+        )

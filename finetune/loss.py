@@ -42,7 +42,7 @@ def to_device(batch: dict[str, torch.Tensor], device) -> dict[str, torch.Tensor]
     with_bounds(moved["position_ids"], batch["position_ids"])
     if "full_position_ids" in batch:
         whole = with_bounds(moved.pop("full_position_ids"), batch["full_position_ids"])
-        whole.sequence_group = batch["full_position_ids"].sequence_group
+        whole.sequence_group, whole.route = batch["full_position_ids"].sequence_group, batch["full_position_ids"].route
         moved["position_ids"].sequence_parallel = whole
     return moved
 

@@ -178,3 +178,19 @@ def plot_loss_curve(output_dir: Path) -> Path | None:
     fig.savefig(out)
     plt.close(fig)
     return out
+
+
+def summary_line(summary: dict) -> str:
+    final = (f"final step's mean reward {summary['train_reward']:.4f}, KL {summary['train_kl']:.4g}" if "train_reward" in summary
+             else f"final train loss {summary['train_loss']:.4f}")
+    parts = [f"done: {summary['steps']} steps, {final}"]
+    if "eval_loss" in summary:
+        parts.append(f"eval reward {summary['eval_reward']:.4f}" if "eval_reward" in summary else f"eval loss {summary['eval_loss']:.4f}"
+                     + (f" (ppl {summary['eval_ppl']:.2f})" if "eval_ppl" in summary else "")
+                     + (f" (reward accuracy {summary['eval_reward_accuracy']:.1%})" if "eval_reward_accuracy" in summary else ""))
+    parts.append(f"{summary['elapsed_s']:.1f} s")
+    lines = [", ".join(parts)]
+    if summary.get("loss_curve"):
+        lines.append(f"loss curve: {summary['loss_curve']}")
+    lines.append(f"saved to:   {summary['saved_to']}" + (f" (an adapter for {summary['base_model']})" if summary.get("adapter") else ""))
+    return "\n".join(lines)

@@ -221,23 +221,6 @@ def sequence_scores(model, batch: dict[str, torch.Tensor], ends: torch.Tensor) -
     return captured[0].float().flatten()[ends]
 
 
-def objective_for(cfg, locate=None, world: int = 1) -> Objective:
-    """The run config's objective over `world` processes (`locate`: a prompt row's file:line, for GRPO's reward errors)."""
-    train, preference = cfg.train, cfg.preference
-    if train.objective == "grpo":
-        from finetune.grpo import GRPO  # grpo builds on this module
-        from finetune.rewards import load_rewards
-        from finetune.strategy import Strategy
-
-        synced = Strategy.of(cfg.distributed.strategy, world).shards_weights
-        return GRPO(cfg.grpo, load_rewards(cfg.grpo), train.seed, locate=locate, synced=synced)
-    if train.objective == "kto":
-        return KTO(preference)
-    if train.objective == "reward":
-        return RewardModel(preference)
-    return SFT() if train.objective == "sft" else Preference(train.objective, preference)
-
-
 def answers(batch: dict[str, torch.Tensor], pairs: bool = True) -> tuple[torch.Tensor, torch.Tensor, int]:
     """(which positions predict a trained token, the answer each of those belongs to (0, 1, 2, ...), how many answers)."""
     keep = trained_mask(batch["labels"])

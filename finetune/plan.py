@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -17,6 +16,7 @@ from finetune import families
 from finetune.config import DTYPE_BYTES, RunConfig, read_model_config
 from finetune.errors import UserError
 from finetune.families import Linear
+from finetune.runtime import glibc_tuned_by_user
 from finetune.strategy import Strategy
 
 GiB = 2**30
@@ -310,15 +310,6 @@ def dense_temporaries(shape: Shape, cfg: RunConfig, s: Setup) -> float:
 # From this many tokens a micro-batch per process, blocks of 1 MiB and more are mapped and handed back
 # when freed on CPU runs (runtime.keep_freed_memory), as under FSDP/ZeRO-3: no heap row.
 LONG_ROWS = 4096
-# A quantized base's dequantized weights from this size on come from fresh mappings on CPU runs
-# (runtime.keep_freed_memory): freed, they leave no hole in the heap.
-MAPPED_FROM = 64 << 20
-
-
-def glibc_tuned_by_user() -> bool:
-    """glibc's MALLOC_* variables set: finetune leaves the heap to them (runtime.keep_freed_memory)."""
-    return any(key.startswith("MALLOC_") for key in os.environ)
-
 
 def heap_holes(shape: Shape, cfg: RunConfig, s: Setup) -> float:
     """What glibc's heap holds beyond live tensors on a CPU run (runtime.keep_freed_memory; not under

@@ -11,8 +11,16 @@ import torch
 
 from finetune.config import RunConfig
 from finetune.errors import UserError
-from finetune.plan import MAPPED_FROM, glibc_tuned_by_user
 from finetune.strategy import NAMES
+
+# A quantized base's dequantized weights from this size on come from fresh mappings on CPU runs
+# (keep_freed_memory): freed, they leave no hole in the heap.
+MAPPED_FROM = 64 << 20
+
+
+def glibc_tuned_by_user() -> bool:
+    """glibc's MALLOC_* variables set: finetune leaves the heap to them (keep_freed_memory)."""
+    return any(key.startswith("MALLOC_") for key in os.environ)
 
 
 def launcher_strategy(cfg: RunConfig) -> str | None:

@@ -60,7 +60,8 @@ class SequenceParallel:
         cut = slice(self.rank * part, (self.rank + 1) * part)
         keep = following[:, cut] != IGNORE
         full = positions.clone()
-        full.sequence_group = self.group  # to_device hands both to the attention (tensor attributes stay on the host object)
+        # to_device hands these to the attention (tensor attributes stay on the host object)
+        full.sequence_group, full.route = self.group, attention
         return {"input_ids": ids[:, cut], "labels": labels[:, cut], "position_ids": positions[:, cut], "keep": keep,
                 "targets": following[:, cut][keep], "full_position_ids": full}
 
@@ -117,15 +118,14 @@ def check_model(size: int, model, router_coef: float) -> None:
                         "slice of a row; set train.router_aux_loss_coef: 0, or sequence_parallel: 1")
 
 
-def attention(module, query, key, value, attention_mask, full_positions: torch.Tensor, **kwargs):
-    """Attention over the whole row for this process's slice: Ulysses' all-to-alls around finetune's
-    packed attention, which is handed the whole row's position_ids (with their sample bounds)."""
+def attention(inner, module, query, key, value, attention_mask, full_positions: torch.Tensor, **kwargs):
+    """Attention over the whole row for this process's slice: Ulysses' all-to-alls around `inner`
+    (finetune's packed attention, which hands itself over: the attention layer does not import this
+    one), given the whole row's position_ids with their sample bounds."""
     from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
 
-    from finetune.attention import packed_sdpa_forward
-
     def whole_row(module, query, key, value, attention_mask, *args, **kwargs):
-        return packed_sdpa_forward(module, query, key, value, attention_mask, *args, **{**kwargs, "position_ids": full_positions})
+        return inner(module, query, key, value, attention_mask, *args, **{**kwargs, "position_ids": full_positions})
 
     ulysses = UlyssesSPAttentionHF(whole_row, batch_size=query.shape[0], attn_head_count=query.shape[1], attn_head_size=query.shape[-1],
                                    kv_head_count=key.shape[1], num_hidden_layers=1, process_group=full_positions.sequence_group,

@@ -21,9 +21,11 @@ import sys
 import threading
 import time
 from collections import deque
+from pathlib import Path
 
 from finetune.config import WatchdogConfig
-from finetune.errors import EXIT_HUNG, record_exit
+from finetune.errors import EXIT_HUNG, EXIT_PREEMPTED, Stopped, record_exit
+from finetune.metrics import EVENTS_FILE, write_event
 
 PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
@@ -142,3 +144,14 @@ def stop_with_launcher() -> None:
     ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     if os.getppid() == 1:  # the launcher died before the signal was armed
         os.kill(os.getpid(), signal.SIGTERM)
+
+
+def stop_if_preempted(signalled: bool, name: str, out: Path, main: bool, when: str) -> None:
+    """Before the loop there is nothing to save: a preemption signal ends the run at once, with the
+    exit code of a preemption in the loop (so that a requeue starts it again), and says so in events.jsonl."""
+    if not signalled:
+        return
+    message = f"preempted ({name or 'a signal on another rank'}) {when}: nothing to save yet; start the same command to begin"
+    if main:
+        write_event(out / EVENTS_FILE, "preempted", None, message)
+    raise Stopped(message, EXIT_PREEMPTED)

@@ -26,7 +26,6 @@ import functools
 import gc
 import importlib.util
 import json
-import math
 import os
 import sys
 import time
@@ -38,28 +37,28 @@ import torch
 from finetune import checkpoint, families, faults, model_card, preflight, runtime, sequence_parallel
 from finetune.attention import leak, mixer_outside_attention
 from finetune.chat import choose_template
-from finetune.checkpointers import load_trainable
+from finetune.checkpointers import last_good
 from finetune.config import CONFIG_FILE, MUTATED_INITS, SUMMARY_FILE, ModelConfig, RunConfig, looks_local, to_yaml
-from finetune.data import Datasets, load_data, summary_lines
-from finetune.distributed import local_numel
+from finetune.data import Datasets, Schedule, batches_at, load_data, plan_steps, summary_lines
+from finetune.distributed import local_numel, replicas_identical
 from finetune.engines import Replicated, engine_class, engine_for
 from finetune.errors import EXIT_DIVERGED, EXIT_PREEMPTED, Stopped, UserError
 from finetune.evaluate import eval_loss, exact_match
 from finetune.grpo import GRPO
-from finetune.guard import DRIFT_STEPS, Guard, Verdict, data_step
+from finetune.guard import DRIFT_STEPS, FIRST_STEPS_CHECKED, Guard, Verdict, check_first_steps, data_step
 from finetune.locks import hold_output_dir, release_output_dir
 from finetune.loss import to_device
-from finetune.metrics import EVENTS_FILE, RunLog, plot_loss_curve, tracked_config, tracker_kwargs, write_event
+from finetune.metrics import RunLog, plot_loss_curve, summary_line, tracked_config, tracker_kwargs
 from finetune.model import adapter_input_casting_off, apply_adapter, compile_layers, describe, load_tokenizer, loftq_init
-from finetune.objectives import SFT, Objective, objective_for
+from finetune.objective_table import objective_for
+from finetune.objectives import SFT, Objective
 from finetune.optim import current_lr, set_peak_lr, warmup_steps
-from finetune.packing import epoch_batches
 from finetune.plan import LONG_ROWS
 from finetune.resume import Progress, clear_starts, resume
 from finetune.sequence_parallel import SequenceParallel
 from finetune.serving import check_vllm
 from finetune.stage import staged_model
-from finetune.supervise import Watchdog, release_preemption, stop_with_launcher, watch_preemption
+from finetune.supervise import Watchdog, release_preemption, stop_if_preempted, stop_with_launcher, watch_preemption
 
 # A packed sample's logits may move by rounding (bf16 kernels over rows of other lengths), a small
 # share of what the sample before it would move them as context; samples that see each other move them
@@ -72,63 +71,6 @@ INITIAL_ADAPTER = "initial-adapter"  # where such an adapter started, for peft's
 class RunResult:
     summary: dict
     model: torch.nn.Module  # the trained model, unwrapped (PEFT model for adapters)
-
-
-@dataclass
-class Schedule:
-    steps_per_epoch: int
-    total_steps: int
-
-
-def plan_steps(cfg: RunConfig, num_rows: int, world: int) -> Schedule:
-    t = cfg.train
-    batches_per_rank = len(epoch_batches(num_rows, t.micro_batch_size, t.seed, 0, 0, world))
-    steps_per_epoch = batches_per_rank // t.grad_accum
-    if steps_per_epoch == 0:
-        raise UserError(
-            f"data: {num_rows} rows make {batches_per_rank} micro-batch(es) per process, fewer than "
-            f"train.grad_accum={t.grad_accum}: add data or lower train.micro_batch_size / train.grad_accum"
-        )
-    if t.overfit_batch:
-        return Schedule(steps_per_epoch, t.overfit_batch)
-    total = t.max_steps or math.ceil(t.epochs * steps_per_epoch)
-    return Schedule(steps_per_epoch, total)
-
-
-@functools.lru_cache(maxsize=2)
-def _epoch_batches(num_rows: int, micro_batch_size: int, seed: int, epoch: int, rank: int, world: int) -> list[list[int]]:
-    return epoch_batches(num_rows, micro_batch_size, seed, epoch, rank, world)
-
-
-def batches_at(data: Datasets, cfg: RunConfig, schedule: Schedule, position: int, rank: int, world: int, pad_id: int):
-    """(epoch, micro-batches, real tokens) for the data step `position` on this rank.
-
-    A pure function of the position: a resumed or rolled-back run reads exactly what it should.
-    """
-    t = cfg.train
-    epoch, k = (0, 0) if t.overfit_batch else divmod(position, schedule.steps_per_epoch)
-    batches = _epoch_batches(len(data.train), t.micro_batch_size, t.seed, epoch, rank, world)
-    chunk = batches[k * t.grad_accum : (k + 1) * t.grad_accum]
-    if data.train.records is not None:  # prompts (GRPO): the objective's rollout makes the batches and counts their tokens
-        return epoch, [data.train.prompts(idx) for idx in chunk], 0
-    real = sum(data.train.tokens(idx) for idx in chunk)  # padding excluded
-    return epoch, [data.train.batch(idx, pad_id) for idx in chunk], real
-
-
-FIRST_STEPS_CHECKED = 10
-
-
-def check_first_steps(step: int, loss: float) -> None:
-    """A loss of exactly 0 or not finite in the first steps means nothing useful is being trained
-    (peers' sharded QLoRA setups have trained for days at loss 0 with NaN gradient norms): stop before
-    the update is applied and before more of the allocation is spent. Every rank sees the same
-    reduced loss, so all stop together."""
-    if loss == 0.0 or not math.isfinite(loss):
-        raise Stopped(
-            f"step {step + 1}: the training loss is {loss} in the first {FIRST_STEPS_CHECKED} steps, so the model is not learning; "
-            "stopped. Usual causes: a learning rate far too high, fp16 overflow, every label masked, or a quantized base whose "
-            "storage dtype does not match what the sharding strategy flattens", EXIT_DIVERGED
-        )
 
 
 def make_accelerator(cfg: RunConfig):
@@ -660,7 +602,7 @@ def finish(run: RunState) -> RunResult:
         # The folder's README.md is a model card of this run (it replaces the template peft's save wrote).
         (run.out / model_card.CARD).write_text(model_card.run_card(cfg, summary, run.out))
         (run.out / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
-        run.say(_summary_line(summary))
+        run.say(summary_line(summary))
         clear_starts(run.out)  # a finished run ends any restart loop
     worse = ended_worse(run, summary)
     runtime.finish_distributed(accelerator)
@@ -723,69 +665,3 @@ def compare_generations(run: RunState, model) -> dict:
     for b, a in list(zip(before["samples"], after["samples"]))[:3]:
         run.say(f"  prompt {a['prompt']!r}\n    expected {a['expected']!r} | before tuning {b['got']!r} | after tuning {a['got']!r}")
     return {"exact_match_before": before["exact_match"], "exact_match_after": after["exact_match"]}
-
-
-def stop_if_preempted(signalled: bool, name: str, out: Path, main: bool, when: str) -> None:
-    """Before the loop there is nothing to save: a preemption signal ends the run at once, with the
-    exit code of a preemption in the loop (so that a requeue starts it again), and says so in events.jsonl."""
-    if not signalled:
-        return
-    message = f"preempted ({name or 'a signal on another rank'}) {when}: nothing to save yet; start the same command to begin"
-    if main:
-        write_event(out / EVENTS_FILE, "preempted", None, message)
-    raise Stopped(message, EXIT_PREEMPTED)
-
-
-def last_good(out: Path, best_step: int, evaluate, model) -> dict:
-    """Where the final weights are not the best seen: the newest good checkpoint from before the best
-    level, and (unsharded runs with eval data) its eval loss, the final weights put back after."""
-    path = checkpoint.find_good(out, best_step)
-    result = {"last_good_checkpoint": str(path) if path else None, "last_good_eval_loss": None}
-    if path is None or evaluate is None:
-        return result
-    final = checkpoint.host_copy(checkpoint.trainable_state(model))  # a copy: loading the checkpoint overwrites the parameters
-    load_trainable(path, model)
-    result["last_good_eval_loss"] = evaluate()["eval_loss"]
-    model.load_state_dict(final, strict=False)
-    return result
-
-
-CHECKSUM_CHUNK = 1 << 18  # elements per slice: the check's memory is a few of these, whatever the model's size
-
-
-def replica_checksum(params: list[torch.nn.Parameter]) -> torch.Tensor:
-    """Sum, absolute sum and position-weighted sum of every trained value, in float64, one slice at a
-    time: equal on two replicas only if their weights are, and O(1) memory (no flat copy of the model)."""
-    total = torch.zeros(3, dtype=torch.float64, device=params[0].device if params else "cpu")
-    offset = 0
-    with torch.no_grad():
-        for p in params:
-            flat = p.detach().reshape(-1)
-            for start in range(0, flat.numel(), CHECKSUM_CHUNK):
-                x = flat[start : start + CHECKSUM_CHUNK].double()
-                where = torch.arange(offset + start, offset + start + x.numel(), dtype=torch.float64, device=x.device)
-                total += torch.stack([x.sum(), x.abs().sum(), (x * where).sum()])
-            offset += flat.numel()
-    return total
-
-
-def replicas_identical(params: list[torch.nn.Parameter], accelerator) -> bool:
-    """True when every rank holds the same trained weights (replicas that drift apart are a silent bug)."""
-    gathered = accelerator.gather(replica_checksum(params).to(accelerator.device)[None]).cpu()
-    return bool((gathered == gathered[0]).all())
-
-
-def _summary_line(summary: dict) -> str:
-    final = (f"final step's mean reward {summary['train_reward']:.4f}, KL {summary['train_kl']:.4g}" if "train_reward" in summary
-             else f"final train loss {summary['train_loss']:.4f}")
-    parts = [f"done: {summary['steps']} steps, {final}"]
-    if "eval_loss" in summary:
-        parts.append(f"eval reward {summary['eval_reward']:.4f}" if "eval_reward" in summary else f"eval loss {summary['eval_loss']:.4f}"
-                     + (f" (ppl {summary['eval_ppl']:.2f})" if "eval_ppl" in summary else "")
-                     + (f" (reward accuracy {summary['eval_reward_accuracy']:.1%})" if "eval_reward_accuracy" in summary else ""))
-    parts.append(f"{summary['elapsed_s']:.1f} s")
-    lines = [", ".join(parts)]
-    if summary.get("loss_curve"):
-        lines.append(f"loss curve: {summary['loss_curve']}")
-    lines.append(f"saved to:   {summary['saved_to']}" + (f" (an adapter for {summary['base_model']})" if summary.get("adapter") else ""))
-    return "\n".join(lines)

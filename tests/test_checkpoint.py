@@ -110,29 +110,29 @@ def test_after_a_resume_the_next_batches_are_bit_identical(tmp_path, tiny_model_
     around a skipped data window."""
     import torch
 
-    from finetune import train
+    from finetune import data as data_module
     from finetune.config import validate_config
-    from finetune.data import load_data
+    from finetune.data import batches_at, load_data, plan_steps
     from finetune.guard import data_step
     from finetune.model import load_tokenizer
 
     cfg = validate_config(base_config(tiny_model_dir, tmp_path / "out", data={"eval": None}, train={"micro_batch_size": 16, "grad_accum": 2}), "test")
     tok = load_tokenizer(cfg.model)
     data = load_data(cfg.data, tok, cfg.train.seed)
-    schedule = train.plan_steps(cfg, len(data.train), world=1)
+    schedule = plan_steps(cfg, len(data.train), world=1)
     windows = [[5, 3]]
     steps = range(0, 2 * schedule.steps_per_epoch + 2)
 
     def ids(step):
-        _, batches, _ = train.batches_at(data, cfg, schedule, data_step(step, windows), 0, 1, tok.pad_token_id)
+        _, batches, _ = batches_at(data, cfg, schedule, data_step(step, windows), 0, 1, tok.pad_token_id)
         return [b["input_ids"] for b in batches]
 
     uninterrupted = [ids(s) for s in steps]
-    train._epoch_batches.cache_clear()  # a resumed process starts with nothing cached
+    data_module._epoch_batches.cache_clear()  # a resumed process starts with nothing cached
     resumed = [ids(s) for s in steps[7:]]
     assert all(torch.equal(a, b) for x, y in zip(uninterrupted[7:], resumed) for a, b in zip(x, y))
     assert not torch.equal(uninterrupted[4][0], uninterrupted[5][0])
-    assert torch.equal(uninterrupted[5][0], train.batches_at(data, cfg, schedule, 8, 0, 1, tok.pad_token_id)[1][0]["input_ids"])
+    assert torch.equal(uninterrupted[5][0], batches_at(data, cfg, schedule, 8, 0, 1, tok.pad_token_id)[1][0]["input_ids"])
 
 
 def test_a_background_save_writes_the_same_bytes_as_a_synchronous_one(tmp_path, reference):

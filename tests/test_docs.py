@@ -36,3 +36,10 @@ def test_each_measured_figure_names_the_commit_it_was_measured_at():
         assert entry["measured_at"] in (REPO / entry["doc"]).read_text(), entry
         assert subprocess.run(["git", "cat-file", "-e", f"{entry['measured_at']}^{{commit}}"], cwd=REPO).returncode == 0, entry
         assert all((REPO / path).exists() for path in entry["paths"]), entry
+
+
+def test_the_layer_diagram_in_architecture_md_is_the_contracts():
+    sys.path.insert(0, str(REPO / "bench"))
+    from layers import diagram
+
+    assert diagram() in (REPO / "docs" / "architecture.md").read_text(), "docs/architecture.md: paste `python bench/layers.py`"

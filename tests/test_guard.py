@@ -243,7 +243,7 @@ def test_scoring_the_last_good_checkpoint_puts_the_final_weights_back(healthy_ru
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from finetune.train import last_good
+    from finetune.checkpointers import last_good
 
     model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir), str(healthy_run), is_trainable=True)
     final = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}

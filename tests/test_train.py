@@ -163,8 +163,8 @@ def test_a_finished_run_lets_go_of_its_model(tmp_path, tiny_model_dir):
 def test_the_replica_check_sees_one_value_off_by_one_ulp_with_constant_memory():
     """The end-of-run check that DDP replicas hold the same weights: a 256 MB model is checked with a
     few tens of MB of extra memory (a flat float64 copy with its positions: over 1 GB), and the smallest possible drift shows."""
+    from finetune.distributed import replica_checksum
     from finetune.runtime import peak_rss, reset_peak_rss
-    from finetune.train import replica_checksum
 
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(64, 1024, 1024)), torch.nn.Parameter(torch.randn(1000))]

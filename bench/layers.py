@@ -1,0 +1,39 @@
+"""The layers of the package as the import contract in pyproject.toml states them, drawn for
+docs/architecture.md (tests/test_docs.py holds the doc to this output, and `make lint` holds the code
+to the contract, so neither the picture nor the rule can drift from the code).
+
+usage: python bench/layers.py
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import tomllib
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def contract() -> dict:
+    config = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["importlinter"]
+    (layers,) = [c for c in config["contracts"] if c["type"] == "layers"]
+    return layers
+
+
+def diagram() -> str:
+    """One line per layer, highest first: a module imports only from the lines below its own (and, within
+    its line, from the modules beside it)."""
+    layers = contract()["layers"]
+    names = [[name.strip() for name in layer.replace("|", ":").split(":")] for layer in layers]
+    width = max(len(f"`{n}`") for row in names for n in row[:1])
+    lines = ["```", "imports point down: a module may import the layers below its own, never one above", ""]
+    for index, row in enumerate(names):
+        lines.append("  " + "   ".join(row))
+        if index + 1 < len(names):
+            lines.append("  " + "│".ljust(width))
+    lines.append("```")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(diagram())

@@ -1,0 +1,40 @@
+"""The package's layers as a tool holds them: import-linter's contract (pyproject.toml, run by `make
+lint`) passes on the code, refuses an import that points up a layer, and no module imports itself
+back through others (lazy imports inside functions included: grimp reads every import statement)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+
+from conftest import REPO
+
+LINT = [sys.executable, "-c", "import sys; from importlinter.cli import lint_imports_command; sys.exit(lint_imports_command())", "--no-cache"]
+
+
+def _lint(root) -> subprocess.CompletedProcess:
+    return subprocess.run(LINT, cwd=root, capture_output=True, text=True, env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"}, timeout=120)
+
+
+def test_the_layer_contract_holds_and_refuses_an_import_up_a_layer(tmp_path):
+    kept = _lint(REPO)
+    assert kept.returncode == 0 and "1 kept, 0 broken" in kept.stdout, kept.stdout[-2000:] + kept.stderr[-2000:]
+    copy = tmp_path / "repo"
+    shutil.copytree(REPO / "finetune", copy / "finetune", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(REPO / "pyproject.toml", copy / "pyproject.toml")
+    attention = copy / "finetune" / "attention.py"
+    # A function-level import of the recipe from the model layer: the kind a cycle hides behind.
+    attention.write_text(attention.read_text() + "\n\ndef _shortcut():\n    from finetune.train import run\n\n    return run\n")
+    broken = _lint(copy)
+    assert broken.returncode == 1 and "0 kept, 1 broken" in broken.stdout, broken.stdout[-2000:]
+    assert "finetune.attention -> finetune.train" in broken.stdout, broken.stdout[-3000:]
+
+
+def test_no_module_imports_itself_back():
+    import grimp
+
+    graph = grimp.build_graph("finetune")
+    cycles = [(a, b) for a in sorted(graph.modules) for b in sorted(graph.find_modules_directly_imported_by(a))
+              if graph.chain_exists(importer=b, imported=a)]
+    assert not cycles, [graph.find_shortest_chain(importer=b, imported=a) for a, b in cycles]
