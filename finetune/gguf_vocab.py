@@ -64,11 +64,18 @@ def write_vocabulary(writer, tokenizer, folder: Path, embedding_rows: int) -> No
         value = getattr(tokenizer, f"{key}_token_id")
         if value is not None:
             getattr(writer, f"add_{key}_token_id")(value)
-    probe = tokenizer("a").input_ids  # whether encoding adds BOS/EOS, as llama.cpp is to
-    writer.add_add_bos_token(tokenizer.bos_token_id is not None and probe[:1] == [tokenizer.bos_token_id])
-    writer.add_add_eos_token(tokenizer.eos_token_id is not None and probe[-1:] == [tokenizer.eos_token_id])
+    bos, eos = added_ends(tokenizer)
+    writer.add_add_bos_token(bos)
+    writer.add_add_eos_token(eos)
     if tokenizer.chat_template:
         writer.add_chat_template(tokenizer.chat_template)
+
+
+def added_ends(tokenizer) -> tuple[bool, bool]:
+    """Whether encoding a text adds BOS, and EOS, as llama.cpp is told to."""
+    probe = tokenizer("a").input_ids
+    return (tokenizer.bos_token_id is not None and probe[:1] == [tokenizer.bos_token_id],
+            tokenizer.eos_token_id is not None and probe[-1:] == [tokenizer.eos_token_id])
 
 
 def _byte_level(data: dict) -> bool:
@@ -136,7 +143,7 @@ def check_in_llama_cpp(arch: str, write_header, tokenizer, folder: Path, rows: i
 
     specials = "".join(t for t in tokenizer.all_special_tokens if t != tokenizer.pad_token and tokenizer.convert_tokens_to_ids(t) < rows)
     texts = [*HARD_STRINGS, f"special tokens: {specials} and after them", " a text that starts with a space"]
-    adds_bos = tokenizer.bos_token_id is not None and tokenizer("a").input_ids[:1] == [tokenizer.bos_token_id]
+    adds_bos = added_ends(tokenizer)[0]
     cases = [(text, tokenizer(text).input_ids, adds_bos) for text in texts]
     if tokenizer.chat_template:  # as rendered, its special tokens in the text
         turn = tokenizer.apply_chat_template([{"role": "user", "content": "Hi there"}, {"role": "assistant", "content": "Sure."}], tokenize=False)
