@@ -24,15 +24,8 @@ def diagram() -> str:
     """One line per layer, highest first: a module imports only from the lines below its own (and, within
     its line, from the modules beside it)."""
     layers = contract()["layers"]
-    names = [[name.strip() for name in layer.replace("|", ":").split(":")] for layer in layers]
-    width = max(len(f"`{n}`") for row in names for n in row[:1])
-    lines = ["```", "imports point down: a module may import the layers below its own, never one above", ""]
-    for index, row in enumerate(names):
-        lines.append("  " + "   ".join(row))
-        if index + 1 < len(names):
-            lines.append("  " + "│".ljust(width))
-    lines.append("```")
-    return "\n".join(lines)
+    rows = ["  " + "   ".join(name.strip() for name in layer.split(":")) for layer in layers]
+    return "\n".join(["```", "imports point down: a module may import the layers below its own, never one above", "", "\n  │\n".join(rows), "```"])
 
 
 if __name__ == "__main__":
