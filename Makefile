@@ -46,7 +46,7 @@ $(VENV)/.installed: pyproject.toml
 # DeepSpeed compiles its CPU ops on first use, inside a run's launch (55 s on 2 cores): the suite builds
 # them once, before its first ZeRO test (they land in torch's extension cache, which every later run uses).
 $(VENV)/.deepspeed-ops: $(VENV)/.installed
-	$(PY) -c "from finetune.distributed import build_deepspeed_cpu_ops as b; print('DeepSpeed CPU ops built:', ', '.join(b()) or 'none needed')"
+	$(PY) -c "from finetune.parallel.distributed import build_deepspeed_cpu_ops as b; print('DeepSpeed CPU ops built:', ', '.join(b()) or 'none needed')"
 	touch $@
 
 demo/model/config.json: | install

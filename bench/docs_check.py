@@ -16,9 +16,14 @@ FIGURES = REPO / "bench" / "figures.json"
 
 
 def changes_since(commit: str, paths: list[str]) -> list[str]:
-    out = subprocess.run(["git", "log", "--format=%h %ad %s", "--date=short", f"{commit}..HEAD", "--", *paths], cwd=REPO,
-                         capture_output=True, text=True, check=True).stdout
-    return [line[:100] for line in out.splitlines()]
+    """Newest first; a file's commits from before it moved folders count too (--follow, one path at a time)."""
+    seen: dict[str, str] = {}
+    for path in paths:
+        out = subprocess.run(["git", "log", "--follow", "--format=%ct %h %ad %s", "--date=short", f"{commit}..HEAD", "--", path], cwd=REPO,
+                             capture_output=True, text=True, check=True).stdout
+        for line in out.splitlines():
+            seen.setdefault(line.split(" ", 2)[1], line)
+    return [line.split(" ", 1)[1][:100] for line in sorted(seen.values(), reverse=True)]
 
 
 def main() -> None:

@@ -113,7 +113,7 @@ def without_dropout(model):
 
 
 def samples() -> list[tuple[list[int], list[int]]]:
-    from finetune.rows import IGNORE
+    from finetune.data.rows import IGNORE
 
     generator = torch.Generator().manual_seed(1)
     out = []
@@ -124,7 +124,7 @@ def samples() -> list[tuple[list[int], list[int]]]:
 
 
 def batch(data, packed: bool) -> dict[str, torch.Tensor]:
-    from finetune.packing import Row, collate
+    from finetune.data.packing import Row, collate
 
     groups = [data[:3], data[3:]] if packed else [[s] for s in data]
     rows = [Row([t for s in g for t in s[0]], [t for s in g for t in s[1]], [p for s in g for p in range(len(s[0]))]) for g in groups]
@@ -140,8 +140,8 @@ def loss_and_grads(model, fn) -> tuple[float, dict[str, torch.Tensor]]:
 
 def compare(model) -> tuple[float, float]:
     """Largest relative loss and gradient difference of finetune's paths from eager attention on each sample alone."""
-    from finetune import loss
-    from finetune.rows import IGNORE
+    from finetune.data.rows import IGNORE
+    from finetune.objectives import loss
 
     data = samples()
     ours = [loss_and_grads(model, lambda packed=packed: loss.token_loss_sum(model, batch(data, packed))) for packed in (True, False)]
@@ -164,9 +164,9 @@ def compare(model) -> tuple[float, float]:
 
 
 def measure(folder: Path) -> dict:
-    from finetune.attention import leak, mixer_outside_attention
-    from finetune.config import ModelConfig
-    from finetune.model import load_model
+    from finetune.config.schema import ModelConfig
+    from finetune.model.attention import leak, mixer_outside_attention
+    from finetune.model.loading import load_model
     from finetune.train import LEAK_TOLERANCE
 
     said = []

@@ -50,7 +50,7 @@ def trl_args(steps: int, out: Path):
 
 def ours(model: Path, steps: int, out: Path) -> list[float]:
     """finetune's step end times (s)."""
-    from finetune.config import validate_config
+    from finetune.config.schema import validate_config
     from finetune.train import run
 
     run(validate_config(our_config(model, steps, out), "bench"))

@@ -22,8 +22,8 @@ import sys
 from common import REPO, report
 
 sys.path.insert(0, str(REPO))
-from finetune.config import GuardConfig  # noqa: E402
-from finetune.guard import DRIFT_STEPS, Guard, _median_and_spread  # noqa: E402
+from finetune.config.schema import GuardConfig  # noqa: E402
+from finetune.run.guard import DRIFT_STEPS, Guard, _median_and_spread  # noqa: E402
 
 NOISES = (0.02, 0.05, 0.1, 0.2, 0.3)
 

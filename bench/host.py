@@ -178,8 +178,9 @@ def finetune_steps(work: Path, steps: int, counter: Counter, seq: int = 2048) ->
     from accelerate.state import AcceleratorState
 
     import finetune.train as train
-    from finetune import attention, loss
-    from finetune.config import validate_config
+    from finetune.config.schema import validate_config
+    from finetune.model import attention
+    from finetune.objectives import loss
 
     AcceleratorState._reset_state(True)
     cfg = {"model": {"name_or_path": str(work / "model"), "dtype": "bfloat16"},

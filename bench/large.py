@@ -120,8 +120,8 @@ def train(work: Path, name: str, nproc: int, cfg: dict, env: dict | None = None)
 
 def planned(cfg: dict, nproc: int, strategy: str) -> float:
     """finetune plan's total for this config, MiB (per process when sharded)."""
-    from finetune.config import validate_config
-    from finetune.plan import make_plan
+    from finetune.config.schema import validate_config
+    from finetune.outputs.plan import make_plan
 
     return make_plan(validate_config(cfg, "bench"), devices=nproc, strategy=strategy).total / 2**20
 

@@ -20,11 +20,19 @@ def contract() -> dict:
     return layers
 
 
+def _line(layer: str) -> str:
+    """A module, or a folder with the modules in it."""
+    folder = REPO / "finetune" / layer
+    if not folder.is_dir():
+        return f"  {layer}.py"
+    modules = sorted(p.stem for p in folder.glob("*.py") if p.stem != "__init__")
+    return f"  {layer + '/':<13}" + "  ".join(modules)
+
+
 def diagram() -> str:
     """One line per layer, highest first: a module imports only from the lines below its own (and, within
-    its line, from the modules beside it)."""
-    layers = contract()["layers"]
-    rows = ["  " + "   ".join(name.strip() for name in layer.split(":")) for layer in layers]
+    its folder, from the modules beside it)."""
+    rows = [_line(layer) for layer in contract()["layers"]]
     return "\n".join(["```", "imports point down: a module may import the layers below its own, never one above", "", "\n  │\n".join(rows), "```"])
 
 

@@ -50,8 +50,8 @@ if mode == "floor":
     sys.exit()
 import torch
 from transformers import AutoModelForCausalLM, LlamaForCausalLM
-from finetune.config import ModelConfig
-from finetune.model import load_model
+from finetune.config.schema import ModelConfig
+from finetune.model.loading import load_model
 start = time.perf_counter()
 model = load_model(ModelConfig(name_or_path=path, dtype=dtype))
 loaded = time.perf_counter()
@@ -102,7 +102,7 @@ def main() -> None:
     if not (src / "model.safetensors").is_file():
         print(f"building {src} ...", flush=True)
         build_model(src, args.layers, args.hidden, "bfloat16")
-    from finetune import stage
+    from finetune.model import stage
 
     if ROOT.is_dir():
         stage.evict(ROOT, None)

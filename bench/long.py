@@ -67,15 +67,15 @@ def config(model: Path, out: Path, strategy: str, tiled: int, sp: int, seq: int,
 
 
 def plan_for(cfg: dict, nproc: int):
-    from finetune.config import validate_config
-    from finetune.plan import make_plan
+    from finetune.config.schema import validate_config
+    from finetune.outputs.plan import make_plan
 
     checked = validate_config(cfg, "bench")
     return checked, make_plan(checked, devices=nproc, strategy=cfg["distributed"]["strategy"])
 
 
 def longest(model: Path, work: Path, name: str, budget: float) -> int:
-    from finetune.plan import longest_row
+    from finetune.outputs.plan import longest_row
 
     nproc, strategy, tiled, sp = RUNS[name]
     cfg, plan = plan_for(config(model, work / name, strategy, tiled, sp, 1024, 1), nproc)

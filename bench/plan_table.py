@@ -17,8 +17,8 @@ import sys
 from common import REPO, report
 
 sys.path.insert(0, str(REPO))
-from finetune.config import load_config  # noqa: E402
-from finetune.plan import GiB, checked_plan, step_time  # noqa: E402
+from finetune.config.schema import load_config  # noqa: E402
+from finetune.outputs.plan import GiB, checked_plan, step_time  # noqa: E402
 
 # name, preset, model config, overrides, devices, strategy, GPU memory (GiB), peak TFLOP/s, MFU, bandwidth (GB/s), the hardware
 JOBS = [

@@ -87,9 +87,9 @@ def config(model: Path, out: Path, strategy: str, sections: dict, steps: int) ->
 
 LOAD = """
 import json, resource, sys, threading, time
-from finetune.config import ModelConfig, QuantizationConfig
-from finetune.model import load_model
-from finetune import runtime
+from finetune.config.schema import ModelConfig, QuantizationConfig
+from finetune.model.loading import load_model
+from finetune.parallel import runtime
 
 def anonymous():
     return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("RssAnon:"))
@@ -113,8 +113,8 @@ def load_row(model: Path, cfg: dict) -> str:
     """The 4-bit load alone: its peak RSS (the kernel's high-water mark, clean pages of the mapped
     safetensors files included) and its peak anonymous RSS (sampled every 5 ms: what the process holds),
     against the 4-bit model + one shard + 1 GiB."""
-    from finetune.config import validate_config
-    from finetune.plan import make_plan
+    from finetune.config.schema import validate_config
+    from finetune.outputs.plan import make_plan
 
     result = subprocess.run([sys.executable, "-c", LOAD, str(model)], cwd=REPO, capture_output=True, env=ENV, text=True)
     if result.returncode != 0:
@@ -178,7 +178,7 @@ def killed_and_resumed(model: Path, work: Path, steps: int, reference: dict) -> 
 
 def two_process_lora(model: Path, work: Path, steps: int) -> tuple[str | None, dict | None]:
     """bf16 LoRA over 2 processes with the first of fsdp / zero3 the planner fits in this box's RAM."""
-    from finetune.plan import available_memory
+    from finetune.outputs.plan import available_memory
 
     budget = available_memory()[0]
     for strategy in ("fsdp", "zero3"):

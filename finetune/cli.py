@@ -14,9 +14,9 @@ import sys
 import warnings
 from typing import NoReturn
 
-from finetune.config import DEFAULT_RAMDISK, ModelConfig
-from finetune.errors import EXIT_MERGE_CHECK, Stopped, UserError, record_exit
-from finetune.strategy import NAMES as STRATEGIES
+from finetune.config.errors import EXIT_MERGE_CHECK, Stopped, UserError, record_exit
+from finetune.config.schema import DEFAULT_RAMDISK, ModelConfig
+from finetune.config.strategy import NAMES as STRATEGIES
 
 # Flags that are shorthands for schema keys (they are applied as --set overrides, after the file).
 SHORTHANDS = {"output_dir": "train.output_dir", "max_steps": "train.max_steps", "model": "model.name_or_path",
@@ -222,7 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def resolve_config(args: argparse.Namespace, check_paths: bool = True):
-    from finetune.config import load_config
+    from finetune.config.schema import load_config
 
     overrides = list(args.overrides)
     for flag, key in SHORTHANDS.items():
@@ -249,7 +249,7 @@ def quiet_libraries() -> None:
 
 
 def train(args: argparse.Namespace) -> None:
-    from finetune.supervise import watch_preemption
+    from finetune.run.supervise import watch_preemption
 
     watch_preemption()  # before the heavy imports: a SIGTERM during start-up still ends with 75
     from finetune.train import run
@@ -258,8 +258,8 @@ def train(args: argparse.Namespace) -> None:
 
 
 def validate(args: argparse.Namespace) -> None:
-    from finetune import preflight
-    from finetune.config import to_yaml
+    from finetune.config.schema import to_yaml
+    from finetune.run import preflight
 
     cfg = resolve_config(args)
     preflight.check(cfg, warn=lambda line: print(f"warning: {line}", file=sys.stderr))  # what train would refuse, for this machine
@@ -267,9 +267,9 @@ def validate(args: argparse.Namespace) -> None:
 
 
 def data(args: argparse.Namespace) -> None:
-    from finetune.chat import choose_template
-    from finetune.data import load_data, show, summary_lines
-    from finetune.model import load_tokenizer
+    from finetune.data.chat import choose_template
+    from finetune.data.datasets import load_data, show, summary_lines
+    from finetune.model.loading import load_tokenizer
 
     cfg = resolve_config(args)
     tokenizer = load_tokenizer(cfg.model)
@@ -281,7 +281,8 @@ def data(args: argparse.Namespace) -> None:
 
 
 def plan(args: argparse.Namespace) -> None:
-    from finetune import plan, preflight
+    from finetune.outputs import plan
+    from finetune.run import preflight
 
     cfg = resolve_config(args, check_paths=False)  # a plan reads the model's shape alone
     gpu = args.gpu_mem is not None or __import__("torch").cuda.is_available()
@@ -300,7 +301,7 @@ def plan(args: argparse.Namespace) -> None:
 
 
 def stage(args: argparse.Namespace) -> None:
-    from finetune import stage
+    from finetune.model import stage
 
     if args.list:
         rows = stage.listing(args.root)
@@ -319,11 +320,11 @@ def stage(args: argparse.Namespace) -> None:
 
 
 def merge(args: argparse.Namespace) -> None:
-    from finetune.merge import merge
+    from finetune.outputs.merge import merge
 
     if args.check_serving:
-        from finetune.adapters import find_adapter
-        from finetune.serving import check_vllm
+        from finetune.model.adapters import find_adapter
+        from finetune.outputs.serving import check_vllm
 
         serving = check_vllm(find_adapter(args.adapter, args.base).path)
         print(serving.line())
@@ -343,7 +344,7 @@ def merge(args: argparse.Namespace) -> None:
 
 
 def generate(args: argparse.Namespace) -> None:
-    from finetune.generate import answer_file, generate, load, read_prompts
+    from finetune.outputs.generate import answer_file, generate, load, read_prompts
 
     if args.out and not args.prompts:
         raise UserError("--out: goes with --prompts (a --prompt's answer streams to the terminal)")
@@ -359,10 +360,10 @@ def generate(args: argparse.Namespace) -> None:
 
 
 def export(args: argparse.Namespace) -> None:
-    from finetune.export import export
+    from finetune.outputs.export import export
 
     if args.lora:
-        from finetune.export import export_lora
+        from finetune.outputs.export import export_lora
 
         if not args.adapter:
             raise UserError("--lora: writes an adapter alone; give --adapter DIR")
@@ -374,20 +375,20 @@ def export(args: argparse.Namespace) -> None:
 
 
 def score(args: argparse.Namespace) -> None:
-    from finetune.score import score_file
+    from finetune.objectives.score import score_file
 
     count = score_file(args.model, args.data, args.out)
     print(f"scored {count} rows -> {args.out}")
 
 
 def eval_tasks(args: argparse.Namespace) -> None:
-    from finetune.harness import evaluate
+    from finetune.outputs.harness import evaluate
 
     evaluate(args.model, args.adapter, [t.strip() for t in args.tasks.split(",") if t.strip()], args.base, args.limit, args.batch_size, args.out)
 
 
 def configs(args: argparse.Namespace) -> None:
-    from finetune.config import shipped_configs
+    from finetune.config.schema import shipped_configs
 
     for name, about in shipped_configs():
         print(f"{name:<34} {about}")

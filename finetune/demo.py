@@ -14,8 +14,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from finetune.errors import UserError
-from finetune.locks import LOCK_FILE
+from finetune.checkpoint.locks import LOCK_FILE
+from finetune.config.errors import UserError
 
 CORPUS = "demo/data/corpus.jsonl"
 VOCAB_SIZE = 1024
@@ -80,7 +80,7 @@ def build_model(tokenizer):
 
 
 def make_demo_model(out: str, steps: int | None = None, overwrite: bool = False, corpus: str = CORPUS) -> Path:
-    from finetune.config import validate_config
+    from finetune.config.schema import validate_config
     from finetune.train import run
 
     out_dir = Path(out)

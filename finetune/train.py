@@ -34,31 +34,36 @@ from pathlib import Path
 
 import torch
 
-from finetune import checkpoint, families, faults, model_card, preflight, runtime, sequence_parallel
-from finetune.attention import leak, mixer_outside_attention
-from finetune.chat import choose_template
-from finetune.checkpointers import last_good
-from finetune.config import CONFIG_FILE, MUTATED_INITS, SUMMARY_FILE, ModelConfig, RunConfig, looks_local, to_yaml
-from finetune.data import Datasets, Schedule, batches_at, load_data, plan_steps, summary_lines
-from finetune.distributed import local_numel, replicas_identical
-from finetune.engines import Replicated, engine_class, engine_for
-from finetune.errors import EXIT_DIVERGED, EXIT_PREEMPTED, Stopped, UserError
-from finetune.evaluate import eval_loss, exact_match
-from finetune.grpo import GRPO
-from finetune.guard import DRIFT_STEPS, FIRST_STEPS_CHECKED, Guard, Verdict, check_first_steps, data_step
-from finetune.locks import hold_output_dir, release_output_dir
-from finetune.loss import to_device
-from finetune.metrics import RunLog, plot_loss_curve, summary_line, tracked_config, tracker_kwargs
-from finetune.model import adapter_input_casting_off, apply_adapter, compile_layers, describe, load_tokenizer, loftq_init
-from finetune.objective_table import objective_for
-from finetune.objectives import SFT, Objective
-from finetune.optim import current_lr, set_peak_lr, warmup_steps
-from finetune.plan import LONG_ROWS
-from finetune.resume import Progress, clear_starts, resume
-from finetune.sequence_parallel import SequenceParallel
-from finetune.serving import check_vllm
-from finetune.stage import staged_model
-from finetune.supervise import Watchdog, release_preemption, stop_if_preempted, stop_with_launcher, watch_preemption
+from finetune.checkpoint import store
+from finetune.checkpoint.checkpointers import last_good
+from finetune.checkpoint.locks import hold_output_dir, release_output_dir
+from finetune.checkpoint.resume import Progress, clear_starts, resume
+from finetune.config import faults
+from finetune.config.errors import EXIT_DIVERGED, EXIT_PREEMPTED, Stopped, UserError
+from finetune.config.schema import CONFIG_FILE, MUTATED_INITS, SUMMARY_FILE, ModelConfig, RunConfig, looks_local, to_yaml
+from finetune.data.chat import choose_template
+from finetune.data.datasets import Datasets, Schedule, batches_at, load_data, plan_steps, summary_lines
+from finetune.model import families
+from finetune.model.attention import leak, mixer_outside_attention
+from finetune.model.loading import adapter_input_casting_off, apply_adapter, compile_layers, describe, load_tokenizer, loftq_init
+from finetune.model.stage import staged_model
+from finetune.objectives.evaluate import eval_loss, exact_match
+from finetune.objectives.grpo import GRPO
+from finetune.objectives.loss import to_device
+from finetune.objectives.objective import SFT, Objective
+from finetune.objectives.table import objective_for
+from finetune.outputs import model_card
+from finetune.outputs.plan import LONG_ROWS
+from finetune.outputs.serving import check_vllm
+from finetune.parallel import runtime, sequence_parallel
+from finetune.parallel.distributed import local_numel, replicas_identical
+from finetune.parallel.engines import Replicated, engine_class, engine_for
+from finetune.parallel.optim import current_lr, set_peak_lr, warmup_steps
+from finetune.parallel.sequence_parallel import SequenceParallel
+from finetune.run import preflight
+from finetune.run.guard import DRIFT_STEPS, FIRST_STEPS_CHECKED, Guard, Verdict, check_first_steps, data_step
+from finetune.run.metrics import RunLog, plot_loss_curve, summary_line, tracked_config, tracker_kwargs
+from finetune.run.supervise import Watchdog, release_preemption, stop_if_preempted, stop_with_launcher, watch_preemption
 
 # A packed sample's logits may move by rounding (bf16 kernels over rows of other lengths), a small
 # share of what the sample before it would move them as context; samples that see each other move them
@@ -234,7 +239,7 @@ def start_losses(run: RunState) -> list[float]:
     """The losses of the first DRIFT_STEPS steps' batches at the initial weights, each as its step
     will compute it (training mode, dropout included); the RNG is put back afterwards, so the steps
     themselves are the same as without this measurement."""
-    losses, rng = [], checkpoint.rng_state()
+    losses, rng = [], store.rng_state()
     try:
         with torch.no_grad():
             for step in range(DRIFT_STEPS):
@@ -242,7 +247,7 @@ def start_losses(run: RunState) -> list[float]:
                 loss = sum(run.objective.losses(run.engine.model, batch, totals).tokens.float() for batch in micro_batches)
                 losses.append(run.accelerator.reduce(loss, "sum").item() / max(totals[0], 1))
     finally:
-        checkpoint.set_rng_state(rng)
+        store.set_rng_state(rng)
     return losses
 
 
@@ -548,9 +553,9 @@ def roll_back(run: RunState, trouble_step: int, verdict: Verdict) -> Progress:
     to the trouble skipped; or stop with what was seen. Returns the progress to go on from."""
     guard, engine, lr = run.guard, run.engine, run.cfg.train.lr
     engine.checkpointer.wait()
-    target = checkpoint.find_good(run.out, verdict.before_step)  # at or before the trouble (a drift: its lowest level)
+    target = store.find_good(run.out, verdict.before_step)  # at or before the trouble (a drift: its lowest level)
     if verdict.action == "stop" or target is None:
-        if target and checkpoint.step_of(target) == 0:
+        if target and store.step_of(target) == 0:
             where = f"only the start is good ({target}, the adapter as initialised): lower train.lr (e.g. 10x) and start a new run"
         elif target:
             where = (f"the last good checkpoint is {target}. Start again from it by hand with a lower train.lr and/or "
@@ -637,7 +642,7 @@ def summarize(run: RunState) -> dict:
     summary.update(run.guard.report())
     worse = run.guard.worse_than_start(final_eval["eval_loss"] if final_eval else None)
     if worse:
-        start = checkpoint.find_good(run.out, 0)
+        start = store.find_good(run.out, 0)
         summary.update(final_is_best=False, worse_than_start=worse, start_checkpoint=str(start) if start else None)
     elif summary["final_is_best"] is False:
         score = functools.partial(eval_loss, engine.model, run.data.eval, cfg.train.micro_batch_size, run.tokenizer.pad_token_id, run.accelerator,

@@ -109,8 +109,8 @@ def finetune_in_process(*args: str, fault: str | None = None):
 
     from accelerate.state import AcceleratorState
 
-    from finetune import faults
     from finetune.cli import main
+    from finetune.config import faults
 
     out, err, saved = io.StringIO(), io.StringIO(), faults.FAULT
     faults.FAULT = faults.parse(fault)
@@ -257,7 +257,7 @@ def build_bpe_model(out: Path, corpus_rows: list[str], steps: int = 300) -> Path
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from finetune.config import validate_config
+    from finetune.config.schema import validate_config
     from finetune.demo import byte_level_bpe
     from finetune.train import run
 
@@ -383,8 +383,8 @@ def packed_batch(model_dir):
     """Six alpaca rows packed into two rows of a batch (the shorter one padded), prompts masked."""
     from transformers import AutoTokenizer
 
-    from finetune.packing import Row, collate
-    from finetune.rows import IGNORE, tokenize_row
+    from finetune.data.packing import Row, collate
+    from finetune.data.rows import IGNORE, tokenize_row
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     rows = [{"instruction": "What kind of word is this?", "input": w, "output": k}
@@ -398,7 +398,7 @@ def packed_batch(model_dir):
 
 def loss_and_grads(model, batch):
     """finetune's token loss sum over the batch and the trained parameters' gradients."""
-    from finetune import loss
+    from finetune.objectives import loss
 
     model.zero_grad()
     value = loss.token_loss_sum(model, batch)
@@ -410,7 +410,7 @@ def textbook_samples(vocab: int) -> list[tuple[list[int], list[int]]]:
     """Five samples of 9-40 tokens (most longer than the window), prompts masked, first token never trained."""
     import torch
 
-    from finetune.rows import IGNORE
+    from finetune.data.rows import IGNORE
 
     gen = torch.Generator().manual_seed(1)
     out = []
@@ -422,7 +422,7 @@ def textbook_samples(vocab: int) -> list[tuple[list[int], list[int]]]:
 
 def samples_batch(samples, packed: bool) -> dict:
     """The samples as a batch: packed into two rows, or one row each."""
-    from finetune.packing import Row, collate
+    from finetune.data.packing import Row, collate
 
     rows = []
     for group in ([samples[:3], samples[3:]] if packed else [[s] for s in samples]):
@@ -457,7 +457,7 @@ def textbook(model, samples, device: str = "cpu") -> tuple[float, dict]:
     import torch
     import torch.nn.functional as F
 
-    from finetune.rows import IGNORE
+    from finetune.data.rows import IGNORE
 
     model.set_attn_implementation("eager")
     model.zero_grad()
@@ -542,8 +542,9 @@ def run_outputs(out: Path) -> tuple[Path, list[float], dict]:
 
 def gpu_branch_on_cpu(monkeypatch) -> None:
     """The CUDA branch of the packed attention and the fused loss taken on CPU tensors (their kernels as the tests
-    replace them): finetune.attention.accelerator_path answers yes, where it is defined and where the loss uses it."""
-    from finetune import attention, loss
+    replace them): finetune.model.attention.accelerator_path answers yes, where it is defined and where the loss uses it."""
+    from finetune.model import attention
+    from finetune.objectives import loss
 
     monkeypatch.setattr(attention, "accelerator_path", lambda tensor: True)
     monkeypatch.setattr(loss, "accelerator_path", lambda tensor: True)

@@ -350,7 +350,7 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, tiny_model_dir, capsys, buil
     assert all(p.is_relative_to(tmp_path) and p.relative_to(tmp_path).parts[0] in OUTPUTS for p in changed), changed
 
 
-# What train refuses before it loads anything (finetune/preflight.py): validate refuses it alike.
+# What train refuses before it loads anything (finetune/run/preflight.py): validate refuses it alike.
 # Not among them: an output folder under /proc (root passes every access check; only creating it tells).
 PREFLIGHT = {"model-flash-on-cpu", "quant-8bit-dora-cpu", "quant-fp16-cpu", "quant-4bit-odd-width-cpu", "train-fp16-cpu", "train-fp8-cpu",
              "train-optimizer-offload-cpu", "fsdp-cpu-offload-cpu", "logging-tracker-unknown", "train-output-dir-a-file",

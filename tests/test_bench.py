@@ -81,7 +81,7 @@ def test_the_grpo_benchmark_runs_trl_with_our_settings(tmp_path):
     sys.path.insert(0, str(REPO / "bench"))
     from grpo import our_config, trl_args
 
-    from finetune.config import validate_config
+    from finetune.config.schema import validate_config
 
     ours = validate_config(our_config(tmp_path / "model", 12, tmp_path / "out"), "bench")
     theirs = trl_args(12, tmp_path / "trl")

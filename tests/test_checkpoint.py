@@ -110,11 +110,11 @@ def test_after_a_resume_the_next_batches_are_bit_identical(tmp_path, tiny_model_
     around a skipped data window."""
     import torch
 
-    from finetune import data as data_module
-    from finetune.config import validate_config
-    from finetune.data import batches_at, load_data, plan_steps
-    from finetune.guard import data_step
-    from finetune.model import load_tokenizer
+    from finetune.config.schema import validate_config
+    from finetune.data import datasets
+    from finetune.data.datasets import batches_at, load_data, plan_steps
+    from finetune.model.loading import load_tokenizer
+    from finetune.run.guard import data_step
 
     cfg = validate_config(base_config(tiny_model_dir, tmp_path / "out", data={"eval": None}, train={"micro_batch_size": 16, "grad_accum": 2}), "test")
     tok = load_tokenizer(cfg.model)
@@ -128,7 +128,7 @@ def test_after_a_resume_the_next_batches_are_bit_identical(tmp_path, tiny_model_
         return [b["input_ids"] for b in batches]
 
     uninterrupted = [ids(s) for s in steps]
-    data_module._epoch_batches.cache_clear()  # a resumed process starts with nothing cached
+    datasets._epoch_batches.cache_clear()  # a resumed process starts with nothing cached
     resumed = [ids(s) for s in steps[7:]]
     assert all(torch.equal(a, b) for x, y in zip(uninterrupted[7:], resumed) for a, b in zip(x, y))
     assert not torch.equal(uninterrupted[4][0], uninterrupted[5][0])
@@ -172,8 +172,8 @@ def test_a_background_save_holds_the_weights_of_its_step_once_staged(tmp_path):
     from accelerate import Accelerator
     from safetensors.torch import load_file
 
-    from finetune import checkpoint
-    from finetune.checkpointers import Checkpointer
+    from finetune.checkpoint import store
+    from finetune.checkpoint.checkpointers import Checkpointer
 
     model = torch.nn.Linear(4096, 4096)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -190,8 +190,8 @@ def test_a_background_save_holds_the_weights_of_its_step_once_staged(tmp_path):
             p.add_(1.0)
         optimizer.state[model.weight]["momentum_buffer"].add_(1.0)
     checkpointer.wait()
-    assert checkpoint.verify(path) is None
-    saved = load_file(path / checkpoint.WEIGHTS)
+    assert store.verify(path) is None
+    saved = load_file(path / store.WEIGHTS)
     assert all(torch.equal(saved[name], before[name]) for name in before)
     state = torch.load(path / "optimizer.pt", weights_only=True)["state"]
     assert torch.equal(state[0]["momentum_buffer"], momentum)

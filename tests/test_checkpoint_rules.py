@@ -9,8 +9,8 @@ import json
 import pytest
 import torch
 
-from finetune import checkpoint
-from finetune.config import config_changes, validate_config
+from finetune.checkpoint import store
+from finetune.config.schema import config_changes, validate_config
 
 
 def _write(root, step: int, good: bool = True, best: list | None = None, keep_last: int = 100):
@@ -18,71 +18,71 @@ def _write(root, step: int, good: bool = True, best: list | None = None, keep_la
     tmp = root / f".step-{step:06d}.tmp"
     tmp.mkdir(parents=True)
     state = {"step": step, "tokens": 10 * step, "good": good, "guard": {"best": best}}
-    files = {checkpoint.WEIGHTS: {"w": torch.full((3,), float(step))}, "trainer_state.json": json.dumps(state)}
-    return checkpoint.complete(tmp, root, step, files, keep_last)
+    files = {store.WEIGHTS: {"w": torch.full((3,), float(step))}, "trainer_state.json": json.dumps(state)}
+    return store.complete(tmp, root, step, files, keep_last)
 
 
 def test_a_complete_checkpoint_verifies_and_each_kind_of_damage_is_named(tmp_path):
     path = _write(tmp_path, 4)
-    assert checkpoint.verify(path) is None
-    weights = path / checkpoint.WEIGHTS
+    assert store.verify(path) is None
+    weights = path / store.WEIGHTS
     data = bytearray(weights.read_bytes())
     data[-1] ^= 0xFF
     weights.write_bytes(bytes(data))
-    assert checkpoint.verify(path) == f"{checkpoint.WEIGHTS} fails its checksum"
-    assert checkpoint.verify(path, checksums=False) is None  # same size: only the checksum sees it
+    assert store.verify(path) == f"{store.WEIGHTS} fails its checksum"
+    assert store.verify(path, checksums=False) is None  # same size: only the checksum sees it
     weights.write_bytes(bytes(data[:-1]))
-    assert checkpoint.verify(path, checksums=False) == f"{checkpoint.WEIGHTS} has {len(data) - 1} bytes, expected {len(data)}"
+    assert store.verify(path, checksums=False) == f"{store.WEIGHTS} has {len(data) - 1} bytes, expected {len(data)}"
     weights.unlink()
-    assert checkpoint.verify(path) == f"{checkpoint.WEIGHTS} is missing"
-    (path / checkpoint.MANIFEST).write_text("{not json")
-    assert checkpoint.verify(path) == "unreadable manifest"
-    (path / checkpoint.MANIFEST).write_text(json.dumps({"x": {"size": 1}}))
-    assert checkpoint.verify(path) == "manifest entry x lacks its size or checksum"
-    (path / checkpoint.MANIFEST).unlink()
-    assert checkpoint.verify(path) == "no manifest (an interrupted save)"
+    assert store.verify(path) == f"{store.WEIGHTS} is missing"
+    (path / store.MANIFEST).write_text("{not json")
+    assert store.verify(path) == "unreadable manifest"
+    (path / store.MANIFEST).write_text(json.dumps({"x": {"size": 1}}))
+    assert store.verify(path) == "manifest entry x lacks its size or checksum"
+    (path / store.MANIFEST).unlink()
+    assert store.verify(path) == "no manifest (an interrupted save)"
 
 
 def test_only_step_folders_count_and_in_step_order(tmp_path):
     for name in ("step-000010", "step-000002", ".step-000012.tmp", "step-abc", "stepping", "step-1000000"):
         (tmp_path / name).mkdir()
-    assert [p.name for p in checkpoint.step_dirs(tmp_path)] == ["step-000002", "step-000010", "step-1000000"]
-    assert checkpoint.step_of(tmp_path / "step-000010") == 10 and checkpoint.step_of(tmp_path / "step-abc") is None
+    assert [p.name for p in store.step_dirs(tmp_path)] == ["step-000002", "step-000010", "step-1000000"]
+    assert store.step_of(tmp_path / "step-000010") == 10 and store.step_of(tmp_path / "step-abc") is None
 
 
 def test_the_newest_complete_checkpoint_is_found_and_damaged_newer_ones_are_reported(tmp_path):
-    root = checkpoint.checkpoint_root(tmp_path)
+    root = store.checkpoint_root(tmp_path)
     _write(root, 2)
     newest = _write(root, 4)
     (root / ".step-000006.tmp").mkdir()  # a save killed midway
     (newest / "trainer_state.json").write_text("{}")  # shorter than its manifest says
-    found = checkpoint.find_latest(tmp_path)
+    found = store.find_latest(tmp_path)
     assert found.path == root / "step-000002"
     assert found.skipped == [f"checkpoint {newest} skipped: trainer_state.json has 2 bytes, expected "
-                             f"{json.loads((newest / checkpoint.MANIFEST).read_text())['trainer_state.json']['size']}"]
+                             f"{json.loads((newest / store.MANIFEST).read_text())['trainer_state.json']['size']}"]
 
 
 def test_a_rollback_goes_to_the_newest_good_checkpoint_at_or_before_the_trouble(tmp_path):
-    root = checkpoint.checkpoint_root(tmp_path)
+    root = store.checkpoint_root(tmp_path)
     for step, good in ((2, True), (4, True), (6, False), (8, True)):
         _write(root, step, good)
-    assert checkpoint.find_good(tmp_path, 7) == root / "step-000004"  # 6 was saved in an anomalous window
-    assert checkpoint.find_good(tmp_path, 8) == root / "step-000008"
-    assert checkpoint.find_good(tmp_path, 1) is None
+    assert store.find_good(tmp_path, 7) == root / "step-000004"  # 6 was saved in an anomalous window
+    assert store.find_good(tmp_path, 8) == root / "step-000008"
+    assert store.find_good(tmp_path, 1) is None
 
 
 def test_retention_keeps_the_last_k_the_newest_good_and_the_good_one_before_the_best_loss(tmp_path):
-    root = checkpoint.checkpoint_root(tmp_path)
+    root = store.checkpoint_root(tmp_path)
     for step, good in ((1, True), (2, True), (3, True), (4, False), (5, False)):
         _write(root, step, good, best=[2, 1.5], keep_last=2)
-    assert [p.name for p in checkpoint.step_dirs(root)] == ["step-000002", "step-000003", "step-000004", "step-000005"]
+    assert [p.name for p in store.step_dirs(root)] == ["step-000002", "step-000003", "step-000004", "step-000005"]
     # 4, 5: the last two; 3: the newest good one; 2: the newest good one no later than the best loss (step 2)
 
 
 def test_retention_never_deletes_the_only_complete_checkpoint(tmp_path):
-    root = checkpoint.checkpoint_root(tmp_path)
+    root = store.checkpoint_root(tmp_path)
     _write(root, 3, good=False, keep_last=0)
-    assert [p.name for p in checkpoint.step_dirs(root)] == ["step-000003"]
+    assert [p.name for p in store.step_dirs(root)] == ["step-000003"]
 
 
 @pytest.fixture

@@ -13,11 +13,11 @@ import torch
 from conftest import DEMO_DATA, REPO, base_config
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from finetune.config import DataConfig
-from finetune.data import load_data
-from finetune.errors import UserError
-from finetune.packing import Row, collate, epoch_batches, pack
-from finetune.rows import IGNORE, Skipped, checked_rows, tokenize_row
+from finetune.config.errors import UserError
+from finetune.config.schema import DataConfig
+from finetune.data.datasets import load_data
+from finetune.data.packing import Row, collate, epoch_batches, pack
+from finetune.data.rows import IGNORE, Skipped, checked_rows, tokenize_row
 
 
 @pytest.fixture(scope="module")
@@ -337,8 +337,8 @@ def test_unreadable_inputs_fail_with_one_line(tmp_path):
 TOKENIZE = """
 import sys, time
 from transformers import AutoTokenizer
-from finetune.config import DataConfig
-from finetune.data import load_data
+from finetune.config.schema import DataConfig
+from finetune.data.datasets import load_data
 tok = AutoTokenizer.from_pretrained(sys.argv[1])
 data = load_data(DataConfig(train=sys.argv[2], cache_dir=sys.argv[3], max_seq_len=128), tok, seed=0)
 print("HIT" if data.stats["cache_hit"] else "WROTE", data.stats["train"]["tokens"])
@@ -366,8 +366,8 @@ def test_data_command_tokenizes_as_train_does_and_marks_the_trained_tokens(tmp_p
     from conftest import write_config
 
     from finetune.cli import main
-    from finetune.config import validate_config
-    from finetune.model import load_tokenizer
+    from finetune.config.schema import validate_config
+    from finetune.model.loading import load_tokenizer
 
     rows = [{"instruction": "Name the kind of word.", "input": w, "output": k} for w, k in (("rabbit", "noun"), ("small", "adjective"))] * 3
     cfg = base_config(tiny_model_dir, tmp_path / "out", data={"train": _alpaca(tmp_path / "rows.jsonl", rows), "eval": None,

@@ -15,8 +15,8 @@ from conftest import DEMO_DATA, REPO, base_config, read_jsonl
 from safetensors.torch import load_file
 
 from finetune.cli import main
-from finetune.config import SHIPPED_CONFIGS, TrainConfig, load_config, validate_config
-from finetune.errors import UserError
+from finetune.config.errors import UserError
+from finetune.config.schema import SHIPPED_CONFIGS, TrainConfig, load_config, validate_config
 from finetune.train import run
 
 
@@ -56,7 +56,7 @@ def test_finetune_configs_lists_every_shipped_config_with_a_line_on_it(capsys):
 
 
 def _lrs(total=100, **train):
-    from finetune.optim import build_optimizer, build_scheduler
+    from finetune.parallel.optim import build_optimizer, build_scheduler
 
     cfg = TrainConfig(lr=1.0, **train)
     optimizer = build_optimizer([torch.nn.Parameter(torch.zeros(2, 2))], cfg)
@@ -105,7 +105,7 @@ def test_loraplus_steps_the_b_matrices_with_the_larger_learning_rate(tmp_path, t
 
 
 def test_loraplus_ratio_survives_a_new_peak_lr():
-    from finetune.optim import build_optimizer, build_scheduler, set_peak_lr
+    from finetune.parallel.optim import build_optimizer, build_scheduler, set_peak_lr
 
     cfg = TrainConfig(lr=1e-3, loraplus_lr_ratio=8.0, scheduler="constant")
     a, b = torch.nn.Parameter(torch.zeros(2, 2)), torch.nn.Parameter(torch.zeros(2, 2))
@@ -145,7 +145,7 @@ def test_a_run_folder_has_a_model_card_of_the_run(plain_run):
     # a local base is named in the text, not in the header (the Hub rejects a path as base_model); a hub id goes there
     assert card.data.base_model is None and f"of `{summary['base_model']}`" in card.text
     assert card.data.library_name == "peft" and card.data.license is None
-    from finetune.model_card import hub_id
+    from finetune.outputs.model_card import hub_id
 
     assert hub_id("meta-llama/Llama-3.2-1B") == "meta-llama/Llama-3.2-1B" and hub_id(str(out)) is None
     assert card.data.datasets == ["train.jsonl"] and {"finetune", "sft", "lora"} <= set(card.data.tags)
@@ -250,7 +250,7 @@ def test_merge_and_generate_work_from_another_directory(plain_run, tmp_path, mon
 
 
 def test_a_file_of_prompts_is_answered_in_batches_as_one_at_a_time(plain_run, tmp_path, capsys):
-    from finetune.generate import generate, load
+    from finetune.outputs.generate import generate, load
 
     out, _ = plain_run
     prompts = ["The", "Name a colour of the sea at night", "What kind of word is this? apple", "A"]
@@ -290,10 +290,10 @@ def _parts(row):
 
 def _tokens(tmp_path, tokenizer_dir, path, fmt, **data):
     """Every sample of a file as the training loop gets it: (input_ids, labels), one per row."""
-    from finetune.chat import choose_template
-    from finetune.config import DataConfig, ModelConfig
-    from finetune.data import load_data
-    from finetune.model import load_tokenizer
+    from finetune.config.schema import DataConfig, ModelConfig
+    from finetune.data.chat import choose_template
+    from finetune.data.datasets import load_data
+    from finetune.model.loading import load_tokenizer
 
     tok = load_tokenizer(ModelConfig(name_or_path=str(tokenizer_dir)))
     choose_template(tok, None, fmt, say=lambda _: None)
@@ -353,9 +353,9 @@ def test_rows_of_another_shape_are_named_in_one_line(tmp_path, tiny_model_dir, r
 
 
 def _load(tmp_path, tiny_model_dir, path, fmt, **data):
-    from finetune.config import DataConfig, ModelConfig
-    from finetune.data import load_data
-    from finetune.model import load_tokenizer
+    from finetune.config.schema import DataConfig, ModelConfig
+    from finetune.data.datasets import load_data
+    from finetune.model.loading import load_tokenizer
 
     tok = load_tokenizer(ModelConfig(name_or_path=str(tiny_model_dir)))
     cfg = DataConfig(train=str(path), format=fmt, cache_dir=str(tmp_path / "cache"), **data)
@@ -400,8 +400,8 @@ def test_prompts_longer_than_max_seq_len_are_named_with_what_to_raise(tmp_path, 
 def test_the_loss_curve_shows_the_learning_rate_and_the_guards_events_and_trackers_get_the_whole_config(tmp_path, tiny_model_dir, monkeypatch):
     import yaml
 
-    from finetune import faults
-    from finetune.metrics import curve_data
+    from finetune.config import faults
+    from finetune.run.metrics import curve_data
 
     monkeypatch.setattr(faults, "FAULT", faults.parse("nan@12"))  # a poisoned batch (FINETUNE_FAULT, in-process): the guard skips that step
     out = tmp_path / "out"
@@ -476,7 +476,7 @@ def test_mlflow_without_a_database_driver_is_refused_in_one_line(tmp_path, tiny_
     with pytest.raises(UserError, match=r"sqlite:///mlflow.db needs sqlalchemy and alembic \(pip install finetune-kit\[mlflow\]\)"):
         run(validate_config(cfg, "test"))
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://tracking.example:5000")  # a server needs no driver here
-    from finetune.preflight import check_trackers
+    from finetune.run.preflight import check_trackers
 
     check_trackers(validate_config(cfg, "test"))
 
@@ -484,7 +484,7 @@ def test_mlflow_without_a_database_driver_is_refused_in_one_line(tmp_path, tiny_
 def test_wandb_without_a_key_or_offline_mode_is_refused_in_one_line(tmp_path, tiny_model_dir, monkeypatch):
     """wandb installed, no API key and not offline: refused before loading (it failed after the model
     loaded, with 33 lines from inside wandb); offline mode or a key in the netrc file pass."""
-    from finetune.preflight import check_trackers
+    from finetune.run.preflight import check_trackers
 
     for name in ("WANDB_MODE", "WANDB_DISABLED", "WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_BASE_URL"):
         monkeypatch.delenv(name, raising=False)

@@ -9,8 +9,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from finetune import diskio
-from finetune.diskio import HashedFile, write_safetensors
+from finetune.checkpoint import diskio
+from finetune.checkpoint.diskio import HashedFile, write_safetensors
 
 
 def _tensors():

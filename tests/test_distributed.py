@@ -130,7 +130,7 @@ def test_fsdp_checkpoint_resumes_at_two_and_at_one_process(tmp_path, tiny_model_
 
 def _merges_cleanly(adapter, out) -> None:
     """finetune merge of a sharded run's adapter or checkpoint: equal to base+adapter, and not empty."""
-    from finetune.merge import merge
+    from finetune.outputs.merge import merge
 
     report = merge(str(adapter), str(out), dtype="fp32")
     assert report["passed"] and report["merged_vs_tuned"]["max"] < 1e-4 and report["adapter_effect"]["max"] > 1e-3, report

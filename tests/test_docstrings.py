@@ -6,11 +6,11 @@ import doctest
 
 import pytest
 
-import finetune.engines
-import finetune.packing
+import finetune.data.packing
+import finetune.parallel.engines
 
 
-@pytest.mark.parametrize("module", [finetune.packing, finetune.engines], ids=lambda m: m.__name__)
+@pytest.mark.parametrize("module", [finetune.data.packing, finetune.parallel.engines], ids=lambda m: m.__name__)
 def test_docstring_examples_hold(module):
     result = doctest.testmod(module)
     assert result.attempted >= 4 and result.failed == 0

@@ -56,8 +56,8 @@ def test_the_tokenizers_split_is_what_llama_cpp_is_told(demo_tokenizer_dir):
     from released import tokenizer_dir
     from transformers import AutoTokenizer
 
-    from finetune.errors import UserError
-    from finetune.gguf_vocab import pre_tokenizer
+    from finetune.config.errors import UserError
+    from finetune.outputs.gguf_vocab import pre_tokenizer
 
     for family, expected in (("llama3", "llama-bpe"), ("qwen3", "qwen2")):
         assert pre_tokenizer(AutoTokenizer.from_pretrained(tokenizer_dir(family)), tokenizer_dir(family)) == expected

@@ -10,10 +10,11 @@ import torch
 from conftest import FAMILIES, MOE, OTHERS, REPO, base_config, gpu_branch_on_cpu, read_jsonl, samples_batch, textbook, textbook_samples, trained_grads
 from transformers import AutoModelForCausalLM
 
-from finetune import attention, families, loss
-from finetune.config import AdapterConfig, ModelConfig, validate_config
-from finetune.merge import merge
-from finetune.model import apply_adapter, load_model
+from finetune.config.schema import AdapterConfig, ModelConfig, validate_config
+from finetune.model import attention, families
+from finetune.model.loading import apply_adapter, load_model
+from finetune.objectives import loss
+from finetune.outputs.merge import merge
 from finetune.train import LEAK_TOLERANCE, run
 
 
@@ -99,7 +100,7 @@ def test_a_model_that_lets_packed_samples_see_each_other_is_refused(family_dirs,
     convolution (LFM2: too small a logit move to measure here, yet gradients 12% off), found in the
     layers. Refused in one line naming data.packing: false (preference pairs, which always share a row,
     too); with it the model trains."""
-    from finetune.errors import UserError
+    from finetune.config.errors import UserError
 
     model_dir = family_dirs(family)
     model = load_model(ModelConfig(name_or_path=str(model_dir), attn_implementation=attn), say=lambda _: None)
@@ -124,8 +125,8 @@ def test_a_model_that_lets_packed_samples_see_each_other_is_refused(family_dirs,
 def test_a_longer_context_than_gpt2s_position_table_is_refused(family_dirs, tmp_path):
     """GPT-2 names its context n_positions: a longer data.max_seq_len is refused before anything loads,
     not met as an index error in the position embedding."""
-    from finetune.config import check_against_model
-    from finetune.errors import UserError
+    from finetune.config.errors import UserError
+    from finetune.config.schema import check_against_model
 
     cfg = validate_config(base_config(family_dirs("gpt2"), tmp_path, data={"max_seq_len": 1024}), "c.yaml")
     with pytest.raises(UserError, match=r"^c.yaml: data.max_seq_len: 1024 is larger than the model's n_positions \(512\)$"):
@@ -190,7 +191,7 @@ def test_every_family_trains(tmp_path, family_dirs, family, method):
 
 
 def test_phi3_target_names_say_what_the_model_has(family_dirs):
-    from finetune.errors import UserError
+    from finetune.config.errors import UserError
 
     model = load_model(ModelConfig(name_or_path=str(family_dirs("phi3"))), say=lambda _: None)
     with pytest.raises(UserError, match=r"q_proj, v_proj matches no layer of this phi3 model; its linear layers are down_proj, gate_up_proj, "
@@ -204,7 +205,7 @@ def test_moe_adapter_targets_and_dropout(family_dirs):
     """all-linear on an MoE model: attention and experts (fused 3-D weights), never the router; the
     default dropout, which peft cannot apply to expert weights, becomes 0 with a notice, an explicit
     one is refused; DoRA leaves the experts out with a notice."""
-    from finetune.errors import UserError
+    from finetune.config.errors import UserError
 
     said = []
     model = apply_adapter(load_model(ModelConfig(name_or_path=str(family_dirs("mixtral"))), say=said.append), AdapterConfig(), False, say=said.append)
@@ -225,7 +226,7 @@ def test_plan_counts_what_the_model_holds(family_dirs, tmp_path, family):
     """finetune plan counts the parameters the loaded model has, and the adapter parameters peft creates
     for LoRA and DoRA (experts included, routers not): from config.json alone for the families above,
     from the model built on the meta device for the others."""
-    from finetune.plan import make_plan
+    from finetune.outputs.plan import make_plan
 
     model_dir = family_dirs(family)
     for method in ("full", "lora", "dora"):
@@ -246,8 +247,8 @@ def test_the_4bit_load_reads_what_transformers_reads_from_the_folder(family_dirs
     for byte, the same dtypes and frozen parameters, the folder's name and generation settings kept."""
     from peft import prepare_model_for_kbit_training
 
-    from finetune.config import QuantizationConfig
-    from finetune.model import quantization_config
+    from finetune.config.schema import QuantizationConfig
+    from finetune.model.loading import quantization_config
 
     cfg = ModelConfig(name_or_path=str(family_dirs(family)), dtype="bfloat16", quantization=QuantizationConfig(bits=4, compute_dtype="float32"))
     ours = load_model(cfg, say=lambda _: None)
@@ -264,7 +265,7 @@ def test_the_4bit_load_reads_what_transformers_reads_from_the_folder(family_dirs
 def test_plan_counts_published_models():
     """Totals for the shapes of real checkpoints (docs/examples/*/config.json) equal their published
     parameter counts; Mixtral 8x7B is 46.7B parameters with 12.9B active per token."""
-    from finetune.plan import read_shape
+    from finetune.outputs.plan import read_shape
 
     published = {"mixtral-8x7b": (46_702_792_704, 12_879_925_248), "qwen3-30b-a3b": (30_532_122_624, 3_353_032_704),
                  "llama-3.1-8b": (8_030_261_248, None), "qwen2.5-7b": (7_615_616_512, None), "gemma-2-9b": (9_241_705_984, None),

@@ -9,9 +9,10 @@ import torch.nn.functional as F
 from conftest import documented_varlen, gpu_branch_on_cpu, loss_and_grads, packed_batch
 from transformers import AutoModelForCausalLM
 
-from finetune import attention, loss
-from finetune.attention import PACKED_SDPA, register, sample_bounds
-from finetune.rows import IGNORE
+from finetune.data.rows import IGNORE
+from finetune.model import attention
+from finetune.model.attention import PACKED_SDPA, register, sample_bounds
+from finetune.objectives import loss
 
 
 @pytest.mark.parametrize("weight_trains", [False, True])

@@ -35,7 +35,7 @@ from conftest import (
     write_config,
 )
 
-from finetune.config import validate_config
+from finetune.config.schema import validate_config
 from finetune.train import run
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -60,8 +60,8 @@ def _train(tmp_path, model_dir, name="out", **sections):
 
 
 def _eval_batch(model_dir):
-    from finetune.data import load_data
-    from finetune.model import load_tokenizer
+    from finetune.data.datasets import load_data
+    from finetune.model.loading import load_tokenizer
 
     cfg = validate_config(base_config(model_dir, "unused"), "test")
     tok = load_tokenizer(cfg.model)
@@ -102,7 +102,7 @@ def test_qlora_on_cuda_kernels_with_a_paged_8bit_optimizer(tmp_path, demo_model_
     import bitsandbytes as bnb
     from peft import PeftModel
 
-    from finetune.model import load_model
+    from finetune.model.loading import load_model
 
     result, losses, summary = _train(tmp_path, demo_model_dir, model={"quantization": QLORA}, adapter={"method": method},
                                      train={"optimizer": "paged_adamw_8bit", "max_steps": 25})
@@ -150,7 +150,7 @@ def _packed_batch_cuda(model_dir):
 def _attention_path(monkeypatch, path: str) -> None:
     """varlen: torch's flash varlen kernel, one call per layer (torch >= 2.11); sdpa-mask: transformers'
     sdpa over its block-diagonal mask, which finetune falls back to where varlen cannot run."""
-    from finetune import attention
+    from finetune.model import attention
 
     if path == "sdpa-mask":
         monkeypatch.setattr(attention, "_varlen", lambda: None)
@@ -164,8 +164,8 @@ def test_the_cpu_stand_in_for_varlen_is_the_real_kernel(kv_heads, window):
     """tests/test_fast_paths.py checks the varlen layout on CPU against a stand-in written from
     varlen_attn's documented contract; here the real flash kernel and that stand-in get the same
     inputs (GQA, a window, five samples of 1-9 tokens across two rows) and must agree."""
-    from finetune import attention
-    from finetune.attention import sample_bounds
+    from finetune.model import attention
+    from finetune.model.attention import sample_bounds
 
     if attention._varlen() is None:
         pytest.skip(f"torch {torch.__version__} has no varlen_attn(window_size=...)")
@@ -189,8 +189,8 @@ def test_packed_rows_on_cuda_never_attend_across_samples(tiny_model_dir, monkeyp
     """A packed row's logits (training mode) == each sample run alone, in bf16."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from finetune import attention
-    from finetune.attention import PACKED_SDPA, register, sample_bounds
+    from finetune.model import attention
+    from finetune.model.attention import PACKED_SDPA, register, sample_bounds
 
     _attention_path(monkeypatch, path)
     batch = _packed_batch_cuda(tiny_model_dir)
@@ -216,7 +216,7 @@ def test_packed_training_on_cuda_equals_eager_attention_over_the_block_mask(tiny
     """Logits and gradients of a packed batch: the kernel used in training == eager over the block-diagonal mask."""
     from transformers import AutoModelForCausalLM
 
-    from finetune.attention import register
+    from finetune.model.attention import register
 
     if impl == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
         pytest.skip("flash-attn is not installed (it ships no wheels on PyPI)")
@@ -239,9 +239,9 @@ def test_packed_training_on_cuda_equals_eager_attention_over_the_block_mask(tiny
 def test_packed_training_on_cuda_equals_each_sample_alone_in_every_family(family_dirs, monkeypatch, family, path):
     """Each family's packed batch (sliding windows, GQA, q/k norms, experts) in bf16 on CUDA: the loss
     and gradients of the training path equal eager attention and full logits on each sample alone."""
-    from finetune import loss
-    from finetune.config import ModelConfig
-    from finetune.model import load_model
+    from finetune.config.schema import ModelConfig
+    from finetune.model.loading import load_model
+    from finetune.objectives import loss
 
     _attention_path(monkeypatch, path)
     model = load_model(ModelConfig(name_or_path=str(family_dirs(family)), dtype="bfloat16"), say=lambda _: None).cuda().train()
@@ -268,9 +268,9 @@ def test_packed_training_on_cuda_equals_each_sample_alone_in_every_family(family
 def test_packed_moe_on_cuda_gets_the_same_gradients_in_fp32(family_dirs, monkeypatch, family):
     """Every gradient (bf16 rounding can flip a token's experts and move them) equals each sample
     alone's in fp32 (transformers' sdpa over the block mask: varlen takes bf16 only)."""
-    from finetune import loss
-    from finetune.config import ModelConfig
-    from finetune.model import load_model
+    from finetune.config.schema import ModelConfig
+    from finetune.model.loading import load_model
+    from finetune.objectives import loss
 
     _attention_path(monkeypatch, "sdpa-mask")
     model = load_model(ModelConfig(name_or_path=str(family_dirs(family)), dtype="float32"), say=lambda _: None).cuda().train()
@@ -289,7 +289,7 @@ def test_fused_loss_on_cuda_equals_the_plain_loss(tiny_model_dir, monkeypatch):
     """linear_cross_entropy (used on CUDA too) == logits + cross-entropy: loss and gradients, bf16 weights."""
     from transformers import AutoModelForCausalLM
 
-    from finetune import loss
+    from finetune.objectives import loss
 
     batch = _packed_batch_cuda(tiny_model_dir)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16).cuda().train()
@@ -411,7 +411,7 @@ def _probe(name: str, model_dir, port: int) -> dict:
 
 
 def _steps(model, batch, n: int, lr: float) -> list[float]:
-    from finetune import loss
+    from finetune.objectives import loss
 
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr)
@@ -429,7 +429,7 @@ def fsdp2_cpu_offload(model_dir: str) -> dict:
     """finetune's shard_fsdp2 with CPU offload vs without (parameters, gradients and AdamW states on the GPU)."""
     from transformers import AutoModelForCausalLM
 
-    from finetune.distributed import shard_fsdp2
+    from finetune.parallel.distributed import shard_fsdp2
 
     batch, out = _packed_batch_cuda(model_dir), {}
     for offload in (False, True):
@@ -448,7 +448,7 @@ def fsdp2_qlora(model_dir: str) -> dict:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    from finetune.distributed import decoder_layers
+    from finetune.parallel.distributed import decoder_layers
 
     def qlora():
         quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
@@ -494,8 +494,8 @@ def test_fsdp2_over_a_4bit_base_trains_like_the_unsharded_model(tiny_model_dir):
 def test_loftq_starts_a_4bit_base_nearer_the_full_precision_model(tiny_model_dir):
     """LoftQ's A and B fit each 4-bit layer's quantization error: before any step, the adapted 4-bit
     model's logits are nearer the bf16 model's than QLoRA's (B = 0: the 4-bit base alone)."""
-    from finetune.config import AdapterConfig, ModelConfig
-    from finetune.model import apply_adapter, load_model, loftq_init
+    from finetune.config.schema import AdapterConfig, ModelConfig
+    from finetune.model.loading import apply_adapter, load_model, loftq_init
 
     batch = _eval_batch(tiny_model_dir)
     bf16 = ModelConfig(name_or_path=str(tiny_model_dir), dtype="bfloat16")

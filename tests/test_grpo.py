@@ -11,13 +11,13 @@ import pytest
 import torch
 from conftest import DEMO_DATA, adapted_lora, base_config, finetune_in_process, read_jsonl, run_cli, write_config
 
-from finetune.config import GRPOConfig
-from finetune.errors import UserError
-from finetune.grpo import GRPO
-from finetune.loss import to_device
-from finetune.packing import Row, collate
-from finetune.rewards import Reward, exact_match, load_rewards, score
-from finetune.rows import IGNORE
+from finetune.config.errors import UserError
+from finetune.config.schema import GRPOConfig
+from finetune.data.packing import Row, collate
+from finetune.data.rows import IGNORE
+from finetune.objectives.grpo import GRPO
+from finetune.objectives.loss import to_device
+from finetune.objectives.rewards import Reward, exact_match, load_rewards, score
 
 PROMPTS = [[5, 9, 17, 23], [31, 8, 12]]  # two prompts, two completions each
 COMPLETIONS = [[40, 41, 42, 2], [43, 44], [45, 46, 47, 48, 49, 50], [51]]
@@ -167,7 +167,7 @@ def test_gumbel_noise_samples_the_softmax_and_is_splitmix64():
     over the top k; the noise made for the top k alone is the whole row's at those entries."""
     from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper
 
-    from finetune.grpo import GumbelSampler, uniforms
+    from finetune.objectives.grpo import GumbelSampler, uniforms
 
     def splitmix64(seed: int, k: int) -> float:
         z = (seed + k * 0x9E3779B97F4A7C15) % 2**64
@@ -198,8 +198,8 @@ def test_a_prompts_completions_are_the_same_in_any_batch(tiny_model_dir):
     sampled alone (and greedy decoding likewise), so they hang on (seed, step, prompt) and nothing else."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from finetune.grpo import generate
-    from finetune.packing import Prompt
+    from finetune.data.packing import Prompt
+    from finetune.objectives.grpo import generate
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
@@ -261,7 +261,7 @@ def test_bad_grpo_input_is_one_line_with_exit_2(tmp_path, tiny_model_dir):
     time.sleep(1.0)  # a watchdog looks every 0.5 s
     assert not [t for t in threading.enumerate() if t.name == "finetune-watchdog"]
     with pytest.raises(UserError, match="set data.format: prompt"):
-        from finetune.config import validate_config
+        from finetune.config.schema import validate_config
 
         validate_config(base_config(tiny_model_dir, tmp_path / "x", train={"objective": "grpo"}), "test")
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from conftest import REPO, base_config, finetune_in_process, read_jsonl, run_cli, wait_for, write_config
 
-from finetune.guard import DRIFT_STEPS
+from finetune.run.guard import DRIFT_STEPS
 
 
 def _cfg(tiny_model_dir, out, steps=40, **sections):
@@ -243,7 +243,7 @@ def test_scoring_the_last_good_checkpoint_puts_the_final_weights_back(healthy_ru
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from finetune.checkpointers import last_good
+    from finetune.checkpoint.checkpointers import last_good
 
     model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir), str(healthy_run), is_trainable=True)
     final = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}

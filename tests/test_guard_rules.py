@@ -8,8 +8,8 @@ import random
 
 import pytest
 
-from finetune.config import GuardConfig
-from finetune.guard import DRIFT_STEPS, Guard, _median_and_spread, data_step
+from finetune.config.schema import GuardConfig
+from finetune.run.guard import DRIFT_STEPS, Guard, _median_and_spread, data_step
 
 
 def descent(steps: int, seed: int = 0, noise: float = 0.08) -> list[float]:

@@ -14,8 +14,8 @@ from pathlib import Path
 
 from conftest import REPO, base_config, finetune_in_process, read_jsonl, run_cli, write_config
 
-from finetune.checkpoint import verify
-from finetune.locks import LOCK_FILE
+from finetune.checkpoint.locks import LOCK_FILE
+from finetune.checkpoint.store import verify
 
 
 def _cfg(model_dir, out, steps=400):
@@ -150,7 +150,7 @@ def test_a_run_in_a_program_gives_its_signal_handlers_back(tmp_path, tiny_model_
     back afterwards."""
     import signal
 
-    from finetune.config import validate_config
+    from finetune.config.schema import validate_config
     from finetune.train import run
 
     def mine(signum, frame):

@@ -9,10 +9,10 @@ import pytest
 import torch
 from conftest import DEMO_DATA, adapted_lora, base_config, finetune_in_process, read_jsonl, write_config
 
-from finetune.config import PreferenceConfig, validate_config
-from finetune.errors import UserError
-from finetune.loss import to_device
-from finetune.objectives import KTO
+from finetune.config.errors import UserError
+from finetune.config.schema import PreferenceConfig, validate_config
+from finetune.objectives.loss import to_device
+from finetune.objectives.objective import KTO
 
 EXAMPLES = [
     {"prompt": "What kind of word is this?\n\nrabbit\n", "completion": "noun", "label": True},
@@ -33,9 +33,9 @@ def _kto_config(model_dir, out, **sections):
 
 def _our_batch(tmp_path, model_dir, packing: bool = False):
     """Our data step's micro-batch of the examples, in file order."""
-    from finetune.config import ModelConfig
-    from finetune.data import load_data
-    from finetune.model import load_tokenizer
+    from finetune.config.schema import ModelConfig
+    from finetune.data.datasets import load_data
+    from finetune.model.loading import load_tokenizer
 
     tmp_path.mkdir(exist_ok=True)
     path = tmp_path / "examples.jsonl"

@@ -91,7 +91,7 @@ def test_a_preempted_job_ends_with_75_through_the_launch_script(tmp_path, tiny_m
 
 
 def test_a_second_launch_of_a_running_job_is_refused_in_one_line_before_the_rendezvous(tmp_path, tiny_model_dir):
-    from finetune.locks import hold_output_dir, release_output_dir
+    from finetune.checkpoint.locks import hold_output_dir, release_output_dir
 
     config = _config(tmp_path, tiny_model_dir)
     (tmp_path / "out").mkdir()

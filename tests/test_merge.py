@@ -11,8 +11,8 @@ import torch
 from conftest import REPO, base_config, finetune_cli, finetune_in_process, write_config
 
 from finetune.cli import main
-from finetune.config import validate_config
-from finetune.merge import merge
+from finetune.config.schema import validate_config
+from finetune.outputs.merge import merge
 from finetune.train import run
 
 IDS = torch.tensor([[5, 17, 42, 99, 7, 250, 13, 61, 88, 120, 3, 77]])
@@ -41,7 +41,7 @@ def _same_as_whole_model_merge(adapter_dir, tmp_path, variants=("merged",)) -> N
     float32 model gives (the merge before shards, and still the fallback)."""
     from safetensors.torch import load_file
 
-    from finetune.merge import Targets, attach, find_adapter, load_base, merged_model, write_by_shard
+    from finetune.outputs.merge import Targets, attach, find_adapter, load_base, merged_model, write_by_shard
 
     adapter = find_adapter(str(adapter_dir), None)
     targets, why_not = Targets.of(attach(load_base(adapter, adapter.quantized), adapter), adapter)
@@ -111,7 +111,7 @@ def test_merged_lora_loads_with_plain_transformers_in_shards_and_generates_the_s
     assert main(["generate", "--adapter", str(lora_run), *prompt]) == 0
     assert from_merged == capsys.readouterr().out
     # The same 8 tokens from both, EOS held back (four steps on random weights may well answer EOS first).
-    from finetune.generate import load
+    from finetune.outputs.generate import load
 
     tokens = [model.generate(input_ids=IDS, max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=tok.pad_token_id)
               for model, tok in (load(str(merged), None, None), load(None, str(lora_run), None))]

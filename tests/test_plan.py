@@ -7,8 +7,8 @@ import json
 import pytest
 from conftest import REPO, base_config, finetune_cli, run_cli, write_config
 
-from finetune.config import load_config, validate_config
-from finetune.plan import GiB, make_plan
+from finetune.config.schema import load_config, validate_config
+from finetune.outputs.plan import GiB, make_plan
 
 N_LINEAR = 32 * (4 * 4096 * 4096 + 3 * 4096 * 11008)  # q, k, v, o + gate, up, down
 N_OTHER = 2 * 32000 * 4096 + (2 * 32 + 1) * 4096  # embeddings, lm_head, norms
@@ -102,7 +102,7 @@ def test_step_time_counts_flops_per_token_and_the_collectives_by_hand():
     forward and backward and reduce-scatters the gradients: 7/8 of each."""
     from dataclasses import replace
 
-    from finetune.plan import step_time
+    from finetune.outputs.plan import step_time
 
     cfg = load_config(REPO / "docs/examples/plan-7b-full.yaml", check_model=False, overrides=["train.grad_accum=4"])
     one = make_plan(cfg).setup
@@ -178,7 +178,7 @@ def test_plan_of_long_rows_splits_them_over_devices_and_tiles_the_mlp(capsys):
     quarter of the MLP's share of the rebuilt layer; the longest row grows with both."""
     from dataclasses import replace
 
-    from finetune.plan import longest_row
+    from finetune.outputs.plan import longest_row
 
     args = ["plan", "--config", "docs/examples/plan-7b-qlora.yaml", "--set", "model.quantization=null", "--set", "train.gradient_checkpointing=true",
             "--gpus", "8", "--gpu-mem", "80GiB", "--seq-len", "4096"]
@@ -222,7 +222,7 @@ def test_zero3_gathers_a_quantized_base_as_it_is_held():
     gathers those (at 8B the 16-bit root the plan assumed was 2.1 GB short of what a rank held)."""
     from dataclasses import replace as with_
 
-    from finetune.plan import gathered, read_shape
+    from finetune.outputs.plan import gathered, read_shape
 
     cfg = load_config(REPO / "docs/examples/plan-7b-qlora.yaml", check_model=False)
     plan = make_plan(cfg, devices=2, strategy="zero3")

@@ -10,8 +10,8 @@ import torch
 from conftest import DEMO_DATA, adapted_lora, base_config, finetune_in_process, read_jsonl, run_cli, train_strategy, write_config
 
 from finetune.cli import main
-from finetune.config import DataConfig, PreferenceConfig, validate_config
-from finetune.errors import UserError
+from finetune.config.errors import UserError
+from finetune.config.schema import DataConfig, PreferenceConfig, validate_config
 from finetune.train import run
 
 PAIRS = [
@@ -78,8 +78,8 @@ def test_loss_and_gradients_equal_trls(tmp_path, tiny_model_dir, kind, variant):
     pytest.importorskip("trl")
     from transformers import AutoTokenizer
 
-    from finetune.data import load_data
-    from finetune.objectives import Preference
+    from finetune.data.datasets import load_data
+    from finetune.objectives.objective import Preference
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     expected, trainer = _trl_loss(kind, variant, adapted_lora(tiny_model_dir), tokenizer, tmp_path)
@@ -106,8 +106,8 @@ def test_pairs_are_tokenized_as_trl_does_and_laid_out_as_two_sequences(tmp_path,
     pytest.importorskip("trl")
     from transformers import AutoTokenizer
 
-    from finetune.data import load_data
-    from finetune.objectives import answers
+    from finetune.data.datasets import load_data
+    from finetune.objectives.objective import answers
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     _, trainer = _trl_loss("dpo", "sigmoid", adapted_lora(tiny_model_dir), tokenizer, tmp_path)
@@ -132,7 +132,7 @@ def test_chat_pairs_are_rendered_and_tokenized_as_trls_conversational_rows(tmp_p
     from transformers import AutoTokenizer
     from trl import DPOConfig, DPOTrainer
 
-    from finetune.data import load_data
+    from finetune.data.datasets import load_data
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     rows = [json.loads(line) for line in (DEMO_DATA / "pairs-eval.jsonl").read_text().splitlines()[:3]]
@@ -170,7 +170,7 @@ def test_dpo_run_learns_the_preference_and_logs_its_metrics(tmp_path, tiny_model
     assert sum(r["reward_accuracy"] for r in later) / len(later) > 0.7 and {"rewards_chosen", "logps_rejected", "choice_accuracy"} <= set(steps[-1])
     evals = [r for r in rows if "eval_loss" in r]
     assert evals[0]["eval_reward_accuracy"] == 0 and evals[0]["eval_loss"] == pytest.approx(0.6931, abs=1e-4) and evals[-1]["eval_pairs"] == 108
-    from finetune.metrics import curve_data
+    from finetune.run.metrics import curve_data
 
     assert [a for _, a in curve_data(tmp_path / "dpo")["accuracy"]] == [r["eval_reward_accuracy"] for r in evals]  # on loss_curve.png
     assert (tmp_path / "dpo" / "loss_curve.png").stat().st_size > 10_000
@@ -264,7 +264,7 @@ def test_two_processes_match_one_on_pairs(tmp_path, tiny_model_dir, trained, str
 
 
 def test_plan_counts_dpos_frozen_reference_under_full_fine_tuning_only(tmp_path, tiny_model_dir):
-    from finetune.plan import make_plan
+    from finetune.outputs.plan import make_plan
 
     rows = {}
     for objective, method in (("dpo", "full"), ("orpo", "full"), ("dpo", "lora")):
@@ -278,8 +278,8 @@ def test_plan_counts_dpos_frozen_reference_under_full_fine_tuning_only(tmp_path,
 
 
 def test_the_guard_skips_a_poisoned_dpo_step_and_judges_the_preference_loss(tmp_path, tiny_model_dir, monkeypatch):
-    from finetune import faults
-    from finetune.guard import Guard
+    from finetune.config import faults
+    from finetune.run.guard import Guard
 
     monkeypatch.setattr(faults, "FAULT", faults.parse("nan@12"))  # a poisoned batch (FINETUNE_FAULT, in-process), after the first-steps check
     seen = {}
@@ -305,7 +305,7 @@ def test_label_smoothing_is_conservative_dpo():
     pairs taken as flipped, -(1 - eps) log sigmoid(beta d) - eps log sigmoid(-beta d)."""
     import math
 
-    from finetune.objectives import dpo_loss
+    from finetune.objectives.objective import dpo_loss
 
     chosen, rejected, ones = torch.tensor([1.5, -0.5, 0.2]), torch.tensor([0.5, 0.5, 0.2]), torch.ones(3)
     log_sigmoid = lambda x: -math.log1p(math.exp(-x))  # noqa: E731
@@ -322,10 +322,10 @@ def test_moe_preference_runs_train_the_routers_load_balancing_loss(tmp_path, fam
     it with the config's coefficient and logs it, and a coefficient of 0 leaves it out."""
     from transformers import AutoTokenizer
 
-    from finetune.config import AdapterConfig, ModelConfig
-    from finetune.data import load_data
-    from finetune.model import apply_adapter, load_model
-    from finetune.objectives import Preference
+    from finetune.config.schema import AdapterConfig, ModelConfig
+    from finetune.data.datasets import load_data
+    from finetune.model.loading import apply_adapter, load_model
+    from finetune.objectives.objective import Preference
 
     model_dir = family_dirs("mixtral")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)

@@ -6,9 +6,9 @@ import pytest
 import torch
 from conftest import base_config, finetune_in_process, read_jsonl, write_config
 
-from finetune.config import validate_config
-from finetune.data import load_data
-from finetune.model import load_model, load_tokenizer
+from finetune.config.schema import validate_config
+from finetune.data.datasets import load_data
+from finetune.model.loading import load_model, load_tokenizer
 from finetune.train import run
 
 QLORA = {"bits": 4, "quant_type": "nf4", "double_quant": True, "compute_dtype": "bfloat16"}
@@ -52,7 +52,7 @@ def test_a_4bit_base_keeps_one_kernel_through_eval_on_any_cpu_device(tiny_model_
     """A rank of a multi-process run loads onto "cpu:0": there too the first eval-mode forward must not
     repack the 4-bit weights for bitsandbytes' bf16 kernel (no autograd; logits move), which it did
     while the guard matched the device by its name "cpu" alone."""
-    from finetune.config import ModelConfig, QuantizationConfig
+    from finetune.config.schema import ModelConfig, QuantizationConfig
 
     cfg = ModelConfig(name_or_path=str(tiny_model_dir), quantization=QuantizationConfig(**{**QLORA, "compute_dtype": "float32"}))
     model = load_model(cfg, torch.device(device), say=lambda _: None)

@@ -10,10 +10,10 @@ import pytest
 import torch
 from conftest import DEMO_DATA, base_config, finetune_in_process, read_jsonl, write_config
 
-from finetune.config import PreferenceConfig, validate_config
-from finetune.errors import UserError
-from finetune.loss import to_device
-from finetune.objectives import RewardModel
+from finetune.config.errors import UserError
+from finetune.config.schema import PreferenceConfig, validate_config
+from finetune.objectives.loss import to_device
+from finetune.objectives.objective import RewardModel
 
 PAIRS = [
     {"prompt": "What kind of word is this?\n\nrabbit\n", "chosen": "noun", "rejected": "verb"},
@@ -32,8 +32,8 @@ def _reward_config(model_dir, out, **sections):
 
 
 def _reward_lora(model_dir):
-    from finetune.config import AdapterConfig, ModelConfig
-    from finetune.model import apply_adapter, load_model
+    from finetune.config.schema import AdapterConfig, ModelConfig
+    from finetune.model.loading import apply_adapter, load_model
 
     torch.manual_seed(0)
     model = apply_adapter(load_model(ModelConfig(name_or_path=str(model_dir)), head="score"), AdapterConfig(r=8, alpha=16, dropout=0.0),
@@ -52,8 +52,8 @@ def test_loss_and_gradients_equal_trls(tmp_path, tiny_model_dir, center):
     from transformers import AutoTokenizer
     from trl import RewardConfig, RewardTrainer
 
-    from finetune.config import DataConfig
-    from finetune.data import load_data
+    from finetune.config.schema import DataConfig
+    from finetune.data.datasets import load_data
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     model = _reward_lora(tiny_model_dir).train()

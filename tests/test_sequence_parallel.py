@@ -22,9 +22,10 @@ sys.path[:0] = [sys.argv[1], sys.argv[1] + "/tests"]
 import torch, torch.distributed as dist
 dist.init_process_group("gloo")
 from conftest import samples_batch, textbook_samples, trained_grads
-from finetune import loss, sequence_parallel
-from finetune.config import AdapterConfig, ModelConfig
-from finetune.model import apply_adapter, load_model
+from finetune.objectives import loss
+from finetune.parallel import sequence_parallel
+from finetune.config.schema import AdapterConfig, ModelConfig
+from finetune.model.loading import apply_adapter, load_model
 
 sp = sequence_parallel.setup(2, dist.get_rank(), dist.get_world_size())
 results = {}
@@ -140,10 +141,10 @@ def test_sizes_that_cannot_work_are_refused_in_one_line_before_loading(tmp_path,
 
 
 def test_a_model_on_eager_attention_or_with_a_router_loss_is_refused(family_dirs):
-    from finetune import sequence_parallel
-    from finetune.config import ModelConfig
-    from finetune.errors import UserError
-    from finetune.model import load_model
+    from finetune.config.errors import UserError
+    from finetune.config.schema import ModelConfig
+    from finetune.model.loading import load_model
+    from finetune.parallel import sequence_parallel
 
     gemma2 = load_model(ModelConfig(name_or_path=str(family_dirs("gemma2"))), say=lambda _: None)  # soft-capping: eager attention
     with pytest.raises(UserError, match="runs eager attention"):
@@ -162,9 +163,10 @@ def test_a_tiled_mlp_gives_the_untiled_loss_and_gradients(family_dirs, family, m
     import torch
     from conftest import samples_batch, textbook_samples, trained_grads
 
-    from finetune import loss, sequence_parallel
-    from finetune.config import AdapterConfig, ModelConfig
-    from finetune.model import apply_adapter, load_model
+    from finetune.config.schema import AdapterConfig, ModelConfig
+    from finetune.model.loading import apply_adapter, load_model
+    from finetune.objectives import loss
+    from finetune.parallel import sequence_parallel
 
     results, folder = [], str(family_dirs(family))  # built before seeding: building draws random weights
     for tiled in (1, 3):
@@ -199,9 +201,10 @@ def test_a_tiled_mlp_recomputes_under_the_forwards_autocast(family_dirs):
     import torch
     from conftest import samples_batch, textbook_samples, trained_grads
 
-    from finetune import loss, sequence_parallel
-    from finetune.config import AdapterConfig, ModelConfig
-    from finetune.model import adapter_input_casting_off, apply_adapter, load_model
+    from finetune.config.schema import AdapterConfig, ModelConfig
+    from finetune.model.loading import adapter_input_casting_off, apply_adapter, load_model
+    from finetune.objectives import loss
+    from finetune.parallel import sequence_parallel
 
     results, folder = [], str(family_dirs("llama3"))
     for tiled in (1, 3):
@@ -227,10 +230,10 @@ def test_a_tiled_mlp_recomputes_under_the_forwards_autocast(family_dirs):
 
 
 def test_tiling_refuses_experts_and_ddp(tmp_path, tiny_model_dir, family_dirs, monkeypatch):
-    from finetune import sequence_parallel
-    from finetune.config import ModelConfig
-    from finetune.errors import UserError
-    from finetune.model import load_model
+    from finetune.config.errors import UserError
+    from finetune.config.schema import ModelConfig
+    from finetune.model.loading import load_model
+    from finetune.parallel import sequence_parallel
 
     mixtral = load_model(ModelConfig(name_or_path=str(family_dirs("mixtral"))), say=lambda _: None)
     with pytest.raises(UserError, match="tiles dense MLPs only; this model's feed-forward layers are MixtralSparseMoeBlock"):

@@ -13,8 +13,8 @@ import time
 
 from conftest import REPO, base_config, finetune_cli, finetune_in_process, read_jsonl, run_cli
 
-from finetune.config import validate_config
-from finetune.stage import MANIFEST, PARTIAL, source_files, staged_name
+from finetune.config.schema import validate_config
+from finetune.model.stage import MANIFEST, PARTIAL, source_files, staged_name
 from finetune.train import run
 
 

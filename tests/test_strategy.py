@@ -8,10 +8,10 @@ import sys
 import pytest
 from conftest import REPO, base_config
 
-from finetune.config import validate_config
-from finetune.engines import FSDP, Replicated, Zero, engine_class
-from finetune.plan import setup_from_config
-from finetune.strategy import NAMES, Strategy
+from finetune.config.schema import validate_config
+from finetune.config.strategy import NAMES, Strategy
+from finetune.outputs.plan import setup_from_config
+from finetune.parallel.engines import FSDP, Replicated, Zero, engine_class
 
 EXPECTED = {  # name: (replicated, shards states, shards weights, ZeRO stage, offload, layout)
     "none": (True, False, False, None, False, "full"),
@@ -48,5 +48,5 @@ def test_an_unknown_strategy_is_one_line():
 
 def test_the_strategy_module_imports_no_torch():
     """The planner and `validate` ask it before anything heavy is imported."""
-    code = "import sys, finetune.strategy; sys.exit('torch' in sys.modules)"
+    code = "import sys, finetune.config.strategy; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], cwd=REPO).returncode == 0

@@ -10,9 +10,9 @@ import pytest
 import torch
 from conftest import REPO, base_config, finetune_in_process, read_jsonl, write_config
 
-from finetune.config import validate_config
-from finetune.data import load_data
-from finetune.model import load_tokenizer
+from finetune.config.schema import validate_config
+from finetune.data.datasets import load_data
+from finetune.model.loading import load_tokenizer
 from finetune.train import run
 
 
@@ -163,8 +163,8 @@ def test_a_finished_run_lets_go_of_its_model(tmp_path, tiny_model_dir):
 def test_the_replica_check_sees_one_value_off_by_one_ulp_with_constant_memory():
     """The end-of-run check that DDP replicas hold the same weights: a 256 MB model is checked with a
     few tens of MB of extra memory (a flat float64 copy with its positions: over 1 GB), and the smallest possible drift shows."""
-    from finetune.distributed import replica_checksum
-    from finetune.runtime import peak_rss, reset_peak_rss
+    from finetune.parallel.distributed import replica_checksum
+    from finetune.parallel.runtime import peak_rss, reset_peak_rss
 
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(64, 1024, 1024)), torch.nn.Parameter(torch.randn(1000))]

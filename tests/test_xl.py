@@ -12,8 +12,8 @@ import sys
 import pytest
 from conftest import DEMO_DATA, REPO, base_config, write_config
 
-from finetune.config import validate_config
-from finetune.plan import make_plan
+from finetune.config.schema import validate_config
+from finetune.outputs.plan import make_plan
 
 SHARD_BYTES = 10**9
 
@@ -56,7 +56,7 @@ QLORA = {"quantization": {"bits": 4, "compute_dtype": "float32"}}  # double quan
                          ids=["lora-bf16", "qlora-nf4"])
 def test_the_plan_counts_every_byte_the_loaded_model_holds(wide_model_dir, tmp_path, model_section):
     """The third case, QLoRA with double quantization, is the 4-bit load below."""
-    from finetune.model import apply_adapter, load_model
+    from finetune.model.loading import apply_adapter, load_model
 
     cfg = validate_config(wide_config(wide_model_dir, tmp_path / "out", **model_section), "test")
     model = apply_adapter(load_model(cfg.model, say=lambda _: None), cfg.adapter, gradient_checkpointing=True, say=lambda _: None)
@@ -65,8 +65,8 @@ def test_the_plan_counts_every_byte_the_loaded_model_holds(wide_model_dir, tmp_p
 
 LOAD = """
 import json, sys
-from finetune.config import load_config
-from finetune.model import apply_adapter, load_model
+from finetune.config.schema import load_config
+from finetune.model.loading import apply_adapter, load_model
 
 def status(key):
     return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith(key + ":"))
@@ -104,7 +104,7 @@ def test_the_4bit_load_holds_the_4bit_model_and_one_shard_at_most(wide_model_dir
 
 HEAP = """
 import sys, torch
-from finetune import runtime
+from finetune.parallel import runtime
 
 runtime.keep_freed_memory(quantized=sys.argv[1] == "quantized")
 before, kept = runtime.current_rss(), []

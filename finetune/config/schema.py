@@ -1,0 +1,685 @@
+"""The run configuration: one typed schema, the single source of truth for every option and default.
+
+A run is described by one YAML file. `load_config` reads it, applies `--set key=value` overrides,
+validates everything that can be checked without loading a model, and returns a `RunConfig`.
+Every problem becomes a `UserError` that names the file and key and what was expected.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+
+from finetune.config.errors import UserError
+from finetune.config.strategy import Name as StrategyName
+from finetune.config.strategy import Strategy
+
+
+class _Section(BaseModel):
+    # Unknown keys are errors: a typo must never silently fall back to a default.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class QuantizationConfig(_Section):
+    bits: Literal[4, 8] = Field(4, description="4 (QLoRA: NF4/FP4 through bitsandbytes) or 8 (LLM.int8).")
+    quant_type: Literal["nf4", "fp4"] = Field("nf4", description="4-bit data type; NF4 is QLoRA's.")
+    double_quant: bool = Field(True, description="4-bit: quantize the quantization constants too (~0.4 bit/param saved).")
+    compute_dtype: Literal["bfloat16", "float32", "float16"] = Field("bfloat16", description="4-bit: dtype the dequantized weights are multiplied in.")
+    skip_modules: list[str] | None = Field(None, description="Modules left unquantized besides transformers' defaults (lm_head is always kept).")
+
+
+DEFAULT_RAMDISK = "/dev/shm/finetune"
+CONFIG_FILE = "finetune_config.yaml"  # the resolved config, written beside every output and in every checkpoint
+SUMMARY_FILE = "summary.json"  # written last by a finished run: its presence means the run is done
+# One vocabulary of precisions: the short names (train.mixed_precision, merge --dtype) of the dtype
+# names model.dtype takes (torch's), and each dtype's bytes.
+PRECISIONS = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+CHAT_TEMPLATES = ("chatml", "llama3", "alpaca")  # built-in templates (finetune/data/chat.py)
+MUTATED_INITS = ("pissa", "olora")  # adapter.init values with which peft changes the base weights
+
+
+class ModelConfig(_Section):
+    name_or_path: str = Field(description="Local HF model folder, or a hub id where a hub is reachable.")
+    revision: str | None = Field(None, description="Hub revision (branch, tag or commit).")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "float32", description="dtype the base weights are loaded in ('auto' = as saved)."
+    )
+    attn_implementation: Literal["eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention"] = (
+        Field("sdpa", description="Attention kernel; flash attention needs a CUDA GPU and flash-attn.")
+    )
+    trust_remote_code: bool = Field(False, description="Run Python code shipped with the model. Off unless you trust it.")
+    quantization: QuantizationConfig | None = Field(None, description="Load the base quantized (QLoRA / 8-bit); adapters train on top.")
+    ramdisk: bool | str = Field(False, description="Stage the model folder in RAM once (true: /dev/shm/finetune, or a tmpfs path) and load "
+                                "from there; later runs reuse the copy. Falls back to the source, with a warning, if it does not fit.")
+    ramdisk_reserve_gib: float = Field(4.0, ge=0, description="RAM that must stay available after staging; else the run loads from the source.")
+    tiled_mlp: int = Field(1, ge=1, description="Run each decoder layer's MLP over this many chunks of the row, recomputed chunk by chunk in "
+                           "the backward (DeepSpeed's TiledMLP, from ALST): the MLP's intermediate activations shrink as many times, for "
+                           "one more MLP forward a step. For rows of many thousand tokens; dense MLPs only; needs DeepSpeed installed.")
+    compile: bool = Field(False, description="torch.compile each decoder layer in place (regional compilation): one compiled layer serves "
+                          "them all; the first steps take longer while it compiles. docs/speed.md has its measured effect.")
+    config_overrides: dict[str, Any] = Field({}, description="Settings of the model's config.json replaced before loading, e.g. "
+                                             "{rope_parameters: {rope_type: linear, factor: 2.0, rope_theta: 10000.0}} for a longer context; "
+                                             "merge and generate apply them to the base too.")
+
+    @property
+    def ramdisk_root(self) -> str | None:
+        """Where the model is staged, or None when staging is off."""
+        return DEFAULT_RAMDISK if self.ramdisk is True else (self.ramdisk or None)
+
+
+class AdapterConfig(_Section):
+    method: Literal["lora", "dora", "full"] = Field("lora", description="lora, dora, or full fine-tuning.")
+    r: int = Field(16, gt=0, description="LoRA rank.")
+    alpha: float = Field(32, gt=0, description="LoRA scaling numerator (scale = alpha / r, or alpha / sqrt(r) with rslora).")
+    dropout: float = Field(0.05, ge=0, lt=1, description="Dropout on the LoRA input.")
+    target_modules: str | list[str] = Field(
+        "all-linear", description="'all-linear' or a list of module names (e.g. [q_proj, v_proj])."
+    )
+    rslora: bool = Field(False, description="Rank-stabilised LoRA scaling.")
+    init: Literal["default", "gaussian", "pissa", "olora", "loftq"] = Field(
+        "default", description="peft's LoRA initialisation: default (B = 0), gaussian, pissa (A, B from the weight's principal singular "
+        "vectors, the rest left in the base) or olora (from its QR decomposition); pissa and olora: the saved adapter is converted "
+        "by peft to a plain LoRA adapter (rank 2r) for the original base. loftq (4-bit bases): A, B the best rank-r fix of each "
+        "layer's quantization error, from the original weights in the model's safetensors files.")
+    modules_to_save: list[str] | None = Field(None, description="Extra modules trained in full and saved with the adapter.")
+
+    @field_validator("target_modules")
+    @classmethod
+    def _some_targets(cls, value: str | list[str]) -> str | list[str]:
+        if isinstance(value, list) and not value:
+            raise ValueError("name at least one module, or all-linear")
+        return value
+
+
+# a format's field -> the file's column
+Columns = dict[Literal["text", "instruction", "input", "output", "messages", "conversations", "prompt", "chosen", "rejected", "answer",
+                       "completion", "label"], str]
+Format = Literal["completion", "alpaca", "chat", "preference", "prompt", "unpaired"]
+
+
+class SourceConfig(_Section):
+    path: str = Field(description="A local .jsonl/.json/.parquet/.csv/.txt file (gzipped too, but parquet), a folder of them or one "
+                      "datasets' save_to_disk wrote, or a hub dataset name.")
+    format: Format | None = Field(None, description="This source's format (null: data.format).")
+    columns: Columns | None = Field(None, description="This source's column names (null: data.columns).")
+    weight: float = Field(1.0, gt=0, description="Sampling weight: 2 repeats every sample twice, 0.5 takes a seeded half, 1.5 both.")
+    bad_rows: Literal["fail", "skip"] | None = Field(None, description="This source's bad-row policy (null: data.bad_rows).")
+    split: str | None = Field(None, description="This source's split, of a folder or hub dataset (null: data.split).")
+
+
+class DataConfig(_Section):
+    train: str | list[str | SourceConfig] = Field(description="Training data: local .jsonl/.json/.parquet/.csv/.txt file(s) (or .gz), folders "
+                                                  "of them, or hub dataset names, or a list of sources {path, format, columns, weight, bad_rows, "
+                                                  "split} to mix.")
+    format: Format = Field(
+        "alpaca", description="completion: {text}; alpaca: {instruction, input?, output}; chat: {messages: [{role, content}]} (content may be a "
+        "list of text parts) or ShareGPT's {conversations: [{from, value}]}; preference (train.objective dpo/orpo/cpo/simpo): {prompt, chosen, "
+        "rejected} as text, or chat messages {messages or prompt, chosen, rejected}; prompt (train.objective grpo): {prompt (text or chat "
+        "messages), answer?, any other columns the reward functions read}; unpaired (train.objective kto): {prompt, completion, label: "
+        "true/false}. docs/data.md: every accepted shape."
+    )
+    columns: Columns = Field({}, description="The format's fields under other column names, e.g. {instruction: question, output: answer}.")
+    eval: str | list[str | SourceConfig] | None = Field(None, description="Held-out eval file(s) or sources; or use eval_fraction.")
+    eval_fraction: float = Field(0.0, ge=0, lt=1, description="Share of the training rows held out for eval when no eval file is given.")
+    max_seq_len: int = Field(512, ge=2, description="Longest row in tokens; longer samples are truncated (completion documents: see long_documents; "
+                             "preference pairs: each answer with its prompt, the pair in one row of twice this).")
+    long_documents: Literal["chunk", "truncate"] = Field("chunk", description="completion rows longer than max_seq_len: chunk (trained as windows "
+                                                         "of max_seq_len tokens, every token once) or truncate (the rest is dropped).")
+    chunk_overlap: int = Field(0, ge=0, description="chunk: tokens each window repeats from the one before, as context (not trained again).")
+    packing: bool = Field(True, description="Pack samples into rows of max_seq_len, attention kept inside each sample.")
+    train_on_prompt: bool = Field(False, description="Also compute the loss on prompt tokens (default: responses only).")
+    chat_template: str | None = Field(None, description="Template that renders chat rows (and alpaca rows, where there is one): null = the "
+                                      "model's own; chatml, llama3 or alpaca (built-in, with generation markers); or a .jinja file.")
+    bad_rows: Literal["fail", "skip"] = Field("fail", description="Invalid rows: fail with file:line, or skip and count them.")
+    cache_dir: str | None = Field(None, description="Tokenized-data cache (default $FINETUNE_CACHE or ~/.cache/finetune).")
+    split: str = Field("train", description="Split to read from folders and hub datasets, found by datasets' rules (train-*, data/train-*, "
+                       "a train/ folder; a folder without splits is all train); a source's own split comes first.")
+    num_proc: int | None = Field(None, gt=0, description="Processes for tokenization (null: every core for sources of 10,000+ rows, else 1).")
+    tokenize_wait_minutes: float = Field(120, gt=0, description="How long a process waits for another one tokenizing the same data on this node.")
+
+    @model_validator(mode="after")
+    def _overlap_fits(self) -> DataConfig:
+        if self.chunk_overlap >= self.max_seq_len - 1:
+            raise ValueError(f"chunk_overlap: {self.chunk_overlap} leaves no new token in a window of max_seq_len={self.max_seq_len}; "
+                             "keep it below max_seq_len - 1")
+        return self
+
+    @field_validator("chat_template")
+    @classmethod
+    def _template_known(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if value is not None and value not in CHAT_TEMPLATES and not _paths_unchecked(info) and not Path(value).expanduser().is_file():
+            raise ValueError(f"expected {', '.join(CHAT_TEMPLATES)} or a Jinja template file; no file {value}")
+        return value
+
+
+class TrainConfig(_Section):
+    output_dir: str = Field("outputs/run", description="Where the adapter/model, logs and plots go.")
+    epochs: float = Field(1.0, gt=0, description="Passes over the training data (ignored when max_steps is set).")
+    max_steps: int | None = Field(None, gt=0, description="Optimizer steps to run; overrides epochs.")
+    micro_batch_size: int = Field(4, gt=0, description="Rows per forward pass, per process.")
+    grad_accum: int = Field(1, gt=0, description="Micro-batches per optimizer step.")
+    optimizer: Literal["adamw", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit", "lion", "lion_8bit", "sgd"] = Field(
+        "adamw", description="adamw (torch, fused where available); *_8bit, paged_*, lion* through bitsandbytes; sgd."
+    )
+    optimizer_offload: bool = Field(False, description="Keep optimizer states in CPU RAM (torchao CPUOffloadOptimizer; CUDA only).")
+    lr: float = Field(2e-4, gt=0, description="Peak learning rate.")
+    weight_decay: float = Field(0.0, ge=0, description="Decoupled weight decay (AdamW) / L2 (SGD).")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
+    momentum: float = Field(0.9, ge=0, lt=1, description="SGD momentum.")
+    scheduler: Literal["cosine", "linear", "constant", "wsd"] = Field(
+        "cosine", description="LR after warmup: cosine or linear decay to min_lr_ratio, constant, or wsd (warmup-stable-decay: "
+        "constant, then a linear decay over the last decay_ratio of the steps).")
+    warmup_steps: int = Field(0, ge=0, description="Linear warmup, in optimizer steps.")
+    warmup_ratio: float = Field(0.0, ge=0, lt=1, description="Linear warmup as a share of all optimizer steps (instead of warmup_steps).")
+    min_lr_ratio: float = Field(0.0, ge=0, lt=1, description="cosine, linear, wsd: the LR decays to lr x this, not to 0.")
+    decay_ratio: float = Field(0.1, gt=0, le=1, description="wsd: share of the steps after warmup spent decaying.")
+    loraplus_lr_ratio: float | None = Field(None, gt=0, description="LoRA+: the LR of the B matrices (and of 1-D adapter weights, as peft's "
+                                             "LoRA+ groups them) is lr x this (the LoRA+ paper suggests 16); null: one LR.")
+    neftune_alpha: float | None = Field(None, gt=0, description="NEFTune: uniform noise of alpha / sqrt(tokens x hidden) added to the input "
+                                        "embeddings while training (the paper and TRL use 5); null: off.")
+    max_grad_norm: float | None = Field(1.0, gt=0, description="Gradient clipping; null turns it off.")
+    skip_data: list[tuple[int, int]] = Field([], description="Data to skip by hand, as [[from_step, batches], ...]: from that optimizer step on, "
+                                             "that many steps' batches are left out (manual recovery after a spike).")
+    mixed_precision: Literal["no", "bf16", "fp16", "fp8"] = Field("no", description="Autocast precision (fp16/fp8 need a GPU).")
+    tf32: bool = Field(False, description="Allow TF32 matmuls on CUDA.")
+    gradient_checkpointing: bool = Field(False, description="Recompute activations in backward (non-reentrant).")
+    offload_activations: bool = Field(False, description="GPU: keep the tensors saved for the backward (with gradient checkpointing, "
+                                      "each layer's input) in pinned CPU memory, copied back as the backward needs them "
+                                      "(torch.autograd.graph.save_on_cpu); for long rows whose activations outgrow the GPU.")
+    router_aux_loss_coef: float | None = Field(None, ge=0, description="Mixture-of-experts models: weight of the router's load-balancing loss "
+                                               "added to the training loss (null: the model config's router_aux_loss_coef; 0: off).")
+    seed: int = Field(42, description="Seed for weights init, dropout and data order.")
+    objective: Literal["sft", "dpo", "orpo", "cpo", "simpo", "kto", "reward", "grpo"] = Field(
+        "sft", description="sft: cross-entropy on the answers; dpo, orpo, cpo or simpo: preference pairs (data.format: preference), "
+        "settings under preference:. dpo holds the policy to a reference (the base); orpo, cpo and simpo need none. kto: unpaired examples "
+        "labelled desirable or not (data.format: unpaired), held to the reference as dpo. reward: a reward model (a sequence-classification "
+        "head scoring each sequence's last token) trained on preference pairs with the Bradley-Terry loss. grpo: online RL on "
+        "prompts (data.format: prompt): completions sampled by the policy, scored by reward functions, settings under grpo:.")
+    overfit_batch: int = Field(0, ge=0, description="Sanity check: train this many steps on the first batch only (0 = off).")
+
+    @field_validator("mixed_precision", mode="before")
+    @classmethod
+    def _yaml_no(cls, value):
+        return "no" if value is False else value  # YAML reads an unquoted `no` as false
+
+    @model_validator(mode="after")
+    def _one_warmup(self) -> TrainConfig:
+        if self.warmup_steps and self.warmup_ratio:
+            raise ValueError("warmup_steps and warmup_ratio: set one of them")
+        if self.min_lr_ratio and self.scheduler == "constant":
+            raise ValueError("min_lr_ratio: a constant schedule does not decay; use cosine, linear or wsd")
+        return self
+
+
+class PreferenceConfig(_Section):
+    beta: float = Field(0.1, gt=0, description="DPO's (and CPO's, SimPO's, KTO's) beta: how strongly the policy is held to the reference "
+                        "(its rewards are beta x the log-probability ratios).")
+    dpo_loss: Literal["sigmoid", "ipo", "hinge"] = Field("sigmoid", description="DPO's loss: sigmoid (the paper's), ipo (squared, on "
+                                                          "per-token averages) or hinge (SLiC); as TRL computes them.")
+    label_smoothing: float = Field(0.0, ge=0, lt=0.5, description="dpo_loss sigmoid: the share of pairs assumed flipped (conservative DPO).")
+    orpo_lambda: float = Field(0.1, gt=0, description="ORPO: weight of the odds-ratio term added to the chosen answers' cross-entropy "
+                               "(TRL's beta).")
+    simpo_gamma: float = Field(0.5, ge=0, description="SimPO: the target margin between the chosen and rejected answers' average "
+                               "log-probabilities, in units of beta (TRL's simpo_gamma).")
+    kto_desirable_weight: float = Field(1.0, gt=0, description="KTO: weight of the desirable examples' losses (TRL's desirable_weight); "
+                                        "with more undesirable than desirable examples, the KTO paper suggests their count ratio (to 4/3 of it).")
+    kto_undesirable_weight: float = Field(1.0, gt=0, description="KTO: weight of the undesirable examples' losses (TRL's undesirable_weight).")
+    center_rewards_coefficient: float | None = Field(None, ge=0, description="Reward models: weight of the mean squared sum of the pair's "
+                                                     "rewards added to the loss, keeping rewards centred on 0 (TRL's; 0.01 in its docs); null: off.")
+    cpo_alpha: float | None = Field(None, ge=0, description="CPO and SimPO: weight of the chosen answers' mean cross-entropy added to the "
+                                    "preference loss (TRL's cpo_alpha). null: 1.0 for cpo (the paper's), 0 for simpo (plain SimPO).")
+
+
+class GRPOConfig(_Section):
+    rewards: list[str] = Field(["exact_match"], min_length=1, description="Reward functions, summed (weighted): exact_match (1 where the "
+                               "completion, stripped, equals the row's answer), format (1 where it matches format_pattern whole), length "
+                               "(minus the share of max_completion_length used), reward_model:PATH (a reward model train.objective: reward "
+                               "saved: its score), or module:function / path/to/file.py:function, called as TRL calls them: f(prompts=, "
+                               "completions=, completion_ids=, **the rows' other columns) -> a float per completion.")
+    reward_weights: list[float] | None = Field(None, description="A weight per reward function (null: 1 each).")
+    format_pattern: str = Field(r"\S.*", description="The format reward's regular expression (Python re, matched against the whole completion, "
+                                "DOTALL).")
+    num_generations: int = Field(8, ge=2, description="Completions sampled per prompt (the group whose rewards are normalised).")
+    max_completion_length: int = Field(64, gt=0, description="Tokens a completion may have (it ends earlier at the EOS token).")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature of the completions.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling: the smallest set of tokens whose probabilities sum to this.")
+    top_k: int = Field(0, ge=0, description="Sample among the k most likely tokens (0: all).")
+    beta: float = Field(0.0, ge=0, description="Weight of the KL term to the reference (the base with the adapter off; a frozen copy for full "
+                        "fine-tuning); 0 (TRL's default) loads no reference and skips its forward.")
+    epsilon: float = Field(0.2, gt=0, description="The policy ratio's clipping range below 1 (and above, unless epsilon_high).")
+    epsilon_high: float | None = Field(None, gt=0, description="The clipping range above 1 (DAPO's clip-higher; null: epsilon).")
+    loss_type: Literal["grpo", "dr_grpo", "dapo"] = Field("dapo", description="grpo: each completion's mean over its tokens, then the mean over "
+                                                         "completions; dr_grpo: the sum over tokens / (completions x max_completion_length); dapo "
+                                                         "(TRL's bnpo at one micro-batch): the mean over every completion token of the step.")
+    scale_rewards: Literal["group", "none"] = Field("group", description="Advantages: a group's rewards less their mean, divided by their "
+                                                    "standard deviation (group) or not (none: Dr. GRPO).")
+
+
+class EvalConfig(_Section):
+    every: int = Field(0, ge=0, description="Eval loss every N optimizer steps (0 = only at the end).")
+    on_start: bool = Field(True, description="Also evaluate before the first step: the curve's baseline, and the guard's start point "
+                           "for the final eval loss (a run that ends worse than it started stops with exit 3).")
+    max_batches: int | None = Field(None, gt=0, description="Cap on eval batches per evaluation.")
+    generate_samples: int = Field(0, ge=0, description="Greedy-generate answers for this many eval prompts before and after training; "
+                                  "report exact-match accuracy.")
+    max_new_tokens: int = Field(48, gt=0, description="Token budget for those generations.")
+
+
+class LoggingConfig(_Section):
+    log_every: int = Field(1, gt=0, description="Write a metrics row every N optimizer steps.")
+    report_to: list[Literal["tensorboard", "wandb", "mlflow"]] = Field(
+        default_factory=lambda: ["tensorboard"],
+        description="Trackers (through accelerate); each gets the whole resolved config and the scalars of metrics.jsonl."
+    )
+    project: str = Field("finetune", description="The trackers' project (W&B project, MLflow experiment).")
+    run_name: str | None = Field(None, description="The run's name in the trackers (null: the output folder's name).")
+    entity: str | None = Field(None, description="W&B entity (team or user); null: your default.")
+    tags: list[str] = Field([], description="Tags of the run in W&B and MLflow.")
+    progress_bar: bool = Field(True, description="Show a progress bar on the main process.")
+    plot: bool = Field(True, description="Write loss_curve.png at the end.")
+
+
+class CheckpointConfig(_Section):
+    save_every: int = Field(0, ge=0, description="Save a checkpoint every N optimizer steps (0 = none; the final output is always saved).")
+    save_every_minutes: float = Field(0, ge=0, description="Also save when this many minutes have passed since the last save (0 = off).")
+    allow_config_change: bool = Field(False, description="Resume even when settings that change the run (model, adapter, data, batch) "
+                                      "differ from the checkpoint's.")
+    max_restarts_without_progress: int = Field(3, ge=1, description="Refuse to start again after this many starts in a row resumed from the same checkpoint.")
+    keep_last: int = Field(2, ge=1, description="Complete checkpoints to keep; older ones are deleted once a newer one is complete.")
+    async_save: bool | None = Field(None, description="Write checkpoints in the background (one process, ddp, fsdp): training waits only "
+                                    "for a copy of the trained weights and optimizer state in host memory. null: on for adapters, off for full "
+                                    "fine-tuning (whose copy costs ~12 bytes per parameter of host memory). ZeRO saves synchronously.")
+    resume: str = Field("auto", description="auto: resume from the newest complete checkpoint in output_dir/checkpoints; never; or a checkpoint path.")
+
+    @field_validator("resume")
+    @classmethod
+    def _resume_path_exists(cls, value: str, info: ValidationInfo) -> str:
+        if value not in ("auto", "never") and not _paths_unchecked(info) and not Path(value).expanduser().is_dir():
+            raise ValueError(f"expected auto, never or a checkpoint folder; no folder {value}")
+        return value
+
+
+class GuardConfig(_Section):
+    enabled: bool = Field(True, description="Watch every step for non-finite losses, spikes and drift, and repair (skip, roll back, stop).")
+    window: int = Field(50, gt=1, description="Steps of history for the spike statistics, the anomaly count and the drift test.")
+    min_history: int = Field(20, gt=0, description="Healthy steps needed before anything but non-finite values is judged.")
+    loss_spike_ratio: float = Field(3.0, gt=1, description="A spike: a loss this many times the recent median loss...")
+    loss_spike_sigmas: float = Field(6.0, gt=0, description="...and this many robust deviations (1.4826 x median absolute deviation) above it.")
+    grad_spike_ratio: float = Field(100.0, gt=1, description="A gradient norm this many times the recent median is a spike too (clipping bounds lesser ones).")
+    drift: float = Field(0.1, ge=0, description="Roll back when the loss level (median of the last 10 steps) rises this fraction above its lowest "
+                         "within the window, or ends the run that far above the run's best (0 = off)...")
+    drift_sigmas: float = Field(6.0, gt=0, description="...and the rise is this many times the noise of a difference of two levels "
+                                "(from the window's step-to-step "
+                                "deviation), so that noisy small batches do not read as a drift.")
+    min_rise: float | None = Field(None, ge=0, description="...and a spike or drift raises the loss by more than this (absolute). null: 0 for "
+                                   "sft and orpo; for dpo the loss it starts at (ln 2 for sigmoid): its per-batch loss swings that much "
+                                   "between pairs it already ranks well and a few it does not, without any divergence.")
+    grad_collapse: float = Field(20.0, ge=0, description="Within the first `window` steps, stop when the gradient norm's level has fallen this many times "
+                                 "more than the loss has (both from step 1): Adam pushed the weights into a flat, saturated region, the mark of a "
+                                 "learning rate too high from the start (healthy runs measured: at most 3.4). 0 = off.")
+    skips_before_rollback: int = Field(3, gt=0, description="Skipped steps within the window that trigger a rollback.")
+    lr_backoff: float = Field(0.5, gt=0, le=1, description="LR multiplier applied at each rollback.")
+    clip_after_rollback: float | None = Field(None, gt=0, description="Gradient clipping after a rollback (OPT went from 1.0 to 0.3); "
+                                              "null keeps train.max_grad_norm.")
+    max_rollbacks: int = Field(3, ge=0, description="Rollbacks before the run stops with a message.")
+
+
+class WatchdogConfig(_Section):
+    factor: float = Field(20.0, gt=1, description="A step taking this many times the median recent step is hung.")
+    min_seconds: float = Field(600.0, gt=0, description="...and at least this many seconds (first steps, evals and saves are not timed).")
+    enabled: bool = Field(True, description="Dump every thread's stack and exit with code 4 when a step hangs (a stuck collective, a dead peer).")
+
+
+class DistributedConfig(_Section):
+    strategy: StrategyName = Field(
+        "ddp", description="none (one process only), or with several processes: ddp (replicas, accelerate), fsdp (torch FSDP2 fully_shard per decoder layer), "
+        "zero2 / zero3 (DeepSpeed ZeRO: optimizer+gradients / also parameters sharded), zero3_offload (ZeRO-3 with parameters and optimizer in CPU RAM)."
+    )
+    fsdp_reshard_after_forward: bool = Field(True, description="FSDP: free gathered weights after forward (full shard); "
+                                             "false keeps them (less communication, more memory).")
+    fsdp_shard_size: int | None = Field(None, gt=0, description="FSDP: processes that share one sharded copy (default: all). "
+                                        "Set it to the GPUs per node for hybrid sharding (HSDP): shard within a node, replicate across nodes.")
+    fsdp_cpu_offload: bool = Field(False, description="FSDP: keep sharded parameters, gradients and optimizer states in CPU RAM (GPU runs).")
+    sequence_parallel: int = Field(1, ge=1, description="Split every row's tokens over this many processes (DeepSpeed's Ulysses attention: "
+                                   "an all-to-all over the heads around each attention); the data is spread over world / N groups. It must "
+                                   "divide the process count and the model's attention and key/value heads; sft only.")
+
+
+class RunConfig(_Section):
+    model: ModelConfig
+    adapter: AdapterConfig = Field(default_factory=AdapterConfig)
+    data: DataConfig
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    preference: PreferenceConfig = Field(default_factory=PreferenceConfig)
+    grpo: GRPOConfig = Field(default_factory=GRPOConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    distributed: DistributedConfig = Field(default_factory=DistributedConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    guard: GuardConfig = Field(default_factory=GuardConfig)
+    watchdog: WatchdogConfig = Field(default_factory=WatchdogConfig)
+
+    @field_validator("data")
+    @classmethod
+    def _data_files_exist(cls, data: DataConfig, info: ValidationInfo) -> DataConfig:
+        for key in ("train", "eval") if not _paths_unchecked(info) else ():
+            sources = _as_list(getattr(data, key))
+            if key == "train" and not sources:
+                raise ValueError("train: the list of training sources is empty")
+            for source in sources:
+                path = source.path if isinstance(source, SourceConfig) else source
+                if looks_local(path) and not Path(path).exists():
+                    raise ValueError(f"{key}: file not found: {path}")
+        return data
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> RunConfig:
+        if self.data.eval is not None and self.data.eval_fraction > 0:
+            raise ValueError("data: set either data.eval or data.eval_fraction, not both")
+        asked = Strategy.of(self.distributed.strategy)
+        if self.model.tiled_mlp > 1 and self.model.compile:
+            raise ValueError("model.tiled_mlp: its MLPs run through an autograd function of DeepSpeed's that model.compile is not supported "
+                             "with yet; set one of them off")
+        if self.distributed.sequence_parallel > 1 and self.train.objective != "sft":
+            raise ValueError(f"distributed.sequence_parallel: splits the rows of sft runs only, not {self.train.objective}'s pairs; set it to 1")
+        strategy = asked.name
+        if asked.shards_weights and self.eval.generate_samples:
+            raise ValueError(f"eval.generate_samples: not available with distributed.strategy {strategy} (the parameters are sharded); set it to 0")
+        if asked.shards_states and self.train.mixed_precision in ("fp16", "fp8"):
+            raise ValueError(f"train.mixed_precision: {strategy} runs no/bf16 here (fp16 would need a sharded grad scaler); use bf16")
+        q = self.model.quantization
+        if strategy == "fsdp" and q is not None:
+            raise ValueError("distributed.strategy: fsdp cannot shard a quantized base yet (on CPU FSDP2 drops bitsandbytes' "
+                             "quantization state; on CUDA it keeps it, but loading and checkpointing a sharded 4-bit base over "
+                             "several GPUs is untested); use zero3 (ZeRO-3 + QLoRA) or ddp")
+        if asked.deepspeed and q is not None and q.bits == 8:
+            raise ValueError(f"model.quantization: an 8-bit base is not supported under {strategy}; use bits: 4 (QLoRA) or distributed.strategy: ddp")
+        if asked.deepspeed and self.train.optimizer not in ("adamw", "sgd"):
+            raise ValueError(f"train.optimizer: {self.train.optimizer} is not tested under DeepSpeed ZeRO; use adamw or sgd")
+        if self.adapter.init in MUTATED_INITS:
+            why = ("adapter.method lora" if self.adapter.method != "lora" else "a quantized base" if q is not None
+                   else f"distributed.strategy {strategy}" if not asked.replicated else None)
+            if why:
+                raise ValueError(f"adapter.init: {self.adapter.init} moves part of each weight into the adapter; it runs with adapter.method: lora "
+                                 f"on an unquantized base in one process or under ddp (not with {why})")
+        formats = {(None if isinstance(s, str) else s.format) or self.data.format for s in _as_list(self.data.train)}
+        if self.train.objective != "sft" and self.data.train_on_prompt:
+            raise ValueError(f"data.train_on_prompt: {self.train.objective} takes its loss on the answers only; set it to false")
+        wanted = {"sft": None, "grpo": "prompt", "kto": "unpaired"}.get(self.train.objective, "preference")
+        if wanted is None and formats & {"preference", "prompt", "unpaired"}:
+            raise ValueError("train.objective: sft trains on answers; set train.objective: dpo, orpo, cpo or simpo for data.format: preference, "
+                             "kto for data.format: unpaired, grpo for data.format: prompt")
+        if wanted is not None and formats != {wanted}:
+            raise ValueError(f"train.objective: {self.train.objective} trains on " + {
+                "preference": "preference pairs: set data.format: preference", "prompt": "prompts: set data.format: prompt ({prompt, answer?, ...} rows)",
+                "unpaired": "unpaired examples: set data.format: unpaired ({prompt, completion, label} rows)"}[wanted])
+        g = self.grpo
+        if g.reward_weights is not None and len(g.reward_weights) != len(g.rewards):
+            raise ValueError(f"grpo.reward_weights: {len(g.reward_weights)} weights for {len(g.rewards)} reward functions; give one each")
+        if self.train.objective == "reward":
+            why = ("model.quantization (quantized reward models are not supported yet)" if q is not None else
+                   f"distributed.strategy {strategy} (the score head is not in the base's files it streams; use ddp or zero2)"
+                   if asked.shards_weights else "eval.generate_samples (a reward model scores, it does not generate)"
+                   if self.eval.generate_samples else None)
+            if why:
+                raise ValueError(f"train.objective: reward trains a sequence-classification head; it cannot run with {why}")
+        if self.adapter.init == "loftq":
+            why = ("adapter.method lora" if self.adapter.method != "lora" else "model.quantization bits: 4" if q is None or q.bits != 4
+                   else f"not distributed.strategy {strategy}" if not asked.replicated else None)
+            if why:
+                raise ValueError(f"adapter.init: loftq fits LoRA to a 4-bit base's quantization error, in one process or under ddp; it needs {why}")
+        if self.model.quantization is not None and self.adapter.method == "full":
+            raise ValueError("model.quantization: quantized weights cannot be fully fine-tuned; use adapter.method lora or dora (QLoRA)")
+        if self.train.mixed_precision == "fp16" and self.model.dtype == "bfloat16":
+            raise ValueError("train.mixed_precision: fp16 autocast over bfloat16 weights; use bf16")
+        return self
+
+
+def _paths_unchecked(info: ValidationInfo) -> bool:
+    """Paths in the config need not exist from here: a run's saved config read back (merge, generate;
+    its paths were checked when it ran, relative to where it ran), or a plan (it reads the model alone)."""
+    return bool(info.context and info.context.get("check_paths") is False)
+
+
+def _as_list(value: str | list | None) -> list:
+    if value is None:
+        return []
+    return [value] if isinstance(value, str) else list(value)
+
+
+def looks_local(path: str) -> bool:
+    """A data or model reference is a local path if it exists or looks like a file path rather than a hub id."""
+    return Path(path).exists() or path.startswith((".", "/", "~")) or Path(path).suffix in {".jsonl", ".json", ".parquet", ".csv", ".txt", ".gz"}
+
+
+def data_sources(value, data: DataConfig) -> list[SourceConfig]:
+    """data.train or data.eval as sources, each with its format and bad-row policy filled in."""
+    return [SourceConfig(path=s, format=data.format, bad_rows=data.bad_rows, columns=data.columns, split=data.split) if isinstance(s, str)
+            else s.model_copy(update={"format": s.format or data.format, "bad_rows": s.bad_rows or data.bad_rows,
+                                      "columns": data.columns if s.columns is None else s.columns, "split": s.split or data.split})
+            for s in _as_list(value)]
+
+
+# ----------------------------------------------------------------------------------------------
+# Loading, overrides and errors
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """`train.lr=1e-4` -> (['train', 'lr'], 1e-4). The value is parsed as YAML, so types come out right."""
+    if "=" not in item:
+        raise UserError(f"--set {item}: expected KEY=VALUE, e.g. --set train.lr=1e-4")
+    key, raw = item.split("=", 1)
+    keys = key.strip().split(".")
+    if not all(k.strip() for k in keys):
+        raise UserError(f"--set {item}: the key is empty (expected KEY=VALUE, e.g. --set train.lr=1e-4)")
+    try:
+        return keys, yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError as err:
+        raise UserError(f"--set {item}: not a plain YAML value ({getattr(err, 'problem', None) or str(err).splitlines()[0]})") from None
+
+
+def apply_override(raw: dict, keys: list[str], value: Any, source: str) -> None:
+    node = raw
+    for k in keys[:-1]:
+        child = node.setdefault(k, {})
+        if not isinstance(child, dict):
+            raise UserError(f"{source}: {'.'.join(keys)}: {k} is not a section")
+        node = child
+    node[keys[-1]] = value
+
+
+# Settings that may differ between a checkpoint and the run resuming it: how the run is observed,
+# how long it goes on, how it is spread, and the knobs OPT's and PaLM's teams turned when they
+# restarted by hand. Anything else (model, adapter, data, seed, optimizer) changes what is trained.
+CHANGEABLE_ON_RESUME = (
+    "logging.", "eval.", "checkpoint.", "model.ramdisk", "guard.", "watchdog.", "distributed.", "data.cache_dir", "data.num_proc", "data.tokenize_wait_minutes",
+    "train.output_dir", "train.max_steps", "train.epochs", "train.lr", "train.warmup_", "train.scheduler", "train.min_lr_ratio", "train.decay_ratio",
+    "train.max_grad_norm", "train.skip_data",
+    # Batch shape: resuming at another world size (DCP reshards) means another micro-batch/accumulation.
+    "train.micro_batch_size", "train.grad_accum",
+)
+
+
+def config_changes(saved: dict, cfg: RunConfig) -> tuple[list[str], list[str]]:
+    """(changes that alter what is trained, harmless changes) from a checkpoint's config to this one."""
+    old, new = flatten(saved), flatten(cfg.model_dump(mode="json"))
+    breaking, harmless = [], []
+    for key in sorted(set(old) | set(new)):
+        if old.get(key) != new.get(key):
+            line = f"{key}: {json.dumps(old.get(key))} -> {json.dumps(new.get(key))}"
+            (harmless if key.startswith(CHANGEABLE_ON_RESUME) else breaking).append(line)
+    return breaking, harmless
+
+
+def flatten(tree: dict, prefix: str = "") -> dict:
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(flatten(value, f"{prefix}{key}."))
+        else:
+            flat[prefix + key] = value
+    return flat
+
+
+SHIPPED_CONFIGS = Path(__file__).resolve().parents[2] / "configs"  # the repo's configs/, beside the package
+
+
+def find_config(name: str | os.PathLike) -> Path:
+    """A config file by path, or by the name of a shipped config (`qlora`, `qlora.yaml`, `llama3-8b`):
+    configs/ and then configs/presets/, as torchtune resolves its built-in config names."""
+    path = Path(name)
+    if path.is_file() or path.parent != Path("."):
+        return path
+    for folder in (SHIPPED_CONFIGS, SHIPPED_CONFIGS / "presets"):
+        for candidate in (folder / path.name, folder / f"{path.name}.yaml"):
+            if candidate.is_file():
+                return candidate
+    return path
+
+
+def shipped_configs() -> list[tuple[str, str]]:
+    """(name, the first line of its opening comment) of every shipped config, for `finetune configs`."""
+    found = []
+    for folder in (SHIPPED_CONFIGS, SHIPPED_CONFIGS / "presets"):
+        for path in sorted(folder.glob("*.yaml")):
+            found.append((str(path.relative_to(SHIPPED_CONFIGS.parent)), _first_sentence(path)))
+    return found
+
+
+def _first_sentence(path: Path) -> str:
+    """A shipped config's opening comment (before its example commands), up to the first full stop."""
+    words = []
+    for line in path.read_text().splitlines():
+        if not line.startswith("#") or line.startswith("#  "):
+            break
+        words.append(line.lstrip("#").strip())
+    text = " ".join(words)
+    return text.split(". ", 1)[0].rstrip(".")
+
+
+def load_config(path: str | os.PathLike, overrides: list[str] = (), check_model: bool = True, check_paths: bool = True) -> RunConfig:
+    """Read, override and validate a run config. Raises UserError with one line on any problem.
+    check_paths: False where data, template and resume paths need not exist from here (a run's saved
+    config read back; a plan)."""
+    path = find_config(path)
+    if not path.is_file():
+        hint = "" if path.parent != Path(".") else " (nor a shipped config: finetune configs lists them)"
+        raise UserError(f"{path}: config file not found{hint}")
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except UnicodeDecodeError:
+        raise UserError(f"{path}: not UTF-8 text") from None
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f":{mark.line + 1}" if mark else ""
+        raise UserError(f"{path}{where}: not valid YAML ({getattr(err, 'problem', err)})") from None
+    if not isinstance(raw, dict):
+        raise UserError(f"{path}: expected a mapping of sections (model, adapter, data, train, ...)")
+    for item in overrides:
+        keys, value = parse_override(item)
+        apply_override(raw, keys, value, f"--set {item}")
+    # Relative data and model paths are relative to the working directory, as users type them.
+    cfg = validate_config(raw, str(path), check_paths)
+    if check_model:
+        check_against_model(cfg, str(path))
+    return cfg
+
+
+def validate_config(raw: dict, source: str, check_paths: bool = True) -> RunConfig:
+    try:
+        return RunConfig.model_validate(raw, context={"check_paths": check_paths})
+    except ValidationError as err:
+        raise UserError(f"{source}: {_describe(err)}") from None
+
+
+def _describe(err: ValidationError) -> str:
+    # With a union (a data source is a path or a {path, ...} mapping) pydantic reports every branch;
+    # the deepest location is the branch the input was meant for.
+    first = max(err.errors(), key=lambda e: len(e["loc"]))
+    loc = ".".join(str(part) for part in first["loc"] if not (isinstance(part, str) and (_UNION_TAG.match(part) or part == "[key]")))
+    kind, msg = first["type"], first["msg"]
+    if kind == "extra_forbidden":
+        return f"{loc}: unknown key"
+    if kind == "missing":
+        return f"{loc}: required key is missing"
+    msg = msg.removeprefix("Value error, ")
+    got = first.get("input")
+    shown = "" if isinstance(got, (dict, list)) or got is None else f" (got {json.dumps(got, default=str)})"
+    return f"{loc}: {msg}{shown}" if loc else f"{msg}{shown}"
+
+
+_UNION_TAG = re.compile(r"^(str|int|float|bool|list\[.*\]|dict\[.*\]|tuple\[.*\]|[A-Z]\w*Config)$")  # a union branch's name in a location
+
+
+# Where a config.json gives the longest sequence: most families, GPT-2/GPT-J/CodeGen/GPT-BigCode, MPT.
+# ALiBi models (Bloom) have no limit to give.
+CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len")
+
+
+def check_against_model(cfg: RunConfig, source: str) -> None:
+    """Checks that need the model's config.json (read as JSON: no weights, no transformers import)."""
+    model_dir = Path(cfg.model.name_or_path).expanduser()
+    if not model_dir.exists():
+        if looks_local(cfg.model.name_or_path):
+            raise UserError(f"{source}: model.name_or_path: folder not found: {cfg.model.name_or_path}")
+        return  # a hub id: checked when it is loaded
+    model_cfg = read_model_config(model_dir, f"{source}: model.name_or_path")
+    model_cfg = {**(model_cfg.get("text_config") or model_cfg), **cfg.model.config_overrides}
+    key = next((k for k in CONTEXT_KEYS if model_cfg.get(k)), None)
+    if key and cfg.data.max_seq_len > model_cfg[key]:
+        raise UserError(f"{source}: data.max_seq_len: {cfg.data.max_seq_len} is larger than the model's {key} ({model_cfg[key]})")
+
+
+def read_model_config(folder: Path, what: str) -> dict:
+    """A model folder's config.json as a dict, or one line saying what is wrong with it."""
+    path = Path(folder).expanduser() / "config.json"
+    if not path.is_file():
+        raise UserError(f"{what}: {path.parent} has no config.json (not a HF model folder)")
+    return read_json_object(path, what)
+
+
+def read_json_object(path: Path, what: str) -> dict:
+    """A JSON file holding an object, or one line naming `what` and what is wrong with the file."""
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError):
+        raise UserError(f"{what}: {path} is not valid JSON") from None
+    if not isinstance(value, dict):
+        raise UserError(f"{what}: {path}: expected a JSON object")
+    return value
+
+
+def to_yaml(cfg: RunConfig) -> str:
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+
+
+def reference_markdown() -> str:
+    """Every config key with its type, default and meaning, as Markdown tables (docs/configuration.md)."""
+    lines = []
+    for section, field in RunConfig.model_fields.items():
+        lines += [f"**`{section}`**", "", "| key | default | meaning |", "| --- | --- | --- |"]
+        lines += _reference_rows(section, field.annotation)
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _reference_rows(prefix: str, schema: type[BaseModel]) -> list[str]:
+    rows = []
+    for key, f in schema.model_fields.items():
+        if f.is_required():
+            default = "*required*"
+        else:
+            value = f.default_factory() if f.default_factory else f.default
+            default = f"`{json.dumps(value)}`"
+        rows.append(f"| `{prefix}.{key}` | {default} | {f.description or ''} |")
+        nested = [a for a in getattr(f.annotation, "__args__", (f.annotation,)) if isinstance(a, type) and issubclass(a, BaseModel)]
+        for sub in nested:
+            rows += _reference_rows(f"{prefix}.{key}", sub)
+    return rows

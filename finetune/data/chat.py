@@ -1,0 +1,252 @@
+"""Chat templates: which one renders the conversations, and which of its tokens are the assistant's.
+
+The loss mask comes from the template's own output, never from guesses about its markup:
+1. a template with generation markers (`{% generation %}`, as the built-ins here have) says itself
+   which characters are the assistant's (transformers' `return_assistant_tokens_mask`);
+2. otherwise each assistant turn is what the template adds after the generation prompt, found by
+   rendering the conversation up to that turn, when those renders are prefixes of the whole one;
+3. where the template rewrites earlier turns (Qwen3 drops the `<think>` blocks of past answers, some
+   templates trim or re-order), each assistant message is located in the final text, in order, with
+   the end-of-turn token that follows it; a message that cannot be found stops with one line.
+
+Trained: what the model must write after the generation prompt, up to and including the end-of-turn
+token; never the whitespace that separates turns, the role headers or any other message.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from finetune.config.errors import UserError
+
+# Built-in templates, for models that have none or to replace theirs (data.chat_template). Each marks
+# the assistant's part with generation markers, so the loss mask comes from the template itself.
+# Tool calls (an assistant message's `tool_calls`) are written as JSON, in Qwen's <tool_call> tags in
+# chatml; the row's `tools` (function schemas) go into a system turn before the conversation.
+BUILTIN = {
+    "chatml": (
+        "{% if tools %}{{ '<|im_start|>system\\n# Tools\\n<tools>' }}{% for t in tools %}{{ '\\n' + (t | tojson) }}{% endfor %}"
+        "{{ '\\n</tools><|im_end|>\\n' }}{% endif %}"
+        "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' }}"
+        "{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] }}{% for c in (m.tool_calls or []) %}"
+        "{{ ('\\n' if m['content'] or not loop.first else '') + '<tool_call>\\n' "
+        "+ ({'name': c.function.name, 'arguments': c.function.arguments} | tojson) + '\\n</tool_call>' }}"
+        "{% endfor %}{{ '<|im_end|>' }}{% endgeneration %}{{ '\\n' }}"
+        "{% else %}{{ m['content'] + '<|im_end|>\\n' }}{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    ),
+    "llama3": (
+        "{{ bos_token }}{% for m in messages %}{{ '<|start_header_id|>' + m['role'] + '<|end_header_id|>\\n\\n' }}"
+        "{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] }}{% for c in (m.tool_calls or []) %}"
+        "{{ ({'name': c.function.name, 'parameters': c.function.arguments} | tojson) }}{% endfor %}{{ '<|eot_id|>' }}{% endgeneration %}"
+        "{% else %}{{ m['content'] + '<|eot_id|>' }}{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}"
+    ),
+    "alpaca": (
+        "{% if bos_token %}{{ bos_token }}{% endif %}{% for m in messages %}"
+        "{% if m['role'] == 'system' %}{{ m['content'] + '\\n\\n' }}"
+        "{% elif m['role'] == 'assistant' %}{{ '### Response:\\n' }}{% generation %}{{ m['content'] + eos_token }}{% endgeneration %}{{ '\\n\\n' }}"
+        "{% else %}{{ '### Instruction:\\n' + m['content'] + '\\n\\n' }}{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '### Response:\\n' }}{% endif %}"
+    ),
+}
+# The tokens a built-in is written in, the first being its end of turn; the tokenizer must know them.
+BUILTIN_TOKENS = {"chatml": ["<|im_end|>", "<|im_start|>"], "llama3": ["<|eot_id|>", "<|start_header_id|>", "<|end_header_id|>"]}
+GENERATION_MARKER = re.compile(r"\{%-?\s*generation\s*-?%\}")
+
+
+def choose_template(tokenizer, choice: str | None, fmt: str, say=print) -> None:
+    """Give the tokenizer the template data.chat_template names (None: keep the model's own), for rows
+    of format `fmt`.
+
+    With a built-in whose end of turn is not the tokenizer's EOS, that token becomes the EOS, so that
+    generation stops at the end of an answer (LLaMA-Factory does the same)."""
+    if choice is not None:
+        if choice in BUILTIN:
+            missing = [t for t in BUILTIN_TOKENS.get(choice, []) if not _is_one_token(tokenizer, t)]
+            if missing:
+                raise UserError(f"data.chat_template: {choice} is written in tokens this tokenizer does not have ({', '.join(missing)}); "
+                                "use alpaca (works with any tokenizer) or a .jinja file of your own")
+            tokenizer.chat_template = BUILTIN[choice]
+            end = BUILTIN_TOKENS.get(choice, [None])[0]
+            if end and tokenizer.eos_token != end:
+                say(f"data.chat_template: {choice}: the tokenizer's EOS becomes {end} (was {tokenizer.eos_token}), where answers end")
+                tokenizer.eos_token = end
+        else:
+            path = Path(choice).expanduser()
+            try:
+                tokenizer.chat_template = path.read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as err:
+                raise UserError(f"data.chat_template: {choice}: cannot read it as a Jinja template file ({err.__class__.__name__})") from None
+    if fmt == "chat" and not tokenizer.chat_template:
+        raise UserError("data.chat_template: the model's tokenizer has no chat template to render chat rows; "
+                        f"set data.chat_template to one of {', '.join(BUILTIN)} or a .jinja file")
+    if fmt != "completion" and tokenizer.chat_template and not ends_turns(tokenizer):
+        say("data: the chat template ends answers with no special token: the model will not learn where an answer stops")
+
+
+def _is_one_token(tokenizer, text: str) -> bool:
+    return len(tokenizer(text, add_special_tokens=False)["input_ids"]) == 1
+
+
+def render(tokenizer, messages: list[dict], add_generation_prompt: bool = False, tools: list | None = None) -> str:
+    try:
+        return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt)
+    except Exception as err:  # noqa: BLE001 - a template's own raise_exception() or a Jinja error: the template refuses this row
+        raise UserError(f"data: the chat template cannot render a row: {str(err).splitlines()[0] if str(err) else type(err).__name__}") from None
+
+
+def assistant_mask(tokenizer, messages: list[dict]) -> tuple[list[int], list[bool]]:
+    """Token ids of the rendered conversation, and for each token whether it is trained."""
+    result = assistant_masks(tokenizer, [messages])[0]
+    if isinstance(result, str):
+        raise UserError(result)
+    return result
+
+
+def assistant_masks(tokenizer, conversations: list[list[dict]], tools: list[list | None] | None = None) -> list[tuple[list[int], list[bool]] | str]:
+    """assistant_mask for many conversations (with each one's tool schemas, if any), tokenized in one
+    batch call; a conversation the template cannot render or mask gets the reason instead."""
+    tools = tools or [None] * len(conversations)
+    if GENERATION_MARKER.search(tokenizer.chat_template or ""):
+        out = []
+        for messages, schemas in zip(conversations, tools):
+            try:
+                enc = tokenizer.apply_chat_template(messages, tools=schemas, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+                out.append((list(enc["input_ids"]), [bool(m) for m in enc["assistant_masks"]]))
+            except Exception as err:  # noqa: BLE001 - the template refuses this conversation
+                out.append(f"data: the chat template cannot render a row: {str(err).splitlines()[0] if str(err) else type(err).__name__}")
+        return out
+    texts, spans, out = [], [], []
+    for messages, schemas in zip(conversations, tools):
+        try:
+            full = render(tokenizer, messages, tools=schemas)
+            spans.append(assistant_spans(tokenizer, messages, full, schemas))
+            texts.append(full)
+            out.append(None)
+        except UserError as err:
+            out.append(str(err))
+    if not texts:
+        return out
+    batch = tokenizer(texts, add_special_tokens=False)
+    done = 0
+    for i, result in enumerate(out):
+        if result is None:
+            ids = batch["input_ids"][done]
+            out[i] = ids, _token_mask(batch, done, len(ids), spans[done])
+            done += 1
+    return out
+
+
+def _token_mask(batch, index: int, length: int, spans: list[tuple[int, int]]) -> list[bool]:
+    """Which tokens of text `index` of a batch encoding overlap the character spans: a token that
+    overlaps an answer is trained (sentencepiece's "▁answer" carries the space before it). Found from
+    each span's first and last character, not token by token."""
+    mask = [False] * length
+    for s, e in spans:
+        first = next((t for c in range(s, e) if (t := batch.char_to_token(index, c)) is not None), None)
+        last = next((t for c in range(e - 1, s - 1, -1) if (t := batch.char_to_token(index, c)) is not None), None)
+        if first is not None:
+            mask[first : last + 1] = [True] * (last + 1 - first)
+    return mask
+
+
+def assistant_spans(tokenizer, messages: list[dict], full: str, tools: list | None = None) -> list[tuple[int, int]]:
+    """Character ranges of `full` (the whole conversation rendered) that the assistant writes."""
+    spans, cursor = [], 0
+    for i, msg in enumerate(messages):
+        if msg["role"] == "system":
+            continue  # templates move system prompts (Mistral's into the last user turn): no landmark
+        if msg["role"] != "assistant":
+            found = _locate(full, msg["content"], cursor)  # an answer is searched for after the turns before it
+            cursor = found[1] if found else cursor
+            continue
+        span = _turn_by_prefixes(tokenizer, messages, i, full, tools)
+        if span is None or span[0] < cursor:
+            span = (_turn_after_prompt(tokenizer, messages, i, full, tools) if msg.get("tool_calls") else None) or \
+                   _located_turn(tokenizer, full, msg.get("content") or "", cursor)
+        if span is None or span[0] < cursor:
+            raise UserError(f"data: the chat template rewrites assistant message {i} so that its text is not in the rendered "
+                            "conversation; give the template generation markers ({% generation %}) or set data.chat_template")
+        unwritten = [name for name in _called(msg) if name not in full[span[0] : span[1]]]
+        if unwritten:
+            raise UserError(f"data: the chat template does not write the tool calls of assistant message {i} ({', '.join(unwritten)}): the model "
+                            "would learn an empty turn; set data.chat_template to a template that renders tool_calls")
+        spans.append(span)
+        cursor = span[1]
+    return spans
+
+
+def _turn_by_prefixes(tokenizer, messages: list[dict], i: int, full: str, tools: list | None = None) -> tuple[int, int] | None:
+    """What the template adds for message i after the generation prompt, if both renders are
+    prefixes of the whole conversation; whitespace around it (between turns) excluded."""
+    try:
+        before = render(tokenizer, messages[:i], add_generation_prompt=True, tools=tools) if i else ""
+    except UserError:  # templates that refuse a conversation with no user turn yet
+        return None
+    upto = (full if i == len(messages) - 1 else render(tokenizer, messages[: i + 1], tools=tools)).rstrip()
+    if not (full.startswith(before) and full.startswith(upto)) or not upto[len(before):].strip():
+        return None
+    added = upto[len(before):]
+    return len(before) + len(added) - len(added.lstrip()), len(upto)
+
+
+def _called(message: dict) -> list[str]:
+    """The names of the functions an assistant message calls (OpenAI's tool_calls)."""
+    return [(call.get("function") or call).get("name", "") for call in message.get("tool_calls") or []]
+
+
+def _turn_after_prompt(tokenizer, messages: list[dict], i: int, full: str, tools: list | None = None) -> tuple[int, int] | None:
+    """An assistant turn that calls tools, where rendering it alone differs from the whole conversation (Qwen3 marks a
+    last turn's empty reasoning): from the end of the generation prompt up to and with the first special token after
+    it (the end of the turn), its text and its calls."""
+    try:
+        before = render(tokenizer, messages[:i], add_generation_prompt=True, tools=tools)
+    except UserError:
+        return None
+    if not full.startswith(before):
+        return None
+    specials = _special_strings(tokenizer)
+    ends = [(at, len(t)) for t in specials if (at := full.find(t, len(before))) >= 0]
+    if not ends:
+        return None
+    at, length = min(ends)
+    return (len(before), at + length) if full[len(before) : at].strip() else None
+
+
+def _special_strings(tokenizer) -> list[str]:
+    added = [t.content for t in tokenizer.added_tokens_decoder.values() if t.special]
+    return sorted({t for t in tokenizer.all_special_tokens + added if t}, key=len, reverse=True)
+
+
+def _locate(full: str, content: str, cursor: int) -> tuple[int, int] | None:
+    """Where a message's text stands in `full` after `cursor`: as written, or stripped, or, for a
+    reasoning model's past answer whose <think> block the template dropped, its final part."""
+    for text in dict.fromkeys((content, content.strip(), content.split("</think>")[-1].strip())):
+        at = full.find(text, cursor) if text else -1
+        if at >= 0:
+            return at, at + len(text)
+    return None
+
+
+def _located_turn(tokenizer, full: str, content: str, cursor: int) -> tuple[int, int] | None:
+    found = _locate(full, content, cursor)
+    if found is None:
+        return None
+    start, end = found
+    # The end-of-turn token right after the answer is trained too: it is how the model learns to stop.
+    after = next((t for t in _special_strings(tokenizer) if full.startswith(t, end)), "")
+    return start, end + len(after)
+
+
+def ends_turns(tokenizer) -> bool:
+    """Whether the template closes an assistant turn with a special token (else a model trained on it
+    never learns to stop)."""
+    probe = [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "Hi"}]
+    try:
+        ids, trained = assistant_mask(tokenizer, probe)
+    except UserError:  # a template that refuses this conversation: judged on real rows instead
+        return True
+    last = max((k for k, t in enumerate(trained) if t), default=None)
+    return last is not None and ids[last] in set(tokenizer.all_special_ids)

@@ -1,0 +1,371 @@
+"""Attention over packed rows at the cost of the samples in them, not of the whole row.
+
+A packed row holds several samples whose `position_ids` restart at 0. Plain sdpa attends over the
+whole row with a block-diagonal mask: every query meets every key of the row (L² work), and a mask
+keeps the CPU kernels off their causal fast path. Here each sample runs as its own causal sdpa call,
+Σ len² / 2 work, the way flash-attention's varlen kernels treat packed rows on GPUs.
+
+On CPU, samples up to SHORT_SAMPLE tokens take `causal_attention` instead of torch's CPU flash
+kernel, whose backward ran at ~25 GFLOP/s here on ~200-token samples: batched matmuls at the bf16
+matmul rate around an fp32 softmax, 1.6x faster fwd+bwd on such samples, for heads x len² fp32
+probabilities saved per sample (the reason for the length cap).
+
+Sliding-window layers (Mistral, Qwen2, Phi-3, Gemma 2/3) pass `sliding_window`: each query then sees
+itself and the `sliding_window - 1` keys before it, as transformers' masks define it. Logit soft-capping
+(Gemma 2) is not done here: `model.load_model` runs such models with eager attention instead.
+
+On CUDA, per-sample calls made a 1.1B step host-bound (docs/platform-notes.md), so a layer makes one
+call there: torch's flash-attention varlen kernel (`torch.nn.attention.varlen`) in bf16/fp16, otherwise
+transformers' own sdpa over the block-diagonal mask it builds from the restarting position_ids.
+
+Registered with transformers' AttentionInterface under PACKED_SDPA; models whose attention goes
+through that interface load with it when the config asks for sdpa. It splits rows in training (also
+when gradient checkpointing recomputes a layer in the backward) and in eval forwards over packed rows,
+which run inside `packed_rows()`; any other forward (generation with a KV cache or padding) is plain
+sdpa over the mask transformers builds.
+
+Not every architecture keeps packed samples apart: some build their masks from an attention mask alone
+(ALiBi, learned positions), some never route attention through the interface (`leak` measures both on
+the loaded model itself), and SSM, linear-attention and short-convolution layers carry a state along
+the row whatever the masks say (`mixer_outside_attention` finds them).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+
+import torch
+import torch.nn.functional as F
+
+PACKED_SDPA = "sdpa_packed"
+SHORT_SAMPLE = 1024  # tokens: above it the saved probabilities outweigh the speed (and torch's kernel does better)
+
+
+_last: tuple[torch.Tensor, int, list[list[int]]] | None = None  # every layer of a forward sees the same position_ids
+_packed = False  # inside packed_rows()
+
+
+def accelerator_path(tensor: torch.Tensor) -> bool:
+    """Whether a computation on `tensor` takes the GPU branch: one varlen call a layer, large loss chunks.
+    (tests/conftest.py's gpu_branch_on_cpu and bench/host.py replace it, here and in finetune.objectives.loss, to run that
+    branch's Python on CPU tensors.)"""
+    return tensor.is_cuda
+
+
+@contextlib.contextmanager
+def packed_rows():
+    """An eval forward over packed rows: attention follows the restarting position_ids, as in training,
+    whatever mask the model built. Outside it, generation keeps plain sdpa over its padding mask."""
+    global _packed
+    before, _packed = _packed, True
+    try:
+        yield
+    finally:
+        _packed = before
+
+
+def sample_bounds(position_ids: torch.Tensor) -> list[list[int]]:
+    """Per row, the offsets where a sample starts, plus the row length at the end. Training batches
+    carry them from the host (`with_bounds`); any other device tensor costs a host sync per forward."""
+    global _last
+    known = getattr(position_ids, "sample_bounds", None)
+    if known is not None:
+        return known
+    if _last is not None and _last[0] is position_ids and _last[1] == position_ids._version:
+        return _last[2]
+    length = position_ids.shape[-1]
+    starts = (position_ids == 0).nonzero().tolist()
+    bounds: list[list[int]] = [[] for _ in range(position_ids.shape[0])]
+    for row, col in starts:
+        bounds[row].append(col)
+    result = [([0] if not b or b[0] != 0 else []) + b + [length] for b in bounds]
+    _last = (position_ids, position_ids._version, result)
+    return result
+
+
+def base_model(model):
+    """The transformers model inside DDP, DeepSpeed and peft wrappers."""
+    inner = getattr(model, "module", model)
+    return inner.get_base_model() if hasattr(inner, "get_base_model") else inner
+
+
+def attention_of(model) -> str | None:
+    return getattr(base_model(model).config, "_attn_implementation", None)
+
+
+def mask_placeholder(device: torch.device | str) -> torch.Tensor:
+    """An attention_mask for forwards over packed rows with this attention: transformers takes a 4-D mask
+    as built and builds none (its test for packed rows costs a host sync per forward, and the block
+    mask L² work) while packed_sdpa_forward works from the sample bounds, or builds the mask itself."""
+    placeholder = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device)
+    placeholder.finetune_placeholder = True
+    return placeholder
+
+
+def _block_mask(position_ids: torch.Tensor, bounds: list[list[int]], window: int | None) -> torch.Tensor:
+    """(B, 1, L, L), True where a query may see a key: the same sample, causal, within the window (transformers' packed mask)."""
+    key = ("finetune_block_mask", window)
+    cached = getattr(position_ids, "finetune_masks", {})
+    if key not in cached:
+        length = position_ids.shape[-1]
+        sample = torch.tensor([[i for i, (s, e) in enumerate(zip(row, row[1:])) for _ in range(e - s)] for row in bounds]).to(position_ids.device)
+        allowed = _allowed(length, window, position_ids.device)
+        cached[key] = ((sample[:, :, None] == sample[:, None, :]) & allowed)[:, None]
+        position_ids.finetune_masks = cached
+    return cached[key]
+
+
+def with_bounds(position_ids: torch.Tensor, host: torch.Tensor) -> torch.Tensor:
+    """`position_ids` (on the device) with the sample bounds of its host copy attached, computed there."""
+    position_ids.sample_bounds = sample_bounds(host)
+    return position_ids
+
+
+@torch.compiler.disable  # its loop follows where samples start (a host sync): under model.compile it runs eagerly between graphs
+def packed_sdpa_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None, **kwargs):
+    """query (B, H, L, D), key/value (B, H_kv, L, D) -> (B, L, H, D), as transformers' sdpa returns."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    unsupported = [k for k in ("softcap", "s_aux") if kwargs.get(k) is not None]
+    if unsupported:  # load_model picks eager attention for these models; reaching here would be silently wrong
+        raise NotImplementedError(f"{PACKED_SDPA} does not implement {', '.join(unsupported)}; load this model with eager attention")
+    position_ids = kwargs.get("position_ids")
+    whole_row = getattr(position_ids, "sequence_parallel", None)
+    if whole_row is not None:  # this process holds a slice of each row: attention over the whole row, through Ulysses
+        return whole_row.route(packed_sdpa_forward, module, query, key, value, attention_mask, whole_row, dropout=dropout, scaling=scaling, **kwargs)
+    placeholder = getattr(attention_mask, "finetune_placeholder", False)
+    if not (module.training or _packed) or position_ids is None or query.shape[2] != key.shape[2] or position_ids.dim() != 2:
+        if placeholder:
+            raise RuntimeError(f"{PACKED_SDPA}: a packed-row forward without its position_ids (mask_placeholder needs them)")
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    gqa = key.shape[1] != query.shape[1]
+    window = kwargs.get("sliding_window")
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if position_ids.shape[0] != query.shape[0]:
+        position_ids = position_ids.expand(query.shape[0], -1)
+    if accelerator_path(query):
+        dtype = _varlen_dtype(query, dropout)
+        if dtype is None:
+            if placeholder:
+                attention_mask = _block_mask(position_ids, sample_bounds(position_ids), window)
+            return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+        return varlen_attention(query, key, value, sample_bounds(position_ids), scale, dtype, window), None
+    bounds = sample_bounds(position_ids)
+    spans = [(b, s, e) for b, row in enumerate(bounds) for s, e in zip(row, row[1:])]
+    ours = query.device.type == "cpu" and dropout == 0.0
+    short, long = [], []
+    for span in spans:
+        (short if ours and span[2] - span[1] <= SHORT_SAMPLE else long).append(span)
+    if not short:
+        return _split_sdpa(query, key, value, bounds, window, scale, dropout, gqa), None
+    # Each sample's output goes straight to its place in the (B, L, H, D) result: no concatenation
+    # and transposed copy of the whole output per layer.
+    out = causal_attention(query, key, value, short, scale, window)
+    for b, s, e in long:
+        banded = window is not None and window < e - s
+        mask = _allowed(e - s, window, query.device) if banded else None
+        out[b, s:e] = F.scaled_dot_product_attention(query[b : b + 1, :, s:e], key[b : b + 1, :, s:e], value[b : b + 1, :, s:e], attn_mask=mask,
+                                                     dropout_p=dropout, is_causal=not banded, scale=scale, enable_gqa=gqa)[0].transpose(0, 1)
+    return out, None
+
+
+def _split_sdpa(query, key, value, bounds: list[list[int]], window: int | None, scale: float, dropout: float, gqa: bool) -> torch.Tensor:
+    """torch's sdpa per sample, the samples of a row taken by one split and put back by one concatenation.
+
+    Slicing each sample out instead costs a zero-filled gradient of the whole (B, H, L, D) tensor per
+    sample and slice in backward, and writing each output into place a copy per sample."""
+    rows = []
+    for b, edges in enumerate(bounds):
+        lengths = [e - s for s, e in zip(edges, edges[1:])]
+        outs = []
+        for q, k, v in zip(query[b].split(lengths, 1), key[b].split(lengths, 1), value[b].split(lengths, 1)):
+            banded = window is not None and window < q.shape[1]
+            mask = _allowed(q.shape[1], window, q.device) if banded else None
+            outs.append(F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, dropout_p=dropout, is_causal=not banded,
+                                                       scale=scale, enable_gqa=gqa)[0])
+        rows.append(torch.cat(outs, 1).transpose(0, 1))
+    return torch.stack(rows)
+
+
+def _varlen_dtype(query: torch.Tensor, dropout: float) -> torch.dtype | None:
+    """The dtype torch's varlen kernel would compute in (sdpa's: autocast's if on), or None where it cannot
+    run: torch without `varlen_attn(window_size=...)` (before 2.11), fp32, dropout, or head sizes
+    flash-attention does not take (over 256, or not a multiple of 8)."""
+    device = query.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else query.dtype
+    if dropout or dtype not in (torch.float16, torch.bfloat16) or query.shape[-1] > 256 or query.shape[-1] % 8 or _varlen() is None:
+        return None
+    return dtype
+
+
+@functools.cache
+def _varlen():
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn if "window_size" in inspect.signature(varlen_attn).parameters else None
+
+
+def varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bounds: list[list[int]], scale: float,
+                     dtype: torch.dtype, window: int | None = None) -> torch.Tensor:
+    """All samples of a packed batch in one call of torch's flash-attention varlen kernel (CUDA, bf16/fp16):
+    query (B, H, L, D), key/value (B, H_kv, L, D) -> (B, L, H, D); `bounds` as sample_bounds gives them.
+
+    The rows are laid end to end as one (B*L, H, D) sequence cut at every sample start, each sample
+    causal; a window keeps a query to itself and the `window - 1` keys before it (transformers' masks)."""
+    varlen_attn = _varlen()
+    batch, heads, length, dim = query.shape
+    q, k, v = (x.transpose(1, 2).reshape(batch * length, x.shape[1], dim).to(dtype) for x in (query, key, value))
+    extra = {}
+    if k.shape[1] != heads:
+        if "enable_gqa" in inspect.signature(varlen_attn).parameters:
+            extra["enable_gqa"] = True
+        else:  # torch 2.11 takes as many key/value heads as query heads
+            k, v = (x.repeat_interleave(heads // x.shape[1], 1) for x in (k, v))
+    starts = [b * length + s for b, edges in enumerate(bounds) for s in edges[:-1]] + [batch * length]
+    longest = max(e - s for s, e in zip(starts, starts[1:]))
+    cu = torch.tensor(starts, dtype=torch.int32).to(query.device, non_blocking=True)
+    out = varlen_attn(q, k, v, cu, cu, longest, longest, scale=scale, window_size=(-1 if window is None else window - 1, 0), **extra)
+    return out.view(batch, length, heads, dim)
+
+
+def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, spans: list[tuple[int, int, int]], scale: float,
+                     window: int | None = None) -> torch.Tensor:
+    """softmax(q kᵀ · scale + causal mask) v for each sample (row, start, end) of a packed batch:
+    query (B, H, L, D), key/value (B, H_kv, L, D) -> (B, L, H, D), zero outside the spans.
+    window: a query sees only the `window` most recent keys (itself included), as in sliding-window layers.
+
+    Computes in the dtype sdpa would (autocast's, if on), the softmax in fp32."""
+    device = query.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else query.dtype
+    with torch.autocast(device, enabled=False):
+        return _CausalAttention.apply(query, key, value, spans, scale, dtype, window)
+
+
+def _allowed(length: int, window: int | None, device: torch.device) -> torch.Tensor:
+    """True where query i may see key j: j <= i, and i - j < window when there is a window."""
+    ones = torch.ones(length, length, dtype=torch.bool, device=device)
+    return ones.tril() if window is None else ones.tril() & ~ones.tril(-window)
+
+
+_masks: dict[tuple, torch.Tensor] = {}
+
+
+def _causal_mask(length: int, dtype: torch.dtype, device: torch.device, window: int | None) -> torch.Tensor:
+    """-inf where a query may not look: a view into one mask per dtype, device and window, as long as the
+    longest sample yet (a band's top-left corner is the band of a shorter sample)."""
+    key = (dtype, device, window)
+    if key not in _masks or _masks[key].shape[0] < length:
+        _masks[key] = torch.zeros(length, length, dtype=dtype, device=device).masked_fill_(~_allowed(length, window, device), float("-inf"))
+    return _masks[key][:length, :length]
+
+
+class _CausalAttention(torch.autograd.Function):
+    """Textbook attention's numerics (transformers' eager): matmuls in the input dtype, softmax and its
+    backward in fp32 from fp32 probabilities. Not flash-attention's rowsum(dO ∘ O) shortcut: with
+    bf16 O and dP, where a row puts nearly all its weight on one key (an attention sink, common in
+    trained models) that sum and dP round apart and their difference is all error; it made the demo's
+    gradient norm spike 20x and its run stop.
+
+    One function for all samples of the batch, not one per sample: autograd would otherwise hand each
+    sample's gradient back as a zero-filled tensor the size of the whole batch, and add them all up."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, spans, scale, dtype, window):
+        batch, heads, length, dim = query.shape
+        out = query.new_zeros(batch, length, heads, dim, dtype=dtype)
+        probs = []
+        for b, s, e in spans:
+            q, k, v = _sample(query, key, value, b, s, e, dtype)
+            scores = torch.baddbmm(_causal_mask(e - s, dtype, q.device, window), q, k.transpose(1, 2), alpha=scale)
+            probs.append(torch.softmax(scores, dim=-1, dtype=torch.float32))
+            out[b, s:e] = torch.bmm(probs[-1].to(dtype), v).transpose(0, 1)
+        ctx.save_for_backward(query, key, value, *probs)
+        ctx.spans, ctx.scale, ctx.dtype = spans, scale, dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        query, key, value, *probs = ctx.saved_tensors
+        groups = query.shape[1] // key.shape[1]
+        grad_query, grad_key, grad_value = torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value)
+        for (b, s, e), p in zip(ctx.spans, probs):
+            q, k, v = _sample(query, key, value, b, s, e, ctx.dtype)
+            g = grad_out[b, s:e].transpose(0, 1)
+            # The input-dtype probabilities are cast again, not saved: one len² tensor per sample, not two.
+            grad_v = torch.bmm(p.to(ctx.dtype).transpose(1, 2), g)
+            grad_probs = torch.bmm(g, v.transpose(1, 2)).float()
+            grad_scores = torch.ops.aten._softmax_backward_data(grad_probs, p, -1, torch.float32).to(ctx.dtype)
+            grad_query[b, :, s:e] = torch.bmm(grad_scores, k).mul_(ctx.scale)
+            grad_k = torch.bmm(grad_scores.transpose(1, 2), q).mul_(ctx.scale)
+            # The heads that shared a key/value head add up in the inputs' dtype (fp32 under autocast
+            # with fp32 weights), as autograd would sum them after the cast back.
+            grad_k, grad_v = grad_k.to(key.dtype), grad_v.to(value.dtype)
+            if groups > 1:
+                grad_k, grad_v = (x.unflatten(0, (-1, groups)).sum(1) for x in (grad_k, grad_v))
+            grad_key[b, :, s:e], grad_value[b, :, s:e] = grad_k, grad_v
+        return grad_query, grad_key, grad_value, None, None, None, None
+
+
+def _sample(query, key, value, b: int, s: int, e: int, dtype: torch.dtype):
+    """One sample's q, k, v in the compute dtype; grouped-query keys and values repeated per query head."""
+    q, k, v = query[b, :, s:e], key[b, :, s:e], value[b, :, s:e]
+    groups = q.shape[0] // k.shape[0]
+    if groups > 1:
+        k, v = k.repeat_interleave(groups, 0), v.repeat_interleave(groups, 0)
+    return q.to(dtype), k.to(dtype), v.to(dtype)
+
+
+@torch.no_grad()
+def leak(model, vocab_size: int, device: torch.device | str) -> float:
+    """How far a packed sample's logits move towards having the sample before it as context: 0 where
+    the model keeps packed samples apart, near 1 where they see each other (nan: context changes nothing).
+
+    A sample of 8 tokens is run alone, after 12 others in a packed row (positions restarting), and after
+    them as plain context; the first is its difference from alone, measured in units of the last. Run on
+    every process at once (a sharded model gathers its weights in each forward), in eval mode: no dropout.
+    `model` may be wrapped (DDP, FSDP, a DeepSpeed engine): it is only called."""
+    generator = torch.Generator().manual_seed(0)
+    before, sample = (torch.randint(0, vocab_size, (n,), generator=generator) for n in (12, 8))
+    runs = {"alone": (sample, torch.arange(8)),
+            "packed": (torch.cat([before, sample]), torch.cat([torch.arange(12), torch.arange(8)])),
+            "context": (torch.cat([before, sample]), torch.arange(20))}
+    was_training = model.training
+    model.eval()
+    logits = {}
+    try:
+        # As training runs it: with finetune's attention, transformers is handed no mask to build (mask_placeholder).
+        mask = {"attention_mask": mask_placeholder(device)} if attention_of(model) == PACKED_SDPA else {}
+        with packed_rows():
+            for name, (ids, positions) in runs.items():
+                out = model(input_ids=ids[None].to(device), position_ids=positions[None].to(device), use_cache=False, **mask)
+                logits[name] = out.logits[0, -8:].float()
+    finally:
+        model.train(was_training)
+    moved, context = ((logits[name] - logits["alone"]).abs().max().item() for name in ("packed", "context"))
+    return moved / context if context > 0 else float("nan")
+
+
+def mixer_outside_attention(model) -> str | None:
+    """The class of a layer that mixes tokens along the row outside attention, or None: SSM,
+    linear-attention and short-convolution layers (Mamba, Jamba, Qwen3-Next, LFM2) all run a causal
+    nn.Conv1d, which no attention layer has. Their state runs on from one packed sample into the next;
+    on small random models that moved the logits too little to measure against bf16 rounding while the
+    gradients were 12-23% off (bench/families.py)."""
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Conv1d):
+            return type(model.get_submodule(name.rpartition(".")[0])).__name__
+    return None
+
+
+def register() -> str:
+    """Make PACKED_SDPA a name transformers accepts for attn_implementation (idempotent)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(PACKED_SDPA, packed_sdpa_forward)
+    AttentionMaskInterface.register(PACKED_SDPA, sdpa_mask)
+    return PACKED_SDPA

@@ -1,0 +1,455 @@
+"""Model: load the tokenizer and base model through the ordinary Auto* path, then add the adapter.
+
+Any local HF folder or hub id goes through the same calls; nothing here knows about the demo model.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from contextlib import contextmanager, nullcontext
+from pathlib import Path
+
+import torch
+
+from finetune.config.errors import UserError
+from finetune.config.schema import DTYPE_BYTES, AdapterConfig, ModelConfig, RunConfig, looks_local, read_model_config
+from finetune.model import families
+from finetune.model.attention import register as register_packed_sdpa
+
+DTYPES = {**{name: getattr(torch, name) for name in DTYPE_BYTES}, "auto": "auto"}  # model.dtype -> torch
+
+
+def load_tokenizer(cfg: ModelConfig):
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(cfg.name_or_path, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
+    except Exception as err:  # noqa: BLE001 - a missing, garbage or unreadable tokenizer raises many types; all mean "this folder's tokenizer"
+        raise UserError(f"model.name_or_path: cannot load a tokenizer from '{cfg.name_or_path}': {_first_line(err)}") from None
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def check_supported(cfg: RunConfig) -> None:
+    """Refuse, before anything loads, what this machine's hardware or libraries cannot run."""
+    check_attention(cfg.model)
+    q, cuda = cfg.model.quantization, torch.cuda.is_available()
+    if q is None:
+        return
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise UserError("model.quantization: needs bitsandbytes (pip install bitsandbytes)")
+    if not cuda:
+        if q.bits == 8 and cfg.adapter.method == "dora":
+            raise UserError("model.quantization: 8-bit + DoRA fails inside bitsandbytes' int8 matmul on CPU; use bits: 4 (QDoRA) or adapter.method: lora")
+        if "float16" in (q.compute_dtype, cfg.model.dtype):
+            raise UserError("model.quantization: float16 compute with a quantized base is GPU-only; use bfloat16 or float32 on CPU")
+        if q.bits == 4:
+            # bitsandbytes' CPU 4-bit kernel repacks weights in blocks of 32 output features (at eval).
+            dims = _linear_out_dims(cfg.model)
+            odd = sorted(k for k, v in dims.items() if v % 32)
+            if odd:
+                raise UserError(f"model.quantization: 4-bit on CPU needs layer widths divisible by 32; {', '.join(f'{k}={dims[k]}' for k in odd)} is not")
+
+
+def _linear_out_dims(cfg: ModelConfig) -> dict[str, int]:
+    """Output widths of a decoder's linear layers, from config.json (empty if not a local folder)."""
+    if not (Path(cfg.name_or_path).expanduser() / "config.json").is_file():
+        return {}
+    c = read_model_config(Path(cfg.name_or_path), "model.name_or_path")
+    head_dim = c.get("head_dim") or c.get("hidden_size", 0) // max(1, c.get("num_attention_heads", 1))
+    kv = c.get("num_key_value_heads") or c.get("num_attention_heads", 0)
+    dims = {"hidden_size": c.get("hidden_size"), "intermediate_size": c.get("intermediate_size"), "kv_heads*head_dim": kv * head_dim}
+    return {k: v for k, v in dims.items() if v}
+
+
+def check_attention(cfg: ModelConfig) -> None:
+    if cfg.attn_implementation.startswith("flash_attention"):
+        if not torch.cuda.is_available():
+            raise UserError(f"model.attn_implementation: {cfg.attn_implementation} needs a CUDA GPU; use sdpa here")
+        package = "flash_attn_interface" if cfg.attn_implementation.endswith("3") else "flash_attn"
+        if importlib.util.find_spec(package) is None:
+            raise UserError(f"model.attn_implementation: {cfg.attn_implementation} needs the '{package}' package installed")
+
+
+def quantization_config(cfg: ModelConfig, partitioned: bool = False):
+    """partitioned: ZeRO-3 will split the weights over processes. The packed 4-bit values are then
+    stored in the dtype of the other weights (bnb_4bit_quant_storage), as the bitsandbytes and
+    transformers docs prescribe for sharded QLoRA, so they are partitioned like any other weight."""
+    from transformers import BitsAndBytesConfig
+
+    q = cfg.quantization
+    if q.bits == 8:
+        return BitsAndBytesConfig(load_in_8bit=True, llm_int8_skip_modules=q.skip_modules)
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type=q.quant_type,
+        bnb_4bit_use_double_quant=q.double_quant,
+        bnb_4bit_compute_dtype=DTYPES[q.compute_dtype],
+        bnb_4bit_quant_storage=(DTYPES[cfg.dtype] if cfg.dtype != "auto" else torch.float32) if partitioned else torch.uint8,
+        llm_int8_skip_modules=q.skip_modules,
+    )
+
+
+def attention_for(cfg: ModelConfig, config) -> tuple[str, str | None]:
+    """The attn_implementation to load with, and a notice where it is not the one configured.
+
+    sdpa is finetune's packed attention (finetune/model/attention.py) for models whose attention goes through
+    transformers' AttentionInterface; others keep their own sdpa, or eager where they have none (a
+    model class says which it supports). Models that soft-cap attention logits (Gemma 2) run eager
+    attention, which does it."""
+    if cfg.attn_implementation != "sdpa":
+        return cfg.attn_implementation, None
+    kind = config.model_type
+    if families.attention_softcap(config.to_dict()):
+        return "eager", (f"model: {kind} soft-caps its attention logits, which sdpa cannot do: "
+                         "using eager attention (model.attn_implementation: flash_attention_2 on a GPU also does it)")
+    model_class = _causal_lm_class(config)
+    if model_class is not None and getattr(model_class, "_supports_sdpa", False) is not True:
+        return "eager", f"model: {kind} has no sdpa attention in transformers: using eager attention"
+    if getattr(model_class, "_supports_attention_backend", False) is True:
+        return register_packed_sdpa(), None
+    return "sdpa", None  # its own attention code (or remote code): whether packed samples stay apart is measured at the start
+
+
+def _causal_lm_class(config):
+    """The transformers class AutoModelForCausalLM would build for this config (None: remote code or unknown)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    try:
+        return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    except KeyError:
+        return None
+
+
+def load_model(cfg: ModelConfig, device: torch.device | str = "cpu", skeleton: str | None = None, say=print, head: str = "causal"):
+    """The base model. A quantized base is placed on `device` while loading (bitsandbytes quantizes
+    as it places); a plain one is moved later by accelerate.
+
+    skeleton: build the architecture without reading any weight: "meta" allocates none (the FSDP
+    ranks that receive their shards from rank 0); "empty" allocates them on the CPU uninitialized,
+    pages the kernel only provides once written (FSDP's rank 0 when it streams the weights from the
+    files: peft then creates and initializes the adapter on real tensors, as it would on a loaded model).
+    head: "causal" (the LM head), or "score" (a reward model: AutoModelForSequenceClassification with one
+    label, its score head initialized as transformers does)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if looks_local(cfg.name_or_path):
+        read_model_config(Path(cfg.name_or_path), "model.name_or_path")  # one line for a missing or garbage config.json
+    try:
+        config = AutoConfig.from_pretrained(cfg.name_or_path, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
+    except (OSError, ValueError) as err:
+        raise UserError(f"model.name_or_path: cannot read the config of '{cfg.name_or_path}': {_first_line(err)}") from None
+    override_config(config, cfg.config_overrides)
+    if head == "score":
+        return _reward_model(cfg, config)
+    attn, notice = attention_for(cfg, config)
+    if notice:
+        say(notice)
+    if skeleton:
+        from transformers.initialization import no_init_weights
+
+        dtype = (getattr(config, "dtype", None) or torch.float32) if cfg.dtype == "auto" else DTYPES[cfg.dtype]
+        with torch.device("meta") if skeleton == "meta" else no_init_weights():
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn,
+                                                     trust_remote_code=cfg.trust_remote_code)
+        model.tie_weights()  # under no_init_weights transformers leaves a tied head (Llama 3.2, Qwen 2.5/3 small, Gemma) a weight of its own
+        model.config.use_cache = False
+        return model
+    extra = {}
+    if cfg.quantization is not None:
+        from transformers.integrations import is_deepspeed_zero3_enabled
+
+        partitioned = is_deepspeed_zero3_enabled()  # ZeRO-3 places the weights itself: no device_map
+        extra = {"quantization_config": quantization_config(cfg, partitioned)}
+        if not partitioned:
+            extra["device_map"] = {"": str(device)}
+    try:
+        with _weights_read_on_demand(cfg, config) as (cls, name, state):
+            model = cls.from_pretrained(
+                name,
+                config=config,
+                state_dict=state,
+                revision=cfg.revision,
+                dtype=DTYPES[cfg.dtype],
+                attn_implementation=attn,
+                trust_remote_code=cfg.trust_remote_code,
+                use_safetensors=True,
+                **extra,
+            )
+        if state is not None:
+            _as_if_read_from(model, Path(cfg.name_or_path))
+    except Exception as err:  # noqa: BLE001 - missing, truncated, garbage or mis-shaped weights: the folder's fault, said in one line
+        why = "its weights have other shapes than its config.json says" if "mismatched_sizes" in str(err) else _first_line(err)
+        raise UserError(f"model.name_or_path: cannot load '{cfg.name_or_path}': {why}") from None
+    if cfg.quantization is not None:
+        from peft import prepare_model_for_kbit_training
+
+        # Freezes the base and upcasts the unquantized parts (norms, embeddings, lm_head) to fp32, as
+        # peft recommends for stable k-bit training. Checkpointing is set up in apply_adapter.
+        cpu = torch.device(device).type == "cpu"  # "cpu:0" in a multi-process run
+        if cpu:
+            _own_unquantized_weights(model)
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+        if cpu:
+            _keep_one_cpu_4bit_path(model)
+    model.config.use_cache = False  # no KV cache while training; generation turns it on per call
+    return model
+
+
+def _reward_model(cfg: ModelConfig, config):
+    """A sequence-classification model with one label over the base's weights (its score head new): a reward
+    model. The pad token is set where the config has none (transformers' pooling asks for one; finetune
+    takes each sequence's score at its last token itself)."""
+    from transformers import AutoModelForSequenceClassification
+
+    config.num_labels = 1
+    if config.pad_token_id is None:
+        eos = config.eos_token_id
+        config.pad_token_id = eos[0] if isinstance(eos, list) else eos
+    attn, _ = attention_for(cfg, config)
+    try:
+        return AutoModelForSequenceClassification.from_pretrained(cfg.name_or_path, config=config, revision=cfg.revision, dtype=DTYPES[cfg.dtype],
+                                                                  attn_implementation=attn, trust_remote_code=cfg.trust_remote_code,
+                                                                  use_safetensors=True)
+    except ValueError as err:  # no sequence-classification class for this architecture
+        raise UserError(f"train.objective: reward: {config.model_type} has no sequence-classification model in transformers "
+                        f"({_first_line(err)})") from None
+
+
+@contextmanager
+def _weights_read_on_demand(cfg: ModelConfig, config):
+    """What `from_pretrained` reads from: (class, name, state_dict). A quantized base in a local folder
+    is handed over as lazily read slices of its safetensors files, read with pread: from the folder
+    itself transformers memory-maps every shard and keeps each mapped until the whole load ends, so the
+    pages of every bf16 shard it has read stay in the process's RSS (21 GB at an 8B load's peak for a
+    7.4 GB 4-bit model; docs/platform-notes.md) though each weight is quantized as it is read. The
+    same loader then holds about one tensor at a time. A plain load keeps the memory map: weights in
+    the stored dtype are then zero-copy views of the files (the staged ramdisk copy's point). A hub id
+    goes through the library's own path."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    cls = _causal_lm_class(config)
+    folder = Path(cfg.name_or_path).expanduser()
+    files = weight_file_names(folder) if cfg.quantization is not None and cls is not None and looks_local(cfg.name_or_path) else []
+    if not files:
+        yield AutoModelForCausalLM, cfg.name_or_path, None
+        return
+    handles = []
+    try:
+        for name in files:
+            handles.append(safe_open(folder / name, "pt", device="cpu", backend="pread"))
+        yield cls, None, {key: handle.get_slice(key) for handle in handles for key in handle.keys()}
+    finally:
+        for handle in handles:
+            handle.__exit__(None, None, None)
+
+
+def _as_if_read_from(model, folder: Path) -> None:
+    """What from_pretrained takes from a folder besides the weights: its name (adapters record it as
+    their base) and its generation settings."""
+    from transformers import GenerationConfig
+
+    model.config._name_or_path = model.name_or_path = str(folder)
+    if (folder / "generation_config.json").is_file():
+        model.generation_config = GenerationConfig.from_pretrained(folder)
+
+
+def override_config(config, overrides: dict) -> None:
+    """model.config_overrides, set on the loaded config: only settings the model's config has."""
+    unknown = [key for key in overrides if not hasattr(config, key)]
+    if unknown:
+        raise UserError(f"model.config_overrides: {', '.join(unknown)} is not a setting of {type(config).__name__} "
+                        f"(its config.json has e.g. {', '.join(sorted(config.to_diff_dict())[:6])})")
+    for key, value in overrides.items():
+        setattr(config, key, value)
+
+
+def weight_file_names(folder: Path) -> list[str]:
+    """A model folder's safetensors files, from its index ([] if it has none); reads no weight file."""
+    index = folder / "model.safetensors.index.json"
+    return sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else \
+        ["model.safetensors"] if (folder / "model.safetensors").is_file() else []
+
+
+def weight_files(folder: Path) -> dict[str, list[str]]:
+    """A model folder's safetensors files and the keys each holds ({} if it has none); reads headers only."""
+    from safetensors import safe_open
+
+    files = {}
+    for name in weight_file_names(folder):
+        with safe_open(folder / name, "pt") as f:
+            files[name] = list(f.keys())
+    return files
+
+
+def _first_line(err: Exception) -> str:
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    return lines[0] if lines else type(err).__name__
+
+
+def _keep_one_cpu_4bit_path(model) -> None:
+    """bitsandbytes 0.50 on an avx512-bf16 CPU repacks a 4-bit weight in place the first time it runs
+    in eval mode without grad, and from then on computes that layer with a bf16 kernel that has no
+    autograd support, in training too: the first eval would silently change the logits (~4e-2) and
+    the gradients of every later step. Keeping every layer on the training path avoids both."""
+    for module in model.modules():
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
+
+
+def _own_unquantized_weights(model) -> None:
+    """On CPU the parts left unquantized (embeddings, norms, lm_head) can still be views of the
+    safetensors file's memory map, which then keeps the whole file resident: the full-precision
+    weights that were just quantized. Own copies of those few tensors let the mapping go. Called
+    before peft's k-bit preparation, it copies only the fp32 ones: that upcasts the 16-bit ones into
+    new tensors anyway (copying those too, after it, held a second fp32 lm_head: +2 GB at the load's
+    peak for a 128k vocabulary)."""
+    import bitsandbytes as bnb
+
+    for param in model.parameters():
+        if param.dtype == torch.float32 and not isinstance(param, (bnb.nn.Params4bit, bnb.nn.Int8Params)) and not hasattr(param, "ds_id"):
+            param.data = param.data.clone()  # ZeRO-3 owns its shards (ds_id)
+
+
+def apply_adapter(model, cfg: AdapterConfig, gradient_checkpointing: bool, say=print):
+    """Wrap the model for the chosen method. Returns the model to train."""
+    if gradient_checkpointing:
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    if cfg.method == "full":
+        return model
+    from peft import LoraConfig, get_peft_model
+
+    if gradient_checkpointing:
+        # With a frozen embedding nothing before the first checkpointed block needs grad.
+        model.enable_input_require_grads()
+    modules, parameters = lora_targets(model, cfg.target_modules)
+    names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+    unknown = [m for m in cfg.modules_to_save or [] if m.rsplit(".", 1)[-1] not in names]
+    if unknown:
+        raise UserError(f"adapter.modules_to_save: {', '.join(unknown)} matches no module of this {model.config.model_type} model "
+                        f"(e.g. {', '.join(sorted(n for n in names if n and not n.isdigit())[:6])})")
+    if parameters and cfg.method == "dora":
+        if cfg.target_modules != "all-linear":
+            raise UserError("adapter.target_modules: DoRA cannot adapt fused expert weights (peft); use adapter.method: lora for the experts")
+        say("adapter: DoRA cannot adapt the experts' fused weights (peft): the experts stay frozen; adapter.method: lora adapts them")
+        parameters = []
+    dropout = cfg.dropout
+    if parameters and dropout:
+        if "dropout" in cfg.model_fields_set:
+            raise UserError(f"adapter.dropout: peft's LoRA on fused expert weights ({', '.join(parameters)}) takes no dropout; set it to 0")
+        say(f"adapter: LoRA on the experts' fused weights takes no dropout: adapter.dropout {dropout} -> 0 for this model")
+        dropout = 0.0
+    lora = LoraConfig(
+        # A reward model's score head is new: peft trains it whole (modules_to_save) beside the adapter
+        task_type="SEQ_CLS" if type(model).__name__.endswith("ForSequenceClassification") else "CAUSAL_LM",
+        r=cfg.r,
+        lora_alpha=cfg.alpha,
+        lora_dropout=dropout,
+        target_modules=modules,
+        target_parameters=parameters or None,
+        use_dora=cfg.method == "dora",
+        init_lora_weights={"default": True, "loftq": True}.get(cfg.init, cfg.init),  # loftq: replaced after (loftq_init)
+        use_rslora=cfg.rslora,
+        modules_to_save=cfg.modules_to_save,
+    )
+    try:
+        return get_peft_model(model, lora)
+    except (ValueError, TypeError) as err:
+        raise UserError(f"adapter: {str(err).splitlines()[0]}") from None
+
+
+def loftq_init(model, cfg: ModelConfig) -> None:
+    """LoftQ through peft (replace_lora_weights_loftq): each 4-bit layer's A and B become the best
+    rank-r approximation of its quantization error, W - dequantize(Q(W)), with W read from the model's
+    safetensors files, so training starts nearer the full-precision model than QLoRA's B = 0."""
+    from peft import replace_lora_weights_loftq
+
+    from finetune.model.stage import resolve_source
+
+    replace_lora_weights_loftq(model, model_path=str(resolve_source(cfg.name_or_path, cfg.revision)))
+
+
+def compile_layers(model) -> None:
+    """torch.compile the model in place, one region at a time (accelerate's regional compilation): the
+    decoder layers share one compiled graph, so compiling costs about one layer's time. In place, the
+    parameter names (checkpoints, adapters) and the hooks FSDP or ZeRO add later stay as without it."""
+    from accelerate.utils import compile_regions_fsdp2 as compile_in_place  # in place, whatever the strategy
+
+    compile_in_place(model)
+
+
+ROUTERS = {"gate", "router", "shared_expert_gate"}  # in an MoE model, the linear layers that pick experts
+
+
+def linear_like(module) -> bool:
+    """A linear layer as peft adapts it: nn.Linear, or the Conv1D of GPT-2-era models (its weight transposed)."""
+    from transformers.pytorch_utils import Conv1D
+
+    return isinstance(module, (torch.nn.Linear, Conv1D))
+
+
+def lora_targets(model, wanted: str | list[str]) -> tuple[str | list[str], list[str]]:
+    """(target_modules, target_parameters) for peft.
+
+    all-linear: peft's own, except in mixture-of-experts models, where peft's choice varies by family
+    (Mixtral's router and experts but Qwen2-MoE's shared-expert gate and no experts): there every
+    linear layer but the head and the routers, and the experts' fused 3-D weights. In a list, the name
+    `experts` stands for those expert weights; any other name must match some linear layer."""
+    head = model.get_output_embeddings()
+    linears = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if linear_like(m) and m is not head}
+    experts = sorted({f"{module.rsplit('.', 1)[-1]}.{p}" for module, m in model.named_modules() if module.endswith("experts")
+                      for p, w in m.named_parameters(recurse=False) if w.dim() == 3})
+    if wanted == "all-linear":
+        return (sorted(linears - ROUTERS), experts) if experts else ("all-linear", [])
+    named = [t for t in wanted if t != "experts"]
+    missing = [t for t in named if t.rsplit(".", 1)[-1] not in linears]
+    if missing or ("experts" in wanted and not experts):
+        kind = model.config.model_type
+        raise UserError(f"adapter.target_modules: {', '.join(missing) or 'experts'} matches no layer of this {kind} model; its linear layers are "
+                        f"{', '.join(sorted(linears))}" + (" and its experts (name: experts)" if experts else "")
+                        + (" (Phi-3 fuses q/k/v into qkv_proj and gate/up into gate_up_proj)" if kind == "phi3" else ""))
+    return named, experts if "experts" in wanted else []
+
+
+def adapter_input_casting_off(model, mixed_precision: str):
+    """Context for training under accelerate's autocast. peft casts each adapter input to the adapter's
+    fp32; under bf16 autocast the adapter's matmuls then run in bf16 all the same, so that cast is a
+    copy of every activation for nothing. Only where every forward is autocast: without it the cast is needed."""
+    if mixed_precision != "bf16":
+        return nullcontext()
+    from peft.helpers import disable_input_dtype_casting
+
+    return disable_input_dtype_casting(model)
+
+
+def describe(model) -> dict:
+    """Parameter counts, bytes in memory and, for a quantized base, what stayed unquantized."""
+    total = trainable = nbytes = 0
+    for p in model.parameters():
+        # A 4-bit weight is stored as packed uint8 (two values a byte): count values, not bytes.
+        numel = getattr(p, "ds_numel", p.numel())  # a ZeRO-3 partitioned parameter is empty here
+        if getattr(p, "quant_state", None) is not None:  # packed 4-bit values: two per byte of storage
+            numel = numel * p.element_size() * 2
+        total += numel
+        nbytes += getattr(p, "ds_numel", p.numel()) * p.element_size()
+        if p.requires_grad:
+            trainable += numel
+    info = {"total_params": total, "trainable_params": trainable, "param_bytes": nbytes}
+    quantized, kept, dtypes = 0, {}, set()
+    for name, module in model.named_modules():
+        if not any(True for _ in module.parameters(recurse=False)) or "lora_" in name or "magnitude" in name:
+            continue  # containers, and the adapter itself
+        if type(module).__name__ in ("Linear4bit", "Linear8bitLt"):
+            quantized += 1
+        else:
+            short = name.split(".")[-1]
+            kept[short] = kept.get(short, 0) + 1
+            dtypes |= {str(p.dtype).removeprefix("torch.") for p in module.parameters(recurse=False)}
+    if quantized:
+        info["quantized_linears"] = quantized
+        info["unquantized"] = ", ".join(f"{k} x{v}" if v > 1 else k for k, v in sorted(kept.items()))
+        info["unquantized_dtype"] = "/".join(sorted(dtypes))  # peft's k-bit preparation upcasts them to float32
+    return info

@@ -1,0 +1,103 @@
+"""Evaluation: the run's loss on held-out rows (per token, or per preference pair with its metrics),
+and greedy generation scored by exact match."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from finetune.data.packing import Split
+from finetune.data.rows import IGNORE, prompt_and_answer
+from finetune.objectives.loss import to_device
+
+
+def batches_per_rank(rows: int, world: int, batch_size: int, max_batches: int | None) -> int:
+    """How many eval batches every rank runs: the same on all, as a sharded model gathers its weights in
+    each forward (the busiest rank's count, capped by eval.max_batches)."""
+    count = math.ceil(math.ceil(rows / world) / batch_size)
+    return min(count, max_batches) if max_batches else count
+
+
+@torch.no_grad()
+def eval_loss(model, rows: Split, batch_size: int, pad_id: int, accelerator, max_batches: int | None, objective=None, sp=None,
+              tokenizer=None) -> dict:
+    """The objective's mean loss (per token: with perplexity; per pair: with its metrics) over this
+    rank's share of the eval rows, reduced over ranks. `sp`: the processes that share each row (their
+    slices of it, as in training). GRPO: the mean reward of greedy completions of the eval prompts
+    (eval_loss is its negative)."""
+    from finetune.objectives.objective import SFT
+    from finetune.parallel.sequence_parallel import SequenceParallel
+
+    if hasattr(objective, "evaluate"):
+        return objective.evaluate(getattr(model, "module", model), tokenizer, rows, batch_size, accelerator, max_batches)
+    objective, sp = objective or SFT(), sp or SequenceParallel()
+    was_training = model.training
+    model.eval()
+    world = sp.data_world(accelerator.num_processes)
+    mine = list(range(sp.data_rank(accelerator.process_index), len(rows), world))
+    # A rank with fewer rows repeats a row with its labels ignored.
+    count = batches_per_rank(len(rows), world, batch_size, max_batches)
+    sums = None  # the loss's, the metrics' and the objective's counts, summed over the batches
+    for b in range(count):
+        chunk = mine[b * batch_size : (b + 1) * batch_size]
+        batch = rows.batch(chunk or [0], pad_id)
+        if not chunk:
+            batch["labels"].fill_(IGNORE)
+        batch = to_device(sp.shard(batch, pad_id), accelerator.device)
+        counts = objective.counts(batch)
+        with accelerator.autocast():
+            parts = objective.losses(model, batch, counts)
+        metrics = parts.metrics.double().cpu() if parts.metrics is not None else torch.zeros(len(objective.metrics), dtype=torch.float64)
+        here = torch.cat([parts.tokens.double().cpu().reshape(1), metrics, torch.tensor(counts, dtype=torch.float64)])
+        sums = here if sums is None else sums + here
+    sums = accelerator.reduce(sums.to(accelerator.device), "sum").cpu()
+    loss_sum, metric_sums, counts = sums[0], sums[1 : 1 + len(objective.metrics)], sums[1 + len(objective.metrics) :]
+    model.train(was_training)
+    loss = (loss_sum / counts[0]).item() if counts[0] > 0 else float("nan")
+    if objective.metrics:
+        return {"eval_loss": loss, f"eval_{objective.unit}": int(counts[0]),
+                **{f"eval_{name}": (value / counts[c]).item() if counts[c] > 0 else float("nan")
+                   for name, value, c in zip(objective.metrics, metric_sums, objective.metric_counts)}}
+    return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0)), "eval_tokens": int(counts[0])}
+
+
+@torch.no_grad()
+def generate(model, tokenizer, prompt: str, max_new_tokens: int, add_special_tokens: bool | None = None, temperature: float = 0.0,
+             streamer=None) -> str:
+    """The continuation of a prompt: greedy unless temperature > 0, streamed to `streamer` if given.
+
+    add_special_tokens: default, only when the tokenizer has no chat template (prompts rendered with
+    one already carry the special tokens they need)."""
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    add = not tokenizer.chat_template if add_special_tokens is None else add_special_tokens
+    ids = tokenizer(prompt, add_special_tokens=add, return_tensors="pt").input_ids.to(device)
+    out = model.generate(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=max_new_tokens,
+        use_cache=True,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        streamer=streamer,
+        **sampling(temperature),
+    )
+    model.train(was_training)
+    return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+
+
+def sampling(temperature: float) -> dict:
+    """generate()'s decoding arguments: greedy at 0, else sampling at that temperature."""
+    return {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
+
+
+def exact_match(model, tokenizer, examples: list[dict], fmt: str, max_new_tokens: int) -> dict:
+    """Share of eval prompts whose greedy answer equals the reference answer (whitespace-trimmed)."""
+    results = []
+    for row in examples:
+        prompt, answer = prompt_and_answer(row, tokenizer, fmt)
+        results.append({"prompt": prompt, "expected": answer.strip(), "got": generate(model, tokenizer, prompt, max_new_tokens).strip()})
+    correct = sum(r["got"] == r["expected"] for r in results)
+    return {"exact_match": correct / max(1, len(results)), "n": len(results), "samples": results}

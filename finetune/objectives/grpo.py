@@ -1,0 +1,292 @@
+"""GRPO (`train.objective: grpo`): completions sampled by the policy, scored by reward functions, and the
+clipped policy-ratio loss on their group-normalised rewards, as TRL's GRPOTrainer computes it.
+
+Each data step's prompts are turned into training micro-batches by `rollout` before the step's
+forward passes: every prompt gets `grpo.num_generations` completions from `generate` (the KV cache,
+the model in eval mode), a micro-batch's prompts left-padded in one call. Each completion is sampled
+by the Gumbel-max trick with noise computed from a seed of (train.seed, data step, the prompt's sample
+index, the completion's index) and the token's step, not drawn from a shared generator: a prompt's
+completions are the same whichever process, batch or start of the run samples them, so a resumed run
+and two processes sample what one uninterrupted process does, with no generator state to checkpoint. A prompt's
+completions are packed into one row (positions restarting at each), trained on their tokens.
+
+One policy update per generation (TRL's default num_iterations=1): the ratio to the sampling policy
+is 1 in value, so the clipping bounds nothing and only its gradient, the advantage times the token's
+log-probability gradient, moves the weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from finetune.config.schema import GRPOConfig
+from finetune.data.packing import Prompt, Row, Split, collate
+from finetune.data.rows import IGNORE, prompt_text
+from finetune.objectives.evaluate import batches_per_rank
+from finetune.objectives.loss import Losses
+from finetune.objectives.objective import Objective, adapters_off, answers, token_logps
+from finetune.objectives.rewards import Reward, score
+
+
+@dataclass
+class GRPO(Objective):
+    cfg: GRPOConfig
+    rewards: list[Reward]
+    seed: int
+    reference: torch.nn.Module | None = None  # full fine-tuning with beta > 0: a frozen copy (engines.reference); else the adapter-off model
+    locate: object = None  # sample index -> "file:line" (data.Split.locate), for reward errors
+    synced: bool = False  # the weights are sharded over the processes (fsdp, zero3): every rank decodes as many tokens as the longest
+    metrics: tuple[str, ...] = field(init=False)
+    metric_counts: tuple[int, ...] = field(init=False)
+
+    levels = False  # the loss is centred on 0 by the advantages: no start level, no stuck-at-0 check
+    watched_name = "negative mean reward"
+    final = ("reward", "kl")  # a GRPO loss is centred on 0 by the advantages: it says nothing of the run
+
+    def watched(self, loss: float, metrics: dict[str, float]) -> float:
+        """What the guard judges: the negative mean reward. Its spikes and drift are a reward collapse, rolled back as a
+        loss's are (the level may be negative: the noise test, not the ratio, decides)."""
+        return -metrics["reward"]
+
+    def __post_init__(self):
+        self.metrics = ("reward", "reward_std", "zero_std_groups", "completion_length", "kl", "clip_ratio", *(r.metric for r in self.rewards))
+        self.metric_counts = (1,) * len(self.metrics)  # means over the step's completions (counts' second entry)
+
+    def eval_line(self, result: dict) -> str:
+        return (f"eval reward {result['eval_reward']:.4f} (greedy completions of {result['eval_prompts']} prompts; "
+                + ", ".join(f"{r.metric} {result['eval_' + r.metric]:.4f}" for r in self.rewards) + ")")
+
+    # -- the loss ------------------------------------------------------------------------------
+
+    def counts(self, batch: dict[str, torch.Tensor]) -> list[int]:
+        """(what the loss is a mean over, completions): completions (grpo), completion tokens (dapo), or
+        completions x max_completion_length (dr_grpo)."""
+        n = len(batch["advantages"])
+        if self.cfg.loss_type == "dapo":
+            return [int((batch["labels"][:, 1:] != IGNORE).sum()), n]
+        return [n * (self.cfg.max_completion_length if self.cfg.loss_type == "dr_grpo" else 1), n]
+
+    def losses(self, model, batch: dict[str, torch.Tensor], totals: list[float], router: bool = False) -> Losses:
+        keep, completion, _ = answers(batch, pairs=False)
+        logps, aux = token_logps(model, batch, keep, router, self.cfg.temperature)
+        advantage = batch["advantages"].to(logps.dtype)[completion]
+        ratio = torch.exp(logps - logps.detach())  # 1, with the gradient of the log-probability
+        clipped = torch.clamp(ratio, 1 - self.cfg.epsilon, 1 + (self.cfg.epsilon_high or self.cfg.epsilon))
+        per_token = -torch.min(ratio * advantage, clipped * advantage)
+        kl = torch.zeros_like(logps)
+        if self.cfg.beta:
+            with torch.no_grad(), adapters_off(model) if self.reference is None else contextlib.nullcontext():
+                ref, _ = token_logps(model if self.reference is None else self.reference, batch, keep, temperature=self.cfg.temperature)
+            kl = torch.exp(ref - logps) - (ref - logps) - 1
+            # Times the ratio (1 in value): the unbiased reverse-KL gradient (DeepSeek-V3.2; TRL's use_bias_correction_kl default)
+            per_token = per_token + self.cfg.beta * kl * ratio
+        n = len(batch["advantages"])
+        lengths = torch.bincount(completion, minlength=n).to(logps.dtype)
+        if self.cfg.loss_type == "grpo":  # each completion's mean over its tokens
+            loss = (per_token / lengths[completion]).sum()
+        else:
+            loss = per_token.sum()
+        clip = (((ratio < 1 - self.cfg.epsilon) & (advantage < 0)) | ((ratio > 1 + (self.cfg.epsilon_high or self.cfg.epsilon)) & (advantage > 0)))
+        per_completion = torch.zeros(2, n, dtype=logps.dtype, device=logps.device)
+        per_completion[0].index_add_(0, completion, kl.detach())
+        per_completion[1].index_add_(0, completion, clip.to(logps.dtype))
+        per_completion = per_completion / lengths.clamp(min=1)
+        rewards = batch["rewards"].to(logps.dtype)
+        metrics = torch.cat([torch.stack([batch["reward"].sum(), batch["reward_std"].sum(), batch["zero_std"].sum(), lengths.sum(),
+                                          per_completion[0].sum(), per_completion[1].sum()]).to(logps.dtype), rewards.sum(0)])
+        return Losses(loss, aux, metrics)
+
+    # -- sampling and scoring --------------------------------------------------------------------
+
+    @torch.no_grad()
+    def rollout(self, model, tokenizer, prompts: list[list[Prompt]], position: int, device) -> tuple[list[dict], int]:
+        """The step's micro-batches of prompts as training micro-batches (on the host): each prompt's
+        completions sampled, scored and given their advantages. Also the real tokens they hold."""
+        was_training = model.training
+        model.eval()
+        batches, tokens = [], 0
+        try:
+            for micro in prompts:
+                rows, columns = [], {"advantages": [], "rewards": [], "reward": [], "reward_std": [], "zero_std": []}
+                for prompt, completions in zip(micro, self.sample(model, tokenizer, micro, position, device)):
+                    row, parts = self._scored(tokenizer, prompt, completions)
+                    rows.append(row)
+                    tokens += len(row.input_ids)
+                    for key, value in parts.items():
+                        columns[key].append(value)
+                batch = collate(rows, tokenizer.pad_token_id)
+                batches.append({**batch, **{key: torch.cat(value) for key, value in columns.items()}})
+        finally:
+            model.train(was_training)
+        return batches, tokens
+
+    def sample(self, model, tokenizer, prompts: list[Prompt], position: int, device) -> list[list[list[int]]]:
+        """num_generations completions of each prompt (each cut after its EOS token), all in one `generate`
+        call; completion j of a prompt draws its noise from a seed of (train.seed, data step, the prompt's
+        sample index, j), so it is the same in any batch, process or start of the run."""
+        from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+        cfg = self.cfg
+        seeds = np.concatenate([np.random.SeedSequence([self.seed, position, p.sample]).generate_state(cfg.num_generations, np.uint64)
+                                for p in prompts]).view(np.int64)
+        warpers = [TemperatureLogitsWarper(cfg.temperature)]
+        warpers += [TopKLogitsWarper(cfg.top_k)] if cfg.top_k else []
+        warpers += [TopPLogitsWarper(cfg.top_p)] if cfg.top_p < 1 else []
+        repeated = [p.ids for p in prompts for _ in range(cfg.num_generations)]
+        sampler = GumbelSampler(torch.as_tensor(seeds, device=device), warpers, cfg.top_k)
+        completions = generate(model, tokenizer, repeated, cfg.max_completion_length, device, sampler, synced=self.synced)
+        return [completions[i : i + cfg.num_generations] for i in range(0, len(completions), cfg.num_generations)]
+
+    def _rewards(self, tokenizer, prompt: Prompt, completions: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(each function's reward of each completion, their weighted sums)."""
+        texts = [tokenizer.decode(c, skip_special_tokens=True) for c in completions]
+        chat = not isinstance(prompt.row["prompt"], str)
+        shown = [[{"role": "assistant", "content": t}] for t in texts] if chat else texts
+        locate = self.locate or (lambda sample: f"sample {sample}")
+        table = score(self.rewards, [prompt.row["prompt"]] * len(texts), shown, completions, [prompt.row] * len(texts),
+                      lambda _: f"{locate(prompt.sample)} (prompt {prompt_text(prompt.row, tokenizer)[:60]!r})")
+        per_function = torch.tensor(table, dtype=torch.float32)
+        return per_function, (per_function * torch.tensor([r.weight for r in self.rewards], dtype=torch.float32)).sum(1)
+
+    def _scored(self, tokenizer, prompt: Prompt, completions: list[list[int]]) -> tuple[Row, dict[str, torch.Tensor]]:
+        """One prompt's completions as a packed row (trained on the completions), with their rewards and advantages."""
+        per_function, reward = self._rewards(tokenizer, prompt, completions)
+        std = reward.std().expand_as(reward)  # unbiased, as TRL's nanstd
+        advantages = reward - reward.mean()
+        if self.cfg.scale_rewards == "group":
+            advantages = advantages / (std + 1e-4)
+        ids, labels, positions = [], [], []
+        for completion in completions:
+            sequence = [*prompt.ids.tolist(), *completion]
+            ids += sequence
+            labels += [IGNORE] * len(prompt.ids) + completion
+            positions += range(len(sequence))
+        zero = torch.isclose(std, torch.zeros_like(std)).float()
+        return Row(np.array(ids), np.array(labels), np.array(positions)), {"advantages": advantages, "rewards": per_function,
+                                                                           "reward": reward, "reward_std": std, "zero_std": zero}
+
+    # -- evaluation ------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def evaluate(self, model, tokenizer, rows: Split, batch_size: int, accelerator, max_batches: int | None) -> dict:
+        """The mean reward of greedy completions of this rank's share of the eval prompts, reduced over ranks."""
+        was_training = model.training
+        model.eval()
+        world, rank = accelerator.num_processes, accelerator.process_index
+        mine = list(range(rank, len(rows), world))
+        if max_batches:
+            mine = mine[: max_batches * batch_size]
+        total = torch.zeros(2 + len(self.rewards), dtype=torch.float64)
+        prompts = rows.prompts(mine)
+        # Sharded weights: every rank makes as many `generate` calls (each forward gathers the weights), a short
+        # rank's last ones on a stand-in prompt whose completion is not scored.
+        count = batches_per_rank(len(rows), world, batch_size, max_batches)
+        stand_in = prompts[:1] or rows.prompts([0])
+        for start in range(0, count * batch_size if self.synced else len(prompts), batch_size):
+            batch = prompts[start : start + batch_size]
+            completions = generate(model, tokenizer, [p.ids for p in batch or stand_in], self.cfg.max_completion_length, accelerator.device,
+                                   synced=self.synced)
+            for prompt, completion in zip(batch, completions):
+                per_function, reward = self._rewards(tokenizer, prompt, [completion])
+                total += torch.cat([reward, torch.ones(1), per_function[0]]).double()
+        total = accelerator.reduce(total.to(accelerator.device), "sum").cpu()
+        model.train(was_training)
+        n = max(float(total[1]), 1.0)
+        reward = float(total[0]) / n
+        return {"eval_loss": -reward, "eval_reward": reward, "eval_prompts": int(total[1]),
+                **{f"eval_{r.metric}": float(v) / n for r, v in zip(self.rewards, total[2:])}}
+
+
+# -- generation ----------------------------------------------------------------------------------
+
+def generate(model, tokenizer, prompts: list[np.ndarray], max_new_tokens: int, device, sampler=None, synced: bool = False) -> list[list[int]]:
+    """One completion of each prompt (cut after its EOS token) from one `generate` call, the prompts
+    left-padded: greedy, or sampled by `sampler` (a GumbelSampler). `synced`: the weights are sharded, and
+    every rank runs as many forwards as the rank with the longest completion (transformers' synced_gpus)."""
+    from transformers import GenerationConfig, LogitsProcessorList
+
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), tokenizer.pad_token_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p) :] = torch.as_tensor(p, dtype=torch.long)
+        mask[i, width - len(p) :] = 1
+    settings = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
+                                eos_token_id=tokenizer.eos_token_id, use_cache=True)
+    with root_gathered(model):
+        out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=settings,
+                             logits_processor=LogitsProcessorList([] if sampler is None else [sampler]), synced_gpus=synced)
+    completions = []
+    for seq in out[:, width:].tolist():
+        completions.append(seq[: seq.index(tokenizer.eos_token_id) + 1] if tokenizer.eos_token_id in seq else seq)
+    return completions
+
+
+@contextlib.contextmanager
+def root_gathered(model):
+    """FSDP2: the root's own weights (embeddings, final norm, head) gathered for the whole `generate` call. Its
+    gather runs in the root's forward, and a PEFT root's generate calls the inner model's forward, not the root's;
+    the decoder layers, sharded apart, still gather themselves in each forward."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(model, FSDPModule):
+        yield
+        return
+    model.unshard()
+    try:
+        yield
+    finally:
+        model.reshard()
+
+
+class GumbelSampler:
+    """Sampling as greedy decoding: the argmax of logits/temperature (top-k/top-p filtered) plus Gumbel
+    noise is a draw from their softmax (the Gumbel-max trick). The noise of each row is a function of its
+    own seed and the token's step (`uniforms`), never of a shared generator, so one `generate` call
+    samples each row as a call of its own would, whatever rows share its batch or its process. With a
+    top k, the noise is made for the k candidates alone (the same numbers the whole row would get)."""
+
+    def __init__(self, seeds: torch.Tensor, warpers: list, top_k: int = 0):
+        self.seeds, self.warpers, self.top_k, self.step = seeds, warpers, top_k, 0  # one sampler per `generate` call: called once a token
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        scores = scores.float()
+        for warp in self.warpers:
+            scores = warp(input_ids, scores)
+        width, step = scores.shape[1], self.step
+        self.step += 1
+        if not self.top_k or self.top_k >= width:
+            return scores + gumbel(uniforms(self.seeds, step, width))
+        values, index = scores.topk(self.top_k, dim=1)
+        return torch.full_like(scores, -float("inf")).scatter_(1, index, values + gumbel(uniforms(self.seeds, step, width, index)))
+
+
+def gumbel(u: torch.Tensor) -> torch.Tensor:
+    return -torch.log(-torch.log(u))
+
+
+# splitmix64's constants (0x9e3779b97f4a7c15, 0xbf58476d1ce4e5b9, 0x94d049bb133111eb) as int64: torch has no uint64 arithmetic
+_GOLDEN, _MIX1, _MIX2 = (c - (1 << 64) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB))
+
+
+def _shift(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """x >> bits as on unsigned 64-bit numbers (torch shifts int64 arithmetically)."""
+    return (x >> bits).bitwise_and_((1 << (64 - bits)) - 1)
+
+
+def uniforms(seeds: torch.Tensor, step: int, width: int, index: torch.Tensor | None = None) -> torch.Tensor:
+    """Numbers in (0, 1), float32, one per row and vocabulary entry (or per entry of `index`, (rows, k)):
+    splitmix64's output number step * width + entry + 1 from each row's seed, in int64 arithmetic that
+    wraps as unsigned arithmetic does, so equal on every device; its top 23 bits make the float (24 would
+    round the largest to 1.0 in float32, and its Gumbel noise to infinity)."""
+    if index is None:
+        index = torch.arange(width, device=seeds.device, dtype=torch.long)[None]
+    z = seeds[:, None] + (index + (step * width + 1)) * _GOLDEN
+    z.bitwise_xor_(_shift(z, 30)).mul_(_MIX1)
+    z.bitwise_xor_(_shift(z, 27)).mul_(_MIX2)
+    z.bitwise_xor_(_shift(z, 31))
+    return (_shift(z, 41).float() + 0.5) * 2.0**-23

@@ -1,0 +1,22 @@
+"""Which objective a run config asks for (train.objective): the one table over every objective
+module, so that the base module (objective.py) never imports what builds on it (grpo.py)."""
+
+from __future__ import annotations
+
+from finetune.config.strategy import Strategy
+from finetune.objectives.grpo import GRPO
+from finetune.objectives.objective import KTO, SFT, Objective, Preference, RewardModel
+from finetune.objectives.rewards import load_rewards
+
+
+def objective_for(cfg, locate=None, world: int = 1) -> Objective:
+    """The run config's objective over `world` processes (`locate`: a prompt row's file:line, for GRPO's reward errors)."""
+    train, preference = cfg.train, cfg.preference
+    if train.objective == "grpo":
+        synced = Strategy.of(cfg.distributed.strategy, world).shards_weights
+        return GRPO(cfg.grpo, load_rewards(cfg.grpo), train.seed, locate=locate, synced=synced)
+    if train.objective == "kto":
+        return KTO(preference)
+    if train.objective == "reward":
+        return RewardModel(preference)
+    return SFT() if train.objective == "sft" else Preference(train.objective, preference)

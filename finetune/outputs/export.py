@@ -1,0 +1,405 @@
+"""`finetune export --format gguf`: a model folder (merged, or fully fine-tuned) as one GGUF file for
+llama.cpp and Ollama, verified before it is published.
+
+The file is written by the `gguf` package, the llama.cpp project's own writer on PyPI: its tensor names
+(`get_tensor_name_map`), its metadata keys and its Q8_0 quantization. What the package leaves to
+llama.cpp's conversion script, and this module does for the families it names, is the per-family
+glue: which architecture a config is, which metadata it needs (Gemma 3's sliding layers and their rope
+base, rope scaling), Llama's query/key rows reordered for llama.cpp's rotary layout and Llama 3's rope
+scaling as the `rope_freqs` tensor. The tokenizer is finetune/outputs/gguf_vocab.py's: byte-level BPE or
+SentencePiece, its token ids checked in llama.cpp before any weight is written.
+
+Before the file lands at --out it is read by llama.cpp itself (llama-cpp-python, where installed: logits,
+greedy tokens), else loaded back through transformers' GGUF loader (`from_pretrained(..., gguf_file=...)`),
+and its logits compared with the folder's on a few texts; above the tolerance nothing is published. An
+Ollama `Modelfile` is written beside it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from finetune.config.schema import read_model_config
+from finetune.config.errors import EXIT_MERGE_CHECK, Stopped, UserError
+from finetune.outputs.gguf_vocab import check_in_llama_cpp, quiet_stderr, write_vocabulary
+
+# model_type -> (the gguf package's architecture, query/key rows reordered for llama.cpp's rotary layout)
+FAMILIES = {"llama": ("LLAMA", True), "mistral": ("LLAMA", True), "qwen2": ("QWEN2", False), "qwen3": ("QWEN3", False),
+            "gemma2": ("GEMMA2", False), "gemma3_text": ("GEMMA3", False)}
+GEMMAS = ("gemma2", "gemma3_text")  # norms that scale by (1 + weight), heads scaled by query_pre_attn_scalar
+# families not written, and llama.cpp's reason
+NOT_WRITTEN = {"phi3": "llama.cpp's phi3 turns Phi-3-mini-4k's 2,047-token sliding window off, and Phi-3.5/4's longrope would need "
+                       "its factor tensors, which this export does not write"}
+# llama.cpp's k-quants, made from the f16 file by llama.cpp's own quantizer (llama-cpp-python): its ftype names
+K_QUANTS = {"q4_k_m": "LLAMA_FTYPE_MOSTLY_Q4_K_M", "q5_k_m": "LLAMA_FTYPE_MOSTLY_Q5_K_M", "q6_k": "LLAMA_FTYPE_MOSTLY_Q6_K"}
+TYPES = ("f16", "q8_0", *K_QUANTS)
+# largest |logit difference| published: f16 as a bf16 merge; the quantized types are reported, bounded loosely
+TOLERANCE = {"f16": 0.25, "q8_0": 1.0, "q6_k": 1.0, "q5_k_m": 1.5, "q4_k_m": 2.0}
+# the last one longer than the test models' sliding windows (16 tokens), and than Llama 3's rope scaling's short wavelengths
+CHECK_TEXTS = ["What kind of word is this?\n\nrabbit", "The quick brown fox jumps over the lazy dog.",
+               "In the river there was a castle, and in the castle there lived an old king who counted his coins every night by the light "
+               "of one candle, until the candle burned down and the king fell asleep over his table."]
+
+
+def export(model_dir: str | None, adapter: str | None, out: str, kind: str = "f16", say=print) -> dict:
+    """A model folder, or an adapter merged first (finetune merge, verified, into a folder beside --out
+    that goes afterwards), written as GGUF at `out`."""
+    if importlib.util.find_spec("gguf") is None:
+        raise UserError("--format gguf: needs the gguf package (pip install 'finetune-kit[gguf]')")
+    if adapter is None:
+        return export_gguf(model_dir, out, kind, say)
+    from finetune.outputs.merge import merge
+
+    merged = check_out(out).with_name(f".{Path(out).name}.merged.tmp")  # before the merge's minutes
+    try:
+        merge(adapter, str(merged), dtype="fp32", say=say)
+        say(f"merged {adapter} into its base (checked against base + adapter) for the export")
+        return export_gguf(str(merged), out, kind, say)
+    finally:
+        shutil.rmtree(merged, ignore_errors=True)
+
+
+def export_gguf(model_dir: str, out: str, kind: str = "f16", say=print) -> dict:
+    """Write `model_dir` as GGUF at `out` (a new file), verified; returns the report."""
+    import gguf
+
+    folder, target = Path(model_dir).expanduser(), check_out(out)
+    config = read_model_config(folder, "--model")
+    family = config.get("model_type")
+    _refuse_unwritable(config, folder)
+    if kind not in TYPES:
+        raise UserError(f"--type {kind}: expected one of {', '.join(TYPES)}")
+    if kind in K_QUANTS and importlib.util.find_spec("llama_cpp") is None:
+        raise UserError(f"--type {kind}: made by llama.cpp's own quantizer; pip install llama-cpp-python (or export f16 and run llama-quantize)")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    arch, permuted = FAMILIES[family]
+    arch_name = gguf.MODEL_ARCH_NAMES[getattr(gguf.MODEL_ARCH, arch)]
+    written = "f16" if kind in K_QUANTS else kind
+
+    def header(writer) -> None:
+        _metadata(writer, config, folder.name, written)
+        write_vocabulary(writer, tokenizer, folder, config.get("vocab_size") or 0)
+
+    in_llama_cpp = importlib.util.find_spec("llama_cpp") is not None  # the client the file is for
+    token_checks = check_in_llama_cpp(arch_name, header, tokenizer, folder, config["vocab_size"]) if in_llama_cpp else 0
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    tmp, unquantized = target.with_name(f".{target.name}.tmp"), target.with_name(f".{target.name}.f16.tmp")
+    try:
+        writer = gguf.GGUFWriter(str(unquantized if kind in K_QUANTS else tmp), arch_name)
+        header(writer)
+        _tensors(writer, model, config, getattr(gguf.MODEL_ARCH, arch), permuted, written)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        if kind in K_QUANTS:
+            _quantize(unquantized, tmp, kind)
+        if in_llama_cpp:
+            report = _verify_in_llama_cpp(model, tokenizer, tmp, target)
+            say(f"GGUF ({kind}) in llama.cpp itself (llama-cpp-python {report['version']}): the same token ids as transformers on "
+                f"{token_checks} strings, logits within max {report['max']:.3g} of the model's on {len(CHECK_TEXTS)} texts, "
+                f"greedy tokens {'the same' if report['same_greedy'] else 'DIFFERENT'}")
+        else:  # transformers' GGUF reader, a minute for a 128k vocabulary: read it back through llama.cpp's own where installed
+            report = _verify(model, tokenizer, tmp, kind)
+            say(f"GGUF ({kind}) loaded back by transformers: logits within max {report['max']:.3g} (mean {report['mean']:.3g}) of the model's "
+                f"on {len(CHECK_TEXTS)} texts, greedy tokens {'the same' if report['same_greedy'] else 'DIFFERENT'} (llama.cpp itself: not "
+                "checked; pip install llama-cpp-python)")
+        if report["max"] > TOLERANCE[kind]:
+            raise Stopped(f"GGUF check failed: logits differ by up to {report['max']:.4g} (tolerance {TOLERANCE[kind]:g}); nothing written to {target}",
+                          exit_code=EXIT_MERGE_CHECK)
+        report.update(model=str(folder), out=str(target), type=kind, family=family, bytes=tmp.stat().st_size)
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
+        unquantized.unlink(missing_ok=True)
+    modelfile = target.with_name("Modelfile")
+    if not modelfile.exists():  # Ollama's recipe: `ollama create NAME -f Modelfile`
+        modelfile.write_text(f"FROM ./{target.name}\n")
+    return report
+
+
+def _refuse_unwritable(config: dict, folder: Path) -> None:
+    """One line for a model llama.cpp's architecture for its family would run otherwise than transformers."""
+    family = config.get("model_type")
+    if family not in FAMILIES:
+        why = f" ({NOT_WRITTEN[family]})" if family in NOT_WRITTEN else ""
+        raise UserError(f"--model: {folder} is a {family} model; GGUF export covers {', '.join(sorted(FAMILIES))}{why} (merge first, then export)")
+    if family in GEMMAS and config.get("query_pre_attn_scalar") != config.get("head_dim"):
+        raise UserError(f"--model: {folder} scales attention by query_pre_attn_scalar {config.get('query_pre_attn_scalar')} with heads of "
+                        f"{config.get('head_dim')}; llama.cpp scales by the head size (GGUF export takes the two equal, as the Gemma 1B-9B releases)")
+    if family == "gemma3_text" and (config.get("attn_logit_softcapping") or config.get("final_logit_softcapping")):
+        raise UserError(f"--model: {folder} soft-caps its logits, which llama.cpp's gemma3 architecture does not")
+    window = config.get("sliding_window") if family == "mistral" or config.get("use_sliding_window") else None
+    if window and window < config.get("max_position_embeddings", 0):
+        raise UserError(f"--model: {folder} attends within a sliding window of {window} tokens, which GGUF's "
+                        f"{FAMILIES[family][0].lower()} architecture does not carry (llama.cpp would attend over the whole context)")
+    scaling = _rope(config).get("rope_type", "default")
+    if scaling not in ("default", "llama3", "linear"):
+        raise UserError(f"--model: {folder} scales rope as {scaling}; GGUF export writes llama3 and linear scaling")
+
+
+def export_lora(adapter_path: str, out: str, say=print) -> dict:
+    """A LoRA adapter as a GGUF LoRA file that llama.cpp applies to its base's GGUF (`llama-cli -m base.gguf --lora
+    out.gguf`), checked in llama.cpp itself: the base written as f16 GGUF (a temporary file) with the adapter applied
+    gives base + adapter's logits. Needs llama-cpp-python for the check."""
+    import gguf
+    from safetensors.torch import load_file
+
+    from finetune.model.adapters import attach, find_adapter, load_base
+
+    target = check_out(out)
+    if importlib.util.find_spec("llama_cpp") is None:
+        raise UserError("--lora: the file is checked by applying it in llama.cpp itself; pip install llama-cpp-python")
+    adapter = find_adapter(adapter_path, None)
+    settings = json.loads((Path(adapter.path) / "adapter_config.json").read_text())
+    odd = [k for k in ("use_dora", "modules_to_save", "rank_pattern", "alpha_pattern") if settings.get(k)]
+    if odd or adapter.quantized:
+        raise UserError(f"--adapter: {adapter.path} is {'a QLoRA adapter' if adapter.quantized else 'set with ' + ', '.join(odd)}; "
+                        "GGUF LoRA files carry plain LoRA on an unquantized base (merge, then export the model)")
+    folder = Path(adapter.base).expanduser()
+    config = read_model_config(folder, "--adapter's base")
+    if config.get("model_type") not in FAMILIES:
+        raise UserError(f"--adapter: its base is a {config.get('model_type')} model; GGUF export covers {', '.join(sorted(FAMILIES))}")
+    arch, permuted = FAMILIES[config["model_type"]]
+    r = settings["r"]
+    scaling = settings["lora_alpha"] / (r ** 0.5 if settings.get("use_rslora") else r)  # llama.cpp scales by alpha / r
+    tmp, scratch = target.with_name(f".{target.name}.tmp"), tempfile.TemporaryDirectory(prefix="finetune-lora-base-")
+    base_file = Path(scratch.name) / "base.gguf"  # with its Modelfile, gone with the folder
+    try:
+        writer = gguf.GGUFWriter(str(tmp), gguf.MODEL_ARCH_NAMES[getattr(gguf.MODEL_ARCH, arch)])
+        writer.add_type(gguf.GGUFType.ADAPTER)
+        writer.add_string(gguf.Keys.Adapter.TYPE, "lora")
+        writer.add_float32(gguf.Keys.Adapter.LORA_ALPHA, scaling * r)
+        _lora_tensors(writer, load_file(Path(adapter.path) / "adapter_model.safetensors"), config, getattr(gguf.MODEL_ARCH, arch), permuted)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        export_gguf(str(folder), str(base_file), "f16", say=lambda _: None)
+        tuned = attach(load_base(adapter, False), adapter)
+        worst, effect = _applied_in_llama_cpp(tuned, base_file, tmp, target)
+        say(f"GGUF LoRA applied by llama.cpp to its base (f16): logits within max {worst:.3g} of base + adapter's on {len(CHECK_TEXTS)} texts "
+            f"(the adapter moves them by max {effect:.3g})")
+        if worst > TOLERANCE["f16"]:
+            raise Stopped(f"GGUF LoRA check failed: logits differ by up to {worst:.4g} (tolerance {TOLERANCE['f16']:g}); nothing written to {target}",
+                          exit_code=EXIT_MERGE_CHECK)
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
+        scratch.cleanup()
+    return {"out": str(target), "type": "lora", "bytes": target.stat().st_size, "max": worst, "adapter_effect": effect, "base": str(folder)}
+
+
+def _lora_tensors(writer, weights: dict, config: dict, arch, permuted: bool) -> None:
+    """Each adapted layer's A (r x in) and B (out x r) under its GGUF name + .lora_a / .lora_b; B's rows of a query or
+    key projection in llama.cpp's rotary order, as the base's weight."""
+    import gguf
+
+    names = gguf.get_tensor_name_map(arch, config["num_hidden_layers"])
+    heads, kv = config["num_attention_heads"], config.get("num_key_value_heads") or config["num_attention_heads"]
+    for key in sorted(k for k in weights if ".lora_A." in k):
+        layer = key.removeprefix("base_model.model.").replace(".lora_A.weight", ".weight")
+        name = names.get_name(layer, try_suffixes=(".weight",))
+        if name is None:
+            raise UserError(f"--adapter: no GGUF name for the adapted layer {layer}")
+        a, b = weights[key].float().numpy(), weights[key.replace(".lora_A.", ".lora_B.")].float().numpy()
+        if permuted and layer.endswith(("q_proj.weight", "k_proj.weight")):
+            b = _rotary_rows(b, heads if "q_proj" in layer else kv)
+        writer.add_tensor(f"{name}.lora_a", a)
+        writer.add_tensor(f"{name}.lora_b", b)
+
+
+@torch.no_grad()
+def _applied_in_llama_cpp(tuned, base_file: Path, lora_file: Path, target: Path) -> tuple[float, float]:
+    """The largest |logit difference| between llama.cpp running the base GGUF with the LoRA file and `tuned` (base +
+    adapter in transformers) on CHECK_TEXTS, and how far the adapter moves the base's logits there."""
+    llm = _open_in_llama_cpp(base_file, target, lora=lora_file)
+    worst = effect = 0.0
+    for text in CHECK_TEXTS:
+        ids = llm.tokenize(text.encode(), add_bos=False, special=True)
+        theirs = _llama_cpp_logits(llm, ids)
+        ours = tuned(input_ids=torch.tensor([ids])).logits[0].float()
+        with tuned.disable_adapter():
+            effect = max(effect, (ours - tuned(input_ids=torch.tensor([ids])).logits[0].float()).abs().max().item())
+        worst = max(worst, (ours - theirs).abs().max().item())
+    return worst, effect
+
+
+def _open_in_llama_cpp(path: Path, target: Path, lora: Path | None = None):
+    """llama.cpp's model over the file (with a LoRA file applied), every position's logits kept; a file it refuses
+    stops the export (exit 5, nothing written to `target`)."""
+    from llama_cpp import Llama
+
+    try:
+        with quiet_stderr():
+            return Llama(model_path=str(path), lora_path=str(lora) if lora else None, n_ctx=256, logits_all=True, verbose=False,
+                         n_threads=max(1, torch.get_num_threads()))
+    except ValueError as err:
+        raise Stopped(f"GGUF check failed: llama.cpp does not load the file ({err}); nothing written to {target}", exit_code=EXIT_MERGE_CHECK) from None
+
+
+def _llama_cpp_logits(llm, ids: list[int]) -> torch.Tensor:
+    llm.reset()
+    llm.eval(ids)
+    return torch.from_numpy(np.array(llm.scores[: len(ids)], dtype=np.float32))
+
+
+def check_out(out: str) -> Path:
+    target = Path(out).expanduser()
+    if target.exists():
+        raise UserError(f"--out: {target} exists; name a new file")
+    if not target.parent.is_dir():
+        raise UserError(f"--out: {target.parent} is not a folder")
+    return target
+
+
+def _metadata(writer, config: dict, name: str, kind: str) -> None:
+    import gguf
+
+    heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    writer.add_name(name)
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(config.get("num_key_value_heads") or heads)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    rope = _rope(config)
+    writer.add_rope_freq_base(float(rope["rope_theta"]))
+    if rope["rope_type"] == "linear":  # llama3's scaling goes in as the rope_freqs tensor
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(float(rope["factor"]))
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    if config.get("model_type") == "gemma2":  # its alternate layers attend within a window; logits soft-capped
+        writer.add_sliding_window(config["sliding_window"])
+        writer.add_attn_logit_softcapping(config["attn_logit_softcapping"])
+        writer.add_final_logit_softcapping(config["final_logit_softcapping"])
+    if config.get("model_type") == "gemma3_text":  # which layers attend within the window, and their own rope base
+        pattern = config.get("sliding_window_pattern") or 6
+        kinds = config.get("layer_types") or ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(config["num_hidden_layers"])]
+        writer.add_sliding_window(config["sliding_window"])
+        writer.add_sliding_window_pattern([k == "sliding_attention" for k in kinds])
+        writer.add_rope_freq_base_swa(float(_rope(config, "sliding_attention")["rope_theta"]))
+    writer.add_vocab_size(config["vocab_size"])
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16 if kind == "f16" else gguf.LlamaFileType.MOSTLY_Q8_0)
+
+
+def _rope(config: dict, layers: str = "full_attention") -> dict:
+    """rope_theta and scaling for one kind of layer: from transformers 5's rope_parameters (per kind of layer where
+    they differ, as Gemma 3's), else the older rope_theta / rope_scaling / rope_local_base_freq."""
+    params = config.get("rope_parameters") or {}
+    if isinstance(params.get(layers), dict):
+        params = params[layers]
+    older = dict(config.get("rope_scaling") or {})
+    older["rope_type"] = older.get("rope_type", older.get("type", "default"))
+    theta = config.get("rope_local_base_freq") if layers == "sliding_attention" else config.get("rope_theta")
+    return {**older, "rope_theta": theta or 10000.0, **params}
+
+
+def _tensors(writer, model, config: dict, arch, permuted: bool, kind: str) -> None:
+    import gguf
+
+    names = gguf.get_tensor_name_map(arch, config["num_hidden_layers"])
+    heads, kv = config["num_attention_heads"], config.get("num_key_value_heads") or config["num_attention_heads"]
+    for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight" and config.get("tie_word_embeddings"):
+            continue  # llama.cpp ties the output to token_embd when output.weight is missing
+        target = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        if target is None:
+            raise UserError(f"--model: no GGUF name for the tensor {name}")
+        data = tensor.float().numpy()
+        if permuted and name.endswith(("q_proj.weight", "k_proj.weight")):
+            data = _rotary_rows(data, heads if "q_proj" in name else kv)
+        if config.get("model_type") in GEMMAS and name.endswith("norm.weight"):
+            data = data + 1  # Gemma's norms scale by (1 + weight); llama.cpp's by the weight stored
+        if data.ndim == 1 or kind == "f16" and data.ndim != 2:
+            writer.add_tensor(target, data.astype(np.float32))
+        elif kind == "f16":
+            writer.add_tensor(target, data.astype(np.float16))
+        else:
+            writer.add_tensor(target, gguf.quants.quantize(data, gguf.GGMLQuantizationType.Q8_0), raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    if _rope(config)["rope_type"] == "llama3":
+        writer.add_tensor(gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight", _llama3_rope_factors(model, config))
+
+
+def _llama3_rope_factors(model, config: dict) -> np.ndarray:
+    """Llama 3's rope scaling as llama.cpp takes it: per frequency, the factor it divides by (plain rope's inverse
+    frequencies over the ones transformers' llama3 scaling made)."""
+    dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    plain = 1.0 / (_rope(config)["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    return (plain / model.model.rotary_emb.inv_freq.double()).float().numpy()
+
+
+def _rotary_rows(weight: np.ndarray, heads: int) -> np.ndarray:
+    """Llama's query/key rows in llama.cpp's order: within each head the two rotary halves interleaved
+    (as convert_hf_to_gguf.py permutes them; transformers' GGUF loader undoes it)."""
+    return weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+def _quantize(source: Path, out: Path, kind: str) -> None:
+    """llama.cpp's quantizer (llama_model_quantize, as its llama-quantize tool runs it) from the f16 file."""
+    import ctypes
+
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, K_QUANTS[kind])
+    params.nthread = max(1, torch.get_num_threads())
+    if llama_cpp.llama_model_quantize(str(source).encode(), str(out).encode(), ctypes.byref(params)) != 0:
+        raise Stopped(f"--type {kind}: llama.cpp's quantizer failed on {source}", exit_code=EXIT_MERGE_CHECK)
+
+
+@torch.no_grad()
+def _verify_in_llama_cpp(model, tokenizer, path: Path, target: Path) -> dict:
+    """The file as llama.cpp reads it (llama-cpp-python): logits on CHECK_TEXTS and 8 greedy tokens (its tokens
+    were checked before the weights were written)."""
+    import llama_cpp
+
+    llm = _open_in_llama_cpp(path, target)
+    worst, same = 0.0, True
+    for text in CHECK_TEXTS:
+        ids = tokenizer(text).input_ids
+        worst = max(worst, (model(input_ids=torch.tensor([ids])).logits[0] - _llama_cpp_logits(llm, ids)).abs().max().item())
+        greedy = []
+        for _ in range(8):
+            greedy.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
+            llm.eval(greedy[-1:])
+        grow = {"max_new_tokens": 8, "do_sample": False, "pad_token_id": tokenizer.pad_token_id}
+        same = same and model.generate(torch.tensor([ids]), **grow)[0, len(ids):].tolist() == greedy
+    llm.close()
+    return {"version": llama_cpp.__version__, "max": worst, "same_greedy": same}
+
+
+@torch.no_grad()
+def _verify(model, tokenizer, path: Path, kind: str) -> dict:
+    """Logits of the file loaded back by transformers against the model's, greedy tokens, and the
+    file's tokenizer against the folder's on the same texts."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    back = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    its_tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    worst, total, count, same = 0.0, 0.0, 0, True
+    for text in CHECK_TEXTS:
+        ids = tokenizer(text, return_tensors="pt").input_ids
+        if its_tokenizer(text).input_ids != ids[0].tolist():
+            raise Stopped(f"GGUF check failed: the file's tokenizer encodes {text!r} otherwise than the model's; nothing written",
+                          exit_code=EXIT_MERGE_CHECK)
+        a, b = model(input_ids=ids).logits, back(input_ids=ids).logits
+        worst, total, count = max(worst, (a - b).abs().max().item()), total + (a - b).abs().sum().item(), count + a.numel()
+        grow = {"max_new_tokens": 8, "do_sample": False, "pad_token_id": tokenizer.pad_token_id}
+        same = same and torch.equal(model.generate(ids, **grow), back.generate(ids, **grow))
+    return {"max": worst, "mean": total / count, "same_greedy": same, "check_texts": len(CHECK_TEXTS)}

@@ -1,0 +1,619 @@
+"""Memory planner: what a run will need per device, from the model's config.json alone.
+
+The arithmetic (bytes per parameter, per token) is spelled out in docs/planning.md with a worked 7B
+example. Rows: weights, gradients, optimizer states, activations (with or without checkpointing) and,
+on GPUs, a reserve for the CUDA context and allocator slack.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from finetune.model import families
+from finetune.config.schema import DTYPE_BYTES, RunConfig, read_model_config
+from finetune.config.errors import UserError
+from finetune.model.families import Linear
+from finetune.parallel.runtime import glibc_tuned_by_user
+from finetune.config.strategy import Strategy
+
+GiB = 2**30
+# Optimizer state bytes per trainable parameter (None: same as the parameter's own bytes, twice).
+OPTIMIZER_STATE_BYTES = {"adamw": None, "paged_adamw_32bit": 8, "adamw_8bit": 2, "paged_adamw_8bit": 2, "lion": 4, "lion_8bit": 1}
+GPU_RESERVE = 1.0 * GiB  # CUDA context + caching-allocator slack, measured-ish; 0 on CPU
+# What a CPU training process grows by beyond its tensors once the model is loaded (autograd, the
+# optimizer's first step, thread pools, libraries loaded on first use): 151 MiB measured for a model of
+# a few MB (tests' tiny Llama, 4 steps).
+CPU_RUNTIME = 150 * 2**20
+BNB_BLOCK = 64  # bitsandbytes 4-bit block size
+# A 4-bit layer's quantization state beyond its per-block scales: the 16-value NF4 code (fp32), and with
+# double quantization the 256-value code of the scales' own quantization and their offset (fp32).
+NF4_STATE, NF4_STATE_DOUBLE = 16 * 4, (16 + 256 + 1) * 4
+
+
+@dataclass(frozen=True)
+class Shape:
+    vocab: int
+    hidden: int
+    layers: int
+    kv_dim: int
+    mlp_width: int  # the MLP's intermediate width a token passes through, averaged over layers (MoE: its experts' and the shared one's)
+    attention_values: int  # what a layer keeps per token for its backward outside the MLP (families.saved_attention_values)
+    tied: bool
+    linears: tuple[Linear, ...]  # every linear layer and expert weight of the decoder (families.linear_layers)
+    norms_and_biases: int
+    config: dict  # the config.json read (families.buffer_bytes needs the weights' dtype, known only with the run's config)
+    meta_buffers: int | None = None  # buffer bytes of the model built on the meta device (architectures outside the table)
+
+    def buffers(self, weight_bytes: int) -> int:
+        return self.meta_buffers if self.meta_buffers is not None else families.buffer_bytes(self.config, weight_bytes)
+
+    @property
+    def linear_params(self) -> int:
+        return sum(layer.params for layer in self.linears)
+
+    @property
+    def active_params(self) -> int:
+        """Parameters a token passes through: with experts, only the routed ones."""
+        return sum(layer.fan_in * layer.fan_out * layer.active for layer in self.linears) + self.other_params
+
+    @property
+    def other_params(self) -> int:
+        """Embeddings, lm_head, norms and biases: never quantized."""
+        return self.vocab * self.hidden * (1 if self.tied else 2) + self.norms_and_biases
+
+    @property
+    def quantizable_params(self) -> int:
+        """What bitsandbytes quantizes: nn.Linear layers. Fused 3-D expert weights and routers are not
+        (transformers 5.23 + bitsandbytes 0.50), and peft's k-bit preparation keeps them in fp32."""
+        return sum(layer.params for layer in self.linears if not (layer.expert or layer.router))
+
+
+def read_shape(model_path: str) -> Shape:
+    """The model's shape from its config.json (one read per file version: a plan's alternatives and the
+    longest-row search re-plan the same model dozens of times; other architectures build a skeleton)."""
+    path = Path(model_path).expanduser() / "config.json"
+    if not path.is_file():
+        raise UserError(f"plan: {path} not found: the planner reads a local model folder's config.json")
+    return _read_shape(path, path.stat().st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=32)
+def _read_shape(path: Path, version: int) -> Shape:
+    config = read_model_config(path.parent, "plan")
+    why = families.unsupported(config)
+    if why:
+        raise UserError(f"plan: {path}: {why}")
+    c = families.text_config(config)
+    if not c.get("model_type"):
+        raise UserError(f"plan: {path} lacks model_type (the planner knows decoder-only transformers)")
+    if c["model_type"] not in families.SPELLED_OUT:
+        return skeleton_shape(path.parent)
+    try:
+        linears = families.linear_layers(config)
+        heads = c["num_attention_heads"]
+        head_dim = c.get("head_dim") or c["hidden_size"] // heads
+        ups = [layer for layer in linears if layer.name.endswith("up_proj")]
+        width = sum(layer.fan_out // (2 if "gate_up" in layer.name else 1) * layer.active for layer in ups) // c["num_hidden_layers"]
+        return Shape(vocab=c["vocab_size"], hidden=c["hidden_size"], layers=c["num_hidden_layers"],
+                     kv_dim=(c.get("num_key_value_heads") or heads) * head_dim, mlp_width=width, attention_values=families.saved_attention_values(config),
+                     tied=bool(c.get("tie_word_embeddings", False)), linears=tuple(linears), norms_and_biases=families.small_params(config),
+                     config=config)
+    except KeyError as err:
+        raise UserError(f"plan: {path} lacks {err.args[0]} (the planner knows decoder-only transformers)") from None
+    except (TypeError, ValueError, ZeroDivisionError):
+        raise UserError(f"plan: {path}: a size in it is not a positive number") from None
+
+
+def skeleton_shape(folder: Path) -> Shape:
+    """Any other architecture, read off the model built on the meta device (no weights, no memory): its
+    linear layers (nn.Linear and GPT-2's Conv1D) grouped by name and shape, experts' fused 3-D weights
+    (a token passes through num_experts_per_tok of them), and everything else (embeddings, learned
+    positions, norms, biases) counted as it is."""
+    from collections import Counter
+
+    import torch
+
+    from finetune.config.schema import ModelConfig
+    from finetune.model.loading import ROUTERS, linear_like, load_model
+
+    try:
+        model = load_model(ModelConfig(name_or_path=str(folder)), skeleton="meta", say=lambda _: None)
+    except UserError as err:
+        raise UserError(f"plan: {err}") from None
+    except Exception as err:  # noqa: BLE001 - an architecture transformers cannot build from this config
+        raise UserError(f"plan: {folder / 'config.json'}: transformers cannot build this model from it ({str(err).splitlines()[0]})") from None
+    config, head, embed = model.config, model.get_output_embeddings(), model.get_input_embeddings()
+    routed = getattr(config, "num_experts_per_tok", None) or 1
+    copies, active = Counter(), Counter()  # by (name, fan_in, fan_out, expert)
+    for name, module in model.named_modules():
+        if linear_like(module) and module is not head:
+            shape = (module.in_features, module.out_features) if isinstance(module, torch.nn.Linear) else tuple(module.weight.shape)
+            key = (name.rsplit(".", 1)[-1], *shape, False)
+            copies[key] += 1
+            active[key] += 1
+        elif name.endswith("experts"):
+            for weight_name, weight in module.named_parameters(recurse=False):
+                if weight.dim() == 3:
+                    key = (f"experts.{weight_name}", weight.shape[1], weight.shape[2], True)
+                    copies[key] += weight.shape[0]
+                    active[key] += min(routed, weight.shape[0])
+    moe = any(expert for *_, expert in copies)  # routers are told apart in mixture-of-experts models only, as model.lora_targets does
+    linears = [Linear(name, fan_in, fan_out, n, active[name, fan_in, fan_out, expert], expert=expert, router=moe and not expert and name in ROUTERS)
+               for (name, fan_in, fan_out, expert), n in copies.items()]
+    vocab, hidden = embed.weight.shape
+    tied = head is not None and head.weight is embed.weight
+    heads = config.num_attention_heads
+    width = next((w for w in (getattr(config, key, None) for key in ("intermediate_size", "ffn_dim", "n_inner")) if isinstance(w, int)), 4 * hidden)
+    other = sum(p.numel() for p in model.parameters()) - sum(layer.params for layer in linears) - vocab * hidden * (1 if tied else 2)
+    kv_dim = (getattr(config, "num_key_value_heads", None) or heads) * (hidden // heads)
+    return Shape(vocab=vocab, hidden=hidden, layers=config.num_hidden_layers, kv_dim=kv_dim,
+                 mlp_width=width, attention_values=6 * hidden + 2 * kv_dim, tied=tied, linears=tuple(linears), norms_and_biases=other, config={},
+                 meta_buffers=sum(b.numel() * b.element_size() for b in model.buffers()))
+
+
+@dataclass(frozen=True)
+class Setup:
+    """The knobs the planner varies when it looks for a plan that fits."""
+
+    method: str  # full | lora | dora | qlora | qdora | 8bit-lora
+    bits: int | None
+    weight_bytes: int
+    optimizer: str
+    micro_batch: int
+    seq_len: int
+    activation_bytes: int
+    checkpointing: bool
+    strategy: str  # distributed.strategy's names: none | ddp (replicated) | fsdp | zero2 | zero3 | zero3_offload
+    devices: int
+    fsdp_cpu_offload: bool = False  # distributed.fsdp_cpu_offload
+    sequence_parallel: int = 1  # distributed.sequence_parallel: processes sharing each row
+    tiled_mlp: int = 1  # model.tiled_mlp: chunks each MLP runs over
+
+    @property
+    def tokens(self) -> float:
+        """Tokens of a micro-batch one device holds."""
+        return self.micro_batch * self.seq_len / self.sequence_parallel
+
+    @property
+    def run_as(self) -> Strategy:
+        return Strategy.of(self.strategy, self.devices)
+
+    @property
+    def shards_states(self) -> bool:
+        return self.run_as.shards_states
+
+    @property
+    def shards_weights(self) -> bool:
+        return self.run_as.shards_weights
+
+    @property
+    def offloads(self) -> bool:
+        """Sharded weights, gradients and optimizer states kept in CPU RAM (a GPU run)."""
+        return self.run_as.offload or (self.run_as.name == "fsdp" and self.fsdp_cpu_offload)
+
+
+def setup_from_config(cfg: RunConfig, devices: int, strategy: str | None = None) -> Setup:
+    q = cfg.model.quantization
+    mp = cfg.train.mixed_precision
+    weight_bytes = DTYPE_BYTES.get(cfg.model.dtype, 2)  # auto: as stored, most often in 16 bits
+    return Setup(
+        method=cfg.adapter.method, bits=q.bits if q else None, weight_bytes=weight_bytes, optimizer=cfg.train.optimizer,
+        micro_batch=cfg.train.micro_batch_size, seq_len=cfg.data.max_seq_len,
+        activation_bytes=2 if mp in ("bf16", "fp16", "fp8") or (weight_bytes == 2 and not (q and q.compute_dtype == "float32")) else 4,
+        checkpointing=cfg.train.gradient_checkpointing, devices=devices,
+        strategy=Strategy.of(strategy or cfg.distributed.strategy, devices).name,  # one process runs unsharded
+        fsdp_cpu_offload=cfg.distributed.fsdp_cpu_offload, sequence_parallel=cfg.distributed.sequence_parallel, tiled_mlp=cfg.model.tiled_mlp,
+    )
+
+
+def adapted(shape: Shape, cfg: RunConfig) -> list[Linear]:
+    """The layers LoRA/DoRA wraps, as model.lora_targets chooses them: all-linear is every linear layer
+    and expert weight but the routers; DoRA cannot wrap expert weights."""
+    wanted = cfg.adapter.target_modules
+    if wanted == "all-linear":
+        layers = [l for l in shape.linears if not l.router]
+    else:
+        layers = [l for l in shape.linears if (l.expert and "experts" in wanted) or (not l.expert and l.name.rsplit(".", 1)[-1] in wanted)]
+    return [l for l in layers if not (l.expert and cfg.adapter.method == "dora")]
+
+
+def trainable_params(shape: Shape, cfg: RunConfig) -> int:
+    if cfg.adapter.method == "full":
+        return shape.linear_params + shape.other_params
+    r, dora = cfg.adapter.r, cfg.adapter.method == "dora"
+    return sum((r * (l.fan_in + l.fan_out) + (l.fan_out if dora else 0)) * l.copies for l in adapted(shape, cfg))
+
+
+def estimate(shape: Shape, cfg: RunConfig, s: Setup) -> dict[str, float]:
+    """Bytes per device, by row."""
+    n_train = trainable_params(shape, cfg)
+    full = s.method == "full"
+    # Weights. A quantized base keeps its non-linear parts in fp32 (peft's prepare_model_for_kbit_training).
+    kept = shape.linear_params - shape.quantizable_params + shape.other_params  # left unquantized, in fp32
+    if s.bits == 4:
+        double = cfg.model.quantization.double_quant
+        per_param = 0.5 + (1 / BNB_BLOCK + 4 / (BNB_BLOCK * 256) if double else 4 / BNB_BLOCK)
+        base = shape.quantizable_params * per_param + kept * 4 + quantized_layers(shape) * (NF4_STATE_DOUBLE if double else NF4_STATE)
+    elif s.bits == 8:
+        scales = sum(l.fan_out * l.copies for l in shape.linears if not (l.expert or l.router)) * 4  # one fp32 scale per output row
+        base = shape.quantizable_params * 1 + scales + kept * 4
+    else:
+        base = (shape.linear_params + shape.other_params) * s.weight_bytes
+    base += shape.buffers(s.weight_bytes)  # the rotary frequencies (and Gemma's embedding scale)
+    adapter = 0 if full else n_train * 4  # peft keeps adapter weights in fp32
+    param_bytes = s.weight_bytes if full else 4
+    grads = n_train * param_bytes
+    # DeepSpeed's optimizer steps its fp32 master partition: its states are fp32 whatever the weights' dtype.
+    state_bytes = 4 if s.run_as.deepspeed else param_bytes
+    state = OPTIMIZER_STATE_BYTES.get(s.optimizer)
+    if s.optimizer == "sgd":
+        state = state_bytes if cfg.train.momentum > 0 else 0
+    optimizer = n_train * (2 * state_bytes if state is None else state)
+    # Sharding: ZeRO-2 splits gradients and optimizer states, ZeRO-3/FSDP the weights too.
+    if s.shards_states:
+        grads, optimizer = grads / s.devices, optimizer / s.devices
+    weights = base + adapter
+    rows = {"weights": weights, "gradients": grads, "optimizer states": optimizer, "activations": activations(shape, s) + dropped_inputs(shape, cfg, s)}
+    if s.shards_weights:
+        rows["weights"] = weights / s.devices
+        rows["gathered for compute"] = gathered(shape, s, full)
+    if s.run_as.deepspeed:  # DeepSpeed's optimizer keeps an fp32 copy of its partition, even of fp32 weights
+        rows["fp32 master weights (DeepSpeed)"] = n_train * 4 / s.devices
+    if cfg.train.objective == "dpo" and full:  # a frozen copy of the base, held as the policy is (adapters: the base with them off)
+        rows["DPO reference model"] = base / s.devices if s.shards_weights else base
+    temporaries = dense_temporaries(shape, cfg, s)
+    if temporaries:
+        rows["dense weight temporaries"] = temporaries
+    return rows
+
+
+def quantized_layers(shape: Shape) -> int:
+    return sum(layer.copies for layer in shape.linears if not (layer.expert or layer.router))
+
+
+def gathered(shape: Shape, s: Setup, full: bool) -> float:
+    """FSDP/ZeRO-3: what a rank holds unsharded while it computes. The root's own weights (embeddings,
+    lm_head) stay gathered through forward and backward; each decoder layer's are gathered twice over
+    while in use (the all-gather's output and the per-parameter copies made from it; ZeRO-3 prefetches
+    the next layer instead). Full fine-tuning adds the same layer's and the root's unsharded gradients
+    before they are reduce-scattered. A quantized base is gathered as it is held: peft keeps the root
+    in fp32, and a layer's linear weights stay packed (4 or 8 bits) beside its fp32 remainder."""
+    if s.bits:
+        packed = shape.quantizable_params * (0.5 if s.bits == 4 else 1)
+        layer = (packed + (shape.linear_params - shape.quantizable_params) * 4) / shape.layers
+        root = shape.other_params * 4
+    else:
+        layer = shape.linear_params / shape.layers * s.weight_bytes
+        root = shape.other_params * s.weight_bytes
+    return root + 2 * layer + (root + layer if full else 0)
+
+
+def dense_temporaries(shape: Shape, cfg: RunConfig, s: Setup) -> float:
+    """Weight-sized tensors one adapted linear layer makes in each forward (worst layer): a quantized
+    base dequantizes its weight (4-bit: into the compute dtype, then cast for the matmul), and peft's
+    DoRA builds B @ A through an identity of fan_in x fan_in, adds it to the weight and takes the norm
+    (measured: 259 MB for a 5632 -> 2048 layer; this formula says 253)."""
+    layers = adapted(shape, cfg) if s.method != "full" else []
+    if not layers:
+        return 0.0
+    size = 0.0
+    if s.bits:  # set from cfg.model.quantization (the QLoRA alternative sets both)
+        size = max(l.fan_in * l.fan_out for l in layers) * (DTYPE_BYTES[cfg.model.quantization.compute_dtype] + 4)
+    if s.method == "dora":
+        size = max(size, max((l.fan_in ** 2 + 3 * l.fan_in * l.fan_out) * 4 for l in layers))
+    return size
+
+
+# From this many tokens a micro-batch per process, blocks of 1 MiB and more are mapped and handed back
+# when freed on CPU runs (runtime.keep_freed_memory), as under FSDP/ZeRO-3: no heap row.
+LONG_ROWS = 4096
+
+def heap_holes(shape: Shape, cfg: RunConfig, s: Setup) -> float:
+    """What glibc's heap holds beyond live tensors on a CPU run (runtime.keep_freed_memory; not under
+    FSDP/ZeRO-3): freed blocks split by the small tensors kept after them, which the next layer's
+    blocks cannot reuse. DoRA (freed memory kept in the heap): about one fp32 copy of the largest
+    adapted weight per layer in the forward and again in the backward's recompute, measured on the
+    1.1B model with checkpointing (docs/platform-notes.md); a quantized base: below."""
+    if s.shards_weights or s.tokens >= LONG_ROWS or not dense_temporaries(shape, cfg, s) or glibc_tuned_by_user():
+        return 0.0  # sharded or long rows (large blocks mapped); nothing weight-sized freed; or glibc tuned by the user (left alone)
+    if s.bits:  # with checkpointing (without it every layer's activations are held anyway: counted above)
+        # Dequantized weights of MAPPED_FROM and more come from fresh mappings, returned when freed,
+        # and glibc trims the heap (runtime.keep_freed_memory); what stays split is each layer's
+        # recomputed activations, freed in the backward around the gradient kept for the layer below.
+        # Llama-3-8B's widths (fp32 compute, 512 tokens): the runs peaked at 0.95 of this plan with 32
+        # layers and 0.92 with 8; the 1.1B model (256 tokens): 0.98 (docs/platform-notes.md).
+        return shape.layers * layer_activations(shape, s) if s.checkpointing else 0.0
+    return 2 * shape.layers * max(l.fan_in * l.fan_out for l in adapted(shape, cfg)) * 4
+
+
+def dropped_inputs(shape: Shape, cfg: RunConfig, s: Setup) -> float:
+    """LoRA dropout (adapter.dropout > 0): each adapted layer keeps its input after dropout for the backward, and the
+    dropout's 1-byte mask, beside what the layer keeps anyway (590 MiB beside Qwen2.5-0.5B's other 1,230 MiB at 512
+    tokens; bench/released.py). With checkpointing one rebuilt layer's worth."""
+    if s.method == "full" or cfg.adapter.dropout == 0:
+        return 0.0
+    values = sum(l.fan_in * l.copies for l in adapted(shape, cfg)) * s.tokens * (s.activation_bytes + 1)
+    return values / shape.layers if s.checkpointing else values
+
+
+def layer_activations(shape: Shape, s: Setup) -> float:
+    """What one decoder layer keeps for its backward without checkpointing (see activations), its MLP's
+    share for one chunk where the MLP is tiled."""
+    return (shape.attention_values + 4 * shape.mlp_width / s.tiled_mlp) * s.activation_bytes * s.tokens
+
+
+def activations(shape: Shape, s: Setup) -> float:
+    """Saved tensors of the forward pass, per device, plus the loss's logits.
+
+    Per decoder layer and token a Llama block keeps 6*h + 2*kv + 4*i values for its backward: the two
+    norms' inputs and outputs (the outputs are the projections' inputs), the rotated query, key and
+    value, the attention output, and the MLP's gate, up, activation and product (i is the MLP width a
+    token passes through, with experts the routed ones' and the shared one's). With checkpointing only each block's input (fp32 residual)
+    is kept; in the backward one block is rebuilt, and its gradients take about the room its saved
+    tensors free as the backward goes through them (one block's worth: measured on rows of 2k to 6k
+    tokens, bench/long.py and tests/test_plan.py). A tiled MLP keeps only its input, and holds its intermediates for one chunk at a time,
+    in the backward. Sequence parallelism: a device holds 1/N of each row's tokens (and, inside
+    attention, the whole row for 1/N of the heads: as many values). The loss: see loss_activations.
+    """
+    tokens = s.tokens
+    per_layer = layer_activations(shape, s)
+    logits = loss_activations(shape, s)
+    if s.checkpointing:
+        return shape.layers * tokens * shape.hidden * 4 + per_layer + logits
+    chunk = 4 * shape.mlp_width / s.tiled_mlp * s.activation_bytes * tokens if s.tiled_mlp > 1 else 0.0
+    return shape.layers * (per_layer - chunk) + chunk + logits
+
+
+def loss_activations(shape: Shape, s: Setup) -> float:
+    """The loss's share. Where the fused loss runs (a plain lm_head, unsharded: loss.fusable_parts) the
+    logits exist a chunk at a time: it holds the trained tokens' final hidden states and their
+    gradient, and a chunk's logits, log-softmax and gradient in fp32. Otherwise the model's logits of
+    the trained tokens, an fp32 copy and their log-softmax: (a + 8) bytes per vocabulary entry. Every
+    token is counted as trained."""
+    if families.plain_head(shape.config) and not s.shards_weights:
+        from finetune.objectives.loss import CHUNK_ELEMENTS
+
+        return 2 * s.tokens * shape.hidden * s.activation_bytes + 3 * CHUNK_ELEMENTS * 4
+    return s.tokens * shape.vocab * (s.activation_bytes + 8)
+
+
+def longest_row(cfg: RunConfig, s: Setup, budget: float, gpu: bool) -> int:
+    """The longest row (tokens, a multiple of 64) whose plan fits `budget` per device, micro-batches of one row."""
+    low, high = 0, 64
+    fits = lambda n: make_plan(cfg, gpu=gpu, setup=replace(s, micro_batch=1, seq_len=n)).total <= budget  # noqa: E731
+    while fits(high) and high < 2**24:
+        low, high = high, high * 2
+    while high - low > 64:
+        middle = (low + high) // 2 // 64 * 64
+        low, high = (middle, high) if fits(middle) else (low, middle)
+    return low
+
+
+@dataclass
+class Plan:
+    rows: dict[str, float]
+    total: float
+    setup: Setup
+    trainable: int
+    total_params: int
+    active_params: int  # per token: differs from total_params with experts
+    unquantized_experts: int  # expert and router weights a quantized base keeps in full precision
+    host: dict[str, float] = field(default_factory=dict)  # offloaded to CPU RAM, per process
+    refused: str | None = None  # what `finetune train` would refuse in this setup (the schema's own checks)
+
+
+def refusal(cfg: RunConfig, s: Setup) -> str | None:
+    """Why `finetune train` would refuse the config changed to this setup, in the line it would say, or None."""
+    from finetune.config.schema import validate_config
+
+    raw = cfg.model_dump()
+    raw["distributed"].update(strategy=s.strategy if s.devices > 1 else raw["distributed"]["strategy"], fsdp_cpu_offload=s.fsdp_cpu_offload,
+                              sequence_parallel=s.sequence_parallel)
+    raw["train"].update(optimizer=s.optimizer, micro_batch_size=s.micro_batch, gradient_checkpointing=s.checkpointing)
+    raw["model"]["tiled_mlp"] = s.tiled_mlp
+    try:
+        validate_config(raw, "config", check_paths=False)
+    except UserError as err:
+        return str(err).removeprefix("config: ")
+    return None
+
+
+def make_plan(cfg: RunConfig, devices: int = 1, strategy: str | None = None, gpu: bool = False, setup: Setup | None = None) -> Plan:
+    """strategy: as distributed.strategy names it (default: the config's). On GPUs, ZeRO-3 offload and
+    FSDP's CPU offload keep the sharded weights, gradients and optimizer states in CPU RAM (`host`); the
+    device holds what is gathered for compute, the activations and the temporaries."""
+    shape = read_shape(cfg.model.name_or_path)
+    setup = setup or setup_from_config(cfg, devices, strategy)
+    rows = estimate(shape, cfg, setup)
+    host = {}
+    if gpu and setup.offloads:
+        host = {name: rows.pop(name) for name in ("weights", "gradients", "optimizer states", "fp32 master weights (DeepSpeed)") if name in rows}
+    if gpu:
+        rows["CUDA context + allocator slack"] = GPU_RESERVE
+    else:
+        rows["process runtime (CPU)"] = CPU_RUNTIME
+        if heap_holes(shape, cfg, setup):
+            rows["freed but held by the heap (CPU)"] = heap_holes(shape, cfg, setup)
+    return Plan(rows, sum(rows.values()), setup, trainable_params(shape, cfg), shape.linear_params + shape.other_params, shape.active_params,
+                shape.linear_params - shape.quantizable_params, host)
+
+
+def checked_plan(cfg: RunConfig, devices: int = 1, strategy: str | None = None, gpu: bool = False, setup: Setup | None = None) -> Plan:
+    """make_plan, with what `finetune train` would refuse in that setup (a schema validation: not for the searches)."""
+    plan = make_plan(cfg, devices, strategy, gpu, setup)
+    return replace(plan, refused=refusal(cfg, plan.setup))
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """A step's time on `devices` devices from its arithmetic alone: FLOPs at a stated share of the
+    peak (MFU) and collective bytes at a stated bandwidth per device."""
+
+    flops_per_token: float
+    tokens: int  # per device per optimizer step
+    compute_s: float
+    comm_bytes: float  # sent per device per step
+    comm_s: float
+
+    @property
+    def overlapped_s(self) -> float:
+        return max(self.compute_s, self.comm_s)
+
+
+def step_time(cfg: RunConfig, s: Setup, tflops: float, mfu: float, bandwidth: float) -> StepTime:
+    """FLOPs per token: each matmul weight costs 2 FLOPs a token forward, 2 for the gradient of its input
+    and 2 more for its own gradient when it is trained (full fine-tuning; an adapter's are negligible);
+    checkpointing runs the forward again (+2). Causal attention adds 2 * seq * q_dim per layer forward
+    (QK^T and AV over half the keys on average), twice that backward. Communication, ring collectives,
+    each moving (d-1)/d of the tensor per device: FSDP/ZeRO-3 gather the weights in every micro-batch's
+    forward and again in its backward, and reduce-scatter the trained gradients once a step; DDP and
+    ZeRO-2 all-reduce (twice the bytes) the trained gradients once a step."""
+    shape = read_shape(cfg.model.name_or_path)
+    full, d = s.method == "full", s.devices
+    matmul = sum(l.fan_in * l.fan_out * l.active for l in shape.linears) + shape.vocab * shape.hidden  # the lm_head too
+    per_weight = 2 + 2 + (2 if full else 0) + (2 if s.checkpointing else 0)
+    q_dim = next((l.fan_out for l in shape.linears if l.name.rsplit(".", 1)[-1] == "q_proj"), shape.hidden)
+    attention = shape.layers * 2 * s.seq_len * q_dim * (1 + 2 + (1 if s.checkpointing else 0))
+    flops = per_weight * matmul + attention
+    tokens = s.tokens * cfg.train.grad_accum
+    weight_bytes = estimate(shape, cfg, replace(s, strategy="none", devices=1))["weights"]  # the whole model as held, gathered
+    grads = trainable_params(shape, cfg) * (s.weight_bytes if full else 4)
+    share = (d - 1) / d
+    if d == 1:
+        sent = 0.0
+    elif s.shards_weights:
+        sent = share * (2 * weight_bytes * cfg.train.grad_accum + grads)
+    else:
+        sent = share * 2 * grads
+    if s.sequence_parallel > 1:  # Ulysses: q, k, v and the output through an all-to-all per layer, forward and backward (and the recompute)
+        kv_dim = shape.kv_dim
+        sp_share = (s.sequence_parallel - 1) / s.sequence_parallel
+        sent += sp_share * tokens * (2 * q_dim + 2 * kv_dim) * s.activation_bytes * shape.layers * (2 + (1 if s.checkpointing else 0))
+    return StepTime(flops, tokens, tokens * flops / (tflops * 1e12 * mfu), sent, sent / bandwidth if bandwidth else 0.0)
+
+
+def render_time(t: StepTime, tflops: float, mfu: float, bandwidth: float) -> str:
+    return (f"time: {t.flops_per_token / 1e9:.1f} GFLOP per token; {t.tokens:,} tokens per device per step at {tflops:g} TFLOP/s x MFU {mfu:g}: "
+            f"compute {t.compute_s:.2f} s; communication {t.comm_bytes / 1e9:.1f} GB per device"
+            + (f" at {bandwidth / 1e9:g} GB/s: {t.comm_s:.2f} s" if bandwidth else "")
+            + f"; step {t.overlapped_s:.2f} s overlapped ({t.compute_s + t.comm_s:.2f} s if not), "
+            f"{t.tokens / t.overlapped_s:,.0f} tokens/s per device")
+
+
+def alternatives(cfg: RunConfig, plan: Plan, gpu: bool) -> list[tuple[str, Plan]]:
+    """Single switches that shrink the plan, each re-planned."""
+    s = plan.setup
+    options = []
+    if not s.checkpointing:
+        options.append(("train.gradient_checkpointing: true", replace(s, checkpointing=True)))
+    if s.micro_batch > 1:
+        half = max(1, s.micro_batch // 2)
+        options.append((f"train.micro_batch_size: {half} (raise grad_accum to keep the batch)", replace(s, micro_batch=half)))
+    if s.optimizer in ("adamw", "paged_adamw_32bit"):
+        options.append(("train.optimizer: adamw_8bit", replace(s, optimizer="adamw_8bit")))
+    if s.devices > 1 and not s.shards_weights:
+        options.append((f"FSDP over {s.devices} devices (distributed.strategy: fsdp)", replace(s, strategy="fsdp")))
+    if gpu and s.shards_weights and not s.offloads:
+        options.append(("sharded states in CPU RAM (distributed.fsdp_cpu_offload: true, or strategy zero3_offload)",
+                        replace(s, strategy="fsdp", fsdp_cpu_offload=True) if s.strategy == "fsdp" else replace(s, strategy="zero3_offload")))
+    if s.tiled_mlp == 1:
+        options.append(("model.tiled_mlp: 4 (long rows)", replace(s, tiled_mlp=4)))
+    if s.devices > 1 and s.sequence_parallel == 1 and cfg.train.objective == "sft":
+        options.append((f"distributed.sequence_parallel: {s.devices} (each row's tokens over the {s.devices} devices)",
+                        replace(s, sequence_parallel=s.devices)))
+    if plan.refused and s.devices > 1:  # the strategies train would run instead
+        options += [(f"distributed.strategy: {name}", replace(s, strategy=name)) for name in ("ddp", "zero2", "zero3", "fsdp") if name != s.strategy]
+    out = [(label, checked_plan(cfg, gpu=gpu, setup=alt)) for label, alt in options]
+    if s.bits is None and cfg.adapter.method != "full":
+        from finetune.config.schema import QuantizationConfig
+
+        q = cfg.model_copy(deep=True)
+        q.model.quantization = QuantizationConfig()
+        out.append(("model.quantization: {bits: 4} (QLoRA)", checked_plan(q, gpu=gpu, setup=replace(s, bits=4))))
+    return sorted([(label, p) for label, p in out if not p.refused], key=lambda item: item[1].total)
+
+
+def render_rows(cfg: RunConfig, plan: Plan, budget: float, gpu: bool) -> str:
+    """Long rows: the activations with and without a tiled MLP, and the longest row that fits a device
+    as planned, with the MLP tiled, and (several devices) with each row over all of them."""
+    s = plan.setup
+    tiled = s if s.tiled_mlp > 1 else replace(s, tiled_mlp=4)
+    other = make_plan(cfg, gpu=gpu, setup=replace(s, tiled_mlp=1) if s.tiled_mlp > 1 else tiled)
+    pair = (plan, other) if s.tiled_mlp > 1 else (other, plan)
+    lines = [f"activations per device: {pair[1].rows['activations'] / GiB:.2f} GiB untiled, {pair[0].rows['activations'] / GiB:.2f} GiB "
+             f"with the MLP tiled x{tiled.tiled_mlp}"]
+    longest = [f"{longest_row(cfg, s, budget, gpu):,} tokens as planned"]
+    if s.tiled_mlp == 1:
+        longest.append(f"{longest_row(cfg, tiled, budget, gpu):,} with the MLP tiled x4")
+    if s.devices > 1 and s.sequence_parallel == 1 and cfg.train.objective == "sft":
+        longest.append(f"{longest_row(cfg, replace(tiled, sequence_parallel=s.devices), budget, gpu):,} tiled and each row over the "
+                       f"{s.devices} devices (distributed.sequence_parallel: {s.devices})")
+    lines.append("longest row that fits a device, one row a micro-batch: " + "; ".join(longest))
+    return "\n".join(lines)
+
+
+def parse_size(text: str, option: str) -> float:
+    units = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+    t = text.strip().upper().replace(" ", "")
+    number = t.rstrip("KMGTIB")
+    try:
+        size = float(number) * units[t[len(number):]]
+    except (KeyError, ValueError):
+        size = 0.0
+    if not size > 0:
+        raise UserError(f"{option} {text}: expected a size like 80GiB or 24GB")
+    return size
+
+
+def available_memory() -> tuple[float, str]:
+    """Memory of one device here: the GPU's, else this machine's available RAM."""
+    import torch
+
+    if torch.cuda.is_available():
+        return float(torch.cuda.get_device_properties(0).total_memory), torch.cuda.get_device_name(0)
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return float(line.split()[1]) * 1024, "CPU RAM (available)"
+    return math.inf, "CPU RAM"
+
+
+def render(plan: Plan, budget: float, where: str, alts: list[tuple[str, Plan]]) -> str:
+    s = plan.setup
+    method = s.method if s.bits is None else f"{s.method} on a {s.bits}-bit base"
+    unit, scale = ("GiB", GiB) if plan.total >= GiB else ("MiB", 2**20)
+    lines = [
+        f"plan: {method}, {plan.trainable:,} trainable of {plan.total_params:,} params"
+        + (f" ({plan.active_params:,} active per token)" if plan.active_params != plan.total_params else "") + f", optimizer {s.optimizer}, "
+        f"micro-batch {s.micro_batch} x {s.seq_len} tokens, activations in {8 * s.activation_bytes}-bit, "
+        f"checkpointing {'on' if s.checkpointing else 'off'}, strategy {s.strategy} over {s.devices} device(s)"
+        + (f", each row over {s.sequence_parallel} of them (sequence parallel)" if s.sequence_parallel > 1 else "")
+        + (f", MLPs tiled x{s.tiled_mlp}" if s.tiled_mlp > 1 else ""),
+        "",
+        f"| {'per device':<32} | {unit:>9} |",
+        f"| {'-' * 32} | {'-' * 9} |",
+    ]
+    lines += [f"| {name:<32} | {value / scale:>9.2f} |" for name, value in plan.rows.items()]
+    lines.append(f"| {'total':<32} | {plan.total / scale:>9.2f} |")
+    if plan.host:
+        lines.append("offloaded to CPU RAM, per process: " + ", ".join(f"{name} {value / GiB:.2f} GiB" for name, value in plan.host.items())
+                     + f" ({sum(plan.host.values()) / GiB:.2f} GiB; x {s.devices} processes over the nodes)")
+    if s.bits and plan.unquantized_experts:
+        lines.append(f"note: bitsandbytes quantizes nn.Linear layers only: {plan.unquantized_experts:,} expert and router parameters stay in fp32")
+    fits = plan.total <= budget
+    if plan.refused:
+        lines += ["", f"{where}: {budget / GiB:.1f} GiB per device -> finetune train refuses this setup: {plan.refused}"]
+        good = [f"  - {label}: {p.total / GiB:.2f} GiB" for label, p in alts if p.total <= budget]
+        lines += ["what runs and fits instead:", *good] if good else ["nothing a single switch changes both runs and fits"]
+        return "\n".join(lines)
+    lines += ["", f"{where}: {budget / GiB:.1f} GiB per device -> {'fits' if fits else 'does NOT fit'}"]
+    if not fits:
+        good = [(label, p) for label, p in alts if p.total <= budget]
+        if good:
+            lines.append("switches that make it fit:")
+            lines += [f"  - {label}: {p.total / GiB:.2f} GiB" for label, p in good]
+        else:
+            lines.append("no single switch makes it fit; combine them or use more devices (--gpus N with ZeRO-3/FSDP)")
+    return "\n".join(lines)

@@ -1,0 +1,306 @@
+"""How the model is spread over processes: DDP replicas (through accelerate), FSDP2 shards or
+DeepSpeed ZeRO partitions.
+
+FSDP2 and ZeRO are applied by calling torch's `fully_shard` and `deepspeed.initialize` directly:
+accelerate's FSDP plugin silently becomes DDP on a CPU and accelerate + DeepSpeed fails there
+(docs/platform-notes.md); the same calls run on gloo and nccl.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import torch
+
+from finetune.config.errors import UserError
+from finetune.config.schema import PRECISIONS, RunConfig
+from finetune.config.strategy import Strategy
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The repeated transformer blocks: the unit FSDP shards and gathers one at a time."""
+    return [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
+
+
+def stream_source(cfg: RunConfig, say) -> Path | None:
+    """The model folder rank 0 streams the weights from under FSDP, or None (said why) where it loads
+    the whole model and sends its state dict."""
+    from finetune.model.stage import resolve_source
+
+    folder = resolve_source(cfg.model.name_or_path, cfg.model.revision)
+    why_not = streaming_refusal(cfg, folder)
+    if why_not:
+        say(f"fsdp: rank 0 loads the whole model before sending the shards: {why_not}")
+    return None if why_not else folder
+
+
+def streaming_refusal(cfg: RunConfig, folder: Path) -> str | None:
+    """Why rank 0 cannot stream this model's weights from its files under FSDP (None: it can). Every
+    rank asks and gets the same answer: it reads the config, the files' headers and a meta skeleton."""
+    from finetune.model.loading import load_model, weight_files
+
+    if cfg.model.quantization is not None:
+        return "a quantized base is quantized while it loads"
+    if cfg.adapter.method == "dora":
+        return "DoRA's magnitudes are computed from the loaded weights"
+    if cfg.adapter.modules_to_save:
+        return "adapter.modules_to_save copies loaded weights"
+    files = weight_files(folder) if folder.is_dir() else {}
+    if not files:
+        return f"{folder} holds no safetensors files"
+    stored = {key for keys in files.values() for key in keys}
+    model = load_model(cfg.model, skeleton="meta", say=lambda _: None)
+    missing = sorted(set(_names_once(model)) - stored)
+    if missing:
+        return f"{missing[0]} is not in the weight files (transformers converts this checkpoint's weights while loading)"
+    return None
+
+
+def _names_once(model: torch.nn.Module) -> list[str]:
+    """State-dict keys, a tied weight (lm_head = embed_tokens) under its first name only."""
+    seen, names = set(), []
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if id(tensor) not in seen:
+            seen.add(id(tensor))
+            names.append(name)
+    return names
+
+
+def shard_fsdp2(model: torch.nn.Module, cfg: RunConfig, device: torch.device, world: int, stream_from: Path | None = None) -> torch.nn.Module:
+    """Shard the model over the processes, then fill every rank's shards from rank 0.
+
+    Ranks other than 0 hold a meta-device skeleton (load_model(skeleton="meta")). Rank 0 holds either
+    the loaded model, whose state dict it sends whole, or (stream_from: the model folder) an
+    uninitialized one (skeleton="empty") plus the adapter as peft initialized it: then it reads the
+    weights one decoder layer at a time from the safetensors files and sends those, so that no
+    process ever holds more than its shards, one layer and the adapter."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    from finetune.model.loading import DTYPES
+
+    shard = cfg.distributed.fsdp_shard_size or world
+    if world % shard:
+        raise UserError(f"distributed.fsdp_shard_size: {shard} does not divide the {world} processes")
+    # 1-D mesh: full shard. 2-D (replicate, shard): HSDP, gradients all-reduced across the replicas.
+    mesh = init_device_mesh(device.type, (world,)) if shard == world else \
+        init_device_mesh(device.type, (world // shard, shard), mesh_dim_names=("replicate", "shard"))
+    mp = cfg.train.mixed_precision
+    low = DTYPES[PRECISIONS[mp]] if mp in ("bf16", "fp16") else None
+    # Compute in low precision, reduce gradients in fp32: the usual FSDP mixed-precision recipe.
+    policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32) if low else MixedPrecisionPolicy()
+    offload = CPUOffloadPolicy() if cfg.distributed.fsdp_cpu_offload else OffloadPolicy()
+    kwargs = dict(mesh=mesh, mp_policy=policy, offload_policy=offload, reshard_after_forward=cfg.distributed.fsdp_reshard_after_forward)
+    rank0 = dist.get_rank() == 0
+    if stream_from is None:
+        full = model.state_dict() if rank0 else {}  # keeps rank 0's full weights alive until sent
+    else:  # the adapter's initial values (small), before sharding splits them
+        full = {name: p.detach().clone() for name, p in model.named_parameters() if p.requires_grad and rank0 and cfg.adapter.method != "full"}
+    for layer in decoder_layers(model):
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
+    if not rank0:
+        model.to_empty(device=device)  # room for this rank's shards, filled from rank 0 next
+    if stream_from is None:
+        _send(model, full)
+    else:
+        _stream(model, stream_from, full)
+    del full
+    for buffer in model.buffers():  # not in the state dict when non-persistent (rotary frequencies)
+        dist.broadcast(buffer, src=0)
+    return model
+
+
+def _send(module: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Rank 0's values of some of `module`'s state-dict entries to every rank's shards (a collective)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    set_model_state_dict(module, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False))
+
+
+def _stream(model: torch.nn.Module, folder: Path, adapter: dict[str, torch.Tensor]) -> None:
+    """Rank 0 reads the weights from the model's safetensors files one decoder layer at a time (then
+    the rest one tensor at a time) and sends them; the adapter's own weights come from `adapter`."""
+    import torch.distributed as dist
+    from safetensors import safe_open
+
+    from finetune.model.loading import weight_files
+
+    rank0 = dist.get_rank() == 0
+    where = {key: name for name, keys in weight_files(folder).items() for key in keys}
+    once = _names_once(model)
+    listed = set(once)  # a tied weight's second name is filled through its first
+
+    def read(prefix: str, keys: list[str], like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        if not rank0:
+            return {}
+        out = {k: adapter[prefix + k] for k in keys if prefix + k in adapter}
+        stored = {k: _stored_key(prefix + k) for k in keys if prefix + k not in adapter and _stored_key(prefix + k) in where}
+        for file in {where[s] for s in stored.values()}:  # opened per group: the mapping goes when it closes
+            with safe_open(folder / file, "pt") as f:
+                out.update({k: f.get_tensor(s).to(like[k].dtype) for k, s in stored.items() if where[s] == file})
+        unfilled = [prefix + k for k in keys if k not in out and prefix + k in listed]
+        if unfilled:  # streaming_refusal let through a weight that nothing fills: never train on uninitialized memory
+            raise RuntimeError(f"fsdp streaming load: no value for {unfilled[0]} in {folder}")
+        return out
+
+    layers = decoder_layers(model)
+    names = {id(m): name for name, m in model.named_modules()}
+    for layer in layers:
+        prefix, local = names[id(layer)] + ".", layer.state_dict()
+        _send(layer, read(prefix, list(local), local))
+    inside = tuple(names[id(layer)] + "." for layer in layers)
+    local = model.state_dict()
+    for key in [k for k in once if not k.startswith(inside)]:
+        _send(model, read("", [key], local))
+
+
+def _stored_key(name: str) -> str:
+    """The file's name for a state-dict entry of the model as trained (peft's wrapping taken off)."""
+    return name.removeprefix("base_model.model.").replace(".base_layer.", ".")
+
+
+def full_state_dict(model: torch.nn.Module, trainable_only: bool) -> dict[str, torch.Tensor]:
+    """Gather a sharded model's full state dict onto rank 0's CPU (a collective: every rank calls it).
+    trainable_only: the adapter's weights, not the frozen base's (an adapter is saved without them)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=trainable_only))
+
+
+def check_strategy(cfg: RunConfig) -> None:
+    """Refuse, before loading, a strategy whose engine is missing."""
+    if Strategy.of(cfg.distributed.strategy).deepspeed and importlib.util.find_spec("deepspeed") is None:
+        raise UserError(f"distributed.strategy: {cfg.distributed.strategy} needs DeepSpeed (pip install 'finetune[deepspeed]')")
+    if cfg.distributed.fsdp_cpu_offload and not torch.cuda.is_available():
+        raise UserError("distributed.fsdp_cpu_offload: needs a GPU (without one the shards already live in CPU RAM); set it to false")
+
+
+def build_deepspeed_cpu_ops() -> list[str]:
+    """Compile DeepSpeed's CPU ops now: CPU Adam (optimizer offload) and the shared-memory comm op, which
+    every ZeRO process loads as it starts, though training never calls it. Unbuilt, the first ZeRO run on
+    a machine compiles them inside its launch (20-35 s each on 2 cores). `make test` calls this first; they
+    land where torch keeps JIT extensions ($TORCH_EXTENSIONS_DIR, else ~/.cache/torch_extensions).
+    Nothing where DeepSpeed is absent or its accelerator is not the CPU (on a GPU it builds CUDA ops)."""
+    if importlib.util.find_spec("deepspeed") is None or os.environ.get("DS_ACCELERATOR") != "cpu":
+        return []
+    from deepspeed.accelerator import get_accelerator
+
+    built = []
+    for name in ("CPUAdamBuilder", "ShareMemCommBuilder"):
+        builder = get_accelerator().create_op_builder(name)
+        if builder is not None and builder.is_compatible():
+            builder.load(verbose=False)
+            built.append(builder.NAME)
+    return built
+
+
+def deepspeed_config(cfg: RunConfig, world: int, layer_params: int | None = None) -> dict:
+    """The DeepSpeed config for a ZeRO strategy, derived from the run config (nothing to keep in sync).
+
+    layer_params (the largest decoder layer's parameter count) sizes the buckets: DeepSpeed's defaults
+    (5e8 elements per gradient bucket, up to 1e9 parameters kept gathered) are for GPUs beside a large
+    host; a 1.1B model's ZeRO-3 LoRA rank held 8.9 GB of CPU RAM for its 2.1 GB shard (5.8 GB with
+    these). With them, a rank holds about its shards, two gathered layers and a layer's gradient bucket."""
+    t, strategy = cfg.train, Strategy.of(cfg.distributed.strategy)
+    zero = {"stage": strategy.zero_stage, "contiguous_gradients": True, "overlap_comm": False}
+    if layer_params:
+        zero.update(reduce_bucket_size=layer_params, allgather_bucket_size=layer_params)
+        if zero["stage"] == 3:
+            # sub_group_size: the optimizer step flattens one sub-group's gradient partitions into a new
+            # tensor; by default that is the whole partition (a 1.1B full fine-tune's rank went from
+            # 10 to 12.4 GB in its first step and was OOM-killed). One layer's worth bounds the copy.
+            zero.update(stage3_prefetch_bucket_size=layer_params, stage3_max_live_parameters=2 * layer_params,
+                        stage3_max_reuse_distance=layer_params, sub_group_size=layer_params)
+    if strategy.offload:
+        pin = torch.cuda.is_available()
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": pin}
+        zero["offload_param"] = {"device": "cpu", "pin_memory": pin}
+    return {
+        "train_micro_batch_size_per_gpu": t.micro_batch_size,
+        "gradient_accumulation_steps": t.grad_accum,
+        "train_batch_size": t.micro_batch_size * t.grad_accum * world,
+        "gradient_clipping": t.max_grad_norm or 0.0,
+        "bf16": {"enabled": t.mixed_precision == "bf16"},
+        "zero_optimization": zero,
+        "zero_allow_untested_optimizer": True,  # our optimizer, built by optim.py
+        "zero_force_ds_cpu_optimizer": False,
+        "steps_per_print": 2**62,
+    }
+
+
+def zero3_loading(cfg: RunConfig, world: int):
+    """Under ZeRO-3, from_pretrained partitions the weights as it loads while this object is alive
+    (transformers' documented route); no process then holds the whole model."""
+    if Strategy.of(cfg.distributed.strategy, world).zero_stage != 3:
+        return None
+    import deepspeed
+    from transformers.integrations import HfDeepSpeedConfig
+
+    deepspeed.init_distributed()  # adopts the process group accelerate made, so the config sees the world size
+    return HfDeepSpeedConfig(deepspeed_config(cfg, world))
+
+
+def init_deepspeed(model: torch.nn.Module, optimizer: torch.optim.Optimizer, cfg: RunConfig, world: int):
+    import deepspeed
+
+    layer = max((sum(getattr(p, "ds_numel", p.numel()) for p in block.parameters()) for block in decoder_layers(model)), default=None)
+    engine, ds_optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=deepspeed_config(cfg, world, layer))
+    return engine, ds_optimizer  # optimizer None: a frozen model (DPO's reference), an engine that only computes
+
+
+def gathered_trainable_state(model: torch.nn.Module, keep: bool) -> dict[str, torch.Tensor]:
+    """Full state dict with the trainable weights gathered from their ZeRO-3 partitions (a
+    collective: every rank calls it), one module at a time; only the rank that saves (keep) copies
+    them, so no rank ever holds the whole model twice (a 1.1B full fine-tune was OOM-killed here when
+    each rank gathered everything at once and cloned it). Frozen partitioned weights are left out: an
+    adapter does not need them, and under full fine-tuning every weight is trainable."""
+    import deepspeed
+
+    modules: dict[str, dict[str, torch.Tensor]] = {}
+    for key, value in model.state_dict(keep_vars=True).items():
+        if value.requires_grad or not hasattr(value, "ds_id"):
+            modules.setdefault(key.rpartition(".")[0], {})[key] = value
+    state = {}
+    for tensors in modules.values():
+        with deepspeed.zero.GatheredParameters([t for t in tensors.values() if hasattr(t, "ds_id")], modifier_rank=None):
+            if keep:
+                state.update({k: v.detach().cpu().clone() for k, v in tensors.items()})
+    return state
+
+
+def local_numel(model: torch.nn.Module, params: list[torch.nn.Parameter]) -> int:
+    """Trainable elements whose state this rank holds: its FSDP shard, its ZeRO-3 partition, its
+    ZeRO-2 partition of the fp32 master weights, or everything for DDP."""
+    zero_optimizer = getattr(model, "optimizer", None)
+    if hasattr(zero_optimizer, "single_partition_of_fp32_groups"):  # ZeRO-1/2
+        return sum(t.numel() for t in zero_optimizer.single_partition_of_fp32_groups)
+    return sum(p.to_local().numel() if hasattr(p, "to_local") else p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel() for p in params)
+
+
+CHECKSUM_CHUNK = 1 << 18  # elements per slice: the check's memory is a few of these, whatever the model's size
+
+
+def replica_checksum(params: list[torch.nn.Parameter]) -> torch.Tensor:
+    """Sum, absolute sum and position-weighted sum of every trained value, in float64, one slice at a
+    time: equal on two replicas only if their weights are, and O(1) memory (no flat copy of the model)."""
+    total = torch.zeros(3, dtype=torch.float64, device=params[0].device if params else "cpu")
+    offset = 0
+    with torch.no_grad():
+        for p in params:
+            flat = p.detach().reshape(-1)
+            for start in range(0, flat.numel(), CHECKSUM_CHUNK):
+                x = flat[start : start + CHECKSUM_CHUNK].double()
+                where = torch.arange(offset + start, offset + start + x.numel(), dtype=torch.float64, device=x.device)
+                total += torch.stack([x.sum(), x.abs().sum(), (x * where).sum()])
+            offset += flat.numel()
+    return total
+
+
+def replicas_identical(params: list[torch.nn.Parameter], accelerator) -> bool:
+    """True when every rank holds the same trained weights (replicas that drift apart are a silent bug)."""
+    gathered = accelerator.gather(replica_checksum(params).to(accelerator.device)[None]).cpu()
+    return bool((gathered == gathered[0]).all())

@@ -1,0 +1,161 @@
+"""Preflight: everything `train` refuses before it loads anything, in one place.
+
+`finetune validate` and `train` both call `check`, so a config that validates is not refused later
+for this machine's hardware, its installed packages, the launcher's processes or the output folder.
+The config schema (config/schema.py) checks what holds on any machine; this adds what depends on this one.
+Each check raises UserError with the key at fault and what to do; none of them changes anything.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+from finetune.config.errors import UserError
+from finetune.config.schema import CONFIG_FILE, SUMMARY_FILE, RunConfig, read_model_config
+
+
+def check(cfg: RunConfig, warn=None) -> None:
+    """Raise UserError for what train would refuse. `warn` (validate's) takes what concerns a run
+    rather than the config: a finished run in the output folder is named, not refused, since the
+    config itself is fine and only `train` would overwrite that run."""
+    from finetune.model import loading
+    from finetune.parallel import distributed, optim, runtime
+
+    loading.check_supported(cfg)
+    optim.check_optimizer(cfg.train)
+    distributed.check_strategy(cfg)
+    check_long_context(cfg, launched=warn is None or "WORLD_SIZE" in os.environ)
+    check_gpu_features(cfg)
+    check_trackers(cfg)
+    runtime.launcher_strategy(cfg)
+    check_processes(cfg)
+    if cfg.train.objective == "grpo":  # a reward function that does not import stops here, before any data or model loads
+        from finetune.objectives.rewards import load_rewards
+
+        load_rewards(cfg.grpo)
+    if int(os.environ.get("RANK", "0")) == 0:  # the process that will create and lock it
+        check_output_dir(Path(cfg.train.output_dir))
+        finished = finished_run(Path(cfg.train.output_dir), cfg.checkpoint.resume)
+        if finished and warn is None:
+            raise UserError(finished)
+        if finished:
+            warn(f"{finished} (train refuses this folder)")
+
+
+def check_long_context(cfg: RunConfig, launched: bool) -> None:
+    """distributed.sequence_parallel against the model's heads (a local folder's config.json) and, once
+    launched (train, or validate under a launcher), the process count; both it and model.tiled_mlp need DeepSpeed."""
+    from finetune.config.strategy import Strategy
+    from finetune.parallel import sequence_parallel
+
+    size, world = cfg.distributed.sequence_parallel, int(os.environ.get("WORLD_SIZE", "1"))
+    if cfg.model.tiled_mlp > 1:
+        if importlib.util.find_spec("deepspeed") is None:
+            raise UserError("model.tiled_mlp: runs DeepSpeed's TiledMLP; pip install 'finetune-kit[deepspeed]'")
+        if Strategy.of(cfg.distributed.strategy, world).name == "ddp":
+            raise UserError("model.tiled_mlp: TiledMLP adds each MLP weight's gradient once per chunk, and DDP takes one per step; "
+                            "use distributed.strategy fsdp or a zero strategy with it, or one process")
+    if size == 1:
+        return
+    folder = Path(cfg.model.name_or_path).expanduser()
+    sequence_parallel.check(size, read_model_config(folder, "model.name_or_path") if (folder / "config.json").is_file() else {})
+    if launched:
+        sequence_parallel.check_world(size, world)
+
+
+def check_gpu_features(cfg: RunConfig) -> None:
+    """What needs a GPU: fp16 and fp8 mixed precision, LoftQ, offloaded activations."""
+    import torch
+
+    mp, cuda = cfg.train.mixed_precision, torch.cuda.is_available()
+    if cfg.train.offload_activations and not cuda:
+        raise UserError("train.offload_activations: moves saved activations from a GPU to CPU memory; without one they are in CPU memory already; "
+                        "set it to false")
+    if cfg.adapter.init == "loftq" and not cuda:
+        raise UserError("adapter.init: loftq needs an NVIDIA GPU (peft's replace_lora_weights_loftq computes on CUDA); use init: default here")
+    if mp == "fp16" and not cuda:
+        raise UserError("train.mixed_precision: fp16 needs a GPU (accelerate runs fp16 with loss scaling on GPUs only); use bf16 on CPU")
+    if mp == "fp8":
+        if not cuda or torch.cuda.get_device_capability() < (8, 9):
+            raise UserError("train.mixed_precision: fp8 needs an NVIDIA GPU of compute capability 8.9+ (Ada/Hopper); use bf16")
+        if not any(importlib.util.find_spec(p) for p in ("torchao", "transformer_engine")):
+            raise UserError("train.mixed_precision: fp8 needs torchao or transformer_engine installed")
+
+
+def check_trackers(cfg: RunConfig) -> None:
+    for name in cfg.logging.report_to:
+        if importlib.util.find_spec(name) is None:
+            raise UserError(f"logging.report_to: '{name}' is not installed (pip install finetune-kit[{name}]) or remove it")
+    if "wandb" in cfg.logging.report_to and not wandb_can_log():
+        raise UserError("logging.report_to: wandb has no API key here (WANDB_API_KEY, or the ~/.netrc entry `wandb login` writes) and is "
+                        "not offline; log in, or set WANDB_MODE=offline to keep the run on disk (`wandb sync` uploads it later)")
+    # MLflow 3 keeps runs in a database (sqlite:///mlflow.db in the working directory unless
+    # MLFLOW_TRACKING_URI says otherwise); mlflow-skinny alone cannot open one.
+    store = os.environ.get("MLFLOW_TRACKING_URI") or "sqlite:///mlflow.db"
+    if "mlflow" in cfg.logging.report_to and "://" in store and not store.startswith(("http", "file", "databricks")) and (
+            importlib.util.find_spec("sqlalchemy") is None or importlib.util.find_spec("alembic") is None):
+        raise UserError(f"logging.report_to: mlflow's store {store} needs sqlalchemy and alembic (pip install finetune-kit[mlflow]); "
+                        "or set MLFLOW_TRACKING_URI to your tracking server")
+
+
+def wandb_can_log() -> bool:
+    """What wandb.init reads before it would ask for a key and fail deep inside the run: offline or
+    disabled mode, a key or identity token in the environment, or a key for its host in the netrc
+    file (NETRC, else ~/.netrc), as wandb 0.31 looks for them."""
+    import netrc
+    from urllib.parse import urlsplit
+
+    env = os.environ
+    if env.get("WANDB_MODE", "").lower() in ("offline", "dryrun", "disabled") or env.get("WANDB_DISABLED", "").lower() in ("true", "1"):
+        return True
+    if env.get("WANDB_API_KEY") or env.get("WANDB_IDENTITY_TOKEN_FILE"):
+        return True
+    path = Path(env.get("NETRC") or "~/.netrc").expanduser()
+    try:
+        return path.is_file() and netrc.netrc(path).authenticators(urlsplit(env.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname) is not None
+    except (netrc.NetrcParseError, OSError):
+        return False
+
+
+def check_processes(cfg: RunConfig) -> None:
+    """A launcher's process count (WORLD_SIZE) against distributed.strategy: none means one process."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if cfg.distributed.strategy == "none" and world > 1:
+        raise UserError(f"distributed.strategy: none, but {world} processes were started; choose ddp, fsdp or a zero strategy, or start one process")
+
+
+def check_output_dir(out: Path) -> None:
+    """The output folder can be made (or is there and writable) and holds nothing but a finetune run's
+    files: a run writes README.md, config.json and more, and must not replace a user's."""
+    from finetune.checkpoint import store
+    from finetune.checkpoint.locks import LOCK_FILE, check_free
+
+    if out.exists() and not out.is_dir():
+        raise UserError(f"train.output_dir: {out} is a file; expected a folder (or a path to create)")
+    if not out.exists():
+        parent = next((p for p in out.absolute().parents if p.exists()), None)
+        if parent is None or not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+            raise UserError(f"train.output_dir: cannot create {out} ({parent} is not a writable folder)")
+        return
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise UserError(f"train.output_dir: {out} is not writable")
+    check_free(out)
+    names = {p.name for p in out.iterdir()}
+    if names and not names & {CONFIG_FILE, LOCK_FILE, store.CHECKPOINTS}:  # a run's, or checkpoints brought here to resume from
+        raise UserError(f"train.output_dir: {out} holds files that are not a finetune run's ({', '.join(sorted(names)[:3])}); "
+                        "choose an empty or new folder")
+
+
+def finished_run(out: Path, resume: str) -> str | None:
+    """Why train must not use this folder, if it holds a finished run: resuming from its last
+    checkpoint (or starting afresh) would replace the finished adapter or model. Resuming from a
+    checkpoint named on purpose (to train on with more steps) is allowed."""
+    if resume in ("auto", "never") and (out / SUMMARY_FILE).is_file():
+        from finetune.checkpoint import store
+
+        newest = next(reversed(store.step_dirs(out / store.CHECKPOINTS)), None)
+        again = f"; or continue it on purpose with --resume {newest} (and a higher --max-steps)" if newest else ""
+        return f"train.output_dir: {out} holds a finished run ({SUMMARY_FILE}); start a new run with --output-dir NEW_DIR{again}"
+    return None
