@@ -47,7 +47,7 @@ from finetune.model import families
 from finetune.model.attention import leak, mixer_outside_attention
 from finetune.model.loading import adapter_input_casting_off, apply_adapter, compile_layers, describe, load_tokenizer, loftq_init
 from finetune.model.stage import staged_model
-from finetune.objectives.evaluate import eval_loss, exact_match
+from finetune.objectives.evaluate import eval_loss, exact_match, exact_match_after
 from finetune.objectives.grpo import GRPO
 from finetune.objectives.loss import to_device
 from finetune.objectives.objective import SFT, Objective
@@ -603,7 +603,8 @@ def finish(run: RunState) -> RunResult:
             summary["vllm"] = {"loads": serving.loads, "max_lora_rank": serving.max_lora_rank, "problems": serving.problems}
             run.say(serving.line())
         if run.before is not None:
-            summary.update(compare_generations(run, unwrapped))
+            examples = run.data.eval_examples[: run.cfg.eval.generate_samples]
+            summary.update(exact_match_after(unwrapped, run.tokenizer, examples, run.cfg.data.format, run.cfg.eval.max_new_tokens, run.before, run.say))
         # The folder's README.md is a model card of this run (it replaces the template peft's save wrote).
         (run.out / model_card.CARD).write_text(model_card.run_card(cfg, summary, run.out))
         (run.out / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
@@ -661,12 +662,3 @@ def summarize(run: RunState) -> dict:
                    model_loaded_from=run.model_cfg.name_or_path, base_model=run.base)  # base_model: what the adapter needs
     return summary
 
-
-def compare_generations(run: RunState, model) -> dict:
-    """Exact match on the eval prompts after training, beside the figure from before it."""
-    cfg, before = run.cfg, run.before
-    after = exact_match(model, run.tokenizer, run.data.eval_examples[: cfg.eval.generate_samples], cfg.data.format, cfg.eval.max_new_tokens)
-    run.say(f"exact match on {after['n']} eval prompts: {before['exact_match']:.1%} before -> {after['exact_match']:.1%} after")
-    for b, a in list(zip(before["samples"], after["samples"]))[:3]:
-        run.say(f"  prompt {a['prompt']!r}\n    expected {a['expected']!r} | before tuning {b['got']!r} | after tuning {a['got']!r}")
-    return {"exact_match_before": before["exact_match"], "exact_match_after": after["exact_match"]}

@@ -101,3 +101,12 @@ def exact_match(model, tokenizer, examples: list[dict], fmt: str, max_new_tokens
         results.append({"prompt": prompt, "expected": answer.strip(), "got": generate(model, tokenizer, prompt, max_new_tokens).strip()})
     correct = sum(r["got"] == r["expected"] for r in results)
     return {"exact_match": correct / max(1, len(results)), "n": len(results), "samples": results}
+
+
+def exact_match_after(model, tokenizer, examples: list[dict], fmt: str, max_new_tokens: int, before: dict, say=print) -> dict:
+    """Exact match after training beside `before` (exact_match's result at the start), with three samples shown."""
+    after = exact_match(model, tokenizer, examples, fmt, max_new_tokens)
+    say(f"exact match on {after['n']} eval prompts: {before['exact_match']:.1%} before -> {after['exact_match']:.1%} after")
+    for b, a in list(zip(before["samples"], after["samples"]))[:3]:
+        say(f"  prompt {a['prompt']!r}\n    expected {a['expected']!r} | before tuning {b['got']!r} | after tuning {a['got']!r}")
+    return {"exact_match_before": before["exact_match"], "exact_match_after": after["exact_match"]}
