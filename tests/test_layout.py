@@ -42,3 +42,14 @@ def test_no_module_imports_itself_back():
     cycles = [(a, b) for a in sorted(graph.modules) for b in sorted(graph.find_modules_directly_imported_by(a))
               if graph.chain_exists(importer=b, imported=a)]
     assert not cycles, [graph.find_shortest_chain(importer=b, imported=a) for a, b in cycles]
+
+
+def test_every_folder_of_the_package_is_in_git_with_its_init():
+    """A folder's __init__.py that git ignores (a pattern meant for a run's outputs/) leaves a fresh clone
+    with a namespace package the contract cannot read."""
+    import subprocess
+
+    tracked = set(subprocess.run(["git", "ls-files", "finetune"], cwd=REPO, capture_output=True, text=True, check=True).stdout.split())
+    folders = {p.parent for p in (REPO / "finetune").rglob("*.py") if "__pycache__" not in p.parts}
+    assert all(str((f / "__init__.py").relative_to(REPO)) in tracked for f in folders), sorted(
+        str(f.relative_to(REPO)) for f in folders if str((f / "__init__.py").relative_to(REPO)) not in tracked)
