@@ -43,7 +43,7 @@ from finetune.config.errors import EXIT_DIVERGED, EXIT_PREEMPTED, Stopped, UserE
 from finetune.config.schema import CONFIG_FILE, MUTATED_INITS, SUMMARY_FILE, ModelConfig, RunConfig, looks_local, to_yaml
 from finetune.data.chat import choose_template
 from finetune.data.datasets import Datasets, Schedule, batches_at, load_data, plan_steps, summary_lines
-from finetune.model import families
+from finetune.model import families, nf4
 from finetune.model.attention import leak, mixer_outside_attention
 from finetune.model.loading import adapter_input_casting_off, apply_adapter, compile_layers, describe, load_tokenizer, loftq_init
 from finetune.model.stage import staged_model
@@ -587,6 +587,8 @@ def finish(run: RunState) -> RunResult:
     accelerator.wait_for_everyone()
     unwrapped = engine.unwrap()
     summary["param_numel_per_rank"] = accelerator.gather(torch.tensor([local_numel(engine.model, engine.params)], device=accelerator.device)).tolist()
+    if nf4.used(cfg.model):  # the 4-bit codes and scales each rank holds: its shards of them under fsdp
+        summary["nf4_bytes_per_rank"] = accelerator.gather(torch.tensor([nf4.packed_bytes(engine.model)], device=accelerator.device)).tolist()
     summary["replicas_identical"] = replicas_identical(engine.params, accelerator) if engine.replicated else None
     # Sharded weights are gathered into one ordinary state dict (all ranks take part), saved by rank 0.
     state_dict = engine.final_state()

@@ -15,6 +15,18 @@ import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+def bench_module(name: str) -> types.ModuleType:
+    """A module of bench/, with bench/ on the import path only while it imports: left there, bench/released.py
+    would shadow tests/released.py for every later test of the worker."""
+    import importlib
+
+    sys.path.insert(0, str(REPO / "bench"))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(REPO / "bench"))
 DEMO_DATA = REPO / "demo" / "data"
 
 os.environ.setdefault("FINETUNE_CACHE", str(REPO / ".cache" / "finetune-tests"))

@@ -194,7 +194,11 @@ def _cases():
     add("quant-bits-3", lambda k: k.train(model={"quantization": {"bits": 3}}), "model.quantization.bits: Input should be 4 or 8")
     add("quant-full", lambda k: k.train(model={"quantization": {"bits": 4}}, adapter={"method": "full"}), "quantized weights cannot be fully fine-tuned")
     add("quant-8bit-dora-cpu", lambda k: k.train(model={"quantization": {"bits": 8}}, adapter={"method": "dora"}), "8-bit + DoRA fails")
-    add("quant-fsdp", lambda k: k.train(model={"quantization": {"bits": 4}}, distributed={"strategy": "fsdp"}), "fsdp cannot shard a quantized base")
+    add("quant-fsdp-bitsandbytes", lambda k: k.train(model={"quantization": {"bits": 4, "backend": "bitsandbytes"}}, distributed={"strategy": "fsdp"}),
+        "FSDP2 drops bitsandbytes' quantization state")
+    add("quant-torchao-8bit", lambda k: k.train(model={"quantization": {"bits": 8, "backend": "torchao"}}), "it needs bits: 4")
+    add("fsdp-8bit-optimizer", lambda k: k.train(train={"optimizer": "paged_adamw_8bit"}, distributed={"strategy": "fsdp"}),
+        "steps plain tensors, not FSDP2's sharded ones")
     add("quant-fp16-cpu", lambda k: k.train(model={"quantization": {"bits": 4, "compute_dtype": "float16"}}), "float16 compute with a quantized base")
     add("quant-4bit-odd-width-cpu", lambda k: k.train(model={"name_or_path": str(k.model_copy(lambda m: (m / "config.json").write_text(
         json.dumps({**json.loads((m / "config.json").read_text()), "intermediate_size": 100})))), "quantization": {"bits": 4}}),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from conftest import REPO
+from conftest import REPO, bench_module
 
 
 def test_compare_runs_both_trainers_and_fills_the_table(tmp_path):
@@ -52,8 +52,7 @@ def test_the_gpu_path_syncs_the_host_once_a_step_whatever_the_samples_in_a_row(t
     same operators whether a row holds a few samples or many."""
     import json
 
-    sys.path.insert(0, str(REPO / "bench"))
-    import host
+    host = bench_module("host")
 
     words = " ".join(json.loads(line)["text"] for line in (REPO / "demo" / "data" / "corpus.jsonl").read_text().splitlines()[:300]).split()
     runs = {}
@@ -78,8 +77,8 @@ def test_the_gpu_path_syncs_the_host_once_a_step_whatever_the_samples_in_a_row(t
 def test_the_grpo_benchmark_runs_trl_with_our_settings(tmp_path):
     """A peer runs with the same settings or the table is no comparison: TRL's defaults that differ from ours
     (gradient checkpointing on in TRL 1.16) are set to ours."""
-    sys.path.insert(0, str(REPO / "bench"))
-    from grpo import our_config, trl_args
+    grpo = bench_module("grpo")
+    our_config, trl_args = grpo.our_config, grpo.trl_args
 
     from finetune.config.schema import validate_config
 

@@ -224,7 +224,7 @@ def test_a_finished_run_is_not_trained_over_by_accident(plain_run, monkeypatch, 
                         "(train refuses this folder)"]
 
 
-@pytest.mark.parametrize("name", ["lora", "dora", "full", "demo"])
+@pytest.mark.parametrize("name", ["lora", "dora", "full", "demo", "qlora-fsdp"])
 def test_shipped_configs_validate_after_make_demo(plain_run, name, tmp_path, monkeypatch, capsys):
     """The README's order, `make demo` then `make test`, in a copy of the repo: the shipped configs
     validate with a finished demo run in outputs/demo (validate names it; train would refuse it)."""

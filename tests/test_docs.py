@@ -5,14 +5,12 @@ minutes or a GPU name their date and commit beside them instead."""
 from __future__ import annotations
 
 import re
-import sys
 
-from conftest import REPO
+from conftest import REPO, bench_module
 
 
 def test_the_plan_table_in_planning_md_is_what_bench_plan_table_prints():
-    sys.path.insert(0, str(REPO / "bench"))
-    from plan_table import table
+    table = bench_module("plan_table").table
 
     docs = (REPO / "docs" / "planning.md").read_text()
     for line in table():
@@ -39,7 +37,6 @@ def test_each_measured_figure_names_the_commit_it_was_measured_at():
 
 
 def test_the_layer_diagram_in_architecture_md_is_the_contracts():
-    sys.path.insert(0, str(REPO / "bench"))
-    from layers import diagram
+    diagram = bench_module("layers").diagram
 
     assert diagram() in (REPO / "docs" / "architecture.md").read_text(), "docs/architecture.md: paste `python bench/layers.py`"

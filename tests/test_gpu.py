@@ -448,7 +448,7 @@ def fsdp2_qlora(model_dir: str) -> dict:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    from finetune.parallel.distributed import decoder_layers
+    from finetune.model.loading import decoder_layers
 
     def qlora():
         quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,

@@ -134,17 +134,19 @@ def test_deepspeed_keeps_fp32_optimizer_states_of_16_bit_weights():
 
 
 def test_plan_says_what_train_would_refuse_and_offers_only_what_runs(capsys):
-    """FSDP over a 4-bit base: `finetune validate` refuses it, so plan may not say "fits"; it names the refusal and the
-    strategies that run (ZeRO refuses qlora.yaml's paged 8-bit AdamW, so DDP alone), and never offers a refused switch."""
-    args = ("plan", "--config", "qlora", "--model", str(REPO / "docs/examples/llama-3.1-8b"), "--gpus", "2", "--gpu-mem", "24GiB")
+    """FSDP over bitsandbytes' 4-bit base: `finetune validate` refuses it, so plan may not say "fits"; it names the refusal and
+    the strategies that run (ZeRO refuses qlora.yaml's paged 8-bit AdamW, so DDP alone), and never offers a refused switch."""
+    args = ("plan", "--config", "qlora", "--model", str(REPO / "docs/examples/llama-3.1-8b"), "--gpus", "2", "--gpu-mem", "24GiB",
+            "--set", "model.quantization.backend=bitsandbytes")
     result = finetune_cli(capsys, *args, "--strategy", "fsdp")
     assert result.returncode == 0, result.stderr
-    assert "-> finetune train refuses this setup: distributed.strategy: fsdp cannot shard a quantized base yet" in result.stdout
+    assert "-> finetune train refuses this setup: model.quantization.backend: FSDP2 drops bitsandbytes'" in result.stdout
     assert "-> fits" not in result.stdout and "  - distributed.strategy: ddp: " in result.stdout and "zero3:" not in result.stdout
     replicated = finetune_cli(capsys, *args, "--gpu-mem", "4GiB")  # does not fit under ddp: the switches offered must run
     assert "does NOT fit" in replicated.stdout and "FSDP over 2 devices" not in replicated.stdout
-    refused = finetune_cli(capsys, "validate", "--config", "qlora", "--set", "distributed.strategy=fsdp", "--model", str(REPO / "docs/examples/llama-3.1-8b"))
-    assert refused.returncode == 2 and "fsdp cannot shard a quantized base" in refused.stderr
+    refused = finetune_cli(capsys, "validate", "--config", "qlora", "--set", "distributed.strategy=fsdp", "--set", "model.quantization.backend=bitsandbytes",
+                           "--model", str(REPO / "docs/examples/llama-3.1-8b"))
+    assert refused.returncode == 2 and "FSDP2 drops bitsandbytes' quantization state" in refused.stderr
 
 
 def test_offload_moves_the_sharded_states_to_cpu_ram_on_gpus():

@@ -79,7 +79,9 @@ def test_8bit_base_with_lora_trains(tmp_path, demo_model_dir):
     ({"model": {"quantization": QLORA}, "adapter": {"method": "full"}}, "quantized weights cannot be fully fine-tuned"),
     ({"model": {"quantization": {**QLORA, "compute_dtype": "float16"}}}, "float16 compute with a quantized base is GPU-only"),
     ({"train": {"optimizer_offload": True}}, "needs a CUDA GPU"),
-    ({"model": {"quantization": QLORA}, "distributed": {"strategy": "fsdp"}}, "fsdp cannot shard a quantized base"),
+    ({"model": {"quantization": {**QLORA, "backend": "bitsandbytes"}}, "distributed": {"strategy": "fsdp"}}, "FSDP2 drops bitsandbytes'"),
+    ({"model": {"quantization": {**QLORA, "backend": "torchao"}}, "distributed": {"strategy": "zero3"}}, "it needs distributed.strategy none, ddp"),
+    ({"model": {"quantization": QLORA}, "adapter": {"method": "dora"}, "distributed": {"strategy": "fsdp"}}, "it needs adapter.method: lora"),
     ({"model": {"quantization": {"bits": 8}}, "distributed": {"strategy": "zero3"}}, "an 8-bit base is not supported under zero3"),
 ])
 def test_impossible_combinations_refused_before_loading(tmp_path, tiny_model_dir, sections, words):
@@ -154,3 +156,88 @@ def test_qlora_under_zero3_matches_one_process_and_partitions_the_4bit_base(tmp_
     assert "lora on a 4-bit base" in result.stdout
     summary = json.loads((tmp_path / "p2" / "summary.json").read_text())
     assert summary["strategy"] == strategy and summary["param_numel_per_rank"] == [8192, 8192]  # half of the LoRA weights each
+
+
+
+@pytest.fixture(scope="module")
+def nf4_model_dir(tmp_path_factory, demo_tokenizer_dir):
+    """Two Llama layers wide enough that each 4-bit weight holds two whole groups of 256 scales, as
+    released models' do (bitsandbytes' blocks, split evenly by 2 processes)."""
+    from conftest import once
+
+    def build(out):
+        from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+        tok = AutoTokenizer.from_pretrained(demo_tokenizer_dir)
+        config = LlamaConfig(vocab_size=len(tok), hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                             num_key_value_heads=2, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+        torch.manual_seed(0)
+        LlamaForCausalLM(config).save_pretrained(out)
+        tok.save_pretrained(out)
+
+    return once(tmp_path_factory, "nf4-model", build)
+
+
+def test_qlora_under_fsdp_matches_one_process_shards_the_4bit_base_resumes_and_merges(tmp_path, nf4_model_dir):
+    """FSDP2 + QLoRA (torchao's NF4, the backend fsdp picks): 2 processes give one process's losses and
+    hold half of the 4-bit codes and scales each; a rank SIGKILLed mid-run restarts (torchrun) from the
+    step-2 checkpoint and ends with the uninterrupted run's adapter, bit for bit; the adapter merges into
+    a checked model."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import REPO, strategy_config, train_strategy
+    from safetensors.torch import load_file
+
+    from finetune.outputs.merge import merge
+
+    sections = {"model": {"quantization": QLORA}, "checkpoint": {"save_every": 2}}
+    runs = {nproc: train_strategy(tmp_path, f"p{nproc}", nf4_model_dir, "lora", nproc, "fsdp", **sections) for nproc in (1, 2)}
+    (_, one, single), (out, two, summary) = runs[1], runs[2]
+    assert two == pytest.approx(one, rel=1e-4), (one, two)
+    assert one[-1] < one[0] - 0.05, one
+    assert "lora on a 4-bit base" in (out / "console.log").read_text()
+    assert summary["strategy"] == "fsdp" and summary["nf4_bytes_per_rank"][0] == summary["nf4_bytes_per_rank"][1]
+    assert 2 * summary["nf4_bytes_per_rank"][0] == single["nf4_bytes_per_rank"][0] > 0, (summary, single)
+
+    killed = tmp_path / "killed"
+    config = write_config(tmp_path / "killed.yaml", strategy_config(nf4_model_dir, killed, "lora", 2, "fsdp", **sections))
+    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "FINETUNE_FAULT": "kill@3:rank=1"}
+    job = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "--max-restarts", "1",
+                          "finetune/train.py", "--config", str(config)], cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+    assert job.returncode == 0 and "resum" in job.stdout + job.stderr, job.stderr[-3000:]
+    adapters = [load_file(folder / "adapter_model.safetensors") for folder in (out, killed)]
+    assert adapters[0].keys() == adapters[1].keys() and all(torch.equal(adapters[0][k], adapters[1][k]) for k in adapters[0])
+
+    report = merge(str(out), str(tmp_path / "merged"), dtype="fp32")
+    assert report["passed"] and report["qlora_base"] == "dequantized", report
+    assert report["merged_vs_tuned"]["max"] < report["adapter_effect"]["max"] / 10, report
+
+
+def test_torchaos_nf4_is_bitsandbytes_nf4_but_for_neighbouring_codes():
+    """The 4-bit codes of torchao's NF4 (the fsdp backend) against bitsandbytes' (QLoRA's) on the same bf16
+    weights, blocks of 64, double-quantized scales in groups of 256: torchao keeps the code book in bf16,
+    so a few values fall on the neighbouring level; the scales agree within 2% and the error is the same."""
+    import bitsandbytes.functional as bnb
+    from torchao.quantization import to_nf4
+
+    torch.manual_seed(0)
+    weight = (torch.randn(512, 1024) * 0.02).to(torch.bfloat16)
+    packed, state = bnb.quantize_4bit(weight, blocksize=64, quant_type="nf4", compress_statistics=True)
+    ours = to_nf4(weight, 64, 256)
+
+    def codes(bytes_):
+        return torch.stack([bytes_ >> 4, bytes_ & 15], -1).flatten().int()
+
+    theirs_codes, our_codes = codes(packed.flatten()), codes(ours.quantized_data.flatten())
+    assert (theirs_codes == our_codes).float().mean() > 0.99
+    assert (theirs_codes - our_codes).abs().max() == 1
+    theirs, mine = bnb.dequantize_4bit(packed, state).float(), ours.get_original_weight().float()
+    scales = [w.reshape(-1, 64).abs().amax(1) for w in (theirs, mine)]
+    assert ((scales[0] - scales[1]).abs() / scales[0]).max() < 0.02
+
+    def rms_error(values):
+        return float((values - weight.float()).pow(2).mean().sqrt())
+
+    assert rms_error(mine) == pytest.approx(rms_error(theirs), rel=0.01)

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, ValidationInfo, field_validator, model_validator
 
 from finetune.config.errors import UserError
 from finetune.config.strategy import Name as StrategyName
@@ -32,6 +32,14 @@ class QuantizationConfig(_Section):
     double_quant: bool = Field(True, description="4-bit: quantize the quantization constants too (~0.4 bit/param saved).")
     compute_dtype: Literal["bfloat16", "float32", "float16"] = Field("bfloat16", description="4-bit: dtype the dequantized weights are multiplied in.")
     skip_modules: list[str] | None = Field(None, description="Modules left unquantized besides transformers' defaults (lm_head is always kept).")
+    backend: Literal["auto", "bitsandbytes", "torchao"] = Field(
+        "auto", description="Who quantizes: bitsandbytes (4- and 8-bit, one process, ddp, zero2/zero3), or torchao's NF4Tensor (4-bit NF4 "
+        "with LoRA, one process, ddp or fsdp: the 4-bit base FSDP2 shards). auto: torchao under distributed.strategy fsdp, else bitsandbytes.")
+    _strategy: str = PrivateAttr("none")  # the run's distributed.strategy, set by RunConfig: what auto picks by (the saved config keeps auto)
+
+    @property
+    def chosen_backend(self) -> str:
+        return self.backend if self.backend != "auto" else "torchao" if self._strategy == "fsdp" else "bitsandbytes"
 
 
 DEFAULT_RAMDISK = "/dev/shm/finetune"
@@ -380,6 +388,25 @@ class RunConfig(_Section):
         return data
 
     @model_validator(mode="after")
+    def _quantization_backend(self) -> RunConfig:
+        """Tell backend auto the strategy it picks by, and refuse what each backend cannot run."""
+        q, strategy = self.model.quantization, self.distributed.strategy
+        if q is None:
+            return self
+        q._strategy = strategy
+        if q.chosen_backend == "bitsandbytes" and strategy == "fsdp":
+            raise ValueError("model.quantization.backend: FSDP2 drops bitsandbytes' quantization state on CPU and shards no 4-bit base of "
+                             "its; use backend: torchao (its NF4Tensor is sharded by FSDP2) or distributed.strategy zero3 or ddp")
+        if q.chosen_backend == "torchao":
+            why = ("bits: 4" if q.bits != 4 else "quant_type: nf4" if q.quant_type != "nf4" else "adapter.method: lora"
+                   if self.adapter.method != "lora" else "adapter.init other than loftq" if self.adapter.init == "loftq"
+                   else "distributed.strategy none, ddp or fsdp" if strategy.startswith("zero") else None)
+            if why:
+                raise ValueError(f"model.quantization.backend: torchao quantizes 4-bit NF4 bases trained with LoRA, in one process or under "
+                                 f"ddp or fsdp; it needs {why} (backend: bitsandbytes runs the others)")
+        return self
+
+    @model_validator(mode="after")
     def _cross_checks(self) -> RunConfig:
         if self.data.eval is not None and self.data.eval_fraction > 0:
             raise ValueError("data: set either data.eval or data.eval_fraction, not both")
@@ -395,14 +422,13 @@ class RunConfig(_Section):
         if asked.shards_states and self.train.mixed_precision in ("fp16", "fp8"):
             raise ValueError(f"train.mixed_precision: {strategy} runs no/bf16 here (fp16 would need a sharded grad scaler); use bf16")
         q = self.model.quantization
-        if strategy == "fsdp" and q is not None:
-            raise ValueError("distributed.strategy: fsdp cannot shard a quantized base yet (on CPU FSDP2 drops bitsandbytes' "
-                             "quantization state; on CUDA it keeps it, but loading and checkpointing a sharded 4-bit base over "
-                             "several GPUs is untested); use zero3 (ZeRO-3 + QLoRA) or ddp")
         if asked.deepspeed and q is not None and q.bits == 8:
             raise ValueError(f"model.quantization: an 8-bit base is not supported under {strategy}; use bits: 4 (QLoRA) or distributed.strategy: ddp")
         if asked.deepspeed and self.train.optimizer not in ("adamw", "sgd"):
             raise ValueError(f"train.optimizer: {self.train.optimizer} is not tested under DeepSpeed ZeRO; use adamw or sgd")
+        if strategy == "fsdp" and self.train.optimizer not in ("adamw", "sgd"):
+            raise ValueError(f"train.optimizer: {self.train.optimizer} (bitsandbytes') steps plain tensors, not FSDP2's sharded ones; use adamw or sgd "
+                             "(each process holds only its shard of the states)")
         if self.adapter.init in MUTATED_INITS:
             why = ("adapter.method lora" if self.adapter.method != "lora" else "a quantized base" if q is not None
                    else f"distributed.strategy {strategy}" if not asked.replicated else None)

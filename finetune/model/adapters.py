@@ -9,7 +9,8 @@ from pathlib import Path
 from finetune.checkpoint import store
 from finetune.config.errors import UserError
 from finetune.config.schema import CONFIG_FILE, ModelConfig, RunConfig, load_config, read_json_object
-from finetune.model.loading import apply_adapter, load_model
+from finetune.model import nf4
+from finetune.model.loading import apply_adapter, load_model, quantize_layers
 
 
 @dataclass
@@ -60,6 +61,15 @@ def load_base(adapter: Adapter, quantized: bool, dtype: str = "float32"):
         return load_model(adapter.run.model.model_copy(update={"name_or_path": adapter.base, "ramdisk": False}))
     overrides = adapter.run.model.config_overrides if adapter.run else {}  # e.g. the RoPE scaling the adapter was trained with
     return load_model(ModelConfig(name_or_path=adapter.base, dtype=dtype, config_overrides=overrides))
+
+
+def as_trained(adapter: Adapter, dtype: str = "float32"):
+    """base + adapter as the run computed with them: on the 4-bit base where it trained on one (torchao's
+    quantized after the adapter is attached, as in training, so the adapter keeps its own dtype)."""
+    model = attach(load_base(adapter, quantized=adapter.quantized, dtype=dtype), adapter)
+    if adapter.quantized and nf4.used(adapter.run.model):
+        quantize_layers(model.get_base_model(), adapter.run.model)
+    return model
 
 
 def attach(base, adapter: Adapter):

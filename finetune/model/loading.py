@@ -14,7 +14,7 @@ import torch
 
 from finetune.config.errors import UserError
 from finetune.config.schema import DTYPE_BYTES, AdapterConfig, ModelConfig, RunConfig, looks_local, read_model_config
-from finetune.model import families
+from finetune.model import families, nf4
 from finetune.model.attention import register as register_packed_sdpa
 
 DTYPES = {**{name: getattr(torch, name) for name in DTYPE_BYTES}, "auto": "auto"}  # model.dtype -> torch
@@ -36,7 +36,7 @@ def check_supported(cfg: RunConfig) -> None:
     """Refuse, before anything loads, what this machine's hardware or libraries cannot run."""
     check_attention(cfg.model)
     q, cuda = cfg.model.quantization, torch.cuda.is_available()
-    if q is None:
+    if q is None or nf4.used(cfg.model):
         return
     if importlib.util.find_spec("bitsandbytes") is None:
         raise UserError("model.quantization: needs bitsandbytes (pip install bitsandbytes)")
@@ -158,7 +158,7 @@ def load_model(cfg: ModelConfig, device: torch.device | str = "cpu", skeleton: s
         model.config.use_cache = False
         return model
     extra = {}
-    if cfg.quantization is not None:
+    if cfg.quantization is not None and not nf4.used(cfg):  # torchao's: the weights are quantized after the adapter is applied
         from transformers.integrations import is_deepspeed_zero3_enabled
 
         partitioned = is_deepspeed_zero3_enabled()  # ZeRO-3 places the weights itself: no device_map
@@ -183,7 +183,7 @@ def load_model(cfg: ModelConfig, device: torch.device | str = "cpu", skeleton: s
     except Exception as err:  # noqa: BLE001 - missing, truncated, garbage or mis-shaped weights: the folder's fault, said in one line
         why = "its weights have other shapes than its config.json says" if "mismatched_sizes" in str(err) else _first_line(err)
         raise UserError(f"model.name_or_path: cannot load '{cfg.name_or_path}': {why}") from None
-    if cfg.quantization is not None:
+    if cfg.quantization is not None and not nf4.used(cfg):
         from peft import prepare_model_for_kbit_training
 
         # Freezes the base and upcasts the unquantized parts (norms, embeddings, lm_head) to fp32, as
@@ -312,6 +312,17 @@ def _own_unquantized_weights(model) -> None:
     for param in model.parameters():
         if param.dtype == torch.float32 and not isinstance(param, (bnb.nn.Params4bit, bnb.nn.Int8Params)) and not hasattr(param, "ds_id"):
             param.data = param.data.clone()  # ZeRO-3 owns its shards (ds_id)
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The repeated transformer blocks: the unit FSDP shards and gathers one at a time."""
+    return [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
+
+
+def quantize_layers(model: torch.nn.Module, cfg: ModelConfig) -> int:
+    """torchao's NF4 for the frozen linear weights of every decoder layer (model/nf4.py)."""
+    q = cfg.quantization
+    return sum(nf4.quantize_frozen_linears(layer, DTYPES[q.compute_dtype], q.skip_modules) for layer in decoder_layers(model))
 
 
 def apply_adapter(model, cfg: AdapterConfig, gradient_checkpointing: bool, say=print):

@@ -27,8 +27,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from finetune.config.schema import read_model_config
 from finetune.config.errors import EXIT_MERGE_CHECK, Stopped, UserError
+from finetune.config.schema import read_model_config
 from finetune.outputs.gguf_vocab import check_in_llama_cpp, quiet_stderr, write_vocabulary
 
 # model_type -> (the gguf package's architecture, query/key rows reordered for llama.cpp's rotary layout)

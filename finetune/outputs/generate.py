@@ -9,13 +9,13 @@ from pathlib import Path
 
 import torch
 
-from finetune.model.adapters import attach, find_adapter, load_base, tokenizer_source
-from finetune.data.chat import render as render_chat
-from finetune.config.schema import ModelConfig
 from finetune.config.errors import UserError
+from finetune.config.schema import ModelConfig
+from finetune.data.chat import render as render_chat
+from finetune.model.adapters import as_trained, find_adapter, tokenizer_source
+from finetune.model.loading import load_model, load_tokenizer
 from finetune.objectives.evaluate import generate as continuation
 from finetune.objectives.evaluate import sampling
-from finetune.model.loading import load_model, load_tokenizer
 
 
 def load(model_dir: str | None, adapter_dir: str | None, base: str | None = None):
@@ -26,7 +26,7 @@ def load(model_dir: str | None, adapter_dir: str | None, base: str | None = None
         cfg = ModelConfig(name_or_path=model_dir, dtype="auto")
         return load_model(cfg).eval(), load_tokenizer(cfg)
     adapter = find_adapter(adapter_dir, base)
-    model = attach(load_base(adapter, quantized=adapter.quantized), adapter)
+    model = as_trained(adapter)
     return model, load_tokenizer(ModelConfig(name_or_path=tokenizer_source(adapter)))
 
 

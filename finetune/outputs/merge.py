@@ -22,12 +22,13 @@ from pathlib import Path
 
 import torch
 
-from finetune.outputs import model_card
-from finetune.model.adapters import Adapter, attach, find_adapter, load_base, tokenizer_source
-from finetune.config.schema import PRECISIONS, ModelConfig
 from finetune.config.errors import EXIT_MERGE_CHECK, Stopped, UserError
-from finetune.model.loading import DTYPES, load_tokenizer, override_config, weight_files
+from finetune.config.schema import PRECISIONS, ModelConfig
+from finetune.model import nf4
+from finetune.model.adapters import Adapter, as_trained, attach, find_adapter, load_base, tokenizer_source
+from finetune.model.loading import DTYPES, load_tokenizer, override_config, quantize_layers, weight_files
 from finetune.model.stage import resolve_source
+from finetune.outputs import model_card
 
 # Max |logit difference| allowed between the saved model and base+adapter, by the dtype written: the
 # rounding of the weights to that dtype, over a few hundred tokens, stays well inside these.
@@ -85,7 +86,11 @@ def merged_model(adapter: Adapter, qlora_base: str):
     """The whole model in float32 with the adapter merged in, by peft's merge_and_unload (the path for
     what the shard-by-shard merge does not handle). qlora_base: 'dequantized' merges into the 4-bit
     weights the adapter was trained against, 'original' into the base's own weights."""
-    if adapter.quantized and qlora_base == "dequantized":
+    if adapter.quantized and nf4.used(adapter.run.model) and qlora_base == "dequantized":
+        base = load_base(adapter, quantized=True).requires_grad_(False)
+        quantize_layers(base, adapter.run.model)
+        base = nf4.dequantize_model(base).float()
+    elif adapter.quantized and qlora_base == "dequantized":
         base = load_base(adapter, quantized=True).dequantize(dtype=torch.float32).float()
     else:
         base = load_base(adapter, quantized=False)
@@ -108,7 +113,7 @@ def merge(adapter_path: str, out: str, base: str | None = None, dtype: str | Non
 
         # 1. The reference: base + adapter as trained (a float base in the output dtype: one copy of
         # the size the merged model will have).
-        tuned = attach(load_base(adapter, quantized=adapter.quantized, dtype=PRECISIONS[dtype]), adapter)
+        tuned = as_trained(adapter, dtype=PRECISIONS[dtype])
         reference = logits_on(tuned, tokenizer, texts)
         with tuned.disable_adapter():
             untuned = logits_on(tuned, tokenizer, texts)
@@ -207,7 +212,7 @@ class Targets:
                 if not linear or any(module.lora_bias.values()) or module.fan_in_fan_out:
                     return None, f"{name} is a {type(module).__name__} layer (only LoRA/DoRA on linear layers merge shard by shard)"
                 layers[f"{name}.weight"] = module
-            elif type(module).__name__ in ("Linear4bit", "Linear8bitLt"):
+            elif type(module).__name__ in ("Linear4bit", "Linear8bitLt") or nf4.is_nf4(getattr(module, "weight", None)):
                 quantized[f"{name.removesuffix('.base_layer')}.weight"] = (module.weight, getattr(module, "state", None))
         missing = sorted((set(layers) | set(replaced)) - keys)
         if missing:
@@ -219,15 +224,19 @@ class Targets:
         return cls(folder, files, tuned.peft_config[tuned.active_adapter], layers, replaced, quantized,
                    None if run_dtype == "auto" else DTYPES[run_dtype], adapter.run.model.config_overrides if adapter.run else {}), None
 
-    def tensor(self, key: str, stored: torch.Tensor, variant: str) -> torch.Tensor:
-        """The merged value of one weight of the base, in float32 or its stored dtype."""
+    def _dequantized(self, key: str) -> torch.Tensor:
+        """The values the 4-bit run computed with, in float32."""
         from transformers.integrations.bitsandbytes import dequantize_bnb_weight
 
+        weight, state = self.quantized[key]
+        return (nf4.dequantized(weight) if nf4.is_nf4(weight) else dequantize_bnb_weight(weight, state)).float()
+
+    def tensor(self, key: str, stored: torch.Tensor, variant: str) -> torch.Tensor:
+        """The merged value of one weight of the base, in float32 or its stored dtype."""
         if key in self.replaced:
             return self.replaced[key]
         if variant == "dequantized":  # the values the 4-bit run computed with
-            weight = dequantize_bnb_weight(*self.quantized[key]).float() if key in self.quantized else \
-                stored.to(self.load_dtype or stored.dtype).float()
+            weight = self._dequantized(key) if key in self.quantized else stored.to(self.load_dtype or stored.dtype).float()
         else:
             weight = stored
         layer = self.layers.get(key)

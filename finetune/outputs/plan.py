@@ -12,12 +12,12 @@ import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from finetune.model import families
-from finetune.config.schema import DTYPE_BYTES, RunConfig, read_model_config
 from finetune.config.errors import UserError
+from finetune.config.schema import DTYPE_BYTES, RunConfig, read_model_config
+from finetune.config.strategy import Strategy
+from finetune.model import families
 from finetune.model.families import Linear
 from finetune.parallel.runtime import glibc_tuned_by_user
-from finetune.config.strategy import Strategy
 
 GiB = 2**30
 # Optimizer state bytes per trainable parameter (None: same as the parameter's own bytes, twice).
@@ -231,12 +231,16 @@ def estimate(shape: Shape, cfg: RunConfig, s: Setup) -> dict[str, float]:
     """Bytes per device, by row."""
     n_train = trainable_params(shape, cfg)
     full = s.method == "full"
-    # Weights. A quantized base keeps its non-linear parts in fp32 (peft's prepare_model_for_kbit_training).
-    kept = shape.linear_params - shape.quantizable_params + shape.other_params  # left unquantized, in fp32
+    # Weights. A quantized base keeps its non-linear parts in fp32 (bitsandbytes' path: peft's
+    # prepare_model_for_kbit_training), or as loaded (torchao's).
+    kept = shape.linear_params - shape.quantizable_params + shape.other_params  # left unquantized
+    q = cfg.model.quantization
+    torchao = q is not None and (q.backend == "torchao" or q.backend == "auto" and "fsdp" in (s.strategy, cfg.distributed.strategy))
+    kept_bytes = s.weight_bytes if torchao else 4
     if s.bits == 4:
         double = cfg.model.quantization.double_quant
         per_param = 0.5 + (1 / BNB_BLOCK + 4 / (BNB_BLOCK * 256) if double else 4 / BNB_BLOCK)
-        base = shape.quantizable_params * per_param + kept * 4 + quantized_layers(shape) * (NF4_STATE_DOUBLE if double else NF4_STATE)
+        base = shape.quantizable_params * per_param + kept * kept_bytes + quantized_layers(shape) * (NF4_STATE_DOUBLE if double else NF4_STATE)
     elif s.bits == 8:
         scales = sum(l.fan_out * l.copies for l in shape.linears if not (l.expert or l.router)) * 4  # one fp32 scale per output row
         base = shape.quantizable_params * 1 + scales + kept * 4

@@ -17,11 +17,8 @@ import torch
 from finetune.config.errors import UserError
 from finetune.config.schema import PRECISIONS, RunConfig
 from finetune.config.strategy import Strategy
-
-
-def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The repeated transformer blocks: the unit FSDP shards and gathers one at a time."""
-    return [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
+from finetune.model import nf4
+from finetune.model.loading import DTYPES, decoder_layers
 
 
 def stream_source(cfg: RunConfig, say) -> Path | None:
@@ -80,8 +77,6 @@ def shard_fsdp2(model: torch.nn.Module, cfg: RunConfig, device: torch.device, wo
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-    from finetune.model.loading import DTYPES
-
     shard = cfg.distributed.fsdp_shard_size or world
     if world % shard:
         raise UserError(f"distributed.fsdp_shard_size: {shard} does not divide the {world} processes")
@@ -95,6 +90,8 @@ def shard_fsdp2(model: torch.nn.Module, cfg: RunConfig, device: torch.device, wo
     offload = CPUOffloadPolicy() if cfg.distributed.fsdp_cpu_offload else OffloadPolicy()
     kwargs = dict(mesh=mesh, mp_policy=policy, offload_policy=offload, reshard_after_forward=cfg.distributed.fsdp_reshard_after_forward)
     rank0 = dist.get_rank() == 0
+    if nf4.used(cfg.model):
+        return _shard_nf4(model, cfg, device, kwargs)
     if stream_from is None:
         full = model.state_dict() if rank0 else {}  # keeps rank 0's full weights alive until sent
     else:  # the adapter's initial values (small), before sharding splits them
@@ -112,6 +109,42 @@ def shard_fsdp2(model: torch.nn.Module, cfg: RunConfig, device: torch.device, wo
     for buffer in model.buffers():  # not in the state dict when non-persistent (rotary frequencies)
         dist.broadcast(buffer, src=0)
     return model
+
+
+def _shard_nf4(model: torch.nn.Module, cfg: RunConfig, device: torch.device, kwargs: dict) -> torch.nn.Module:
+    """FSDP2 over a 4-bit base: rank 0's values of one decoder layer at a time (the adapter's as peft
+    initialized them too) go to every rank, each rank quantizes them as rank 0 would (the same code,
+    the same values: the same 4-bit weights) and keeps its shards; then the rest of the model. No rank
+    holds more than its shards and one layer in the compute dtype."""
+    from torch.distributed.fsdp import fully_shard
+
+    q = cfg.model.quantization
+    for layer in decoder_layers(model):
+        _broadcast_from_rank0(layer, device)
+        nf4.quantize_frozen_linears(layer, DTYPES[q.compute_dtype], q.skip_modules, shards=kwargs["mesh"].size(-1))
+        fully_shard(layer, **kwargs)
+    _broadcast_from_rank0(model, device)  # what no layer holds: embeddings, final norm, head, rotary buffers
+    fully_shard(model, **kwargs)
+    return model
+
+
+def _broadcast_from_rank0(module: torch.nn.Module, device: torch.device) -> None:
+    """Rank 0's values of the module's unsharded tensors to the other ranks, whose meta tensors are
+    replaced by room for them first (one new parameter for each old one: tied weights stay tied)."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    made: dict[int, torch.nn.Parameter] = {}
+    for sub in module.modules():
+        for name, param in list(sub._parameters.items()):
+            if param is not None and param.is_meta and not isinstance(param, DTensor):
+                sub._parameters[name] = made.setdefault(id(param), torch.nn.Parameter(torch.empty_like(param, device=device), param.requires_grad))
+        for name, buffer in list(sub._buffers.items()):
+            if buffer is not None and buffer.is_meta:
+                sub._buffers[name] = torch.empty_like(buffer, device=device)
+    unsharded = [p for p in module.parameters() if not isinstance(p, DTensor)] + list(module.buffers())
+    for tensor in {id(t): t for t in unsharded}.values():
+        dist.broadcast(tensor.data, src=0)
 
 
 def _send(module: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:

@@ -36,7 +36,8 @@ import torch
 from finetune.checkpoint.checkpointers import Checkpointer, DcpCheckpointer, DeepSpeedCheckpointer
 from finetune.config.schema import ModelConfig, RunConfig
 from finetune.config.strategy import Strategy
-from finetune.model.loading import load_model
+from finetune.model import nf4
+from finetune.model.loading import load_model, quantize_layers
 from finetune.parallel.distributed import full_state_dict, gathered_trainable_state, init_deepspeed, shard_fsdp2, stream_source, zero3_loading
 from finetune.parallel.optim import build_optimizer, build_scheduler, loraplus_params
 
@@ -63,6 +64,8 @@ class Replicated:
     def prepare(self, model: torch.nn.Module, total_steps: int) -> None:
         """Wrap the model, then build the optimizer on what this rank holds, and the LR schedule on that
         optimizer before any wrapper (it then drives the groups a wrapper holds too)."""
+        if nf4.used(self.cfg.model):  # before accelerate places it: the device only ever holds the 4-bit weights
+            quantize_layers(model, self.cfg.model)
         self.model = self.accelerator.prepare(model)
         self.params = trained(self.model)
         optimizer = build_optimizer(self.params, self.cfg.train, fast=loraplus_params(self.model, self.cfg.train))

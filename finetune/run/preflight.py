@@ -24,6 +24,10 @@ def check(cfg: RunConfig, warn=None) -> None:
     from finetune.parallel import distributed, optim, runtime
 
     loading.check_supported(cfg)
+    if cfg.model.quantization is not None and cfg.model.quantization.chosen_backend == "torchao":
+        from finetune.model import nf4
+
+        nf4.check_available()
     optim.check_optimizer(cfg.train)
     distributed.check_strategy(cfg)
     check_long_context(cfg, launched=warn is None or "WORLD_SIZE" in os.environ)
@@ -124,6 +128,10 @@ def check_processes(cfg: RunConfig) -> None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if cfg.distributed.strategy == "none" and world > 1:
         raise UserError(f"distributed.strategy: none, but {world} processes were started; choose ddp, fsdp or a zero strategy, or start one process")
+    q = cfg.model.quantization
+    if q is not None and q.chosen_backend == "torchao" and cfg.distributed.strategy == "ddp" and world > 1:
+        raise UserError("model.quantization.backend: torchao's 4-bit base is not replicated by ddp (it broadcasts plain tensors); "
+                        "use distributed.strategy: fsdp, or backend: bitsandbytes")
 
 
 def check_output_dir(out: Path) -> None:

@@ -1,0 +1,101 @@
+"""4-bit NF4 bases through torchao's `NF4Tensor` (model.quantization.backend: torchao): QLoRA that FSDP2 can shard.
+
+bitsandbytes keeps a 4-bit weight's quantization state beside the tensor, where FSDP2 does not carry it
+(docs/platform-notes.md); torchao's NF4Tensor holds the packed codes and their scales inside one tensor
+subclass that implements FSDP2's all-gather hooks, which is how torchtune runs QLoRA under FSDP2.
+
+The numerics are QLoRA's, as bitsandbytes computes them: blocks of 64 weights scaled by their absmax onto the
+16 NF4 levels, the absmax values double-quantized to int8 in blocks of 256. torchao keeps the code book in
+the weights' dtype (bf16) where bitsandbytes keeps it in fp32, so a few codes land on the neighbouring level
+(tests/test_quantized.py bounds it). A tensor whose blocks do not divide by 256 takes the largest power of two
+that does and that the processes can split evenly, where bitsandbytes would pad its last block.
+
+The weights are quantized after the adapter is applied (peft would otherwise give the adapter the 4-bit
+weight's dtype) and only those of frozen linear layers inside the decoder layers: embeddings, norms and
+the head stay as loaded, as in bitsandbytes' QLoRA.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+from finetune.config.errors import UserError
+
+BLOCK = 64  # weights per absmax scale (bitsandbytes' 4-bit blocksize)
+SCALER_BLOCK = 256  # absmax scales per double-quantization block (bitsandbytes' nested blocksize)
+
+
+def used(cfg) -> bool:
+    """Whether a ModelConfig's base is quantized by torchao."""
+    return cfg.quantization is not None and cfg.quantization.chosen_backend == "torchao"
+
+
+def check_available() -> None:
+    if importlib.util.find_spec("torchao") is None:
+        raise UserError("model.quantization.backend: torchao needs torchao (pip install 'finetune-kit[torchao]')")
+
+
+def scaler_block(numel: int, shards: int = 1) -> int:
+    """SCALER_BLOCK, or the largest power of two below it that divides the tensor's blocks into a count of
+    scale groups that `shards` processes can split evenly (FSDP2 shards the groups too). Released models'
+    layers take 256 at any count of processes up to 256; tests' tiny ones need the rest."""
+    blocks, size = numel // BLOCK, SCALER_BLOCK
+    while size > 1 and (blocks % size or (blocks // size) % shards):
+        size //= 2
+    return size
+
+
+def quantizable(module: torch.nn.Module, skip: tuple[str, ...], name: str) -> bool:
+    """A frozen linear layer of the base: not one of an adapter's own (peft freezes those too when it
+    loads an adapter for inference), nor one the config keeps."""
+    weight, parts = getattr(module, "weight", None), name.split(".")
+    adapters = any(part.startswith("lora_") or part in ("modules_to_save", "original_module") for part in parts)
+    return (isinstance(module, torch.nn.Linear) and weight is not None and not weight.requires_grad and weight.numel() % BLOCK == 0
+            and not is_nf4(weight) and not adapters and not any(part in skip for part in parts))
+
+
+def quantize_frozen_linears(module: torch.nn.Module, dtype: torch.dtype, skip: list[str] | None = None, shards: int = 1) -> int:
+    """Replace the weight of every frozen linear layer under `module` with its NF4 form, from the weight cast
+    to `dtype` (the compute dtype: what the 4-bit matmul dequantizes to), in blocks `shards` processes
+    can split. Returns how many were replaced."""
+    from torchao.quantization import to_nf4
+
+    count = 0
+    for name, layer in module.named_modules():
+        if quantizable(layer, tuple(skip or ()), name):
+            weight = layer.weight.detach().to(dtype)
+            layer.weight = torch.nn.Parameter(to_nf4(weight, BLOCK, scaler_block(weight.numel(), shards)), requires_grad=False)
+            count += 1
+    return count
+
+
+def is_nf4(tensor: torch.Tensor | None) -> bool:
+    local = getattr(tensor, "_local_tensor", tensor)  # an FSDP2 shard is a DTensor around it
+    return type(local).__name__ == "NF4Tensor"
+
+
+def packed_bytes(model: torch.nn.Module) -> int:
+    """Bytes of 4-bit codes and their int8 scales with the scales' factors this process holds (its shards
+    under FSDP2; each weight's one-number mean of its scales is left out: every rank holds it)."""
+    total = 0
+    for param in model.parameters():
+        if is_nf4(param):
+            local = getattr(param, "_local_tensor", param)
+            parts = (local.quantized_data, local.quantized_scalers, local.quantization_factor)
+            total += sum(part.numel() * part.element_size() for part in parts)
+    return total
+
+
+def dequantized(tensor: torch.Tensor) -> torch.Tensor:
+    """The values a 4-bit matmul computes with (the weight dequantized)."""
+    return tensor.get_original_weight()
+
+
+def dequantize_model(model: torch.nn.Module) -> torch.nn.Module:
+    """Every 4-bit weight replaced by its dequantized values (what merging into the trained-on base takes)."""
+    for module in model.modules():
+        if is_nf4(getattr(module, "weight", None)):
+            module.weight = torch.nn.Parameter(dequantized(module.weight), requires_grad=False)
+    return model
