@@ -22,7 +22,8 @@ from finetune.outputs.plan import GiB, checked_plan, step_time  # noqa: E402
 
 # name, preset, model config, overrides, devices, strategy, GPU memory (GiB), peak TFLOP/s, MFU, bandwidth (GB/s), the hardware
 JOBS = [
-    ("70B QLoRA, FSDP + CPU offload", "llama3-70b", "llama-3.1-70b", ["distributed.fsdp_cpu_offload=true", "train.optimizer=adamw"], 2, "fsdp", 24, 165, 0.4, 20,
+    ("70B QLoRA, FSDP + CPU offload", "llama3-70b", "llama-3.1-70b", ["distributed.fsdp_cpu_offload=true", "train.optimizer=adamw"], 2, "fsdp",
+     24, 165, 0.4, 20,
      "2 x RTX 4090 (165 TFLOP/s bf16 dense, PCIe 4.0 ~20 GB/s)"),
     ("70B LoRA bf16, FSDP", "llama3-70b", "llama-3.1-70b", ["model.quantization=null", "train.optimizer=adamw"], 8, "fsdp", 80, 989, 0.4, 400,
      "8 x H100 SXM, one node (989 TFLOP/s, NVLink ~400 GB/s)"),
