@@ -74,21 +74,9 @@ def shard_fsdp2(model: torch.nn.Module, cfg: RunConfig, device: torch.device, wo
     weights one decoder layer at a time from the safetensors files and sends those, so that no
     process ever holds more than its shards, one layer and the adapter."""
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+    from torch.distributed.fsdp import fully_shard
 
-    shard = cfg.distributed.fsdp_shard_size or world
-    if world % shard:
-        raise UserError(f"distributed.fsdp_shard_size: {shard} does not divide the {world} processes")
-    # 1-D mesh: full shard. 2-D (replicate, shard): HSDP, gradients all-reduced across the replicas.
-    mesh = init_device_mesh(device.type, (world,)) if shard == world else \
-        init_device_mesh(device.type, (world // shard, shard), mesh_dim_names=("replicate", "shard"))
-    mp = cfg.train.mixed_precision
-    low = DTYPES[PRECISIONS[mp]] if mp in ("bf16", "fp16") else None
-    # Compute in low precision, reduce gradients in fp32: the usual FSDP mixed-precision recipe.
-    policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32) if low else MixedPrecisionPolicy()
-    offload = CPUOffloadPolicy() if cfg.distributed.fsdp_cpu_offload else OffloadPolicy()
-    kwargs = dict(mesh=mesh, mp_policy=policy, offload_policy=offload, reshard_after_forward=cfg.distributed.fsdp_reshard_after_forward)
+    kwargs = fsdp_settings(cfg, device.type, world)
     rank0 = dist.get_rank() == 0
     if nf4.used(cfg.model):
         return _shard_nf4(model, cfg, device, kwargs)
@@ -109,6 +97,25 @@ def shard_fsdp2(model: torch.nn.Module, cfg: RunConfig, device: torch.device, wo
     for buffer in model.buffers():  # not in the state dict when non-persistent (rotary frequencies)
         dist.broadcast(buffer, src=0)
     return model
+
+
+def fsdp_settings(cfg: RunConfig, device_type: str, world: int) -> dict:
+    """`fully_shard`'s arguments for this config: the device mesh, mixed precision, offload, resharding."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+
+    shard = cfg.distributed.fsdp_shard_size or world
+    if world % shard:
+        raise UserError(f"distributed.fsdp_shard_size: {shard} does not divide the {world} processes")
+    # 1-D mesh: full shard. 2-D (replicate, shard): HSDP, gradients all-reduced across the replicas.
+    mesh = init_device_mesh(device_type, (world,)) if shard == world else \
+        init_device_mesh(device_type, (world // shard, shard), mesh_dim_names=("replicate", "shard"))
+    mp = cfg.train.mixed_precision
+    low = DTYPES[PRECISIONS[mp]] if mp in ("bf16", "fp16") else None
+    # Compute in low precision, reduce gradients in fp32: the usual FSDP mixed-precision recipe.
+    policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32) if low else MixedPrecisionPolicy()
+    offload = CPUOffloadPolicy() if cfg.distributed.fsdp_cpu_offload else OffloadPolicy()
+    return dict(mesh=mesh, mp_policy=policy, offload_policy=offload, reshard_after_forward=cfg.distributed.fsdp_reshard_after_forward)
 
 
 def _shard_nf4(model: torch.nn.Module, cfg: RunConfig, device: torch.device, kwargs: dict) -> torch.nn.Module:
