@@ -188,6 +188,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="as distributed.strategy (default: the config's): none/ddp: every device holds the whole model; fsdp: "
                         "weights, gradients and optimizer split over devices; zero2 (DeepSpeed): gradients and optimizer split; "
                         "zero3, zero3_offload (DeepSpeed): weights too (DeepSpeed adds an fp32 copy of each partition)")
+    p.add_argument("--simulate", action="store_true",
+                   help="also run rank 0's own training step (finetune's setup, one micro-batch, the optimizer step) on fake tensors "
+                        "with a fake process group, and print its peak memory by role and its collectives beside the plan: "
+                        "fsdp only; seconds to minutes on a CPU, no weights read")
 
     p = sub.add_parser("stage", help="copy a model into RAM once so runs load it in seconds; list or evict copies",
                        description="Copy a model folder (safetensors weights, configs, tokenizer) to a RAM-backed folder, verify it "
@@ -298,6 +302,13 @@ def plan(args: argparse.Namespace) -> None:
     if args.tflops:
         bandwidth = plan.parse_size(args.bandwidth, "--bandwidth") if args.bandwidth else 0.0
         print(plan.render_time(plan.step_time(cfg, result.setup, args.tflops, args.mfu, bandwidth), args.tflops, args.mfu, bandwidth))
+    if args.simulate:
+        from finetune.outputs import simulate
+
+        # As planned (the --strategy asked), one micro-batch a step: the collectives of more repeat its gathers.
+        cfg = cfg.model_copy(update={"distributed": cfg.distributed.model_copy(update={"strategy": result.setup.strategy}),
+                                     "train": cfg.train.model_copy(update={"grad_accum": 1})})
+        print(simulate.render(simulate.simulate(cfg, args.gpus), result, plan.step_time(cfg, result.setup, 1.0, 1.0, 0.0).comm_bytes))
 
 
 def stage(args: argparse.Namespace) -> None:

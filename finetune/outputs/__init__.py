@@ -1,6 +1,6 @@
 """What a run leaves and what a user asks of it: merged models (merge), GGUF files (export, gguf_vocab),
 generation (generate), the eval harness (harness), model cards (model_card), the serving check
-(serving), and the memory planner (plan).
+(serving), the memory planner (plan) and rank 0's step simulated on fake tensors (simulate).
 
 May import: every layer below: run, objectives, parallel, model, data, checkpoint, config.
 """

@@ -1,0 +1,171 @@
+"""`finetune plan --simulate`: rank 0's own training step at N processes, run on fake tensors.
+
+torch's `FakeTensorMode` gives every tensor its shape, dtype and device but no storage, and the `fake`
+process group answers every collective at once, so this machine can take rank 0 of an N-process FSDP2
+run through finetune's own setup (the model built as `finetune train` builds it, the adapter, the
+sharding, the optimizer) and one optimizer step (a micro-batch through the packed attention and the
+loss, backward, the optimizer's step) for a model of any size, in seconds to minutes and without its
+weights. torch's `FSDPMemTracker` (what torchtitan's memory estimator uses) records what the rank holds
+at its peak, by role, and the collectives it calls are counted as they pass.
+
+The simulated batch is the planner's worst case: micro_batch_size rows of max_seq_len tokens, one sample
+a row, every token trained. One micro-batch a step: memory is the same with more, and the collectives of
+grad_accum micro-batches repeat the gathers of one.
+
+Simulated: distributed.strategy fsdp (FSDP2: the tracker follows its modules), LoRA, DoRA or full. Not
+yet: a 4-bit base, ZeRO, DDP and sequence parallelism, each refused in one line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from finetune.config.errors import UserError
+from finetune.config.schema import RunConfig
+from finetune.model.loading import apply_adapter, decoder_layers, load_model
+from finetune.objectives.loss import losses, to_device
+from finetune.parallel.distributed import fsdp_settings
+from finetune.parallel.engines import trained
+from finetune.parallel.optim import build_optimizer
+
+# FSDPMemTracker's roles -> the words the plan uses
+ROLES = {"SHARDED_PARAM": "weights (this rank's shards)", "UNSHARDED_PARAM": "weights gathered for compute", "BUFFER": "buffers",
+         "SHARDED_GRAD": "gradients (shards)", "UNSHARDED_GRAD": "gradients before reduce-scatter", "ACT": "activations",
+         "TEMP": "temporaries", "ALL_GATHER": "all-gather buffers", "REDUCE_SCATTER": "reduce-scatter buffers", "OPT": "optimizer states",
+         "INP": "inputs"}
+
+
+NOT_TENSORS = ("CUDA context + allocator slack", "process runtime (CPU)")  # the plan's rows that no tensor fills
+
+
+@dataclass
+class Simulated:
+    devices: int
+    peak: dict[str, float]  # bytes rank 0 holds at its peak, by role (ROLES' words)
+    total: float
+    collectives: dict[str, tuple[int, float]]  # collective -> (calls, bytes of the whole tensor: gathered, or reduced before scattering)
+    seconds: float
+
+    @property
+    def moved(self) -> float:
+        """Bytes each rank sends (ring collectives: (d-1)/d of each whole tensor), as the planner counts them."""
+        return (self.devices - 1) / self.devices * sum(size for _, size in self.collectives.values())
+
+
+def refusal(cfg: RunConfig, devices: int) -> str | None:
+    if cfg.distributed.strategy != "fsdp" or devices < 2:
+        return "simulates distributed.strategy fsdp over 2 or more devices (--strategy fsdp --gpus N)"
+    if cfg.model.quantization is not None:
+        return "a 4-bit base is not simulated yet (torchao's NF4 under fake tensors)"
+    if cfg.distributed.sequence_parallel > 1:
+        return "sequence parallelism is not simulated yet"
+    return None
+
+
+def simulate(cfg: RunConfig, devices: int, fake: bool = True) -> Simulated:
+    """One step of rank 0 of `devices` FSDP2 processes (see the module's docstring). fake=False takes the
+    same step on real (uninitialized) tensors in a process group already started, each rank its own:
+    what the tests hold the simulation to."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed.fsdp import fully_shard
+
+    why = refusal(cfg, devices)
+    if why:
+        raise UserError(f"--simulate: {why}")
+    started = time.perf_counter()
+    with _fake_group(devices) if fake else contextlib.nullcontext():
+        settings = fsdp_settings(cfg, "cpu", devices)  # the mesh reads its tensor back: made before the fake mode
+        model = load_model(cfg.model, skeleton="meta", say=lambda _: None)
+        model = apply_adapter(model, cfg.adapter, cfg.train.gradient_checkpointing, say=lambda _: None)
+        batch = _batch(cfg, model.config.vocab_size)
+        with _EveryTokenTrained(allow_non_fake_inputs=True) if fake else contextlib.nullcontext():
+            model.to_empty(device="cpu")
+            for layer in decoder_layers(model):
+                fully_shard(layer, **settings)
+            fully_shard(model, **settings)
+            optimizer = build_optimizer(trained(model), cfg.train)
+            tracker, counted = FSDPMemTracker(model, optimizer), _Collectives()
+            with tracker, counted:
+                losses(model, batch).tokens.backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            peak = next(iter(tracker.get_tracker_snapshot("peak").values()))
+    by_role = {ROLES[str(role).rsplit(".", 1)[-1]]: float(size) for role, size in peak.items() if role != "Total" and size}
+    return Simulated(devices, by_role, float(peak["Total"]), counted.calls, time.perf_counter() - started)
+
+
+def _batch(cfg: RunConfig, vocab: int) -> dict[str, torch.Tensor]:
+    """micro_batch_size rows of max_seq_len tokens, one sample a row, every token trained; moved as the
+    loop moves a batch (the sample bounds and trained positions worked out here, on real tensors)."""
+    rows, length = cfg.train.micro_batch_size, cfg.data.max_seq_len
+    ids = torch.randint(0, vocab, (rows, length))
+    batch = {"input_ids": ids, "labels": ids.clone(), "position_ids": torch.arange(length).repeat(rows, 1),
+             "keep": torch.ones(rows, length, dtype=torch.bool), "targets": ids.flatten()}
+    return to_device(batch, "cpu")
+
+
+@contextlib.contextmanager
+def _fake_group(devices: int):
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise UserError("--simulate: run it outside a launched job (it starts a process group of its own)")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=devices)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+class _EveryTokenTrained(FakeTensorMode):
+    """Fake tensors whose `nonzero` answers every element (no data to count): the loss selects the trained
+    positions with a mask, and the simulated batch trains every token, so that is its true size."""
+
+    def _dispatch_impl(self, func, types, args, kwargs):
+        if func is torch.ops.aten.nonzero.default:
+            mask = args[0]
+            return super()._dispatch_impl(torch.ops.aten.empty.memory_format, types, ((mask.numel(), mask.dim()),),
+                                          {"dtype": torch.long, "device": mask.device})
+        return super()._dispatch_impl(func, types, args, kwargs)
+
+
+class _Collectives(TorchDispatchMode):
+    """Each c10d collective called, with the bytes of its whole tensor (an all-gather's output, a
+    reduce-scatter's input, an all-reduce's tensor)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: dict[str, tuple[int, float]] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if func.namespace == "c10d" and ("gather" in name or "scatter" in name or "reduce" in name):
+            whole = args[1] if "reduce_scatter" in name else args[0]
+            whole = whole[0] if isinstance(whole, (list, tuple)) else whole
+            calls, size = self.calls.get(name, (0, 0.0))
+            self.calls[name] = (calls + 1, size + whole.numel() * whole.element_size())
+        return func(*args, **(kwargs or {}))
+
+
+def render(sim: Simulated, plan, planned_bytes: float) -> str:
+    """The simulated peak by role beside the plan's total, and the collectives beside the plan's formula.
+    `plan`: outputs.plan's Plan for the same setup; `planned_bytes`: its step_time's bytes each device moves."""
+    rows = [f"| {role:<32} | {size / 2**30:9.2f} |" for role, size in sorted(sim.peak.items(), key=lambda item: -item[1])]
+    tensors = plan.total - sum(plan.rows.get(row, 0.0) for row in NOT_TENSORS)
+    lines = [f"simulated: rank 0 of {sim.devices} processes, one step on fake tensors ({sim.seconds:.0f} s here)", "",
+             f"| {'at its peak':<32} | {'GiB':>9} |", f"| {'-' * 32} | {'-' * 9} |", *rows, f"| {'total':<32} | {sim.total / 2**30:9.2f} |", "",
+             f"plan: {tensors / 2**30:.2f} GiB of tensors per device; simulated {sim.total / 2**30:.2f} GiB ({_apart(sim.total, tensors)})",
+             f"collectives per device and step (one micro-batch): simulated {sim.moved / 1e9:.3g} GB, planned {planned_bytes / 1e9:.3g} GB "
+             f"({_apart(sim.moved, planned_bytes)}); " + ", ".join(f"{name.strip('_')} x{calls}" for name, (calls, _) in sorted(sim.collectives.items()))]
+    return "\n".join(lines)
+
+
+def _apart(simulated: float, planned: float) -> str:
+    return f"{(simulated - planned) / planned:+.0%} against the plan" if planned else "nothing planned"
