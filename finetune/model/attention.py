@@ -257,7 +257,9 @@ _masks: dict[tuple, torch.Tensor] = {}
 def _causal_mask(length: int, dtype: torch.dtype, device: torch.device, window: int | None) -> torch.Tensor:
     """-inf where a query may not look: a view into one mask per dtype, device and window, as long as the
     longest sample yet (a band's top-left corner is the band of a shorter sample)."""
-    key = (dtype, device, window)
+    # Fake tensors (finetune plan --simulate) keep masks of their mode's own: a fake one must never stand in
+    # for a real mask in the process's next real forward.
+    key = (dtype, device, window, torch._guards.detect_fake_mode())
     if key not in _masks or _masks[key].shape[0] < length:
         _masks[key] = torch.zeros(length, length, dtype=dtype, device=device).masked_fill_(~_allowed(length, window, device), float("-inf"))
     return _masks[key][:length, :length]

@@ -12,7 +12,8 @@ that does and that the processes can split evenly, where bitsandbytes would pad 
 
 The weights are quantized after the adapter is applied (peft would otherwise give the adapter the 4-bit
 weight's dtype) and only those of frozen linear layers inside the decoder layers: embeddings, norms and
-the head stay as loaded, as in bitsandbytes' QLoRA.
+the head stay unquantized as in bitsandbytes' QLoRA, in the dtype they loaded in (bitsandbytes' path
+upcasts them to fp32).
 """
 
 from __future__ import annotations
@@ -22,12 +23,13 @@ import importlib.util
 import torch
 
 from finetune.config.errors import UserError
+from finetune.config.schema import ModelConfig
 
 BLOCK = 64  # weights per absmax scale (bitsandbytes' 4-bit blocksize)
 SCALER_BLOCK = 256  # absmax scales per double-quantization block (bitsandbytes' nested blocksize)
 
 
-def used(cfg) -> bool:
+def used(cfg: ModelConfig) -> bool:
     """Whether a ModelConfig's base is quantized by torchao."""
     return cfg.quantization is not None and cfg.quantization.chosen_backend == "torchao"
 
