@@ -9,7 +9,7 @@ TORCH_VERSION  ?= 2.13.0
 TORCH_PIP_ARGS ?=
 export FINETUNE_CACHE ?= $(CURDIR)/.cache/finetune
 
-.PHONY: install tokenizers demo demo-dpo demo-grpo test test-fast lint bench bench-grpo bench-compile bench-data bench-families bench-fsdp-load bench-guard bench-host bench-load bench-large bench-long bench-released docs-check bench-xl clean help
+.PHONY: install tokenizers demo demo-dpo demo-grpo test test-fast lint bench bench-grpo bench-compile bench-data bench-families bench-fsdp-load bench-guard bench-host bench-load bench-large bench-long bench-released bench-scale docs-check bench-xl clean help
 
 help:
 	@echo "make demo   - install, build the demo model, fine-tune it (LoRA) and show before/after"
@@ -29,6 +29,7 @@ help:
 	@echo "make bench-load - load times of a 0.9 GB model: disk cold/warm, staged in RAM, vs a plain read"
 	@echo "make docs-check - the figures in docs/ a bench or a GPU measured, with the commits on their code since (bench/figures.json)"
 	@echo "make bench-released - released shapes at full size (Qwen2.5-0.5B, Qwen3-0.6B, Llama-3.2-1B, Gemma-3-1B): plan vs measured peak (~15 min)"
+	@echo "make bench-scale - FSDP2 steps of 8B-405B shapes at 8-512 GPUs simulated on fake tensors, LoRA/QLoRA/full, beside the plan (~90 min)"
 	@echo "make bench-large - a 1.1B model through every method and strategy: memory vs plan, speed, checkpoints, merge, staged load (~30 min)"
 	@echo "make bench-long - long rows: the longest row at 2 GiB a process in one process, with sequence parallelism over 2 and a tiled MLP; a 16k row tiled and not (~30 min)"
 	@echo "make bench-xl - an 8B model (Llama-3-8B's shape) on this box: 4-bit load, QLoRA, kill and resume, 2 processes, merge, generate (~60 min, ~50 GB of disk)"
@@ -138,6 +139,10 @@ docs-check:
 
 bench-released: install tokenizers
 	$(PY) bench/released.py
+
+bench-scale: install
+	$(PY) -c "import torchao" 2>/dev/null || $(PIP) install -q -e ".[torchao]" "torch==$$($(PY) -c 'import torch; print(torch.__version__)')"
+	$(PY) bench/scale.py
 
 bench-long: install
 	$(PY) bench/long.py

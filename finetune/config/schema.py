@@ -39,7 +39,11 @@ class QuantizationConfig(_Section):
 
     @property
     def chosen_backend(self) -> str:
-        return self.backend if self.backend != "auto" else "torchao" if self._strategy == "fsdp" else "bitsandbytes"
+        return self.backend_for(self._strategy)
+
+    def backend_for(self, strategy: str) -> str:
+        """What `auto` picks under distributed.strategy `strategy`: torchao under FSDP (its NF4 shards), else bitsandbytes."""
+        return self.backend if self.backend != "auto" else "torchao" if strategy == "fsdp" else "bitsandbytes"
 
 
 DEFAULT_RAMDISK = "/dev/shm/finetune"

@@ -227,16 +227,14 @@ def trainable_params(shape: Shape, cfg: RunConfig) -> int:
     return sum((r * (l.fan_in + l.fan_out) + (l.fan_out if dora else 0)) * l.copies for l in adapted(shape, cfg))
 
 
-def estimate(shape: Shape, cfg: RunConfig, s: Setup) -> dict[str, float]:
-    """Bytes per device, by row."""
+def estimate(shape: Shape, cfg: RunConfig, s: Setup) -> tuple[dict[str, float], str]:
+    """Bytes per device, by row, at the step's peak, and that moment (see peak_moment)."""
     n_train = trainable_params(shape, cfg)
     full = s.method == "full"
     # Weights. A quantized base keeps its non-linear parts in fp32 (bitsandbytes' path: peft's
     # prepare_model_for_kbit_training), or as loaded (torchao's).
     kept = shape.linear_params - shape.quantizable_params + shape.other_params  # left unquantized
-    q = cfg.model.quantization
-    torchao = q is not None and (q.backend == "torchao" or q.backend == "auto" and "fsdp" in (s.strategy, cfg.distributed.strategy))
-    kept_bytes = s.weight_bytes if torchao else 4
+    kept_bytes = s.weight_bytes if torchao_base(cfg, s) else 4
     if s.bits == 4:
         double = cfg.model.quantization.double_quant
         per_param = 0.5 + (1 / BNB_BLOCK + 4 / (BNB_BLOCK * 256) if double else 4 / BNB_BLOCK)
@@ -260,52 +258,38 @@ def estimate(shape: Shape, cfg: RunConfig, s: Setup) -> dict[str, float]:
     if s.shards_states:
         grads, optimizer = grads / s.devices, optimizer / s.devices
     weights = base + adapter
-    rows = {"weights": weights, "gradients": grads, "optimizer states": optimizer, "activations": activations(shape, s) + dropped_inputs(shape, cfg, s)}
+    moment, peak = peak_moment(shape, cfg, s)
+    rows = {"weights": weights, "gradients": grads, "optimizer states": optimizer, "activations": peak.activations}
     if s.shards_weights:
         rows["weights"] = weights / s.devices
-        rows["gathered for compute"] = gathered(shape, s, full)
+        rows["gathered for compute"] = peak.gathered
     if s.run_as.deepspeed:  # DeepSpeed's optimizer keeps an fp32 copy of its partition, even of fp32 weights
         rows["fp32 master weights (DeepSpeed)"] = n_train * 4 / s.devices
     if cfg.train.objective == "dpo" and full:  # a frozen copy of the base, held as the policy is (adapters: the base with them off)
         rows["DPO reference model"] = base / s.devices if s.shards_weights else base
-    temporaries = dense_temporaries(shape, cfg, s)
-    if temporaries:
-        rows["dense weight temporaries"] = temporaries
-    return rows
+    if peak.temporaries:
+        rows["dense weight temporaries"] = peak.temporaries
+    return rows, moment
 
 
 def quantized_layers(shape: Shape) -> int:
     return sum(layer.copies for layer in shape.linears if not (layer.expert or layer.router))
 
 
-def gathered(shape: Shape, s: Setup, full: bool) -> float:
-    """FSDP/ZeRO-3: what a rank holds unsharded while it computes. The root's own weights (embeddings,
-    lm_head) stay gathered through forward and backward; each decoder layer's are gathered twice over
-    while in use (the all-gather's output and the per-parameter copies made from it; ZeRO-3 prefetches
-    the next layer instead). Full fine-tuning adds the same layer's and the root's unsharded gradients
-    before they are reduce-scattered. A quantized base is gathered as it is held: peft keeps the root
-    in fp32, and a layer's linear weights stay packed (4 or 8 bits) beside its fp32 remainder."""
-    if s.bits:
-        packed = shape.quantizable_params * (0.5 if s.bits == 4 else 1)
-        layer = (packed + (shape.linear_params - shape.quantizable_params) * 4) / shape.layers
-        root = shape.other_params * 4
-    else:
-        layer = shape.linear_params / shape.layers * s.weight_bytes
-        root = shape.other_params * s.weight_bytes
-    return root + 2 * layer + (root + layer if full else 0)
-
-
 def dense_temporaries(shape: Shape, cfg: RunConfig, s: Setup) -> float:
-    """Weight-sized tensors one adapted linear layer makes in each forward (worst layer): a quantized
-    base dequantizes its weight (4-bit: into the compute dtype, then cast for the matmul), and peft's
-    DoRA builds B @ A through an identity of fan_in x fan_in, adds it to the weight and takes the norm
-    (measured: 259 MB for a 5632 -> 2048 layer; this formula says 253)."""
+    """Weight-sized tensors one adapted linear layer makes in each forward and backward (worst layer): a
+    quantized base dequantizes its weight (bitsandbytes' 4-bit: into the compute dtype, then cast for
+    the matmul; torchao's NF4 holds 7 times the compute dtype's bytes at its peak, its codes unpacked
+    and looked up: 3,143 MiB measured for an 8192 x 28672 weight in bf16, on real and fake tensors alike),
+    and peft's DoRA builds B @ A through an identity of fan_in x fan_in, adds it to the weight and takes
+    the norm (measured: 259 MB for a 5632 -> 2048 layer; this formula says 253)."""
     layers = adapted(shape, cfg) if s.method != "full" else []
     if not layers:
         return 0.0
     size = 0.0
     if s.bits:  # set from cfg.model.quantization (the QLoRA alternative sets both)
-        size = max(l.fan_in * l.fan_out for l in layers) * (DTYPE_BYTES[cfg.model.quantization.compute_dtype] + 4)
+        compute = DTYPE_BYTES[cfg.model.quantization.compute_dtype]
+        size = max(l.fan_in * l.fan_out for l in layers) * (7 * compute if torchao_base(cfg, s) else compute + 4)
     if s.method == "dora":
         size = max(size, max((l.fan_in ** 2 + 3 * l.fan_in * l.fan_out) * 4 for l in layers))
     return size
@@ -344,44 +328,96 @@ def dropped_inputs(shape: Shape, cfg: RunConfig, s: Setup) -> float:
 
 
 def layer_activations(shape: Shape, s: Setup) -> float:
-    """What one decoder layer keeps for its backward without checkpointing (see activations), its MLP's
-    share for one chunk where the MLP is tiled."""
+    """What one decoder layer keeps for its backward without checkpointing, per device: per token a Llama
+    block keeps 6*h + 2*kv + 4*i values (the two norms' inputs and outputs, the outputs being the
+    projections' inputs; the rotated query, key and value; the attention output; the MLP's gate, up,
+    activation and product; i is the MLP width a token passes through, with experts the routed ones' and
+    the shared one's), its MLP's share for one chunk where the MLP is tiled. Sequence parallelism: a
+    device holds 1/N of each row's tokens (and, inside attention, the whole row for 1/N of the heads:
+    as many values)."""
     return (shape.attention_values + 4 * shape.mlp_width / s.tiled_mlp) * s.activation_bytes * s.tokens
 
 
-def activations(shape: Shape, s: Setup) -> float:
-    """Saved tensors of the forward pass, per device, plus the loss's logits.
+@dataclass(frozen=True)
+class Moment:
+    activations: float  # what the forward saved for the backward, and what this moment adds to it
+    gathered: float = 0.0  # weights (and full fine-tuning's gradients) held unsharded: FSDP/ZeRO-3
+    temporaries: float = 0.0  # dense weight temporaries of the layer computing (dense_temporaries)
 
-    Per decoder layer and token a Llama block keeps 6*h + 2*kv + 4*i values for its backward: the two
-    norms' inputs and outputs (the outputs are the projections' inputs), the rotated query, key and
-    value, the attention output, and the MLP's gate, up, activation and product (i is the MLP width a
-    token passes through, with experts the routed ones' and the shared one's). With checkpointing only each block's input (fp32 residual)
-    is kept; in the backward one block is rebuilt, and its gradients take about the room its saved
-    tensors free as the backward goes through them (one block's worth: measured on rows of 2k to 6k
-    tokens, bench/long.py and tests/test_plan.py). A tiled MLP keeps only its input, and holds its intermediates for one chunk at a time,
-    in the backward. Sequence parallelism: a device holds 1/N of each row's tokens (and, inside
-    attention, the whole row for 1/N of the heads: as many values). The loss: see loss_activations.
-    """
-    tokens = s.tokens
-    per_layer = layer_activations(shape, s)
-    logits = loss_activations(shape, s)
+    @property
+    def total(self) -> float:
+        return self.activations + self.gathered + self.temporaries
+
+
+def peak_moment(shape: Shape, cfg: RunConfig, s: Setup) -> tuple[str, Moment]:
+    """The moment of the step that holds the most beyond the weights, gradients and optimizer states, and
+    what it holds then. Moments, not rows added up: the loss's logits are gone before the backward
+    rebuilds a layer, and FSDP2 reshards the root (embeddings, lm_head) after the forward, so no weight
+    is gathered while the loss runs. Measured against `finetune plan --simulate` (docs/planning.md).
+
+    With checkpointing each layer keeps its input (the residual stream) until its backward; a layer's
+    backward rebuilds that layer's saved tensors and, while the MLP's input gradients form, three more
+    of its intermediates (3*i values a token; the simulation of Llama-3.1-8B and 70B: 0.99 and 1.96 GiB
+    beside this formula's 0.97 and 1.93 at 4k tokens). A tiled MLP keeps only its input, and holds its
+    intermediates for one chunk at a time, in the backward."""
+    full = s.method == "full"
+    per_layer, dropped = layer_activations(shape, s), dropped_inputs(shape, cfg, s)
+    mlp_grads = 3 * shape.mlp_width / s.tiled_mlp * s.activation_bytes * s.tokens
     if s.checkpointing:
-        return shape.layers * tokens * shape.hidden * 4 + per_layer + logits
-    chunk = 4 * shape.mlp_width / s.tiled_mlp * s.activation_bytes * tokens if s.tiled_mlp > 1 else 0.0
-    return shape.layers * (per_layer - chunk) + chunk + logits
+        saved, rebuilt = shape.layers * s.tokens * shape.hidden * residual_bytes(cfg, s), per_layer + dropped + mlp_grads
+    else:
+        chunk = 4 * shape.mlp_width / s.tiled_mlp * s.activation_bytes * s.tokens if s.tiled_mlp > 1 else 0.0
+        saved, rebuilt = shape.layers * (per_layer - chunk) + dropped, chunk + mlp_grads
+    temporaries = dense_temporaries(shape, cfg, s)
+    moments = {"the loss": Moment(saved + loss_activations(shape, s))}
+    if not s.shards_weights:
+        moments["a layer's backward"] = Moment(saved + rebuilt, temporaries=temporaries)
+        return max(moments.items(), key=lambda item: item[1].total)
+    root, layer = gathered_weights(shape, cfg, s)
+    # FSDP2 keeps the last all-gather's output until the next one is copied out: the root's while the
+    # first layer computes (a 4-bit base's layer: only until its weights are dequantized), and a layer's
+    # beside its per-parameter copies (ZeRO-3 prefetches instead).
+    moments["the first layer's forward"] = Moment(per_layer, 2 * root + layer)
+    # Full fine-tuning: the root's and the layer's unsharded gradients before their reduce-scatter.
+    moments["the last layer's backward"] = Moment(saved + rebuilt, root + 2 * layer + (root + layer if full else 0), temporaries)
+    return max(moments.items(), key=lambda item: item[1].total)
+
+
+def gathered_weights(shape: Shape, cfg: RunConfig, s: Setup) -> tuple[float, float]:
+    """FSDP/ZeRO-3: the root's weights (embeddings, lm_head, norms) and one decoder layer's, gathered as
+    they are held: a quantized base's linear weights packed (4 or 8 bits), the rest in fp32 (peft's
+    k-bit preparation) or as loaded (torchao)."""
+    if s.bits:
+        kept = s.weight_bytes if torchao_base(cfg, s) else 4
+        packed = shape.quantizable_params * (0.5 if s.bits == 4 else 1)
+        return shape.other_params * kept, (packed + (shape.linear_params - shape.quantizable_params) * kept) / shape.layers
+    return shape.other_params * s.weight_bytes, shape.linear_params / shape.layers * s.weight_bytes
+
+
+def torchao_base(cfg: RunConfig, s: Setup) -> bool:
+    """A 4-bit base quantized by torchao, not bitsandbytes (model.quantization.backend; auto: torchao under FSDP)."""
+    q = cfg.model.quantization
+    return q is not None and q.backend_for(s.strategy if s.strategy != "none" else cfg.distributed.strategy) == "torchao"
+
+
+def residual_bytes(cfg: RunConfig, s: Setup) -> int:
+    """The residual stream's bytes a value, which each checkpoint keeps: the weights' dtype, fp32 where
+    bitsandbytes' base was prepared by peft (it upcasts the norms, so the stream leaves them in fp32)."""
+    return 4 if s.bits and not torchao_base(cfg, s) else s.weight_bytes
 
 
 def loss_activations(shape: Shape, s: Setup) -> float:
     """The loss's share. Where the fused loss runs (a plain lm_head, unsharded: loss.fusable_parts) the
     logits exist a chunk at a time: it holds the trained tokens' final hidden states and their
-    gradient, and a chunk's logits, log-softmax and gradient in fp32. Otherwise the model's logits of
-    the trained tokens, an fp32 copy and their log-softmax: (a + 8) bytes per vocabulary entry. Every
-    token is counted as trained."""
+    gradient, and a chunk's logits, log-softmax and gradient in fp32. Otherwise 12 bytes per vocabulary
+    entry at the log-softmax's backward: its saved fp32 output, the gradient coming in and the one going
+    out (the forward held less: the model's logits, an fp32 copy and the log-softmax). Every token is
+    counted as trained."""
     if families.plain_head(shape.config) and not s.shards_weights:
         from finetune.objectives.loss import CHUNK_ELEMENTS
 
         return 2 * s.tokens * shape.hidden * s.activation_bytes + 3 * CHUNK_ELEMENTS * 4
-    return s.tokens * shape.vocab * (s.activation_bytes + 8)
+    return s.tokens * shape.vocab * 12
 
 
 def longest_row(cfg: RunConfig, s: Setup, budget: float, gpu: bool) -> int:
@@ -407,6 +443,7 @@ class Plan:
     unquantized_experts: int  # expert and router weights a quantized base keeps in full precision
     host: dict[str, float] = field(default_factory=dict)  # offloaded to CPU RAM, per process
     refused: str | None = None  # what `finetune train` would refuse in this setup (the schema's own checks)
+    moment: str = ""  # when in the step the rows are held together (peak_moment)
 
 
 def refusal(cfg: RunConfig, s: Setup) -> str | None:
@@ -431,7 +468,7 @@ def make_plan(cfg: RunConfig, devices: int = 1, strategy: str | None = None, gpu
     device holds what is gathered for compute, the activations and the temporaries."""
     shape = read_shape(cfg.model.name_or_path)
     setup = setup or setup_from_config(cfg, devices, strategy)
-    rows = estimate(shape, cfg, setup)
+    rows, moment = estimate(shape, cfg, setup)
     host = {}
     if gpu and setup.offloads:
         host = {name: rows.pop(name) for name in ("weights", "gradients", "optimizer states", "fp32 master weights (DeepSpeed)") if name in rows}
@@ -442,7 +479,7 @@ def make_plan(cfg: RunConfig, devices: int = 1, strategy: str | None = None, gpu
         if heap_holes(shape, cfg, setup):
             rows["freed but held by the heap (CPU)"] = heap_holes(shape, cfg, setup)
     return Plan(rows, sum(rows.values()), setup, trainable_params(shape, cfg), shape.linear_params + shape.other_params, shape.active_params,
-                shape.linear_params - shape.quantizable_params, host)
+                shape.linear_params - shape.quantizable_params, host, moment=moment)
 
 
 def checked_plan(cfg: RunConfig, devices: int = 1, strategy: str | None = None, gpu: bool = False, setup: Setup | None = None) -> Plan:
@@ -483,7 +520,7 @@ def step_time(cfg: RunConfig, s: Setup, tflops: float, mfu: float, bandwidth: fl
     attention = shape.layers * 2 * s.seq_len * q_dim * (1 + 2 + (1 if s.checkpointing else 0))
     flops = per_weight * matmul + attention
     tokens = s.tokens * cfg.train.grad_accum
-    weight_bytes = estimate(shape, cfg, replace(s, strategy="none", devices=1))["weights"]  # the whole model as held, gathered
+    weight_bytes = estimate(shape, cfg, replace(s, strategy="none", devices=1))[0]["weights"]  # the whole model as held, gathered
     grads = trainable_params(shape, cfg) * (s.weight_bytes if full else 4)
     share = (d - 1) / d
     if d == 1:
@@ -595,6 +632,8 @@ def render(plan: Plan, budget: float, where: str, alts: list[tuple[str, Plan]]) 
         f"checkpointing {'on' if s.checkpointing else 'off'}, strategy {s.strategy} over {s.devices} device(s)"
         + (f", each row over {s.sequence_parallel} of them (sequence parallel)" if s.sequence_parallel > 1 else "")
         + (f", MLPs tiled x{s.tiled_mlp}" if s.tiled_mlp > 1 else ""),
+        "",
+        f"per device, at the step's peak ({plan.moment}):",
         "",
         f"| {'per device':<32} | {unit:>9} |",
         f"| {'-' * 32} | {'-' * 9} |",

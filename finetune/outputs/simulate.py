@@ -28,9 +28,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from finetune.config.errors import UserError
 from finetune.config.schema import RunConfig
-from finetune.model.loading import apply_adapter, decoder_layers, load_model
+from finetune.model import nf4
+from finetune.model.loading import apply_adapter, load_model
 from finetune.objectives.loss import losses, to_device
-from finetune.parallel.distributed import fsdp_settings
+from finetune.parallel.distributed import fsdp_settings, shard_fsdp2, shard_layers
 from finetune.parallel.engines import trained
 from finetune.parallel.optim import build_optimizer
 
@@ -61,8 +62,8 @@ class Simulated:
 def refusal(cfg: RunConfig, devices: int) -> str | None:
     if cfg.distributed.strategy != "fsdp" or devices < 2:
         return "simulates distributed.strategy fsdp over 2 or more devices (--strategy fsdp --gpus N)"
-    if cfg.model.quantization is not None:
-        return "a 4-bit base is not simulated yet (torchao's NF4 under fake tensors)"
+    if cfg.model.quantization is not None and not nf4.used(cfg.model):
+        return "a bitsandbytes base is not simulated (FSDP quantizes with torchao: model.quantization.backend auto or torchao)"
     if cfg.distributed.sequence_parallel > 1:
         return "sequence parallelism is not simulated yet"
     return None
@@ -73,8 +74,6 @@ def simulate(cfg: RunConfig, devices: int, fake: bool = True) -> Simulated:
     same step on real (uninitialized) tensors in a process group already started, each rank its own:
     what the tests hold the simulation to."""
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-    from torch.distributed.fsdp import fully_shard
-
     why = refusal(cfg, devices)
     if why:
         raise UserError(f"--simulate: {why}")
@@ -85,11 +84,15 @@ def simulate(cfg: RunConfig, devices: int, fake: bool = True) -> Simulated:
         model = apply_adapter(model, cfg.adapter, cfg.train.gradient_checkpointing, say=lambda _: None)
         batch = _batch(cfg, model.config.vocab_size)
         with _EveryTokenTrained(allow_non_fake_inputs=True) if fake else contextlib.nullcontext():
-            model.to_empty(device="cpu")
-            for layer in decoder_layers(model):
-                fully_shard(layer, **settings)
-            fully_shard(model, **settings)
+            model.to_empty(device="cpu")  # rank 0's model as loaded
+            if nf4.used(cfg.model):  # each layer quantized, then sharded, as in training
+                model = shard_fsdp2(model, cfg, torch.device("cpu"), devices, settings=settings)
+            else:  # sharded as in training; sending rank 0's values (data-dependent: not under fake tensors) left out
+                shard_layers(model, settings)
             optimizer = build_optimizer(trained(model), cfg.train)
+            if fake:
+                _one_tensor_at_a_time(optimizer)
+            _midway(optimizer, trained(model))
             tracker, counted = FSDPMemTracker(model, optimizer), _Collectives()
             with tracker, counted:
                 losses(model, batch).tokens.backward()
@@ -98,6 +101,23 @@ def simulate(cfg: RunConfig, devices: int, fake: bool = True) -> Simulated:
             peak = next(iter(tracker.get_tracker_snapshot("peak").values()))
     by_role = {ROLES[str(role).rsplit(".", 1)[-1]]: float(size) for role, size in peak.items() if role != "Total" and size}
     return Simulated(devices, by_role, float(peak["Total"]), counted.calls, time.perf_counter() - started)
+
+
+def _midway(optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter]) -> None:
+    """Make the step a later one, and its micro-batch not the first: the optimizer's states made (by a
+    step), and gradients accumulated from an earlier micro-batch, as every step after the first holds them."""
+    for param in params:
+        param.grad = torch.zeros_like(param)
+    optimizer.step()
+
+
+def _one_tensor_at_a_time(optimizer: torch.optim.Optimizer) -> None:
+    """Fake tensors have no fused AdamW kernel: its fallback made ten times the states' size of temporaries
+    (docs/platform-notes.md). Stepped one tensor at a time, the same states hold no more than one tensor's
+    temporaries, as the fused kernel does."""
+    for group in optimizer.param_groups:
+        if "fused" in group:
+            group.update(fused=False, foreach=False)
 
 
 def _batch(cfg: RunConfig, vocab: int) -> dict[str, torch.Tensor]:

@@ -65,18 +65,19 @@ def _names_once(model: torch.nn.Module) -> list[str]:
     return names
 
 
-def shard_fsdp2(model: torch.nn.Module, cfg: RunConfig, device: torch.device, world: int, stream_from: Path | None = None) -> torch.nn.Module:
+def shard_fsdp2(model: torch.nn.Module, cfg: RunConfig, device: torch.device, world: int, stream_from: Path | None = None,
+                settings: dict | None = None) -> torch.nn.Module:
     """Shard the model over the processes, then fill every rank's shards from rank 0.
 
     Ranks other than 0 hold a meta-device skeleton (load_model(skeleton="meta")). Rank 0 holds either
     the loaded model, whose state dict it sends whole, or (stream_from: the model folder) an
     uninitialized one (skeleton="empty") plus the adapter as peft initialized it: then it reads the
     weights one decoder layer at a time from the safetensors files and sends those, so that no
-    process ever holds more than its shards, one layer and the adapter."""
+    process ever holds more than its shards, one layer and the adapter. settings: fsdp_settings' made
+    beforehand (`finetune plan --simulate` makes its mesh outside its fake tensors)."""
     import torch.distributed as dist
-    from torch.distributed.fsdp import fully_shard
 
-    kwargs = fsdp_settings(cfg, device.type, world)
+    kwargs = settings or fsdp_settings(cfg, device.type, world)
     rank0 = dist.get_rank() == 0
     if nf4.used(cfg.model):
         return _shard_nf4(model, cfg, device, kwargs)
@@ -84,9 +85,7 @@ def shard_fsdp2(model: torch.nn.Module, cfg: RunConfig, device: torch.device, wo
         full = model.state_dict() if rank0 else {}  # keeps rank 0's full weights alive until sent
     else:  # the adapter's initial values (small), before sharding splits them
         full = {name: p.detach().clone() for name, p in model.named_parameters() if p.requires_grad and rank0 and cfg.adapter.method != "full"}
-    for layer in decoder_layers(model):
-        fully_shard(layer, **kwargs)
-    fully_shard(model, **kwargs)
+    shard_layers(model, kwargs)
     if not rank0:
         model.to_empty(device=device)  # room for this rank's shards, filled from rank 0 next
     if stream_from is None:
@@ -116,6 +115,15 @@ def fsdp_settings(cfg: RunConfig, device_type: str, world: int) -> dict:
     policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32) if low else MixedPrecisionPolicy()
     offload = CPUOffloadPolicy() if cfg.distributed.fsdp_cpu_offload else OffloadPolicy()
     return dict(mesh=mesh, mp_policy=policy, offload_policy=offload, reshard_after_forward=cfg.distributed.fsdp_reshard_after_forward)
+
+
+def shard_layers(model: torch.nn.Module, settings: dict) -> None:
+    """FSDP2's units: each decoder layer, then the root (embeddings, final norm, head)."""
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in decoder_layers(model):
+        fully_shard(layer, **settings)
+    fully_shard(model, **settings)
 
 
 def _shard_nf4(model: torch.nn.Module, cfg: RunConfig, device: torch.device, kwargs: dict) -> torch.nn.Module:
