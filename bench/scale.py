@@ -34,10 +34,19 @@ WORLDS = (8, 64, 512)
 RESULTS = REPO / "bench" / "results" / "scale.json"
 
 
-def config(model: str, method: str):
+# Published 70B QLoRA runs on two 24 GB cards with FSDP's CPU offload, beside the same step simulated:
+# (what they said, model, tokens a row, LoRA rank)
+PUBLISHED = [("Answer.AI, FSDP + QLoRA: fits two 24 GB cards (gradient checkpointing, CPU offload)", "llama-2-70b", 2048, 16),
+             ("the same at 4k tokens", "llama-2-70b", 4096, 16),
+             ("axolotl's 70B QLoRA FSDP example (512 tokens, r 8, fsdp_offload_params): dual GPU @ 21GB VRAM", "llama-2-70b", 512, 8)]
+# FSDP2's CPU offload keeps these in the host's RAM: the device holds the rest of the simulated peak
+OFFLOADED = ("weights (this rank's shards)", "gradients (shards)", "optimizer states")
+
+
+def config(model: str, method: str, seq: int = 4096, r: int = 16):
     raw = {"model": {"name_or_path": str(REPO / "docs" / "examples" / model), "dtype": "bfloat16"},
-           "data": {"train": "unused.jsonl", "max_seq_len": 4096},
-           "adapter": {"method": "full" if method == "full" else "lora", "r": 16, "alpha": 32, "dropout": 0.05, "target_modules": "all-linear"},
+           "data": {"train": "unused.jsonl", "max_seq_len": seq},
+           "adapter": {"method": "full" if method == "full" else "lora", "r": r, "alpha": 2 * r, "dropout": 0.05, "target_modules": "all-linear"},
            "train": {"micro_batch_size": 1, "grad_accum": 1, "gradient_checkpointing": True, "optimizer": "adamw", "mixed_precision": "bf16"},
            "distributed": {"strategy": "fsdp"}}
     if method == "qlora":
@@ -45,11 +54,11 @@ def config(model: str, method: str):
     return validate_config(raw, "bench-scale", check_paths=False)
 
 
-def simulate_one(model: str, method: str, world: int) -> dict:
+def simulate_one(model: str, method: str, world: int, seq: int = 4096, r: int = 16) -> dict:
     """In this process: one simulated step, as JSON-ready numbers."""
     from finetune.outputs.simulate import simulate
 
-    sim = simulate(config(model, method), world)
+    sim = simulate(config(model, method, seq, r), world)
     return {"peak": sim.peak, "total": sim.total, "moved": sim.moved, "seconds": sim.seconds,
             "collectives": {name: calls for name, (calls, _) in sim.collectives.items()}}
 
@@ -68,32 +77,54 @@ def row(model: str, method: str, world: int, sim: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", choices=list(MODELS), help="one model shape")
-    parser.add_argument("--one", nargs=3, metavar=("MODEL", "METHOD", "WORLD"), help=argparse.SUPPRESS)  # a worker: one simulation
+    parser.add_argument("--one", nargs="+", help=argparse.SUPPRESS)  # a worker: MODEL METHOD WORLD [SEQ R], one simulation
     args = parser.parse_args()
     if args.one:
-        print(json.dumps(simulate_one(args.one[0], args.one[1], int(args.one[2]))))
+        print(json.dumps(simulate_one(args.one[0], args.one[1], *map(int, args.one[2:]))))
         return
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
     done = json.loads(RESULTS.read_text()) if RESULTS.exists() else {"runs": {}}
-    for method in METHODS:
-        for model in [args.only] if args.only else MODELS:
-            for world in WORLDS:
-                key = f"{model} {method} {world}"
-                if key in done["runs"]:
-                    continue
-                started = time.time()
-                job = subprocess.run([sys.executable, __file__, "--one", model, method, str(world)], cwd=REPO, capture_output=True, text=True)
-                if job.returncode:
-                    sys.exit(f"{key}: {job.stderr.strip().splitlines()[-1]}")
-                done["runs"][key] = {**json.loads(job.stdout.strip().splitlines()[-1]), "commit": commit, "date": time.strftime("%Y-%m-%d")}
-                RESULTS.write_text(json.dumps(done, indent=1) + "\n")
-                print(f"{key}: {time.time() - started:.0f} s", flush=True)
+    wanted = [(model, method, world) for method in METHODS for model in ([args.only] if args.only else MODELS) for world in WORLDS]
+    wanted += [(model, "qlora", 2, seq, r) for _, model, seq, r in PUBLISHED if not args.only or model == args.only]
+    for job in wanted:
+        key = " ".join(map(str, job))
+        if key not in done["runs"]:
+            done["runs"][key] = run(job)
+            RESULTS.write_text(json.dumps(done, indent=1) + "\n")
+            print(f"{key}: {done['runs'][key]['seconds']:.0f} s", flush=True)
+    report("scale", table())
+
+
+def table() -> list[str]:
+    """The tables from bench/results/scale.json's simulations and today's plan (tests/test_docs.py holds
+    docs/planning.md to them)."""
+    runs = json.loads(RESULTS.read_text())["runs"]
     lines = ["| model | method | GPUs | plan: tensors per GPU, GiB (its peak) | simulated peak, GiB | plan vs simulated | simulated, largest roles (GiB) "
              "| collectives per GPU a step, GB: plan / simulated | simulation took |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    lines += [row(*key.split()[:2], int(key.split()[2]), sim) for key, sim in done["runs"].items()]
-    when = sorted({f"{sim['commit']} on {sim['date']}" for sim in done["runs"].values()})
-    lines += ["", f"Simulated at {', '.join(when)} on {cpu_name()} ({os.cpu_count()} cores): `make bench-scale` (bench/scale.py)."]
-    report("scale", lines)
+    lines += [row(model, method, world, runs[f"{model} {method} {world}"]) for model in MODELS for method in METHODS for world in WORLDS
+              if f"{model} {method} {world}" in runs]
+    lines += ["", "| published | our step, simulated: on each GPU with FSDP's CPU offload (peak less the sharded weights, gradients and optimizer states) "
+              "| plan, on each GPU | offloaded to CPU RAM per process (simulated) |", "| --- | --- | --- | --- |"]
+    for said, model, seq, r in PUBLISHED:
+        sim = runs.get(f"{model} qlora 2 {seq} {r}")
+        if sim:
+            cfg = config(model, "qlora", seq, r)
+            cfg.distributed.fsdp_cpu_offload = True
+            plan = make_plan(cfg, devices=2, gpu=True)
+            host = sum(sim["peak"].get(role, 0.0) for role in OFFLOADED)
+            lines.append(f"| {said} | {(sim['total'] - host) / GiB:.2f} GiB ({seq} tokens, r {r}) | {plan.total / GiB:.2f} GiB with its 1 GiB CUDA reserve "
+                         f"| {host / GiB:.2f} GiB |")
+    when = sorted({f"{sim['commit']} on {sim['date']}, {sim['cpu']}" for sim in runs.values()})
+    return lines + ["", f"Simulated at {'; '.join(when)}: `make bench-scale` (bench/scale.py)."]
+
+
+def run(job: tuple) -> dict:
+    """One simulation in a fresh process, as `finetune plan --simulate` runs."""
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+    worker = subprocess.run([sys.executable, __file__, "--one", *map(str, job)], cwd=REPO, capture_output=True, text=True)
+    if worker.returncode:
+        sys.exit(f"{' '.join(map(str, job))}: {worker.stderr.strip().splitlines()[-1]}")
+    return {**json.loads(worker.stdout.strip().splitlines()[-1]), "commit": commit, "date": time.strftime("%Y-%m-%d"),
+            "cpu": f"{cpu_name()} ({os.cpu_count()} cores)"}
 
 
 if __name__ == "__main__":

@@ -202,20 +202,24 @@ def test_a_nan_loss_on_one_rank_stops_every_rank(tmp_path, tiny_model_dir):
 
 
 SP2 = {"train": {"micro_batch_size": 4}, "distributed": {"sequence_parallel": 2}}  # both processes share each row of 4
+NF4 = {"model": {"quantization": {"bits": 4, "backend": "torchao"}}}  # FSDP + QLoRA: torchao's NF4 base in one process too
 
 
 @pytest.mark.parametrize("name,method,strategy,sections", [("llama-3.2-1b", "lora", "fsdp", {}), ("qwen3-0.6b", "full", "fsdp", {}),
                                                            ("gemma-3-1b", "lora", "fsdp", {}), ("qwen3-0.6b", "full", "zero3", {}),
-                                                           ("qwen3-0.6b", "lora", "ddp", SP2)],
-                         ids=["llama-3.2-1b-lora-fsdp", "qwen3-0.6b-full-fsdp", "gemma-3-1b-lora-fsdp", "qwen3-0.6b-full-zero3", "qwen3-0.6b-lora-sp2"])
+                                                           ("qwen3-0.6b", "lora", "ddp", SP2), ("llama-3.2-1b", "lora", "fsdp", NF4)],
+                         ids=["llama-3.2-1b-lora-fsdp", "qwen3-0.6b-full-fsdp", "gemma-3-1b-lora-fsdp", "qwen3-0.6b-full-zero3", "qwen3-0.6b-lora-sp2",
+                              "llama-3.2-1b-qlora-fsdp"])
 def test_a_tied_head_trains_sharded_or_split_as_one_process(released, trained, name, method, strategy, sections):
     """Llama 3.2 1B/3B, Qwen 2.5 0.5-3B, Qwen3 0.6-4B and Gemma tie their head to the embeddings: the skeleton rank 0
     streams into keeps the tie (it failed with "no value for base_model.model.lm_head.weight"), and the full model
     saved from the shards holds the one trained tensor for both. Gemma 3 (the shipped gemma3-1b preset under fsdp)
     likewise; Qwen3 also under ZeRO-3 (fp32 states of a tied head) and with its rows split over 2 processes (sequence
-    parallelism: heads of 128 with q/k norms, 4 query and 2 key/value heads shared out)."""
-    model = released(name)
-    _, one, _ = trained(model, method)
+    parallelism: heads of 128 with q/k norms, 4 query and 2 key/value heads shared out). Llama 3.2 also as QLoRA under
+    FSDP2 (torchao's NF4 base, its real tokenizer's data), against the same 4-bit base in one process."""
+    # NF4: widths whose scale groups (256 blocks of 64) split over 2 processes as over 1, as released models' do
+    model = released(name, **({"hidden_size": 256, "intermediate_size": 512, "num_key_value_heads": 2} if sections is NF4 else {}))
+    _, one, _ = trained(model, method, **(NF4 if sections is NF4 else {}))
     out, two, summary = trained(model, method, 2, strategy, **sections)
     assert summary["world_size"] == 2 and two == pytest.approx(one, rel=1e-4, abs=1e-5), (two, one)
     if method == "full":

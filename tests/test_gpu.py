@@ -472,6 +472,34 @@ def fsdp2_qlora(model_dir: str) -> dict:
     return {"reference": reference, "sharded": sharded, "error": error}
 
 
+def fsdp2_qlora_cpu_offload(model_dir: str) -> dict:
+    """finetune's FSDP2 + QLoRA (torchao's NF4 base, loaded and sharded as the fsdp engine does) with
+    distributed.fsdp_cpu_offload and without: the same losses, the 4-bit shards kept in CPU RAM."""
+    from finetune.model import nf4
+    from finetune.model.loading import apply_adapter, load_model
+    from finetune.parallel.distributed import shard_fsdp2
+
+    batch, out, cuda = _packed_batch_cuda(model_dir), {}, torch.device("cuda", 0)
+    for offload in (False, True):
+        cfg = validate_config(base_config(model_dir, "unused", model={"quantization": {"bits": 4}}, train={"mixed_precision": "bf16"},
+                                          distributed={"strategy": "fsdp", "fsdp_cpu_offload": offload}), "test")
+        torch.manual_seed(0)
+        model = apply_adapter(load_model(cfg.model, cuda, say=lambda _: None), cfg.adapter, False, say=lambda _: None)
+        sharded = shard_fsdp2(model, cfg, cuda, 1)
+        out["offloaded" if offload else "reference"] = _steps(sharded, batch, 5, 1e-3)
+        out["nf4_devices"] = sorted({p.device.type for p in sharded.parameters() if nf4.is_nf4(p)})
+    return out
+
+
+def test_fsdp2_qlora_with_cpu_offload_trains_like_without(tiny_model_dir):
+    """Issue 56: fsdp_cpu_offload with a 4-bit base (GPU only: on CPU the shards already live in RAM)."""
+    result = _probe("fsdp2_qlora_cpu_offload", tiny_model_dir, free_port())
+    print(f"fsdp2 + qlora + cpu offload: {result}")
+    assert result["nf4_devices"] == ["cpu"]
+    assert result["offloaded"] == pytest.approx(result["reference"], rel=5e-3)
+    assert result["offloaded"][-1] < result["offloaded"][0]
+
+
 def test_fsdp2_with_cpu_offload_trains_like_the_unsharded_model(tiny_model_dir):
     result = _probe("fsdp2_cpu_offload", tiny_model_dir, free_port())
     print(f"fsdp2 cpu offload: {result}")

@@ -90,14 +90,9 @@ def packed_bytes(model: torch.nn.Module) -> int:
     return total
 
 
-def dequantized(tensor: torch.Tensor) -> torch.Tensor:
-    """The values a 4-bit matmul computes with (the weight dequantized)."""
-    return tensor.get_original_weight()
-
-
 def dequantize_model(model: torch.nn.Module) -> torch.nn.Module:
     """Every 4-bit weight replaced by its dequantized values (what merging into the trained-on base takes)."""
     for module in model.modules():
         if is_nf4(getattr(module, "weight", None)):
-            module.weight = torch.nn.Parameter(dequantized(module.weight), requires_grad=False)
+            module.weight = torch.nn.Parameter(module.weight.get_original_weight(), requires_grad=False)
     return model

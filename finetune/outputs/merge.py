@@ -229,7 +229,7 @@ class Targets:
         from transformers.integrations.bitsandbytes import dequantize_bnb_weight
 
         weight, state = self.quantized[key]
-        return (nf4.dequantized(weight) if nf4.is_nf4(weight) else dequantize_bnb_weight(weight, state)).float()
+        return (weight.get_original_weight() if nf4.is_nf4(weight) else dequantize_bnb_weight(weight, state)).float()
 
     def tensor(self, key: str, stored: torch.Tensor, variant: str) -> torch.Tensor:
         """The merged value of one weight of the base, in float32 or its stored dtype."""

@@ -12,14 +12,19 @@ The simulated batch is the planner's worst case: micro_batch_size rows of max_se
 a row, every token trained. One micro-batch a step: memory is the same with more, and the collectives of
 grad_accum micro-batches repeat the gathers of one.
 
-Simulated: distributed.strategy fsdp (FSDP2: the tracker follows its modules), LoRA, DoRA or full. Not
-yet: a 4-bit base, ZeRO, DDP and sequence parallelism, each refused in one line.
+The step is a later one, and its micro-batch not the first: the optimizer's states exist, and gradients
+accumulated from an earlier micro-batch, as in every step after the first.
+
+Simulated: distributed.strategy fsdp (FSDP2: the tracker follows its modules), LoRA, DoRA or full, on a
+bf16 or torchao NF4 base (quantized layer by layer as finetune shards it). Not yet: ZeRO, DDP and sequence
+parallelism, each refused in one line.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -78,7 +83,9 @@ def simulate(cfg: RunConfig, devices: int, fake: bool = True) -> Simulated:
     if why:
         raise UserError(f"--simulate: {why}")
     started = time.perf_counter()
-    with _fake_group(devices) if fake else contextlib.nullcontext():
+    with _fake_group(devices) if fake else contextlib.nullcontext(), warnings.catch_warnings():
+        # torchao's NF4 reads its storages' addresses, which fake tensors do not have (nor need here)
+        warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
         settings = fsdp_settings(cfg, "cpu", devices)  # the mesh reads its tensor back: made before the fake mode
         model = load_model(cfg.model, skeleton="meta", say=lambda _: None)
         model = apply_adapter(model, cfg.adapter, cfg.train.gradient_checkpointing, say=lambda _: None)

@@ -38,8 +38,8 @@ def streaming_refusal(cfg: RunConfig, folder: Path) -> str | None:
     rank asks and gets the same answer: it reads the config, the files' headers and a meta skeleton."""
     from finetune.model.loading import load_model, weight_files
 
-    if cfg.model.quantization is not None:
-        return "a quantized base is quantized while it loads"
+    if cfg.model.quantization is not None and not nf4.used(cfg.model):
+        return "bitsandbytes quantizes the base while it loads"
     if cfg.adapter.method == "dora":
         return "DoRA's magnitudes are computed from the loaded weights"
     if cfg.adapter.modules_to_save:
@@ -79,12 +79,13 @@ def shard_fsdp2(model: torch.nn.Module, cfg: RunConfig, device: torch.device, wo
 
     kwargs = settings or fsdp_settings(cfg, device.type, world)
     rank0 = dist.get_rank() == 0
-    if nf4.used(cfg.model):
-        return _shard_nf4(model, cfg, device, kwargs)
     if stream_from is None:
-        full = model.state_dict() if rank0 else {}  # keeps rank 0's full weights alive until sent
+        full = model.state_dict() if rank0 and not nf4.used(cfg.model) else {}  # keeps rank 0's full weights alive until sent
     else:  # the adapter's initial values (small), before sharding splits them
         full = {name: p.detach().clone() for name, p in model.named_parameters() if p.requires_grad and rank0 and cfg.adapter.method != "full"}
+    if nf4.used(cfg.model):
+        read = _reader(model, stream_from, full) if stream_from is not None and rank0 else None
+        return _shard_nf4(model, cfg, device, kwargs, read)
     shard_layers(model, kwargs)
     if not rank0:
         model.to_empty(device=device)  # room for this rank's shards, filled from rank 0 next
@@ -126,37 +127,59 @@ def shard_layers(model: torch.nn.Module, settings: dict) -> None:
     fully_shard(model, **settings)
 
 
-def _shard_nf4(model: torch.nn.Module, cfg: RunConfig, device: torch.device, kwargs: dict) -> torch.nn.Module:
+def _shard_nf4(model: torch.nn.Module, cfg: RunConfig, device: torch.device, kwargs: dict, read=None) -> torch.nn.Module:
     """FSDP2 over a 4-bit base: rank 0's values of one decoder layer at a time (the adapter's as peft
     initialized them too) go to every rank, each rank quantizes them as rank 0 would (the same code,
     the same values: the same 4-bit weights) and keeps its shards; then the rest of the model. No rank
-    holds more than its shards and one layer in the compute dtype."""
+    holds more than its shards and one layer in the compute dtype. read (rank 0, streaming: _reader):
+    rank 0's model is an uninitialized skeleton, each layer filled from the files just before it goes."""
     from torch.distributed.fsdp import fully_shard
 
     q = cfg.model.quantization
+    names = {id(m): name for name, m in model.named_modules()}
     for layer in decoder_layers(model):
+        if read is not None:
+            _fill(layer, read, names[id(layer)] + ".")
         _broadcast_from_rank0(layer, device)
         nf4.quantize_frozen_linears(layer, DTYPES[q.compute_dtype], q.skip_modules, shards=kwargs["mesh"].size(-1))
         fully_shard(layer, **kwargs)
+    if read is not None:
+        _fill(model, read, "")
     _broadcast_from_rank0(model, device)  # what no layer holds: embeddings, final norm, head, rotary buffers
     fully_shard(model, **kwargs)
     return model
 
 
+def _fill(module: torch.nn.Module, read, prefix: str) -> None:
+    """Rank 0: the module's unsharded state-dict entries (not a layer's already sent) from the files, in place."""
+    from torch.distributed.tensor import DTensor
+
+    local = {k: v for k, v in module.state_dict().items() if not isinstance(v, DTensor)}
+    with torch.no_grad():
+        for key, value in read(prefix, list(local), local).items():
+            local[key].copy_(value)
+
+
 def _broadcast_from_rank0(module: torch.nn.Module, device: torch.device) -> None:
     """Rank 0's values of the module's unsharded tensors to the other ranks, whose meta tensors are
-    replaced by room for them first (one new parameter for each old one: tied weights stay tied)."""
+    replaced by room for them first, on `device`, where rank 0's (loaded in CPU RAM) are moved (one new
+    parameter for each old one: tied weights stay tied)."""
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
+
+    def placed(tensor: torch.Tensor) -> torch.Tensor:
+        return torch.empty_like(tensor, device=device) if tensor.is_meta else tensor.to(device)
 
     made: dict[int, torch.nn.Parameter] = {}
     for sub in module.modules():
         for name, param in list(sub._parameters.items()):
-            if param is not None and param.is_meta and not isinstance(param, DTensor):
-                sub._parameters[name] = made.setdefault(id(param), torch.nn.Parameter(torch.empty_like(param, device=device), param.requires_grad))
+            if param is not None and not isinstance(param, DTensor) and (param.is_meta or param.device != device):
+                if id(param) not in made:
+                    made[id(param)] = torch.nn.Parameter(placed(param.data), param.requires_grad)
+                sub._parameters[name] = made[id(param)]
         for name, buffer in list(sub._buffers.items()):
-            if buffer is not None and buffer.is_meta:
-                sub._buffers[name] = torch.empty_like(buffer, device=device)
+            if buffer is not None and (buffer.is_meta or buffer.device != device):
+                sub._buffers[name] = placed(buffer)
     unsharded = [p for p in module.parameters() if not isinstance(p, DTensor)] + list(module.buffers())
     for tensor in {id(t): t for t in unsharded}.values():
         dist.broadcast(tensor.data, src=0)
@@ -173,18 +196,30 @@ def _stream(model: torch.nn.Module, folder: Path, adapter: dict[str, torch.Tenso
     """Rank 0 reads the weights from the model's safetensors files one decoder layer at a time (then
     the rest one tensor at a time) and sends them; the adapter's own weights come from `adapter`."""
     import torch.distributed as dist
+
+    read = _reader(model, folder, adapter) if dist.get_rank() == 0 else lambda *_: {}
+    layers = decoder_layers(model)
+    names = {id(m): name for name, m in model.named_modules()}
+    for layer in layers:
+        prefix, local = names[id(layer)] + ".", layer.state_dict()
+        _send(layer, read(prefix, list(local), local))
+    inside = tuple(names[id(layer)] + "." for layer in layers)
+    local = model.state_dict()
+    for key in [k for k in _names_once(model) if not k.startswith(inside)]:
+        _send(model, read("", [key], local))
+
+
+def _reader(model: torch.nn.Module, folder: Path, adapter: dict[str, torch.Tensor]):
+    """Rank 0's read(prefix, keys, like): the values of those state-dict entries of `model` (under
+    `prefix`) from the safetensors files in `folder`, each in like's dtype, the adapter's own from `adapter`."""
     from safetensors import safe_open
 
     from finetune.model.loading import weight_files
 
-    rank0 = dist.get_rank() == 0
     where = {key: name for name, keys in weight_files(folder).items() for key in keys}
-    once = _names_once(model)
-    listed = set(once)  # a tied weight's second name is filled through its first
+    listed = set(_names_once(model))  # a tied weight's second name is filled through its first
 
     def read(prefix: str, keys: list[str], like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        if not rank0:
-            return {}
         out = {k: adapter[prefix + k] for k in keys if prefix + k in adapter}
         stored = {k: _stored_key(prefix + k) for k in keys if prefix + k not in adapter and _stored_key(prefix + k) in where}
         for file in {where[s] for s in stored.values()}:  # opened per group: the mapping goes when it closes
@@ -195,15 +230,7 @@ def _stream(model: torch.nn.Module, folder: Path, adapter: dict[str, torch.Tenso
             raise RuntimeError(f"fsdp streaming load: no value for {unfilled[0]} in {folder}")
         return out
 
-    layers = decoder_layers(model)
-    names = {id(m): name for name, m in model.named_modules()}
-    for layer in layers:
-        prefix, local = names[id(layer)] + ".", layer.state_dict()
-        _send(layer, read(prefix, list(local), local))
-    inside = tuple(names[id(layer)] + "." for layer in layers)
-    local = model.state_dict()
-    for key in [k for k in once if not k.startswith(inside)]:
-        _send(model, read("", [key], local))
+    return read
 
 
 def _stored_key(name: str) -> str:
