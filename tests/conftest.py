@@ -78,6 +78,21 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
 
 
+_FILE_SECONDS: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    _FILE_SECONDS[report.nodeid.split("::")[0]] = _FILE_SECONDS.get(report.nodeid.split("::")[0], 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Seconds each test file took (setup, call and teardown added up, over the workers): what to balance or
+    share when the suite outgrows its 20 minutes."""
+    if _FILE_SECONDS:
+        slowest = sorted(_FILE_SECONDS.items(), key=lambda item: -item[1])[:15]
+        terminalreporter.write_line("slowest files: " + ", ".join(f"{name.removeprefix('tests/')} {seconds:.0f} s" for name, seconds in slowest))
+
+
 def pytest_sessionfinish(session, exitstatus):
     """DeepSpeed's CPU comm leaves shared-memory buffers behind; remove those this session made, once
     every worker is done (a worker that ends first must not take a running job's buffers)."""

@@ -378,8 +378,10 @@ def peak_moment(shape: Shape, cfg: RunConfig, s: Setup) -> tuple[str, Moment]:
     # first layer computes (a 4-bit base's layer: only until its weights are dequantized), and a layer's
     # beside its per-parameter copies (ZeRO-3 prefetches instead).
     moments["the first layer's forward"] = Moment(per_layer, 2 * root + layer)
-    # Full fine-tuning: the root's and the layer's unsharded gradients before their reduce-scatter.
-    moments["the last layer's backward"] = Moment(saved + rebuilt, root + 2 * layer + (root + layer if full else 0), temporaries)
+    # Full fine-tuning: the lm_head's gradient, unsharded until the root's reduce-scatter at the backward's
+    # end, and the layer's, in the weights' dtype and cast to fp32 for its reduce-scatter (3 layers' worth).
+    grads = shape.vocab * shape.hidden * s.weight_bytes + 3 * layer if full else 0.0
+    moments["the last layer's backward"] = Moment(saved + rebuilt, root + 2 * layer + grads, temporaries)
     return max(moments.items(), key=lambda item: item[1].total)
 
 
@@ -511,7 +513,9 @@ def step_time(cfg: RunConfig, s: Setup, tflops: float, mfu: float, bandwidth: fl
     (QK^T and AV over half the keys on average), twice that backward. Communication, ring collectives,
     each moving (d-1)/d of the tensor per device: FSDP/ZeRO-3 gather the weights in every micro-batch's
     forward and again in its backward, and reduce-scatter the trained gradients once a step; DDP and
-    ZeRO-2 all-reduce (twice the bytes) the trained gradients once a step."""
+    ZeRO-2 all-reduce (twice the bytes) the trained gradients once a step. Not counted: FSDP2 pads each
+    weight's first dimension to a multiple of the processes, which at hundreds of them makes LoRA's
+    r-row A matrices gathered as hundreds of rows (the simulation sent 4-9% more at 512 GPUs)."""
     shape = read_shape(cfg.model.name_or_path)
     full, d = s.method == "full", s.devices
     matmul = sum(l.fan_in * l.fan_out * l.active for l in shape.linears) + shape.vocab * shape.hidden  # the lm_head too
@@ -521,7 +525,9 @@ def step_time(cfg: RunConfig, s: Setup, tflops: float, mfu: float, bandwidth: fl
     flops = per_weight * matmul + attention
     tokens = s.tokens * cfg.train.grad_accum
     weight_bytes = estimate(shape, cfg, replace(s, strategy="none", devices=1))[0]["weights"]  # the whole model as held, gathered
-    grads = trainable_params(shape, cfg) * (s.weight_bytes if full else 4)
+    # Adapters train in fp32; FSDP reduce-scatters full fine-tuning's 16-bit gradients in fp32 too (its
+    # MixedPrecisionPolicy's reduce_dtype: the simulated 70B step sent 483 GB at 8 GPUs, not 362)
+    grads = trainable_params(shape, cfg) * (4 if not full or s.run_as.name == "fsdp" else s.weight_bytes)
     share = (d - 1) / d
     if d == 1:
         sent = 0.0

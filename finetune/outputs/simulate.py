@@ -184,11 +184,12 @@ class _Collectives(TorchDispatchMode):
 def render(sim: Simulated, plan, planned_bytes: float) -> str:
     """The simulated peak by role beside the plan's total, and the collectives beside the plan's formula.
     `plan`: outputs.plan's Plan for the same setup; `planned_bytes`: its step_time's bytes each device moves."""
-    rows = [f"| {role:<32} | {size / 2**30:9.2f} |" for role, size in sorted(sim.peak.items(), key=lambda item: -item[1])]
+    unit, scale = ("GiB", 2**30) if sim.total >= 2**30 else ("MiB", 2**20)
+    rows = [f"| {role:<32} | {size / scale:9.2f} |" for role, size in sorted(sim.peak.items(), key=lambda item: -item[1])]
     tensors = plan.total - sum(plan.rows.get(row, 0.0) for row in NOT_TENSORS)
     lines = [f"simulated: rank 0 of {sim.devices} processes, one step on fake tensors ({sim.seconds:.0f} s here)", "",
-             f"| {'at its peak':<32} | {'GiB':>9} |", f"| {'-' * 32} | {'-' * 9} |", *rows, f"| {'total':<32} | {sim.total / 2**30:9.2f} |", "",
-             f"plan: {tensors / 2**30:.2f} GiB of tensors per device; simulated {sim.total / 2**30:.2f} GiB ({_apart(sim.total, tensors)})",
+             f"| {'at its peak':<32} | {unit:>9} |", f"| {'-' * 32} | {'-' * 9} |", *rows, f"| {'total':<32} | {sim.total / scale:9.2f} |", "",
+             f"plan: {tensors / scale:.2f} {unit} of tensors per device; simulated {sim.total / scale:.2f} {unit} ({_apart(sim.total, tensors)})",
              f"collectives per device and step (one micro-batch): simulated {sim.moved / 1e9:.3g} GB, planned {planned_bytes / 1e9:.3g} GB "
              f"({_apart(sim.moved, planned_bytes)}); " + ", ".join(f"{name.strip('_')} x{calls}" for name, (calls, _) in sorted(sim.collectives.items()))]
     return "\n".join(lines)
