@@ -56,14 +56,20 @@ def config(model: str, method: str, seq: int = 4096, r: int = 16):
 
 def simulate_one(model: str, method: str, world: int, seq: int = 4096, r: int = 16) -> dict:
     """In this process: one simulated step, as JSON-ready numbers."""
+    from finetune.config.errors import UserError
     from finetune.outputs.simulate import simulate
 
-    sim = simulate(config(model, method, seq, r), world)
+    try:
+        sim = simulate(config(model, method, seq, r), world)
+    except UserError as err:  # what training would refuse in one line, at the same point of its setup
+        return {"refused": str(err)}
     return {"peak": sim.peak, "total": sim.total, "moved": sim.moved, "seconds": sim.seconds,
             "collectives": {name: calls for name, (calls, _) in sim.collectives.items()}}
 
 
 def row(model: str, method: str, world: int, sim: dict) -> str:
+    if "refused" in sim:
+        return f"| {MODELS[model]} | {method} | {world} | refused by finetune train, and by the simulation: {sim['refused']} ||||||"
     cfg = config(model, method)
     plan = make_plan(cfg, devices=world, gpu=True)
     tensors = plan.total - sum(plan.rows.get(name, 0.0) for name in NOT_TENSORS)

@@ -15,7 +15,7 @@ import warnings
 from typing import NoReturn
 
 from finetune.config.errors import EXIT_MERGE_CHECK, Stopped, UserError, record_exit
-from finetune.config.schema import DEFAULT_RAMDISK, ModelConfig
+from finetune.config.schema import DEFAULT_RAMDISK, ModelConfig, validate_config
 from finetune.config.strategy import NAMES as STRATEGIES
 
 # Flags that are shorthands for schema keys (they are applied as --set overrides, after the file).
@@ -305,9 +305,11 @@ def plan(args: argparse.Namespace) -> None:
     if args.simulate:
         from finetune.outputs import simulate
 
-        # As planned (the --strategy asked), one micro-batch a step: the collectives of more repeat its gathers.
-        cfg = cfg.model_copy(update={"distributed": cfg.distributed.model_copy(update={"strategy": result.setup.strategy}),
-                                     "train": cfg.train.model_copy(update={"grad_accum": 1})})
+        # As planned (the --strategy asked, validated again: what depends on it, as the 4-bit backend, follows),
+        # one micro-batch a step: the collectives of more repeat its gathers.
+        raw = cfg.model_dump()
+        raw["distributed"]["strategy"], raw["train"]["grad_accum"] = result.setup.strategy, 1
+        cfg = validate_config(raw, "plan --simulate", check_paths=False)
         print(simulate.render(simulate.simulate(cfg, args.gpus), result, plan.step_time(cfg, result.setup, 1.0, 1.0, 0.0).comm_bytes))
 
 

@@ -176,6 +176,9 @@ def _cases():
         "config.json: expected a JSON object")
     add("model-config-not-utf8", lambda k: k.train(model={"name_or_path": str(k.model_copy(lambda m: (m / "config.json").write_bytes(b"\xff")))}),
         "config.json is not valid JSON")
+    add("model-config-fields-disagree", lambda k: k.train(model={"name_or_path": str(k.model_copy(lambda m: (m / "config.json").write_text(
+        json.dumps({**json.loads((m / "config.json").read_text()), "layer_types": ["full_attention"] * 7}))))}),
+        "must be equal to the number of `layer_types` (7)")
     add("model-weights-truncated", lambda k: k.train(model={"name_or_path": str(k.model_copy(
         lambda m: _weights(m).write_bytes(_weights(m).read_bytes()[:500])))}), "model.name_or_path: cannot load")
     add("model-weights-garbage", lambda k: k.train(model={"name_or_path": str(k.model_copy(lambda m: _weights(m).write_bytes(b"x" * 4096)))}),

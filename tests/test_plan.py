@@ -339,3 +339,18 @@ def test_the_plan_is_within_10_percent_of_the_simulated_step(tmp_path, model, de
     tensors = plan.total - sum(plan.rows.get(row, 0.0) for row in NOT_TENSORS)
     sim = simulate(cfg, devices)
     assert plan.moment == moment and tensors == pytest.approx(sim.total, rel=0.1), (plan.rows, sim.peak)
+
+
+def test_fsdp_qlora_whose_rows_do_not_split_over_the_processes_is_refused_in_one_line(tmp_path, capsys):
+    """torchao's 4-bit weights shard by rows, evenly: Qwen2.5-72B's 29,568-row MLP over 512 processes failed deep in
+    torchao ("quantized_scalers.numel() not divisible by 509", found by `make bench-scale`). The plan, the simulation
+    and training (the same quantizing code) refuse it in one line, naming the counts that work."""
+    shape = json.loads((REPO / "docs" / "examples" / "qwen2.5-72b" / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**shape, "num_hidden_layers": 1, "layer_types": shape["layer_types"][:1]}))
+    args = ["plan", "--config", "lora", "--model", str(tmp_path), "--set", "model.quantization={bits: 4}", "--strategy", "fsdp", "--gpu-mem", "80GiB"]
+    line = ("model.quantization: torchao's 4-bit weights are sharded by rows, evenly: {}gate_proj has 29,568 rows, which 512 processes do not "
+            "divide; shard over a count that divides 128 (distributed.fsdp_shard_size, the rest replicated) or run on fewer processes")
+    assert line.format("") in finetune_cli(capsys, *args, "--gpus", "512").stdout
+    assert "refuses" not in finetune_cli(capsys, *args, "--gpus", "128").stdout
+    simulated = finetune_cli(capsys, *args, "--gpus", "512", "--simulate")
+    assert simulated.returncode == 2 and simulated.stderr.strip() == "error: " + line.format("mlp."), simulated.stderr

@@ -137,9 +137,11 @@ def load_model(cfg: ModelConfig, device: torch.device | str = "cpu", skeleton: s
 
     if looks_local(cfg.name_or_path):
         read_model_config(Path(cfg.name_or_path), "model.name_or_path")  # one line for a missing or garbage config.json
+    from huggingface_hub.errors import StrictDataclassError
+
     try:
         config = AutoConfig.from_pretrained(cfg.name_or_path, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
-    except (OSError, ValueError) as err:
+    except (OSError, ValueError, StrictDataclassError) as err:  # the last: a config whose fields disagree (num_hidden_layers, layer_types)
         raise UserError(f"model.name_or_path: cannot read the config of '{cfg.name_or_path}': {_first_line(err)}") from None
     override_config(config, cfg.config_overrides)
     if head == "score":
@@ -286,6 +288,10 @@ def weight_files(folder: Path) -> dict[str, list[str]]:
 
 
 def _first_line(err: Exception) -> str:
+    from huggingface_hub.errors import StrictDataclassError
+
+    if isinstance(err, StrictDataclassError) and err.__cause__ is not None:  # it wraps the config's own complaint: say that one
+        err = err.__cause__
     lines = [line.strip() for line in str(err).splitlines() if line.strip()]
     return lines[0] if lines else type(err).__name__
 

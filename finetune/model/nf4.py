@@ -19,6 +19,7 @@ upcasts them to fp32).
 from __future__ import annotations
 
 import importlib.util
+import math
 
 import torch
 
@@ -58,19 +59,31 @@ def quantizable(module: torch.nn.Module, skip: tuple[str, ...], name: str) -> bo
             and not is_nf4(weight) and not adapters and not any(part in skip for part in parts))
 
 
+def uneven_rows(rows: dict[str, int], shards: int) -> str | None:
+    """FSDP2 splits each NF4 weight's rows into `shards` equal parts (torchao's split asserts they are):
+    the first weight whose rows do not divide, said with the process counts that would, or None."""
+    uneven = next(((name, count) for name, count in rows.items() if count % shards), None)
+    if uneven is None:
+        return None
+    return (f"model.quantization: torchao's 4-bit weights are sharded by rows, evenly: {uneven[0]} has {uneven[1]:,} rows, which {shards} "
+            f"processes do not divide; shard over a count that divides {math.gcd(*rows.values())} (distributed.fsdp_shard_size, "
+            "the rest replicated) or run on fewer processes")
+
+
 def quantize_frozen_linears(module: torch.nn.Module, dtype: torch.dtype, skip: list[str] | None = None, shards: int = 1) -> int:
     """Replace the weight of every frozen linear layer under `module` with its NF4 form, from the weight cast
     to `dtype` (the compute dtype: what the 4-bit matmul dequantizes to), in blocks `shards` processes
     can split. Returns how many were replaced."""
     from torchao.quantization import to_nf4
 
-    count = 0
-    for name, layer in module.named_modules():
-        if quantizable(layer, tuple(skip or ()), name):
-            weight = layer.weight.detach().to(dtype)
-            layer.weight = torch.nn.Parameter(to_nf4(weight, BLOCK, scaler_block(weight.numel(), shards)), requires_grad=False)
-            count += 1
-    return count
+    chosen = [(name, layer) for name, layer in module.named_modules() if quantizable(layer, tuple(skip or ()), name)]
+    why = uneven_rows({name.replace(".base_layer", ""): layer.weight.shape[0] for name, layer in chosen}, shards)  # peft's wrapping left out
+    if why:
+        raise UserError(why)
+    for _, layer in chosen:
+        weight = layer.weight.detach().to(dtype)
+        layer.weight = torch.nn.Parameter(to_nf4(weight, BLOCK, scaler_block(weight.numel(), shards)), requires_grad=False)
+    return len(chosen)
 
 
 def is_nf4(tensor: torch.Tensor | None) -> bool:

@@ -15,7 +15,7 @@ from pathlib import Path
 from finetune.config.errors import UserError
 from finetune.config.schema import DTYPE_BYTES, RunConfig, read_model_config
 from finetune.config.strategy import Strategy
-from finetune.model import families
+from finetune.model import families, nf4
 from finetune.model.families import Linear
 from finetune.parallel.runtime import glibc_tuned_by_user
 
@@ -487,7 +487,15 @@ def make_plan(cfg: RunConfig, devices: int = 1, strategy: str | None = None, gpu
 def checked_plan(cfg: RunConfig, devices: int = 1, strategy: str | None = None, gpu: bool = False, setup: Setup | None = None) -> Plan:
     """make_plan, with what `finetune train` would refuse in that setup (a schema validation: not for the searches)."""
     plan = make_plan(cfg, devices, strategy, gpu, setup)
-    return replace(plan, refused=refusal(cfg, plan.setup))
+    return replace(plan, refused=refusal(cfg, plan.setup) or uneven_nf4_rows(read_shape(cfg.model.name_or_path), cfg, plan.setup))
+
+
+def uneven_nf4_rows(shape: Shape, cfg: RunConfig, s: Setup) -> str | None:
+    """torchao's 4-bit weights under FSDP split by rows into equal shards: the line training refuses with
+    where a weight's rows do not divide (Qwen2.5-72B's 29,568-row MLP over 512 processes), or None."""
+    if not (torchao_base(cfg, s) and s.shards_weights):
+        return None
+    return nf4.uneven_rows({l.name: l.fan_out for l in shape.linears if not (l.expert or l.router)}, cfg.distributed.fsdp_shard_size or s.devices)
 
 
 @dataclass(frozen=True)
