@@ -29,7 +29,7 @@ help:
 	@echo "make bench-load - load times of a 0.9 GB model: disk cold/warm, staged in RAM, vs a plain read"
 	@echo "make docs-check - the figures in docs/ a bench or a GPU measured, with the commits on their code since (bench/figures.json)"
 	@echo "make bench-released - released shapes at full size (Qwen2.5-0.5B, Qwen3-0.6B, Llama-3.2-1B, Gemma-3-1B): plan vs measured peak (~15 min)"
-	@echo "make bench-scale - FSDP2 steps of 8B-405B shapes at 8-512 GPUs simulated on fake tensors, LoRA/QLoRA/full, beside the plan (~90 min)"
+	@echo "make bench-scale - FSDP2 steps of 8B-405B shapes at 8-512 GPUs simulated on fake tensors, LoRA/QLoRA/full, beside the plan (~100 min)"
 	@echo "make bench-large - a 1.1B model through every method and strategy: memory vs plan, speed, checkpoints, merge, staged load (~30 min)"
 	@echo "make bench-long - long rows: the longest row at 2 GiB a process in one process, with sequence parallelism over 2 and a tiled MLP; a 16k row tiled and not (~30 min)"
 	@echo "make bench-xl - an 8B model (Llama-3-8B's shape) on this box: 4-bit load, QLoRA, kill and resume, 2 processes, merge, generate (~60 min, ~50 GB of disk)"

@@ -14,6 +14,7 @@ Prints a markdown table and writes it to bench/results/released.md.
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -67,6 +68,7 @@ def main() -> None:
                "logging": {"report_to": [], "progress_bar": False, "plot": False}, "checkpoint": {"save_every": 0}}
         for section, values in sections.items():
             cfg[section].update(values)
+        shutil.rmtree(cfg["train"]["output_dir"], ignore_errors=True)  # this bench's own run of last time (training refuses a finished one)
         result = train(work, run, 1, cfg, env={"MALLOC_MMAP_THRESHOLD_": "131072"})
         if result["code"] != 0:
             lines.append(f"| {run} | | | exit {result['code']}: {result['console'].strip().splitlines()[-1][:120]} | |")

@@ -9,7 +9,7 @@ runs in a fresh process, as the command does; results are kept in bench/results/
 each with the commit it ran at (a rerun skips those there; delete the file to run all again), and the
 table is bench/results/scale.md.
 
-usage: python bench/scale.py [--only MODEL]   (about 90 minutes on a 2-core CPU for all 36)
+usage: python bench/scale.py [--only MODEL]   (about 100 minutes of simulation on a 2-core CPU for all 39; 405B QLoRA 9-12 min each)
 """
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ def main() -> None:
         if key not in done["runs"]:
             done["runs"][key] = run(job)
             RESULTS.write_text(json.dumps(done, indent=1) + "\n")
-            print(f"{key}: {done['runs'][key]['seconds']:.0f} s", flush=True)
+            print(f"{key}: {done['runs'][key].get('refused') or str(round(done['runs'][key]['seconds'])) + ' s'}", flush=True)
     report("scale", table())
 
 

@@ -79,6 +79,7 @@ def simulate(cfg: RunConfig, devices: int, fake: bool = True) -> Simulated:
     same step on real (uninitialized) tensors in a process group already started, each rank its own:
     what the tests hold the simulation to."""
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
     why = refusal(cfg, devices)
     if why:
         raise UserError(f"--simulate: {why}")
