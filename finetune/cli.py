@@ -141,6 +141,8 @@ def _output_commands(sub) -> None:
     p.add_argument("--out", metavar="FILE", help="with --prompts: write the JSONL here (a new file) instead of standard output")
     p.add_argument("--batch-size", type=_number(int, 1, "at least 1"), default=8, help="with --prompts: prompts per batch (default 8)")
     p.add_argument("--chat", action="store_true", help="send the prompt as a user turn through the tokenizer's chat template")
+    p.add_argument("--image", metavar="PATH", help="with --prompt, a vision-language model: a picture the user turn shows (the chat template "
+                   "is used)")
     p.add_argument("--max-new-tokens", type=_number(int, 1, "at least 1"), default=128, help="most tokens to generate (default 128)")
     p.add_argument("--temperature", type=_number(float, 0, "0 (greedy) or more"), default=0.0, help="sampling temperature; 0 = greedy (default)")
 
@@ -273,14 +275,16 @@ def validate(args: argparse.Namespace) -> None:
 def data(args: argparse.Namespace) -> None:
     from finetune.data.chat import choose_template
     from finetune.data.datasets import load_data, show, summary_lines
+    from finetune.model import vision
     from finetune.model.loading import load_tokenizer
 
     cfg = resolve_config(args)
-    tokenizer = load_tokenizer(cfg.model)
+    processor = vision.processor_for(cfg.model)
+    tokenizer = load_tokenizer(cfg.model, processor)
     choose_template(tokenizer, cfg.data.chat_template, cfg.data.format, say=print)
-    loaded = load_data(cfg.data, tokenizer, cfg.train.seed)
+    loaded = load_data(cfg.data, tokenizer, cfg.train.seed, processor=processor)
     print("\n".join(summary_lines(loaded, cfg.data.max_seq_len)))
-    for text in show(loaded.train, tokenizer, args.show):
+    for text in show(loaded.train, tokenizer, args.show, picture_token=getattr(processor, "image_token", None)):
         print(text)
 
 
@@ -357,19 +361,26 @@ def merge(args: argparse.Namespace) -> None:
 
 
 def generate(args: argparse.Namespace) -> None:
-    from finetune.outputs.generate import answer_file, generate, load, read_prompts
+    from finetune.outputs.generate import answer_file, answer_picture, generate, load, processor_of, read_prompts
 
     if args.out and not args.prompts:
         raise UserError("--out: goes with --prompts (a --prompt's answer streams to the terminal)")
     rows = read_prompts(args.prompts) if args.prompts else None  # bad rows are refused before the model loads
     if args.out and os.path.exists(args.out):
         raise UserError(f"--out: {args.out} exists; name a new file")
+    if args.image and not args.prompt:
+        raise UserError("--image: goes with --prompt (a --prompts file names each row's picture under \"image\")")
     model, tokenizer = load(args.model, args.adapter, args.base)
+    processor = processor_of(args.model, args.adapter, args.base) if args.image or any(r.get("image") for r in rows or []) else None
     if rows is None:
-        generate(model, tokenizer, args.prompt, chat=args.chat, max_new_tokens=args.max_new_tokens, temperature=args.temperature)
+        if args.image:
+            answer_picture(model, processor, args.prompt, args.image, args.max_new_tokens, args.temperature)
+        else:
+            generate(model, tokenizer, args.prompt, chat=args.chat, max_new_tokens=args.max_new_tokens, temperature=args.temperature)
         print()
         return
-    answer_file(model, tokenizer, rows, args.out, args.batch_size, chat=args.chat, max_new_tokens=args.max_new_tokens, temperature=args.temperature)
+    answer_file(model, tokenizer, rows, args.out, args.batch_size, chat=args.chat, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                processor=processor)
 
 
 def export(args: argparse.Namespace) -> None:

@@ -202,3 +202,78 @@ def write_random_model(out: Path, config, tokenizer, shard_bytes: int, say=print
     tokenizer.save_pretrained(partial)
     partial.rename(out)
     return out
+
+
+# A vision-language test model: the demo tokenizer with LLaVA's `<image>` token, a template that writes
+# it where a message shows a picture (generation markers around the answers), and a tiny LLaVA: a CLIP
+# or SigLIP tower over 56 x 56 pictures (16 patches: 16 `<image>` tokens each), a projector, a Llama.
+IMAGE_TOKEN = "<image>"
+VISION_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ '\n' }}"
+    "{% if m['content'] is string %}{% set text = m['content'] %}{% else %}{% set text = namespace(s='') %}"
+    "{% for p in m['content'] %}{% set text.s = text.s + ('<image>' if p['type'] == 'image' else p['text']) %}{% endfor %}"
+    "{% set text = text.s %}{% endif %}"
+    "{% if m['role'] == 'assistant' %}{% generation %}{{ text }}{{ eos_token }}{% endgeneration %}{% else %}{{ text }}{% endif %}"
+    "{{ '\n' }}{% endfor %}{% if add_generation_prompt %}<|assistant|>{{ '\n' }}{% endif %}"
+)
+
+
+def build_vision_model(out: Path, tokenizer, tower: str = "clip", language: dict | None = None, seed: int = 0) -> Path:
+    """A random-weight LLaVA with `tokenizer` (given `<image>` here) and its processor, saved to `out`."""
+    import torch
+    from transformers import CLIPImageProcessor, LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor, SiglipImageProcessor
+
+    tokenizer.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN]})
+    tokenizer.chat_template = VISION_TEMPLATE
+    side = 56
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=side, patch_size=14)
+    if tower == "clip":  # CLIP's class token is one more position, which LLaVA's "default" strategy drops
+        vision, images = {**vision, "model_type": "clip_vision_model", "projection_dim": 32}, CLIPImageProcessor(
+            size={"shortest_edge": side}, crop_size={"height": side, "width": side})
+    else:
+        vision, images = {**vision, "model_type": "siglip_vision_model"}, SiglipImageProcessor(size={"height": side, "width": side})
+    text = dict(model_type="llama", vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False,
+                bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    config = LlavaConfig(text_config={**text, **(language or {})}, vision_config=vision, image_token_id=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN),
+                         vision_feature_select_strategy="default" if tower == "clip" else "full", vision_feature_layer=-1,
+                         tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = LlavaForConditionalGeneration(config)
+    processor = LlavaProcessor(image_processor=images, tokenizer=tokenizer, patch_size=14, image_token=IMAGE_TOKEN, chat_template=VISION_TEMPLATE,
+                               vision_feature_select_strategy=config.vision_feature_select_strategy, num_additional_image_tokens=int(tower == "clip"))
+    model.save_pretrained(out)
+    processor.save_pretrained(out)
+    return out
+
+
+SHAPES = ("circle", "square", "triangle")
+COLOURS = {"red": (220, 40, 40), "green": (40, 180, 60), "blue": (50, 80, 220)}
+
+
+def draw_pictures(folder: Path, count: int, seed: int, side: int = 56) -> list[dict]:
+    """`count` pictures of one shape in one colour at a random place and size, saved as PNGs in `folder`;
+    each picture's file name, shape and colour."""
+    import random
+
+    from PIL import Image, ImageDraw
+
+    rng, out = random.Random(seed), []
+    folder.mkdir(parents=True, exist_ok=True)
+    for i in range(count):
+        shape, colour = rng.choice(SHAPES), rng.choice(list(COLOURS))
+        size = rng.randint(side // 3, side * 2 // 3)
+        x, y = rng.randint(0, side - size), rng.randint(0, side - size)
+        picture = Image.new("RGB", (side, side), (245, 245, 240))
+        draw = ImageDraw.Draw(picture)
+        box = (x, y, x + size, y + size)
+        if shape == "circle":
+            draw.ellipse(box, fill=COLOURS[colour])
+        elif shape == "square":
+            draw.rectangle(box, fill=COLOURS[colour])
+        else:
+            draw.polygon([(x + size // 2, y), (x, y + size), (x + size, y + size)], fill=COLOURS[colour])
+        name = f"{i:05d}.png"
+        picture.save(folder / name)
+        out.append({"file": name, "shape": shape, "colour": colour})
+    return out

@@ -43,7 +43,7 @@ from finetune.config.errors import EXIT_DIVERGED, EXIT_PREEMPTED, Stopped, UserE
 from finetune.config.schema import CONFIG_FILE, MUTATED_INITS, SUMMARY_FILE, ModelConfig, RunConfig, looks_local, to_yaml
 from finetune.data.chat import choose_template
 from finetune.data.datasets import Datasets, Schedule, batches_at, load_data, plan_steps, summary_lines
-from finetune.model import families, nf4
+from finetune.model import families, nf4, vision
 from finetune.model.attention import leak, mixer_outside_attention
 from finetune.model.loading import adapter_input_casting_off, apply_adapter, compile_layers, describe, load_tokenizer, loftq_init
 from finetune.model.stage import staged_model
@@ -164,6 +164,7 @@ class RunState:
     tokenizer: object
     data: Datasets
     schedule: Schedule
+    processor: object = None  # a vision-language model's (AutoProcessor): pictures to pixels; saved beside the adapter
     engine: Replicated = None  # model, optimizer, scheduler and checkpoint layout of the strategy
     sequence_parallel: SequenceParallel = field(default_factory=SequenceParallel)  # the processes that share each row, if any
     base: str = ""  # the base model as the saved adapter names it
@@ -259,12 +260,14 @@ def load_inputs(cfg: RunConfig, accelerator, preemption) -> RunState:
     model_cfg = staged_model(cfg.model, say=each)
     # Data: one process per node tokenizes (and fills the cache) while the others wait for its lock;
     # then all of them memory-map the same files.
-    tokenizer = load_tokenizer(model_cfg)
+    processor = vision.processor_for(model_cfg)
+    tokenizer = load_tokenizer(model_cfg, processor)
     choose_template(tokenizer, cfg.data.chat_template, cfg.data.format, say=print if main else (lambda *_: None))
-    data = load_data(cfg.data, tokenizer, cfg.train.seed, eval_examples=cfg.eval.generate_samples if main else 0, say=each)
+    data = load_data(cfg.data, tokenizer, cfg.train.seed, eval_examples=cfg.eval.generate_samples if main else 0, say=each, processor=processor)
     stop_if_preempted(preemption.signal is not None, preemption.name, Path(cfg.train.output_dir), main, "while the data loaded")
     sp = sequence_parallel.setup(cfg.distributed.sequence_parallel, rank, world)
-    run = RunState(cfg, accelerator, preemption, model_cfg, tokenizer, data, plan_steps(cfg, len(data.train), sp.data_world(world)), sequence_parallel=sp)
+    run = RunState(cfg, accelerator, preemption, model_cfg, tokenizer, data, plan_steps(cfg, len(data.train), sp.data_world(world)),
+                   processor=processor, sequence_parallel=sp)
     run.objective = objective_for(cfg, locate=data.train.locate, world=world)
     for line in summary_lines(data, cfg.data.max_seq_len):
         run.say(line)
@@ -597,7 +600,7 @@ def finish(run: RunState) -> RunResult:
         initial = run.out / INITIAL_ADAPTER if cfg.adapter.init in MUTATED_INITS else None
         unwrapped.save_pretrained(run.out, safe_serialization=True, state_dict=state_dict,
                                   **({"path_initial_model_for_weight_conversion": str(initial)} if initial else {}))
-        run.tokenizer.save_pretrained(run.out)
+        (run.processor or run.tokenizer).save_pretrained(run.out)  # a processor saves its tokenizer, picture settings and chat template
         plot = plot_loss_curve(run.out) if cfg.logging.plot else None
         summary.update(saved_to=str(run.out), adapter=cfg.adapter.method != "full", loss_curve=str(plot) if plot else None)
         if summary["adapter"]:

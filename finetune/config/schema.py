@@ -79,6 +79,9 @@ class ModelConfig(_Section):
     config_overrides: dict[str, Any] = Field({}, description="Settings of the model's config.json replaced before loading, e.g. "
                                              "{rope_parameters: {rope_type: linear, factor: 2.0, rope_theta: 10000.0}} for a longer context; "
                                              "merge and generate apply them to the base too.")
+    processor: dict[str, Any] = Field({}, description="A vision-language model's processor settings, given to AutoProcessor: picture "
+                                      "size (Qwen-VL: {min_pixels: 3136, max_pixels: 401408}; Idefics3: {do_image_splitting: false}). "
+                                      "docs/vision.md.")
 
     @property
     def ramdisk_root(self) -> str | None:
@@ -101,6 +104,10 @@ class AdapterConfig(_Section):
         "by peft to a plain LoRA adapter (rank 2r) for the original base. loftq (4-bit bases): A, B the best rank-r fix of each "
         "layer's quantization error, from the original weights in the model's safetensors files.")
     modules_to_save: list[str] | None = Field(None, description="Extra modules trained in full and saved with the adapter.")
+    vision: Literal["frozen", "lora", "full"] = Field("frozen", description="A vision-language model's vision tower: frozen, adapted "
+                                                      "by LoRA (with method lora/dora), or trained whole.")
+    projector: Literal["frozen", "full"] = Field("frozen", description="A vision-language model's projector (the vision tower's output "
+                                                 "into the language model): frozen, or trained whole.")
 
     @field_validator("target_modules")
     @classmethod
@@ -112,7 +119,7 @@ class AdapterConfig(_Section):
 
 # a format's field -> the file's column
 Columns = dict[Literal["text", "instruction", "input", "output", "messages", "conversations", "prompt", "chosen", "rejected", "answer",
-                       "completion", "label"], str]
+                       "completion", "label", "images"], str]
 Format = Literal["completion", "alpaca", "chat", "preference", "prompt", "unpaired"]
 
 

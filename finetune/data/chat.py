@@ -159,7 +159,7 @@ def assistant_spans(tokenizer, messages: list[dict], full: str, tools: list | No
         if msg["role"] == "system":
             continue  # templates move system prompts (Mistral's into the last user turn): no landmark
         if msg["role"] != "assistant":
-            found = _locate(full, msg["content"], cursor)  # an answer is searched for after the turns before it
+            found = _locate(full, text_of(msg["content"]), cursor)  # an answer is searched for after the turns before it
             cursor = found[1] if found else cursor
             continue
         span = _turn_by_prefixes(tokenizer, messages, i, full, tools)
@@ -218,6 +218,11 @@ def _turn_after_prompt(tokenizer, messages: list[dict], i: int, full: str, tools
 def _special_strings(tokenizer) -> list[str]:
     added = [t.content for t in tokenizer.added_tokens_decoder.values() if t.special]
     return sorted({t for t in tokenizer.all_special_tokens + added if t}, key=len, reverse=True)
+
+
+def text_of(content: str | list) -> str:
+    """A message's text (a message that shows pictures has its text in parts)."""
+    return content if isinstance(content, str) else "".join(p.get("text", "") for p in content)
 
 
 def _locate(full: str, content: str, cursor: int) -> tuple[int, int] | None:

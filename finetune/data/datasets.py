@@ -13,6 +13,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ import numpy as np
 
 from finetune.config.errors import UserError
 from finetune.config.schema import DataConfig, RunConfig, SourceConfig, data_sources
+from finetune.data import images
 from finetune.data.packing import Split, Unpaired, epoch_batches, pack, unpacked
 from finetune.data.rows import IGNORE, where
 from finetune.data.tokenized import cache_root, fingerprint, tokenized
@@ -55,12 +57,13 @@ class _Samples:
     width: int  # tokens a row holds: max_seq_len, or twice that where a sample is a preference pair
 
 
-def load_data(cfg: DataConfig, tokenizer, seed: int, eval_examples: int = 0, say=print) -> Datasets:
+def load_data(cfg: DataConfig, tokenizer, seed: int, eval_examples: int = 0, say=print, processor=None) -> Datasets:
     """Train and eval rows, ready to batch. Eval comes from data.eval or a seeded share of train; with
-    eval_examples, that many raw eval rows are kept too (for generation checks)."""
+    eval_examples, that many raw eval rows are kept too (for generation checks). processor: a
+    vision-language model's (AutoProcessor), which tokenizes rows with pictures and makes their pixels."""
     started = time.perf_counter()
     train_sources = data_sources(cfg.train, cfg)
-    train = _tokenized(train_sources, cfg, tokenizer, say)
+    train = _tokenized(train_sources, cfg, tokenizer, say, processor)
     stats: dict = {"cache_hit": train.cached}
     picked = [np.arange(a, b, dtype=np.int32 if b < 2**31 else np.int64) for a, b in train.ranges]
     held = np.zeros(0, dtype=np.int64)
@@ -79,7 +82,7 @@ def load_data(cfg: DataConfig, tokenizer, seed: int, eval_examples: int = 0, say
                                  for s, w in zip(train_sources, weighted)]
     examples: list[dict] = []
     if cfg.eval:
-        evals = _tokenized(data_sources(cfg.eval, cfg), cfg, tokenizer, say)
+        evals = _tokenized(data_sources(cfg.eval, cfg), cfg, tokenizer, say, processor)
         eval_split, stats["eval"] = _split(evals, np.arange(evals.ranges[-1][1]), cfg, seed, "eval")
         examples = _rows(evals.table, np.arange(min(eval_examples, len(evals.lengths))))
     elif len(held):
@@ -89,6 +92,9 @@ def load_data(cfg: DataConfig, tokenizer, seed: int, eval_examples: int = 0, say
         eval_split, stats["eval"] = None, {}
     if eval_split is not None and len(eval_split) == 0:
         eval_split = None
+    for part in (split, eval_split) if processor is not None else ():
+        if part is not None:
+            part.vision = functools.partial(images.image_inputs, processor)
     if cfg.format == "completion":  # no prompt and answer to compare a generation with (preference pairs: the chosen answer)
         examples = []
     if cfg.format == "unpaired":  # an undesirable completion is no answer to match
@@ -112,9 +118,10 @@ def summary_lines(data: Datasets, max_seq_len: int) -> list[str]:
     return lines
 
 
-def show(split: Split, tokenizer, count: int) -> Iterator[str]:
+def show(split: Split, tokenizer, count: int, picture_token: str | None = None) -> Iterator[str]:
     """The first `count` sequences of the first rows, decoded as the model reads them, the tokens that
-    are trained «marked like this» (a preference pair shows as its two sequences)."""
+    are trained «marked like this» (a preference pair shows as its two sequences); a picture's run of
+    `picture_token`s as [picture: N tokens]."""
     shown = 0
     for r in range(len(split)):
         row = split.rows([r])[0]
@@ -128,19 +135,21 @@ def show(split: Split, tokenizer, count: int) -> Iterator[str]:
                 continue  # a row's padding
             cuts = [0, *(np.flatnonzero(np.diff(trained.astype(np.int8))) + 1), e - s]
             text = "".join(("«{}»" if trained[a] else "{}").format(tokenizer.decode(ids[s + a : s + b].tolist())) for a, b in zip(cuts, cuts[1:]))
+            if picture_token:
+                text = re.sub(f"(?:{re.escape(picture_token)})+", lambda m: f"[picture: {len(m.group(0)) // len(picture_token)} tokens]", text)
             shown += 1
             side = f" ({('chosen', 'rejected')[i % 2]})" if split.pairs is not None else ""  # a pair's two sequences lie side by side
             yield f"--- sequence {shown}{side} of row {r + 1}: {e - s} tokens, {int(trained.sum())} trained ---\n{text}"
 
 
-def _tokenized(sources: list[SourceConfig], cfg: DataConfig, tokenizer, say) -> _Samples:
+def _tokenized(sources: list[SourceConfig], cfg: DataConfig, tokenizer, say, processor=None) -> _Samples:
     import pyarrow as pa
 
     tables, keys, ranges, cached, start = [], [], [], True, 0
     for source in sources:
-        table, hit = tokenized(source, cfg, tokenizer, say)
+        table, hit = tokenized(source, cfg, tokenizer, say, processor)
         tables.append(table)
-        keys.append(fingerprint(source, cfg, tokenizer))
+        keys.append(fingerprint(source, cfg, tokenizer, processor))
         ranges.append((start, start + len(table)))
         start += len(table)
         cached = cached and hit
@@ -172,8 +181,8 @@ def _split(source: _Samples, samples: np.ndarray, cfg: DataConfig, seed: int, ro
     prompts = source.sources[0].format == "prompt"  # the config keeps prompts apart from other formats; each is sampled from alone
     order, offsets = _layout(source, picks, starts, lengths, cfg, seed, role) if cfg.packing and not prompts else unpacked(len(picks))
     pairs = source.table.column("chosen_length").to_numpy()[picks] if source.width > cfg.max_seq_len else None
-    split = Split(source.table.select(["input_ids", "labels", "row"] if prompts else ["input_ids", "labels"]), picks, lengths, order, offsets,
-                  starts, context, pairs)
+    columns = ["input_ids", "labels"] + ["row"] * prompts + ["images"] * ("images" in source.table.column_names)
+    split = Split(source.table.select(columns), picks, lengths, order, offsets, starts, context, pairs)
     if prompts:
         split.locate = lambda sample: _where(source, sample)
     if source.sources[0].format == "unpaired":  # KTO: each example's label, and where its completion starts (for the mismatched pairs)

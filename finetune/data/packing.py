@@ -190,6 +190,8 @@ class Split:
         self.records = table.column("row") if "row" in table.column_names else None  # prompt rows (GRPO): what reward functions read
         self.locate = None  # prompt rows: a sample's file:line (set by the data step)
         self.unpaired: Unpaired | None = None  # KTO's examples: labels and completion starts (set by the data step)
+        self.pictures = table.column("images") if "images" in table.column_names else None  # each sample's pictures (bytes)
+        self.vision = None  # a vision-language model's: pictures -> a batch's image inputs (set by the data step)
 
     def prompts(self, rows) -> list[Prompt]:
         """Prompt rows (one sample each): their ids, the row as read (its other columns go to the reward
@@ -237,6 +239,13 @@ class Split:
             kl = collate(self.unpaired.mismatched(built, groups, self.lengths), pad_id)
             batch.update({f"kl_{key}": value for key, value in kl.items()},
                          desirable=torch.from_numpy(self.unpaired.desirable[np.concatenate(groups)]))
+        if self.vision is not None:  # the model's own forward: an attention mask, and the pictures in the rows' order
+            lengths = torch.from_numpy(self.row_lengths[np.asarray(rows, dtype=np.int64)])
+            batch["attention_mask"] = (torch.arange(batch["input_ids"].shape[1]) < lengths[:, None]).long()
+            shown = [p for r in rows for s in self.samples[self.order[self.offsets[r] : self.offsets[r + 1]]].tolist()
+                     for p in self.pictures[s].as_py()]
+            if shown:
+                batch.update(self.vision(shown))
         return batch
 
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from finetune.config.errors import UserError
+from finetune.data import images
 from finetune.data.chat import assistant_masks, render
 
 IGNORE = -100
@@ -71,7 +72,8 @@ def _row_problem(row: object, fmt: str) -> str | None:
     if not isinstance(messages, list) or not messages:
         return "missing or empty field 'messages'"
     for i, msg in enumerate(messages):
-        if not isinstance(msg, dict) or msg.get("role") not in CHAT_ROLES or not isinstance(msg.get("content"), str):
+        parts = images.has_images(row) and isinstance(msg, dict) and isinstance(msg.get("content"), list)
+        if not isinstance(msg, dict) or msg.get("role") not in CHAT_ROLES or not (isinstance(msg.get("content"), str) or parts):
             return f"messages[{i}] must be {{role: system|user|assistant|tool, content: string}}"
         calls = msg.get("tool_calls")
         if calls is not None and (msg["role"] != "assistant" or not isinstance(calls, list) or not all(_is_call(c) for c in calls)):
@@ -185,18 +187,9 @@ def _chat_shape(row: dict) -> tuple[dict, str | None]:
         messages = [{**m, "content": ""} if isinstance(m, dict) and m.get("content") is None and m.get("tool_calls") else m
                     for m in messages]  # OpenAI's null content beside tool calls
         row = {**row, "messages": messages}
-    if isinstance(messages, list) and any(isinstance(m, dict) and isinstance(m.get("content"), list) for m in messages):
-        joined = []
-        for i, m in enumerate(messages):
-            parts = m.get("content") if isinstance(m, dict) else None
-            if isinstance(parts, list):
-                kinds = {part.get("type") if isinstance(part, dict) else type(part).__name__ for part in parts}
-                if kinds - {"text"} or not all(isinstance(part.get("text"), str) for part in parts):
-                    got = ", ".join(sorted(map(str, kinds - {"text"}))) or "a part without text"
-                    return row, f"messages[{i}].content: only text parts can be trained on (got {got})"
-                m = {**m, "content": "".join(part["text"] for part in parts)}
-            joined.append(m)
-        row = {**row, "messages": joined}
+    if isinstance(messages, list) and all(isinstance(m, dict) for m in messages) and (
+            row.get("images") or any(isinstance(m.get("content"), list) for m in messages)):
+        return images.gather(row)
     return row, None
 
 
@@ -394,6 +387,8 @@ def checked_rows(source: str, fmt: str, bad_rows: str, skipped: Skipped, split: 
     with its location, or is skipped and counted."""
     for number, raw in located(source, split):
         row, problem = (raw, raw.problem) if isinstance(raw, _Invalid) else canonical(raw, fmt, columns)
+        if problem is None and images.has_images(row):
+            row, problem = images.located(row, _file_of(source, number, split))
         if problem is None:
             yield number, row
         elif bad_rows == "fail":
@@ -402,6 +397,14 @@ def checked_rows(source: str, fmt: str, bad_rows: str, skipped: Skipped, split: 
             raise UserError(f"{where(source, number, split)}: {problem} (format '{fmt}'; {hint})")
         else:
             skipped.add(source, number, split, problem)
+
+
+def _file_of(source: str, number: int, split: str) -> Path:
+    """The file a row was read from (a folder's rows are numbered with their file's index)."""
+    path = Path(source).expanduser()
+    if path.is_dir():
+        return path / "dataset_info.json" if _saved(path) else folder_files(path, split)[number >> LINE_BITS]
+    return path
 
 
 # ----------------------------------------------------------------------------------------------

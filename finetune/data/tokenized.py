@@ -7,9 +7,10 @@ most `data.tokenize_wait_minutes`), then map the same files: one copy in the pag
 
 Columns: `input_ids`, `labels` (int32 lists), `length`, `first_target` (the first position after the
 first whose label is trained, -1 if none), `row` (the row as JSON, for eval prompts), `line` (its
-line or row number, for messages) and `problem` (why the chat template refused the row, if it did).
+line or row number, for messages), `problem` (why the chat template refused the row, if it did) and
+`images` (a picture row's pictures, their files' bytes: finetune/data/images.py).
 The key covers the source (each file's path, size and mtime, every file of a folder; its split), the
-tokenizer and chat template, the settings that change the tokens, and TOKENIZE_VERSION.
+tokenizer and chat template, the processor's picture settings (a vision-language model), the settings that change the tokens, and TOKENIZE_VERSION.
 """
 
 from __future__ import annotations
@@ -24,11 +25,12 @@ from pathlib import Path
 from finetune.checkpoint.locks import exclusive
 from finetune.config.errors import UserError
 from finetune.config.schema import DataConfig, SourceConfig
+from finetune.data import images
 from finetune.data.rows import IGNORE, Skipped, checked_rows, tokenize_pairs, tokenize_prompts, tokenize_rows, tokenize_unpaired, where
 
 # Raise it when the ids or loss mask a row turns into change (2: masks from the chat template; 3: rows
 # cached in their canonical shape; 4: preference pairs).
-TOKENIZE_VERSION = 4  # 4: preference pairs (prompt and unpaired rows are new formats: no entry of theirs to invalidate)
+TOKENIZE_VERSION = 5  # 4: preference pairs (prompt and unpaired rows are new formats: no entry of theirs to invalidate); 5: pictures
 LARGE = 10_000  # rows from which tokenization uses every core unless data.num_proc says otherwise
 
 
@@ -37,7 +39,7 @@ def cache_root(cfg: DataConfig) -> Path:
     return Path(root).expanduser() / "tokenized"
 
 
-def fingerprint(source: SourceConfig, cfg: DataConfig, tokenizer) -> str:
+def fingerprint(source: SourceConfig, cfg: DataConfig, tokenizer, processor=None) -> str:
     h = hashlib.sha256()
     path = Path(source.path).expanduser()
     files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path] if path.exists() else []
@@ -47,20 +49,22 @@ def fingerprint(source: SourceConfig, cfg: DataConfig, tokenizer) -> str:
     h.update(f"{source.path}|{source.split}".encode())
     h.update(tokenizer.backend_tokenizer.to_str().encode())
     h.update(str(tokenizer.chat_template).encode())
+    if processor is not None:
+        h.update(processor.image_processor.to_json_string().encode())
     cut = cfg.max_seq_len if source.format == "preference" else None  # pairs are cut when tokenized, each side on its own
     h.update(json.dumps([TOKENIZE_VERSION, source.format, source.bad_rows, cfg.train_on_prompt, tokenizer.eos_token_id, source.columns,
                          cut]).encode())
     return h.hexdigest()[:24]
 
 
-def tokenized(source: SourceConfig, cfg: DataConfig, tokenizer, say=print):
+def tokenized(source: SourceConfig, cfg: DataConfig, tokenizer, say=print, processor=None):
     """(the source's tokenized samples as a pyarrow Table over memory-mapped files, whether the cache had them)."""
     root = cache_root(cfg)
     try:
         root.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise UserError(f"data.cache_dir: cannot create {root} ({err.strerror})") from None
-    key = fingerprint(source, cfg, tokenizer)
+    key = fingerprint(source, cfg, tokenizer, processor)
     entry = root / key
     if (entry / MANIFEST).exists():
         return _load(entry), True
@@ -73,7 +77,7 @@ def tokenized(source: SourceConfig, cfg: DataConfig, tokenizer, say=print):
             shutil.rmtree(stale, ignore_errors=True)
         work = root / f".partial-{key}-{os.getpid()}"
         try:
-            _build(source, cfg, tokenizer, work, say)
+            _build(source, cfg, tokenizer, work, say, processor)
             os.replace(work, entry)
         finally:
             shutil.rmtree(work, ignore_errors=True)
@@ -90,7 +94,7 @@ def _load(entry: Path):
     return pa.concat_tables([pa.ipc.open_stream(pa.memory_map(str(entry / name))).read_all() for name in files])
 
 
-def _build(source: SourceConfig, cfg: DataConfig, tokenizer, work: Path, say) -> None:
+def _build(source: SourceConfig, cfg: DataConfig, tokenizer, work: Path, say, processor=None) -> None:
     """Read and check the rows into rows.arrow, tokenize them into tokens*.arrow (the entry's files,
     written by datasets.map's processes), then write the manifest. The main process reads no token
     back: its memory stays what it was, however large the source."""
@@ -123,7 +127,8 @@ def _build(source: SourceConfig, cfg: DataConfig, tokenizer, work: Path, say) ->
     # faults in a few pages around each batch's header (the kernel's fault-around), so fewer, larger
     # batches keep that small (500-row batches: ~126 MiB of mapped pages at 1M rows; 4,000: ~16 MiB).
     tokens = rows.with_format("arrow").map(_tokenize_batch, batched=True, batch_size=4000, num_proc=num_proc if num_proc > 1 else None,
-                      fn_kwargs={"tokenizer": tokenizer, "fmt": source.format, "train_on_prompt": cfg.train_on_prompt, "max_seq_len": cfg.max_seq_len},
+                      fn_kwargs={"tokenizer": tokenizer, "fmt": source.format, "train_on_prompt": cfg.train_on_prompt, "max_seq_len": cfg.max_seq_len,
+                                 "processor": processor},
                       features=_features(datasets), cache_file_name=str(work / "tokens.arrow"), desc=f"tokenizing {source.path}")
     _refused_rows(tokens.data.table, source, skipped)
     if skipped.count:
@@ -150,10 +155,10 @@ def _features(datasets):
     ids = datasets.Sequence(datasets.Value("int32"))
     return datasets.Features({"row": datasets.Value("string"), "line": datasets.Value("int64"), "input_ids": ids, "labels": ids,
                               "length": datasets.Value("int32"), "first_target": datasets.Value("int32"), "chosen_length": datasets.Value("int32"),
-                              "problem": datasets.Value("string")})
+                              "problem": datasets.Value("string"), "images": datasets.Sequence(datasets.Value("binary"))})
 
 
-def _tokenize_batch(batch, tokenizer, fmt: str, train_on_prompt: bool, max_seq_len: int):
+def _tokenize_batch(batch, tokenizer, fmt: str, train_on_prompt: bool, max_seq_len: int, processor=None):
     """datasets.map's function, on Arrow batches: rows -> token columns built from flat numpy arrays
     (no per-token Python lists for Arrow to convert). A preference pair is one sample: the chosen
     sequence, then the rejected one from `chosen_length` on. An unpaired example (KTO) keeps its label there
@@ -164,6 +169,7 @@ def _tokenize_batch(batch, tokenizer, fmt: str, train_on_prompt: bool, max_seq_l
     rows = [json.loads(r) for r in batch.column("row").to_pylist()]
     results = (tokenize_pairs(rows, tokenizer, max_seq_len) if fmt == "preference" else tokenize_prompts(rows, tokenizer) if fmt == "prompt"
                else tokenize_unpaired(rows, tokenizer, max_seq_len) if fmt == "unpaired" else tokenize_rows(rows, tokenizer, fmt))
+    results, pictures = images.expand_rows(rows, results, tokenizer, processor, max_seq_len) if fmt == "chat" else (results, [[] for _ in rows])
     problems = [r if isinstance(r, str) else None for r in results]
     results = [([], [], 0, -1) if isinstance(r, str) else r for r in results]
     lengths = np.fromiter((len(r[0]) for r in results), dtype=np.int64, count=len(results))
@@ -188,4 +194,5 @@ def _tokenize_batch(batch, tokenizer, fmt: str, train_on_prompt: bool, max_seq_l
             .append_column("length", pa.array(lengths.astype(np.int32)))
             .append_column("first_target", pa.array(first))
             .append_column("chosen_length", pa.array(np.array([r[2] if fmt in ("preference", "unpaired") else 0 for r in results], dtype=np.int32)))
-            .append_column("problem", pa.array(problems, type=pa.string())))
+            .append_column("problem", pa.array(problems, type=pa.string()))
+            .append_column("images", pa.array([[] if p else data for p, data in zip(problems, pictures)], type=pa.list_(pa.binary()))))

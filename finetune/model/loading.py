@@ -14,19 +14,23 @@ import torch
 
 from finetune.config.errors import UserError
 from finetune.config.schema import DTYPE_BYTES, AdapterConfig, ModelConfig, RunConfig, looks_local, read_model_config
-from finetune.model import families, nf4
+from finetune.model import families, nf4, vision
 from finetune.model.attention import register as register_packed_sdpa
 
 DTYPES = {**{name: getattr(torch, name) for name in DTYPE_BYTES}, "auto": "auto"}  # model.dtype -> torch
 
 
-def load_tokenizer(cfg: ModelConfig):
+def load_tokenizer(cfg: ModelConfig, processor=None):
+    """The model's tokenizer; a vision-language model's is its processor's, with the processor's chat template."""
     from transformers import AutoTokenizer
 
     try:
-        tok = AutoTokenizer.from_pretrained(cfg.name_or_path, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
+        tok = processor.tokenizer if processor is not None else \
+            AutoTokenizer.from_pretrained(cfg.name_or_path, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
     except Exception as err:  # noqa: BLE001 - a missing, garbage or unreadable tokenizer raises many types; all mean "this folder's tokenizer"
         raise UserError(f"model.name_or_path: cannot load a tokenizer from '{cfg.name_or_path}': {_first_line(err)}") from None
+    if processor is not None and getattr(processor, "chat_template", None) and not tok.chat_template:
+        tok.chat_template = processor.chat_template
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     return tok
@@ -102,6 +106,8 @@ def attention_for(cfg: ModelConfig, config) -> tuple[str, str | None]:
     if cfg.attn_implementation != "sdpa":
         return cfg.attn_implementation, None
     kind = config.model_type
+    if vision.is_vision(config.to_dict()):  # its own sdpa, with the attention mask its batches carry (they are not packed)
+        return "sdpa", None
     if families.attention_softcap(config.to_dict()):
         return "eager", (f"model: {kind} soft-caps its attention logits, which sdpa cannot do: "
                          "using eager attention (model.attn_implementation: flash_attention_2 on a GPU also does it)")
@@ -114,13 +120,20 @@ def attention_for(cfg: ModelConfig, config) -> tuple[str, str | None]:
 
 
 def _causal_lm_class(config):
-    """The transformers class AutoModelForCausalLM would build for this config (None: remote code or unknown)."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+    """The transformers class the Auto class would build for this config (None: remote code or unknown)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
 
     try:
-        return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+        return (MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING if vision.is_vision(config.to_dict()) else MODEL_FOR_CAUSAL_LM_MAPPING)[type(config)]
     except KeyError:
         return None
+
+
+def auto_class(config):
+    """AutoModelForImageTextToText for a vision-language model, else AutoModelForCausalLM."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText if vision.is_vision(config.to_dict()) else AutoModelForCausalLM
 
 
 def load_model(cfg: ModelConfig, device: torch.device | str = "cpu", skeleton: str | None = None, say=print, head: str = "causal"):
@@ -133,7 +146,7 @@ def load_model(cfg: ModelConfig, device: torch.device | str = "cpu", skeleton: s
     files: peft then creates and initializes the adapter on real tensors, as it would on a loaded model).
     head: "causal" (the LM head), or "score" (a reward model: AutoModelForSequenceClassification with one
     label, its score head initialized as transformers does)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     if looks_local(cfg.name_or_path):
         read_model_config(Path(cfg.name_or_path), "model.name_or_path")  # one line for a missing or garbage config.json
@@ -154,8 +167,7 @@ def load_model(cfg: ModelConfig, device: torch.device | str = "cpu", skeleton: s
 
         dtype = (getattr(config, "dtype", None) or torch.float32) if cfg.dtype == "auto" else DTYPES[cfg.dtype]
         with torch.device("meta") if skeleton == "meta" else no_init_weights():
-            model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn,
-                                                     trust_remote_code=cfg.trust_remote_code)
+            model = auto_class(config).from_config(config, dtype=dtype, attn_implementation=attn, trust_remote_code=cfg.trust_remote_code)
         model.tie_weights()  # under no_init_weights transformers leaves a tied head (Llama 3.2, Qwen 2.5/3 small, Gemma) a weight of its own
         model.config.use_cache = False
         return model
@@ -231,13 +243,12 @@ def _weights_read_on_demand(cfg: ModelConfig, config):
     the stored dtype are then zero-copy views of the files (the staged ramdisk copy's point). A hub id
     goes through the library's own path."""
     from safetensors import safe_open
-    from transformers import AutoModelForCausalLM
 
     cls = _causal_lm_class(config)
     folder = Path(cfg.name_or_path).expanduser()
     files = weight_file_names(folder) if cfg.quantization is not None and cls is not None and looks_local(cfg.name_or_path) else []
     if not files:
-        yield AutoModelForCausalLM, cfg.name_or_path, None
+        yield auto_class(config), cfg.name_or_path, None
         return
     handles = []
     try:
@@ -336,6 +347,8 @@ def apply_adapter(model, cfg: AdapterConfig, gradient_checkpointing: bool, say=p
     if gradient_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     if cfg.method == "full":
+        if vision.is_vision(model.config.to_dict()):
+            vision.freeze(model, cfg)
         return model
     from peft import LoraConfig, get_peft_model
 
@@ -343,6 +356,13 @@ def apply_adapter(model, cfg: AdapterConfig, gradient_checkpointing: bool, say=p
         # With a frozen embedding nothing before the first checkpointed block needs grad.
         model.enable_input_require_grads()
     modules, parameters = lora_targets(model, cfg.target_modules)
+    whole = cfg.modules_to_save
+    if vision.is_vision(model.config.to_dict()):
+        head = model.get_output_embeddings()
+        layers = [name for name, m in model.named_modules() if linear_like(m) and m is not head]
+        wanted = {name.rsplit(".", 1)[-1] for name in layers} if modules == "all-linear" else set(modules)
+        modules = vision.lora_pattern(model, layers, wanted, cfg)
+        whole = (cfg.modules_to_save or []) + vision.trained_whole(model, cfg) or None
     names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
     unknown = [m for m in cfg.modules_to_save or [] if m.rsplit(".", 1)[-1] not in names]
     if unknown:
@@ -370,7 +390,7 @@ def apply_adapter(model, cfg: AdapterConfig, gradient_checkpointing: bool, say=p
         use_dora=cfg.method == "dora",
         init_lora_weights={"default": True, "loftq": True}.get(cfg.init, cfg.init),  # loftq: replaced after (loftq_init)
         use_rslora=cfg.rslora,
-        modules_to_save=cfg.modules_to_save,
+        modules_to_save=whole,
     )
     try:
         return get_peft_model(model, lora)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from finetune.data.images import MODEL_INPUTS
 from finetune.data.rows import IGNORE
 from finetune.model import families
 from finetune.model.attention import PACKED_SDPA, accelerator_path, attention_of, base_model, mask_placeholder, packed_rows, with_bounds
@@ -85,6 +86,9 @@ def losses(model, batch: dict[str, torch.Tensor], router: bool = False) -> Losse
     labels = batch["labels"]
     keep, targets = next_token_targets(batch)
     inputs = {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"], "use_cache": False}
+    if "attention_mask" in batch:  # a vision-language model's batch: its own forward, which places the pictures' tokens itself
+        inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"], "use_cache": False,
+                  **{key: batch[key] for key in MODEL_INPUTS if key in batch}}
     if router:  # Mixtral-style load balancing reads a 2-D attention_mask if there is one: none then
         inputs["output_router_logits"] = True
     elif attention_of(model) == PACKED_SDPA:

@@ -11,7 +11,9 @@ import torch
 
 from finetune.config.errors import UserError
 from finetune.config.schema import ModelConfig
+from finetune.data import images
 from finetune.data.chat import render as render_chat
+from finetune.model import vision
 from finetune.model.adapters import as_trained, find_adapter, tokenizer_source
 from finetune.model.loading import load_model, load_tokenizer
 from finetune.objectives.evaluate import generate as continuation
@@ -30,6 +32,35 @@ def load(model_dir: str | None, adapter_dir: str | None, base: str | None = None
     return model, load_tokenizer(ModelConfig(name_or_path=tokenizer_source(adapter)))
 
 
+def processor_of(model_dir: str | None, adapter_dir: str | None, base: str | None = None):
+    """A vision-language model's processor (saved beside the model or the adapter), None for a text model."""
+    if model_dir:
+        return vision.processor_for(ModelConfig(name_or_path=model_dir))
+    adapter = find_adapter(adapter_dir, base)
+    return vision.processor_for(ModelConfig(name_or_path=tokenizer_source(adapter)), adapter.base)
+
+
+def answer_picture(model, processor, prompt: str, image: str, max_new_tokens: int = 128, temperature: float = 0.0, stream: bool = True) -> str:
+    """The answer to a question about a picture: a user turn showing it, through the model's chat template."""
+    from transformers import TextStreamer
+
+    if processor is None:
+        raise UserError("--image: this model takes no pictures (a vision-language model's config.json has a vision_config)")
+    data, problem = images.read([str(Path(image).expanduser())])
+    if problem:
+        raise UserError(f"--image: {problem}")
+    tokenizer = processor.tokenizer
+    text = render_chat(tokenizer, [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt}]}], add_generation_prompt=True)
+    batch = processor(text=[text], images=images.decoded(data), add_special_tokens=False, return_tensors="pt")
+    streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True) if stream else None
+    with torch.no_grad():
+        out = model.generate(**batch.to(next(model.parameters()).device), max_new_tokens=max_new_tokens, use_cache=True, streamer=streamer,
+                             pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, **sampling(temperature))
+    if stream:
+        sys.stdout.flush()
+    return tokenizer.decode(out[0, batch["input_ids"].shape[1]:], skip_special_tokens=True)
+
+
 def read_prompts(path: str) -> list[dict]:
     """The rows of a --prompts file: JSON objects with a "prompt" string each; one line names a bad one."""
     file = Path(path).expanduser()
@@ -43,8 +74,11 @@ def read_prompts(path: str) -> list[dict]:
             row = json.loads(line)
         except ValueError:
             row = None
-        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
-            raise UserError(f'{path}:{number}: expected a JSON object with a "prompt" string, e.g. {{"prompt": "Name a colour."}}')
+        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not isinstance(row.get("image", ""), str):
+            raise UserError(f'{path}:{number}: expected a JSON object with a "prompt" string (and an "image" path, for a picture), '
+                            'e.g. {"prompt": "Name a colour."}')
+        if row.get("image"):  # relative to the prompts file, as data rows' pictures are to theirs
+            row["image"] = str((file.parent / Path(row["image"]).expanduser()).resolve())
         rows.append(row)
     if not rows:
         raise UserError(f"--prompts: {path} holds no prompts")
@@ -52,8 +86,9 @@ def read_prompts(path: str) -> list[dict]:
 
 
 def answer_file(model, tokenizer, rows: list[dict], out: str | None, batch_size: int, chat: bool = False, max_new_tokens: int = 128,
-                temperature: float = 0.0) -> None:
-    """Each row with its "completion", written as JSONL to `out` (or standard output) batch by batch."""
+                temperature: float = 0.0, processor=None) -> None:
+    """Each row with its "completion", written as JSONL to `out` (or standard output) batch by batch (a
+    row with an "image", on its own)."""
     from tqdm import tqdm
 
     texts = [render(tokenizer, row["prompt"], chat) for row in rows]
@@ -61,7 +96,11 @@ def answer_file(model, tokenizer, rows: list[dict], out: str | None, batch_size:
     try:
         with tqdm(total=len(rows), desc="generating", unit="prompt", file=sys.stderr, disable=not out) as bar:
             for start in range(0, len(rows), batch_size):
-                answers = generate_batch(model, tokenizer, texts[start:start + batch_size], not chat, max_new_tokens, temperature)
+                answers = [answer_picture(model, processor, row["prompt"], row["image"], max_new_tokens, temperature, stream=False)
+                           if row.get("image") else None for row in rows[start:start + batch_size]]
+                texts_only = [t for t, a in zip(texts[start:start + batch_size], answers) if a is None]
+                plain = iter(generate_batch(model, tokenizer, texts_only, not chat, max_new_tokens, temperature) if texts_only else [])
+                answers = [a if a is not None else next(plain) for a in answers]
                 for row, answer in zip(rows[start:start + batch_size], answers):
                     sink.write(json.dumps({**row, "completion": answer}, ensure_ascii=False) + "\n")
                 sink.flush()

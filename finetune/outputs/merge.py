@@ -24,9 +24,9 @@ import torch
 
 from finetune.config.errors import EXIT_MERGE_CHECK, Stopped, UserError
 from finetune.config.schema import PRECISIONS, ModelConfig
-from finetune.model import nf4
+from finetune.model import nf4, vision
 from finetune.model.adapters import Adapter, as_trained, attach, find_adapter, load_base, tokenizer_source
-from finetune.model.loading import DTYPES, load_tokenizer, override_config, quantize_layers, weight_files
+from finetune.model.loading import DTYPES, auto_class, load_tokenizer, override_config, quantize_layers, weight_files
 from finetune.model.stage import resolve_source
 from finetune.outputs import model_card
 
@@ -149,7 +149,7 @@ def merge(adapter_path: str, out: str, base: str | None = None, dtype: str | Non
             made.rename(tmp / made.name)
         for variant in variants:
             shutil.rmtree(tmp / variant)
-        tokenizer.save_pretrained(tmp)
+        (vision.processor_for(ModelConfig(name_or_path=tokenizer_source(adapter)), adapter.base) or tokenizer).save_pretrained(tmp)
         effect = report["adapter_effect"]
         report["passed"] = m["max"] <= tolerance and m["max"] < effect["max"]
         (tmp / model_card.CARD).write_text(model_card.merged_card({**report, "out": str(final)}))
@@ -169,9 +169,9 @@ def merge(adapter_path: str, out: str, base: str | None = None, dtype: str | Non
 
 
 def _reload(folder: Path, dtype: torch.dtype):
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig
 
-    return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
+    return auto_class(AutoConfig.from_pretrained(folder)).from_pretrained(folder, dtype=dtype).eval()
 
 
 @dataclass

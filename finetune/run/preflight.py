@@ -31,6 +31,7 @@ def check(cfg: RunConfig, warn=None) -> None:
     optim.check_optimizer(cfg.train)
     distributed.check_strategy(cfg)
     check_long_context(cfg, launched=warn is None or "WORLD_SIZE" in os.environ)
+    check_vision(cfg)
     check_gpu_features(cfg)
     check_trackers(cfg)
     runtime.launcher_strategy(cfg)
@@ -67,6 +68,34 @@ def check_long_context(cfg: RunConfig, launched: bool) -> None:
     sequence_parallel.check(size, read_model_config(folder, "model.name_or_path") if (folder / "config.json").is_file() else {})
     if launched:
         sequence_parallel.check_world(size, world)
+
+
+def check_vision(cfg: RunConfig) -> None:
+    """A vision-language model (a local folder's config.json with a vision_config): its family, and what
+    its picture batches do not support yet (docs/vision.md)."""
+    from finetune.config.strategy import Strategy
+    from finetune.model import vision
+
+    folder = Path(cfg.model.name_or_path).expanduser()
+    config = read_model_config(folder, "model.name_or_path") if (folder / "config.json").is_file() else {}
+    if not vision.is_vision(config):
+        return
+    strategy = Strategy.of(cfg.distributed.strategy, int(os.environ.get("WORLD_SIZE", "1"))).name
+    refused = [
+        vision.refusal(config),
+        cfg.train.objective != "sft" and f"train.objective: {cfg.train.objective} on pictures is not built yet; vision-language models train with sft",
+        strategy not in ("none", "ddp") and f"distributed.strategy: {strategy} does not shard vision-language models yet; use ddp or one process",
+        cfg.data.packing and "data.packing: rows with pictures are not packed yet (each keeps its own pixels and positions); set data.packing: false",
+        cfg.distributed.sequence_parallel > 1 and "distributed.sequence_parallel: not with a vision-language model (a picture's tokens would be split)",
+        cfg.model.tiled_mlp > 1 and "model.tiled_mlp: not with a vision-language model yet",
+        cfg.model.quantization is not None and "model.quantization: a quantized vision-language model is not built yet; use adapter.method lora",
+        cfg.eval.generate_samples and "eval.generate_samples: answers to picture rows are not generated during training; set it to 0 "
+                                      "(finetune generate --image does it after)",
+        cfg.adapter.vision == "lora" and cfg.adapter.method == "full" and "adapter.vision: lora needs adapter.method lora or dora",
+    ]
+    problem = next((p for p in refused if p), None)
+    if problem:
+        raise UserError(problem)
 
 
 def check_gpu_features(cfg: RunConfig) -> None:

@@ -1,0 +1,181 @@
+"""Images in chat rows: where a row's pictures are, their bytes, and the tokens a processor gives them.
+
+A row with pictures, whatever shape it came in, is kept as TRL keeps one: `images` (each a path made
+absolute against the data file, or the picture's bytes as base64) and messages whose content is a list
+of parts, `{"type": "image"}` standing where each picture goes, in order. Accepted shapes:
+- OpenAI/TRL content parts: `{"type": "image", "path"|"image"|"url": ...}` (a local path, or the bytes
+  of a Parquet column or a `datasets` Image feature, `{"bytes": ..., "path": ...}`);
+- LLaVA / ShareGPT: `"images": [...]` beside messages or conversations whose text says `<image>` where
+  each picture goes.
+
+The processor (the model's own, AutoProcessor) decides how many tokens a picture takes: the conversation
+is tokenized with the loss mask as text rows are (finetune/data/chat.py), then once more by the processor
+with the pictures, and the two are aligned: the processor's added tokens (a picture's placeholders,
+LLaVA's 576 `<image>`s, Qwen-VL's grid of `<|image_pad|>`s) are never trained, every other token keeps
+its mask. The cache keeps each picture's file bytes, not its pixel tensors: a 224 x 224 PNG is a few
+KiB, its pixels as a processor gives them 0.6-1.2 MiB (docs/vision.md); the pictures are decoded and
+processed again when a step's batch is made.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+from difflib import SequenceMatcher
+from pathlib import Path
+
+import numpy as np
+
+IMAGE_MARKER = "<image>"  # LLaVA / ShareGPT rows: where each of the row's `images` goes in the text
+SOURCE_KEYS = ("path", "image", "url")  # an image part names its picture under one of these
+# What an image processor makes that the model's forward takes (LLaVA: pixel values; Qwen-VL: also each
+# picture's patch grid; LLaVA-NeXT: sizes).
+MODEL_INPUTS = ("pixel_values", "image_grid_thw", "image_sizes")
+
+
+def has_images(row: dict) -> bool:
+    return bool(row.get("images"))
+
+
+def gather(row: dict) -> tuple[dict, str | None]:
+    """A chat row (messages already in place) with its pictures moved to `images` and each message that
+    shows one given as parts; (row, why it cannot be used)."""
+    images = list(row.get("images") or [])
+    if not isinstance(row.get("images", []), list):
+        return row, "field 'images' must be a list of paths or image bytes"
+    messages, marked, parted = [], 0, False
+    for i, m in enumerate(row["messages"]):
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, list):
+            parts = []
+            for part in content:
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind == "text" and isinstance(part.get("text"), str):
+                    parts.append({"type": "text", "text": part["text"]})
+                elif kind == "image":
+                    source = next((part[k] for k in SOURCE_KEYS if part.get(k) is not None), None)
+                    if source is not None:
+                        images.append(source)
+                        parted = True
+                    parts.append({"type": "image"})
+                else:
+                    return row, f"messages[{i}].content: parts must be {{type: text, text}} or {{type: image, path}} (got {kind or part!r})"
+            m = {**m, "content": parts}
+        elif isinstance(content, str) and IMAGE_MARKER in content and row.get("images"):
+            pieces = content.split(IMAGE_MARKER)
+            marked += len(pieces) - 1
+            parts = [{"type": "text", "text": pieces[0]}] if pieces[0] else []
+            for piece in pieces[1:]:
+                parts += [{"type": "image"}] + ([{"type": "text", "text": piece}] if piece else [])
+            m = {**m, "content": parts}
+        messages.append(m)
+    slots = sum(1 for m in messages if isinstance(m.get("content"), list) for p in m["content"] if p["type"] == "image")
+    if slots != len(images):
+        given = f"{len(images)} image(s)" + (" in 'images'" if not parted else "")
+        return row, f"{slots} image place(s) in the messages ({IMAGE_MARKER} or image parts) but {given}"
+    if not images:  # text parts only: one string, as text rows are
+        messages = [{**m, "content": "".join(p["text"] for p in m["content"])} if isinstance(m.get("content"), list) else m for m in messages]
+        return {**row, "messages": messages}, None
+    for i, m in enumerate(messages):
+        if m.get("role") == "assistant" and isinstance(m.get("content"), list):
+            if any(p["type"] == "image" for p in m["content"]):
+                return row, f"messages[{i}]: an assistant message cannot show an image (the model writes text)"
+            messages[i] = {**m, "content": "".join(p["text"] for p in m["content"])}
+    return {**row, "messages": messages, "images": images}, None
+
+
+def located(row: dict, data_file: Path) -> tuple[dict, str | None]:
+    """The row's pictures as JSON can hold them: paths absolute (relative ones are against the data
+    file's folder), bytes as base64; (row, why not)."""
+    out = []
+    for i, image in enumerate(row["images"]):
+        if isinstance(image, dict):
+            image = image.get("bytes") if image.get("bytes") is not None else image.get("path")
+        if isinstance(image, (bytes, bytearray)):
+            out.append({"base64": base64.b64encode(image).decode("ascii")})
+        elif isinstance(image, str) and image:
+            if image.startswith(("http://", "https://")):
+                return row, f"images[{i}]: {image} is a URL; finetune reads local files only (download the pictures first)"
+            path = Path(image).expanduser()
+            out.append(str(path if path.is_absolute() else (data_file.parent / path).resolve()))
+        else:
+            return row, f"images[{i}] must be a path or image bytes"
+    return {**row, "images": out}, None
+
+
+def read(images: list) -> tuple[list[bytes], str | None]:
+    """The pictures' bytes, each checked to decode; (bytes, why one cannot be used)."""
+    from PIL import Image
+
+    out = []
+    for i, image in enumerate(images):
+        name = image if isinstance(image, str) else f"images[{i}] (bytes)"
+        try:
+            data = base64.b64decode(image["base64"]) if isinstance(image, dict) else Path(image).read_bytes()
+            with Image.open(io.BytesIO(data)) as picture:
+                picture.load()  # decodes it whole: a truncated file fails here, not at its training step
+        except Image.UnidentifiedImageError:
+            return [], f"image {name}: not a picture (no image format recognises it)"
+        except (ValueError, Image.DecompressionBombError) as err:
+            return [], f"image {name}: not a picture ({str(err).splitlines()[0]})"
+        except OSError as err:  # missing or unreadable, or cut short ("image file is truncated")
+            return [], f"image {name}: cannot be read ({err.strerror or str(err).splitlines()[0]})"
+        out.append(data)
+    return out, None
+
+
+def expand_rows(rows: list[dict], results: list, tokenizer, processor, max_seq_len: int) -> tuple[list, list[list[bytes]]]:
+    """tokenize_rows' results with each picture row's tokens as the processor makes them, and each row's
+    pictures (bytes); a row with pictures for a model that takes none, or with a bad picture, gets the reason."""
+    from finetune.data.chat import render
+
+    pictures: list[list[bytes]] = [[] for _ in rows]
+    out = list(results)
+    for i, row in enumerate(rows):
+        if not has_images(row) or isinstance(results[i], str):
+            continue
+        if processor is None:
+            out[i] = "data: the row has pictures, but the model takes none (a vision-language model's config.json has a vision_config)"
+            continue
+        data, problem = read(row["images"])
+        if problem:
+            out[i] = f"data: {problem}"
+            continue
+        out[i] = with_image_tokens(processor, render(tokenizer, row["messages"], tools=row.get("tools")), *results[i], data, max_seq_len)
+        pictures[i] = data
+    return out, pictures
+
+
+def image_inputs(processor, pictures: list[bytes]) -> dict:
+    """A batch's image inputs (pixel values, and what the family adds: Qwen-VL's grid sizes), as the
+    processor's image processor makes them from the pictures in the batch's order."""
+    import torch
+
+    out = processor.image_processor(images=decoded(pictures), return_tensors="pt")
+    return {key: torch.as_tensor(value) for key, value in out.items() if key in MODEL_INPUTS}
+
+
+def decoded(data: list[bytes]) -> list:
+    from PIL import Image
+
+    return [Image.open(io.BytesIO(b)).convert("RGB") for b in data]
+
+
+def with_image_tokens(processor, text: str, ids: list[int], trained: list[bool], pictures: list[bytes], max_seq_len: int):
+    """(ids, trained) of the conversation as the processor tokenizes it with its pictures, or why not:
+    the processor's tokens aligned to the text's, those it adds never trained."""
+    try:
+        theirs = processor(text=[text], images=decoded(pictures), add_special_tokens=False)["input_ids"][0]
+    except Exception as err:  # noqa: BLE001 - the processor refuses this row (a count mismatch, a picture too small): its words
+        return f"data: the model's processor refuses the row: {str(err).splitlines()[0] if str(err) else type(err).__name__}"
+    theirs = list(np.asarray(theirs).tolist())
+    if len(theirs) > max_seq_len:
+        return (f"data: the row is {len(theirs)} tokens with its pictures, over data.max_seq_len={max_seq_len}; a picture's tokens "
+                "cannot be cut (raise data.max_seq_len, or the processor's max_pixels)")
+    mask = [False] * len(theirs)
+    for tag, a, b, c, d in SequenceMatcher(None, ids, theirs, autojunk=False).get_opcodes():
+        if tag == "equal":
+            mask[c:d] = trained[a:b]
+        elif any(trained[a:b]):
+            return "data: the processor changes trained tokens of this row (its chat template and processor disagree)"
+    return theirs, mask

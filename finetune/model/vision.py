@@ -1,0 +1,103 @@
+"""Vision-language models: which configs are one, the processor, and which parts train.
+
+A vision-language model is a folder whose config.json has a `vision_config`; it loads through
+AutoModelForImageTextToText and AutoProcessor (its tokenizer is the processor's). Its parts, by the names
+transformers gives them: the vision tower (`vision_tower`, Qwen-VL's `visual`), the projector
+(`multi_modal_projector`, Qwen-VL's `visual.merger`) and the language model (`language_model`). By
+default LoRA adapts the language model's linear layers only; the tower and projector stay frozen unless
+adapter.vision / adapter.projector say otherwise.
+"""
+
+from __future__ import annotations
+
+import re
+
+from finetune.config.errors import UserError
+from finetune.config.schema import AdapterConfig, ModelConfig
+
+# The families whose batches are exactly their processor's (tests/test_vision.py); others are refused in one
+# line. Gemma 3 needs token_type_ids and Mllama cross-attention masks that a batch here does not make yet;
+# Idefics3/SmolVLM split pictures into a per-row grid of crops.
+FAMILIES = {"llava": "LLaVA", "qwen2_vl": "Qwen2-VL", "qwen2_5_vl": "Qwen2.5-VL"}
+TOWERS = ("vision_tower", "visual", "vision_model")
+PROJECTORS = ("multi_modal_projector", "visual.merger", "connector")
+
+
+def is_vision(config: dict) -> bool:
+    return config.get("vision_config") is not None
+
+
+def refusal(config: dict) -> str | None:
+    """Why this vision-language model cannot be fine-tuned here, or None."""
+    kind = config.get("model_type")
+    if kind in FAMILIES:
+        return None
+    return (f"model: {kind} is a vision-language model finetune does not fine-tune yet; it fine-tunes "
+            f"{', '.join(FAMILIES.values())} (docs/vision.md)")
+
+
+def processor_for(cfg: ModelConfig, model: str | None = None):
+    """The processor in cfg's folder if the model (`model`, else that folder's) is a vision-language model;
+    None for a text model (or a config that does not read: loading the model says why, in one line)."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(model or cfg.name_or_path, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code).to_dict()
+    except Exception:  # noqa: BLE001 - any unreadable config: load_model names it
+        return None
+    return load_processor(cfg) if is_vision(config) else None
+
+
+def load_processor(cfg: ModelConfig):
+    from transformers import AutoProcessor
+
+    try:
+        return AutoProcessor.from_pretrained(cfg.name_or_path, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code, **cfg.processor)
+    except Exception as err:  # noqa: BLE001 - a missing file, a bad setting or a missing library (torchvision): one line
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        hint = " (its processor needs torchvision: pip install torchvision, the build matching your torch)" if "orchvision" in str(err) else ""
+        raise UserError(f"model.name_or_path: cannot load the processor of '{cfg.name_or_path}': {first}{hint}") from None
+
+
+def part_names(model) -> dict[str, str]:
+    """Module names of the tower, the projector and the language model in this model (those it has)."""
+    names = {name for name, _ in model.named_modules()}
+    found = {}
+    for role, candidates in (("tower", TOWERS), ("projector", PROJECTORS), ("language", ("language_model",))):
+        found[role] = next((n for n in sorted(names, key=len) if any(n == c or n.endswith("." + c) for c in candidates)), None)
+    return {role: name for role, name in found.items() if name}
+
+
+def lora_pattern(model, linear_layers: list[str], wanted: set[str], cfg: AdapterConfig) -> str:
+    """peft's target_modules as a regular expression: the language model's linear layers (of the model's
+    `linear_layers`) whose names end in one of `wanted`, and with adapter.vision: lora the tower's too
+    (never the projector's)."""
+    parts = part_names(model)
+    inside = [parts["language"]] + ([parts["tower"]] if cfg.vision == "lora" and "tower" in parts else [])
+    projector = parts.get("projector")
+    chosen = [name for name in linear_layers if name.rsplit(".", 1)[-1] in wanted
+              and any(name.startswith(p + ".") for p in inside) and not (projector and name.startswith(projector + "."))]
+    if not chosen:
+        raise UserError(f"adapter.target_modules: no linear layer of this {model.config.model_type} model's language model is named "
+                        f"{', '.join(sorted(wanted))}")
+    suffixes = sorted({name.rsplit(".", 1)[-1] for name in chosen})
+    return rf"^(?:{'|'.join(map(re.escape, inside))})\..*\.(?:{'|'.join(suffixes)})$" if projector is None else \
+        rf"^(?!{re.escape(projector)}\.)(?:{'|'.join(map(re.escape, inside))})\..*\.(?:{'|'.join(suffixes)})$"
+
+
+def trained_whole(model, cfg: AdapterConfig) -> list[str]:
+    """The parts adapter.vision / adapter.projector train whole (peft's modules_to_save names)."""
+    parts = part_names(model)
+    return [parts[role] for role, choice in (("tower", cfg.vision), ("projector", cfg.projector)) if choice == "full" and role in parts]
+
+
+def freeze(model, cfg: AdapterConfig) -> None:
+    """Full fine-tuning: the tower and projector stay as they are unless configured to train."""
+    parts = part_names(model)
+    for role, choice in (("tower", cfg.vision), ("projector", cfg.projector)):
+        if role in parts and choice != "full":
+            # Qwen-VL's projector sits inside its tower: the tower trains whole only with projector: full too
+            keep = parts["projector"] if role == "tower" and cfg.projector == "full" and "projector" in parts else None
+            for name, p in model.get_submodule(parts[role]).named_parameters():
+                if keep is None or not f"{parts[role]}.{name}".startswith(keep + "."):
+                    p.requires_grad_(False)

@@ -1,0 +1,263 @@
+"""Vision-language models: rows with pictures tokenized as the model's processor does, the loss and
+gradients of the model's own forward, LoRA on the language model only, DDP = one process, kill -9 and
+resume, bad picture rows in one line, merge and generate with a picture. Tiny LLaVAs (a CLIP and a SigLIP
+tower) with the demo tokenizer given LLaVA's <image> token (finetune/demo.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from conftest import DEMO_DATA, finetune_in_process, once, read_jsonl, run_cli, train_strategy, write_config
+
+from finetune.data.rows import IGNORE
+
+QUESTION = "What shape is in the picture?"
+
+
+def _rows(pictures: list[dict]) -> list[dict]:
+    """Half TRL's content parts, half LLaVA/ShareGPT's <image> marker."""
+    out = []
+    for i, p in enumerate(pictures):
+        if i % 2:
+            out.append({"messages": [{"role": "user", "content": [{"type": "image", "path": f"img/{p['file']}"}, {"type": "text", "text": QUESTION}]},
+                                     {"role": "assistant", "content": p["shape"]}]})
+        else:
+            out.append({"images": [f"img/{p['file']}"], "conversations": [{"from": "human", "value": f"<image>\n{QUESTION}"},
+                                                                         {"from": "gpt", "value": p["shape"]}]})
+    return out
+
+
+@pytest.fixture(scope="session")
+def picture_data(tmp_path_factory):
+    """A JSONL of 48 picture rows (the pictures beside it, in img/)."""
+    from finetune.demo import draw_pictures
+
+    def build(folder):
+        rows = _rows(draw_pictures(folder / "img", 48, seed=0))
+        (folder / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    return once(tmp_path_factory, "picture-data", build) / "train.jsonl"
+
+
+@pytest.fixture(scope="session")
+def llava(tmp_path_factory):
+    """tower ("clip" or "siglip") -> a tiny LLaVA folder, built once."""
+    from transformers import AutoTokenizer
+
+    from finetune.demo import build_tokenizer, build_vision_model
+
+    def get(tower: str):
+        def build(folder):
+            texts = [json.loads(line)["text"] for line in (DEMO_DATA / "corpus.jsonl").read_text().splitlines()[:400]]
+            build_tokenizer(texts).save_pretrained(folder / "tok")
+            build_vision_model(folder / "model", AutoTokenizer.from_pretrained(folder / "tok"), tower)
+
+        return once(tmp_path_factory, f"llava-{tower}", build) / "model"
+
+    return get
+
+
+def _config(model, rows, out, **changes) -> dict:
+    cfg = {"model": {"name_or_path": str(model), "dtype": "float32"},
+           "adapter": {"method": "lora", "r": 8, "alpha": 16, "dropout": 0.0},
+           "data": {"train": str(rows), "format": "chat", "max_seq_len": 96, "packing": False, "eval_fraction": 0.0},
+           "train": {"output_dir": str(out), "max_steps": 12, "micro_batch_size": 4, "lr": 1e-2, "warmup_steps": 0, "mixed_precision": "no"},
+           "eval": {"on_start": False}, "logging": {"report_to": [], "progress_bar": False, "plot": False}}
+    for key, values in changes.items():
+        cfg.setdefault(key, {}).update(values)
+    return cfg
+
+
+def _batch(model_dir, data, tmp_path, rows=(0, 1, 2)):
+    """Our data step's batch of the first rows, and the processor's own tokens and pixels of the same rows."""
+    from finetune.config.schema import DataConfig, ModelConfig
+    from finetune.data.datasets import load_data
+    from finetune.model import vision
+    from finetune.model.loading import load_tokenizer
+
+    processor = vision.processor_for(ModelConfig(name_or_path=str(model_dir)))
+    tokenizer = load_tokenizer(ModelConfig(name_or_path=str(model_dir)), processor)
+    cfg = DataConfig(train=str(data), format="chat", max_seq_len=96, packing=False, eval_fraction=0.0, cache_dir=str(tmp_path / "cache"))
+    split = load_data(cfg, tokenizer, seed=0, processor=processor).train
+    samples = [int(split.samples[split.order[r]]) for r in rows]
+    return split.batch(list(rows), tokenizer.pad_token_id), processor, tokenizer, samples
+
+
+@pytest.mark.parametrize("tower", ["clip", "siglip"])
+def test_picture_rows_tokenize_as_the_processor_and_train_only_the_answers(llava, picture_data, tmp_path, tower):
+    from finetune.data.chat import render
+    from finetune.data.images import decoded
+    from finetune.data.rows import canonical
+
+    model_dir = llava(tower)
+    batch, processor, tokenizer, samples = _batch(model_dir, picture_data, tmp_path)
+    lines = picture_data.read_text().splitlines()
+    pictures = []
+    for r, sample in enumerate(samples):
+        row, problem = canonical(json.loads(lines[sample]), "chat")
+        assert problem is None
+        text = render(tokenizer, row["messages"])
+        picture = decoded([(picture_data.parent / row["images"][0]).read_bytes()])
+        theirs = processor(text=[text], images=picture, add_special_tokens=False)["input_ids"][0]
+        n = len(theirs)
+        assert batch["input_ids"][r, :n].tolist() == list(theirs)
+        assert batch["attention_mask"][r].sum() == n
+        trained = batch["input_ids"][r, :n][batch["labels"][r, :n] != IGNORE]
+        answer = tokenizer(json.loads(lines[sample]).get("messages", json.loads(lines[sample]).get("conversations"))[-1].get("content")
+                           or json.loads(lines[sample])["conversations"][-1]["value"], add_special_tokens=False)["input_ids"]
+        assert trained.tolist() == answer + [tokenizer.eos_token_id]  # the answer and its end, never a picture or user token
+        pictures += picture
+    expected = processor.image_processor(images=pictures, return_tensors="pt")["pixel_values"]
+    assert torch.equal(batch["pixel_values"], expected)
+    image_id = tokenizer.convert_tokens_to_ids("<image>")
+    assert int((batch["input_ids"] == image_id).sum()) == 16 * len(samples)  # 56 x 56 pictures in 14-pixel patches
+
+
+@pytest.mark.parametrize("tower", ["clip", "siglip"])
+def test_loss_and_gradients_equal_the_models_own_forward(llava, picture_data, tmp_path, tower):
+    """Our loss (the fused head on the language model's hidden states, only at trained positions) equals
+    the model's own loss with labels (what TRL's SFTTrainer takes), and so do the LoRA gradients."""
+    from transformers import AutoModelForImageTextToText
+
+    from finetune.config.schema import AdapterConfig
+    from finetune.model.loading import apply_adapter
+    from finetune.objectives.loss import losses, to_device
+
+    model_dir = llava(tower)
+    batch, *_ = _batch(model_dir, picture_data, tmp_path)
+    model = apply_adapter(AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32), AdapterConfig(r=8, dropout=0.0), False)
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.02)  # B = 0 would hide the adapter's gradients in A
+    assert not any("vision_tower" in n or "multi_modal_projector" in n for n, p in model.named_parameters() if p.requires_grad)
+    ours = losses(model, to_device(batch, "cpu")).tokens
+    count = int((batch["labels"][:, 1:] != IGNORE).sum())
+    (ours / count).backward()
+    mine = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "pixel_values")}
+    theirs = model(**inputs, labels=batch["labels"]).loss
+    theirs.backward()
+    assert abs(ours.item() / count - theirs.item()) < 1e-5
+    assert mine.keys() == {n for n, p in model.named_parameters() if p.grad is not None} and mine
+    for name, grad in mine.items():
+        torch.testing.assert_close(grad, dict(model.named_parameters())[name].grad, atol=1e-4, rtol=1e-4)
+
+
+@pytest.fixture(scope="session")
+def vision_run(tmp_path_factory, llava, picture_data):
+    """12 LoRA steps on the CLIP LLaVA, one process: (output folder, losses)."""
+    def build(folder):
+        cfg = _config(llava("clip"), picture_data, folder / "out")
+        result = finetune_in_process("train", "--config", str(write_config(folder / "run.yaml", cfg)))
+        assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+
+    out = once(tmp_path_factory, "vision-run", build) / "out"
+    return out, [r["loss"] for r in read_jsonl(out / "metrics.jsonl") if "loss" in r]
+
+
+def test_lora_trains_the_language_model_and_loads_in_peft(vision_run, llava):
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import LlavaForConditionalGeneration
+
+    out, losses = vision_run
+    assert losses[-1] < losses[0] - 0.5, losses
+    keys = load_file(out / "adapter_model.safetensors").keys()
+    assert keys and all(".language_model." in k for k in keys)
+    assert (out / "processor_config.json").is_file()
+    base = LlavaForConditionalGeneration.from_pretrained(llava("clip"))
+    tuned = PeftModel.from_pretrained(base, out)
+    assert sum("lora_A" in n for n, _ in tuned.named_parameters()) == 2 * 7  # 2 layers x q k v o gate up down
+
+
+def test_two_processes_equal_one(tmp_path, llava, picture_data, vision_run):
+    """DDP over 2 CPU processes (2 rows each) trains as one process on 4 rows."""
+    _, one = vision_run
+    sections = {k: v for k, v in _config(llava("clip"), picture_data, tmp_path).items() if k in ("model", "adapter", "data", "eval")}
+    _, two, _ = train_strategy(tmp_path, "ddp", llava("clip"), "lora", 2, "ddp",
+                               train={"max_steps": 12, "lr": 1e-2, "warmup_steps": 0, "mixed_precision": "no"}, **sections)
+    assert len(two) == len(one)
+    for a, b in zip(one, two):
+        assert abs(a - b) < 1e-4 * max(1.0, abs(a)), (one, two)
+
+
+def test_kill_and_resume_gives_the_same_losses(tmp_path, llava, picture_data, vision_run):
+    _, reference = vision_run
+    cfg = write_config(tmp_path / "run.yaml", _config(llava("clip"), picture_data, tmp_path / "out"))
+    killed = run_cli("train", "--config", str(cfg), "--save-every", "4", env={**os.environ, "FINETUNE_FAULT": "kill@6"})
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    resumed = finetune_in_process("train", "--config", str(cfg))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    losses = {r["step"]: r["loss"] for r in read_jsonl(tmp_path / "out" / "metrics.jsonl") if "loss" in r}
+    assert [losses[s] for s in sorted(losses)] == reference
+
+
+def test_merge_loads_in_transformers_and_generates_from_a_picture(tmp_path, vision_run, picture_data):
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from finetune.outputs.generate import answer_picture, as_trained, find_adapter
+
+    out, _ = vision_run
+    result = finetune_in_process("merge", "--adapter", str(out), "--out", str(tmp_path / "merged"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    merged = AutoModelForImageTextToText.from_pretrained(tmp_path / "merged").eval()
+    processor = AutoProcessor.from_pretrained(tmp_path / "merged")
+    picture = str(picture_data.parent / "img" / "00001.png")
+    tuned = as_trained(find_adapter(str(out), None))
+    answers = [answer_picture(m, processor, QUESTION, picture, max_new_tokens=4, stream=False) for m in (merged, tuned)]
+    assert answers[0] == answers[1]
+    from PIL import Image
+
+    text = processor.apply_chat_template([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]}],
+                                         add_generation_prompt=True)
+    batch = processor(text=[text], images=[Image.open(picture).convert("RGB")], add_special_tokens=False, return_tensors="pt")
+    with torch.no_grad():
+        torch.testing.assert_close(merged(**batch).logits, tuned(**batch).logits, atol=1e-4, rtol=1e-4)
+    rows = tmp_path / "prompts.jsonl"
+    rows.write_text(json.dumps({"prompt": QUESTION, "image": picture}) + "\n" + json.dumps({"prompt": "The"}) + "\n")
+    answered = finetune_in_process("generate", "--model", str(tmp_path / "merged"), "--prompts", str(rows), "--max-new-tokens", "4")
+    assert answered.returncode == 0, answered.stderr[-2000:]
+    first = json.loads(answered.stdout.splitlines()[0])
+    assert first["completion"] == answers[0]
+
+
+BAD = {
+    "missing": (lambda row: {**row, "images": ["img/nope.png"]}, "image {}/img/nope.png: cannot be read (No such file or directory)"),
+    "corrupt": (lambda row: {**row, "images": ["img/corrupt.png"]}, "image {}/img/corrupt.png: not a picture"),
+    "count": (lambda row: {**row, "images": row["images"] * 2}, "1 image place(s) in the messages (<image> or image parts) but 2 image(s) in 'images'"),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(BAD))
+def test_a_bad_picture_row_is_one_line_naming_its_line(tmp_path, llava, picture_data, kind):
+    shutil.copytree(picture_data.parent / "img", tmp_path / "img")
+    (tmp_path / "img" / "corrupt.png").write_bytes((tmp_path / "img" / "00000.png").read_bytes()[:40])
+    rows = [json.loads(line) for line in picture_data.read_text().splitlines()[:8]]
+    change, message = BAD[kind]
+    rows[4] = change(rows[4])
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = write_config(tmp_path / "run.yaml", _config(llava("clip"), data, tmp_path / "out", data={"cache_dir": str(tmp_path / "cache")}))
+    result = finetune_in_process("train", "--config", str(cfg))
+    assert result.returncode == 2
+    line = result.stderr.strip().splitlines()[-1]
+    assert f"{data}:5" in line and message.format(tmp_path).split(" (")[0] in line, line
+    skipped = finetune_in_process("train", "--config", str(cfg), "--set", "data.bad_rows=skip", "--set", "train.max_steps=1",
+                                  "--set", f"train.output_dir={tmp_path / 'skip'}")
+    assert skipped.returncode == 0, skipped.stderr[-2000:]
+    assert "skipped 1 bad row(s)" in skipped.stdout
+
+
+def test_what_vision_models_do_not_do_yet_is_refused_in_one_line(tmp_path, llava, picture_data):
+    for change, key in [({"data": {"packing": True}}, "data.packing"), ({"train": {"objective": "dpo"}, "data": {"format": "preference"}}, "train.objective"),
+                        ({"eval": {"generate_samples": 2}}, "eval.generate_samples")]:
+        cfg = _config(llava("clip"), picture_data, tmp_path / "out")
+        for section, values in change.items():
+            cfg[section].update(values)
+        result = finetune_in_process("validate", "--config", str(write_config(tmp_path / "c.yaml", cfg)))
+        assert result.returncode == 2 and f"error: {key}:" in result.stderr.strip().splitlines()[-1], result.stderr[-1000:]
