@@ -219,10 +219,13 @@ VISION_TEMPLATE = (
 
 
 def build_vision_model(out: Path, tokenizer, tower: str = "clip", language: dict | None = None, seed: int = 0) -> Path:
-    """A random-weight LLaVA with `tokenizer` (given `<image>` here) and its processor, saved to `out`."""
+    """A random-weight LLaVA (tower "clip" or "siglip") or Gemma 3 ("gemma3") with `tokenizer` (given the
+    family's picture tokens here) and its processor, saved to `out`."""
     import torch
     from transformers import CLIPImageProcessor, LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor, SiglipImageProcessor
 
+    if tower == "gemma3":
+        return _gemma3(out, tokenizer, language, seed)
     tokenizer.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN]})
     tokenizer.chat_template = VISION_TEMPLATE
     side = 56
@@ -244,6 +247,32 @@ def build_vision_model(out: Path, tokenizer, tower: str = "clip", language: dict
                                vision_feature_select_strategy=config.vision_feature_select_strategy, num_additional_image_tokens=int(tower == "clip"))
     model.save_pretrained(out)
     processor.save_pretrained(out)
+    return out
+
+
+def _gemma3(out: Path, tokenizer, language: dict | None, seed: int) -> Path:
+    """Gemma 3's way: `<start_of_image>` in the text, which its processor widens to the picture's 4 soft
+    tokens (2 x 2 pooled from 4 x 4 patches) between a begin and an end token."""
+    import torch
+    from transformers import AutoTokenizer, Gemma3Config, Gemma3ForConditionalGeneration, Gemma3ImageProcessor, Gemma3Processor
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tokenizer.save_pretrained(tmp)
+        tokenizer = AutoTokenizer.from_pretrained(tmp, extra_special_tokens={
+            "boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"})
+    template = VISION_TEMPLATE.replace(IMAGE_TOKEN, "<start_of_image>")
+    tokenizer.chat_template = template
+    text = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                head_dim=16, sliding_window=32, max_position_embeddings=512, bos_token_id=tokenizer.bos_token_id,
+                eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    config = Gemma3Config(text_config={**text, **(language or {})}, mm_tokens_per_image=4,
+                          vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=56,
+                                             patch_size=14),
+                          boi_token_index=tokenizer.boi_token_id, eoi_token_index=tokenizer.eoi_token_id, image_token_index=tokenizer.image_token_id)
+    torch.manual_seed(seed)
+    Gemma3ForConditionalGeneration(config).save_pretrained(out)
+    Gemma3Processor(image_processor=Gemma3ImageProcessor(size={"height": 56, "width": 56}), tokenizer=tokenizer, chat_template=template,
+                    image_seq_length=4).save_pretrained(out)
     return out
 
 

@@ -321,7 +321,8 @@ def load_and_prepare_model(run: RunState) -> None:
         f"({run.schedule.steps_per_epoch} per epoch)"
     )
     if cfg.eval.generate_samples and run.main and run.data.eval_examples:
-        run.before = exact_match(model, run.tokenizer, run.data.eval_examples[: cfg.eval.generate_samples], cfg.data.format, cfg.eval.max_new_tokens)
+        run.before = exact_match(model, run.tokenizer, run.data.eval_examples[: cfg.eval.generate_samples], cfg.data.format, cfg.eval.max_new_tokens,
+                                 run.processor)
         run.say(f"before training: exact match {run.before['exact_match']:.1%} on {run.before['n']} eval prompts")
     if cfg.model.compile:
         compile_layers(model)
@@ -609,7 +610,8 @@ def finish(run: RunState) -> RunResult:
             run.say(serving.line())
         if run.before is not None:
             examples = run.data.eval_examples[: run.cfg.eval.generate_samples]
-            summary.update(exact_match_after(unwrapped, run.tokenizer, examples, run.cfg.data.format, run.cfg.eval.max_new_tokens, run.before, run.say))
+            summary.update(exact_match_after(unwrapped, run.tokenizer, examples, run.cfg.data.format, run.cfg.eval.max_new_tokens, run.before,
+                                             run.say, run.processor))
         # The folder's README.md is a model card of this run (it replaces the template peft's save wrote).
         (run.out / model_card.CARD).write_text(model_card.run_card(cfg, summary, run.out))
         (run.out / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")

@@ -11,7 +11,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import DEMO_DATA, finetune_in_process, once, read_jsonl, run_cli, train_strategy, write_config
+from conftest import DEMO_DATA, REPO, finetune_in_process, once, read_jsonl, run_cli, train_strategy, write_config
 
 from finetune.data.rows import IGNORE
 
@@ -87,7 +87,10 @@ def _batch(model_dir, data, tmp_path, rows=(0, 1, 2)):
     return split.batch(list(rows), tokenizer.pad_token_id), processor, tokenizer, samples
 
 
-@pytest.mark.parametrize("tower", ["clip", "siglip"])
+TOWERS = {"clip": ("<image>", 16), "siglip": ("<image>", 16), "gemma3": ("<image_soft_token>", 4)}  # a picture's token, how many
+
+
+@pytest.mark.parametrize("tower", sorted(TOWERS))
 def test_picture_rows_tokenize_as_the_processor_and_train_only_the_answers(llava, picture_data, tmp_path, tower):
     from finetune.data.chat import render
     from finetune.data.images import decoded
@@ -113,11 +116,13 @@ def test_picture_rows_tokenize_as_the_processor_and_train_only_the_answers(llava
         pictures += picture
     expected = processor.image_processor(images=pictures, return_tensors="pt")["pixel_values"]
     assert torch.equal(batch["pixel_values"], expected)
-    image_id = tokenizer.convert_tokens_to_ids("<image>")
-    assert int((batch["input_ids"] == image_id).sum()) == 16 * len(samples)  # 56 x 56 pictures in 14-pixel patches
+    token, count = TOWERS[tower]  # 56 x 56 pictures in 14-pixel patches (Gemma 3: pooled 2 x 2)
+    assert int((batch["input_ids"] == tokenizer.convert_tokens_to_ids(token)).sum()) == count * len(samples)
+    if tower == "gemma3":  # its pictures' tokens see each other both ways: the processor's token types, padding included
+        assert torch.equal(batch["token_type_ids"], (batch["input_ids"] == tokenizer.convert_tokens_to_ids(token)).long())
 
 
-@pytest.mark.parametrize("tower", ["clip", "siglip"])
+@pytest.mark.parametrize("tower", sorted(TOWERS))
 def test_loss_and_gradients_equal_the_models_own_forward(llava, picture_data, tmp_path, tower):
     """Our loss (the fused head on the language model's hidden states, only at trained positions) equals
     the model's own loss with labels (what TRL's SFTTrainer takes), and so do the LoRA gradients."""
@@ -125,7 +130,7 @@ def test_loss_and_gradients_equal_the_models_own_forward(llava, picture_data, tm
 
     from finetune.config.schema import AdapterConfig
     from finetune.model.loading import apply_adapter
-    from finetune.objectives.loss import losses, to_device
+    from finetune.objectives.loss import fusable_parts, losses, to_device
 
     model_dir = llava(tower)
     batch, *_ = _batch(model_dir, picture_data, tmp_path)
@@ -134,12 +139,13 @@ def test_loss_and_gradients_equal_the_models_own_forward(llava, picture_data, tm
         if "lora_B" in name:
             torch.nn.init.normal_(p, std=0.02)  # B = 0 would hide the adapter's gradients in A
     assert not any("vision_tower" in n or "multi_modal_projector" in n for n, p in model.named_parameters() if p.requires_grad)
+    assert fusable_parts(model) is not None  # the fused head on the language model's hidden states
     ours = losses(model, to_device(batch, "cpu")).tokens
     count = int((batch["labels"][:, 1:] != IGNORE).sum())
     (ours / count).backward()
     mine = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad()
-    inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "pixel_values")}
+    inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "pixel_values", "token_type_ids") if k in batch}
     theirs = model(**inputs, labels=batch["labels"]).loss
     theirs.backward()
     assert abs(ours.item() / count - theirs.item()) < 1e-5
@@ -254,10 +260,41 @@ def test_a_bad_picture_row_is_one_line_naming_its_line(tmp_path, llava, picture_
 
 
 def test_what_vision_models_do_not_do_yet_is_refused_in_one_line(tmp_path, llava, picture_data):
-    for change, key in [({"data": {"packing": True}}, "data.packing"), ({"train": {"objective": "dpo"}, "data": {"format": "preference"}}, "train.objective"),
-                        ({"eval": {"generate_samples": 2}}, "eval.generate_samples")]:
+    for change, key in [({"data": {"packing": True}}, "data.packing"), ({"train": {"objective": "dpo"}, "data": {"format": "preference"}}, "train.objective")]:
         cfg = _config(llava("clip"), picture_data, tmp_path / "out")
         for section, values in change.items():
             cfg[section].update(values)
         result = finetune_in_process("validate", "--config", str(write_config(tmp_path / "c.yaml", cfg)))
         assert result.returncode == 2 and f"error: {key}:" in result.stderr.strip().splitlines()[-1], result.stderr[-1000:]
+
+
+def test_export_and_eval_refuse_a_vision_model_in_one_line(tmp_path, vision_run):
+    out, _ = vision_run
+    for args, key in [(("export", "--adapter", str(out), "--out", str(tmp_path / "m.gguf")), "--format gguf: llava is a vision-language model"),
+                      (("eval", "--adapter", str(out), "--tasks", "arc_easy"), "finetune eval: llava is a vision-language model")]:
+        result = finetune_in_process(*args)
+        assert result.returncode == 2 and key in result.stderr.strip().splitlines()[-1], result.stderr[-1000:]
+    assert not (tmp_path / "m.gguf").exists()
+
+
+@pytest.mark.parametrize(("name", "published"), [("qwen2.5-vl-7b", 8_292_166_656), ("llava-1.5-7b", 7_063_427_072)])
+def test_plan_counts_a_released_vision_models_tower(tmp_path, picture_data, name, published):
+    """The plan's parameters equal the released model's published count (the tower and projector counted
+    apart from the language model), LoRA's trainable count is the language model's, and the tower's rows
+    follow model.processor's picture size."""
+    from finetune.config.schema import RunConfig
+    from finetune.outputs import plan
+
+    config = {"model": {"name_or_path": str(REPO / "docs" / "examples" / name), "dtype": "bfloat16"}, "adapter": {"method": "lora", "r": 16},
+              "data": {"train": str(picture_data), "format": "chat", "max_seq_len": 2048, "packing": False},
+              "train": {"output_dir": str(tmp_path / "out"), "micro_batch_size": 1, "gradient_checkpointing": True}}
+    made = plan.make_plan(RunConfig.model_validate(config))
+    assert made.total_params == published
+    shape = plan.read_shape(config["model"]["name_or_path"])
+    language = published - shape.vision.params
+    assert made.trainable == plan.trainable_params(shape, RunConfig.model_validate(config)) and made.trainable < language * 0.01
+    assert made.rows["vision tower + projector"] == shape.vision.params * 2
+    if name.startswith("qwen"):  # Qwen-VL resizes pictures up to max_pixels: 4x the pixels, 4x the tower's values
+        small = plan.make_plan(RunConfig.model_validate({**config, "model": {**config["model"], "processor": {"max_pixels": 200704}}}))
+        large = plan.make_plan(RunConfig.model_validate({**config, "model": {**config["model"], "processor": {"max_pixels": 802816}}}))
+        assert large.rows["vision tower activations"] == 4 * small.rows["vision tower activations"]

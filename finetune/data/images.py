@@ -28,9 +28,10 @@ import numpy as np
 
 IMAGE_MARKER = "<image>"  # LLaVA / ShareGPT rows: where each of the row's `images` goes in the text
 SOURCE_KEYS = ("path", "image", "url")  # an image part names its picture under one of these
-# What an image processor makes that the model's forward takes (LLaVA: pixel values; Qwen-VL: also each
-# picture's patch grid; LLaVA-NeXT: sizes).
-MODEL_INPUTS = ("pixel_values", "image_grid_thw", "image_sizes")
+# What a batch with pictures gives the model's forward besides its tokens (LLaVA: pixel values; Qwen-VL:
+# also each picture's patch grid; LLaVA-NeXT: sizes; Gemma 3: which tokens are a picture's, which attend
+# to each other both ways).
+MODEL_INPUTS = ("pixel_values", "image_grid_thw", "image_sizes", "token_type_ids")
 
 
 def has_images(row: dict) -> bool:
@@ -146,12 +147,15 @@ def expand_rows(rows: list[dict], results: list, tokenizer, processor, max_seq_l
     return out, pictures
 
 
-def image_inputs(processor, pictures: list[bytes]) -> dict:
+def image_inputs(processor, pictures: list[bytes], input_ids) -> dict:
     """A batch's image inputs (pixel values, and what the family adds: Qwen-VL's grid sizes), as the
-    processor's image processor makes them from the pictures in the batch's order."""
+    processor's image processor makes them from the pictures in the batch's order; the tokens' modality
+    types where the processor gives them (Gemma 3)."""
     import torch
 
-    out = processor.image_processor(images=decoded(pictures), return_tensors="pt")
+    out = dict(processor.image_processor(images=decoded(pictures), return_tensors="pt")) if pictures else {}
+    if "token_type_ids" in processor.model_input_names:
+        out["token_type_ids"] = processor.create_mm_token_type_ids(input_ids.tolist())
     return {key: torch.as_tensor(value) for key, value in out.items() if key in MODEL_INPUTS}
 
 

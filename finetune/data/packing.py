@@ -191,7 +191,7 @@ class Split:
         self.locate = None  # prompt rows: a sample's file:line (set by the data step)
         self.unpaired: Unpaired | None = None  # KTO's examples: labels and completion starts (set by the data step)
         self.pictures = table.column("images") if "images" in table.column_names else None  # each sample's pictures (bytes)
-        self.vision = None  # a vision-language model's: pictures -> a batch's image inputs (set by the data step)
+        self.vision = None  # a vision-language model's: (pictures, input_ids) -> a batch's image inputs (set by the data step)
 
     def prompts(self, rows) -> list[Prompt]:
         """Prompt rows (one sample each): their ids, the row as read (its other columns go to the reward
@@ -244,8 +244,7 @@ class Split:
             batch["attention_mask"] = (torch.arange(batch["input_ids"].shape[1]) < lengths[:, None]).long()
             shown = [p for r in rows for s in self.samples[self.order[self.offsets[r] : self.offsets[r + 1]]].tolist()
                      for p in self.pictures[s].as_py()]
-            if shown:
-                batch.update(self.vision(shown))
+            batch.update(self.vision(shown, batch["input_ids"]))
         return batch
 
 

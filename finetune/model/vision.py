@@ -15,10 +15,11 @@ import re
 from finetune.config.errors import UserError
 from finetune.config.schema import AdapterConfig, ModelConfig
 
-# The families whose batches are exactly their processor's (tests/test_vision.py); others are refused in one
-# line. Gemma 3 needs token_type_ids and Mllama cross-attention masks that a batch here does not make yet;
-# Idefics3/SmolVLM split pictures into a per-row grid of crops.
-FAMILIES = {"llava": "LLaVA", "qwen2_vl": "Qwen2-VL", "qwen2_5_vl": "Qwen2.5-VL"}
+# The families whose batches are their processor's (tests/test_vision.py: LLaVA with a CLIP or SigLIP tower,
+# Gemma 3; Qwen2-VL and Qwen2.5-VL through the same path, their processor needing torchvision, which has no
+# wheel for the CPU torch here: docs/vision.md); others are refused in one line. Mllama needs cross-attention
+# masks a batch here does not make; Idefics3/SmolVLM split pictures into a per-row grid of crops.
+FAMILIES = {"llava": "LLaVA", "gemma3": "Gemma 3", "qwen2_vl": "Qwen2-VL", "qwen2_5_vl": "Qwen2.5-VL"}
 TOWERS = ("vision_tower", "visual", "vision_model")
 PROJECTORS = ("multi_modal_projector", "visual.merger", "connector")
 

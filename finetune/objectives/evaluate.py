@@ -7,6 +7,7 @@ import math
 
 import torch
 
+from finetune.data import images
 from finetune.data.packing import Split
 from finetune.data.rows import IGNORE, prompt_and_answer
 from finetune.objectives.loss import to_device
@@ -64,8 +65,9 @@ def eval_loss(model, rows: Split, batch_size: int, pad_id: int, accelerator, max
 
 @torch.no_grad()
 def generate(model, tokenizer, prompt: str, max_new_tokens: int, add_special_tokens: bool | None = None, temperature: float = 0.0,
-             streamer=None) -> str:
-    """The continuation of a prompt: greedy unless temperature > 0, streamed to `streamer` if given.
+             streamer=None, pictures: list[bytes] | None = None, processor=None) -> str:
+    """The continuation of a prompt: greedy unless temperature > 0, streamed to `streamer` if given; a
+    prompt that shows pictures (their bytes) goes through the vision-language model's processor.
 
     add_special_tokens: default, only when the tokenizer has no chat template (prompts rendered with
     one already carry the special tokens they need)."""
@@ -73,10 +75,14 @@ def generate(model, tokenizer, prompt: str, max_new_tokens: int, add_special_tok
     model.eval()
     device = next(model.parameters()).device
     add = not tokenizer.chat_template if add_special_tokens is None else add_special_tokens
-    ids = tokenizer(prompt, add_special_tokens=add, return_tensors="pt").input_ids.to(device)
+    if pictures:
+        inputs = dict(processor(text=[prompt], images=images.decoded(pictures), add_special_tokens=add, return_tensors="pt").to(device))
+    else:
+        ids = tokenizer(prompt, add_special_tokens=add, return_tensors="pt").input_ids.to(device)
+        inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    ids = inputs["input_ids"]
     out = model.generate(
-        input_ids=ids,
-        attention_mask=torch.ones_like(ids),
+        **inputs,
         max_new_tokens=max_new_tokens,
         use_cache=True,
         pad_token_id=tokenizer.pad_token_id,
@@ -93,19 +99,22 @@ def sampling(temperature: float) -> dict:
     return {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
 
 
-def exact_match(model, tokenizer, examples: list[dict], fmt: str, max_new_tokens: int) -> dict:
-    """Share of eval prompts whose greedy answer equals the reference answer (whitespace-trimmed)."""
+def exact_match(model, tokenizer, examples: list[dict], fmt: str, max_new_tokens: int, processor=None) -> dict:
+    """Share of eval prompts whose greedy answer equals the reference answer (whitespace-trimmed); a row
+    with pictures is answered with them (processor: the vision-language model's)."""
     results = []
     for row in examples:
         prompt, answer = prompt_and_answer(row, tokenizer, fmt)
-        results.append({"prompt": prompt, "expected": answer.strip(), "got": generate(model, tokenizer, prompt, max_new_tokens).strip()})
+        pictures = images.read(row["images"])[0] if images.has_images(row) else None
+        got = generate(model, tokenizer, prompt, max_new_tokens, pictures=pictures, processor=processor)
+        results.append({"prompt": prompt, "expected": answer.strip(), "got": got.strip()})
     correct = sum(r["got"] == r["expected"] for r in results)
     return {"exact_match": correct / max(1, len(results)), "n": len(results), "samples": results}
 
 
-def exact_match_after(model, tokenizer, examples: list[dict], fmt: str, max_new_tokens: int, before: dict, say=print) -> dict:
+def exact_match_after(model, tokenizer, examples: list[dict], fmt: str, max_new_tokens: int, before: dict, say=print, processor=None) -> dict:
     """Exact match after training beside `before` (exact_match's result at the start), with three samples shown."""
-    after = exact_match(model, tokenizer, examples, fmt, max_new_tokens)
+    after = exact_match(model, tokenizer, examples, fmt, max_new_tokens, processor)
     say(f"exact match on {after['n']} eval prompts: {before['exact_match']:.1%} before -> {after['exact_match']:.1%} after")
     for b, a in list(zip(before["samples"], after["samples"]))[:3]:
         say(f"  prompt {a['prompt']!r}\n    expected {a['expected']!r} | before tuning {b['got']!r} | after tuning {a['got']!r}")

@@ -54,6 +54,7 @@ def export(model_dir: str | None, adapter: str | None, out: str, kind: str = "f1
     that goes afterwards), written as GGUF at `out`."""
     if importlib.util.find_spec("gguf") is None:
         raise UserError("--format gguf: needs the gguf package (pip install 'finetune-kit[gguf]')")
+    _refuse_pictures(model_dir, adapter)
     if adapter is None:
         return export_gguf(model_dir, out, kind, say)
     from finetune.outputs.merge import merge
@@ -65,6 +66,19 @@ def export(model_dir: str | None, adapter: str | None, out: str, kind: str = "f1
         return export_gguf(str(merged), out, kind, say)
     finally:
         shutil.rmtree(merged, ignore_errors=True)
+
+
+def _refuse_pictures(model_dir: str | None, adapter: str | None) -> None:
+    """A vision-language model, before any merge: llama.cpp takes it as two files (finetune writes neither yet)."""
+    from finetune.model import vision
+    from finetune.model.adapters import find_adapter
+
+    folder = Path(model_dir).expanduser() if model_dir else Path(find_adapter(adapter, None).base)
+    config = read_model_config(folder, "--model") if (folder / "config.json").is_file() else {}
+    if vision.is_vision(config):
+        raise UserError(f"--format gguf: {config.get('model_type')} is a vision-language model, which llama.cpp reads as two files (the "
+                        "language model, and the vision tower and projector as an mmproj file); finetune does not write them yet. "
+                        "finetune merge writes the folder transformers and vLLM load")
 
 
 def export_gguf(model_dir: str, out: str, kind: str = "f16", say=print) -> dict:

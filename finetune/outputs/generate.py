@@ -51,14 +51,12 @@ def answer_picture(model, processor, prompt: str, image: str, max_new_tokens: in
         raise UserError(f"--image: {problem}")
     tokenizer = processor.tokenizer
     text = render_chat(tokenizer, [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt}]}], add_generation_prompt=True)
-    batch = processor(text=[text], images=images.decoded(data), add_special_tokens=False, return_tensors="pt")
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True) if stream else None
-    with torch.no_grad():
-        out = model.generate(**batch.to(next(model.parameters()).device), max_new_tokens=max_new_tokens, use_cache=True, streamer=streamer,
-                             pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, **sampling(temperature))
+    answer = continuation(model, tokenizer, text, max_new_tokens, add_special_tokens=False, temperature=temperature, streamer=streamer,
+                          pictures=data, processor=processor)
     if stream:
         sys.stdout.flush()
-    return tokenizer.decode(out[0, batch["input_ids"].shape[1]:], skip_special_tokens=True)
+    return answer
 
 
 def read_prompts(path: str) -> list[dict]:

@@ -37,6 +37,9 @@ def evaluate(model_dir: str | None, adapter_dir: str | None, tasks: list[str], b
     from finetune.outputs.generate import load
 
     model, tokenizer = load(model_dir, adapter_dir, base)
+    if model.config.to_dict().get("vision_config") is not None:
+        raise UserError(f"finetune eval: {model.config.model_type} is a vision-language model; its tasks run through lm-evaluation-harness's "
+                        "hf-multimodal model, which finetune eval does not drive yet (finetune generate --image tries it on a picture)")
     if hasattr(model, "merge_and_unload") and not getattr(model, "is_loaded_in_4bit", False):
         model = model.merge_and_unload()  # the harness takes a transformers model; merged in memory, as trained
     harness = HFLM(pretrained=model, tokenizer=tokenizer, device=str(next(model.parameters()).device), batch_size=batch_size)

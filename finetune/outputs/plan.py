@@ -8,6 +8,7 @@ on GPUs, a reserve for the CUDA context and allocator slack.
 from __future__ import annotations
 
 import functools
+import json
 import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -15,7 +16,7 @@ from pathlib import Path
 from finetune.config.errors import UserError
 from finetune.config.schema import DTYPE_BYTES, RunConfig, read_model_config
 from finetune.config.strategy import Strategy
-from finetune.model import families, nf4
+from finetune.model import families, nf4, vision
 from finetune.model.families import Linear
 from finetune.parallel.runtime import glibc_tuned_by_user
 
@@ -34,6 +35,23 @@ NF4_STATE, NF4_STATE_DOUBLE = 16 * 4, (16 + 256 + 1) * 4
 
 
 @dataclass(frozen=True)
+class VisionShape:
+    """A vision-language model's picture side: its tower's and projector's parameters, the tower's widths
+    and depth, and the patches a picture becomes (the processor's largest picture where it resizes)."""
+
+    params: int
+    hidden: int
+    intermediate: int
+    layers: int
+    patches: int
+    patch: int  # pixels a patch's side
+
+    def patches_of(self, processor: dict) -> int:
+        """Patches a picture becomes with model.processor's settings (a largest picture, max_pixels, where given)."""
+        return int(processor["max_pixels"]) // self.patch**2 if processor.get("max_pixels") else self.patches
+
+
+@dataclass(frozen=True)
 class Shape:
     vocab: int
     hidden: int
@@ -46,6 +64,7 @@ class Shape:
     norms_and_biases: int
     config: dict  # the config.json read (families.buffer_bytes needs the weights' dtype, known only with the run's config)
     meta_buffers: int | None = None  # buffer bytes of the model built on the meta device (architectures outside the table)
+    vision: VisionShape | None = None  # a vision-language model's tower and projector
 
     def buffers(self, weight_bytes: int) -> int:
         return self.meta_buffers if self.meta_buffers is not None else families.buffer_bytes(self.config, weight_bytes)
@@ -83,13 +102,41 @@ def read_shape(model_path: str) -> Shape:
 @functools.lru_cache(maxsize=32)
 def _read_shape(path: Path, version: int) -> Shape:
     config = read_model_config(path.parent, "plan")
+    shape = _text_shape(path, config)
+    return replace(shape, vision=vision_shape(path.parent, config)) if vision.is_vision(config) else shape
+
+
+def vision_shape(folder: Path, config: dict) -> VisionShape:
+    """The tower and projector counted on the model built on the meta device; a picture's patches from the
+    tower's image size, else the processor's largest picture (Qwen-VL: max_pixels)."""
+    from finetune.config.schema import ModelConfig
+    from finetune.model.loading import load_model
+
+    model = load_model(ModelConfig(name_or_path=str(folder)), skeleton="meta", say=lambda _: None)
+    parts = vision.part_names(model)
+    seen = {id(p): p.numel() for role in ("tower", "projector") if role in parts for p in model.get_submodule(parts[role]).parameters()}
+    v = config["vision_config"]
+    patch = v.get("patch_size") or 14
+    if v.get("image_size"):
+        patches = (v["image_size"] // patch) ** 2
+    else:
+        saved = next((json.loads(f.read_text()) for f in (folder / "preprocessor_config.json", folder / "processor_config.json") if f.is_file()), {})
+        saved = saved.get("image_processor", saved)
+        patches = int((saved.get("max_pixels") or (saved.get("size") or {}).get("longest_edge") or 12845056) // patch**2)
+    hidden = v.get("hidden_size") or v.get("embed_dim")
+    hidden = v.get("embed_dim") or hidden  # Qwen2-VL: hidden_size is the projector's output, embed_dim the tower's width
+    intermediate = v.get("intermediate_size") or int(hidden * v.get("mlp_ratio", 4))
+    return VisionShape(sum(seen.values()), hidden, intermediate, v.get("num_hidden_layers") or v.get("depth") or 0, patches, patch)
+
+
+def _text_shape(path: Path, config: dict) -> Shape:
     why = families.unsupported(config)
     if why:
         raise UserError(f"plan: {path}: {why}")
     c = families.text_config(config)
     if not c.get("model_type"):
         raise UserError(f"plan: {path} lacks model_type (the planner knows decoder-only transformers)")
-    if c["model_type"] not in families.SPELLED_OUT:
+    if c["model_type"] not in families.SPELLED_OUT or vision.is_vision(config):  # a nested text config leaves sizes to its class's defaults
         return skeleton_shape(path.parent)
     try:
         linears = families.linear_layers(config)
@@ -125,10 +172,13 @@ def skeleton_shape(folder: Path) -> Shape:
         raise UserError(f"plan: {err}") from None
     except Exception as err:  # noqa: BLE001 - an architecture transformers cannot build from this config
         raise UserError(f"plan: {folder / 'config.json'}: transformers cannot build this model from it ({str(err).splitlines()[0]})") from None
-    config, head, embed = model.config, model.get_output_embeddings(), model.get_input_embeddings()
+    config, head, embed = model.config.get_text_config(), model.get_output_embeddings(), model.get_input_embeddings()
     routed = getattr(config, "num_experts_per_tok", None) or 1
     copies, active = Counter(), Counter()  # by (name, fan_in, fan_out, expert)
+    pictures = tuple(f"{name}." for role, name in vision.part_names(model).items() if role != "language")  # counted by vision_shape
     for name, module in model.named_modules():
+        if name.startswith(pictures):
+            continue
         if linear_like(module) and module is not head:
             shape = (module.in_features, module.out_features) if isinstance(module, torch.nn.Linear) else tuple(module.weight.shape)
             key = (name.rsplit(".", 1)[-1], *shape, False)
@@ -147,7 +197,8 @@ def skeleton_shape(folder: Path) -> Shape:
     tied = head is not None and head.weight is embed.weight
     heads = config.num_attention_heads
     width = next((w for w in (getattr(config, key, None) for key in ("intermediate_size", "ffn_dim", "n_inner")) if isinstance(w, int)), 4 * hidden)
-    other = sum(p.numel() for p in model.parameters()) - sum(layer.params for layer in linears) - vocab * hidden * (1 if tied else 2)
+    language = [p for name, p in model.named_parameters() if not name.startswith(pictures)]
+    other = sum(p.numel() for p in language) - sum(layer.params for layer in linears) - vocab * hidden * (1 if tied else 2)
     kv_dim = (getattr(config, "num_key_value_heads", None) or heads) * (hidden // heads)
     return Shape(vocab=vocab, hidden=hidden, layers=config.num_hidden_layers, kv_dim=kv_dim,
                  mlp_width=width, attention_values=6 * hidden + 2 * kv_dim, tied=tied, linears=tuple(linears), norms_and_biases=other, config={},
@@ -269,7 +320,19 @@ def estimate(shape: Shape, cfg: RunConfig, s: Setup) -> tuple[dict[str, float], 
         rows["DPO reference model"] = base / s.devices if s.shards_weights else base
     if peak.temporaries:
         rows["dense weight temporaries"] = peak.temporaries
+    if shape.vision is not None:
+        rows["vision tower + projector"], rows["vision tower activations"] = vision_rows(shape.vision, cfg, s)
     return rows, moment
+
+
+def vision_rows(v: VisionShape, cfg: RunConfig, s: Setup) -> tuple[float, float]:
+    """(the tower's and projector's weights, what its forward holds): one picture a row. Frozen, the
+    tower saves nothing for the backward and holds one layer's values at a time; adapted or trained, each
+    layer's (a Llama-like block's 6 h + 4 i values per patch) until the backward."""
+    layers = v.layers if cfg.adapter.vision != "frozen" else 1
+    trained = v.params * (s.weight_bytes + 4 + 8) if cfg.adapter.vision == "full" else 0  # gradients and AdamW's two fp32 states
+    patches = v.patches_of(cfg.model.processor)
+    return v.params * s.weight_bytes + trained, s.micro_batch * patches * (6 * v.hidden + 4 * v.intermediate) * s.activation_bytes * layers
 
 
 def quantized_layers(shape: Shape) -> int:
@@ -480,8 +543,9 @@ def make_plan(cfg: RunConfig, devices: int = 1, strategy: str | None = None, gpu
         rows["process runtime (CPU)"] = CPU_RUNTIME
         if heap_holes(shape, cfg, setup):
             rows["freed but held by the heap (CPU)"] = heap_holes(shape, cfg, setup)
-    return Plan(rows, sum(rows.values()), setup, trainable_params(shape, cfg), shape.linear_params + shape.other_params, shape.active_params,
-                shape.linear_params - shape.quantizable_params, host, moment=moment)
+    pictures = shape.vision.params if shape.vision else 0
+    return Plan(rows, sum(rows.values()), setup, trainable_params(shape, cfg), shape.linear_params + shape.other_params + pictures,
+                shape.active_params + pictures, shape.linear_params - shape.quantizable_params, host, moment=moment)
 
 
 def checked_plan(cfg: RunConfig, devices: int = 1, strategy: str | None = None, gpu: bool = False, setup: Setup | None = None) -> Plan:

@@ -89,8 +89,6 @@ def check_vision(cfg: RunConfig) -> None:
         cfg.distributed.sequence_parallel > 1 and "distributed.sequence_parallel: not with a vision-language model (a picture's tokens would be split)",
         cfg.model.tiled_mlp > 1 and "model.tiled_mlp: not with a vision-language model yet",
         cfg.model.quantization is not None and "model.quantization: a quantized vision-language model is not built yet; use adapter.method lora",
-        cfg.eval.generate_samples and "eval.generate_samples: answers to picture rows are not generated during training; set it to 0 "
-                                      "(finetune generate --image does it after)",
         cfg.adapter.vision == "lora" and cfg.adapter.method == "full" and "adapter.vision: lora needs adapter.method lora or dora",
     ]
     problem = next((p for p in refused if p), None)
