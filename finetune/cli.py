@@ -1,4 +1,4 @@
-"""`finetune` command line: train, validate, data, plan, stage, merge, export, eval, generate, configs, make-demo-model.
+"""`finetune` command line: train, validate, data, plan, stage, merge, export, eval, generate, configs, make-demo-model, make-vision-demo.
 
 Bad input ends with one line on stderr and exit code 2, never a traceback.
 """
@@ -224,6 +224,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=_number(int, 1, "at least 1"), default=None, help="pretraining steps (default: the demo's own)")
     p.add_argument("--overwrite", action="store_true", help="build even if the folder already holds files: the demo model's files "
                    "are replaced, any others are kept")
+    p = sub.add_parser("make-vision-demo", help="build the vision demo: synthetic pictures and a tiny LLaVA that describes them",
+                       description="Draw pictures of shapes in colours (PIL), write rows about them (OUT/data: captions, and the demo's "
+                       "question with train and held-out rows), build a tiny LLaVA (CLIP tower, Llama) and pretrain it whole to "
+                       "describe the pictures (OUT/model). configs/vision.yaml then fine-tunes it on the question.")
+    p.add_argument("--out", default="demo/vision", help="output folder (default: demo/vision)")
+    p.add_argument("--steps", type=_number(int, 1, "at least 1"), default=None, help="pretraining steps (default: the demo's own)")
+    p.add_argument("--overwrite", action="store_true", help="rebuild the pictures, rows and model")
     return parser
 
 
@@ -418,6 +425,12 @@ def configs(args: argparse.Namespace) -> None:
         print(f"{name:<34} {about}")
 
 
+def make_vision_demo(args: argparse.Namespace) -> None:
+    from finetune.demo import make_vision_demo
+
+    make_vision_demo(args.out, steps=args.steps, overwrite=args.overwrite)
+
+
 def make_demo_model(args: argparse.Namespace) -> None:
     from finetune.demo import make_demo_model
 
@@ -425,7 +438,8 @@ def make_demo_model(args: argparse.Namespace) -> None:
 
 
 COMMANDS = {"train": train, "validate": validate, "data": data, "plan": plan, "stage": stage, "merge": merge, "export": export,
-            "eval": eval_tasks, "score": score, "generate": generate, "configs": configs, "make-demo-model": make_demo_model}
+            "eval": eval_tasks, "score": score, "generate": generate, "configs": configs, "make-demo-model": make_demo_model,
+            "make-vision-demo": make_vision_demo}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -339,8 +339,8 @@ def test_csv_and_text_files_are_rows_too(tmp_path, tiny_model_dir):
     ([_sharegpt(CHAT[0])], "alpaca", ":1: missing field 'instruction' (format 'alpaca'; this row looks like format 'chat': set data.format: chat)"),
     ([ALPACA[0]], "chat", ":1: missing or empty field 'messages' (format 'chat'; this row looks like format 'alpaca': set data.format: alpaca)"),
     ([{"conversations": [{"from": "narrator", "value": "x"}]}], "chat", ":1: conversations[0] must be {from: human|gpt|system|tool, value: string}"),
-    ([{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}], "chat",
-     ":1: messages[0].content: only text parts can be trained on (got image_url)"),
+    ([{"messages": [{"role": "user", "content": [{"type": "audio", "audio": {"path": "x.wav"}}]}]}], "chat",
+     ":1: messages[0].content: only text and image parts can be trained on (got audio)"),
 ])
 def test_rows_of_another_shape_are_named_in_one_line(tmp_path, tiny_model_dir, rows, fmt, message):
     path = _write(tmp_path / "rows.jsonl", rows)

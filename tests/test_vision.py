@@ -298,3 +298,42 @@ def test_plan_counts_a_released_vision_models_tower(tmp_path, picture_data, name
         small = plan.make_plan(RunConfig.model_validate({**config, "model": {**config["model"], "processor": {"max_pixels": 200704}}}))
         large = plan.make_plan(RunConfig.model_validate({**config, "model": {**config["model"], "processor": {"max_pixels": 802816}}}))
         assert large.rows["vision tower activations"] == 4 * small.rows["vision tower activations"]
+
+
+def test_the_vision_demo_builds_and_its_config_trains_on_it(tmp_path):
+    """make-vision-demo (briefly pretrained here) and configs/vision.yaml on it: the shipped path of `make demo-vision`."""
+    built = finetune_in_process("make-vision-demo", "--out", str(tmp_path / "vision"), "--steps", "20")
+    assert built.returncode == 0, built.stderr[-2000:]
+    data = tmp_path / "vision" / "data"
+    assert len((data / "captions.jsonl").read_text().splitlines()) == 1800 and len((data / "eval.jsonl").read_text().splitlines()) == 200
+    result = finetune_in_process("train", "--config", str(REPO / "configs" / "vision.yaml"), "--set", f"model.name_or_path={tmp_path / 'vision' / 'model'}",
+                                 "--set", f"data.train={data / 'train.jsonl'}", "--set", f"data.eval={data / 'eval.jsonl'}",
+                                 "--set", "eval.generate_samples=8", "--set", "train.max_steps=6", "--set", f"train.output_dir={tmp_path / 'out'}",
+                                 "--set", "logging.progress_bar=false")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "exact match on 8 eval prompts:" in result.stdout
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert "exact_match_after" in summary and summary["steps"] == 6
+
+
+def test_openai_image_url_parts_and_parquet_bytes_read_as_paths_do(tmp_path, picture_data):
+    """The same picture as a path, an OpenAI data URI and a Parquet binary column: the same bytes reach the cache."""
+    import base64
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from finetune.data.images import read
+    from finetune.data.rows import Skipped, checked_rows
+
+    picture = picture_data.parent / "img" / "00000.png"
+    uri = "data:image/png;base64," + base64.b64encode(picture.read_bytes()).decode()
+    answer = {"role": "assistant", "content": "a shape"}
+    rows = [{"messages": [{"role": "user", "content": [{"type": "image", "path": str(picture)}, {"type": "text", "text": QUESTION}]}, answer]},
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": uri}}, {"type": "text", "text": QUESTION}]}, answer]}]
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    pq.write_table(pa.table({"images": [[{"bytes": picture.read_bytes(), "path": None}]],
+                             "messages": [[{"role": "user", "content": f"<image>{QUESTION}"}, answer]]}), tmp_path / "rows.parquet")
+    read_back = [row for name in ("rows.jsonl", "rows.parquet") for _, row in checked_rows(str(tmp_path / name), "chat", "fail", Skipped())]
+    assert [read(row["images"])[0] for row in read_back] == [[picture.read_bytes()]] * 3
+    assert all(m["content"][0] == {"type": "image"} for m in (row["messages"][0] for row in read_back))

@@ -4,7 +4,8 @@ A row with pictures, whatever shape it came in, is kept as TRL keeps one: `image
 absolute against the data file, or the picture's bytes as base64) and messages whose content is a list
 of parts, `{"type": "image"}` standing where each picture goes, in order. Accepted shapes:
 - OpenAI/TRL content parts: `{"type": "image", "path"|"image"|"url": ...}` (a local path, or the bytes
-  of a Parquet column or a `datasets` Image feature, `{"bytes": ..., "path": ...}`);
+  of a Parquet column or a `datasets` Image feature, `{"bytes": ..., "path": ...}`), or OpenAI's
+  `{"type": "image_url", "image_url": {"url": ...}}` (a local path or a base64 data URI);
 - LLaVA / ShareGPT: `"images": [...]` beside messages or conversations whose text says `<image>` where
   each picture goes.
 
@@ -27,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 IMAGE_MARKER = "<image>"  # LLaVA / ShareGPT rows: where each of the row's `images` goes in the text
-SOURCE_KEYS = ("path", "image", "url")  # an image part names its picture under one of these
+SOURCE_KEYS = ("path", "image", "url", "image_url")  # an image part names its picture under one of these
 # What a batch with pictures gives the model's forward besides its tokens (LLaVA: pixel values; Qwen-VL:
 # also each picture's patch grid; LLaVA-NeXT: sizes; Gemma 3: which tokens are a picture's, which attend
 # to each other both ways).
@@ -53,14 +54,15 @@ def gather(row: dict) -> tuple[dict, str | None]:
                 kind = part.get("type") if isinstance(part, dict) else None
                 if kind == "text" and isinstance(part.get("text"), str):
                     parts.append({"type": "text", "text": part["text"]})
-                elif kind == "image":
+                elif kind in ("image", "image_url"):
                     source = next((part[k] for k in SOURCE_KEYS if part.get(k) is not None), None)
+                    source = source.get("url") if kind == "image_url" and isinstance(source, dict) else source  # OpenAI's {"url": ...}
                     if source is not None:
                         images.append(source)
                         parted = True
                     parts.append({"type": "image"})
                 else:
-                    return row, f"messages[{i}].content: parts must be {{type: text, text}} or {{type: image, path}} (got {kind or part!r})"
+                    return row, f"messages[{i}].content: only text and image parts can be trained on (got {kind or type(part).__name__})"
             m = {**m, "content": parts}
         elif isinstance(content, str) and IMAGE_MARKER in content and row.get("images"):
             pieces = content.split(IMAGE_MARKER)
@@ -94,6 +96,8 @@ def located(row: dict, data_file: Path) -> tuple[dict, str | None]:
             image = image.get("bytes") if image.get("bytes") is not None else image.get("path")
         if isinstance(image, (bytes, bytearray)):
             out.append({"base64": base64.b64encode(image).decode("ascii")})
+        elif isinstance(image, str) and image.startswith("data:") and ";base64," in image:  # a data URI (OpenAI's image_url)
+            out.append({"base64": image.split(";base64,", 1)[1]})
         elif isinstance(image, str) and image:
             if image.startswith(("http://", "https://")):
                 return row, f"images[{i}]: {image} is a URL; finetune reads local files only (download the pictures first)"
