@@ -86,7 +86,8 @@ def peer(work: Path, out: Path, result: Path) -> None:
                      warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0, optim="adamw_torch", logging_steps=1, save_strategy="no", report_to="none",
                      use_cpu=True, seed=0, disable_tqdm=True, dataloader_num_workers=0, max_length=None, completion_only_loss=True,
                      gradient_checkpointing=False)
-    lora = LoraConfig(r=RANK, lora_alpha=2 * RANK, lora_dropout=0.0, target_modules=r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)")
+    linears = "q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj"  # the language model's, as finetune adapts them
+    lora = LoraConfig(r=RANK, lora_alpha=2 * RANK, lora_dropout=0.0, target_modules=rf".*language_model.*\.({linears})")
     trainer = SFTTrainer(model=model, args=args, train_dataset=data, processing_class=processor, peft_config=lora, callbacks=[Timing()])
     trainer.train()
     result.write_text(json.dumps({"steps": steps}))
@@ -121,7 +122,8 @@ def measure(name: str, work: Path) -> dict:
 
 
 def table(results: list[dict], commit: str) -> str:
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name")), platform.processor())
+    info = Path("/proc/cpuinfo").read_text().splitlines()
+    cpu = next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), platform.processor())
     lines = [f"# finetune vs TRL SFTTrainer on a vision-language model ({datetime.date.today()}, {cpu}, {os.cpu_count()} cores, commit {commit})", "",
              f"LLaVA (CLIP tower, 112 x 112 pictures, 64 picture tokens; Llama 4 x 256), {ROWS} rows, micro-batch {MICRO}, LoRA r {RANK} on the "
              "language model, fp32, one epoch; samples/s from the first step's end to the last's.", "",

@@ -127,6 +127,15 @@ def _cases():
         "d.jsonl:1: messages[0] must be")
     add("data-chat-no-answer", lambda k: k.train(data={"format": "chat", "train": k.rows("d.jsonl", [{"messages": [{"role": "user", "content": "a"}]}])}),
         "d.jsonl:1: no non-empty assistant message")
+    picture = {"role": "user", "content": [{"type": "image", "path": "img/a.png"}, {"type": "text", "text": "What is it?"}]}
+    add("data-picture-for-a-text-model", lambda k: k.train(data={"format": "chat", "train": k.rows("d.jsonl", [{"messages": [
+        picture, {"role": "assistant", "content": "a"}]}])}), "d.jsonl:1: the row has pictures, but the model takes none")
+    add("data-picture-url", lambda k: k.train(data={"format": "chat", "train": k.rows("d.jsonl", [{"messages": [
+        {**picture, "content": [{"type": "image", "url": "https://x.org/a.png"}]}, {"role": "assistant", "content": "a"}]}])}),
+        "d.jsonl:1: images[0]: https://x.org/a.png is a URL; finetune reads local files only")
+    add("data-picture-count", lambda k: k.train(data={"format": "chat", "train": k.rows("d.jsonl", [{"images": ["a.png", "b.png"], "messages": [
+        {"role": "user", "content": "<image> What?"}, {"role": "assistant", "content": "a"}]}])}),
+        "d.jsonl:1: 1 image place(s) in the messages (<image> or image parts) but 2 image(s) in 'images'")
     add("data-completion-missing-text", lambda k: k.train(data={"format": "completion", "train": k.rows("d.jsonl", [{"txt": "a"}])}),
         "d.jsonl:1: missing field 'text'")
     add("data-parquet-garbage", lambda k: k.train(data={"train": k.file("d.parquet", b"PAR1 garbage")}), "d.parquet: not a readable Parquet file")
