@@ -363,7 +363,8 @@ def merge(args: argparse.Namespace) -> None:
     m, e = report["merged_vs_tuned"], report["adapter_effect"]
     print(f"merged {report['adapter']} into {report['base']} ({report['dtype']}"
           + (f", QLoRA: {report['qlora_base']} base" if "qlora_base" in report else "") + f") -> {args.out}\n"
-          f"check on {report['check_texts']} texts: |logits - base+adapter| max {m['max']:.3g}, mean {m['mean']:.3g} "
+          f"check on {report['check_texts']} texts" + (f" ({report['check_pictures']} pictures)" if report["check_pictures"] else "")
+          + f": |logits - base+adapter| max {m['max']:.3g}, mean {m['mean']:.3g} "
           f"(tolerance {report['tolerance_max']:g}); the adapter moves the base's logits by max {e['max']:.3g}, mean {e['mean']:.3g}")
 
 

@@ -61,8 +61,8 @@ def llava(tmp_path_factory):
     return get
 
 
-def _config(model, rows, out, **changes) -> dict:
-    cfg = {"model": {"name_or_path": str(model), "dtype": "float32"},
+def _config(model_dir, rows, out, **changes) -> dict:
+    cfg = {"model": {"name_or_path": str(model_dir), "dtype": "float32"},
            "adapter": {"method": "lora", "r": 8, "alpha": 16, "dropout": 0.0},
            "data": {"train": str(rows), "format": "chat", "max_seq_len": 96, "packing": False, "eval_fraction": 0.0},
            "train": {"output_dir": str(out), "max_steps": 12, "micro_batch_size": 4, "lr": 1e-2, "warmup_steps": 0, "mixed_precision": "no"},
@@ -217,6 +217,8 @@ def test_merge_loads_in_transformers_and_generates_from_a_picture(tmp_path, visi
     tuned = as_trained(find_adapter(str(out), None))
     answers = [answer_picture(m, processor, QUESTION, picture, max_new_tokens=4, stream=False) for m in (merged, tuned)]
     assert answers[0] == answers[1]
+    report = json.loads((tmp_path / "merged" / "merge_report.json").read_text())
+    assert report["check_pictures"] == 4 and report["passed"]  # the check ran the tower too
     from PIL import Image
 
     text = processor.apply_chat_template([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]}],
@@ -337,3 +339,21 @@ def test_openai_image_url_parts_and_parquet_bytes_read_as_paths_do(tmp_path, pic
     read_back = [row for name in ("rows.jsonl", "rows.parquet") for _, row in checked_rows(str(tmp_path / name), "chat", "fail", Skipped())]
     assert [read(row["images"])[0] for row in read_back] == [[picture.read_bytes()]] * 3
     assert all(m["content"][0] == {"type": "image"} for m in (row["messages"][0] for row in read_back))
+
+
+def test_qlora_quantizes_the_language_model_and_keeps_the_tower(tmp_path, llava, picture_data):
+    import bitsandbytes as bnb
+
+    from finetune.config.schema import ModelConfig
+    from finetune.model.loading import load_model
+
+    model = load_model(ModelConfig(name_or_path=str(llava("clip")), dtype="bfloat16", quantization={"bits": 4}))
+    quantized = [n for n, m in model.named_modules() if isinstance(m, bnb.nn.Linear4bit)]
+    assert len(quantized) == 14 and all(".language_model." in n for n in quantized)  # 2 layers x 7
+    assert model.get_submodule("model.vision_tower.encoder.layers.0.mlp.fc1").weight.dtype == torch.float32
+    cfg = _config(llava("clip"), picture_data, tmp_path / "out", model={"dtype": "bfloat16", "quantization": {"bits": 4}},
+                  train={"mixed_precision": "bf16", "max_steps": 8})
+    result = finetune_in_process("train", "--config", str(write_config(tmp_path / "q.yaml", cfg)))
+    assert result.returncode == 0, result.stderr[-2000:]
+    losses = [r["loss"] for r in read_jsonl(tmp_path / "out" / "metrics.jsonl") if "loss" in r]
+    assert losses[-1] < losses[0] - 0.3, losses

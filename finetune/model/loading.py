@@ -61,7 +61,7 @@ def _linear_out_dims(cfg: ModelConfig) -> dict[str, int]:
     """Output widths of a decoder's linear layers, from config.json (empty if not a local folder)."""
     if not (Path(cfg.name_or_path).expanduser() / "config.json").is_file():
         return {}
-    c = read_model_config(Path(cfg.name_or_path), "model.name_or_path")
+    c = families.text_config(read_model_config(Path(cfg.name_or_path), "model.name_or_path"))
     head_dim = c.get("head_dim") or c.get("hidden_size", 0) // max(1, c.get("num_attention_heads", 1))
     kv = c.get("num_key_value_heads") or c.get("num_attention_heads", 0)
     dims = {"hidden_size": c.get("hidden_size"), "intermediate_size": c.get("intermediate_size"), "kv_heads*head_dim": kv * head_dim}
@@ -77,22 +77,26 @@ def check_attention(cfg: ModelConfig) -> None:
             raise UserError(f"model.attn_implementation: {cfg.attn_implementation} needs the '{package}' package installed")
 
 
-def quantization_config(cfg: ModelConfig, partitioned: bool = False):
+def quantization_config(cfg: ModelConfig, partitioned: bool = False, pictures: bool = False):
     """partitioned: ZeRO-3 will split the weights over processes. The packed 4-bit values are then
     stored in the dtype of the other weights (bnb_4bit_quant_storage), as the bitsandbytes and
-    transformers docs prescribe for sharded QLoRA, so they are partitioned like any other weight."""
+    transformers docs prescribe for sharded QLoRA, so they are partitioned like any other weight.
+    pictures: a vision-language model, whose tower and projector stay in the compute dtype (transformers
+    would quantize them too)."""
     from transformers import BitsAndBytesConfig
 
     q = cfg.quantization
+    # transformers matches a skipped name from the start of a module's name, or as a pattern: at any depth here
+    skip = [*(q.skip_modules or []), *(rf".*\b{name}" for name in (*vision.TOWERS, *vision.PROJECTORS)), "lm_head"] if pictures else q.skip_modules
     if q.bits == 8:
-        return BitsAndBytesConfig(load_in_8bit=True, llm_int8_skip_modules=q.skip_modules)
+        return BitsAndBytesConfig(load_in_8bit=True, llm_int8_skip_modules=skip)
     return BitsAndBytesConfig(
         load_in_4bit=True,
         bnb_4bit_quant_type=q.quant_type,
         bnb_4bit_use_double_quant=q.double_quant,
         bnb_4bit_compute_dtype=DTYPES[q.compute_dtype],
         bnb_4bit_quant_storage=(DTYPES[cfg.dtype] if cfg.dtype != "auto" else torch.float32) if partitioned else torch.uint8,
-        llm_int8_skip_modules=q.skip_modules,
+        llm_int8_skip_modules=skip,
     )
 
 
@@ -176,7 +180,7 @@ def load_model(cfg: ModelConfig, device: torch.device | str = "cpu", skeleton: s
         from transformers.integrations import is_deepspeed_zero3_enabled
 
         partitioned = is_deepspeed_zero3_enabled()  # ZeRO-3 places the weights itself: no device_map
-        extra = {"quantization_config": quantization_config(cfg, partitioned)}
+        extra = {"quantization_config": quantization_config(cfg, partitioned, vision.is_vision(config.to_dict()))}
         if not partitioned:
             extra["device_map"] = {"": str(device)}
     try:

@@ -24,6 +24,7 @@ import torch
 
 from finetune.config.errors import EXIT_MERGE_CHECK, Stopped, UserError
 from finetune.config.schema import PRECISIONS, ModelConfig
+from finetune.data import images
 from finetune.model import nf4, vision
 from finetune.model.adapters import Adapter, as_trained, attach, find_adapter, load_base, tokenizer_source
 from finetune.model.loading import DTYPES, auto_class, load_tokenizer, override_config, quantize_layers, weight_files
@@ -38,9 +39,10 @@ FALLBACK_PROMPTS = ["The quick brown fox jumps over the lazy dog.", "Question: w
                     "Once upon a time, in a small village,"]
 
 
-def check_texts(adapter: Adapter, tokenizer, prompts_file: str | None, n: int = 4, say=print) -> list[str]:
-    """Texts to compare logits on: --check-prompts (one per line), else the run's first training
-    samples (prompt and answer), else a few generic sentences (and a line saying why)."""
+def check_texts(adapter: Adapter, tokenizer, prompts_file: str | None, n: int = 4, say=print) -> tuple[list[str], list[list[bytes]]]:
+    """Texts to compare logits on, and each one's pictures: --check-prompts (one per line), else the run's
+    first training samples (prompt and answer, with the row's pictures), else a few generic sentences (and
+    a line saying why)."""
     if prompts_file:
         path = Path(prompts_file).expanduser()
         if not path.is_file():
@@ -48,7 +50,7 @@ def check_texts(adapter: Adapter, tokenizer, prompts_file: str | None, n: int = 
         texts = [line for line in path.read_text().splitlines() if line.strip()]
         if not texts:
             raise UserError(f"--check-prompts: {prompts_file} holds no prompts (one per line expected)")
-        return texts
+        return texts, [[] for _ in texts]
     if adapter.run is not None:
         from itertools import islice
 
@@ -59,21 +61,27 @@ def check_texts(adapter: Adapter, tokenizer, prompts_file: str | None, n: int = 
         try:
             rows = [row for _, row in islice(checked_rows(source.path, source.format, "skip", Skipped(), source.split, source.columns), n)]  # the first n
             if rows and source.format == "completion":
-                return [row["text"] for row in rows]
+                return [row["text"] for row in rows], [[] for _ in rows]
             if rows:
-                return ["".join(prompt_and_answer(row, tokenizer, source.format)) for row in rows]
+                return (["".join(prompt_and_answer(row, tokenizer, source.format)) for row in rows],
+                        [images.read(row["images"])[0] if images.has_images(row) else [] for row in rows])
         except (UserError, OSError) as err:
             say(f"check texts: the run's training data is not readable ({str(err).splitlines()[0]}); checking on {len(FALLBACK_PROMPTS)} "
                 "generic sentences (--check-prompts FILE names your own)")
-    return FALLBACK_PROMPTS
+    return FALLBACK_PROMPTS, [[] for _ in FALLBACK_PROMPTS]
 
 
 @torch.no_grad()
-def logits_on(model, tokenizer, texts: list[str]) -> list[torch.Tensor]:
+def logits_on(model, tokenizer, texts: list[str], pictures: list[list[bytes]], processor=None) -> list[torch.Tensor]:
+    """Each text's logits; a text with pictures through the vision-language model's processor, whole (a
+    picture's tokens are not cut)."""
     out = []
-    for text in texts:
-        ids = tokenizer(text, return_tensors="pt").input_ids[:, :256]
-        out.append(model(input_ids=ids, use_cache=False).logits[0].float())
+    for text, shown in zip(texts, pictures):
+        if shown and processor is not None:
+            inputs = dict(processor(text=[text], images=images.decoded(shown), return_tensors="pt"))
+        else:
+            inputs = {"input_ids": tokenizer(text, return_tensors="pt").input_ids[:, :256]}
+        out.append(model(**inputs, use_cache=False).logits[0].float())
     return out
 
 
@@ -106,18 +114,20 @@ def merge(adapter_path: str, out: str, base: str | None = None, dtype: str | Non
     adapter = find_adapter(adapter_path, base)
     final, tmp = _output_folders(out, overwrite)
     try:
-        tokenizer = load_tokenizer(ModelConfig(name_or_path=tokenizer_source(adapter)))
-        texts = check_texts(adapter, tokenizer, prompts_file, say=say)
+        processor = vision.processor_for(ModelConfig(name_or_path=tokenizer_source(adapter)), adapter.base)
+        tokenizer = load_tokenizer(ModelConfig(name_or_path=tokenizer_source(adapter)), processor)
+        texts, pictures = check_texts(adapter, tokenizer, prompts_file, say=say)
         dtype = dtype or _stored_dtype(adapter.base)
         tolerance = tolerance if tolerance is not None else max(TOLERANCE[dtype], TOLERANCE["bf16"] if _bf16_compute(adapter) else 0)
 
         # 1. The reference: base + adapter as trained (a float base in the output dtype: one copy of
         # the size the merged model will have).
         tuned = as_trained(adapter, dtype=PRECISIONS[dtype])
-        reference = logits_on(tuned, tokenizer, texts)
+        reference = logits_on(tuned, tokenizer, texts, pictures, processor)
         with tuned.disable_adapter():
-            untuned = logits_on(tuned, tokenizer, texts)
+            untuned = logits_on(tuned, tokenizer, texts, pictures, processor)
         report = {"adapter": str(adapter.path), "base": adapter.base, "dtype": dtype, "check_texts": len(texts),
+                  "check_pictures": sum(map(len, pictures)),
                   "adapter_effect": distance(untuned, reference), "tolerance_max": tolerance}
 
         # 2. Each variant written to its own folder: shard by shard where it can be (the adapter's
@@ -138,7 +148,8 @@ def merge(adapter_path: str, out: str, base: str | None = None, dtype: str | Non
         del targets
 
         # 3. Reloaded with plain transformers and compared; for QLoRA the closer base (or the one asked for) is kept.
-        found = {variant: distance(logits_on(_reload(tmp / variant, written), tokenizer, texts), reference) for variant in variants}
+        found = {variant: distance(logits_on(_reload(tmp / variant, written), tokenizer, texts, pictures, processor), reference)
+                 for variant in variants}
         chosen = qlora_base or min(variants, key=lambda v: found[v]["max"])
         if adapter.quantized:
             report["qlora_bases"], report["qlora_base"] = found, chosen
@@ -149,7 +160,7 @@ def merge(adapter_path: str, out: str, base: str | None = None, dtype: str | Non
             made.rename(tmp / made.name)
         for variant in variants:
             shutil.rmtree(tmp / variant)
-        (vision.processor_for(ModelConfig(name_or_path=tokenizer_source(adapter)), adapter.base) or tokenizer).save_pretrained(tmp)
+        (processor or tokenizer).save_pretrained(tmp)
         effect = report["adapter_effect"]
         report["passed"] = m["max"] <= tolerance and m["max"] < effect["max"]
         (tmp / model_card.CARD).write_text(model_card.merged_card({**report, "out": str(final)}))

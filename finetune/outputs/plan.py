@@ -326,13 +326,14 @@ def estimate(shape: Shape, cfg: RunConfig, s: Setup) -> tuple[dict[str, float], 
 
 
 def vision_rows(v: VisionShape, cfg: RunConfig, s: Setup) -> tuple[float, float]:
-    """(the tower's and projector's weights, what its forward holds): one picture a row. Frozen, the
+    """(the tower's and projector's weights, never quantized, what its forward holds): one picture a row. Frozen, the
     tower saves nothing for the backward and holds one layer's values at a time; adapted or trained, each
     layer's (a Llama-like block's 6 h + 4 i values per patch) until the backward."""
     layers = v.layers if cfg.adapter.vision != "frozen" else 1
     trained = v.params * (s.weight_bytes + 4 + 8) if cfg.adapter.vision == "full" else 0  # gradients and AdamW's two fp32 states
     patches = v.patches_of(cfg.model.processor)
-    return v.params * s.weight_bytes + trained, s.micro_batch * patches * (6 * v.hidden + 4 * v.intermediate) * s.activation_bytes * layers
+    kept = 4 if s.bits else s.weight_bytes  # a quantized base's unquantized parts: fp32 (peft's k-bit preparation)
+    return v.params * kept + trained, s.micro_batch * patches * (6 * v.hidden + 4 * v.intermediate) * s.activation_bytes * layers
 
 
 def quantized_layers(shape: Shape) -> int:

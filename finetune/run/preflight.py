@@ -88,7 +88,10 @@ def check_vision(cfg: RunConfig) -> None:
         cfg.data.packing and "data.packing: rows with pictures are not packed yet (each keeps its own pixels and positions); set data.packing: false",
         cfg.distributed.sequence_parallel > 1 and "distributed.sequence_parallel: not with a vision-language model (a picture's tokens would be split)",
         cfg.model.tiled_mlp > 1 and "model.tiled_mlp: not with a vision-language model yet",
-        cfg.model.quantization is not None and "model.quantization: a quantized vision-language model is not built yet; use adapter.method lora",
+        cfg.model.quantization is not None and cfg.model.quantization.chosen_backend == "torchao" and
+        "model.quantization.backend: torchao's 4-bit base is for FSDP, which vision-language models do not use yet; use bitsandbytes",
+        cfg.model.quantization is not None and cfg.adapter.vision == "lora" and
+        "adapter.vision: lora on a quantized vision-language model is not built; its tower stays unquantized: use frozen or full",
         cfg.adapter.vision == "lora" and cfg.adapter.method == "full" and "adapter.vision: lora needs adapter.method lora or dora",
     ]
     problem = next((p for p in refused if p), None)
