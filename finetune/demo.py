@@ -351,7 +351,7 @@ def make_vision_demo(out: str, steps: int | None = None, overwrite: bool = False
         }, "make-vision-demo")
         run(cfg)
         shutil.rmtree(root / "model", ignore_errors=True)
-        shutil.rmtree(work / "pretrained" / "checkpoints")  # the model is the final weights; its checkpoints were the guard's
+        shutil.rmtree(work / "pretrained" / "checkpoints", ignore_errors=True)  # the final weights are the model; checkpoints were the guard's
         (work / "pretrained").rename(root / "model")
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -646,6 +646,8 @@ def summarize(run: RunState) -> dict:
                "elapsed_s": time.perf_counter() - run.started}
     if "router_aux_loss" in last:
         summary["router_aux_loss"] = last["router_aux_loss"]
+    if run.processor is not None:  # a vision-language model: which of its parts trained (the model card says it)
+        summary["vision"] = {"tower": cfg.adapter.vision, "projector": cfg.adapter.projector}
     summary.update(final_eval or {})
     summary.update(run.guard.report())
     worse = run.guard.worse_than_start(final_eval["eval_loss"] if final_eval else None)

@@ -176,6 +176,8 @@ def test_lora_trains_the_language_model_and_loads_in_peft(vision_run, llava):
     keys = load_file(out / "adapter_model.safetensors").keys()
     assert keys and all(".language_model." in k for k in keys)
     assert (out / "processor_config.json").is_file()
+    card = (out / "README.md").read_text()
+    assert "pipeline_tag: image-text-to-text" in card and "its vision tower frozen, its projector frozen" in card
     base = LlavaForConditionalGeneration.from_pretrained(llava("clip"))
     tuned = PeftModel.from_pretrained(base, out)
     assert sum("lora_A" in n for n, _ in tuned.named_parameters()) == 2 * 7  # 2 layers x q k v o gate up down

@@ -29,11 +29,16 @@ def run_card(cfg: RunConfig, summary: dict, out: Path) -> str:
         method = f"Q{method} ({cfg.model.quantization.bits}-bit base)"
     tags = ["finetune", cfg.train.objective, *(["lora"] if cfg.adapter.method == "lora" else ["dora"] if adapter else [])]
     base = summary.get("base_model") or cfg.model.name_or_path
+    parts = summary.get("vision")
     data = ModelCardData(base_model=hub_id(base), library_name="peft" if adapter else "transformers",
-                         pipeline_tag="text-generation", tags=tags, datasets=_datasets(cfg), license=None)
+                         pipeline_tag="image-text-to-text" if parts else "text-generation", tags=tags, datasets=_datasets(cfg), license=None)
     lines = [f"# {Path(out).name}", "",
              f"{method} of `{base}` with finetune ({cfg.train.objective}, "
-             f"{summary.get('steps')} optimizer steps, {summary.get('tokens', 0):,} tokens trained).", "",
+             f"{summary.get('steps')} optimizer steps, {summary.get('tokens', 0):,} tokens trained).", ""]
+    if parts:
+        lines += [f"A vision-language model: {method} on its language model; its vision tower {_trained(parts['tower'])}, its projector "
+                  f"{_trained(parts['projector'])}.", ""]
+    lines += [
              "## Results", "", "| measure | value |", "| --- | --- |"]
     lines += [f"| {label} | {_number(summary[key])} |" for key, label in RESULTS if summary.get(key) is not None]
     vllm = summary.get("vllm")
@@ -53,11 +58,17 @@ def run_card(cfg: RunConfig, summary: dict, out: Path) -> str:
     return str(ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(lines) + "\n"))
 
 
+def _trained(choice: str) -> str:
+    return {"frozen": "frozen", "lora": "adapted by LoRA", "full": "trained whole"}[choice]
+
+
 def merged_card(report: dict) -> str:
     """The card of a merged folder: base + adapter as one transformers model, with merge's check."""
     from huggingface_hub import ModelCard, ModelCardData
 
-    data = ModelCardData(base_model=hub_id(report["base"]), library_name="transformers", pipeline_tag="text-generation",
+    pictures = report.get("check_pictures")  # a vision-language model's merge checks on pictures
+    data = ModelCardData(base_model=hub_id(report["base"]), library_name="transformers",
+                         pipeline_tag="image-text-to-text" if pictures else "text-generation",
                          tags=["finetune", "merged"], license=None)
     check, effect = report["merged_vs_tuned"], report["adapter_effect"]
     lines = [f"# {Path(report['out']).name}", "", f"`{report['base']}` with the adapter `{report['adapter']}` merged into its weights "
