@@ -346,7 +346,9 @@ def check_packed_rows(run: RunState) -> None:
         how = f"{kind} mixes tokens outside attention ({mixer}), carrying a state from one packed sample into the next"
     else:
         with run.accelerator.autocast():
-            moved = leak(run.engine.model, model.config.vocab_size, run.accelerator.device)
+            # a vision-language model's text vocabulary, below its picture token (a picture token without a picture fails)
+            vocab = min(model.config.get_text_config().vocab_size, getattr(model.config, "image_token_id", None) or 2**62)
+            moved = leak(run.engine.model, vocab, run.accelerator.device)
         if not moved > LEAK_TOLERANCE:  # nan: context changes nothing, there is nothing to leak
             return
         how = (f"{kind} lets the samples of a packed row see each other (measured at the start: a sample's logits "

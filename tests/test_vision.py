@@ -72,8 +72,7 @@ def _config(model_dir, rows, out, **changes) -> dict:
     return cfg
 
 
-def _batch(model_dir, data, tmp_path, rows=(0, 1, 2)):
-    """Our data step's batch of the first rows, and the processor's own tokens and pixels of the same rows."""
+def _split(model_dir, data, tmp_path, packing=False):
     from finetune.config.schema import DataConfig, ModelConfig
     from finetune.data.datasets import load_data
     from finetune.model import vision
@@ -81,10 +80,31 @@ def _batch(model_dir, data, tmp_path, rows=(0, 1, 2)):
 
     processor = vision.processor_for(ModelConfig(name_or_path=str(model_dir)))
     tokenizer = load_tokenizer(ModelConfig(name_or_path=str(model_dir)), processor)
-    cfg = DataConfig(train=str(data), format="chat", max_seq_len=96, packing=False, eval_fraction=0.0, cache_dir=str(tmp_path / "cache"))
-    split = load_data(cfg, tokenizer, seed=0, processor=processor).train
+    cfg = DataConfig(train=str(data), format="chat", max_seq_len=160 if packing else 96, packing=packing, eval_fraction=0.0,
+                     cache_dir=str(tmp_path / "cache"))
+    return load_data(cfg, tokenizer, seed=0, processor=processor).train, processor, tokenizer
+
+
+def _batch(model_dir, data, tmp_path, rows=(0, 1, 2)):
+    """Our data step's batch of the first rows, and the processor's own tokens and pixels of the same rows."""
+    split, processor, tokenizer = _split(model_dir, data, tmp_path)
     samples = [int(split.samples[split.order[r]]) for r in rows]
     return split.batch(list(rows), tokenizer.pad_token_id), processor, tokenizer, samples
+
+
+def _tuned(model_dir):
+    """The model with LoRA whose B is not 0 (B = 0 would hide the adapter's gradients in A)."""
+    from transformers import AutoModelForImageTextToText
+
+    from finetune.config.schema import AdapterConfig
+    from finetune.model.loading import apply_adapter
+
+    torch.manual_seed(0)
+    model = apply_adapter(AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32), AdapterConfig(r=8, dropout=0.0), False)
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.02)
+    return model
 
 
 TOWERS = {"clip": ("<image>", 16), "siglip": ("<image>", 16), "gemma3": ("<image_soft_token>", 4)}  # a picture's token, how many
@@ -126,18 +146,11 @@ def test_picture_rows_tokenize_as_the_processor_and_train_only_the_answers(llava
 def test_loss_and_gradients_equal_the_models_own_forward(llava, picture_data, tmp_path, tower):
     """Our loss (the fused head on the language model's hidden states, only at trained positions) equals
     the model's own loss with labels (what TRL's SFTTrainer takes), and so do the LoRA gradients."""
-    from transformers import AutoModelForImageTextToText
-
-    from finetune.config.schema import AdapterConfig
-    from finetune.model.loading import apply_adapter
     from finetune.objectives.loss import fusable_parts, losses, to_device
 
     model_dir = llava(tower)
     batch, *_ = _batch(model_dir, picture_data, tmp_path)
-    model = apply_adapter(AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32), AdapterConfig(r=8, dropout=0.0), False)
-    for name, p in model.named_parameters():
-        if "lora_B" in name:
-            torch.nn.init.normal_(p, std=0.02)  # B = 0 would hide the adapter's gradients in A
+    model = _tuned(model_dir)
     assert not any("vision_tower" in n or "multi_modal_projector" in n for n, p in model.named_parameters() if p.requires_grad)
     assert fusable_parts(model) is not None  # the fused head on the language model's hidden states
     ours = losses(model, to_device(batch, "cpu")).tokens
@@ -152,6 +165,34 @@ def test_loss_and_gradients_equal_the_models_own_forward(llava, picture_data, tm
     assert mine.keys() == {n for n, p in model.named_parameters() if p.grad is not None} and mine
     for name, grad in mine.items():
         torch.testing.assert_close(grad, dict(model.named_parameters())[name].grad, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("tower", ["clip", "siglip"])
+def test_packed_picture_rows_equal_one_sample_a_row(llava, picture_data, tmp_path, tower):
+    """LLaVA packs: its language model keeps the samples of a packed row apart by their restarting positions,
+    the pictures' features go to their tokens in order; loss and LoRA gradients equal the unpacked rows'."""
+    from finetune.objectives.loss import losses, to_device
+
+    model_dir = llava(tower)
+    packed, _, tokenizer = _split(model_dir, picture_data, tmp_path, packing=True)
+    unpacked, *_ = _split(model_dir, picture_data, tmp_path / "unpacked")
+    rows = [0, 1, 2]
+    samples = [int(x) for r in rows for x in packed.samples[packed.order[packed.offsets[r] : packed.offsets[r + 1]]]]
+    assert len(samples) >= 2 * len(rows)  # rows of several samples, each with its picture
+    row_of = {int(x): i for i, x in enumerate(unpacked.samples)}
+    model = _tuned(model_dir)
+    results = []
+    for split, which in ((packed, rows), (unpacked, [row_of[x] for x in samples])):
+        batch = split.batch(which, tokenizer.pad_token_id)
+        assert ("attention_mask" in batch) == (split is unpacked) and batch["pixel_values"].shape[0] == len(samples)
+        model.zero_grad()
+        loss = losses(model, to_device(batch, "cpu")).tokens
+        loss.backward()
+        results.append((loss.item(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+    (a, grads_a), (b, grads_b) = results
+    assert abs(a - b) < 1e-5 * abs(b), (a, b)
+    for name in grads_b:
+        torch.testing.assert_close(grads_a[name], grads_b[name], atol=1e-4, rtol=1e-4)
 
 
 @pytest.fixture(scope="session")
@@ -264,7 +305,7 @@ def test_a_bad_picture_row_is_one_line_naming_its_line(tmp_path, llava, picture_
 
 
 def test_what_vision_models_do_not_do_yet_is_refused_in_one_line(tmp_path, llava, picture_data):
-    for change, key in [({"data": {"packing": True}}, "data.packing"), ({"train": {"objective": "dpo"}, "data": {"format": "preference"}}, "train.objective")]:
+    for change, key in [({"data": {"packing": True}, "model": {"name_or_path": str(llava("gemma3"))}}, "data.packing"), ({"train": {"objective": "dpo"}, "data": {"format": "preference"}}, "train.objective")]:
         cfg = _config(llava("clip"), picture_data, tmp_path / "out")
         for section, values in change.items():
             cfg[section].update(values)

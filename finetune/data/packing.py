@@ -192,6 +192,7 @@ class Split:
         self.unpaired: Unpaired | None = None  # KTO's examples: labels and completion starts (set by the data step)
         self.pictures = table.column("images") if "images" in table.column_names else None  # each sample's pictures (bytes)
         self.vision = None  # a vision-language model's: (pictures, input_ids) -> a batch's image inputs (set by the data step)
+        self.masked = True  # ...whose unpacked rows carry an attention mask for the model's own forward; packed ones restart positions
 
     def prompts(self, rows) -> list[Prompt]:
         """Prompt rows (one sample each): their ids, the row as read (its other columns go to the reward
@@ -239,9 +240,10 @@ class Split:
             kl = collate(self.unpaired.mismatched(built, groups, self.lengths), pad_id)
             batch.update({f"kl_{key}": value for key, value in kl.items()},
                          desirable=torch.from_numpy(self.unpaired.desirable[np.concatenate(groups)]))
-        if self.vision is not None:  # the model's own forward: an attention mask, and the pictures in the rows' order
-            lengths = torch.from_numpy(self.row_lengths[np.asarray(rows, dtype=np.int64)])
-            batch["attention_mask"] = (torch.arange(batch["input_ids"].shape[1]) < lengths[:, None]).long()
+        if self.vision is not None:  # the pictures in the rows' order (and their samples'), and unpacked, an attention mask
+            if self.masked:
+                lengths = torch.from_numpy(self.row_lengths[np.asarray(rows, dtype=np.int64)])
+                batch["attention_mask"] = (torch.arange(batch["input_ids"].shape[1]) < lengths[:, None]).long()
             shown = [p for r in rows for s in self.samples[self.order[self.offsets[r] : self.offsets[r + 1]]].tolist()
                      for p in self.pictures[s].as_py()]
             batch.update(self.vision(shown, batch["input_ids"]))

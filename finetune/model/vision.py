@@ -20,6 +20,9 @@ from finetune.config.schema import AdapterConfig, ModelConfig
 # wheel for the CPU torch here: docs/vision.md); others are refused in one line. Mllama needs cross-attention
 # masks a batch here does not make; Idefics3/SmolVLM split pictures into a per-row grid of crops.
 FAMILIES = {"llava": "LLaVA", "gemma3": "Gemma 3", "qwen2_vl": "Qwen2-VL", "qwen2_5_vl": "Qwen2.5-VL"}
+# Those whose packed rows are exact (tests/test_vision.py: packed equals one sample a row): the language model takes
+# restarting positions as a text model does. Qwen-VL's 3-D positions and Gemma 3's picture-wide attention are not packed.
+PACKABLE = {"llava"}
 TOWERS = ("vision_tower", "visual", "vision_model")
 PROJECTORS = ("multi_modal_projector", "visual.merger", "connector")
 

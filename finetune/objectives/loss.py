@@ -85,10 +85,13 @@ def losses(model, batch: dict[str, torch.Tensor], router: bool = False) -> Losse
     """
     labels = batch["labels"]
     keep, targets = next_token_targets(batch)
-    inputs = {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"], "use_cache": False}
-    if "attention_mask" in batch:  # a vision-language model's batch: its own forward, which places the pictures' tokens itself
-        inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"], "use_cache": False,
-                  **{key: batch[key] for key in MODEL_INPUTS if key in batch}}
+    # A vision-language model's pictures go with their tokens; its unpacked rows take its own attention mask (Qwen-VL then
+    # computes its 3-D positions), its packed rows (LLaVA) restarting positions, as text rows do.
+    pictures = {key: batch[key] for key in MODEL_INPUTS if key in batch}
+    if "attention_mask" in batch:
+        inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"], "use_cache": False, **pictures}
+    else:
+        inputs = {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"], "use_cache": False, **pictures}
     if router:  # Mixtral-style load balancing reads a 2-D attention_mask if there is one: none then
         inputs["output_router_logits"] = True
     elif attention_of(model) == PACKED_SDPA:

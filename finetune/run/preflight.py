@@ -85,7 +85,9 @@ def check_vision(cfg: RunConfig) -> None:
         vision.refusal(config),
         cfg.train.objective != "sft" and f"train.objective: {cfg.train.objective} on pictures is not built yet; vision-language models train with sft",
         strategy not in ("none", "ddp") and f"distributed.strategy: {strategy} does not shard vision-language models yet; use ddp or one process",
-        cfg.data.packing and "data.packing: rows with pictures are not packed yet (each keeps its own pixels and positions); set data.packing: false",
+        cfg.data.packing and config.get("model_type") not in vision.PACKABLE and
+        f"data.packing: {config.get('model_type')}'s rows with pictures are not packed (its positions or its pictures' attention span a "
+        f"row); set data.packing: false (packed: {', '.join(sorted(vision.PACKABLE))})",
         cfg.distributed.sequence_parallel > 1 and "distributed.sequence_parallel: not with a vision-language model (a picture's tokens would be split)",
         cfg.model.tiled_mlp > 1 and "model.tiled_mlp: not with a vision-language model yet",
         cfg.model.quantization is not None and cfg.model.quantization.chosen_backend == "torchao" and
