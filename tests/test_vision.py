@@ -305,7 +305,8 @@ def test_a_bad_picture_row_is_one_line_naming_its_line(tmp_path, llava, picture_
 
 
 def test_what_vision_models_do_not_do_yet_is_refused_in_one_line(tmp_path, llava, picture_data):
-    for change, key in [({"data": {"packing": True}, "model": {"name_or_path": str(llava("gemma3"))}}, "data.packing"), ({"train": {"objective": "dpo"}, "data": {"format": "preference"}}, "train.objective")]:
+    for change, key in [({"data": {"packing": True}, "model": {"name_or_path": str(llava("gemma3"))}}, "data.packing"),
+                        ({"train": {"objective": "dpo"}, "data": {"format": "preference"}}, "train.objective")]:
         cfg = _config(llava("clip"), picture_data, tmp_path / "out")
         for section, values in change.items():
             cfg[section].update(values)
