@@ -224,11 +224,13 @@ def test_lora_trains_the_language_model_and_loads_in_peft(vision_run, llava):
     assert sum("lora_A" in n for n, _ in tuned.named_parameters()) == 2 * 7  # 2 layers x q k v o gate up down
 
 
-def test_two_processes_equal_one(tmp_path, llava, picture_data, vision_run):
-    """DDP over 2 CPU processes (2 rows each) trains as one process on 4 rows."""
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_two_processes_equal_one(tmp_path, llava, picture_data, vision_run, strategy):
+    """DDP and FSDP2 (the tower in the root unit) over 2 CPU processes (2 rows each) train as one process on 4 rows, 12
+    steps: the guard's start and its step-0 checkpoint included (FSDP's once took a step of Adam's before the first)."""
     _, one = vision_run
     sections = {k: v for k, v in _config(llava("clip"), picture_data, tmp_path).items() if k in ("model", "adapter", "data", "eval")}
-    _, two, _ = train_strategy(tmp_path, "ddp", llava("clip"), "lora", 2, "ddp",
+    _, two, _ = train_strategy(tmp_path, strategy, llava("clip"), "lora", 2, strategy,
                                train={"max_steps": 12, "lr": 1e-2, "warmup_steps": 0, "mixed_precision": "no"}, **sections)
     assert len(two) == len(one)
     for a, b in zip(one, two):
@@ -306,10 +308,11 @@ def test_a_bad_picture_row_is_one_line_naming_its_line(tmp_path, llava, picture_
 
 def test_what_vision_models_do_not_do_yet_is_refused_in_one_line(tmp_path, llava, picture_data):
     for change, key in [({"data": {"packing": True}, "model": {"name_or_path": str(llava("gemma3"))}}, "data.packing"),
-                        ({"train": {"objective": "dpo"}, "data": {"format": "preference"}}, "train.objective")]:
+                        ({"train": {"objective": "dpo"}, "data": {"format": "preference"}}, "train.objective"),
+                        ({"distributed": {"strategy": "zero3"}}, "distributed.strategy")]:
         cfg = _config(llava("clip"), picture_data, tmp_path / "out")
         for section, values in change.items():
-            cfg[section].update(values)
+            cfg.setdefault(section, {}).update(values)
         result = finetune_in_process("validate", "--config", str(write_config(tmp_path / "c.yaml", cfg)))
         assert result.returncode == 2 and f"error: {key}:" in result.stderr.strip().splitlines()[-1], result.stderr[-1000:]
 

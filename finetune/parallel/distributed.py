@@ -119,7 +119,8 @@ def fsdp_settings(cfg: RunConfig, device_type: str, world: int) -> dict:
 
 
 def shard_layers(model: torch.nn.Module, settings: dict) -> None:
-    """FSDP2's units: each decoder layer, then the root (embeddings, final norm, head)."""
+    """FSDP2's units: each decoder layer, a vision-language model's tower (with its projector where it holds
+    it), then the root (embeddings, final norm, head, a projector of its own)."""
     from torch.distributed.fsdp import fully_shard
 
     for layer in decoder_layers(model):
