@@ -265,7 +265,7 @@ def test_a_file_of_prompts_is_answered_in_batches_as_one_at_a_time(plain_run, tm
     path.write_text('{"prompt": "fine"}\n{"text": "no prompt"}\n')
     assert main(["generate", "--adapter", str(out), "--prompts", str(path)]) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
-        f'error: {path}:2: expected a JSON object with a "prompt" string, e.g. {{"prompt": "Name a colour."}}')
+        f'error: {path}:2: expected a JSON object with a "prompt" string (and an "image" path, for a picture), e.g. {{"prompt": "Name a colour."}}')
 
 
 # --- the data shapes people have ----------------------------------------------------------------
