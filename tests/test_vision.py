@@ -93,14 +93,18 @@ def _batch(model_dir, data, tmp_path, rows=(0, 1, 2)):
 
 
 def _tuned(model_dir):
-    """The model with LoRA whose B is not 0 (B = 0 would hide the adapter's gradients in A)."""
     from transformers import AutoModelForImageTextToText
 
+    torch.manual_seed(0)
+    return _tuned_model(AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32))
+
+
+def _tuned_model(model):
+    """The model with finetune's LoRA, its B not 0 (B = 0 would hide the adapter's gradients in A)."""
     from finetune.config.schema import AdapterConfig
     from finetune.model.loading import apply_adapter
 
-    torch.manual_seed(0)
-    model = apply_adapter(AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32), AdapterConfig(r=8, dropout=0.0), False)
+    model = apply_adapter(model, AdapterConfig(r=8, dropout=0.0), False)
     for name, p in model.named_parameters():
         if "lora_B" in name:
             torch.nn.init.normal_(p, std=0.02)
@@ -404,3 +408,51 @@ def test_qlora_quantizes_the_language_model_and_keeps_the_tower(tmp_path, llava,
     assert result.returncode == 0, result.stderr[-2000:]
     losses = [r["loss"] for r in read_jsonl(tmp_path / "out" / "metrics.jsonl") if "loss" in r]
     assert losses[-1] < losses[0] - 0.3, losses
+
+
+QWEN_VISION = {"qwen2_vl": dict(depth=2, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2),
+               "qwen2_5_vl": dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, window_size=56,
+                                  fullatt_block_indexes=[1])}
+
+
+@pytest.mark.parametrize("family", sorted(QWEN_VISION))
+def test_qwen_vl_trains_through_its_own_forward(family):
+    """Qwen2-VL's processor needs torchvision, which has no wheel here (docs/vision.md): its image processor's pixels
+    and <|image_pad|> widened to each picture's grid by hand make the batch. Our loss (the model's own 3-D positions,
+    from the attention mask) and LoRA gradients equal the model's own loss with labels; LoRA adapts the language
+    model only (not `visual`, nor the merger in it)."""
+    from PIL import Image
+    from transformers import AutoConfig, AutoModelForImageTextToText
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from finetune.model import vision
+    from finetune.objectives.loss import losses, to_device
+
+    pad, start, end = 1000, 1001, 1002
+    config = AutoConfig.for_model(family, vision_config={**QWEN_VISION[family], "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2},
+                                  text_config=dict(vocab_size=1010, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                                   num_key_value_heads=2, rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]}),
+                                  image_token_id=pad, video_token_id=1003, vision_start_token_id=start, vision_end_token_id=end)
+    torch.manual_seed(0)
+    model = _tuned_model(AutoModelForImageTextToText.from_config(config))
+    assert vision.part_names(model.get_base_model()) == {"tower": "model.visual", "projector": "model.visual.merger", "language": "model.language_model"}
+    assert not any(".visual." in n for n, p in model.named_parameters() if p.requires_grad)
+    pictures = [Image.new("RGB", (56, 56), colour) for colour in ("red", "blue")]
+    out = Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=56 * 56).preprocess(pictures, return_tensors="pt")
+    tokens = int(out["image_grid_thw"][0].prod()) // 4  # 2 x 2 patches merged into one token
+    rows = [[5, 6, start, *[pad] * tokens, end, 7, 8, 9, 10, 11], [12, start, *[pad] * tokens, end, 13, 14, 15]]
+    width = max(map(len, rows))
+    ids = torch.tensor([r + [0] * (width - len(r)) for r in rows])
+    mask = (torch.arange(width) < torch.tensor([len(r) for r in rows])[:, None]).long()
+    labels = torch.where(mask.bool() & (torch.arange(width) >= width - 6), ids, -100)
+    batch = {"input_ids": ids, "labels": labels, "position_ids": torch.arange(width).expand(2, -1).clone(), "attention_mask": mask,
+             "pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"], "mm_token_type_ids": (ids == pad).long()}
+    ours = losses(model, to_device(batch, "cpu")).tokens / int((labels[:, 1:] != -100).sum())
+    ours.backward()
+    mine = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    theirs = model(**{k: batch[k] for k in ("input_ids", "attention_mask", "pixel_values", "image_grid_thw", "mm_token_type_ids")}, labels=labels).loss
+    theirs.backward()
+    assert abs(ours.item() - theirs.item()) < 1e-5 and mine
+    for name, grad in mine.items():
+        torch.testing.assert_close(grad, dict(model.named_parameters())[name].grad, atol=1e-4, rtol=1e-4)

@@ -30,9 +30,9 @@ import numpy as np
 IMAGE_MARKER = "<image>"  # LLaVA / ShareGPT rows: where each of the row's `images` goes in the text
 SOURCE_KEYS = ("path", "image", "url", "image_url")  # an image part names its picture under one of these
 # What a batch with pictures gives the model's forward besides its tokens (LLaVA: pixel values; Qwen-VL:
-# also each picture's patch grid; LLaVA-NeXT: sizes; Gemma 3: which tokens are a picture's, which attend
-# to each other both ways).
-MODEL_INPUTS = ("pixel_values", "image_grid_thw", "image_sizes", "token_type_ids")
+# also each picture's patch grid and which tokens are a picture's, for its 3-D positions; LLaVA-NeXT: sizes;
+# Gemma 3: which tokens are a picture's, which attend to each other both ways).
+MODEL_INPUTS = ("pixel_values", "image_grid_thw", "image_sizes", "token_type_ids", "mm_token_type_ids")
 
 
 def has_images(row: dict) -> bool:
@@ -45,7 +45,7 @@ def gather(row: dict) -> tuple[dict, str | None]:
     images = list(row.get("images") or [])
     if not isinstance(row.get("images", []), list):
         return row, "field 'images' must be a list of paths or image bytes"
-    messages, marked, parted = [], 0, False
+    messages, parted = [], False
     for i, m in enumerate(row["messages"]):
         content = m.get("content") if isinstance(m, dict) else None
         if isinstance(content, list):
@@ -66,7 +66,6 @@ def gather(row: dict) -> tuple[dict, str | None]:
             m = {**m, "content": parts}
         elif isinstance(content, str) and IMAGE_MARKER in content and row.get("images"):
             pieces = content.split(IMAGE_MARKER)
-            marked += len(pieces) - 1
             parts = [{"type": "text", "text": pieces[0]}] if pieces[0] else []
             for piece in pieces[1:]:
                 parts += [{"type": "image"}] + ([{"type": "text", "text": piece}] if piece else [])
@@ -158,8 +157,9 @@ def image_inputs(processor, pictures: list[bytes], input_ids) -> dict:
     import torch
 
     out = dict(processor.image_processor(images=decoded(pictures), return_tensors="pt")) if pictures else {}
-    if "token_type_ids" in processor.model_input_names:
-        out["token_type_ids"] = processor.create_mm_token_type_ids(input_ids.tolist())
+    for name in ("token_type_ids", "mm_token_type_ids"):  # Gemma 3's name for them, and Qwen-VL's (its 3-D positions need them)
+        if name in processor.model_input_names:
+            out[name] = processor.create_mm_token_type_ids(input_ids.tolist())
     return {key: torch.as_tensor(value) for key, value in out.items() if key in MODEL_INPUTS}
 
 

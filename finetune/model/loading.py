@@ -110,7 +110,7 @@ def attention_for(cfg: ModelConfig, config) -> tuple[str, str | None]:
     if cfg.attn_implementation != "sdpa":
         return cfg.attn_implementation, None
     kind = config.model_type
-    if vision.is_vision(config.to_dict()):  # its own sdpa, with the attention mask its batches carry (they are not packed)
+    if vision.is_vision(config.to_dict()):  # its own sdpa: the attention mask of unpacked rows, or packed rows' restarting positions
         return "sdpa", None
     if families.attention_softcap(config.to_dict()):
         return "eager", (f"model: {kind} soft-caps its attention logits, which sdpa cannot do: "
