@@ -456,3 +456,19 @@ def test_qwen_vl_trains_through_its_own_forward(family):
     assert abs(ours.item() - theirs.item()) < 1e-5 and mine
     for name, grad in mine.items():
         torch.testing.assert_close(grad, dict(model.named_parameters())[name].grad, atol=1e-4, rtol=1e-4)
+
+
+def test_a_saved_dataset_with_image_features_reads_its_pictures_bytes(tmp_path, picture_data):
+    """`datasets`' Image feature (a save_to_disk folder, as a hub dataset gives it): its stored bytes reach the row."""
+    import datasets
+
+    from finetune.data.images import read
+    from finetune.data.rows import Skipped, checked_rows
+
+    picture = picture_data.parent / "img" / "00000.png"
+    features = datasets.Features({"images": datasets.List(datasets.Image()),
+                                  "messages": datasets.List({"role": datasets.Value("string"), "content": datasets.Value("string")})})
+    rows = {"images": [[str(picture)]], "messages": [[{"role": "user", "content": f"<image>{QUESTION}"}, {"role": "assistant", "content": "a"}]]}
+    datasets.Dataset.from_dict(rows, features=features).save_to_disk(str(tmp_path / "saved"))
+    (row,) = [row for _, row in checked_rows(str(tmp_path / "saved"), "chat", "fail", Skipped())]
+    assert read(row["images"])[0] == [picture.read_bytes()]

@@ -342,7 +342,7 @@ def _hub_rows(source: str, split: str) -> Iterator[tuple[int, object]]:
         ds = datasets.load_dataset(source, split=split)
     except Exception as err:  # noqa: BLE001 - any failure here means "can't get this dataset"
         raise UserError(f"data: cannot load dataset '{source}': {str(err).splitlines()[0]}") from None
-    yield from enumerate(ds, 1)
+    yield from enumerate(_pictures_as_bytes(ds), 1)
 
 
 def _saved_rows(path: Path, split: str) -> Iterator[tuple[int, object]]:
@@ -357,7 +357,20 @@ def _saved_rows(path: Path, split: str) -> Iterator[tuple[int, object]]:
         if split not in ds:
             raise UserError(f"{path}: no split '{split}' in this dataset (it has {', '.join(ds)}); set the source's split (data.split for all)")
         ds = ds[split]
-    yield from enumerate(ds, 1)
+    yield from enumerate(_pictures_as_bytes(ds), 1)
+
+
+def _pictures_as_bytes(ds):
+    """A dataset whose Image columns (one picture, or a list of them) give their stored bytes, not PIL
+    images: the pictures are cached as their files' bytes (finetune/data/images.py), never decoded twice."""
+    import datasets
+
+    for name, feature in ds.features.items():
+        if isinstance(feature, datasets.Image):
+            ds = ds.cast_column(name, datasets.Image(decode=False))
+        elif isinstance(feature, (datasets.List, datasets.LargeList, datasets.Sequence)) and isinstance(feature.feature, datasets.Image):
+            ds = ds.cast_column(name, type(feature)(datasets.Image(decode=False)))
+    return ds
 
 
 def where(source: str, number: int, split: str = "train") -> str:
