@@ -312,7 +312,9 @@ def test_a_bad_picture_row_is_one_line_naming_its_line(tmp_path, llava, picture_
 
 def test_what_vision_models_do_not_do_yet_is_refused_in_one_line(tmp_path, llava, picture_data):
     for change, key in [({"data": {"packing": True}, "model": {"name_or_path": str(llava("gemma3"))}}, "data.packing"),
-                        ({"train": {"objective": "dpo"}, "data": {"format": "preference"}}, "train.objective"),
+                        ({"train": {"objective": "kto"}, "data": {"format": "unpaired"}}, "train.objective"),
+                        ({"train": {"objective": "dpo"}, "data": {"format": "preference"}, "model": {"name_or_path": str(llava("gemma3"))}},
+                         "train.objective"),
                         ({"distributed": {"strategy": "zero3"}}, "distributed.strategy")]:
         cfg = _config(llava("clip"), picture_data, tmp_path / "out")
         for section, values in change.items():
@@ -472,3 +474,69 @@ def test_a_saved_dataset_with_image_features_reads_its_pictures_bytes(tmp_path, 
     datasets.Dataset.from_dict(rows, features=features).save_to_disk(str(tmp_path / "saved"))
     (row,) = [row for _, row in checked_rows(str(tmp_path / "saved"), "chat", "fail", Skipped())]
     assert read(row["images"])[0] == [picture.read_bytes()]
+
+
+@pytest.fixture(scope="session")
+def picture_pairs(tmp_path_factory, picture_data):
+    """Preference pairs about the pictures, as TRL's vision DPO rows: the prompt shows the picture, the right shape is chosen."""
+    def build(folder):
+        from finetune.demo import SHAPES, draw_pictures
+
+        rows = [{"images": [f"img/{p['file']}"], "prompt": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]}],
+                 "chosen": [{"role": "assistant", "content": p["shape"]}],
+                 "rejected": [{"role": "assistant", "content": SHAPES[(SHAPES.index(p["shape"]) + 1) % len(SHAPES)]}]}
+                for p in draw_pictures(folder / "img", 32, seed=2)]
+        (folder / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    return once(tmp_path_factory, "picture-pairs", build) / "pairs.jsonl"
+
+
+def test_a_pairs_sequences_each_show_the_prompts_picture(llava, picture_pairs, tmp_path):
+    """A preference pair with a picture (LLaVA): both sequences in one row, apart by their positions, each with the
+    picture; each answer's summed log-probability equals the model's own on that sequence alone, from its processor."""
+    from finetune.config.schema import DataConfig, ModelConfig
+    from finetune.data.chat import render
+    from finetune.data.datasets import load_data
+    from finetune.data.images import decoded
+    from finetune.data.rows import canonical
+    from finetune.model import vision
+    from finetune.model.loading import load_tokenizer
+    from finetune.objectives.loss import to_device, trained_mask
+    from finetune.objectives.objective import token_logps
+
+    model_dir = llava("clip")
+    processor = vision.processor_for(ModelConfig(name_or_path=str(model_dir)))
+    tokenizer = load_tokenizer(ModelConfig(name_or_path=str(model_dir)), processor)
+    cfg = DataConfig(train=str(picture_pairs), format="preference", max_seq_len=96, packing=False, eval_fraction=0.0, cache_dir=str(tmp_path))
+    split = load_data(cfg, tokenizer, seed=0, processor=processor).train
+    batch = split.batch([0, 1], tokenizer.pad_token_id)
+    assert "attention_mask" not in batch and batch["pixel_values"].shape[0] == 4  # two pairs, the picture in each of their four sequences
+    model = _tuned(model_dir).eval()
+    keep = trained_mask(batch["labels"])
+    with torch.no_grad():
+        token, _ = token_logps(model, to_device(batch, "cpu"), keep)
+    starts = (batch["position_ids"] == 0).long().cumsum(1) - 1  # which sequence of its row each position is in
+    ours = torch.zeros(4).index_add(0, (torch.arange(2)[:, None] * 2 + starts)[keep], token)
+    lines = picture_pairs.read_text().splitlines()
+    theirs = []
+    for r in range(2):
+        row, _ = canonical(json.loads(lines[int(split.samples[r])]), "preference")
+        shown = decoded([(picture_pairs.parent / json.loads(lines[int(split.samples[r])])["images"][0]).read_bytes()])
+        prompt = processor(text=[render(tokenizer, row["prompt"], add_generation_prompt=True)], images=shown, add_special_tokens=False)["input_ids"][0]
+        for side in ("chosen", "rejected"):
+            inputs = processor(text=[render(tokenizer, row["prompt"] + row[side])], images=shown, add_special_tokens=False, return_tensors="pt")
+            with torch.no_grad():
+                logps = torch.log_softmax(model(**inputs).logits[0].float(), -1)
+            ids = inputs["input_ids"][0]
+            theirs.append(sum(logps[t - 1, ids[t]].item() for t in range(len(prompt), len(ids))))
+    torch.testing.assert_close(ours, torch.tensor(theirs), atol=1e-4, rtol=1e-5)
+
+
+def test_dpo_on_pictures_prefers_the_chosen_answers(tmp_path, llava, picture_pairs):
+    cfg = _config(llava("clip"), picture_pairs, tmp_path / "out", data={"format": "preference"},
+                  train={"objective": "dpo", "overfit_batch": 8})  # the same 4 pairs, 8 steps
+    result = finetune_in_process("train", "--config", str(write_config(tmp_path / "dpo.yaml", cfg)))
+    assert result.returncode == 0, result.stderr[-2000:]
+    steps = [r for r in read_jsonl(tmp_path / "out" / "metrics.jsonl") if "loss" in r]
+    assert steps[0]["loss"] == pytest.approx(0.6931, abs=1e-3) and steps[-1]["loss"] < 0.6  # log 2 at the start, the adapter being B = 0
+    assert steps[-1]["reward_margin"] > 0

@@ -94,7 +94,8 @@ def load_data(cfg: DataConfig, tokenizer, seed: int, eval_examples: int = 0, say
         eval_split = None
     for part in (split, eval_split) if processor is not None else ():
         if part is not None:
-            part.vision, part.masked = functools.partial(images.image_inputs, processor), not cfg.packing
+            # packed rows, and a pair's two sequences in one row, are kept apart by restarting positions: no attention mask
+            part.vision, part.masked = functools.partial(images.image_inputs, processor), not cfg.packing and part.pairs is None
     if cfg.format == "completion":  # no prompt and answer to compare a generation with (preference pairs: the chosen answer)
         examples = []
     if cfg.format == "unpaired":  # an undesirable completion is no answer to match

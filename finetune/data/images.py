@@ -128,26 +128,51 @@ def read(images: list) -> tuple[list[bytes], str | None]:
     return out, None
 
 
-def expand_rows(rows: list[dict], results: list, tokenizer, processor, max_seq_len: int) -> tuple[list, list[list[bytes]]]:
-    """tokenize_rows' results with each picture row's tokens as the processor makes them, and each row's
-    pictures (bytes); a row with pictures for a model that takes none, or with a bad picture, gets the reason."""
+def row_pictures(rows: list[dict], processor) -> list[list[bytes] | str]:
+    """Each row's pictures (bytes; none for a text row), or why they cannot be used: a model that takes
+    none, a picture that does not read."""
+    out: list[list[bytes] | str] = []
+    for row in rows:
+        if not has_images(row):
+            out.append([])
+        elif processor is None:
+            out.append("data: the row has pictures, but the model takes none (a vision-language model's config.json has a vision_config)")
+        else:
+            data, problem = read(row["images"])
+            out.append(f"data: {problem}" if problem else data)
+    return out
+
+
+def expand_rows(rows: list[dict], results: list, tokenizer, processor, pictures: list, max_seq_len: int) -> list:
+    """tokenize_rows' results with each picture row's tokens as the processor makes them (pictures:
+    row_pictures'), or the reason a row cannot be used."""
     from finetune.data.chat import render
 
-    pictures: list[list[bytes]] = [[] for _ in rows]
     out = list(results)
     for i, row in enumerate(rows):
-        if not has_images(row) or isinstance(results[i], str):
+        if isinstance(results[i], str) or not pictures[i]:
             continue
-        if processor is None:
-            out[i] = "data: the row has pictures, but the model takes none (a vision-language model's config.json has a vision_config)"
+        if isinstance(pictures[i], str):
+            out[i] = pictures[i]
             continue
-        data, problem = read(row["images"])
-        if problem:
-            out[i] = f"data: {problem}"
-            continue
-        out[i] = with_image_tokens(processor, render(tokenizer, row["messages"], tools=row.get("tools")), *results[i], data, max_seq_len)
-        pictures[i] = data
-    return out, pictures
+        out[i] = with_image_tokens(processor, render(tokenizer, row["messages"], tools=row.get("tools")), *results[i], pictures[i], max_seq_len)
+    return out
+
+
+def encoder(processor, pictures: list[bytes]):
+    """text -> its ids as the processor tokenizes it with these pictures (a preference pair's side); a
+    processor's refusal as UserError."""
+    from finetune.config.errors import UserError
+
+    shown = decoded(pictures)
+
+    def encode(text: str) -> list[int]:
+        try:
+            return list(np.asarray(processor(text=[text], images=shown, add_special_tokens=False)["input_ids"][0]).tolist())
+        except Exception as err:  # noqa: BLE001 - the processor refuses this row (a count mismatch): its words
+            raise UserError(f"data: the model's processor refuses the row: {str(err).splitlines()[0] if str(err) else type(err).__name__}") from None
+
+    return encode
 
 
 def image_inputs(processor, pictures: list[bytes], input_ids) -> dict:

@@ -244,8 +244,9 @@ class Split:
             if self.masked:
                 lengths = torch.from_numpy(self.row_lengths[np.asarray(rows, dtype=np.int64)])
                 batch["attention_mask"] = (torch.arange(batch["input_ids"].shape[1]) < lengths[:, None]).long()
+            copies = 1 if self.pairs is None else 2  # a preference pair's chosen and rejected sequences each show the prompt's pictures
             shown = [p for r in rows for s in self.samples[self.order[self.offsets[r] : self.offsets[r + 1]]].tolist()
-                     for p in self.pictures[s].as_py()]
+                     for p in self.pictures[s].as_py() * copies]
             batch.update(self.vision(shown, batch["input_ids"]))
         return batch
 

@@ -124,7 +124,8 @@ def _text_or_messages(row: dict, text, keys: tuple[str, ...], answers: str | Non
                 return f"missing field '{key}' (text, or a list of chat messages)"
             return f"field '{key}' must be text or a non-empty list of messages"
         for i, msg in enumerate(messages):
-            if not isinstance(msg, dict) or msg.get("role") not in CHAT_ROLES or not isinstance(msg.get("content"), str):
+            parts = key == keys[0] and images.has_images(row) and isinstance(msg, dict) and isinstance(msg.get("content"), list)
+            if not isinstance(msg, dict) or msg.get("role") not in CHAT_ROLES or not (isinstance(msg.get("content"), str) or parts):
                 return f"{key}[{i}] must be {{role: system|user|assistant|tool, content: string}}"
     if answers and any(m["role"] != "assistant" for key in keys[1:] for m in row[key]):
         return f"{answers} must be assistant messages"
@@ -153,6 +154,13 @@ def canonical(row: object, fmt: str, columns: dict[str, str] | None = None) -> t
             return row, problem
     if fmt in ("preference", "unpaired"):
         row = _pair_shape(row, ("chosen", "rejected") if fmt == "preference" else ("completion",))
+        prompt = row.get("prompt")
+        if isinstance(prompt, list) and all(isinstance(m, dict) for m in prompt) and (
+                row.get("images") or any(isinstance(m.get("content"), list) for m in prompt)):
+            shown, problem = images.gather({"messages": prompt, "images": row.get("images")})  # TRL's vision pairs: the prompt shows them
+            if problem:
+                return row, problem.replace("messages", "prompt", 1)
+            row = {**row, "prompt": shown["messages"], **({"images": shown["images"]} if "images" in shown else {})}
     if fmt == "prompt" and "prompt" not in row and isinstance(row.get("messages"), list):
         row = {**{k: v for k, v in row.items() if k != "messages"}, "prompt": row["messages"]}
     return row, _row_problem(row, fmt)
@@ -467,19 +475,29 @@ def tokenize_rows(rows: list[dict], tokenizer, fmt: str) -> list[tuple[list[int]
     return [(p + a + [tokenizer.eos_token_id], [False] * len(p) + [True] * (len(a) + 1)) for p, a in zip(prompts, answers)]
 
 
-def tokenize_pairs(rows: list[dict], tokenizer, max_seq_len: int) -> list[tuple[list[int], list[bool], int, int] | str]:
+def tokenize_pairs(rows: list[dict], tokenizer, max_seq_len: int, processor=None,
+                   pictures: list | None = None) -> list[tuple[list[int], list[bool], int, int] | str]:
     """Preference rows -> (chosen ids + rejected ids, which are trained, the chosen sequence's length,
     where the answer starts) each, or the reason a template refused the row. Each sequence is the prompt
     and one answer; as TRL tokenizes them, the answer is what follows the longest common start of the
     tokenized prompt and prompt + answer (text pairs get the EOS token after each answer; chat pairs are
     rendered by the chat template). Each is cut to max_seq_len (its start kept); a pair that keeps no
-    answer token on one side comes back empty."""
+    answer token on one side comes back empty. A pair that shows pictures (pictures: images.row_pictures',
+    per row) is tokenized by the processor, both sides with the prompt's pictures, and never cut."""
     out = []
-    for row in rows:
+    for row, shown in zip(rows, pictures or [[] for _ in rows]):
+        if isinstance(shown, str):
+            out.append(shown)
+            continue
         try:
-            sides = [_pair_side(row, key, tokenizer) for key in ("chosen", "rejected")]
+            sides = [_pair_side(row, key, tokenizer, images.encoder(processor, shown) if shown else None) for key in ("chosen", "rejected")]
         except UserError as err:
             out.append(str(err))
+            continue
+        longest = max(len(ids) for _, ids in sides)
+        if shown and longest > max_seq_len:
+            out.append(f"data: the pair's longer side is {longest} tokens with its pictures, over data.max_seq_len={max_seq_len}; a "
+                       "picture's tokens cannot be cut (raise data.max_seq_len)")
             continue
         start = min(_common_start(prompt, ids) for prompt, ids in sides)
         cut = [ids[:max_seq_len] for _, ids in sides]
@@ -536,8 +554,8 @@ def prompt_ids(row: dict, tokenizer) -> list[int]:
     return tokenizer(prompt_text(row, tokenizer), add_special_tokens=add)["input_ids"]
 
 
-def _pair_side(row: dict, key: str, tokenizer) -> tuple[list[int], list[int]]:
-    """(the prompt's ids, the prompt and one answer's ids)."""
+def _pair_side(row: dict, key: str, tokenizer, encode=None) -> tuple[list[int], list[int]]:
+    """(the prompt's ids, the prompt and one answer's ids); encode: a chat pair's text -> ids (a processor's, with the pictures)."""
     if isinstance(row["prompt"], str):
         eos = tokenizer.eos_token or ""
         answer = row[key] if row[key].endswith(eos) else row[key] + eos
@@ -545,7 +563,8 @@ def _pair_side(row: dict, key: str, tokenizer) -> tuple[list[int], list[int]]:
     tools = row.get("tools")
     prompt = render(tokenizer, row["prompt"], add_generation_prompt=True, tools=tools)
     full = render(tokenizer, row["prompt"] + row[key], tools=tools)
-    return tokenizer(prompt, add_special_tokens=False)["input_ids"], tokenizer(full, add_special_tokens=False)["input_ids"]
+    encode = encode or (lambda text: tokenizer(text, add_special_tokens=False)["input_ids"])
+    return encode(prompt), encode(full)
 
 
 def _common_start(a: list[int], b: list[int]) -> int:

@@ -167,9 +167,11 @@ def _tokenize_batch(batch, tokenizer, fmt: str, train_on_prompt: bool, max_seq_l
     import pyarrow as pa
 
     rows = [json.loads(r) for r in batch.column("row").to_pylist()]
-    results = (tokenize_pairs(rows, tokenizer, max_seq_len) if fmt == "preference" else tokenize_prompts(rows, tokenizer) if fmt == "prompt"
-               else tokenize_unpaired(rows, tokenizer, max_seq_len) if fmt == "unpaired" else tokenize_rows(rows, tokenizer, fmt))
-    results, pictures = images.expand_rows(rows, results, tokenizer, processor, max_seq_len) if fmt == "chat" else (results, [[] for _ in rows])
+    pictures = images.row_pictures(rows, processor) if fmt in ("chat", "preference") else [[] for _ in rows]
+    results = (tokenize_pairs(rows, tokenizer, max_seq_len, processor, pictures) if fmt == "preference" else tokenize_prompts(rows, tokenizer)
+               if fmt == "prompt" else tokenize_unpaired(rows, tokenizer, max_seq_len) if fmt == "unpaired" else tokenize_rows(rows, tokenizer, fmt))
+    if fmt == "chat":
+        results = images.expand_rows(rows, results, tokenizer, processor, pictures, max_seq_len)
     problems = [r if isinstance(r, str) else None for r in results]
     results = [([], [], 0, -1) if isinstance(r, str) else r for r in results]
     lengths = np.fromiter((len(r[0]) for r in results), dtype=np.int64, count=len(results))
@@ -195,4 +197,5 @@ def _tokenize_batch(batch, tokenizer, fmt: str, train_on_prompt: bool, max_seq_l
             .append_column("first_target", pa.array(first))
             .append_column("chosen_length", pa.array(np.array([r[2] if fmt in ("preference", "unpaired") else 0 for r in results], dtype=np.int32)))
             .append_column("problem", pa.array(problems, type=pa.string()))
-            .append_column("images", pa.array([[] if p else data for p, data in zip(problems, pictures)], type=pa.list_(pa.binary()))))
+            .append_column("images", pa.array([[] if p or isinstance(data, str) else data for p, data in zip(problems, pictures)],
+                                              type=pa.list_(pa.binary()))))

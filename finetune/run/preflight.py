@@ -85,7 +85,11 @@ def check_vision(cfg: RunConfig) -> None:
         vision.refusal(config),
         # measured: LLaVA's LoRA gradients under ZeRO-3 part from one process's (norm 0.99 against 1.40 at the first step)
         strategy.deepspeed and f"distributed.strategy: {strategy.name} does not train vision-language models yet; use ddp or fsdp",
-        cfg.train.objective != "sft" and f"train.objective: {cfg.train.objective} on pictures is not built yet; vision-language models train with sft",
+        cfg.train.objective not in ("sft", "dpo", "orpo", "cpo", "simpo") and
+        f"train.objective: {cfg.train.objective} on pictures is not built yet; vision-language models train with sft, dpo, orpo, cpo or simpo",
+        cfg.train.objective != "sft" and config.get("model_type") not in vision.PACKABLE and
+        f"train.objective: {cfg.train.objective} lays a pair's two sequences in one row, which {config.get('model_type')}'s pictures cannot "
+        f"share (as packing: {', '.join(sorted(vision.PACKABLE))} can)",
         cfg.data.packing and config.get("model_type") not in vision.PACKABLE and
         f"data.packing: {config.get('model_type')}'s rows with pictures are not packed (its positions or its pictures' attention span a "
         f"row); set data.packing: false (packed: {', '.join(sorted(vision.PACKABLE))})",
