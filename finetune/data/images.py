@@ -205,6 +205,9 @@ def with_image_tokens(processor, text: str, ids: list[int], trained: list[bool],
     if len(theirs) > max_seq_len:
         return (f"data: the row is {len(theirs)} tokens with its pictures, over data.max_seq_len={max_seq_len}; a picture's tokens "
                 "cannot be cut (raise data.max_seq_len, or the processor's max_pixels)")
+    mask = _inserted_only(ids, trained, theirs)
+    if mask is not None:
+        return theirs, mask
     mask = [False] * len(theirs)
     for tag, a, b, c, d in SequenceMatcher(None, ids, theirs, autojunk=False).get_opcodes():
         if tag == "equal":
@@ -212,3 +215,15 @@ def with_image_tokens(processor, text: str, ids: list[int], trained: list[bool],
         elif any(trained[a:b]):
             return "data: the processor changes trained tokens of this row (its chat template and processor disagree)"
     return theirs, mask
+
+
+def _inserted_only(ids: list[int], trained: list[bool], theirs: list[int]) -> list[bool] | None:
+    """The mask on the processor's tokens where they are ours with tokens inserted (a picture's run widened:
+    LLaVA, Qwen-VL), in one pass; None where they are not (Gemma 3's blank lines may merge with the text's),
+    for difflib's alignment, which takes time quadratic in a row of thousands of picture tokens."""
+    mask, i = [False] * len(theirs), 0
+    for j, token in enumerate(theirs):
+        if i < len(ids) and token == ids[i]:
+            mask[j] = trained[i]
+            i += 1
+    return mask if i == len(ids) else None
