@@ -34,6 +34,9 @@ BNB_BLOCK = 64  # bitsandbytes 4-bit block size
 NF4_STATE, NF4_STATE_DOUBLE = 16 * 4, (16 + 256 + 1) * 4
 
 
+QWEN_VL_MAX_PIXELS = 12845056  # Qwen2-VL's image processor's default largest picture (16,384 merged tokens)
+
+
 @dataclass(frozen=True)
 class VisionShape:
     """A vision-language model's picture side: its tower's and projector's parameters, the tower's widths
@@ -122,9 +125,9 @@ def vision_shape(folder: Path, config: dict) -> VisionShape:
     else:
         saved = next((json.loads(f.read_text()) for f in (folder / "preprocessor_config.json", folder / "processor_config.json") if f.is_file()), {})
         saved = saved.get("image_processor", saved)
-        patches = int((saved.get("max_pixels") or (saved.get("size") or {}).get("longest_edge") or 12845056) // patch**2)
-    hidden = v.get("hidden_size") or v.get("embed_dim")
-    hidden = v.get("embed_dim") or hidden  # Qwen2-VL: hidden_size is the projector's output, embed_dim the tower's width
+        largest = saved.get("max_pixels") or (saved.get("size") or {}).get("longest_edge") or QWEN_VL_MAX_PIXELS
+        patches = int(largest // patch**2)
+    hidden = v.get("embed_dim") or v["hidden_size"]  # Qwen2-VL: hidden_size is the projector's output, embed_dim the tower's width
     intermediate = v.get("intermediate_size") or int(hidden * v.get("mlp_ratio", 4))
     return VisionShape(sum(seen.values()), hidden, intermediate, v.get("num_hidden_layers") or v.get("depth") or 0, patches, patch)
 
