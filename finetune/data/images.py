@@ -169,7 +169,7 @@ def encoder(processor, pictures: list[bytes]):
     def encode(text: str) -> list[int]:
         try:
             return list(np.asarray(processor(text=[text], images=shown, add_special_tokens=False)["input_ids"][0]).tolist())
-        except Exception as err:  # noqa: BLE001 - the processor refuses this row (a count mismatch): its words
+        except Exception as err:  # noqa: BLE001 - the processor refuses this row (a count mismatch, a picture too small): its words
             raise UserError(f"data: the model's processor refuses the row: {str(err).splitlines()[0] if str(err) else type(err).__name__}") from None
 
     return encode
@@ -197,11 +197,12 @@ def decoded(data: list[bytes]) -> list:
 def with_image_tokens(processor, text: str, ids: list[int], trained: list[bool], pictures: list[bytes], max_seq_len: int):
     """(ids, trained) of the conversation as the processor tokenizes it with its pictures, or why not:
     the processor's tokens aligned to the text's, those it adds never trained."""
+    from finetune.config.errors import UserError
+
     try:
-        theirs = processor(text=[text], images=decoded(pictures), add_special_tokens=False)["input_ids"][0]
-    except Exception as err:  # noqa: BLE001 - the processor refuses this row (a count mismatch, a picture too small): its words
-        return f"data: the model's processor refuses the row: {str(err).splitlines()[0] if str(err) else type(err).__name__}"
-    theirs = list(np.asarray(theirs).tolist())
+        theirs = encoder(processor, pictures)(text)
+    except UserError as err:
+        return str(err)
     if len(theirs) > max_seq_len:
         return (f"data: the row is {len(theirs)} tokens with its pictures, over data.max_seq_len={max_seq_len}; a picture's tokens "
                 "cannot be cut (raise data.max_seq_len, or the processor's max_pixels)")

@@ -28,6 +28,11 @@ CHUNK_ELEMENTS = 2**22
 CHUNK_ELEMENTS_CUDA = 2**26
 
 
+def picture_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """What a vision-language model's batch gives its forward besides the tokens (pixels, grids, token types)."""
+    return {key: batch[key] for key in MODEL_INPUTS if key in batch}
+
+
 def trained_tokens(batch: dict[str, torch.Tensor]) -> int:
     return int(batch["keep"].sum() if "keep" in batch else (batch["labels"][:, 1:] != IGNORE).sum())
 
@@ -80,18 +85,15 @@ def losses(model, batch: dict[str, torch.Tensor], router: bool = False) -> Losse
     """The cross-entropy sum and, with `router`, the MoE router's auxiliary loss (as the model computes
     it with output_router_logits; transformers adds it only when labels are passed, which we do not).
 
-    No attention_mask: the restarting position_ids say where samples (and padding) begin, to finetune's
-    packed attention (train and eval alike) and to the masks transformers builds.
+    No attention_mask (but for a vision-language model's unpacked rows): the restarting position_ids say where
+    samples (and padding) begin, to finetune's packed attention (train and eval alike) and to the masks transformers builds.
     """
     labels = batch["labels"]
     keep, targets = next_token_targets(batch)
-    # A vision-language model's pictures go with their tokens; its unpacked rows take its own attention mask (Qwen-VL then
-    # computes its 3-D positions), its packed rows (LLaVA) restarting positions, as text rows do.
-    pictures = {key: batch[key] for key in MODEL_INPUTS if key in batch}
-    if "attention_mask" in batch:
-        inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"], "use_cache": False, **pictures}
-    else:
-        inputs = {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"], "use_cache": False, **pictures}
+    # A vision-language model's unpacked rows take its own attention mask (Qwen-VL then computes its 3-D positions);
+    # packed rows (LLaVA's too) restarting positions.
+    apart = {"attention_mask": batch["attention_mask"]} if "attention_mask" in batch else {"position_ids": batch["position_ids"]}
+    inputs = {"input_ids": batch["input_ids"], **apart, "use_cache": False, **picture_inputs(batch)}
     if router:  # Mixtral-style load balancing reads a 2-D attention_mask if there is one: none then
         inputs["output_router_logits"] = True
     elif attention_of(model) == PACKED_SDPA:

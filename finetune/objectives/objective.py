@@ -21,8 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from finetune.config.schema import PreferenceConfig
-from finetune.data.images import MODEL_INPUTS
-from finetune.objectives.loss import Losses, losses, trained_mask, trained_tokens
+from finetune.objectives.loss import Losses, losses, picture_inputs, trained_mask, trained_tokens
 
 
 class Objective:
@@ -254,8 +253,8 @@ def token_logps(model, batch: dict[str, torch.Tensor], where: torch.Tensor, rout
     load-balancing loss of this forward (added as TRL's preference trainers add it). Logits only there
     (transformers' logits_to_keep mask), divided by the sampling temperature (GRPO, as TRL), log-softmax in fp32."""
     extra = {"output_router_logits": True} if router else {}
-    pictures = {key: batch[key] for key in MODEL_INPUTS if key in batch}  # a vision-language model's pair shows its prompt's pictures
-    out = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False, logits_to_keep=where, **extra, **pictures)
+    out = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False, logits_to_keep=where, **extra,
+                **picture_inputs(batch))  # a vision-language model's pair shows its prompt's pictures
     targets = batch["input_ids"][:, 1:][where[:, :-1]]
     logits = out.logits.float() if temperature == 1.0 else out.logits.float() / temperature
     return torch.log_softmax(logits, dim=-1).gather(1, targets[:, None])[:, 0], out.aux_loss if router else None

@@ -104,18 +104,12 @@ def read_shape(model_path: str) -> Shape:
 
 @functools.lru_cache(maxsize=32)
 def _read_shape(path: Path, version: int) -> Shape:
-    config = read_model_config(path.parent, "plan")
-    shape = _text_shape(path, config)
-    return replace(shape, vision=vision_shape(path.parent, config)) if vision.is_vision(config) else shape
+    return _model_shape(path, read_model_config(path.parent, "plan"))
 
 
-def vision_shape(folder: Path, config: dict) -> VisionShape:
+def vision_shape(model, folder: Path, config: dict) -> VisionShape:
     """The tower and projector counted on the model built on the meta device; a picture's patches from the
     tower's image size, else the processor's largest picture (Qwen-VL: max_pixels)."""
-    from finetune.config.schema import ModelConfig
-    from finetune.model.loading import load_model
-
-    model = load_model(ModelConfig(name_or_path=str(folder)), skeleton="meta", say=lambda _: None)
     parts = vision.part_names(model)
     seen = {id(p): p.numel() for role in ("tower", "projector") if role in parts for p in model.get_submodule(parts[role]).parameters()}
     v = config["vision_config"]
@@ -132,7 +126,7 @@ def vision_shape(folder: Path, config: dict) -> VisionShape:
     return VisionShape(sum(seen.values()), hidden, intermediate, v.get("num_hidden_layers") or v.get("depth") or 0, patches, patch)
 
 
-def _text_shape(path: Path, config: dict) -> Shape:
+def _model_shape(path: Path, config: dict) -> Shape:
     why = families.unsupported(config)
     if why:
         raise UserError(f"plan: {path}: {why}")
@@ -205,7 +199,8 @@ def skeleton_shape(folder: Path) -> Shape:
     kv_dim = (getattr(config, "num_key_value_heads", None) or heads) * (hidden // heads)
     return Shape(vocab=vocab, hidden=hidden, layers=config.num_hidden_layers, kv_dim=kv_dim,
                  mlp_width=width, attention_values=6 * hidden + 2 * kv_dim, tied=tied, linears=tuple(linears), norms_and_biases=other, config={},
-                 meta_buffers=sum(b.numel() * b.element_size() for b in model.buffers()))
+                 meta_buffers=sum(b.numel() * b.element_size() for b in model.buffers()),
+                 vision=vision_shape(model, folder, model.config.to_dict()) if pictures else None)
 
 
 @dataclass(frozen=True)
