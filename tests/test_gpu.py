@@ -472,32 +472,18 @@ def fsdp2_qlora(model_dir: str) -> dict:
     return {"reference": reference, "sharded": sharded, "error": error}
 
 
-def fsdp2_qlora_cpu_offload(model_dir: str) -> dict:
-    """finetune's FSDP2 + QLoRA (torchao's NF4 base, loaded and sharded as the fsdp engine does) with
-    distributed.fsdp_cpu_offload and without: the same losses, the 4-bit shards kept in CPU RAM."""
-    from finetune.model import nf4
-    from finetune.model.loading import apply_adapter, load_model
-    from finetune.parallel.distributed import shard_fsdp2
+def test_fsdp2_qlora_with_cpu_offload_in_one_process_is_refused_in_one_line(tmp_path, tiny_model_dir):
+    """torch's FSDP2 skips the all-gather of a one-process group and copies one input per parameter, which
+    loses NF4Tensor's three parts (ValueError in torchao's fsdp_post_all_gather, seen on an H200 and on CPU;
+    2 processes run): fsdp_cpu_offload with a torchao base in one process is refused before loading."""
+    from conftest import finetune_in_process
 
-    batch, out, cuda = _packed_batch_cuda(model_dir), {}, torch.device("cuda", 0)
-    for offload in (False, True):
-        cfg = validate_config(base_config(model_dir, "unused", model={"quantization": {"bits": 4}}, train={"mixed_precision": "bf16"},
-                                          distributed={"strategy": "fsdp", "fsdp_cpu_offload": offload}), "test")
-        torch.manual_seed(0)
-        model = apply_adapter(load_model(cfg.model, cuda, say=lambda _: None), cfg.adapter, False, say=lambda _: None)
-        sharded = shard_fsdp2(model, cfg, cuda, 1)
-        out["offloaded" if offload else "reference"] = _steps(sharded, batch, 5, 1e-3)
-        out["nf4_devices"] = sorted({p.device.type for p in sharded.parameters() if nf4.is_nf4(p)})
-    return out
-
-
-def test_fsdp2_qlora_with_cpu_offload_trains_like_without(tiny_model_dir):
-    """Issue 56: fsdp_cpu_offload with a 4-bit base (GPU only: on CPU the shards already live in RAM)."""
-    result = _probe("fsdp2_qlora_cpu_offload", tiny_model_dir, free_port())
-    print(f"fsdp2 + qlora + cpu offload: {result}")
-    assert result["nf4_devices"] == ["cpu"]
-    assert result["offloaded"] == pytest.approx(result["reference"], rel=5e-3)
-    assert result["offloaded"][-1] < result["offloaded"][0]
+    cfg = base_config(tiny_model_dir, tmp_path / "out", model={"dtype": "bfloat16", "quantization": {"bits": 4, "backend": "torchao"}},
+                      train={"mixed_precision": "bf16"}, distributed={"strategy": "fsdp", "fsdp_cpu_offload": True})
+    result = finetune_in_process("train", "--config", str(write_config(tmp_path / "c.yaml", cfg)))
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "distributed.fsdp_cpu_offload: with a torchao 4-bit base it needs 2+ processes" in result.stderr, result.stderr[-2000:]
+    assert not (tmp_path / "out" / "metrics.jsonl").exists()
 
 
 def test_fsdp2_with_cpu_offload_trains_like_the_unsharded_model(tiny_model_dir):
@@ -538,3 +524,80 @@ def test_loftq_starts_a_4bit_base_nearer_the_full_precision_model(tiny_model_dir
     print(f"logits' distance to bf16: QLoRA {error['default']:.4f}, LoftQ {error['loftq']:.4f}")
     assert error["default"] > 1e-3  # quantization moved the logits
     assert error["loftq"] < 0.9 * error["default"], error
+
+
+def test_fsdp_qlora_under_torchrun_on_cuda_trains_as_one_process(tmp_path, tiny_model_dir):
+    """Issue 56 on CUDA: finetune's fsdp engine over torchao's NF4 base (nccl, one rank under torchrun)
+    gives the one-process torchao QLoRA losses, and both learn as bitsandbytes' QLoRA does."""
+    sections = {"model": {"dtype": "bfloat16", "quantization": {"bits": 4, "backend": "torchao"}}, "data": {"eval": None},
+                "train": {"max_steps": 12, "micro_batch_size": 8, "lr": 3e-3, "mixed_precision": "bf16"}}
+    out = tmp_path / "fsdp"
+    config = str(write_config(tmp_path / "fsdp.yaml", base_config(tiny_model_dir, out, **sections, distributed={"strategy": "fsdp"})))
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1", "finetune/train.py",
+                             "--config", config], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    sharded = [r["loss"] for r in read_jsonl(out / "metrics.jsonl") if "loss" in r]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["backend"] == "nccl" and summary["nf4_bytes_per_rank"][0] > 0, summary
+    _, one, _ = _train(tmp_path, tiny_model_dir, "one", **sections)
+    sections["model"]["quantization"] = {"bits": 4, "backend": "bitsandbytes"}
+    _, bnb, _ = _train(tmp_path, tiny_model_dir, "bnb", **sections)
+    print(f"fsdp torchao {sharded}\none process torchao {one}\nbitsandbytes {bnb}")
+    assert sharded == one  # one rank: the same NF4 weights, the same order of operations
+    assert sharded[-1] < sharded[0] - 0.4 and sharded == pytest.approx(bnb, rel=1e-3), (sharded, bnb)
+
+
+# Vision-language models on CUDA (tests/test_vision.py proves the CPU paths): the tiny LLaVA and its picture rows.
+from test_vision import _config as _vision_config  # noqa: E402
+from test_vision import _split as _vision_split  # noqa: E402
+from test_vision import _tuned_model, llava, picture_data  # noqa: E402, F401 - fixtures
+
+
+def test_packed_picture_rows_on_cuda_equal_one_sample_a_row(llava, picture_data, tmp_path):  # noqa: F811
+    """LLaVA's packed rows in bf16 on CUDA (transformers' sdpa keeps the samples apart by their restarting
+    positions): loss and LoRA gradients equal the same samples one a row."""
+    from finetune.config.schema import ModelConfig
+    from finetune.model.loading import load_model
+    from finetune.objectives.loss import losses, to_device
+
+    model_dir = llava("clip")
+    packed, _, tokenizer = _vision_split(model_dir, picture_data, tmp_path, packing=True)
+    unpacked, *_ = _vision_split(model_dir, picture_data, tmp_path / "unpacked")
+    rows = [0, 1, 2]
+    samples = [int(x) for r in rows for x in packed.samples[packed.order[packed.offsets[r] : packed.offsets[r + 1]]]]
+    row_of = {int(x): i for i, x in enumerate(unpacked.samples)}
+    torch.manual_seed(0)
+    model = _tuned_model(load_model(ModelConfig(name_or_path=str(model_dir), dtype="bfloat16"), say=lambda _: None).cuda().train())
+    results = []
+    for split, which in ((packed, rows), (unpacked, [row_of[x] for x in samples])):
+        model.zero_grad()
+        with torch.autocast("cuda", torch.bfloat16):
+            value = losses(model, to_device(split.batch(which, tokenizer.pad_token_id), "cuda")).tokens
+        value.backward()
+        results.append((value.item(), {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}))
+    (a, grads_a), (b, grads_b) = results
+    print(f"LLaVA on CUDA, bf16: packed {a:.5f} vs one a row {b:.5f}")
+    assert abs(a - b) < 1e-2 * abs(b), (a, b)
+    for name, grad in grads_b.items():
+        error = ((grads_a[name] - grad).norm() / grad.norm()).item()
+        assert error < 5e-2, (name, error)
+
+
+@pytest.mark.parametrize("quantized", [False, True], ids=["bf16-lora", "qlora"])
+def test_vision_lora_and_qlora_on_cuda_learn_and_merge(tmp_path, llava, picture_data, quantized):  # noqa: F811
+    """bf16 LoRA and bitsandbytes QLoRA (the language model quantized, the tower kept) of the tiny LLaVA on
+    CUDA: the loss falls, and the merged model reloads in transformers and answers from a picture."""
+    from conftest import finetune_in_process
+
+    model = {"dtype": "bfloat16", **({"quantization": QLORA} if quantized else {})}
+    cfg = _vision_config(llava("clip"), picture_data, tmp_path / "out", model=model, train={"mixed_precision": "bf16", "max_steps": 12})
+    result = finetune_in_process("train", "--config", str(write_config(tmp_path / "run.yaml", cfg)))
+    assert result.returncode == 0, result.stderr[-3000:]
+    losses = [r["loss"] for r in read_jsonl(tmp_path / "out" / "metrics.jsonl") if "loss" in r]
+    print(f"LLaVA {'QLoRA' if quantized else 'bf16 LoRA'} on CUDA: {losses}")
+    assert losses[-1] < losses[0] - 0.5, losses
+    merged = finetune_in_process("merge", "--adapter", str(tmp_path / "out"), "--out", str(tmp_path / "merged"))
+    assert merged.returncode == 0, merged.stderr[-3000:]
+    report = json.loads((tmp_path / "merged" / "merge_report.json").read_text())
+    print(f"merge report: {report}")
+    assert report["check_pictures"] == 4 and report["passed"], report

@@ -253,6 +253,11 @@ def check_strategy(cfg: RunConfig) -> None:
         raise UserError(f"distributed.strategy: {cfg.distributed.strategy} needs DeepSpeed (pip install 'finetune[deepspeed]')")
     if cfg.distributed.fsdp_cpu_offload and not torch.cuda.is_available():
         raise UserError("distributed.fsdp_cpu_offload: needs a GPU (without one the shards already live in CPU RAM); set it to false")
+    if cfg.distributed.fsdp_cpu_offload and nf4.used(cfg.model) and int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        # torch's FSDP2 skips the all-gather of a one-process group and copies one input per parameter: NF4Tensor's
+        # three parts then fail in its fsdp_post_all_gather (docs/platform-notes.md)
+        raise UserError("distributed.fsdp_cpu_offload: with a torchao 4-bit base it needs 2+ processes (torch's FSDP2 loses NF4Tensor's parts "
+                        "in one process); set it to false, or run on 2+ GPUs")
 
 
 def build_deepspeed_cpu_ops() -> list[str]:
