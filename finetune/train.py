@@ -510,8 +510,9 @@ def step_batches(run: RunState, position: int) -> tuple[int, list[dict], list[fl
     accelerator, sp, pad = run.accelerator, run.sequence_parallel, run.tokenizer.pad_token_id
     epoch, micro_batches, real_tokens = batches_at(run.data, run.cfg, run.schedule, position, sp.data_rank(accelerator.process_index),
                                                    sp.data_world(accelerator.num_processes), pad)
-    if isinstance(run.objective, GRPO):  # the prompts' completions, sampled by the policy as it is now
-        micro_batches, real_tokens = run.objective.rollout(run.engine.unwrap(), run.tokenizer, micro_batches, position, accelerator.device)
+    if isinstance(run.objective, GRPO):  # the prompts' completions, sampled by the policy as it is now (under the training forward's autocast)
+        with accelerator.autocast():
+            micro_batches, real_tokens = run.objective.rollout(run.engine.unwrap(), run.tokenizer, micro_batches, position, accelerator.device)
     micro_batches = [sp.shard(b, pad) for b in micro_batches]  # this process's slice of each row (sequence parallelism)
     real_tokens = 0 if sp.rank else real_tokens  # a row's tokens, counted once among the processes sharing it
     local = [*map(sum, zip(*(run.objective.counts(b) for b in micro_batches))), real_tokens]  # counted on the host

@@ -601,3 +601,27 @@ def test_vision_lora_and_qlora_on_cuda_learn_and_merge(tmp_path, llava, picture_
     report = json.loads((tmp_path / "merged" / "merge_report.json").read_text())
     print(f"merge report: {report}")
     assert report["check_pictures"] == 4 and report["passed"], report
+
+
+def test_grpo_on_cuda_samples_through_a_static_cache_and_repeats_itself(tmp_path, tiny_model_dir):
+    """grpo.kv_cache static on CUDA (transformers compiles the decoding step): a LoRA GRPO run in bf16 samples through
+    it, and a second run repeats the first's rewards and losses (what resume and 2 processes rest on). Its first run on
+    an H200 raised in the rollout: bf16 weights, fp32 LoRA, no autocast (any cache; fixed, tests/test_grpo.py)."""
+    from conftest import DEMO_DATA
+
+    def run_once(name):
+        from accelerate.state import AcceleratorState
+
+        AcceleratorState._reset_state(True)
+        out = tmp_path / name
+        cfg = base_config(tiny_model_dir, out, model={"dtype": "bfloat16"},
+                          data={"train": str(DEMO_DATA / "prompts-train.jsonl"), "eval": None, "format": "prompt", "max_seq_len": 64},
+                          train={"objective": "grpo", "max_steps": 3, "micro_batch_size": 4, "lr": 5e-3, "mixed_precision": "bf16"},
+                          grpo={"num_generations": 4, "max_completion_length": 16, "rewards": ["length"], "kv_cache": "static"},
+                          eval={"on_start": False})
+        run(validate_config(cfg, "test"))
+        return [(r["loss"], r["reward"]) for r in read_jsonl(out / "metrics.jsonl") if "loss" in r]
+
+    first, second = run_once("a"), run_once("b")
+    print(f"GRPO through a static cache on CUDA: {first}")
+    assert first == second and len(first) == 3

@@ -211,6 +211,8 @@ def test_a_prompts_completions_are_the_same_in_any_batch(tiny_model_dir):
     assert len({tuple(c) for c in alone}) == 4  # four different completions of one prompt
     assert objective.sample(model, tokenizer, [short], 3, "cpu")[0] != alone  # another step, other draws
     assert generate(model, tokenizer, [long.ids, short.ids], 8, "cpu")[1] == generate(model, tokenizer, [short.ids], 8, "cpu")[0]
+    static = GRPO(GRPOConfig(num_generations=4, max_completion_length=8, temperature=1.0, kv_cache="static"), [], seed=3)
+    assert static.sample(model, tokenizer, [long, short], 2, "cpu") == beside  # fp32 on CPU: the static KV cache samples the same
 
 
 def test_reward_functions_resolve_and_bad_ones_stop_in_one_line(tmp_path):
@@ -282,3 +284,14 @@ def test_a_reward_collapse_is_rolled_back_by_the_guard(tmp_path, tiny_model_dir)
     assert "negative mean reward drifted up to -0.5 (median of the last 10 steps) from -1," in rollback["message"], rollback
     assert rollback["step"] == 16 and "rolled back to step-000008, LR x0.5" in rollback["message"], rollback
     assert events[-1]["event"] == "stop"
+
+
+def test_bf16_weights_with_bf16_autocast_sample_and_evaluate(tmp_path, tiny_model_dir):
+    """Rollouts and the eval's greedy completions run under the training forward's autocast: bf16 weights with fp32
+    LoRA (peft's input casts off under bf16, as in training) once raised a dtype mismatch in the first rollout."""
+    cfg = _grpo_config(tiny_model_dir, tmp_path / "out", model={"dtype": "bfloat16"}, train={"max_steps": 2, "mixed_precision": "bf16"},
+                       eval={"on_start": True, "max_batches": 1})
+    result = finetune_in_process("train", "--config", str(write_config(tmp_path / "c.yaml", cfg)))
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = read_jsonl(tmp_path / "out" / "metrics.jsonl")
+    assert len([r for r in rows if "loss" in r]) == 2 and any("eval_reward" in r for r in rows)

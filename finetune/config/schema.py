@@ -257,7 +257,7 @@ class PreferenceConfig(_Section):
 
 
 class GRPOConfig(_Section):
-    rewards: list[str] = Field(["exact_match"], min_length=1, description="Reward functions, summed (weighted): exact_match (1 where the "
+    rewards: list[str] = Field(["exact_match"], description="Reward functions, summed (weighted): exact_match (1 where the "
                                "completion, stripped, equals the row's answer), format (1 where it matches format_pattern whole), length "
                                "(minus the share of max_completion_length used), reward_model:PATH (a reward model train.objective: reward "
                                "saved: its score), or module:function / path/to/file.py:function, called as TRL calls them: f(prompts=, "
@@ -279,6 +279,21 @@ class GRPOConfig(_Section):
                                                          "(TRL's bnpo at one micro-batch): the mean over every completion token of the step.")
     scale_rewards: Literal["group", "none"] = Field("group", description="Advantages: a group's rewards less their mean, divided by their "
                                                     "standard deviation (group) or not (none: Dr. GRPO).")
+    kv_cache: Literal["dynamic", "static"] = Field("dynamic", description="The KV cache completions are sampled with: dynamic, or static "
+                                                   "(on CUDA transformers compiles the decoding step: 2.3-3.3x dynamic's tokens/s for a 1.1B "
+                                                   "model on an H200, bench/rollouts.py; not yet run through a GRPO run on a GPU). In bf16 the "
+                                                   "two sample other completions, each repeatably.")
+    environment: str | None = Field(None, description="Agentic GRPO: an environment class, path/to/file.py:Class or module:Class, built from "
+                                    "each prompt row; each completion is then an episode of up to max_turns assistant turns, tool calls run "
+                                    "and answered, the environment's reward added to the reward functions' (docs/agents.md).")
+    max_turns: int = Field(4, gt=0, description="Environment episodes: assistant turns at most (each up to max_completion_length tokens).")
+    max_episode_tokens: int = Field(1024, gt=0, description="Environment episodes: tokens at most (prompt, turns, tool and environment "
+                                    "answers); an episode ends where its next turn would not fit.")
+    tool_format: Literal["auto", "hermes", "llama3", "mistral"] = Field("auto", description="How the model writes tool calls: hermes "
+                                                                         "(<tool_call> JSON: Qwen, Hermes, the built-in chatml), llama3 (a JSON "
+                                                                         "object), mistral ([TOOL_CALLS]); auto reads the chat template.")
+    tool_timeout: float = Field(10.0, gt=0, description="Seconds a tool call may take; past it the model is told it timed out.")
+    episode_timeout: float = Field(60.0, gt=0, description="Seconds an episode may spend in its environment and tools; past it the episode ends.")
 
 
 class EvalConfig(_Section):
@@ -460,6 +475,13 @@ class RunConfig(_Section):
         g = self.grpo
         if g.reward_weights is not None and len(g.reward_weights) != len(g.rewards):
             raise ValueError(f"grpo.reward_weights: {len(g.reward_weights)} weights for {len(g.rewards)} reward functions; give one each")
+        if g.kv_cache == "static" and asked.shards_weights:
+            raise ValueError(f"grpo.kv_cache: static compiles the decoding step, which sharded weights (distributed.strategy {strategy}) "
+                             "gather in each forward; use dynamic")
+        if not g.rewards and not g.environment:
+            raise ValueError("grpo.rewards: no reward function, and no grpo.environment to score the episodes; name at least one")
+        if g.environment and self.train.objective != "grpo":
+            raise ValueError(f"grpo.environment: environments run GRPO episodes; set train.objective: grpo (not {self.train.objective})")
         if self.train.objective == "reward":
             why = ("model.quantization (quantized reward models are not supported yet)" if q is not None else
                    f"distributed.strategy {strategy} (the score head is not in the base's files it streams; use ddp or zero2)"

@@ -43,6 +43,7 @@ class GRPO(Objective):
     metrics: tuple[str, ...] = field(init=False)
     metric_counts: tuple[int, ...] = field(init=False)
 
+    extra_metrics: tuple[str, ...] = ()  # per-completion numbers a subclass's rows carry (their "extra" column), averaged like the rest
     levels = False  # the loss is centred on 0 by the advantages: no start level, no stuck-at-0 check
     watched_name = "negative mean reward"
     final = ("reward", "kl")  # a GRPO loss is centred on 0 by the advantages: it says nothing of the run
@@ -53,7 +54,8 @@ class GRPO(Objective):
         return -metrics["reward"]
 
     def __post_init__(self):
-        self.metrics = ("reward", "reward_std", "zero_std_groups", "completion_length", "kl", "clip_ratio", *(r.metric for r in self.rewards))
+        self.metrics = ("reward", "reward_std", "zero_std_groups", "completion_length", "kl", "clip_ratio", *(r.metric for r in self.rewards),
+                        *self.extra_metrics)
         self.metric_counts = (1,) * len(self.metrics)  # means over the step's completions (counts' second entry)
 
     def eval_line(self, result: dict) -> str:
@@ -97,7 +99,8 @@ class GRPO(Objective):
         per_completion = per_completion / lengths.clamp(min=1)
         rewards = batch["rewards"].to(logps.dtype)
         metrics = torch.cat([torch.stack([batch["reward"].sum(), batch["reward_std"].sum(), batch["zero_std"].sum(), lengths.sum(),
-                                          per_completion[0].sum(), per_completion[1].sum()]).to(logps.dtype), rewards.sum(0)])
+                                          per_completion[0].sum(), per_completion[1].sum()]).to(logps.dtype), rewards.sum(0),
+                             *([batch["extra"].to(logps.dtype).sum(0)] if "extra" in batch else [])])
         return Losses(loss, aux, metrics)
 
     # -- sampling and scoring --------------------------------------------------------------------
@@ -111,18 +114,21 @@ class GRPO(Objective):
         batches, tokens = [], 0
         try:
             for micro in prompts:
-                rows, columns = [], {"advantages": [], "rewards": [], "reward": [], "reward_std": [], "zero_std": []}
-                for prompt, completions in zip(micro, self.sample(model, tokenizer, micro, position, device)):
-                    row, parts = self._scored(tokenizer, prompt, completions)
+                rows, columns = [], {}
+                for row, parts in self.groups(model, tokenizer, micro, position, device):
                     rows.append(row)
                     tokens += len(row.input_ids)
                     for key, value in parts.items():
-                        columns[key].append(value)
+                        columns.setdefault(key, []).append(value)
                 batch = collate(rows, tokenizer.pad_token_id)
                 batches.append({**batch, **{key: torch.cat(value) for key, value in columns.items()}})
         finally:
             model.train(was_training)
         return batches, tokens
+
+    def groups(self, model, tokenizer, prompts: list[Prompt], position: int, device) -> list[tuple[Row, dict[str, torch.Tensor]]]:
+        """Each prompt's group of completions as a scored training row."""
+        return [self._scored(tokenizer, p, c) for p, c in zip(prompts, self.sample(model, tokenizer, prompts, position, device))]
 
     def sample(self, model, tokenizer, prompts: list[Prompt], position: int, device) -> list[list[list[int]]]:
         """num_generations completions of each prompt (each cut after its EOS token), all in one `generate`
@@ -138,7 +144,7 @@ class GRPO(Objective):
         warpers += [TopPLogitsWarper(cfg.top_p)] if cfg.top_p < 1 else []
         repeated = [p.ids for p in prompts for _ in range(cfg.num_generations)]
         sampler = GumbelSampler(torch.as_tensor(seeds, device=device), warpers, cfg.top_k)
-        completions = generate(model, tokenizer, repeated, cfg.max_completion_length, device, sampler, synced=self.synced)
+        completions = generate(model, tokenizer, repeated, cfg.max_completion_length, device, sampler, synced=self.synced, cache=cfg.kv_cache)
         return [completions[i : i + cfg.num_generations] for i in range(0, len(completions), cfg.num_generations)]
 
     def _rewards(self, tokenizer, prompt: Prompt, completions: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -155,21 +161,16 @@ class GRPO(Objective):
     def _scored(self, tokenizer, prompt: Prompt, completions: list[list[int]]) -> tuple[Row, dict[str, torch.Tensor]]:
         """One prompt's completions as a packed row (trained on the completions), with their rewards and advantages."""
         per_function, reward = self._rewards(tokenizer, prompt, completions)
-        std = reward.std().expand_as(reward)  # unbiased, as TRL's nanstd
-        advantages = reward - reward.mean()
-        if self.cfg.scale_rewards == "group":
-            advantages = advantages / (std + 1e-4)
-        ids, labels, positions = [], [], []
-        for completion in completions:
-            sequence = [*prompt.ids.tolist(), *completion]
-            ids += sequence
-            labels += [IGNORE] * len(prompt.ids) + completion
-            positions += range(len(sequence))
-        zero = torch.isclose(std, torch.zeros_like(std)).float()
-        return Row(np.array(ids), np.array(labels), np.array(positions)), {"advantages": advantages, "rewards": per_function,
-                                                                           "reward": reward, "reward_std": std, "zero_std": zero}
+        sequences = [([*prompt.ids.tolist(), *c], [False] * len(prompt.ids) + [True] * len(c)) for c in completions]
+        return group_row(sequences, per_function, reward, self.cfg.scale_rewards)
 
     # -- evaluation ------------------------------------------------------------------------------
+
+    def greedy_scores(self, model, tokenizer, prompts: list[Prompt], device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each prompt's greedy completion's (rewards by function, weighted sum)."""
+        completions = generate(model, tokenizer, [p.ids for p in prompts], self.cfg.max_completion_length, device, synced=self.synced,
+                               cache=self.cfg.kv_cache)
+        return [self._rewards(tokenizer, p, [c]) for p, c in zip(prompts, completions)]
 
     @torch.no_grad()
     def evaluate(self, model, tokenizer, rows: Split, batch_size: int, accelerator, max_batches: int | None) -> dict:
@@ -188,10 +189,9 @@ class GRPO(Objective):
         stand_in = prompts[:1] or rows.prompts([0])
         for start in range(0, count * batch_size if self.synced else len(prompts), batch_size):
             batch = prompts[start : start + batch_size]
-            completions = generate(model, tokenizer, [p.ids for p in batch or stand_in], self.cfg.max_completion_length, accelerator.device,
-                                   synced=self.synced)
-            for prompt, completion in zip(batch, completions):
-                per_function, reward = self._rewards(tokenizer, prompt, [completion])
+            with accelerator.autocast():  # as the training forward: bf16 weights with fp32 adapters need it (peft's input casts are off)
+                scores = self.greedy_scores(model, tokenizer, batch or stand_in, accelerator.device)
+            for per_function, reward in scores[: len(batch)]:
                 total += torch.cat([reward, torch.ones(1), per_function[0]]).double()
         total = accelerator.reduce(total.to(accelerator.device), "sum").cpu()
         model.train(was_training)
@@ -201,12 +201,35 @@ class GRPO(Objective):
                 **{f"eval_{r.metric}": float(v) / n for r, v in zip(self.rewards, total[2:])}}
 
 
+def group_row(sequences: list[tuple[list[int], list[bool]]], per_function: torch.Tensor, reward: torch.Tensor,
+              scale: str, extra: torch.Tensor | None = None) -> tuple[Row, dict[str, torch.Tensor]]:
+    """A group's sequences (token ids, whether each is the policy's own and trained) packed into one row, positions
+    restarting at each, with their rewards and the advantages: each reward less the group's mean (over its standard
+    deviation where grpo.scale_rewards is group). extra: more per-sequence metrics, summed into the step's."""
+    std = reward.std().expand_as(reward)  # unbiased, as TRL's nanstd
+    advantages = reward - reward.mean()
+    if scale == "group":
+        advantages = advantages / (std + 1e-4)
+    ids, labels, positions = [], [], []
+    for sequence, trained in sequences:
+        ids += sequence
+        labels += [token if keep else IGNORE for token, keep in zip(sequence, trained)]
+        positions += range(len(sequence))
+    zero = torch.isclose(std, torch.zeros_like(std)).float()
+    columns = {"advantages": advantages, "rewards": per_function, "reward": reward, "reward_std": std, "zero_std": zero}
+    if extra is not None:
+        columns["extra"] = extra
+    return Row(np.array(ids), np.array(labels), np.array(positions)), columns
+
+
 # -- generation ----------------------------------------------------------------------------------
 
-def generate(model, tokenizer, prompts: list[np.ndarray], max_new_tokens: int, device, sampler=None, synced: bool = False) -> list[list[int]]:
+def generate(model, tokenizer, prompts: list[np.ndarray], max_new_tokens: int, device, sampler=None, synced: bool = False,
+             cache: str = "dynamic") -> list[list[int]]:
     """One completion of each prompt (cut after its EOS token) from one `generate` call, the prompts
     left-padded: greedy, or sampled by `sampler` (a GumbelSampler). `synced`: the weights are sharded, and
-    every rank runs as many forwards as the rank with the longest completion (transformers' synced_gpus)."""
+    every rank runs as many forwards as the rank with the longest completion (transformers' synced_gpus).
+    cache: grpo.kv_cache (static: transformers' static KV cache, its decoding step compiled on CUDA)."""
     from transformers import GenerationConfig, LogitsProcessorList
 
     width = max(len(p) for p in prompts)
@@ -216,7 +239,7 @@ def generate(model, tokenizer, prompts: list[np.ndarray], max_new_tokens: int, d
         ids[i, width - len(p) :] = torch.as_tensor(p, dtype=torch.long)
         mask[i, width - len(p) :] = 1
     settings = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
-                                eos_token_id=tokenizer.eos_token_id, use_cache=True)
+                                eos_token_id=tokenizer.eos_token_id, use_cache=True, cache_implementation="static" if cache == "static" else None)
     with root_gathered(model):
         out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=settings,
                              logits_processor=LogitsProcessorList([] if sampler is None else [sampler]), synced_gpus=synced)

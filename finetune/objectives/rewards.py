@@ -49,6 +49,18 @@ def format_match(completions: list, pattern: str, **_) -> list[float]:
     return [float(compiled.fullmatch(_text(c)) is not None) for c in completions]
 
 
+def final_answer(completions: list, answer: list | None = None, **_) -> list[float]:
+    """exact_match on the last assistant message of each completion (an episode's final answer)."""
+    last = [c if isinstance(c, str) else next((m["content"] or "" for m in reversed(c) if m["role"] == "assistant"), "") for c in completions]
+    return exact_match(last, answer)
+
+
+def tool_call_success(completions: list, tool_calls: list[int] | None = None, tool_failures: list[int] | None = None, **_) -> list[float]:
+    """The share of an episode's tool calls that were read and ran without error (0 for one without calls, or outside grpo.environment)."""
+    calls, failures = tool_calls or [0] * len(completions), tool_failures or [0] * len(completions)
+    return [(n - failed) / n if n else 0.0 for n, failed in zip(calls, failures)]
+
+
 def length_penalty(completion_ids: list, max_length: int, **_) -> list[float]:
     """Minus the share of the completion budget used: shorter answers score higher."""
     return [-len(ids) / max_length for ids in completion_ids]
@@ -56,7 +68,8 @@ def length_penalty(completion_ids: list, max_length: int, **_) -> list[float]:
 
 def load_rewards(cfg: GRPOConfig) -> list[Reward]:
     """The configured reward functions, imported now: a name that does not resolve is one line, before any model loads."""
-    built_in = {"exact_match": exact_match, "format": functools.partial(format_match, pattern=cfg.format_pattern),
+    built_in = {"exact_match": exact_match, "final_answer": final_answer, "tool_call_success": tool_call_success,
+                "format": functools.partial(format_match, pattern=cfg.format_pattern),
                 "length": functools.partial(length_penalty, max_length=cfg.max_completion_length)}
     weights = cfg.reward_weights or [1.0] * len(cfg.rewards)
     out = []
@@ -73,16 +86,18 @@ def load_rewards(cfg: GRPOConfig) -> list[Reward]:
     return out
 
 
-def _import(name: str, built_in: dict) -> Callable:
+def _import(name: str, built_in: dict, key: str = "grpo.rewards", kind: str = "function") -> Callable:
+    """`module:attribute` or `path/to/file.py:attribute`, imported (kind: what the attribute must be, for the messages)."""
     where, _, attribute = name.rpartition(":")
     if not where or not attribute:
-        raise UserError(f"grpo.rewards: {name!r} is not a built-in ({', '.join(built_in)}) nor module:function or path/to/file.py:function")
+        known = f"a built-in ({', '.join(built_in)}) nor " if built_in else ""
+        raise UserError(f"{key}: {name!r} is not {known}module:{kind} or path/to/file.py:{kind}")
     try:
         if where.endswith(".py"):
             path = Path(where).expanduser()
             if not path.is_file():
-                raise UserError(f"grpo.rewards: {name}: no file {path}")
-            spec = importlib.util.spec_from_file_location(f"finetune_reward_{path.stem}", path)
+                raise UserError(f"{key}: {name}: no file {path}")
+            spec = importlib.util.spec_from_file_location(f"finetune_user_{path.stem}", path)
             module = importlib.util.module_from_spec(spec)
             spec.loader.exec_module(module)
         else:
@@ -90,10 +105,10 @@ def _import(name: str, built_in: dict) -> Callable:
     except UserError:
         raise
     except Exception as err:  # the user's module failed to import: say which and why, in one line
-        raise UserError(f"grpo.rewards: {name}: importing {where} failed: {type(err).__name__}: {err}") from None
+        raise UserError(f"{key}: {name}: importing {where} failed: {type(err).__name__}: {err}") from None
     function = getattr(module, attribute, None)
-    if not callable(function):
-        raise UserError(f"grpo.rewards: {name}: {where} has no function {attribute}")
+    if not callable(function) or (kind == "class") != isinstance(function, type):
+        raise UserError(f"{key}: {name}: {where} has no {kind} {attribute}")
     return function
 
 

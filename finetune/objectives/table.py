@@ -4,6 +4,7 @@ module, so that the base module (objective.py) never imports what builds on it (
 from __future__ import annotations
 
 from finetune.config.strategy import Strategy
+from finetune.objectives.agent import agent_objective
 from finetune.objectives.grpo import GRPO
 from finetune.objectives.objective import KTO, SFT, Objective, Preference, RewardModel
 from finetune.objectives.rewards import load_rewards
@@ -14,6 +15,8 @@ def objective_for(cfg, locate=None, world: int = 1) -> Objective:
     train, preference = cfg.train, cfg.preference
     if train.objective == "grpo":
         synced = Strategy.of(cfg.distributed.strategy, world).shards_weights
+        if cfg.grpo.environment:
+            return agent_objective(cfg.grpo, load_rewards(cfg.grpo), train.seed, locate=locate, synced=synced)
         return GRPO(cfg.grpo, load_rewards(cfg.grpo), train.seed, locate=locate, synced=synced)
     if train.objective == "kto":
         return KTO(preference)

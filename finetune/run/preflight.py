@@ -40,6 +40,10 @@ def check(cfg: RunConfig, warn=None) -> None:
         from finetune.objectives.rewards import load_rewards
 
         load_rewards(cfg.grpo)
+        if cfg.grpo.environment:
+            from finetune.objectives.agent import load_environment
+
+            load_environment(cfg.grpo.environment)
     if int(os.environ.get("RANK", "0")) == 0:  # the process that will create and lock it
         check_output_dir(Path(cfg.train.output_dir))
         finished = finished_run(Path(cfg.train.output_dir), cfg.checkpoint.resume)
