@@ -39,7 +39,7 @@ from finetune.config.errors import UserError
 from finetune.data.packing import Prompt, Row
 from finetune.data.rows import prompt_ids, render
 from finetune.objectives import tools as toolkit
-from finetune.objectives.grpo import GRPO, GumbelSampler, generate, group_row
+from finetune.objectives.grpo import GRPO, generate, group_row
 from finetune.objectives.rewards import Reward, _import, score
 
 ENDED = ("answer", "max_turns", "length", "timeout")  # why an episode ended, counted in the step's metrics
@@ -112,19 +112,12 @@ class AgentGRPO(GRPO):
             if position is not None:
                 seeds = [np.random.SeedSequence([self.seed, position, e.prompt.sample, e.index, turn]).generate_state(1, np.uint64)[0]
                          for e in playing]
-                sampler = GumbelSampler(torch.as_tensor(np.array(seeds).view(np.int64), device=device), self._warpers(), self.cfg.top_k)
+                sampler = self.sampler(torch.as_tensor(np.array(seeds).view(np.int64), device=device))
             completions = generate(model, tokenizer, [np.asarray(e.ids) for e in playing], self.cfg.max_completion_length, device, sampler,
                                    synced=self.synced, cache=self.cfg.kv_cache)
             for episode, completion in zip(active, completions):
                 self._advance(tokenizer, episode, completion, turn)
         return episodes
-
-    def _warpers(self) -> list:
-        from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
-
-        cfg = self.cfg
-        return [TemperatureLogitsWarper(cfg.temperature), *([TopKLogitsWarper(cfg.top_k)] if cfg.top_k else []),
-                *([TopPLogitsWarper(cfg.top_p)] if cfg.top_p < 1 else [])]
 
     def _begin(self, tokenizer, prompt: Prompt, index: int) -> Episode:
         where = self._where(prompt)

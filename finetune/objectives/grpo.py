@@ -134,18 +134,22 @@ class GRPO(Objective):
         """num_generations completions of each prompt (each cut after its EOS token), all in one `generate`
         call; completion j of a prompt draws its noise from a seed of (train.seed, data step, the prompt's
         sample index, j), so it is the same in any batch, process or start of the run."""
-        from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
-
         cfg = self.cfg
         seeds = np.concatenate([np.random.SeedSequence([self.seed, position, p.sample]).generate_state(cfg.num_generations, np.uint64)
                                 for p in prompts]).view(np.int64)
-        warpers = [TemperatureLogitsWarper(cfg.temperature)]
-        warpers += [TopKLogitsWarper(cfg.top_k)] if cfg.top_k else []
-        warpers += [TopPLogitsWarper(cfg.top_p)] if cfg.top_p < 1 else []
         repeated = [p.ids for p in prompts for _ in range(cfg.num_generations)]
-        sampler = GumbelSampler(torch.as_tensor(seeds, device=device), warpers, cfg.top_k)
+        sampler = self.sampler(torch.as_tensor(seeds, device=device))
         completions = generate(model, tokenizer, repeated, cfg.max_completion_length, device, sampler, synced=self.synced, cache=cfg.kv_cache)
         return [completions[i : i + cfg.num_generations] for i in range(0, len(completions), cfg.num_generations)]
+
+    def sampler(self, seeds: torch.Tensor) -> GumbelSampler:
+        """A sampler of grpo.temperature, top_k and top_p, a row a seed."""
+        from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+        cfg = self.cfg
+        warpers = [TemperatureLogitsWarper(cfg.temperature), *([TopKLogitsWarper(cfg.top_k)] if cfg.top_k else []),
+                   *([TopPLogitsWarper(cfg.top_p)] if cfg.top_p < 1 else [])]
+        return GumbelSampler(seeds, warpers, cfg.top_k)
 
     def _rewards(self, tokenizer, prompt: Prompt, completions: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """(each function's reward of each completion, their weighted sums)."""
