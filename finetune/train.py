@@ -41,12 +41,14 @@ from finetune.checkpoint.resume import Progress, clear_starts, resume
 from finetune.config import faults
 from finetune.config.errors import EXIT_DIVERGED, EXIT_PREEMPTED, Stopped, UserError
 from finetune.config.schema import CONFIG_FILE, MUTATED_INITS, SUMMARY_FILE, ModelConfig, RunConfig, looks_local, to_yaml
+from finetune.config.strategy import Strategy
 from finetune.data.chat import choose_template
 from finetune.data.datasets import Datasets, Schedule, batches_at, load_data, plan_steps, summary_lines
 from finetune.model import families, nf4, vision
 from finetune.model.attention import leak, mixer_outside_attention
 from finetune.model.loading import adapter_input_casting_off, apply_adapter, compile_layers, describe, load_tokenizer, loftq_init
 from finetune.model.stage import staged_model
+from finetune.model.teacher import teacher_source
 from finetune.objectives.evaluate import eval_loss, exact_match, exact_match_after
 from finetune.objectives.grpo import GRPO
 from finetune.objectives.loss import to_device
@@ -168,6 +170,7 @@ class RunState:
     engine: Replicated = None  # model, optimizer, scheduler and checkpoint layout of the strategy
     sequence_parallel: SequenceParallel = field(default_factory=SequenceParallel)  # the processes that share each row, if any
     base: str = ""  # the base model as the saved adapter names it
+    teacher: tuple[ModelConfig, str | None] | None = None  # distillation: the teacher's base and the adapter merged into it
     objective: Objective = field(default_factory=SFT)  # what a step minimises (train.objective)
     router_coef: float = 0.0
     rss_before_model: int = 0
@@ -263,11 +266,15 @@ def load_inputs(cfg: RunConfig, accelerator, preemption) -> RunState:
     processor = vision.processor_for(model_cfg)
     tokenizer = load_tokenizer(model_cfg, processor)
     choose_template(tokenizer, cfg.data.chat_template, cfg.data.format, say=print if main else (lambda *_: None))
+    # Distillation: the teacher's vocabulary checked against the student's before any data or weights load
+    strategy = Strategy.of(cfg.distributed.strategy, world)
+    teacher = (teacher_source(cfg.distill.teacher, model_cfg, tokenizer, strategy.name if strategy.shards_weights else None)
+               if cfg.train.objective == "distill" else None)
     data = load_data(cfg.data, tokenizer, cfg.train.seed, eval_examples=cfg.eval.generate_samples if main else 0, say=each, processor=processor)
     stop_if_preempted(preemption.signal is not None, preemption.name, Path(cfg.train.output_dir), main, "while the data loaded")
     sp = sequence_parallel.setup(cfg.distributed.sequence_parallel, rank, world)
     run = RunState(cfg, accelerator, preemption, model_cfg, tokenizer, data, plan_steps(cfg, len(data.train), sp.data_world(world)),
-                   processor=processor, sequence_parallel=sp)
+                   processor=processor, sequence_parallel=sp, teacher=teacher)
     run.objective = objective_for(cfg, locate=data.train.locate, world=world)
     for line in summary_lines(data, cfg.data.max_seq_len):
         run.say(line)
@@ -331,6 +338,11 @@ def load_and_prepare_model(run: RunState) -> None:
     if (cfg.train.objective in ("dpo", "kto") or cfg.train.objective == "grpo" and cfg.grpo.beta) and cfg.adapter.method == "full":
         run.objective.reference = run.engine.reference(run.model_cfg, run.say)
         run.say(f"{cfg.train.objective}: the reference is a frozen copy of the base, held as the policy is")
+    if run.teacher is not None:
+        teacher_cfg, adapter = run.teacher
+        run.objective.teacher = run.engine.reference(teacher_cfg, run.say, adapter)
+        run.say(f"distill: the teacher is {cfg.distill.teacher}" + (f" (merged into {teacher_cfg.name_or_path})" if adapter else "")
+                + f", frozen, held as the student is; {cfg.distill.divergence} at temperature {cfg.distill.temperature:g}")
     if cfg.data.packing or cfg.train.objective != "sft":
         check_packed_rows(run)
 
@@ -368,6 +380,7 @@ def resume_or_start(run: RunState) -> None:
     if cfg.logging.report_to:
         run.accelerator.init_trackers(cfg.logging.project, config=tracked_config(cfg), init_kwargs=tracker_kwargs(cfg.logging, run.out))
     run.progress, events = resume(cfg, engine.checkpointer, run.accelerator)
+    restore_held(run)
     run.start_step = run.progress.step
     run.log = RunLog(run.out, run.schedule.total_steps, run.accelerator, run.main, cfg.logging.progress_bar, run.progress.step)
     for kind, message in events:
@@ -380,6 +393,12 @@ def resume_or_start(run: RunState) -> None:
     rank = run.accelerator.process_index
     run.watchdog = Watchdog(cfg.watchdog, on_hang=lambda message: run.log.event("hang", run.watchdog.step, f"rank {rank}: {message}", any_rank=True))
     run.last_save = time.monotonic()
+
+
+def restore_held(run: RunState) -> None:
+    """GRPO with num_iterations > 1: the rollouts the restored checkpoint held for its next updates (this rank's)."""
+    if isinstance(run.objective, GRPO):
+        run.objective.load_held(run.engine.checkpointer.rank_state)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -488,7 +507,7 @@ def train_step(run: RunState) -> StepOutcome:
     metrics = {name: value / max(totals[c], 1) for name, value, c in zip(objective.metrics, metric_totals, objective.metric_counts)}
     if step - run.start_step < FIRST_STEPS_CHECKED and objective.levels:  # GRPO's loss is 0 where no group's rewards differ
         check_first_steps(step, step_loss)
-    verdict = run.guard.check(step, objective.watched(step_loss, metrics), grad_norm)
+    verdict = run.guard.check(step, objective.watched(step_loss, metrics), grad_norm, metrics.get("kl"))
     if verdict.action == "apply":
         waited = engine.checkpointer.staged()  # a background save's copy of the weights first
         if waited > 0.01:
@@ -508,11 +527,15 @@ def step_batches(run: RunState, position: int) -> tuple[int, list[dict], list[fl
     """The micro-batches of data step `position` for this rank, on its device, with the objective's
     counts (and the real tokens) summed over the step's micro-batches and every rank."""
     accelerator, sp, pad = run.accelerator, run.sequence_parallel, run.tokenizer.pad_token_id
+    if isinstance(run.objective, GRPO):  # num_iterations updates per data step
+        position //= run.objective.cfg.num_iterations
     epoch, micro_batches, real_tokens = batches_at(run.data, run.cfg, run.schedule, position, sp.data_rank(accelerator.process_index),
                                                    sp.data_world(accelerator.num_processes), pad)
-    if isinstance(run.objective, GRPO):  # the prompts' completions, sampled by the policy as it is now (under the training forward's autocast)
+    if run.objective.rollouts:  # what the policy samples as it is now (under the training forward's autocast): GRPO, on-policy distillation
         with accelerator.autocast():
-            micro_batches, real_tokens = run.objective.rollout(run.engine.unwrap(), run.tokenizer, micro_batches, position, accelerator.device)
+            sampled = run.objective.rollout(run.engine.unwrap(), run.tokenizer, micro_batches, position, accelerator.device)
+        if sampled is not None:
+            micro_batches, real_tokens = sampled
     micro_batches = [sp.shard(b, pad) for b in micro_batches]  # this process's slice of each row (sequence parallelism)
     real_tokens = 0 if sp.rank else real_tokens  # a row's tokens, counted once among the processes sharing it
     local = [*map(sum, zip(*(run.objective.counts(b) for b in micro_batches))), real_tokens]  # counted on the host
@@ -538,7 +561,8 @@ def save(run: RunState) -> None:
     engine, step = run.engine, run.progress.step
     progress = dataclasses.replace(run.progress, guard=run.guard.state_dict(), good=run.guard.is_healthy(step))
     began = time.perf_counter()
-    saved = engine.checkpointer.save(run.out, progress.state_dict(), to_yaml(run.cfg), run.cfg.checkpoint.keep_last, run.background)
+    held = run.objective.held_state() if isinstance(run.objective, GRPO) else {}
+    saved = engine.checkpointer.save(run.out, progress.state_dict(), to_yaml(run.cfg), run.cfg.checkpoint.keep_last, run.background, held)
     if saved:  # the seconds training waited (bench/large.py compares them with and without background writes)
         run.log.print(f"step {step}: checkpoint {'being written in the background to' if run.background else 'saved to'} {saved} "
                       f"(training paused {time.perf_counter() - began:.2f} s)")
@@ -574,6 +598,7 @@ def roll_back(run: RunState, trouble_step: int, verdict: Verdict) -> Progress:
         run.log.event("stop", trouble_step, f"guard: {verdict.reason}; {where}")
         raise Stopped(f"step {trouble_step + 1}: training diverged: {verdict.reason}; {where}", EXIT_DIVERGED)
     back = Progress.from_state_dict(engine.checkpointer.restore(target, run.out))
+    restore_held(run)
     guard.rolled_back(back.step, trouble_step, saved=back.guard)
     set_peak_lr(engine.scheduler, lr * guard.state.lr_scale)
     run.log.event("rollback", trouble_step, f"guard: {verdict.reason}; rolled back to {target.name}, LR x{guard.state.lr_scale:g} "

@@ -168,6 +168,20 @@ def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
+def killed_and_resumed(tmp_path: Path, cfg: dict, save_every: int, kill_at: int):
+    """`cfg` run in tmp_path/out with a checkpoint every `save_every` steps, SIGKILLed at the start of step `kill_at`
+    (a process of its own), then started again in this process: it must resume from the last checkpoint before the
+    kill. Returns the second start's result and the run's per-step metrics rows."""
+    cfg["train"]["output_dir"] = str(tmp_path / "out")
+    config = str(write_config(tmp_path / "resumed.yaml", cfg))
+    killed = run_cli("train", "--config", config, "--save-every", str(save_every), env={"FINETUNE_FAULT": f"kill@{kill_at}"})
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    resumed = finetune_in_process("train", "--config", config, "--save-every", str(save_every))
+    last = kill_at // save_every * save_every
+    assert resumed.returncode == 0 and f"step-{last:06d} at step {last}" in resumed.stdout, resumed.stderr[-2000:]
+    return resumed, [r for r in read_jsonl(tmp_path / "out" / "metrics.jsonl") if "loss" in r]
+
+
 @pytest.fixture(autouse=True)
 def _fresh_accelerate_state():
     """accelerate keeps process-wide state; each in-process run starts from none."""

@@ -104,3 +104,7 @@ def test_a_resume_accepts_changes_of_how_the_run_goes_on_and_names_those_of_what
     breaking, harmless = config_changes(saved, changed)
     assert breaking == ["adapter.r: 16 -> 32", "train.seed: 42 -> 7"]
     assert harmless == ["logging.plot: true -> false", "train.lr: 0.001 -> 0.0005", "train.max_steps: null -> 50"]
+    # A checkpoint of an earlier finetune, without settings added since: they ran as their defaults do
+    older = {**saved, "grpo": {k: v for k, v in saved["grpo"].items() if k != "num_iterations"}}
+    older.pop("distill")
+    assert config_changes(older, cfg) == ([], [])

@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from conftest import DEMO_DATA, adapted_lora, base_config, finetune_in_process, read_jsonl, run_cli, write_config
+from conftest import DEMO_DATA, adapted_lora, base_config, finetune_in_process, killed_and_resumed, read_jsonl, write_config
 
 from finetune.config.errors import UserError
 from finetune.config.schema import GRPOConfig
@@ -35,8 +35,10 @@ def _grpo_config(model_dir, out, **sections):
     return cfg
 
 
-def _ours(model, cfg: GRPOConfig) -> torch.Tensor:
-    """Our loss on the completions, laid out as the rollout lays them out (a prompt's completions packed in one row)."""
+def _ours(model, cfg: GRPOConfig, off_policy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Our loss on the completions, laid out as the rollout lays them out (a prompt's completions packed in one row). off_policy:
+    the completions' old log-probabilities (a later update of num_iterations > 1) are the policy's moved by up to +-0.4, so some
+    ratios are clipped; returned as TRL lays them out."""
     rows = []
     for p, prompt in enumerate(PROMPTS):
         ids, labels, positions = [], [], []
@@ -49,18 +51,28 @@ def _ours(model, cfg: GRPOConfig) -> torch.Tensor:
     batch = {**collate(rows, 0), "advantages": ADVANTAGES, "rewards": torch.zeros(n, 1), "reward": torch.zeros(n),
              "reward_std": torch.zeros(n), "zero_std": torch.zeros(n)}
     objective = GRPO(cfg, [Reward("r", "reward_r", 1.0, None)], seed=0)
+    trl_old = None
+    if off_policy:
+        with torch.no_grad():
+            old = objective._logps(model, batch, "cpu")
+        keep = old != 0
+        old[keep] += torch.empty(int(keep.sum())).uniform_(-0.4, 0.4, generator=torch.Generator().manual_seed(0))
+        batch["old_logps"] = old
+        per_completion = old[keep].split([len(c) for c in COMPLETIONS])
+        trl_old = torch.stack([torch.nn.functional.pad(c, (0, MAX_COMPLETION - len(c))) for c in per_completion])
     totals = objective.counts(batch)
-    return objective.losses(model, to_device(batch, "cpu"), totals).tokens / totals[0]
+    return objective.losses(model, to_device(batch, "cpu"), totals).tokens / totals[0], trl_old
 
 
-def _trls(model, tokenizer, cfg: GRPOConfig, tmp_path) -> torch.Tensor:
+def _trls(model, tokenizer, cfg: GRPOConfig, tmp_path, old: torch.Tensor | None = None) -> torch.Tensor:
     """TRL's GRPOTrainer._compute_loss on the same completions: prompts left-padded, completions right-padded, as TRL batches them."""
     from datasets import Dataset
     from trl import GRPOConfig as TRLConfig
     from trl import GRPOTrainer
 
     args = TRLConfig(output_dir=str(tmp_path / "trl"), per_device_train_batch_size=4, num_generations=2, max_completion_length=MAX_COMPLETION,
-                     beta=cfg.beta, loss_type=cfg.loss_type, temperature=cfg.temperature, epsilon=cfg.epsilon, report_to=[], use_cpu=True,
+                     beta=cfg.beta, loss_type=cfg.loss_type, temperature=cfg.temperature, epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high,
+                     report_to=[], use_cpu=True,
                      bf16=False)
     trainer = GRPOTrainer(model=model, reward_funcs=[lambda completions, **_: [0.0] * len(completions)], args=args,
                           train_dataset=Dataset.from_list([{"prompt": "a"}] * 4), processing_class=tokenizer)
@@ -72,7 +84,7 @@ def _trls(model, tokenizer, cfg: GRPOConfig, tmp_path) -> torch.Tensor:
     completion_ids = torch.tensor([c + [0] * (MAX_COMPLETION - len(c)) for c in COMPLETIONS])
     completion_mask = torch.tensor([[1] * len(c) + [0] * (MAX_COMPLETION - len(c)) for c in COMPLETIONS])
     inputs = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": completion_ids, "completion_mask": completion_mask,
-              "advantages": ADVANTAGES, "num_items_in_batch": completion_mask.sum()}
+              "advantages": ADVANTAGES, "num_items_in_batch": completion_mask.sum(), **({} if old is None else {"old_per_token_logps": old})}
     if cfg.beta:
         with torch.no_grad(), model.disable_adapter():
             inputs["ref_per_token_logps"], _, _ = trainer._get_per_token_logps_and_entropies(
@@ -82,20 +94,25 @@ def _trls(model, tokenizer, cfg: GRPOConfig, tmp_path) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo"])
-@pytest.mark.parametrize("beta", [0.0, 0.2])
-def test_loss_and_gradients_equal_trls(tmp_path, tiny_model_dir, loss_type, beta):
+@pytest.mark.parametrize("beta, off_policy", [(0.0, False), (0.2, False), (0.2, True)])
+def test_loss_and_gradients_equal_trls(tmp_path, tiny_model_dir, loss_type, beta, off_policy):
+    """On the sampling policy (one update per generation) and off it (num_iterations > 1: the old log-probabilities
+    held from the sampling, ratios clipped)."""
     pytest.importorskip("trl")
     from transformers import AutoTokenizer
 
-    cfg = GRPOConfig(loss_type=loss_type, beta=beta, temperature=0.8, max_completion_length=MAX_COMPLETION)
+    cfg = GRPOConfig(loss_type=loss_type, beta=beta, temperature=0.8, max_completion_length=MAX_COMPLETION, epsilon_high=0.28)
     model = adapted_lora(tiny_model_dir)
     trained = [p for p in model.parameters() if p.requires_grad]
-    expected = _trls(model, AutoTokenizer.from_pretrained(tiny_model_dir), cfg, tmp_path)
+    ours, old = _ours(model, cfg, off_policy)
+    ours.backward()
+    our_grads = [p.grad.clone() for p in trained]
+    model.zero_grad()
+    expected = _trls(model, AutoTokenizer.from_pretrained(tiny_model_dir), cfg, tmp_path, old)
     expected.backward()
     expected_grads = [p.grad.clone() for p in trained]
-    model.zero_grad()
-    ours = _ours(model, cfg)
-    ours.backward()
+    for p, g in zip(trained, our_grads):
+        p.grad = g
     assert abs(ours.item() - expected.item()) < 1e-5, (ours.item(), expected.item())
     assert abs(expected.item()) > 1e-3  # a loss that says something: the advantages do not cancel
     worst = max((p.grad - g).abs().max().item() for p, g in zip(trained, expected_grads))
@@ -122,24 +139,37 @@ def test_kill_9_mid_grpo_run_then_resume_samples_and_trains_the_same(tmp_path, t
     keys = ("loss", "grad_norm", "reward", "completion_length", "kl")
     expected = [[r[k] for k in keys] for r in _steps(tmp_path / "reference")]
     assert len({tuple(e[1:]) for e in expected}) == 4  # every step sampled something else
-    cfg["train"]["output_dir"] = str(tmp_path / "out")
-    config = str(write_config(tmp_path / "grpo.yaml", cfg))
-    killed = run_cli("train", "--config", config, "--save-every", "2", env={"FINETUNE_FAULT": "kill@3"})
-    assert killed.returncode == -9, killed.stderr[-2000:]
-    resumed = finetune_in_process("train", "--config", config, "--save-every", "2")
-    assert resumed.returncode == 0 and "step-000002 at step 2" in resumed.stdout, resumed.stderr[-2000:]
-    assert [[r[k] for k in keys] for r in _steps(tmp_path / "out")] == expected  # bitwise
+    resumed, steps = killed_and_resumed(tmp_path, cfg, save_every=2, kill_at=3)
+    assert [[r[k] for k in keys] for r in steps] == expected  # bitwise
     # A GRPO run ends with what it was for: the final step's mean reward and KL, not its loss (centred on 0 by the advantages).
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert (summary["train_reward"], summary["train_kl"]) == (expected[-1][2], expected[-1][4]) and "train_loss" not in summary
     assert f"final step's mean reward {expected[-1][2]:.4f}, KL {expected[-1][4]:.4g}" in resumed.stdout and "final train loss" not in resumed.stdout
 
 
+def test_num_iterations_holds_each_generation_and_a_run_resumed_between_its_updates_trains_the_same(tmp_path, tiny_model_dir, parity_reward):
+    """grpo.num_iterations 2: each sample of completions trains two optimizer steps (the same rewards and lengths, the second
+    update's ratio to the old log-probabilities moved); a checkpoint between them holds the rollouts (this rank's file), so
+    the run killed after it resumes on the same completions and losses, bitwise."""
+    cfg = _grpo_config(tiny_model_dir, tmp_path / "reference", data={"eval": None}, train={"max_steps": 6},
+                       grpo={"rewards": [parity_reward], "beta": 0.1, "num_iterations": 2})
+    assert finetune_in_process("train", "--config", str(write_config(tmp_path / "reference.yaml", cfg))).returncode == 0
+    keys = ("loss", "grad_norm", "reward", "completion_length", "kl", "clip_ratio")
+    expected = [[r[k] for k in keys] for r in _steps(tmp_path / "reference")]
+    sampled = [tuple(e[2:4]) for e in expected]
+    assert sampled[0::2] == sampled[1::2] and len(set(sampled)) == 3, sampled  # one generation per two updates
+    assert expected[1][0] != expected[0][0] and expected[1][4] > expected[0][4]  # the second update trains on a moved ratio
+    _, steps = killed_and_resumed(tmp_path, cfg, save_every=3, kill_at=3)
+    assert (tmp_path / "out" / "checkpoints" / "step-000003" / "state-rank0.safetensors").is_file()
+    assert [[r[k] for k in keys] for r in steps] == expected  # bitwise
+
+
 @pytest.fixture(scope="module")
 def two_sections(tmp_path_factory, tiny_model_dir, parity_reward) -> dict:
-    """4 steps of 4 prompts, and an eval of 5 prompts every 2 steps: 3 on rank 0 and 2 on rank 1 at 2 processes."""
+    """4 steps of 4 prompts, two updates on each sample (num_iterations 2: the held rollouts' old log-probabilities computed
+    by the sharded model too), and an eval of 5 prompts every 2 steps: 3 on rank 0 and 2 on rank 1 at 2 processes."""
     tmp = tmp_path_factory.mktemp("grpo-eval")
-    sections = _grpo_config(tiny_model_dir, tmp, grpo={"rewards": [parity_reward, "length"]})
+    sections = _grpo_config(tiny_model_dir, tmp, grpo={"rewards": [parity_reward, "length"], "num_iterations": 2})
     rows = (DEMO_DATA / "prompts-eval.jsonl").read_text().splitlines()[:5]
     (tmp / "eval.jsonl").write_text("\n".join(rows) + "\n")
     sections["data"]["eval"] = str(tmp / "eval.jsonl")
@@ -284,6 +314,25 @@ def test_a_reward_collapse_is_rolled_back_by_the_guard(tmp_path, tiny_model_dir)
     assert "negative mean reward drifted up to -0.5 (median of the last 10 steps) from -1," in rollback["message"], rollback
     assert rollback["step"] == 16 and "rolled back to step-000008, LR x0.5" in rollback["message"], rollback
     assert events[-1]["event"] == "stop"
+
+
+def test_a_kl_blow_up_past_guard_max_kl_is_rolled_back_then_stops(tmp_path, tiny_model_dir, parity_reward):
+    """guard.max_kl judges GRPO's KL to the reference (beta > 0): the step that crosses it is not applied, the run goes back
+    to a checkpoint from no later than the last step whose KL was at most half the bound (kept for it), with the LR halved;
+    when the KL crosses again and the rollbacks are spent, it stops with exit 3."""
+    cfg = _grpo_config(tiny_model_dir, tmp_path / "out", data={"eval": None}, train={"max_steps": 12},
+                       grpo={"rewards": [parity_reward], "beta": 0.1}, checkpoint={"save_every": 2}, guard={"max_kl": 0.01, "max_rollbacks": 1})
+    result = finetune_in_process("train", "--config", str(write_config(tmp_path / "grpo.yaml", cfg)))
+    assert result.returncode == 3, result.stderr[-2000:]
+    rollback, stop = [e for e in read_jsonl(tmp_path / "out" / "events.jsonl") if e["event"] in ("rollback", "stop")]
+    assert "the KL to the reference reached" in rollback["message"] and "above guard.max_kl=0.01; rolled back to step-000008" in rollback["message"]
+    assert "above guard.max_kl=0.01, after 1 rollback(s); the last good checkpoint is" in stop["message"], stop
+    applied = [r["kl"] for r in _steps(tmp_path / "out")]
+    assert max(applied) <= 0.01 < float(rollback["message"].split("reached ")[1].split(",")[0])  # the steps over it were never applied
+    with pytest.raises(UserError, match="guard.max_kl: the KL to the reference is measured by GRPO with grpo.beta > 0"):
+        from finetune.config.schema import validate_config
+
+        validate_config({**cfg, "grpo": {**cfg["grpo"], "beta": 0.0}}, "test")
 
 
 def test_bf16_weights_with_bf16_autocast_sample_and_evaluate(tmp_path, tiny_model_dir):

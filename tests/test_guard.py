@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 from conftest import REPO, base_config, finetune_in_process, read_jsonl, run_cli, wait_for, write_config
 
-from finetune.run.guard import DRIFT_STEPS
+from finetune.config.schema import GuardConfig
+from finetune.run.guard import DRIFT_STEPS, Guard
 
 
 def _cfg(tiny_model_dir, out, steps=40, **sections):
@@ -412,3 +413,16 @@ def test_a_run_that_ends_worse_than_it_started_is_saved_and_exits_3(tmp_path, bp
     assert _events(out)[-1]["event"] == "stop" and "ended worse than it started" in _events(out)[-1]["message"]
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("error: the run ended worse than it started: the eval loss ended at") and "Lower train.lr" in err[-1]
+
+
+def test_a_kl_above_max_kl_rolls_back_to_the_last_step_within_half_of_it_then_stops():
+    """GRPO's KL to the reference has a bound of its own (guard.max_kl): a step above it is not applied but rolled back,
+    to the last step whose KL was at most half the bound (a checkpoint from no later), and after max_rollbacks it stops."""
+    guard = Guard(GuardConfig(max_kl=0.1, max_rollbacks=1))
+    kls = [0.0, 0.02, 0.05, 0.07, 0.09, 0.12]
+    verdicts = [guard.check(step, -1.0, 1.0, kl) for step, kl in enumerate(kls)]
+    assert [v.action for v in verdicts] == ["apply"] * 5 + ["rollback"]
+    assert verdicts[-1].before_step == 2 and "KL to the reference reached 0.12, above guard.max_kl=0.1" in verdicts[-1].reason
+    guard.rolled_back(2, 5, saved={"calm_kl_step": 2})
+    assert guard.check(3, -1.0, 1.0, 0.04).action == "apply" and guard.check(4, -1.0, 1.0, 0.2).action == "stop"
+    assert Guard(GuardConfig()).check(0, -1.0, 1.0, 5.0).action == "apply"  # no bound set: the KL is not judged

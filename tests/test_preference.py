@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from conftest import DEMO_DATA, adapted_lora, base_config, finetune_in_process, read_jsonl, run_cli, train_strategy, write_config
+from conftest import DEMO_DATA, adapted_lora, base_config, killed_and_resumed, read_jsonl, train_strategy, write_config
 
 from finetune.cli import main
 from finetune.config.errors import UserError
@@ -193,13 +193,8 @@ def test_kill_9_mid_run_then_resume_gives_the_same_losses(tmp_path, tiny_model_d
     run(validate_config(cfg, "test"))
     expected = [r["loss"] for r in read_jsonl(tmp_path / "reference" / "metrics.jsonl") if "loss" in r]
     assert len(set(expected)) == 6  # every step trained something else
-    cfg["train"]["output_dir"] = str(tmp_path / "out")
-    config = str(write_config(tmp_path / f"{objective}.yaml", cfg))
-    killed = run_cli("train", "--config", config, "--save-every", "3", env={"FINETUNE_FAULT": "kill@4"})
-    assert killed.returncode == -9, killed.stderr[-2000:]  # SIGKILL at the start of step 4, after the checkpoint of step 3
-    resumed = finetune_in_process("train", "--config", config, "--save-every", "3")
-    assert resumed.returncode == 0 and "step-000003 at step 3" in resumed.stdout, resumed.stderr[-2000:]
-    assert [r["loss"] for r in read_jsonl(tmp_path / "out" / "metrics.jsonl") if "loss" in r] == expected  # bitwise
+    _, steps = killed_and_resumed(tmp_path, cfg, save_every=3, kill_at=4)
+    assert [r["loss"] for r in steps] == expected  # bitwise
 
 
 def test_orpo_trains_full_fine_tuning_without_a_reference(tmp_path, tiny_model_dir):

@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 
 from finetune.checkpoint.store import (
     DEEPSPEED,
@@ -48,6 +49,7 @@ from finetune.checkpoint.store import (
 from finetune.config.schema import CONFIG_FILE
 
 TRAINER_STATE = "trainer_state.json"
+RANK_STATE = "state-rank{}.safetensors"  # save()'s rank_state, one file a rank
 
 
 class Checkpointer:
@@ -63,14 +65,16 @@ class Checkpointer:
         self._errors: list[BaseException] = []
         self._shards = None  # DCP's future for this rank's shards of the save in flight
         self.after_file = None  # called with the step after each file rank 0 writes (the recipe hands it the tests' faults)
+        self.rank_state: dict[str, torch.Tensor] = {}  # what `save`'s rank_state was in the checkpoint last restored (this rank's)
 
     # -- saving
 
-    def save(self, output_dir: str | Path, progress: dict, config_yaml: str, keep_last: int, background: bool = False) -> Path | None:
+    def save(self, output_dir: str | Path, progress: dict, config_yaml: str, keep_last: int, background: bool = False,
+             rank_state: dict[str, torch.Tensor] | None = None) -> Path | None:
         """Write the checkpoint of the run's `progress` (resume.Progress.state_dict(): its step, ...).
-        Every rank calls this; rank 0 writes all but the RNG files and the shards each rank writes
-        itself. `background`: every rank returns once its state is copied, and rank 0's writer thread
-        completes the checkpoint."""
+        Every rank calls this; rank 0 writes all but the RNG files, `rank_state` (tensors of this rank's,
+        such as GRPO's held rollouts) and the shards each rank writes itself. `background`: every rank
+        returns once its state is copied, and rank 0's writer thread completes the checkpoint."""
         self.wait()
         step = progress["step"]
         accelerator = self.accelerator
@@ -81,6 +85,8 @@ class Checkpointer:
             tmp.mkdir(parents=True)
         accelerator.wait_for_everyone()
         torch.save(rng_state(), tmp / f"rng-rank{accelerator.process_index}.pt")
+        if rank_state:
+            save_file(rank_state, tmp / RANK_STATE.format(accelerator.process_index))
         shards = self._write_shards(tmp, background)
         accelerator.wait_for_everyone()
         if not accelerator.is_main_process:
@@ -164,10 +170,14 @@ class Checkpointer:
         rng_file = path / f"rng-rank{self.accelerator.process_index}.pt"
         if rng_file.exists():  # absent when resuming at a larger world size: that rank starts fresh
             set_rng_state(torch.load(rng_file, weights_only=True))
+        self.rank_state = {}
+        state_file = path / RANK_STATE.format(self.accelerator.process_index)
+        # this rank's share of the work at the saved world size only (GRPO: its prompts' rollouts; another size samples anew)
+        if state_file.exists() and written.get("world_size") == self.accelerator.num_processes:
+            self.rank_state = load_file(state_file)
         return written
 
     def _restore_whole(self, path: Path, written: dict) -> None:
-        from safetensors.torch import load_file
 
         copy_trainable(load_file(path / WEIGHTS), self.accelerator.unwrap_model(self.model), path)
         self.optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
@@ -265,7 +275,6 @@ class DeepSpeedCheckpointer(Checkpointer):
         weights the forward uses, safe_set_full_* for the fp32 master copy and the optimizer's states)."""
         import deepspeed
         from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
-        from safetensors.torch import load_file
 
         names = written.get("optimizer_params")
         if names is None:
@@ -390,7 +399,6 @@ def copy_trainable(weights: dict[str, torch.Tensor], model, path: Path) -> None:
 def load_trainable(path: Path, model) -> None:
     """Only the trained weights of a checkpoint of any layout, into an unsharded model in this
     process (finetune merge / generate on a checkpoint mid-run)."""
-    from safetensors.torch import load_file
 
     if (path / SHARDED).is_dir():
         import torch.distributed.checkpoint as dcp

@@ -125,14 +125,17 @@ def complete(tmp: Path, root: Path, step: int, files: dict, keep_last: int, afte
 def _retain(root: Path, keep_last: int) -> None:
     """Keep the newest `keep_last` complete checkpoints, the newest one the guard called good, the
     newest good one from no later than the run's best loss level (where a drift rolls back to, and
-    what a run that ended worse points to) and the start (step 0: where a hot start rolls back to);
+    what a run that ended worse points to), the newest good one from no later than the last step whose KL
+    was calm (where a KL blow-up rolls back to) and the start (step 0: where a hot start rolls back to);
     never delete the only valid one."""
     complete = [p for p in step_dirs(root) if verify(p, checksums=False) is None]
     good = [p for p in complete if _is_good(p)]
-    best = _trainer_state(complete[-1]).get("guard", {}).get("best") if complete else None
+    guard = _trainer_state(complete[-1]).get("guard", {}) if complete else {}
+    best, calm = guard.get("best"), guard.get("calm_kl_step")
     before_best = [p for p in good if best and step_of(p) <= best[0]]
+    before_calm = [p for p in good if calm is not None and step_of(p) <= calm]
     start = [p for p in good if step_of(p) == 0]
-    keep = set(complete[-max(1, keep_last):]) | set(good[-1:]) | set(before_best[-1:]) | set(start)
+    keep = set(complete[-max(1, keep_last):]) | set(good[-1:]) | set(before_best[-1:]) | set(before_calm[-1:]) | set(start)
     for old in complete:
         if old not in keep:
             shutil.rmtree(old, ignore_errors=True)

@@ -215,12 +215,13 @@ class TrainConfig(_Section):
     router_aux_loss_coef: float | None = Field(None, ge=0, description="Mixture-of-experts models: weight of the router's load-balancing loss "
                                                "added to the training loss (null: the model config's router_aux_loss_coef; 0: off).")
     seed: int = Field(42, description="Seed for weights init, dropout and data order.")
-    objective: Literal["sft", "dpo", "orpo", "cpo", "simpo", "kto", "reward", "grpo"] = Field(
+    objective: Literal["sft", "dpo", "orpo", "cpo", "simpo", "kto", "reward", "grpo", "distill"] = Field(
         "sft", description="sft: cross-entropy on the answers; dpo, orpo, cpo or simpo: preference pairs (data.format: preference), "
         "settings under preference:. dpo holds the policy to a reference (the base); orpo, cpo and simpo need none. kto: unpaired examples "
         "labelled desirable or not (data.format: unpaired), held to the reference as dpo. reward: a reward model (a sequence-classification "
         "head scoring each sequence's last token) trained on preference pairs with the Bradley-Terry loss. grpo: online RL on "
-        "prompts (data.format: prompt): completions sampled by the policy, scored by reward functions, settings under grpo:.")
+        "prompts (data.format: prompt): completions sampled by the policy, scored by reward functions, settings under grpo:. distill: "
+        "a teacher model's next-token distributions on the answers (sft's rows), settings under distill:.")
     overfit_batch: int = Field(0, ge=0, description="Sanity check: train this many steps on the first batch only (0 = off).")
 
     @field_validator("mixed_precision", mode="before")
@@ -279,6 +280,10 @@ class GRPOConfig(_Section):
                                                          "(TRL's bnpo at one micro-batch): the mean over every completion token of the step.")
     scale_rewards: Literal["group", "none"] = Field("group", description="Advantages: a group's rewards less their mean, divided by their "
                                                     "standard deviation (group) or not (none: Dr. GRPO).")
+    num_iterations: int = Field(1, ge=1, description="Policy updates per generation (GRPO's mu, TRL's num_iterations): each step's sampled "
+                                "completions are trained on this many optimizer steps, the ratio to the log-probabilities they were sampled "
+                                "with clipped by epsilon. Steps count updates: epochs x steps per epoch x num_iterations, and a run of "
+                                "max_steps samples max_steps / num_iterations times.")
     kv_cache: Literal["dynamic", "static"] = Field("dynamic", description="The KV cache completions are sampled with: dynamic, or static "
                                                    "(on CUDA transformers compiles the decoding step: 2.3-3.3x dynamic's tokens/s for a 1.1B "
                                                    "model on an H200, bench/rollouts.py; not yet run through a GRPO run on a GPU). In bf16 the "
@@ -294,6 +299,26 @@ class GRPOConfig(_Section):
                                                                          "object), mistral ([TOOL_CALLS]); auto reads the chat template.")
     tool_timeout: float = Field(10.0, gt=0, description="Seconds a tool call may take; past it the model is told it timed out.")
     episode_timeout: float = Field(60.0, gt=0, description="Seconds an episode may spend in its environment and tools; past it the episode ends.")
+
+
+class DistillConfig(_Section):
+    teacher: str | None = Field(None, description="train.objective distill: the teacher, a model folder, or an adapter folder (a finetune "
+                                "run's output: merged into its base). Its tokenizer must be the student's, id by id.")
+    divergence: Literal["forward_kl", "reverse_kl", "jsd"] = Field("forward_kl", description="What is minimised on each trained token: "
+                                                                 "forward_kl KL(teacher || student), reverse_kl KL(student || teacher), "
+                                                                 "or jsd, the generalised Jensen-Shannon divergence of weight beta (TRL's "
+                                                                 "GKD: beta 0 is forward_kl, 1 reverse_kl).")
+    beta: float = Field(0.5, gt=0, lt=1, description="jsd: the teacher's weight in the mixture the two are compared with.")
+    temperature: float = Field(1.0, gt=0, description="Both models' logits are divided by this before the divergence (softer "
+                               "distributions above 1).")
+    ce_weight: float = Field(0.0, ge=0, le=1, description="The loss is (1 - ce_weight) x the divergence + ce_weight x the cross-entropy "
+                             "on the data's answer tokens.")
+    top_k: int = Field(0, ge=0, description="forward_kl: only the teacher's k most likely tokens at each position (its probabilities "
+                       "renormalised over them); 0: the whole vocabulary.")
+    lmbda: float = Field(0.0, ge=0, le=1, description="On-policy distillation (GKD's lambda): the share of steps whose answers the student "
+                         "samples itself for the data's prompts (at distill.temperature), the teacher then judging every token; 1: "
+                         "every step, 0: the data's answers only. Which steps is a function of train.seed and the step.")
+    max_new_tokens: int = Field(64, gt=0, description="On-policy steps: tokens an answer the student samples may have (it ends earlier at EOS).")
 
 
 class EvalConfig(_Section):
@@ -358,6 +383,9 @@ class GuardConfig(_Section):
     grad_collapse: float = Field(20.0, ge=0, description="Within the first `window` steps, stop when the gradient norm's level has fallen this many times "
                                  "more than the loss has (both from step 1): Adam pushed the weights into a flat, saturated region, the mark of a "
                                  "learning rate too high from the start (healthy runs measured: at most 3.4). 0 = off.")
+    max_kl: float | None = Field(None, gt=0, description="GRPO with grpo.beta > 0: a step whose mean KL to the reference is above this is a "
+                                 "divergence, rolled back (LR lowered) to the last step whose KL was at most half of it; null: the KL is "
+                                 "not judged.")
     skips_before_rollback: int = Field(3, gt=0, description="Skipped steps within the window that trigger a rollback.")
     lr_backoff: float = Field(0.5, gt=0, le=1, description="LR multiplier applied at each rollback.")
     clip_after_rollback: float | None = Field(None, gt=0, description="Gradient clipping after a rollback (OPT went from 1.0 to 0.3); "
@@ -393,6 +421,7 @@ class RunConfig(_Section):
     train: TrainConfig = Field(default_factory=TrainConfig)
     preference: PreferenceConfig = Field(default_factory=PreferenceConfig)
     grpo: GRPOConfig = Field(default_factory=GRPOConfig)
+    distill: DistillConfig = Field(default_factory=DistillConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
@@ -462,9 +491,9 @@ class RunConfig(_Section):
                 raise ValueError(f"adapter.init: {self.adapter.init} moves part of each weight into the adapter; it runs with adapter.method: lora "
                                  f"on an unquantized base in one process or under ddp (not with {why})")
         formats = {(None if isinstance(s, str) else s.format) or self.data.format for s in _as_list(self.data.train)}
-        if self.train.objective != "sft" and self.data.train_on_prompt:
+        if self.train.objective not in ("sft", "distill") and self.data.train_on_prompt:
             raise ValueError(f"data.train_on_prompt: {self.train.objective} takes its loss on the answers only; set it to false")
-        wanted = {"sft": None, "grpo": "prompt", "kto": "unpaired"}.get(self.train.objective, "preference")
+        wanted = {"sft": None, "distill": None, "grpo": "prompt", "kto": "unpaired"}.get(self.train.objective, "preference")
         if wanted is None and formats & {"preference", "prompt", "unpaired"}:
             raise ValueError("train.objective: sft trains on answers; set train.objective: dpo, orpo, cpo or simpo for data.format: preference, "
                              "kto for data.format: unpaired, grpo for data.format: prompt")
@@ -480,8 +509,17 @@ class RunConfig(_Section):
                              "gather in each forward; use dynamic")
         if not g.rewards and not g.environment:
             raise ValueError("grpo.rewards: no reward function, and no grpo.environment to score the episodes; name at least one")
+        if self.guard.max_kl and (self.train.objective != "grpo" or not g.beta):
+            raise ValueError("guard.max_kl: the KL to the reference is measured by GRPO with grpo.beta > 0 "
+                             f"(here train.objective {self.train.objective}, grpo.beta {g.beta:g}); set both, or drop guard.max_kl")
         if g.environment and self.train.objective != "grpo":
             raise ValueError(f"grpo.environment: environments run GRPO episodes; set train.objective: grpo (not {self.train.objective})")
+        d = self.distill
+        if self.train.objective == "distill" and not d.teacher:
+            raise ValueError("distill.teacher: train.objective distill needs a teacher model folder (or a finetune run's adapter folder)")
+        if d.top_k and d.divergence != "forward_kl":
+            raise ValueError(f"distill.top_k: the teacher's top k tokens bound forward_kl only ({d.divergence} weighs the student's "
+                             "probabilities outside them too); set distill.divergence: forward_kl or distill.top_k: 0")
         if self.train.objective == "reward":
             why = ("model.quantization (quantized reward models are not supported yet)" if q is not None else
                    f"distributed.strategy {strategy} (the score head is not in the base's files it streams; use ddp or zero2)"
@@ -567,7 +605,12 @@ CHANGEABLE_ON_RESUME = (
 
 
 def config_changes(saved: dict, cfg: RunConfig) -> tuple[list[str], list[str]]:
-    """(changes that alter what is trained, harmless changes) from a checkpoint's config to this one."""
+    """(changes that alter what is trained, harmless changes) from a checkpoint's config to this one. A setting the
+    checkpoint's version of finetune did not have takes its default, which is how that version ran."""
+    try:
+        saved = RunConfig.model_validate(saved).model_dump(mode="json")
+    except Exception:  # a setting since renamed or removed: compared as written (it shows as a change)
+        pass
     old, new = flatten(saved), flatten(cfg.model_dump(mode="json"))
     breaking, harmless = [], []
     for key in sorted(set(old) | set(new)):

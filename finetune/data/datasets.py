@@ -272,7 +272,8 @@ def plan_steps(cfg: RunConfig, num_rows: int, world: int) -> Schedule:
         )
     if t.overfit_batch:
         return Schedule(steps_per_epoch, t.overfit_batch)
-    total = t.max_steps or math.ceil(t.epochs * steps_per_epoch)
+    updates = cfg.grpo.num_iterations if t.objective == "grpo" else 1  # optimizer steps per data step
+    total = t.max_steps or math.ceil(t.epochs * steps_per_epoch) * updates
     return Schedule(steps_per_epoch, total)
 
 
@@ -293,4 +294,8 @@ def batches_at(data: Datasets, cfg: RunConfig, schedule: Schedule, position: int
     if data.train.records is not None:  # prompts (GRPO): the objective's rollout makes the batches and counts their tokens
         return epoch, [data.train.prompts(idx) for idx in chunk], 0
     real = sum(data.train.tokens(idx) for idx in chunk)  # padding excluded
-    return epoch, [data.train.batch(idx, pad_id) for idx in chunk], real
+    batches = [data.train.batch(idx, pad_id) for idx in chunk]
+    if t.objective == "distill" and cfg.distill.lmbda:  # on-policy steps seed each sample's answer by its name
+        for batch, idx in zip(batches, chunk):
+            batch["samples"] = data.train.sample_ids(idx)
+    return epoch, batches, real

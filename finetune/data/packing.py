@@ -205,6 +205,15 @@ class Split:
             out.append(Prompt(ids, json.loads(self.records[sample].as_py()), sample))
         return out
 
+    def sample_ids(self, rows) -> torch.Tensor:
+        """(rows, most samples in a row): each row's samples' indices in the table, in row order, then -1: names for
+        them whatever the batch or process."""
+        members = [self.samples[self.order[self.offsets[r] : self.offsets[r + 1]]] for r in rows]
+        out = torch.full((len(members), max(map(len, members))), -1, dtype=torch.long)
+        for i, m in enumerate(members):
+            out[i, : len(m)] = torch.from_numpy(m.astype(np.int64))
+        return out
+
     def __len__(self) -> int:
         return len(self.offsets) - 1
 

@@ -12,7 +12,10 @@ completions are packed into one row (positions restarting at each), trained on t
 
 One policy update per generation (TRL's default num_iterations=1): the ratio to the sampling policy
 is 1 in value, so the clipping bounds nothing and only its gradient, the advantage times the token's
-log-probability gradient, moves the weights.
+log-probability gradient, moves the weights. With grpo.num_iterations = mu > 1, a data step's rollouts
+are held for mu optimizer steps (`held`, saved per rank in every checkpoint, so a run resumed between
+them trains on the same completions), with the log-probabilities the policy gave their tokens when it
+sampled them (`old_logps`): from the second update on, the ratio moves and the clipping bounds it.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from finetune.config.schema import GRPOConfig
 from finetune.data.packing import Prompt, Row, Split, collate
 from finetune.data.rows import IGNORE, prompt_text
 from finetune.objectives.evaluate import batches_per_rank
-from finetune.objectives.loss import Losses
+from finetune.objectives.loss import Losses, to_device
 from finetune.objectives.objective import Objective, adapters_off, answers, token_logps
 from finetune.objectives.rewards import Reward, score
 
@@ -40,11 +43,13 @@ class GRPO(Objective):
     reference: torch.nn.Module | None = None  # full fine-tuning with beta > 0: a frozen copy (engines.reference); else the adapter-off model
     locate: object = None  # sample index -> "file:line" (data.Split.locate), for reward errors
     synced: bool = False  # the weights are sharded over the processes (fsdp, zero3): every rank decodes as many tokens as the longest
+    held: tuple[int, list[dict], int] | None = None  # num_iterations > 1: (data step, its training micro-batches, their tokens)
     metrics: tuple[str, ...] = field(init=False)
     metric_counts: tuple[int, ...] = field(init=False)
 
     extra_metrics: tuple[str, ...] = ()  # per-completion numbers a subclass's rows carry (their "extra" column), averaged like the rest
     levels = False  # the loss is centred on 0 by the advantages: no start level, no stuck-at-0 check
+    rollouts = True
     watched_name = "negative mean reward"
     final = ("reward", "kl")  # a GRPO loss is centred on 0 by the advantages: it says nothing of the run
 
@@ -76,7 +81,8 @@ class GRPO(Objective):
         keep, completion, _ = answers(batch, pairs=False)
         logps, aux = token_logps(model, batch, keep, router, self.cfg.temperature)
         advantage = batch["advantages"].to(logps.dtype)[completion]
-        ratio = torch.exp(logps - logps.detach())  # 1, with the gradient of the log-probability
+        old = batch["old_logps"][keep].to(logps.dtype) if "old_logps" in batch else logps.detach()
+        ratio = torch.exp(logps - old)  # one update per generation: 1, with the gradient of the log-probability
         clipped = torch.clamp(ratio, 1 - self.cfg.epsilon, 1 + (self.cfg.epsilon_high or self.cfg.epsilon))
         per_token = -torch.min(ratio * advantage, clipped * advantage)
         kl = torch.zeros_like(logps)
@@ -107,8 +113,11 @@ class GRPO(Objective):
 
     @torch.no_grad()
     def rollout(self, model, tokenizer, prompts: list[list[Prompt]], position: int, device) -> tuple[list[dict], int]:
-        """The step's micro-batches of prompts as training micro-batches (on the host): each prompt's
-        completions sampled, scored and given their advantages. Also the real tokens they hold."""
+        """Data step `position`'s micro-batches of prompts as training micro-batches (on the host): each prompt's
+        completions sampled, scored and given their advantages. Also the real tokens they hold. With
+        num_iterations > 1, the rollouts held from the first of the step's updates."""
+        if self.held is not None and self.held[0] == position:
+            return self.held[1], self.held[2]
         was_training = model.training
         model.eval()
         batches, tokens = [], 0
@@ -124,7 +133,37 @@ class GRPO(Objective):
                 batches.append({**batch, **{key: torch.cat(value) for key, value in columns.items()}})
         finally:
             model.train(was_training)
+        if self.cfg.num_iterations > 1:
+            for batch in batches:
+                batch["old_logps"] = self._logps(model, batch, device)
+            self.held = (position, batches, tokens)
         return batches, tokens
+
+    def _logps(self, model, batch: dict[str, torch.Tensor], device) -> torch.Tensor:
+        """The policy's log-probability of each trained token as it samples them, where the batch's labels are
+        (0 elsewhere): the later updates' ratio is to these. In the training forward's mode, as TRL computes them."""
+        moved = to_device(batch, device)
+        keep, _, _ = answers(moved, pairs=False)  # as `losses` picks them
+        logps, _ = token_logps(model, moved, keep, temperature=self.cfg.temperature)
+        old = torch.zeros(keep.shape, dtype=torch.float32, device=keep.device)
+        old[keep] = logps.float()
+        return old.cpu()
+
+    def held_state(self) -> dict[str, torch.Tensor]:
+        """The held rollouts as flat tensors (a checkpoint's per-rank file); {} when none are."""
+        if self.held is None:
+            return {}
+        position, batches, tokens = self.held
+        flat = {f"{i}.{key}": value.contiguous() for i, batch in enumerate(batches) for key, value in batch.items()}
+        return {**flat, "position": torch.tensor(position), "tokens": torch.tensor(tokens), "batches": torch.tensor(len(batches))}
+
+    def load_held(self, state: dict[str, torch.Tensor]) -> None:
+        """Hold the rollouts a checkpoint saved (none if it saved none: the next step samples)."""
+        if not state:
+            self.held = None
+            return
+        batches = [{key.split(".", 1)[1]: value for key, value in state.items() if key.startswith(f"{i}.")} for i in range(int(state["batches"]))]
+        self.held = (int(state["position"]), batches, int(state["tokens"]))
 
     def groups(self, model, tokenizer, prompts: list[Prompt], position: int, device) -> list[tuple[Row, dict[str, torch.Tensor]]]:
         """Each prompt's group of completions as a scored training row."""

@@ -83,7 +83,28 @@ def token_loss_sum(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
 
 def losses(model, batch: dict[str, torch.Tensor], router: bool = False) -> Losses:
     """The cross-entropy sum and, with `router`, the MoE router's auxiliary loss (as the model computes
-    it with output_router_logits; transformers adds it only when labels are passed, which we do not).
+    it with output_router_logits; transformers adds it only when labels are passed, which we do not)."""
+    kept = forward_kept(model, batch, router)
+    if kept.weight is None:
+        return Losses(F.cross_entropy(kept.logits.float(), kept.targets, reduction="sum"), kept.aux)
+    return Losses(linear_cross_entropy(kept.hidden, kept.weight, kept.targets), kept.aux)
+
+
+@dataclass
+class Kept:
+    """A forward's outputs at the positions whose next token is trained: the logits, or (fused) the decoder's
+    hidden states with the head weight that makes them logits, in the forward's autocast dtype."""
+
+    targets: torch.Tensor  # the trained next tokens
+    aux: torch.Tensor | None = None  # the MoE router's loss, if asked
+    logits: torch.Tensor | None = None
+    hidden: torch.Tensor | None = None
+    weight: torch.Tensor | None = None
+
+
+def forward_kept(model, batch: dict[str, torch.Tensor], router: bool = False, fuse: bool = True) -> Kept:
+    """The model's forward with what a loss needs at the trained positions only (`fuse`: the hidden states where
+    the model allows it; else the logits).
 
     No attention_mask (but for a vision-language model's unpacked rows): the restarting position_ids say where
     samples (and padding) begin, to finetune's packed attention (train and eval alike) and to the masks transformers builds.
@@ -98,7 +119,7 @@ def losses(model, batch: dict[str, torch.Tensor], router: bool = False) -> Losse
         inputs["output_router_logits"] = True
     elif attention_of(model) == PACKED_SDPA:
         inputs["attention_mask"] = mask_placeholder(labels.device)
-    parts = fusable_parts(model)
+    parts = fusable_parts(model) if fuse else None
     captured = []
 
     def grab(_module, _args, out):
@@ -117,13 +138,13 @@ def losses(model, batch: dict[str, torch.Tensor], router: bool = False) -> Losse
             hook.remove()
     aux = out.aux_loss if router else None
     if parts is None:
-        return Losses(F.cross_entropy(out.logits.float(), targets, reduction="sum"), aux)
+        return Kept(targets, aux, logits=out.logits)
     hidden, autocast_dtype = captured[0]
     hidden = hidden.flatten(0, 1).index_select(0, batch["trained_at"]) if "trained_at" in batch else hidden[keep]
     weight = parts[1].weight
     if autocast_dtype is not None:
         hidden, weight = hidden.to(autocast_dtype), weight.to(autocast_dtype)
-    return Losses(linear_cross_entropy(hidden, weight, targets), aux)
+    return Kept(targets, aux, hidden=hidden, weight=weight)
 
 
 def fusable_parts(model) -> tuple[torch.nn.Module, torch.nn.Linear] | None:
@@ -168,11 +189,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             if need_hidden or need_weight:
                 probs = log_probs.exp_()  # d(loss)/d(logits) = softmax - one_hot, in the same memory
                 probs[torch.arange(len(t), device=t.device), t] -= 1.0
-                g = probs.to(weight.dtype)
-                if need_hidden:
-                    grad_hidden[start : start + chunk] = g @ weight
-                if need_weight:
-                    grad_weight += g.t().to(wide) @ h.to(wide)
+                chunk_grads(probs, h, weight, grad_hidden, grad_weight, slice(start, start + chunk))
         ctx.save_for_backward(grad_hidden, grad_weight)
         return total
 
@@ -185,3 +202,14 @@ class _LinearCrossEntropy(torch.autograd.Function):
             None,
             None,
         )
+
+
+def chunk_grads(grad_logits: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor, grad_hidden: torch.Tensor | None,
+                grad_weight: torch.Tensor | None, rows: slice) -> None:
+    """A chunk's d(loss)/d(logits) (logits = hidden @ weight.T) into the rows of d(hidden) and the sum of d(weight)
+    (fp32 at least: grad_weight's dtype)."""
+    g = grad_logits.to(weight.dtype)
+    if grad_hidden is not None:
+        grad_hidden[rows] = g @ weight
+    if grad_weight is not None:
+        grad_weight += g.t().to(grad_weight.dtype) @ hidden.to(grad_weight.dtype)

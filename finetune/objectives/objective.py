@@ -34,6 +34,7 @@ class Objective:
     levels = True  # the loss has a level the guard's drift and start tests can judge
     watched_name = "loss"  # what `watched` returns, as the guard's messages name it
     final = ("loss",)  # the last step's figures the run ends with (summary.json's train_<name>)
+    rollouts = False  # the policy samples what a step trains on: `rollout` turns the data step's micro-batches into it
 
     def watched(self, loss: float, metrics: dict[str, float]) -> float:
         """What the guard judges: the loss."""

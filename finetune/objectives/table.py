@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from finetune.config.strategy import Strategy
 from finetune.objectives.agent import agent_objective
+from finetune.objectives.distill import Distill
 from finetune.objectives.grpo import GRPO
 from finetune.objectives.objective import KTO, SFT, Objective, Preference, RewardModel
 from finetune.objectives.rewards import load_rewards
@@ -13,8 +14,10 @@ from finetune.objectives.rewards import load_rewards
 def objective_for(cfg, locate=None, world: int = 1) -> Objective:
     """The run config's objective over `world` processes (`locate`: a prompt row's file:line, for GRPO's reward errors)."""
     train, preference = cfg.train, cfg.preference
+    synced = Strategy.of(cfg.distributed.strategy, world).shards_weights
+    if train.objective == "distill":
+        return Distill(cfg.distill, train.seed, synced)
     if train.objective == "grpo":
-        synced = Strategy.of(cfg.distributed.strategy, world).shards_weights
         if cfg.grpo.environment:
             return agent_objective(cfg.grpo, load_rewards(cfg.grpo), train.seed, locate=locate, synced=synced)
         return GRPO(cfg.grpo, load_rewards(cfg.grpo), train.seed, locate=locate, synced=synced)

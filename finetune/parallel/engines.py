@@ -100,11 +100,12 @@ class Replicated:
         """What save_pretrained writes when the model's own state dict would not do (a collective)."""
         return None
 
-    def reference(self, model_cfg: ModelConfig, say) -> torch.nn.Module:
-        """A frozen copy of the base, held as the policy is (DPO's reference under full fine-tuning):
-        whole on every rank here, with accelerate's autocast like the policy, no DDP wrapper."""
-        model = frozen(self.load(model_cfg, say))
-        return self.accelerator.prepare_model(model, evaluation_mode=True)
+    def reference(self, model_cfg: ModelConfig, say, adapter: str | None = None) -> torch.nn.Module:
+        """A frozen model held as the policy is (DPO's reference under full fine-tuning: a copy of the base; a
+        distillation teacher, `adapter` merged into it): whole on every rank here, with accelerate's autocast like
+        the policy, no DDP wrapper."""
+        model = merged(self.load(model_cfg, say), adapter)
+        return self.accelerator.prepare_model(frozen(model), evaluation_mode=True)
 
 
 class FSDP(Replicated):
@@ -134,9 +135,9 @@ class FSDP(Replicated):
     def final_state(self) -> dict[str, torch.Tensor]:
         return full_state_dict(self.model, self.cfg.adapter.method != "full")
 
-    def reference(self, model_cfg: ModelConfig, say) -> torch.nn.Module:
+    def reference(self, model_cfg: ModelConfig, say, adapter: str | None = None) -> torch.nn.Module:
         """Sharded as the policy, loaded (streamed) the same way."""
-        model = frozen(self.load(model_cfg, say))
+        model = frozen(self.load(model_cfg, say))  # an adapter teacher is refused before (teacher_source)
         return shard_fsdp2(model, self.cfg, self.accelerator.device, self.world, self.stream_from)
 
 
@@ -175,10 +176,10 @@ class Zero(Replicated):
     def unwrap(self) -> torch.nn.Module:
         return self.model.module
 
-    def reference(self, model_cfg: ModelConfig, say) -> torch.nn.Module:
+    def reference(self, model_cfg: ModelConfig, say, adapter: str | None = None) -> torch.nn.Module:
         """ZeRO-3: partitioned while it loads, then a DeepSpeed engine without an optimizer (gathers each
         layer for its forward, as the policy's does); ZeRO-2 shards no weights: whole on every rank."""
-        model = frozen(self.load(model_cfg, say))
+        model = frozen(merged(self.load(model_cfg, say), adapter))  # an adapter teacher under ZeRO-3 is refused before (teacher_source)
         return init_deepspeed(model, None, self.cfg, self.world)[0] if self.gathers else model
 
     def final_state(self) -> dict[str, torch.Tensor]:
@@ -186,6 +187,15 @@ class Zero(Replicated):
         # moments) make room for the gathered copy rank 0 builds.
         self.optimizer.optimizer.state.clear()
         return gathered_trainable_state(self.unwrap(), keep=self.accelerator.is_main_process)
+
+
+def merged(model: torch.nn.Module, adapter: str | None) -> torch.nn.Module:
+    """The model with the adapter folder's weights merged in (none: as it is)."""
+    if not adapter:
+        return model
+    from peft import PeftModel
+
+    return PeftModel.from_pretrained(model, adapter).merge_and_unload()
 
 
 def frozen(model: torch.nn.Module) -> torch.nn.Module:

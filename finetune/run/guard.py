@@ -40,6 +40,9 @@ more than (1 + drift) times its lowest of the last `window` steps is caught once
 of the last DRIFT_STEPS losses are that high, i.e. within 6 steps of the rise; a spike is skipped at
 once, and the `skips_before_rollback`-th spike within `window` steps rolls back.
 
+GRPO with a KL term (grpo.beta > 0) may also bound it: a step whose mean KL to the reference is above
+`max_kl` is a divergence (rung 2, then 3), rolled back to the last step whose KL was at most half of it.
+
 This module only decides; train.py acts. Its state is plain JSON, saved in every checkpoint.
 """
 
@@ -80,6 +83,7 @@ class GuardState:
     start: list[float] | None = None  # [loss, grad_norm] of the run's first step, before any update
     start_level: list[float] | None = None  # [level, spread] of the first DRIFT_STEPS steps' losses at the initial weights
     start_eval: float | None = None  # the eval loss before the first step
+    calm_kl_step: int = 0  # the last step whose KL to the reference was at most half of max_kl (where a KL blow-up rolls back to)
 
 
 class Guard:
@@ -108,8 +112,8 @@ class Guard:
         self.state.start_level = list(_median_and_spread(losses)) if len(losses) >= DRIFT_STEPS else None
         self.state.start_eval = eval_loss
 
-    def check(self, step: int, loss: float, grad_norm: float) -> Verdict:
-        """Judge optimizer step `step` (0-based) from its loss and gradient norm."""
+    def check(self, step: int, loss: float, grad_norm: float, kl: float | None = None) -> Verdict:
+        """Judge optimizer step `step` (0-based) from its loss and gradient norm (and GRPO's KL to the reference)."""
         cfg, s = self.cfg, self.state
         if not cfg.enabled:
             return APPLY
@@ -119,6 +123,13 @@ class Guard:
             if len(s.anomalies) >= cfg.skips_before_rollback:
                 return self._escalate(f"{len(s.anomalies)} anomalous steps within {cfg.window} (last: {reason})", step)
             return Verdict("skip", reason)
+        if cfg.max_kl and kl is not None:
+            # The policy ran away from the reference: back to where it was still well inside the bound (the KL is measured
+            # before the step's update, so step k's KL is that of checkpoint k).
+            if kl > cfg.max_kl:
+                return self._escalate(f"the KL to the reference reached {kl:.4g}, above guard.max_kl={cfg.max_kl:g}", s.calm_kl_step)
+            if kl <= cfg.max_kl / 2:
+                s.calm_kl_step = step
         if step == 0:
             s.start = [loss, grad_norm]
         s.history = (s.history + [[step, loss, grad_norm]])[-(cfg.window + DRIFT_STEPS) :]
@@ -267,6 +278,7 @@ class Guard:
         then = _load(saved) if saved is not None else s
         s.history = [h for h in then.history if h[0] < to_step]
         s.best = then.best if then.best is None or then.best[0] < to_step else None
+        s.calm_kl_step = min(s.calm_kl_step, to_step)
         s.anomalies = []
 
     def is_healthy(self, step: int) -> bool:

@@ -1,0 +1,59 @@
+"""Distillation's teacher: which weights it is (a model folder, or an adapter folder merged into its base)
+and the check that it shares the student's vocabulary, id by id, before any weight loads."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from finetune.config.errors import UserError
+from finetune.config.schema import ModelConfig, read_model_config
+
+
+def teacher_source(folder: str, student: ModelConfig, tokenizer, sharded: str | None = None) -> tuple[ModelConfig, str | None]:
+    """(the teacher's base as a model config, the adapter folder to merge into it or None). The student's
+    dtype and attention; no quantization, overrides or compilation of the student's. `sharded`: the strategy
+    that loads weights sharded, if the run's does (no rank then holds what an adapter would merge into)."""
+    path = Path(folder).expanduser()
+    adapter = None
+    if (path / "adapter_config.json").is_file():
+        if sharded:
+            raise UserError(f"distill.teacher: {path} is an adapter, merged into its base as the teacher loads, and distributed.strategy "
+                            f"{sharded} loads no rank's weights whole; merge it first (finetune merge --adapter {path} --out DIR) and name DIR")
+        adapter = str(path)
+        base = json.loads((path / "adapter_config.json").read_text()).get("base_model_name_or_path")
+        if not base or not (Path(base) / "config.json").is_file():
+            raise UserError(f"distill.teacher: {path} is an adapter whose base ({base}) is not a model folder here")
+    elif (path / "config.json").is_file():
+        base = str(path)
+    else:
+        raise UserError(f"distill.teacher: {path} is neither a model folder (config.json) nor an adapter folder (adapter_config.json)")
+    cfg = student.model_copy(update={"name_or_path": base, "revision": None, "quantization": None, "config_overrides": {}, "compile": False,
+                                     "tiled_mlp": 1, "ramdisk": False})
+    check_vocabulary(path if (path / "tokenizer_config.json").is_file() or (path / "tokenizer.json").is_file() else Path(base), tokenizer,
+                     student, cfg)
+    return cfg, adapter
+
+
+def check_vocabulary(folder: Path, tokenizer, student: ModelConfig, teacher: ModelConfig) -> None:
+    """The teacher's tokenizer and logits width must be the student's: the divergence compares the two
+    distributions entry by entry. One line naming the first token that differs."""
+    from transformers import AutoTokenizer
+
+    try:
+        theirs = AutoTokenizer.from_pretrained(str(folder), trust_remote_code=teacher.trust_remote_code)
+    except Exception as err:  # noqa: BLE001 - any failure to read it means the same to the user
+        raise UserError(f"distill.teacher: cannot load a tokenizer from {folder}: {str(err).splitlines()[0] if str(err) else type(err).__name__}")
+    ours, other = _by_id(tokenizer), _by_id(theirs)
+    for i in range(max(len(ours), len(other))):
+        if ours.get(i) != other.get(i):
+            raise UserError(f"distill.teacher: {folder}'s tokenizer differs from the student's at id {i} ({other.get(i)!r} there, "
+                            f"{ours.get(i)!r} here); distillation compares the two models' next-token probabilities id by id")
+    widths = [read_model_config(Path(c.name_or_path), "distill.teacher").get("vocab_size") for c in (student, teacher)]
+    if widths[0] != widths[1]:
+        raise UserError(f"distill.teacher: its model has {widths[1]} logits per token, the student {widths[0]}; "
+                        "distillation needs the same vocabulary size")
+
+
+def _by_id(tokenizer) -> dict[int, str]:
+    return {i: token for token, i in tokenizer.get_vocab().items()}

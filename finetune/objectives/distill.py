@@ -1,0 +1,203 @@
+"""Distillation (`train.objective: distill`): the student learns a frozen teacher's next-token
+distribution at each trained token of the data's answers (off-policy distillation), by the divergence
+TRL's GKDTrainer.generalized_jsd_loss computes (forward KL, reverse KL or the generalised JSD, both
+models' logits divided by the temperature), optionally mixed with the cross-entropy on the answers.
+
+The teacher runs the same rows under no_grad, and both models' outputs are taken at the trained
+positions only. Where both heads are plain linear layers (loss.forward_kept's fused path), the logits
+are made from the decoders' hidden states a chunk of tokens at a time, and the divergence and its
+gradient are taken per chunk in the forward, as linear_cross_entropy does: neither model's (tokens x
+vocabulary) logits exist in full. Otherwise both models' logits at the trained positions are compared.
+
+On-policy distillation (distill.lmbda, GKD's lambda): on a share of the steps, chosen by a function of the
+seed and the data step, the student samples each sample's answer itself (`rollout`): the prompt is the
+sample's tokens before its first trained one, and the answer replaces the rest. Its noise comes from a
+seed of (train.seed, data step, the sample's index in the table), as GRPO's completions do: the same in
+any batch, process or start of the run.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from finetune.config.schema import DistillConfig
+from finetune.data.packing import Row, collate
+from finetune.data.rows import IGNORE
+from finetune.model.attention import accelerator_path
+from finetune.objectives.grpo import GumbelSampler, generate
+from finetune.objectives.loss import CHUNK_ELEMENTS, CHUNK_ELEMENTS_CUDA, Losses, chunk_grads, forward_kept, fusable_parts, trained_tokens
+from finetune.objectives.objective import Objective
+
+
+@dataclass
+class Distill(Objective):
+    cfg: DistillConfig
+    seed: int = 0
+    synced: bool = False  # the weights are sharded over the processes (fsdp, zero3): every rank decodes as many tokens as the longest
+    teacher: torch.nn.Module | None = None  # frozen, held as the strategy holds weights (engines.reference)
+
+    # Means over trained tokens: the divergence to the teacher, the cross-entropy on the trained tokens, the share of tokens
+    # where the student's most likely next token is the teacher's, and the share the student sampled (on-policy steps).
+    metrics = ("divergence", "ce", "agreement", "on_policy")
+    metric_counts = (0, 0, 0, 0)
+
+    def counts(self, batch: dict[str, torch.Tensor]) -> list[int]:
+        return [trained_tokens(batch)]
+
+    def eval_line(self, result: dict) -> str:
+        return (f"eval loss {result['eval_loss']:.4f} ({self.cfg.divergence} {result['eval_divergence']:.4f}, cross-entropy "
+                f"{result['eval_ce']:.4f}, top-1 agreement with the teacher {result['eval_agreement']:.1%})")
+
+    def losses(self, model, batch: dict[str, torch.Tensor], totals: list[float], router: bool = False) -> Losses:
+        fuse = fusable_parts(model) is not None and fusable_parts(self.teacher) is not None
+        student = forward_kept(model, batch, router, fuse)
+        with torch.no_grad():
+            teacher = forward_kept(self.teacher, batch, fuse=fuse)
+        if fuse:
+            total, metrics = _LinearDivergence.apply(student.hidden, student.weight, teacher.hidden, teacher.weight, student.targets, self.cfg)
+        else:
+            total, metrics = logits_divergence(student.logits, teacher.logits, student.targets, self.cfg)
+        sampled = len(student.targets) if "sampled" in batch else 0
+        return Losses(total, student.aux, torch.cat([metrics, metrics.new_tensor([sampled])]))
+
+
+    # -- on-policy steps ---------------------------------------------------------------------------
+
+    @property
+    def rollouts(self) -> bool:
+        return self.cfg.lmbda > 0
+
+    def on_policy(self, position: int) -> bool:
+        """Whether data step `position`'s answers are the student's own (a share lmbda of the steps)."""
+        return self.cfg.lmbda >= 1 or np.random.default_rng([self.seed, position]).random() < self.cfg.lmbda
+
+    @torch.no_grad()
+    def rollout(self, model, tokenizer, batches: list[dict], position: int, device) -> tuple[list[dict], int] | None:
+        """On an on-policy step, the micro-batches with each sample's answer sampled by the student (and their real
+        tokens); else None: the data's answers."""
+        if not self.on_policy(position):
+            return None
+        was_training = model.training
+        model.eval()
+        try:
+            rows = [self._sampled(model, tokenizer, batch, position, device) for batch in batches]
+        finally:
+            model.train(was_training)
+        batches = [{**collate(r, tokenizer.pad_token_id), "sampled": torch.ones(1)} for r in rows]
+        return batches, sum(len(row.input_ids) for r in rows for row in r)
+
+    def _sampled(self, model, tokenizer, batch: dict, position: int, device) -> list[Row]:
+        """One micro-batch's rows, each of its samples with a trained token as its prompt + the student's answer."""
+        prompts, seeds, owners = [], [], []
+        for r, (ids, labels, positions) in enumerate(zip(batch["input_ids"], batch["labels"], batch["position_ids"])):
+            starts = [*(positions == 0).nonzero()[:, 0].tolist(), len(ids)]
+            for k, (a, b) in enumerate(zip(starts, starts[1:])):
+                trained = (labels[a:b] != IGNORE).nonzero()
+                sample = int(batch["samples"][r, k]) if k < batch["samples"].shape[1] else -1
+                if sample < 0 or not len(trained):  # padding, or a sample with nothing to train
+                    continue
+                prompts.append(ids[a : a + int(trained[0])].numpy())
+                seeds.append(np.random.SeedSequence([self.seed, position, sample]).generate_state(1, np.uint64)[0])
+                owners.append(r)
+        from transformers.generation.logits_process import TemperatureLogitsWarper
+
+        warpers = [TemperatureLogitsWarper(self.cfg.temperature)]
+        sampler = GumbelSampler(torch.as_tensor(np.array(seeds, dtype=np.uint64).view(np.int64), device=device), warpers)
+        answers = generate(model, tokenizer, prompts, self.cfg.max_new_tokens, device, sampler, synced=self.synced) if prompts else []
+        parts: list[list[tuple[np.ndarray, list[int]]]] = [[] for _ in batch["input_ids"]]
+        for r, prompt, answer in zip(owners, prompts, answers):
+            parts[r].append((prompt, answer))
+        return [_row(p, tokenizer.pad_token_id) for p in parts]
+
+
+def _row(samples: list[tuple[np.ndarray, list[int]]], pad_id: int) -> Row:
+    """Samples (prompt, answer) packed in one row, the answers trained, positions restarting at each; a row left
+    without any: one untrained pad token."""
+    if not samples:
+        return Row(np.array([pad_id]), np.array([IGNORE]), np.array([0]))
+    ids = np.concatenate([np.concatenate([p, np.array(a, dtype=p.dtype)]) for p, a in samples])
+    labels = np.concatenate([np.concatenate([np.full(len(p), IGNORE), np.array(a, dtype=np.int64)]) for p, a in samples])
+    positions = np.concatenate([np.arange(len(p) + len(a)) for p, a in samples])
+    return Row(ids, labels, positions)
+
+
+def token_losses(student: torch.Tensor, teacher: torch.Tensor, targets: torch.Tensor, cfg: DistillConfig) -> torch.Tensor:
+    """Per token (rows of fp32 logits): the loss, the divergence, the cross-entropy on the target and whether the
+    two models' most likely tokens agree, stacked (4, tokens). The divergences as TRL's generalized_jsd_loss
+    computes them (F.kl_div on log-probabilities), summed over the vocabulary."""
+    s = torch.log_softmax(student / cfg.temperature, dim=-1)
+    if cfg.top_k:  # the teacher's top k tokens, its probabilities renormalised over them
+        values, index = teacher.topk(min(cfg.top_k, teacher.shape[-1]), dim=-1)
+        t = torch.log_softmax(values / cfg.temperature, dim=-1)
+        divergence = F.kl_div(s.gather(-1, index), t, reduction="none", log_target=True).sum(-1)
+    else:
+        t = torch.log_softmax(teacher / cfg.temperature, dim=-1)
+        if cfg.divergence == "forward_kl":
+            divergence = F.kl_div(s, t, reduction="none", log_target=True).sum(-1)
+        elif cfg.divergence == "reverse_kl":
+            divergence = F.kl_div(t, s, reduction="none", log_target=True).sum(-1)
+        else:
+            mixture = torch.logsumexp(torch.stack([s + math.log1p(-cfg.beta), t + math.log(cfg.beta)]), dim=0)
+            divergence = (cfg.beta * F.kl_div(mixture, t, reduction="none", log_target=True)
+                          + (1 - cfg.beta) * F.kl_div(mixture, s, reduction="none", log_target=True)).sum(-1)
+    plain = s if cfg.temperature == 1.0 else torch.log_softmax(student, dim=-1)
+    ce = -plain.gather(-1, targets[:, None])[:, 0]
+    agree = (student.argmax(-1) == teacher.argmax(-1)).to(divergence.dtype)
+    return torch.stack([(1 - cfg.ce_weight) * divergence + cfg.ce_weight * ce, divergence, ce, agree.detach()])
+
+
+def _chunk(rows: torch.Tensor, vocab: int) -> int:
+    return max(1, (CHUNK_ELEMENTS_CUDA if accelerator_path(rows) else CHUNK_ELEMENTS) // vocab)
+
+
+def logits_divergence(student: torch.Tensor, teacher: torch.Tensor, targets: torch.Tensor, cfg: DistillConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the loss summed over tokens, [divergence, cross-entropy, agreement] sums) from both models' logits."""
+    sums = torch.zeros(4, dtype=torch.float32, device=student.device)
+    for start in range(0, len(student), _chunk(student, student.shape[-1])):
+        end = start + _chunk(student, student.shape[-1])
+        sums = sums + token_losses(student[start:end].float(), teacher[start:end].float(), targets[start:end], cfg).sum(1)
+    return sums[0], sums[1:].detach()
+
+
+class _LinearDivergence(torch.autograd.Function):
+    """token_losses summed, from the two decoders' hidden states and head weights, a chunk of tokens at a time;
+    the gradient is taken in the forward (autograd over one chunk's logits) and only d(hidden), d(weight) kept."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, teacher_hidden, teacher_weight, targets, cfg):
+        need_hidden, need_weight = hidden.requires_grad, weight.requires_grad
+        ctx.weight_dtype = weight.dtype
+        wide = torch.promote_types(weight.dtype, torch.float32)
+        grad_hidden = torch.empty_like(hidden) if need_hidden else None
+        grad_weight = torch.zeros_like(weight, dtype=wide) if need_weight else None
+        sums = torch.zeros(4, dtype=wide, device=hidden.device)
+        chunk = _chunk(hidden, weight.shape[0])
+        for start in range(0, hidden.shape[0], chunk):
+            h = hidden[start : start + chunk]
+            teacher = (teacher_hidden[start : start + chunk] @ teacher_weight.t()).to(wide)
+            with torch.enable_grad():
+                logits = (h @ weight.t()).to(wide).detach().requires_grad_(need_hidden or need_weight)
+                per_token = token_losses(logits, teacher, targets[start : start + chunk], cfg).sum(1)
+                if need_hidden or need_weight:
+                    (g,) = torch.autograd.grad(per_token[0], logits)
+            sums += per_token.detach()
+            if need_hidden or need_weight:
+                chunk_grads(g, h, weight, grad_hidden, grad_weight, slice(start, start + chunk))
+        ctx.save_for_backward(grad_hidden, grad_weight)
+        metrics = sums[1:].clone()
+        ctx.mark_non_differentiable(metrics)
+        return sums[0].clone(), metrics
+
+    @staticmethod
+    def backward(ctx, grad_total, _grad_metrics):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        return (
+            grad_hidden * grad_total.to(grad_hidden.dtype) if grad_hidden is not None else None,
+            (grad_weight * grad_total).to(ctx.weight_dtype) if grad_weight is not None else None,
+            None, None, None, None,
+        )

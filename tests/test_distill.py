@@ -1,0 +1,221 @@
+"""Distillation (train.objective distill): the loss and gradients equal TRL's generalised JSD (GKD) on the same
+rows, fused or from the logits; the teacher must share the student's vocabulary; a run moves the student
+toward the teacher, resumes bitwise and runs the same on two processes."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from conftest import adapted_lora, base_config, finetune_in_process, killed_and_resumed, once, read_jsonl, write_config
+
+from finetune.config.errors import UserError
+from finetune.config.schema import DistillConfig, ModelConfig
+from finetune.data.packing import Row, collate
+from finetune.data.rows import IGNORE
+from finetune.model.teacher import teacher_source
+from finetune.objectives import loss as loss_module
+from finetune.objectives.distill import Distill
+from finetune.objectives.loss import to_device
+
+# Two rows of two packed samples each: (prompt, answer) token ids
+SAMPLES = [([5, 9, 17, 23], [40, 41, 42, 2]), ([31, 8], [43, 44, 45, 2]), ([12, 13, 14], [46, 47, 2]), ([50, 51, 52, 53, 54], [55, 2])]
+
+
+@pytest.fixture(scope="session")
+def teacher_dir(tmp_path_factory, demo_tokenizer_dir):
+    """A wider, deeper random Llama than the tiny student, with the same (demo) tokenizer."""
+
+    def build(out):
+        from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+        tok = AutoTokenizer.from_pretrained(demo_tokenizer_dir)
+        config = LlamaConfig(vocab_size=len(tok), hidden_size=96, intermediate_size=192, num_hidden_layers=3, num_attention_heads=4,
+                             num_key_value_heads=2, max_position_embeddings=256, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                             pad_token_id=tok.pad_token_id, tie_word_embeddings=False)
+        torch.manual_seed(1)
+        LlamaForCausalLM(config).save_pretrained(out)
+        tok.save_pretrained(out)
+
+    return once(tmp_path_factory, "tiny-teacher", build)
+
+
+@pytest.fixture(scope="session")
+def demo_student_dir(tmp_path_factory, demo_model_dir):
+    """A random two-layer, 64-wide Llama with the demo model's tokenizer: a student for the demo model."""
+
+    def build(out):
+        from transformers import AutoConfig, AutoTokenizer, LlamaForCausalLM
+
+        config = AutoConfig.from_pretrained(demo_model_dir)
+        config.update({"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                       "head_dim": 16})
+        torch.manual_seed(0)
+        LlamaForCausalLM(config).save_pretrained(out)
+        AutoTokenizer.from_pretrained(demo_model_dir).save_pretrained(out)
+
+    return once(tmp_path_factory, "demo-student", build)
+
+
+def _ours(model, teacher, cfg: DistillConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    rows = []
+    for pair in (SAMPLES[:2], SAMPLES[2:]):
+        ids = [t for p, a in pair for t in p + a]
+        labels = [t for p, a in pair for t in [IGNORE] * len(p) + a]
+        positions = [i for p, a in pair for i in range(len(p) + len(a))]
+        rows.append(Row(np.array(ids), np.array(labels), np.array(positions)))
+    batch = to_device(collate(rows, 0), "cpu")
+    objective = Distill(cfg, teacher=teacher)
+    count = objective.counts(batch)[0]
+    parts = objective.losses(model, batch, [count])
+    return parts.tokens / count, parts.metrics / count
+
+
+def _trls(model, teacher, cfg: DistillConfig) -> torch.Tensor:
+    """GKDTrainer.generalized_jsd_loss on the full logits of each sample, padded on the right."""
+    from trl.experimental.gkd import GKDTrainer
+
+    width = max(len(p) + len(a) for p, a in SAMPLES)
+    ids = torch.tensor([p + a + [0] * (width - len(p) - len(a)) for p, a in SAMPLES])
+    mask = torch.tensor([[1] * (len(p) + len(a)) + [0] * (width - len(p) - len(a)) for p, a in SAMPLES])
+    labels = torch.tensor([[IGNORE] * len(p) + a + [IGNORE] * (width - len(p) - len(a)) for p, a in SAMPLES])
+    student = model(input_ids=ids, attention_mask=mask).logits
+    with torch.no_grad():
+        teacher_logits = teacher(input_ids=ids, attention_mask=mask).logits
+    beta = {"forward_kl": 0.0, "reverse_kl": 1.0, "jsd": cfg.beta}[cfg.divergence]
+    return GKDTrainer.generalized_jsd_loss(student[:, :-1], teacher_logits[:, :-1], labels[:, 1:], beta=beta, temperature=cfg.temperature)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("temperature", [1.0, 2.0])
+@pytest.mark.parametrize("divergence", ["forward_kl", "jsd", "reverse_kl"])
+def test_loss_and_gradients_equal_trls_gkd(tiny_model_dir, teacher_dir, divergence, temperature, fused, monkeypatch):
+    """TRL's generalised JSD for beta 0 (forward KL), 0.5 and 1 (reverse KL) at two temperatures: loss to 1e-5, gradients to
+    1e-4 of the largest; from the decoders' hidden states a chunk at a time (fused) or from the models' logits."""
+    pytest.importorskip("trl")
+    from transformers import AutoModelForCausalLM
+
+    cfg = DistillConfig(teacher=str(teacher_dir), divergence=divergence, temperature=temperature)
+    model, teacher = adapted_lora(tiny_model_dir), AutoModelForCausalLM.from_pretrained(teacher_dir).eval()
+    trained = [p for p in model.parameters() if p.requires_grad]
+    expected = _trls(model, teacher, cfg)
+    expected.backward()
+    expected_grads = [p.grad.clone() for p in trained]
+    model.zero_grad()
+    if not fused:
+        monkeypatch.setattr(loss_module, "fusable_parts", lambda _: None)
+        monkeypatch.setattr("finetune.objectives.distill.fusable_parts", lambda _: None)
+    ours, metrics = _ours(model, teacher, cfg)
+    ours.backward()
+    assert abs(ours.item() - expected.item()) < 1e-5 and expected.item() > 1e-3, (ours.item(), expected.item())
+    assert metrics[0].item() == pytest.approx(ours.item(), abs=1e-6)  # the divergence itself: ce_weight 0
+    worst = max((p.grad - g).abs().max().item() for p, g in zip(trained, expected_grads))
+    assert worst < 1e-4 * max(g.abs().max().item() for g in expected_grads), worst
+
+
+def test_top_k_at_the_vocabulary_is_the_full_loss_and_cross_entropy_mixes_in(tiny_model_dir, teacher_dir):
+    """The teacher's top k tokens at k = the vocabulary give the full forward KL; fewer give another loss; ce_weight w gives
+    (1 - w) x the divergence + w x the cross-entropy on the answer tokens."""
+    from transformers import AutoModelForCausalLM
+
+    model, teacher = adapted_lora(tiny_model_dir), AutoModelForCausalLM.from_pretrained(teacher_dir).eval()
+    vocab = teacher.config.vocab_size
+    with torch.no_grad():
+        full, (divergence, ce, _, _) = _ours(model, teacher, DistillConfig(teacher="t"))
+        at_vocab, _ = _ours(model, teacher, DistillConfig(teacher="t", top_k=vocab))
+        top_8, _ = _ours(model, teacher, DistillConfig(teacher="t", top_k=8))
+        mixed, _ = _ours(model, teacher, DistillConfig(teacher="t", ce_weight=0.25))
+    assert at_vocab.item() == pytest.approx(full.item(), abs=1e-5) and abs(top_8.item() - full.item()) > 1e-3
+    assert mixed.item() == pytest.approx(0.75 * divergence.item() + 0.25 * ce.item(), abs=1e-5) and ce.item() > 1.0
+
+
+def _distill_config(model_dir, teacher, out, **sections) -> dict:
+    cfg = base_config(model_dir, out, **sections)
+    cfg["train"] = {**cfg["train"], "objective": "distill", "max_steps": 8, "lr": 1e-2, **sections.get("train", {})}
+    cfg["distill"] = {"teacher": str(teacher), **sections.get("distill", {})}
+    return cfg
+
+
+def _steps(out) -> list[dict]:
+    return [r for r in read_jsonl(out / "metrics.jsonl") if "loss" in r]
+
+
+def test_a_run_moves_the_student_toward_the_teacher_and_resumes_bitwise(tmp_path, demo_student_dir, demo_model_dir):
+    """8 LoRA steps of forward KL to the demo model (pretrained on the demo corpus) lower the random student's divergence
+    and raise its top-1 agreement; killed after its step-4 checkpoint and resumed, the run repeats the losses and metrics
+    bit for bit."""
+    cfg = _distill_config(demo_student_dir, demo_model_dir, tmp_path / "reference", data={"eval": None})
+    result = finetune_in_process("train", "--config", str(write_config(tmp_path / "reference.yaml", cfg)))
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "distill: the teacher is" in result.stdout
+    keys = ("loss", "grad_norm", "divergence", "ce", "agreement")
+    expected = [[r[k] for k in keys] for r in _steps(tmp_path / "reference")]
+    assert expected[-1][2] < 0.92 * expected[0][2] and expected[-1][4] > expected[0][4] + 0.3, expected
+    _, steps = killed_and_resumed(tmp_path, cfg, save_every=4, kill_at=5)
+    assert [[r[k] for k in keys] for r in steps] == expected
+
+
+def test_an_adapter_teacher_is_merged_and_bad_teachers_are_one_line(tmp_path, tiny_model_dir, teacher_dir):
+    """A finetune run's adapter folder is a teacher (merged into its base as it loads: its first loss equals the merged
+    model's); a teacher with another tokenizer or no model stops with exit 2, an adapter under a sharding strategy in one line."""
+    sft = base_config(teacher_dir, tmp_path / "sft", data={"eval": None}, train={"max_steps": 2, "lr": 1e-2})
+    assert finetune_in_process("train", "--config", str(write_config(tmp_path / "sft.yaml", sft))).returncode == 0
+    merged = finetune_in_process("merge", "--adapter", str(tmp_path / "sft"), "--out", str(tmp_path / "merged"))
+    assert merged.returncode == 0, merged.stderr[-2000:]
+    first = {}
+    for name, teacher in (("adapter", tmp_path / "sft"), ("merged", tmp_path / "merged")):
+        cfg = _distill_config(tiny_model_dir, teacher, tmp_path / f"from-{name}", data={"eval": None}, train={"max_steps": 1})
+        result = finetune_in_process("train", "--config", str(write_config(tmp_path / f"{name}.yaml", cfg)))
+        assert result.returncode == 0, result.stderr[-2000:]
+        first[name] = _steps(tmp_path / f"from-{name}")[0]["divergence"]
+    assert first["adapter"] == pytest.approx(first["merged"], rel=1e-5)
+
+    def refused(teacher, **sections):
+        cfg = _distill_config(tiny_model_dir, teacher, tmp_path / "bad", data={"eval": None}, **sections)
+        result = finetune_in_process("train", "--config", str(write_config(tmp_path / "bad.yaml", cfg)))
+        assert result.returncode == 2, result.stderr[-2000:]
+        return result.stderr.strip().splitlines()[-1]
+
+    other = tmp_path / "other-vocab"
+    other.mkdir()
+    for f in teacher_dir.iterdir():
+        (other / f.name).write_bytes(f.read_bytes())
+    vocab = json.loads((other / "tokenizer.json").read_text())
+    ids = vocab["model"]["vocab"]
+    a, b = (next(t for t, i in ids.items() if i == n) for n in (300, 301))
+    ids[a], ids[b] = 301, 300  # two tokens swapped: the same merges, another numbering
+    (other / "tokenizer.json").write_text(json.dumps(vocab))
+    assert f"tokenizer differs from the student's at id 300 ('{b}' there, '{a}' here)" in refused(other)
+    assert "is neither a model folder (config.json) nor an adapter folder" in refused(tmp_path / "nothing")
+    with pytest.raises(UserError, match="distributed.strategy fsdp loads no rank's weights whole; merge it first"):
+        teacher_source(str(tmp_path / "sft"), ModelConfig(name_or_path=str(tiny_model_dir)), None, sharded="fsdp")
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "zero3"])
+def test_two_processes_distill_as_one(tiny_model_dir, teacher_dir, trained, strategy):
+    """The teacher held as the strategy holds weights (whole under ddp, sharded under fsdp and zero3): two processes give
+    one process's losses and divergences, on-policy steps (lmbda 0.5: steps 3 and 4 here) sampling the same answers."""
+    sections = {"train": {"objective": "distill"}, "distill": {"teacher": str(teacher_dir), "lmbda": 0.5, "max_new_tokens": 6}}
+    reference, one, _ = trained(tiny_model_dir, "lora", **sections)
+    out, two, summary = trained(tiny_model_dir, "lora", 2, strategy, **sections)
+    assert summary["world_size"] == 2 and len(two) == 4
+    assert two == pytest.approx(one, rel=1e-4, abs=1e-6)
+    assert [r["on_policy"] for r in _steps(reference)] == [r["on_policy"] for r in _steps(out)] == [0.0, 0.0, 1.0, 1.0]
+    divergences = [r["divergence"] for r in _steps(reference)]
+    assert [r["divergence"] for r in _steps(out)] == pytest.approx(divergences, rel=1e-4, abs=1e-6)
+
+
+def test_on_policy_steps_train_on_the_students_answers_and_resume_bitwise(tmp_path, demo_student_dir, demo_model_dir):
+    """lmbda 1: every step the student answers the data's prompts itself (at most max_new_tokens, cut at its EOS) and learns
+    the teacher's distribution on its own tokens; killed after the step-2 checkpoint, the run resamples the same answers."""
+    cfg = _distill_config(demo_student_dir, demo_model_dir, tmp_path / "reference", data={"eval": None, "packing": False},
+                          train={"max_steps": 4}, distill={"lmbda": 1.0, "max_new_tokens": 8})
+    result = finetune_in_process("train", "--config", str(write_config(tmp_path / "reference.yaml", cfg)))
+    assert result.returncode == 0, result.stderr[-2000:]
+    keys = ("loss", "grad_norm", "divergence", "agreement", "on_policy", "tokens")
+    expected = [[r[k] for k in keys] for r in _steps(tmp_path / "reference")]
+    assert all(r[4] == 1.0 for r in expected) and expected[-1][2] < expected[0][2]
+    _, steps = killed_and_resumed(tmp_path, cfg, save_every=2, kill_at=3)
+    assert [[r[k] for k in keys] for r in steps] == expected
