@@ -9,7 +9,7 @@ TORCH_VERSION  ?= 2.13.0
 TORCH_PIP_ARGS ?=
 export FINETUNE_CACHE ?= $(CURDIR)/.cache/finetune
 
-.PHONY: install tokenizers demo demo-vision demo-dpo demo-grpo demo-agent demo-distill test test-fast lint bench bench-grpo bench-rollouts bench-compile bench-data bench-families bench-fsdp-load bench-guard bench-host bench-load bench-large bench-long bench-released bench-scale bench-vision docs-check bench-xl clean help
+.PHONY: install tokenizers demo demo-vision demo-dpo demo-grpo demo-agent demo-distill test test-fast lint bench bench-grpo bench-rollouts bench-distill bench-compile bench-data bench-families bench-fsdp-load bench-guard bench-host bench-load bench-large bench-long bench-released bench-scale bench-vision docs-check bench-xl clean help
 
 help:
 	@echo "make demo   - install, build the demo model, fine-tune it (LoRA) and show before/after"
@@ -24,6 +24,7 @@ help:
 	@echo "make bench  - finetune vs HF Trainer + peft and TRL SFTTrainer: tokens/s, memory, start-up, loss (~20 min; on a GPU: --device cuda, 1.1B)"
 	@echo "make bench-vision - a vision-language model (LLaVA): samples/s and peak RSS, finetune vs TRL SFTTrainer on the same rows (~3 min)"
 	@echo "make bench-grpo - GRPO steps per second: finetune vs TRL GRPOTrainer on the same model, prompts and sampling (~3 min)"
+	@echo "make bench-distill - distillation's loss: memory and time of the chunked divergence against both models' logits whole (~2 min)"
 	@echo "make bench-rollouts - rollout generation paths: tokens/s of generate, a static KV cache, continuous batching (CPU ~1 min; on a GPU: --device cuda --shape 1.1b)"
 	@echo "make bench-compile - model.compile (torch.compile per layer) against eager: start-up, s/step, losses (~15 min)"
 	@echo "make bench-data - a million rows: tokenization, start-up, memory vs datasets + HF Trainer (~25 min)"
@@ -142,6 +143,10 @@ bench-grpo: install
 
 bench-rollouts: install
 	$(PY) bench/rollouts.py
+
+bench-distill: install
+	$(PY) -c "import trl" 2>/dev/null || $(PIP) install -q -e ".[bench]" "torch==$$($(PY) -c 'import torch; print(torch.__version__)')"
+	$(PY) bench/distill.py
 
 bench-compile: install
 	$(PY) bench/compile.py

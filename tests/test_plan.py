@@ -137,6 +137,22 @@ def test_deepspeed_keeps_fp32_optimizer_states_of_16_bit_weights():
     assert round(8_030_261_248 * 4 / 8 / GiB, 2) == 3.74
 
 
+def test_a_distillation_teacher_is_planned_as_the_strategy_holds_it():
+    """Llama 3.1 8B teaching Llama 3.2 1B: its bf16 weights whole on one GPU and an eighth of them on each of 8 under
+    FSDP (the published parameter count), and its final hidden states at the student's tokens (or its fp32 logits
+    where the head is sharded)."""
+    llama = load_config(REPO / "configs/presets/llama3-8b.yaml", check_model=False,
+                        overrides=[f"model.name_or_path={REPO / 'docs/examples/llama-3.2-1b'}", "train.objective=distill",
+                                   f"distill.teacher={REPO / 'docs/examples/llama-3.1-8b'}"])
+    one, eight = make_plan(llama, gpu=True), make_plan(llama, devices=8, strategy="fsdp", gpu=True)
+    assert one.rows["distill teacher weights"] == 8_030_261_248 * 2 + 2 * 64 * 4 and eight.rows["distill teacher weights"] == one.rows[
+        "distill teacher weights"] / 8
+    tokens = one.setup.micro_batch * one.setup.seq_len
+    assert one.rows["distill teacher outputs"] == tokens * 4096 * 2 and eight.rows["distill teacher outputs"] == tokens * 128256 * 4
+    assert "distill teacher weights" not in make_plan(load_config(REPO / "configs/presets/llama3-8b.yaml", check_model=False,
+                                                                  overrides=[f"model.name_or_path={REPO / 'docs/examples/llama-3.1-8b'}"])).rows
+
+
 def test_plan_says_what_train_would_refuse_and_offers_only_what_runs(capsys):
     """FSDP over bitsandbytes' 4-bit base: `finetune validate` refuses it, so plan may not say "fits"; it names the refusal and
     the strategies that run (ZeRO refuses qlora.yaml's paged 8-bit AdamW, so DDP alone), and never offers a refused switch."""

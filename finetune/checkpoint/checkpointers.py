@@ -178,7 +178,6 @@ class Checkpointer:
         return written
 
     def _restore_whole(self, path: Path, written: dict) -> None:
-
         copy_trainable(load_file(path / WEIGHTS), self.accelerator.unwrap_model(self.model), path)
         self.optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
 
@@ -399,7 +398,6 @@ def copy_trainable(weights: dict[str, torch.Tensor], model, path: Path) -> None:
 def load_trainable(path: Path, model) -> None:
     """Only the trained weights of a checkpoint of any layout, into an unsharded model in this
     process (finetune merge / generate on a checkpoint mid-run)."""
-
     if (path / SHARDED).is_dir():
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict

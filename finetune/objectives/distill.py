@@ -65,7 +65,6 @@ class Distill(Objective):
         sampled = len(student.targets) if "sampled" in batch else 0
         return Losses(total, student.aux, torch.cat([metrics, metrics.new_tensor([sampled])]))
 
-
     # -- on-policy steps ---------------------------------------------------------------------------
 
     @property
@@ -108,9 +107,11 @@ class Distill(Objective):
 
         warpers = [TemperatureLogitsWarper(self.cfg.temperature)]
         sampler = GumbelSampler(torch.as_tensor(np.array(seeds, dtype=np.uint64).view(np.int64), device=device), warpers)
-        answers = generate(model, tokenizer, prompts, self.cfg.max_new_tokens, device, sampler, synced=self.synced) if prompts else []
+        if prompts or self.synced:  # sharded weights: every rank decodes, one with nothing to answer on a stand-in (not kept)
+            answers = generate(model, tokenizer, prompts or [batch["input_ids"][0, :1].numpy()], self.cfg.max_new_tokens, device,
+                               sampler if prompts else None, synced=self.synced)
         parts: list[list[tuple[np.ndarray, list[int]]]] = [[] for _ in batch["input_ids"]]
-        for r, prompt, answer in zip(owners, prompts, answers):
+        for r, prompt, answer in zip(owners, prompts, answers if prompts else []):
             parts[r].append((prompt, answer))
         return [_row(p, tokenizer.pad_token_id) for p in parts]
 

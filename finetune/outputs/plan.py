@@ -316,6 +316,8 @@ def estimate(shape: Shape, cfg: RunConfig, s: Setup) -> tuple[dict[str, float], 
         rows["fp32 master weights (DeepSpeed)"] = n_train * 4 / s.devices
     if cfg.train.objective == "dpo" and full:  # a frozen copy of the base, held as the policy is (adapters: the base with them off)
         rows["DPO reference model"] = base / s.devices if s.shards_weights else base
+    if cfg.train.objective == "distill" and cfg.distill.teacher:
+        rows["distill teacher weights"], rows["distill teacher outputs"] = teacher_rows(cfg, s)
     if peak.temporaries:
         rows["dense weight temporaries"] = peak.temporaries
     if shape.vision is not None:
@@ -332,6 +334,22 @@ def vision_rows(v: VisionShape, cfg: RunConfig, s: Setup) -> tuple[float, float]
     patches = v.patches_of(cfg.model.processor)
     kept = 4 if s.bits else s.weight_bytes  # a quantized base's unquantized parts: fp32 (peft's k-bit preparation)
     return v.params * kept + trained, s.micro_batch * patches * (6 * v.hidden + 4 * v.intermediate) * s.activation_bytes * layers
+
+
+def teacher_rows(cfg: RunConfig, s: Setup) -> tuple[float, float]:
+    """Distillation's frozen teacher: (its weights, in the student's dtype, sharded as the student's are; what its
+    forward leaves for the loss). Without gradients its forward holds one layer's values at a time (as
+    wide as the student's in the worst case: counted within the student's activations' peak), and leaves its
+    final hidden states at the trained tokens, or (a sharded or biased head) its logits there in fp32."""
+    folder = Path(cfg.distill.teacher).expanduser()
+    if (folder / "adapter_config.json").is_file():  # merged into its base as it loads: the base's shape
+        folder = Path(json.loads((folder / "adapter_config.json").read_text()).get("base_model_name_or_path", folder))
+    teacher = read_shape(str(folder))
+    weights = (teacher.linear_params + teacher.other_params) * s.weight_bytes + teacher.buffers(s.weight_bytes)
+    if s.shards_weights:
+        weights /= s.devices
+    fused = families.plain_head(teacher.config) and not s.shards_weights
+    return weights, s.tokens * (teacher.hidden * s.activation_bytes if fused else teacher.vocab * 4)
 
 
 def quantized_layers(shape: Shape) -> int:
