@@ -168,6 +168,11 @@ def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
+def step_rows(out: Path) -> list[dict]:
+    """A run's per-step metrics rows (not its evals')."""
+    return [r for r in read_jsonl(Path(out) / "metrics.jsonl") if "loss" in r]
+
+
 def killed_and_resumed(tmp_path: Path, cfg: dict, save_every: int, kill_at: int):
     """`cfg` run in tmp_path/out with a checkpoint every `save_every` steps, SIGKILLed at the start of step `kill_at`
     (a process of its own), then started again in this process: it must resume from the last checkpoint before the
@@ -179,7 +184,7 @@ def killed_and_resumed(tmp_path: Path, cfg: dict, save_every: int, kill_at: int)
     resumed = finetune_in_process("train", "--config", config, "--save-every", str(save_every))
     last = kill_at // save_every * save_every
     assert resumed.returncode == 0 and f"step-{last:06d} at step {last}" in resumed.stdout, resumed.stderr[-2000:]
-    return resumed, [r for r in read_jsonl(tmp_path / "out" / "metrics.jsonl") if "loss" in r]
+    return resumed, step_rows(tmp_path / "out")
 
 
 @pytest.fixture(autouse=True)

@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from conftest import adapted_lora, base_config, finetune_in_process, killed_and_resumed, once, read_jsonl, write_config
+from conftest import adapted_lora, base_config, finetune_in_process, killed_and_resumed, once, step_rows, write_config
 
 from finetune.config.errors import UserError
 from finetune.config.schema import DistillConfig, ModelConfig
@@ -138,10 +138,6 @@ def _distill_config(model_dir, teacher, out, **sections) -> dict:
     return cfg
 
 
-def _steps(out) -> list[dict]:
-    return [r for r in read_jsonl(out / "metrics.jsonl") if "loss" in r]
-
-
 def test_a_run_moves_the_student_toward_the_teacher_and_resumes_bitwise(tmp_path, demo_student_dir, demo_model_dir):
     """8 LoRA steps of forward KL to the demo model (pretrained on the demo corpus) lower the random student's divergence
     and raise its top-1 agreement; killed after its step-4 checkpoint and resumed, the run repeats the losses and metrics
@@ -151,7 +147,7 @@ def test_a_run_moves_the_student_toward_the_teacher_and_resumes_bitwise(tmp_path
     assert result.returncode == 0, result.stderr[-2000:]
     assert "distill: the teacher is" in result.stdout
     keys = ("loss", "grad_norm", "divergence", "ce", "agreement")
-    expected = [[r[k] for k in keys] for r in _steps(tmp_path / "reference")]
+    expected = [[r[k] for k in keys] for r in step_rows(tmp_path / "reference")]
     assert expected[-1][2] < 0.92 * expected[0][2] and expected[-1][4] > expected[0][4] + 0.3, expected
     _, steps = killed_and_resumed(tmp_path, cfg, save_every=4, kill_at=5)
     assert [[r[k] for k in keys] for r in steps] == expected
@@ -169,7 +165,7 @@ def test_an_adapter_teacher_is_merged_and_bad_teachers_are_one_line(tmp_path, ti
         cfg = _distill_config(tiny_model_dir, teacher, tmp_path / f"from-{name}", data={"eval": None}, train={"max_steps": 1})
         result = finetune_in_process("train", "--config", str(write_config(tmp_path / f"{name}.yaml", cfg)))
         assert result.returncode == 0, result.stderr[-2000:]
-        first[name] = _steps(tmp_path / f"from-{name}")[0]["divergence"]
+        first[name] = step_rows(tmp_path / f"from-{name}")[0]["divergence"]
     assert first["adapter"] == pytest.approx(first["merged"], rel=1e-5)
 
     def refused(teacher, **sections):
@@ -202,9 +198,9 @@ def test_two_processes_distill_as_one(tiny_model_dir, teacher_dir, trained, stra
     out, two, summary = trained(tiny_model_dir, "lora", 2, strategy, **sections)
     assert summary["world_size"] == 2 and len(two) == 4
     assert two == pytest.approx(one, rel=1e-4, abs=1e-6)
-    assert [r["on_policy"] for r in _steps(reference)] == [r["on_policy"] for r in _steps(out)] == [0.0, 0.0, 1.0, 1.0]
-    divergences = [r["divergence"] for r in _steps(reference)]
-    assert [r["divergence"] for r in _steps(out)] == pytest.approx(divergences, rel=1e-4, abs=1e-6)
+    assert [r["on_policy"] for r in step_rows(reference)] == [r["on_policy"] for r in step_rows(out)] == [0.0, 0.0, 1.0, 1.0]
+    divergences = [r["divergence"] for r in step_rows(reference)]
+    assert [r["divergence"] for r in step_rows(out)] == pytest.approx(divergences, rel=1e-4, abs=1e-6)
 
 
 def test_on_policy_steps_train_on_the_students_answers_and_resume_bitwise(tmp_path, demo_student_dir, demo_model_dir):
@@ -215,7 +211,7 @@ def test_on_policy_steps_train_on_the_students_answers_and_resume_bitwise(tmp_pa
     result = finetune_in_process("train", "--config", str(write_config(tmp_path / "reference.yaml", cfg)))
     assert result.returncode == 0, result.stderr[-2000:]
     keys = ("loss", "grad_norm", "divergence", "agreement", "on_policy", "tokens")
-    expected = [[r[k] for k in keys] for r in _steps(tmp_path / "reference")]
+    expected = [[r[k] for k in keys] for r in step_rows(tmp_path / "reference")]
     assert all(r[4] == 1.0 for r in expected) and expected[-1][2] < expected[0][2]
     _, steps = killed_and_resumed(tmp_path, cfg, save_every=2, kill_at=3)
     assert [[r[k] for k in keys] for r in steps] == expected

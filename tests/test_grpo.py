@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from conftest import DEMO_DATA, adapted_lora, base_config, finetune_in_process, killed_and_resumed, read_jsonl, write_config
+from conftest import DEMO_DATA, adapted_lora, base_config, finetune_in_process, killed_and_resumed, read_jsonl, step_rows, write_config
 
 from finetune.config.errors import UserError
 from finetune.config.schema import GRPOConfig
@@ -127,17 +127,13 @@ def parity_reward(tmp_path_factory) -> str:
     return f"{path}:even"
 
 
-def _steps(out) -> list[dict]:
-    return [r for r in read_jsonl(out / "metrics.jsonl") if "loss" in r]
-
-
 def test_kill_9_mid_grpo_run_then_resume_samples_and_trains_the_same(tmp_path, tiny_model_dir, parity_reward):
     """A prompt's completions come from a seed of (train.seed, step, prompt): the resumed steps sample the
     same completions (lengths, rewards) and give the same losses, bitwise, with no sampler state saved."""
     cfg = _grpo_config(tiny_model_dir, tmp_path / "reference", data={"eval": None}, grpo={"rewards": [parity_reward], "beta": 0.1})
     assert finetune_in_process("train", "--config", str(write_config(tmp_path / "reference.yaml", cfg))).returncode == 0
     keys = ("loss", "grad_norm", "reward", "completion_length", "kl")
-    expected = [[r[k] for k in keys] for r in _steps(tmp_path / "reference")]
+    expected = [[r[k] for k in keys] for r in step_rows(tmp_path / "reference")]
     assert len({tuple(e[1:]) for e in expected}) == 4  # every step sampled something else
     resumed, steps = killed_and_resumed(tmp_path, cfg, save_every=2, kill_at=3)
     assert [[r[k] for k in keys] for r in steps] == expected  # bitwise
@@ -155,7 +151,7 @@ def test_num_iterations_holds_each_generation_and_a_run_resumed_between_its_upda
                        grpo={"rewards": [parity_reward], "beta": 0.1, "num_iterations": 2})
     assert finetune_in_process("train", "--config", str(write_config(tmp_path / "reference.yaml", cfg))).returncode == 0
     keys = ("loss", "grad_norm", "reward", "completion_length", "kl", "clip_ratio")
-    expected = [[r[k] for k in keys] for r in _steps(tmp_path / "reference")]
+    expected = [[r[k] for k in keys] for r in step_rows(tmp_path / "reference")]
     sampled = [tuple(e[2:4]) for e in expected]
     assert sampled[0::2] == sampled[1::2] and len(set(sampled)) == 3, sampled  # one generation per two updates
     assert expected[1][0] != expected[0][0] and expected[1][4] > expected[0][4]  # the second update trains on a moved ratio
@@ -327,7 +323,7 @@ def test_a_kl_blow_up_past_guard_max_kl_is_rolled_back_then_stops(tmp_path, tiny
     rollback, stop = [e for e in read_jsonl(tmp_path / "out" / "events.jsonl") if e["event"] in ("rollback", "stop")]
     assert "the KL to the reference reached" in rollback["message"] and "above guard.max_kl=0.01; rolled back to step-000008" in rollback["message"]
     assert "above guard.max_kl=0.01, after 1 rollback(s); the last good checkpoint is" in stop["message"], stop
-    applied = [r["kl"] for r in _steps(tmp_path / "out")]
+    applied = [r["kl"] for r in step_rows(tmp_path / "out")]
     assert max(applied) <= 0.01 < float(rollback["message"].split("reached ")[1].split(",")[0])  # the steps over it were never applied
     with pytest.raises(UserError, match="guard.max_kl: the KL to the reference is measured by GRPO with grpo.beta > 0"):
         from finetune.config.schema import validate_config

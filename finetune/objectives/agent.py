@@ -26,8 +26,6 @@ tokens are kept as sampled, never re-tokenized.
 
 from __future__ import annotations
 
-import math
-import numbers
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -40,7 +38,7 @@ from finetune.data.packing import Prompt, Row
 from finetune.data.rows import prompt_ids, render
 from finetune.objectives import tools as toolkit
 from finetune.objectives.grpo import GRPO, generate, group_row
-from finetune.objectives.rewards import Reward, _import, score
+from finetune.objectives.rewards import Reward, _import, finite, score
 
 ENDED = ("answer", "max_turns", "length", "timeout")  # why an episode ended, counted in the step's metrics
 
@@ -197,10 +195,7 @@ class AgentGRPO(GRPO):
         env = []
         for e in episodes:
             value = self._call(self._where(e.prompt), "reward", lambda e=e: e.env.reward(e.messages))
-            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
-                raise UserError(f"grpo.environment: {self.cfg.environment}: reward() returned {value!r} for an episode of "
-                                f"{self._where(e.prompt)}; expected a finite number")
-            env.append([float(value)])
+            env.append([finite(value, f"grpo.environment: {self.cfg.environment}: reward()", f"an episode of {self._where(e.prompt)}")])
         functions = self.rewards[1:]
         table = env
         if functions:

@@ -159,9 +159,10 @@ def _chunk(rows: torch.Tensor, vocab: int) -> int:
 def logits_divergence(student: torch.Tensor, teacher: torch.Tensor, targets: torch.Tensor, cfg: DistillConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """(the loss summed over tokens, [divergence, cross-entropy, agreement] sums) from both models' logits."""
     sums = torch.zeros(4, dtype=torch.float32, device=student.device)
-    for start in range(0, len(student), _chunk(student, student.shape[-1])):
-        end = start + _chunk(student, student.shape[-1])
-        sums = sums + token_losses(student[start:end].float(), teacher[start:end].float(), targets[start:end], cfg).sum(1)
+    chunk = _chunk(student, student.shape[-1])
+    for start in range(0, len(student), chunk):
+        rows = slice(start, start + chunk)
+        sums = sums + token_losses(student[rows].float(), teacher[rows].float(), targets[rows], cfg).sum(1)
     return sums[0], sums[1:].detach()
 
 

@@ -127,8 +127,12 @@ def score(rewards: list[Reward], prompts: list, completions: list, completion_id
             got = f"a {type(values).__name__}" + (f" of {len(values)}" if hasattr(values, "__len__") else "")
             raise UserError(f"grpo.rewards: {reward.name} returned {got}; expected a list of {len(completions)} numbers, one per completion "
                             f"(scoring completions of {where(0)})")
-        for i, value in enumerate(values):
-            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
-                raise UserError(f"grpo.rewards: {reward.name} returned {value!r} for a completion of {where(i)}; expected a finite number")
-        table.append([float(v) for v in values])
+        table.append([finite(v, f"grpo.rewards: {reward.name}", f"a completion of {where(i)}") for i, v in enumerate(values)])
     return [list(column) for column in zip(*table)]
+
+
+def finite(value, who: str, what: str) -> float:
+    """A reward as a float, or one line: `who` returned `value` for `what`, not a finite number."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        raise UserError(f"{who} returned {value!r} for {what}; expected a finite number")
+    return float(value)
