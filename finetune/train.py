@@ -37,13 +37,13 @@ import torch
 from finetune.checkpoint import store
 from finetune.checkpoint.checkpointers import last_good
 from finetune.checkpoint.locks import hold_output_dir, release_output_dir
-from finetune.checkpoint.resume import Progress, clear_starts, resume
+from finetune.checkpoint.resume import BatchUnreachable, Progress, Start, batch_for_world, clear_starts, resume, starting_point
 from finetune.config import faults
 from finetune.config.errors import EXIT_DIVERGED, EXIT_PREEMPTED, Stopped, UserError
 from finetune.config.schema import CONFIG_FILE, MUTATED_INITS, SUMMARY_FILE, ModelConfig, RunConfig, looks_local, to_yaml
 from finetune.config.strategy import Strategy
 from finetune.data.chat import choose_template
-from finetune.data.datasets import Datasets, Schedule, batches_at, load_data, plan_steps, summary_lines
+from finetune.data.datasets import Datasets, Schedule, batches_at, load_data, plan_steps, step_samples, summary_lines
 from finetune.model import families, nf4, vision
 from finetune.model.attention import leak, mixer_outside_attention
 from finetune.model.loading import adapter_input_casting_off, apply_adapter, compile_layers, describe, load_tokenizer, loftq_init
@@ -64,7 +64,7 @@ from finetune.parallel.optim import current_lr, set_peak_lr, warmup_steps
 from finetune.parallel.sequence_parallel import SequenceParallel
 from finetune.run import preflight
 from finetune.run.guard import DRIFT_STEPS, FIRST_STEPS_CHECKED, Guard, Verdict, check_first_steps, data_step
-from finetune.run.metrics import RunLog, plot_loss_curve, summary_line, tracked_config, tracker_kwargs
+from finetune.run.metrics import EVENTS_FILE, RunLog, plot_loss_curve, summary_line, tracked_config, tracker_kwargs, write_event
 from finetune.run.supervise import Watchdog, release_preemption, stop_if_preempted, stop_with_launcher, watch_preemption
 
 # A packed sample's logits may move by rounding (bf16 kernels over rows of other lengths), a small
@@ -211,11 +211,14 @@ def setup(cfg: RunConfig) -> RunState:
     stop_with_launcher()
     accelerator = make_accelerator(cfg)
     set_seed(cfg.train.seed)
+    start = starting_point(cfg)
+    cfg, resized, batch = batch_at_this_size(cfg, start, accelerator, preemption)
     if accelerator.is_main_process:
         (Path(cfg.train.output_dir) / CONFIG_FILE).write_text(to_yaml(cfg))
     run = load_inputs(cfg, accelerator, preemption)
     load_and_prepare_model(run)
-    resume_or_start(run)
+    resume_or_start(run, start, [("resize", resized)] if resized else [])
+    run.progress.batch = batch
     # Every rank agrees whether a signal came during set-up (there is nothing to save yet).
     signalled = accelerator.reduce(torch.tensor(float(preemption.signal is not None), device=accelerator.device), "sum").item() > 0
     stop_if_preempted(signalled, preemption.name, run.out, run.main, "before the first step")
@@ -223,6 +226,37 @@ def setup(cfg: RunConfig) -> RunState:
     runtime.keep_freed_memory(gathers=run.engine.gathers, quantized=cfg.model.quantization is not None, long_rows=tokens >= LONG_ROWS)
     run.peak_rss_since = "the first step" if runtime.reset_peak_rss() else "the process's start"
     return run
+
+
+def batch_at_this_size(cfg: RunConfig, start: Start, accelerator, preemption) -> tuple[RunConfig, str | None, dict]:
+    """The config at this process count (the checkpoint's global batch kept: batch_for_world). Where no
+    accumulation keeps it, an elastic job below its largest size waits for nodes: the launcher's agents
+    re-form the job (SIGTERM, then a start at the new size) when one joins; anything else stops in one line."""
+    worlds, main, out = runtime.elastic_worlds(), accelerator.is_main_process, Path(cfg.train.output_dir)
+    try:
+        cfg, resized, batch = batch_for_world(cfg, start.path, accelerator.num_processes)
+    except BatchUnreachable as err:
+        if not worlds or accelerator.num_processes >= worlds[-1]:
+            raise
+        wait_for_nodes(f"{err}; waiting for nodes to join (the launcher starts the run again at the new size)", preemption, out, main)
+    sp, micro = cfg.distributed.sequence_parallel, cfg.train.micro_batch_size
+    bad = [w for w in worlds if w % sp or batch["rows"] % (micro * (w // sp))]
+    if bad and start.path is None and main and cfg.distributed.elastic_batch == "fixed":
+        message = (f"{batch['rows']} rows per step (micro_batch_size {micro}) cannot be kept at {', '.join(map(str, bad))} of this elastic job's "
+                   f"{worlds[0]}-{worlds[-1]} processes: there it would wait for a node (choose a batch every count divides)")
+        write_event(out / EVENTS_FILE, "warning", None, message)
+        print(f"[warning] {message}", flush=True)
+    return cfg, resized, batch
+
+
+def wait_for_nodes(message: str, preemption, out: Path, main: bool) -> None:
+    """Idle until the agent's SIGTERM, then end as a preempted run (exit 75) would before its first step."""
+    if main:
+        write_event(out / EVENTS_FILE, "wait", None, message)
+        print(f"[wait] {message}", flush=True)
+    while preemption.signal is None:
+        time.sleep(1)
+    stop_if_preempted(True, preemption.name, out, main, "while it waited for nodes")
 
 
 def start_point(run: RunState) -> None:
@@ -372,14 +406,16 @@ def check_packed_rows(run: RunState) -> None:
     raise UserError(f"train.objective: {objective} packs {what} in one row, and {how}: this model cannot be trained with {objective} by finetune")
 
 
-def resume_or_start(run: RunState) -> None:
-    """Restore the checkpoint to resume from (if any), then the run log, guard and watchdog."""
+def resume_or_start(run: RunState, start: Start, events: list[tuple[str, str]]) -> None:
+    """Restore the checkpoint to resume from (if any), then the run log, guard and watchdog; `events`
+    (set-up's) are logged with the resume's."""
     cfg, engine = run.cfg, run.engine
     run.background = engine.background_saves and (cfg.checkpoint.async_save if cfg.checkpoint.async_save is not None
                                                        else cfg.adapter.method != "full")
     if cfg.logging.report_to:
         run.accelerator.init_trackers(cfg.logging.project, config=tracked_config(cfg), init_kwargs=tracker_kwargs(cfg.logging, run.out))
-    run.progress, events = resume(cfg, engine.checkpointer, run.accelerator)
+    run.progress, resumed = resume(cfg, start, engine.checkpointer, run.accelerator)
+    events = events + resumed
     restore_held(run)
     run.start_step = run.progress.step
     run.log = RunLog(run.out, run.schedule.total_steps, run.accelerator, run.main, cfg.logging.progress_bar, run.progress.step)
@@ -417,6 +453,7 @@ class StepOutcome:
     preempted: bool  # a rank has been signalled: save and stop
     time_due: bool  # checkpoint.save_every_minutes has passed
     metrics: dict[str, float]  # the objective's own (preference: rewards, margin, accuracy), means over the step's pairs
+    samples: list[int] | None = None  # logging.sample_ids: the samples the step trained, all ranks', sorted
 
 
 def train_loop(run: RunState) -> None:
@@ -450,6 +487,8 @@ def train_loop(run: RunState) -> None:
             if done.router_loss is not None:
                 run.last["router_aux_loss"] = done.router_loss
             run.last.update(done.metrics)
+            if done.samples is not None:
+                run.last["samples"] = done.samples
             log.write(run.last)
             window_tokens, window_start = 0, now
         if cfg.eval.every and run.progress.step % cfg.eval.every == 0 and run.progress.step < total:
@@ -465,6 +504,21 @@ def train_loop(run: RunState) -> None:
                 run.progress = roll_back(run, run.progress.step - 1, verdict)
                 log.advance(run.progress.step - log.position())
     log.close_bar()
+
+
+def reading_position(run: RunState, position: int) -> int:
+    """The data step whose rows a step reads: GRPO trains num_iterations updates on each."""
+    return position // run.objective.cfg.num_iterations if isinstance(run.objective, GRPO) else position
+
+
+def trained_samples(run: RunState, position: int) -> list[int]:
+    """logging.sample_ids: the samples of data step `position` on every rank (those sharing a row name it once), sorted."""
+    sp, accelerator = run.sequence_parallel, run.accelerator
+    mine = [] if sp.rank else step_samples(run.data, run.cfg, run.schedule, reading_position(run, position), sp.data_rank(accelerator.process_index),
+                                            sp.data_world(accelerator.num_processes))
+    from accelerate.utils import gather_object
+
+    return sorted(gather_object(mine) if accelerator.num_processes > 1 else mine)
 
 
 def train_step(run: RunState) -> StepOutcome:
@@ -514,7 +568,8 @@ def train_step(run: RunState) -> StepOutcome:
             run.log.print(f"step {step + 1}: training paused {waited:.2f} s more while the checkpoint was copied")
     moved = engine.apply(verdict.action == "apply")
     return StepOutcome(epoch, step_loss, grad_norm, verdict, moved, int(global_real),
-                       router_loss / (len(micro_batches) * world) if run.router_coef > 0 else None, preempted > 0, time_due > 0, metrics)
+                       router_loss / (len(micro_batches) * world) if run.router_coef > 0 else None, preempted > 0, time_due > 0, metrics,
+                       trained_samples(run, position) if cfg.logging.sample_ids else None)
 
 
 def saved_on_cpu(offload: bool):
@@ -527,8 +582,7 @@ def step_batches(run: RunState, position: int) -> tuple[int, list[dict], list[fl
     """The micro-batches of data step `position` for this rank, on its device, with the objective's
     counts (and the real tokens) summed over the step's micro-batches and every rank."""
     accelerator, sp, pad = run.accelerator, run.sequence_parallel, run.tokenizer.pad_token_id
-    if isinstance(run.objective, GRPO):  # num_iterations updates per data step
-        position //= run.objective.cfg.num_iterations
+    position = reading_position(run, position)
     epoch, micro_batches, real_tokens = batches_at(run.data, run.cfg, run.schedule, position, sp.data_rank(accelerator.process_index),
                                                    sp.data_world(accelerator.num_processes), pad)
     if run.objective.rollouts:  # what the policy samples as it is now (under the training forward's autocast): GRPO, on-policy distillation

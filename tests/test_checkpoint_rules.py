@@ -108,3 +108,34 @@ def test_a_resume_accepts_changes_of_how_the_run_goes_on_and_names_those_of_what
     older = {**saved, "grpo": {k: v for k, v in saved["grpo"].items() if k != "num_iterations"}}
     older.pop("distill")
     assert config_changes(older, cfg) == ([], [])
+
+
+def test_a_resume_at_another_process_count_keeps_the_global_batch_or_says_why_it_cannot(tmp_path, run_config):
+    from finetune.checkpoint.resume import BatchUnreachable, batch_for_world
+    from finetune.config.schema import CONFIG_FILE, to_yaml
+
+    raw, _ = run_config
+    config = lambda train=None, **sections: validate_config({**raw, "train": {**raw["train"], "micro_batch_size": 2, "grad_accum": 3, **(train or {})},  # noqa: E731
+                                                             **sections}, "test")
+    path = _write(tmp_path / "checkpoints", 4)
+    (path / CONFIG_FILE).write_text(to_yaml(config()))
+    state = json.loads((path / "trainer_state.json").read_text())
+    (path / "trainer_state.json").write_text(json.dumps({**state, "world_size": 4}))  # 2 x 3 x 4 = 24 rows a step (no batch recorded: an older one)
+    batch = {"rows": 24, "configured": [2, 3]}
+    resized, message, recorded = batch_for_world(config(), path, 3)
+    assert resized.train.grad_accum == 4 and message.endswith("at 3: train.grad_accum 4, 24 rows per step kept") and recorded == batch
+    assert batch_for_world(config(), path, 4) == (config(), None, batch)
+    # A batch the user set (another micro-batch or accumulation) is theirs from there on, at any count
+    assert batch_for_world(config({"grad_accum": 5}), path, 4) == (config({"grad_accum": 5}), None, {"rows": 40, "configured": [2, 5]})
+    assert batch_for_world(config({"micro_batch_size": 4}), path, 1) == (config({"micro_batch_size": 4}), None, {"rows": 12, "configured": [4, 3]})
+    assert batch_for_world(config(), None, 3) == (config(), None, {"rows": 18, "configured": [2, 3]})  # a fresh start
+    with pytest.raises(BatchUnreachable, match=r"by 4 process\(es\) at 24 rows per step; at 5, micro_batch_size 2 x grad_accum N x 5 cannot make 24"):
+        batch_for_world(config(), path, 5)
+    flexible = batch_for_world(config(distributed={"elastic_batch": "flexible"}), path, 5)
+    assert flexible[0].train.grad_accum == 2 and "20 rows per step instead of 24 (distributed.elastic_batch: flexible)" in flexible[1]
+    assert flexible[2] == batch  # the run's batch stays the target: back at 4 or 2 processes it is exact again
+    # Written at 2 processes after a resize (accumulation 6 in its config, the batch recorded): resumed at 2 again, still 24 rows
+    (path / CONFIG_FILE).write_text(to_yaml(config({"grad_accum": 6})))
+    (path / "trainer_state.json").write_text(json.dumps({**state, "world_size": 2, "batch": batch}))
+    resized, message, _ = batch_for_world(config(), path, 2)
+    assert resized.train.grad_accum == 6 and message.endswith("at 2: train.grad_accum 6, 24 rows per step kept")

@@ -61,6 +61,21 @@ def test_slurm_script_takes_the_rendezvous_from_slurm(tmp_path):
     assert "--nnodes 2" in result.stderr and "--rdzv_endpoint gpu-a:24242" in result.stderr and "--rdzv_id 4242" in result.stderr
 
 
+def test_an_elastic_slurm_job_and_a_job_that_gives_it_a_node_back_share_one_rendezvous():
+    env = {k: v for k, v in ENV.items() if not k.startswith("MASTER_")}
+    env.update(DRY_RUN="1", SLURM_JOB_ID="4242", SLURM_JOB_NODELIST="gpu-a,gpu-b,gpu-c", SLURM_NNODES="3", MIN_NODES="2")
+    job = subprocess.run(["bash", "launch/slurm.sbatch", "--config", "configs/lora.yaml"], cwd=REPO, capture_output=True, text=True, env=env)
+    env.update(SLURM_JOB_ID="5000", SLURM_JOB_NODELIST="gpu-d", SLURM_NNODES="1", JOIN_JOB="4242", JOIN_NODELIST="gpu-a,gpu-c", MAX_NODES="3")
+    joining = subprocess.run(["bash", "launch/slurm.sbatch", "--config", "configs/lora.yaml"], cwd=REPO, capture_output=True, text=True, env=env)
+    for result in (job, joining):
+        assert result.returncode == 0, result.stderr
+        assert "srun --ntasks-per-node=1 --no-kill --kill-on-bad-exit=0" in result.stderr
+        assert "--nnodes 2:3" in result.stderr and "--rdzv_endpoint gpu-a:24242 --rdzv_id 4242 --max_restarts 100" in result.stderr
+    env.pop("MAX_NODES")
+    refused = subprocess.run(["bash", "launch/slurm.sbatch", "--config", "configs/lora.yaml"], cwd=REPO, capture_output=True, text=True, env=env)
+    assert refused.returncode != 0 and "JOIN_JOB needs MAX_NODES" in refused.stderr
+
+
 def test_slurm_dry_run_prints_the_commands_and_starts_nothing(tmp_path):
     """Outside Slurm too: the srun line and the torchrun command it leads to, with stand-ins for the allocation."""
     env = {k: v for k, v in ENV.items() if not k.startswith(("SLURM_", "MASTER_"))}

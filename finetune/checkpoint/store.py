@@ -130,7 +130,7 @@ def _retain(root: Path, keep_last: int) -> None:
     never delete the only valid one."""
     complete = [p for p in step_dirs(root) if verify(p, checksums=False) is None]
     good = [p for p in complete if _is_good(p)]
-    guard = _trainer_state(complete[-1]).get("guard", {}) if complete else {}
+    guard = trainer_state(complete[-1]).get("guard", {}) if complete else {}
     best, calm = guard.get("best"), guard.get("calm_kl_step")
     before_best = [p for p in good if best and step_of(p) <= best[0]]
     before_calm = [p for p in good if calm is not None and step_of(p) <= calm]
@@ -156,7 +156,7 @@ def step_dirs(root: Path) -> list[Path]:
     return sorted((p for p in root.glob(f"{STEP}*") if step_of(p) is not None), key=step_of)
 
 
-def _trainer_state(path: Path) -> dict:
+def trainer_state(path: Path) -> dict:
     try:
         state = json.loads((path / "trainer_state.json").read_text())
     except (OSError, json.JSONDecodeError):
@@ -165,7 +165,7 @@ def _trainer_state(path: Path) -> dict:
 
 
 def _is_good(path: Path) -> bool:
-    state = _trainer_state(path)
+    state = trainer_state(path)
     return bool(state) and state.get("good", True) is not False
 
 

@@ -12,6 +12,8 @@ raises once 2 optimizer steps are done, before the third. Kinds:
                    (in the background writer when saves are asynchronous)
 A fault fires in the first attempt only: after torchrun restarts the workers
 (TORCHELASTIC_RESTART_COUNT > 0) the run goes on cleanly. Unset, it costs one comparison per step.
+FINETUNE_STEP_SECONDS=S makes every step of every attempt last S seconds longer, so a test has time to
+kill and start nodes while a run goes on.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ def parse(spec: str | None) -> Fault | None:
 
 
 FAULT = parse(os.environ.get("FINETUNE_FAULT")) if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" else None
+PACE = float(os.environ.get("FINETUNE_STEP_SECONDS", "0"))
 
 
 def _due(step: int, rank: int, kinds: tuple[str, ...]) -> bool:
@@ -62,6 +65,8 @@ def loss_factor(data_step: int, rank: int) -> float:
 def inject(step: int, rank: int, settle) -> None:
     """Called at the start of each optimizer step, with the number of steps done. `settle()` first
     completes a background save, so a test knows the newest checkpoint (kill-saving kills mid-write)."""
+    if PACE:
+        time.sleep(PACE)
     if not _due(step, rank, ("raise", "kill", "term", "hang")):
         return
     if FAULT.kind == "term":

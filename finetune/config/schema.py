@@ -343,6 +343,8 @@ class LoggingConfig(_Section):
     tags: list[str] = Field([], description="Tags of the run in W&B and MLflow.")
     progress_bar: bool = Field(True, description="Show a progress bar on the main process.")
     plot: bool = Field(True, description="Write loss_curve.png at the end.")
+    sample_ids: bool = Field(False, description="Write the ids of the samples every step trained (all processes', sorted) into its "
+                             "metrics.jsonl row: proof of which data a resumed or elastic run used.")
 
 
 class CheckpointConfig(_Section):
@@ -412,6 +414,11 @@ class DistributedConfig(_Section):
     sequence_parallel: int = Field(1, ge=1, description="Split every row's tokens over this many processes (DeepSpeed's Ulysses attention: "
                                    "an all-to-all over the heads around each attention); the data is spread over world / N groups. It must "
                                    "divide the process count and the model's attention and key/value heads; sft only.")
+    elastic_batch: Literal["fixed", "flexible"] = Field(
+        "fixed", description="A run resumed at another process count (an elastic job that lost or regained a node) keeps its global batch: "
+        "train.grad_accum is re-derived so that micro x accum x processes is the checkpoint's. fixed: where no accumulation gives that batch, "
+        "the run refuses in one line (an elastic job launched by launch/multi_node.sh waits for its nodes instead); flexible: it goes on "
+        "with the nearest batch, said in events.jsonl (the steps then cover other samples than an unchanged run's).")
 
 
 class RunConfig(_Section):

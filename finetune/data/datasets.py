@@ -287,15 +287,28 @@ def batches_at(data: Datasets, cfg: RunConfig, schedule: Schedule, position: int
 
     A pure function of the position: a resumed or rolled-back run reads exactly what it should.
     """
-    t = cfg.train
-    epoch, k = (0, 0) if t.overfit_batch else divmod(position, schedule.steps_per_epoch)
-    batches = _epoch_batches(len(data.train), t.micro_batch_size, t.seed, epoch, rank, world)
-    chunk = batches[k * t.grad_accum : (k + 1) * t.grad_accum]
+    epoch, chunk = _step_rows(data, cfg, schedule, position, rank, world)
     if data.train.records is not None:  # prompts (GRPO): the objective's rollout makes the batches and counts their tokens
         return epoch, [data.train.prompts(idx) for idx in chunk], 0
     real = sum(data.train.tokens(idx) for idx in chunk)  # padding excluded
     batches = [data.train.batch(idx, pad_id) for idx in chunk]
-    if t.objective == "distill" and cfg.distill.lmbda:  # on-policy steps seed each sample's answer by its name
+    if cfg.train.objective == "distill" and cfg.distill.lmbda:  # on-policy steps seed each sample's answer by its name
         for batch, idx in zip(batches, chunk):
             batch["samples"] = data.train.sample_ids(idx)
     return epoch, batches, real
+
+
+def step_samples(data: Datasets, cfg: RunConfig, schedule: Schedule, position: int, rank: int, world: int) -> list[int]:
+    """The samples (indices in the table) this rank trains at data step `position`, as batches_at reads them."""
+    _, chunk = _step_rows(data, cfg, schedule, position, rank, world)
+    return [i for idx in chunk for i in data.train.sample_ids(idx).flatten().tolist() if i >= 0]
+
+
+def _step_rows(data: Datasets, cfg: RunConfig, schedule: Schedule, position: int, rank: int, world: int) -> tuple[int, list[list[int]]]:
+    """(epoch, this rank's micro-batches of rows) of data step `position`: rank r's i-th micro-batch is the (i x world + r)-th
+    of the step's block of grad_accum x world in the epoch's one order, so the same global batch at another world size
+    (batch_for_world) covers the same rows."""
+    t = cfg.train
+    epoch, k = (0, 0) if t.overfit_batch else divmod(position, schedule.steps_per_epoch)
+    batches = _epoch_batches(len(data.train), t.micro_batch_size, t.seed, epoch, rank, world)
+    return epoch, batches[k * t.grad_accum : (k + 1) * t.grad_accum]

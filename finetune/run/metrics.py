@@ -123,7 +123,7 @@ def tracker_kwargs(logging, output_dir: Path) -> dict:
 
 # Guard and run events drawn on the loss curve: event -> (colour, line style).
 EVENT_STYLES = {"skip": ("tab:red", ":"), "anomaly": ("tab:red", ":"), "rollback": ("tab:orange", "-"), "stop": ("black", "-"),
-                "restart": ("tab:gray", "--"), "preempted": ("tab:purple", "--"), "hang": ("tab:brown", "-.")}
+                "restart": ("tab:gray", "--"), "resize": ("tab:green", "--"), "preempted": ("tab:purple", "--"), "hang": ("tab:brown", "-.")}
 
 
 def curve_data(output_dir: Path) -> dict:

@@ -1,0 +1,70 @@
+"""Elastic runs: three 'nodes' (one torchrun agent and one worker each) on loopback with one rendezvous. A node is
+SIGKILLed mid-run, the job goes on with two, the node is started again, the job takes it back, and the run ends with
+the numbers of a run that never lost one: the same losses and the same samples at every step (bench/chaos_elastic.py
+does the same at random moments)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO, base_config, bench_module, free_port, read_jsonl, write_config
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.parametrize("strategy,losses", [("ddp", [(2, False)]), ("fsdp", [(1, True)]), ("zero3", [(2, False), (1, False)])],
+                         ids=["ddp-one-loss", "fsdp-lost-mid-save", "zero3-two-losses"])
+def test_lost_nodes_and_their_return_leave_the_run_as_if_nothing_happened(tmp_path, tiny_model_dir, strategy, losses):
+    chaos = bench_module("chaos_elastic")
+    steps = 12
+    reference = chaos.reference_run(tmp_path, tiny_model_dir, steps)
+    out = tmp_path / strategy
+    job = chaos.Job(chaos.write_config(tmp_path / "elastic.json", tiny_model_dir, out, steps, 2, strategy, save_every=2), out, tmp_path, free_port())
+    job.start().until(lambda: job.steps() >= 3, "three steps at three nodes")
+    for node, mid_save in losses:
+        job.lose_and_regain(node, mid_save)
+    job.wait()
+    resizes = job.resizes()
+    assert len(resizes) == 2 * len(losses), resizes
+    for shrink, grow in zip(resizes[::2], resizes[1::2]):
+        assert "at 6 rows per step; at 2: train.grad_accum 3, 6 rows per step kept" in shrink  # written at 3 or at 2 (a second loss)
+        assert "written by 2 process(es) at 6 rows per step; at 3: train.grad_accum 2, 6 rows per step kept" in grow
+    assert chaos.compare(out, reference) == {"steps": steps, "each step once": True, "same samples": True,
+                                             "max loss diff": pytest.approx(0, abs=1e-5)}
+
+
+def test_where_no_accumulation_keeps_the_batch_an_elastic_job_waits_for_its_nodes_and_any_other_run_stops(tmp_path, tiny_model_dir):
+    """A checkpoint of 3 processes at 1 x 1 x 3 = 3 rows a step, resumed by 2 processes: no accumulation makes 3 rows."""
+    from finetune.checkpoint import store
+    from finetune.config.schema import CONFIG_FILE
+
+    cfg = base_config(tiny_model_dir, tmp_path / "out", train={"micro_batch_size": 1, "grad_accum": 1})
+    config = str(write_config(tmp_path / "c.yaml", cfg))
+    tmp = tmp_path / "out" / "checkpoints" / ".step-000004.tmp"
+    tmp.mkdir(parents=True)
+    (tmp / CONFIG_FILE).write_text(json.dumps(cfg))  # YAML reads JSON
+    store.complete(tmp, tmp.parent, 4, {"trainer_state.json": json.dumps({"step": 4, "world_size": 3})}, 2)
+    env = {**os.environ, "PYTHON": sys.executable}
+    cmd = lambda: ["bash", "launch/single_node.sh", "--nproc", "2", "--port", str(free_port()), "--", "--config", config]  # noqa: E731
+    refused = subprocess.run(cmd(), cwd=REPO, capture_output=True, text=True, env=env, timeout=300)
+    assert refused.returncode == 2 and "at 2, micro_batch_size 1 x grad_accum N x 2 cannot make 3" in refused.stderr, refused.stderr[-2000:]
+    waiting = subprocess.Popen(cmd(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               env={**env, "FINETUNE_ELASTIC": "1:2"})  # one or two nodes of 2
+    lines = iter(waiting.stdout.readline, "")
+    assert any("waiting for nodes to join" in line for line in lines)
+    waiting.send_signal(signal.SIGTERM)  # as the agents' SIGTERM when a node joins
+    waiting.stdout.read()
+    assert waiting.wait(timeout=60) == 75
+    assert [e["event"] for e in read_jsonl(tmp_path / "out" / "events.jsonl")][-2:] == ["wait", "preempted"]
+    # A fresh start of that job: 2 rows a step (1 x 1 x 2) cannot be kept at 4 processes, said first
+    shutil.rmtree(tmp_path / "out")
+    started = subprocess.run([*cmd(), "--set", "train.max_steps=1"], cwd=REPO, capture_output=True, text=True, timeout=300,
+                             env={**env, "FINETUNE_ELASTIC": "1:2"})
+    assert started.returncode == 0, started.stderr[-2000:]
+    assert "[warning] 2 rows per step (micro_batch_size 1) cannot be kept at 4 of this elastic job's 2-4 processes" in started.stdout
