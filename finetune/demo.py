@@ -62,17 +62,6 @@ def build_tokenizer(texts: list[str]):
     )
 
 
-def native_bf16() -> bool:
-    """Whether this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX). Without it (an AVX2-only AMD EPYC here)
-    a bf16 matmul ran 9x slower than fp32 (docs/platform-notes.md), and the demo model pretrains in fp32 instead.
-    Where /proc/cpuinfo cannot tell (not Linux), bf16 is kept."""
-    try:
-        flags = set(Path("/proc/cpuinfo").read_text().split())
-    except OSError:
-        return True
-    return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"}) or "flags" not in flags and "Features" not in flags
-
-
 def build_model(tokenizer, shape: dict | None = None):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -135,7 +124,7 @@ def make_demo_model(out: str, steps: int | None = None, overwrite: bool = False,
                     "lr": 2e-3,
                     "warmup_steps": 20,
                     "weight_decay": 0.01,
-                    "mixed_precision": "bf16" if native_bf16() else "no",
+                    "mixed_precision": "bf16",
                 },
                 "logging": {"report_to": [], "log_every": 10},
             },
