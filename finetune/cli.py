@@ -456,11 +456,15 @@ def main(argv: list[str] | None = None) -> int:
         COMMANDS[args.command](args)
     except UserError as err:
         print(f"error: {err}", file=sys.stderr)
-        code = err.exit_code
+        code, stopped = err.exit_code, isinstance(err, Stopped)
         record_exit(code)
     else:
-        code = 0
+        code, stopped = 0, False
     if args.command == "train" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        if stopped:
+            from finetune.parallel.runtime import stop_together
+
+            stop_together()
         exit_rank(code)
     return code
 

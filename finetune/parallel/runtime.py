@@ -84,6 +84,21 @@ def finish_distributed(accelerator) -> None:
         torch.distributed.destroy_process_group()
 
 
+def stop_together(timeout_s: float = 30.0) -> None:
+    """A rank that stops the run (the guard, a preemption: every rank stops at the same step) waits up
+    to `timeout_s` for the others to stop too before it exits: torchrun SIGTERMs the rest as soon as one
+    rank exits non-zero, and a slower rank then never says why it stopped. Gloo's monitored barrier
+    gives up after the timeout; under NCCL a barrier could hang on a rank that went on, so none is taken."""
+    import datetime
+
+    dist = torch.distributed
+    if dist.is_initialized() and dist.get_backend() == "gloo":
+        try:
+            dist.monitored_barrier(timeout=datetime.timedelta(seconds=timeout_s))
+        except RuntimeError:
+            pass  # a rank did not come: exit all the same
+
+
 def keep_freed_memory(gathers: bool = False, quantized: bool = False, long_rows: bool = False) -> None:
     """CPU runs: tune glibc's heap for the allocations a training step repeats.
 
