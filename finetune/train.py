@@ -49,6 +49,7 @@ from finetune.model.attention import leak, mixer_outside_attention
 from finetune.model.loading import adapter_input_casting_off, apply_adapter, compile_layers, describe, load_tokenizer, loftq_init
 from finetune.model.stage import staged_model
 from finetune.model.teacher import teacher_source
+from finetune.objectives.distill import teacher_answers
 from finetune.objectives.evaluate import eval_loss, exact_match, exact_match_after
 from finetune.objectives.grpo import GRPO
 from finetune.objectives.loss import to_device
@@ -302,9 +303,13 @@ def load_inputs(cfg: RunConfig, accelerator, preemption) -> RunState:
     choose_template(tokenizer, cfg.data.chat_template, cfg.data.format, say=print if main else (lambda *_: None))
     # Distillation: the teacher's vocabulary checked against the student's before any data or weights load
     strategy = Strategy.of(cfg.distributed.strategy, world)
-    teacher = (teacher_source(cfg.distill.teacher, model_cfg, tokenizer, strategy.name if strategy.shards_weights else None)
-               if cfg.train.objective == "distill" else None)
-    data = load_data(cfg.data, tokenizer, cfg.train.seed, eval_examples=cfg.eval.generate_samples if main else 0, say=each, processor=processor)
+    teacher = (teacher_source(cfg.distill.teacher, model_cfg, tokenizer, strategy.name if strategy.shards_weights else None,
+                              cfg.distill.teacher_quantization) if cfg.train.objective == "distill" else None)
+    if cfg.distill.sequence_level and processor is not None:
+        raise UserError("distill.sequence_level: not with a vision-language model (its teacher would answer without the pictures)")
+    answers = teacher_answers(*teacher, cfg.distill, tokenizer, accelerator.device, each) if cfg.distill.sequence_level and teacher else None
+    data = load_data(cfg.data, tokenizer, cfg.train.seed, eval_examples=cfg.eval.generate_samples if main else 0, say=each, processor=processor,
+                     answers=answers)
     stop_if_preempted(preemption.signal is not None, preemption.name, Path(cfg.train.output_dir), main, "while the data loaded")
     sp = sequence_parallel.setup(cfg.distributed.sequence_parallel, rank, world)
     run = RunState(cfg, accelerator, preemption, model_cfg, tokenizer, data, plan_steps(cfg, len(data.train), sp.data_world(world)),
@@ -375,7 +380,9 @@ def load_and_prepare_model(run: RunState) -> None:
     if run.teacher is not None:
         teacher_cfg, adapter = run.teacher
         run.objective.teacher = run.engine.reference(teacher_cfg, run.say, adapter)
+        q = cfg.distill.teacher_quantization
         run.say(f"distill: the teacher is {cfg.distill.teacher}" + (f" (merged into {teacher_cfg.name_or_path})" if adapter else "")
+                + (f" (in {q.bits} bits" + (f", {q.quant_type})" if q.bits == 4 else ")") if q else "")
                 + f", frozen, held as the student is; {cfg.distill.divergence} at temperature {cfg.distill.temperature:g}")
     if cfg.data.packing or cfg.train.objective != "sft":
         check_packed_rows(run)

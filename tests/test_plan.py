@@ -140,7 +140,7 @@ def test_deepspeed_keeps_fp32_optimizer_states_of_16_bit_weights():
 def test_a_distillation_teacher_is_planned_as_the_strategy_holds_it():
     """Llama 3.1 8B teaching Llama 3.2 1B: its bf16 weights whole on one GPU and an eighth of them on each of 8 under
     FSDP (the published parameter count), and its final hidden states at the student's tokens (or its fp32 logits
-    where the head is sharded)."""
+    where the head is sharded); in 4 bits where distill.teacher_quantization asks."""
     llama = load_config(REPO / "configs/presets/llama3-8b.yaml", check_model=False,
                         overrides=[f"model.name_or_path={REPO / 'docs/examples/llama-3.2-1b'}", "train.objective=distill",
                                    f"distill.teacher={REPO / 'docs/examples/llama-3.1-8b'}"])
@@ -151,6 +151,13 @@ def test_a_distillation_teacher_is_planned_as_the_strategy_holds_it():
     assert one.rows["distill teacher outputs"] == tokens * 4096 * 2 and eight.rows["distill teacher outputs"] == tokens * 128256 * 4
     assert "distill teacher weights" not in make_plan(load_config(REPO / "configs/presets/llama3-8b.yaml", check_model=False,
                                                                   overrides=[f"model.name_or_path={REPO / 'docs/examples/llama-3.1-8b'}"])).rows
+    # distill.teacher_quantization: its 224 linear layers in NF4 (bitsandbytes' blocks of 64, scales double-quantized), the
+    # embeddings and norms in fp32 (peft's k-bit preparation)
+    four = make_plan(load_config(REPO / "configs/presets/llama3-8b.yaml", check_model=False, overrides=[
+        f"model.name_or_path={REPO / 'docs/examples/llama-3.2-1b'}", "train.objective=distill", f"distill.teacher={REPO / 'docs/examples/llama-3.1-8b'}",
+        "distill.teacher_quantization={bits: 4}"]), gpu=True)
+    kept = 2 * 128256 * 4096 + 4096 * (2 * 32 + 1)
+    assert four.rows["distill teacher weights"] == (8_030_261_248 - kept) * (0.5 + 1 / 64 + 4 / (64 * 256)) + kept * 4 + 224 * (16 + 256 + 1) * 4 + 2 * 64 * 4
 
 
 def test_plan_says_what_train_would_refuse_and_offers_only_what_runs(capsys):

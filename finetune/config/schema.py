@@ -318,7 +318,15 @@ class DistillConfig(_Section):
     lmbda: float = Field(0.0, ge=0, le=1, description="On-policy distillation (GKD's lambda): the share of steps whose answers the student "
                          "samples itself for the data's prompts (at distill.temperature), the teacher then judging every token; 1: "
                          "every step, 0: the data's answers only. Which steps is a function of train.seed and the step.")
-    max_new_tokens: int = Field(64, gt=0, description="On-policy steps: tokens an answer the student samples may have (it ends earlier at EOS).")
+    max_new_tokens: int = Field(64, gt=0, description="On-policy steps and distill.sequence_level: tokens an answer may have (it ends "
+                                "earlier at EOS).")
+    sequence_level: bool = Field(False, description="Sequence-level distillation: before training, the teacher answers each training "
+                                 "sample's prompt (greedy, up to distill.max_new_tokens), once per node, cached beside the tokenized data; "
+                                 "its answers replace the data's (a chat's first answer, later turns dropped). ce_weight 1 then trains "
+                                 "on them alone; below 1 the divergence is taken on them too. Eval keeps the data's answers.")
+    teacher_quantization: QuantizationConfig | None = Field(None, description="Load the teacher quantized (as model.quantization: "
+                                                            "4-bit NF4/FP4 or 8-bit through bitsandbytes; backend torchao, 4-bit NF4, "
+                                                            "the one FSDP2 shards). Not under zero3.")
 
 
 class EvalConfig(_Section):
@@ -524,6 +532,18 @@ class RunConfig(_Section):
         d = self.distill
         if self.train.objective == "distill" and not d.teacher:
             raise ValueError("distill.teacher: train.objective distill needs a teacher model folder (or a finetune run's adapter folder)")
+        if d.teacher_quantization is not None:
+            d.teacher_quantization._strategy = strategy
+            backend = d.teacher_quantization.chosen_backend
+            why = ("distributed.strategy zero3 (its partitioned loading is not tested with a quantized frozen model)" if strategy == "zero3"
+                   else f"backend {backend} under distributed.strategy fsdp (torchao's NF4 is what FSDP2 shards)" if strategy == "fsdp"
+                   and backend != "torchao" else "backend torchao with bits 8 or fp4 (it has 4-bit NF4)" if backend == "torchao"
+                   and (d.teacher_quantization.bits != 4 or d.teacher_quantization.quant_type != "nf4") else None)
+            if why:
+                raise ValueError(f"distill.teacher_quantization: a quantized teacher cannot run with {why}")
+        if d.sequence_level and "completion" in formats:
+            raise ValueError("distill.sequence_level: the teacher answers each sample's prompt; data.format completion has none "
+                             "(use chat or alpaca rows)")
         if d.top_k and d.divergence != "forward_kl":
             raise ValueError(f"distill.top_k: the teacher's top k tokens bound forward_kl only ({d.divergence} weighs the student's "
                              "probabilities outside them too); set distill.divergence: forward_kl or distill.top_k: 0")

@@ -25,7 +25,7 @@ from finetune.config.schema import DataConfig, RunConfig, SourceConfig, data_sou
 from finetune.data import images
 from finetune.data.packing import Split, Unpaired, epoch_batches, pack, unpacked
 from finetune.data.rows import IGNORE, where
-from finetune.data.tokenized import cache_root, fingerprint, tokenized
+from finetune.data.tokenized import Answers, answered, cache_root, fingerprint, tokenized
 
 PACK_VERSION = 1  # raise it when pack() lays out rows differently
 
@@ -57,13 +57,15 @@ class _Samples:
     width: int  # tokens a row holds: max_seq_len, or twice that where a sample is a preference pair
 
 
-def load_data(cfg: DataConfig, tokenizer, seed: int, eval_examples: int = 0, say=print, processor=None) -> Datasets:
+def load_data(cfg: DataConfig, tokenizer, seed: int, eval_examples: int = 0, say=print, processor=None, answers: Answers | None = None) -> Datasets:
     """Train and eval rows, ready to batch. Eval comes from data.eval or a seeded share of train; with
     eval_examples, that many raw eval rows are kept too (for generation checks). processor: a
-    vision-language model's (AutoProcessor), which tokenizes rows with pictures and makes their pixels."""
+    vision-language model's (AutoProcessor), which tokenizes rows with pictures and makes their pixels.
+    answers: replace the training samples' answers (sequence-level distillation: the teacher's; eval keeps the data's)."""
     started = time.perf_counter()
     train_sources = data_sources(cfg.train, cfg)
-    train = _tokenized(train_sources, cfg, tokenizer, say, processor)
+    source = _tokenized(train_sources, cfg, tokenizer, say, processor)
+    train = source if answers is None else _answered(source, answers, cfg, say)
     stats: dict = {"cache_hit": train.cached}
     picked = [np.arange(a, b, dtype=np.int32 if b < 2**31 else np.int64) for a, b in train.ranges]
     held = np.zeros(0, dtype=np.int64)
@@ -86,8 +88,8 @@ def load_data(cfg: DataConfig, tokenizer, seed: int, eval_examples: int = 0, say
         eval_split, stats["eval"] = _split(evals, np.arange(evals.ranges[-1][1]), cfg, seed, "eval")
         examples = _rows(evals.table, np.arange(min(eval_examples, len(evals.lengths))))
     elif len(held):
-        eval_split, stats["eval"] = _split(train, held, cfg, seed, "eval")
-        examples = _rows(train.table, held[:eval_examples])
+        eval_split, stats["eval"] = _split(source, held, cfg, seed, "eval")
+        examples = _rows(source.table, held[:eval_examples])
     else:
         eval_split, stats["eval"] = None, {}
     if eval_split is not None and len(eval_split) == 0:
@@ -154,7 +156,15 @@ def _tokenized(sources: list[SourceConfig], cfg: DataConfig, tokenizer, say, pro
         ranges.append((start, start + len(table)))
         start += len(table)
         cached = cached and hit
-    table = pa.concat_tables(tables)
+    return _samples(pa.concat_tables(tables), keys, ranges, sources, cached, cfg)
+
+
+def _answered(source: _Samples, answers: Answers, cfg: DataConfig, say) -> _Samples:
+    table, hit = answered(source.table, source.keys, answers, cfg, say)
+    return _samples(table, [*source.keys, answers.key], source.ranges, source.sources, source.cached and hit, cfg)
+
+
+def _samples(table, keys: list[str], ranges: list[tuple[int, int]], sources: list[SourceConfig], cached: bool, cfg: DataConfig) -> _Samples:
     full = table.column("length").to_numpy()  # int32: per sample, never per token
     first = table.column("first_target").to_numpy()
     width = cfg.max_seq_len * (2 if sources[0].format == "preference" else 1)  # the config keeps pairs apart from other formats

@@ -11,6 +11,8 @@ line or row number, for messages), `problem` (why the chat template refused the 
 `images` (a picture row's pictures, their files' bytes: finetune/data/images.py).
 The key covers the source (each file's path, size and mtime, every file of a folder; its split), the
 tokenizer and chat template, the processor's picture settings (a vision-language model), the settings that change the tokens, and TOKENIZE_VERSION.
+An answers entry (sequence-level distillation) holds the same columns with each sample's answer replaced by
+the teacher's, keyed by the sources' entries, who answered and how (the teacher's files and settings) and max_seq_len.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ import hashlib
 import json
 import os
 import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
 from itertools import chain
 from pathlib import Path
 
@@ -199,3 +203,95 @@ def _tokenize_batch(batch, tokenizer, fmt: str, train_on_prompt: bool, max_seq_l
             .append_column("problem", pa.array(problems, type=pa.string()))
             .append_column("images", pa.array([[] if p or isinstance(data, str) else data for p, data in zip(problems, pictures)],
                                               type=pa.list_(pa.binary()))))
+
+
+@dataclass
+class Answers:
+    """Answers that replace the data's (sequence-level distillation: the teacher's): `answer` maps prompts (token
+    arrays) to answers (token lists, cut after EOS); `key` names who answers and how, for the cache."""
+
+    key: str
+    answer: Callable[[list], list[list[int]]]
+
+
+ANSWER_BATCH = 16  # prompts per answer() call
+WRITE_SAMPLES = 4000  # samples per record batch of an answers entry (as a source's entry)
+
+
+def answered(table, keys: list[str], answers: Answers, cfg: DataConfig, say=print):
+    """(`table`'s samples with each one's answer, from its first trained token on, replaced by `answers`' answer to
+    the tokens before it, as a table over memory-mapped files; whether the cache had it). Made once per node under
+    the entry's lock, as a source's entry is; a sample with nothing trained stays as it is."""
+    root = cache_root(cfg)
+    key = hashlib.sha256(json.dumps([TOKENIZE_VERSION, keys, answers.key, cfg.max_seq_len]).encode()).hexdigest()[:24]
+    entry = root / f"answers-{key}"
+    if (entry / MANIFEST).exists():
+        return _load(entry), True
+    lock = root / f"answers-{key}.lock"
+    with exclusive(lock, "data: another process is writing the teacher's answers; waiting for it", timeout_s=60 * cfg.tokenize_wait_minutes,
+                   timeout_hint=f"raise data.tokenize_wait_minutes, or stop the process that holds {lock}", say=say):
+        if (entry / MANIFEST).exists():
+            return _load(entry), True
+        for stale in [*root.glob(f".partial-answers-{key}-*"), entry]:
+            shutil.rmtree(stale, ignore_errors=True)
+        work = root / f".partial-answers-{key}-{os.getpid()}"
+        try:
+            work.mkdir(parents=True)
+            _write_answered(table, _answers_of(table, answers, cfg.max_seq_len), work / "answered.arrow")
+            (work / MANIFEST).write_text(json.dumps({"files": ["answered.arrow"], "source": keys}))
+            os.replace(work, entry)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+    return _load(entry), False
+
+
+def _answers_of(table, answers: Answers, max_seq_len: int) -> dict[int, object]:
+    """sample -> its answer (int32 array), for every sample with a trained token within max_seq_len; asked shortest prompt first (less
+    padding in each batch of prompts)."""
+    import numpy as np
+    from tqdm.auto import tqdm
+
+    first = table.column("first_target").to_numpy()
+    asked = np.flatnonzero((first >= 1) & (first < max_seq_len))  # a longer prompt leaves its answer untrained
+    asked = asked[np.argsort(first[asked], kind="stable")]
+    found: dict[int, object] = {}
+    ids = table.column("input_ids")
+    for start in tqdm(range(0, len(asked), ANSWER_BATCH), desc="teacher's answers", unit=" batches", delay=2):
+        picks = asked[start : start + ANSWER_BATCH]
+        prompts = [np.asarray(ids[int(i)].values.to_numpy()[: first[i]], dtype=np.int64) for i in picks]
+        for i, answer in zip(picks, answers.answer(prompts)):
+            found[int(i)] = np.asarray(answer, dtype=np.int32)
+    return found
+
+
+def _write_answered(table, found: dict[int, object], path: Path) -> None:
+    """The table with the answers in place, written as a stream of record batches (no token as a Python object)."""
+    import numpy as np
+    import pyarrow as pa
+
+    first = table.column("first_target").to_numpy()
+    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
+        for start in range(0, len(table), WRITE_SAMPLES):
+            part = table.slice(start, WRITE_SAMPLES)
+            ids, labels, cuts = [], [], []
+            for k in range(len(part)):
+                i = start + k
+                own_ids = part.column("input_ids")[k].values.to_numpy()
+                if i in found:
+                    prompt = own_ids[: first[i]]
+                    own_ids = np.concatenate([prompt, found[i]])
+                    own_labels = np.concatenate([np.full(len(prompt), IGNORE, dtype=np.int32), found[i]])
+                    cuts.append(len(prompt))
+                else:
+                    own_labels = part.column("labels")[k].values.to_numpy()
+                    cuts.append(first[i])
+                ids.append(own_ids)
+                labels.append(own_labels)
+            offsets = pa.array(np.concatenate([[0], np.cumsum([len(x) for x in ids])]).astype(np.int32))
+            columns = {"input_ids": pa.ListArray.from_arrays(offsets, pa.array(np.concatenate(ids).astype(np.int32))),
+                       "labels": pa.ListArray.from_arrays(offsets, pa.array(np.concatenate(labels).astype(np.int32))),
+                       "length": pa.array(np.diff(offsets.to_numpy()).astype(np.int32)), "first_target": pa.array(np.array(cuts, dtype=np.int32))}
+            for name, column in columns.items():
+                part = part.set_column(part.schema.get_field_index(name), part.schema.field(name), column)
+            for batch in part.to_batches():
+                writer.write_batch(batch)

@@ -39,22 +39,31 @@ def load_tokenizer(cfg: ModelConfig, processor=None):
 def check_supported(cfg: RunConfig) -> None:
     """Refuse, before anything loads, what this machine's hardware or libraries cannot run."""
     check_attention(cfg.model)
-    q, cuda = cfg.model.quantization, torch.cuda.is_available()
-    if q is None or nf4.used(cfg.model):
+    check_quantized(cfg.model, "model.quantization", cfg.adapter.method)
+    teacher = Path(cfg.distill.teacher or "").expanduser()
+    if cfg.distill.teacher_quantization is not None and (teacher / "config.json").is_file():  # an adapter's base: checked as it loads
+        check_quantized(cfg.model.model_copy(update={"name_or_path": str(teacher), "quantization": cfg.distill.teacher_quantization}),
+                        "distill.teacher_quantization", "frozen")
+
+
+def check_quantized(cfg: ModelConfig, key: str, method: str) -> None:
+    """What bitsandbytes cannot run here: `key` names the setting."""
+    q, cuda = cfg.quantization, torch.cuda.is_available()
+    if q is None or nf4.used(cfg):
         return
     if importlib.util.find_spec("bitsandbytes") is None:
-        raise UserError("model.quantization: needs bitsandbytes (pip install bitsandbytes)")
+        raise UserError(f"{key}: needs bitsandbytes (pip install bitsandbytes)")
     if not cuda:
-        if q.bits == 8 and cfg.adapter.method == "dora":
-            raise UserError("model.quantization: 8-bit + DoRA fails inside bitsandbytes' int8 matmul on CPU; use bits: 4 (QDoRA) or adapter.method: lora")
-        if "float16" in (q.compute_dtype, cfg.model.dtype):
-            raise UserError("model.quantization: float16 compute with a quantized base is GPU-only; use bfloat16 or float32 on CPU")
+        if q.bits == 8 and method == "dora":
+            raise UserError(f"{key}: 8-bit + DoRA fails inside bitsandbytes' int8 matmul on CPU; use bits: 4 (QDoRA) or adapter.method: lora")
+        if "float16" in (q.compute_dtype, cfg.dtype):
+            raise UserError(f"{key}: float16 compute with a quantized base is GPU-only; use bfloat16 or float32 on CPU")
         if q.bits == 4:
             # bitsandbytes' CPU 4-bit kernel repacks weights in blocks of 32 output features (at eval).
-            dims = _linear_out_dims(cfg.model)
+            dims = _linear_out_dims(cfg)
             odd = sorted(k for k, v in dims.items() if v % 32)
             if odd:
-                raise UserError(f"model.quantization: 4-bit on CPU needs layer widths divisible by 32; {', '.join(f'{k}={dims[k]}' for k in odd)} is not")
+                raise UserError(f"{key}: 4-bit on CPU needs layer widths divisible by 32; {', '.join(f'{k}={dims[k]}' for k in odd)} is not")
 
 
 def _linear_out_dims(cfg: ModelConfig) -> dict[str, int]:

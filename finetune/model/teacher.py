@@ -1,19 +1,27 @@
-"""Distillation's teacher: which weights it is (a model folder, or an adapter folder merged into its base)
-and the check that it shares the student's vocabulary, id by id, before any weight loads."""
+"""Distillation's teacher: which weights it is (a model folder, or an adapter folder merged into its base),
+the check that it shares the student's vocabulary, id by id, before any weight loads, and (sequence-level
+distillation) the teacher loaded whole on one process and what its answers are cached by."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
+import torch
+
 from finetune.config.errors import UserError
-from finetune.config.schema import ModelConfig, read_model_config
+from finetune.config.schema import ModelConfig, QuantizationConfig, read_model_config
+from finetune.model import nf4
+from finetune.model.loading import load_model, quantize_layers
 
 
-def teacher_source(folder: str, student: ModelConfig, tokenizer, sharded: str | None = None) -> tuple[ModelConfig, str | None]:
+def teacher_source(folder: str, student: ModelConfig, tokenizer, sharded: str | None = None,
+                   quantization: QuantizationConfig | None = None) -> tuple[ModelConfig, str | None]:
     """(the teacher's base as a model config, the adapter folder to merge into it or None). The student's
-    dtype and attention; no quantization, overrides or compilation of the student's. `sharded`: the strategy
-    that loads weights sharded, if the run's does (no rank then holds what an adapter would merge into)."""
+    dtype and attention; `quantization` (distill.teacher_quantization), not the student's; no overrides or
+    compilation of the student's. `sharded`: the strategy that loads weights sharded, if the run's does (no
+    rank then holds what an adapter would merge into)."""
     path = Path(folder).expanduser()
     adapter = None
     if (path / "adapter_config.json").is_file():
@@ -28,7 +36,7 @@ def teacher_source(folder: str, student: ModelConfig, tokenizer, sharded: str | 
         base = str(path)
     else:
         raise UserError(f"distill.teacher: {path} is neither a model folder (config.json) nor an adapter folder (adapter_config.json)")
-    cfg = student.model_copy(update={"name_or_path": base, "revision": None, "quantization": None, "config_overrides": {}, "compile": False,
+    cfg = student.model_copy(update={"name_or_path": base, "revision": None, "quantization": quantization, "config_overrides": {}, "compile": False,
                                      "tiled_mlp": 1, "ramdisk": False})
     check_vocabulary(path if (path / "tokenizer_config.json").is_file() or (path / "tokenizer.json").is_file() else Path(base), tokenizer,
                      student, cfg)
@@ -57,3 +65,34 @@ def check_vocabulary(folder: Path, tokenizer, student: ModelConfig, teacher: Mod
 
 def _by_id(tokenizer) -> dict[int, str]:
     return {i: token for token, i in tokenizer.get_vocab().items()}
+
+
+def merged(model: torch.nn.Module, adapter: str | None) -> torch.nn.Module:
+    """The model with the adapter folder's weights merged in (none: as it is)."""
+    if not adapter:
+        return model
+    from peft import PeftModel
+
+    return PeftModel.from_pretrained(model, adapter).merge_and_unload()
+
+
+def frozen(model: torch.nn.Module) -> torch.nn.Module:
+    return model.requires_grad_(False).eval()
+
+
+def whole_teacher(cfg: ModelConfig, adapter: str | None, device) -> torch.nn.Module:
+    """The teacher on this process alone, whatever the strategy (sequence-level distillation's answers)."""
+    model = frozen(merged(load_model(cfg, device), adapter))
+    if nf4.used(cfg):
+        quantize_layers(model, cfg)
+    return model.to(device)
+
+
+def teacher_key(cfg: ModelConfig, adapter: str | None, *settings) -> str:
+    """What a teacher's answers are cached by: its folders' files (path, size, time), how it loads, and `settings`."""
+    h = hashlib.sha256(json.dumps([cfg.model_dump(mode="json"), settings]).encode())
+    for folder in [Path(cfg.name_or_path), *([Path(adapter)] if adapter else [])]:
+        for file in sorted(f for f in folder.expanduser().rglob("*") if f.is_file()):
+            stat = file.stat()
+            h.update(f"{file.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode())
+    return h.hexdigest()[:24]

@@ -14,6 +14,9 @@ seed and the data step, the student samples each sample's answer itself (`rollou
 sample's tokens before its first trained one, and the answer replaces the rest. Its noise comes from a
 seed of (train.seed, data step, the sample's index in the table), as GRPO's completions do: the same in
 any batch, process or start of the run.
+
+Sequence-level distillation (distill.sequence_level): the teacher's greedy answers replace the data's before
+training (`teacher_answers`, cached by the data step); the loss above is then taken on them.
 """
 
 from __future__ import annotations
@@ -25,10 +28,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from finetune.config.schema import DistillConfig
+from finetune.config.schema import DistillConfig, ModelConfig
 from finetune.data.packing import Row, collate
 from finetune.data.rows import IGNORE
+from finetune.data.tokenized import Answers
 from finetune.model.attention import accelerator_path
+from finetune.model.teacher import teacher_key, whole_teacher
 from finetune.objectives.grpo import GumbelSampler, generate
 from finetune.objectives.loss import CHUNK_ELEMENTS, CHUNK_ELEMENTS_CUDA, Losses, chunk_grads, forward_kept, fusable_parts, trained_tokens
 from finetune.objectives.objective import Objective
@@ -203,3 +208,18 @@ class _LinearDivergence(torch.autograd.Function):
             (grad_weight * grad_total).to(ctx.weight_dtype) if grad_weight is not None else None,
             None, None, None, None,
         )
+
+
+def teacher_answers(teacher: ModelConfig, adapter: str | None, cfg: DistillConfig, tokenizer, device, say=print) -> Answers:
+    """Sequence-level distillation's answers: the teacher's greedy ones (up to max_new_tokens, cut after its EOS). The
+    teacher loads whole on this process at the first prompts (a cache miss), whatever the strategy; its cache key
+    covers its files and how it loads."""
+    held: list[torch.nn.Module] = []
+
+    def answer(prompts: list[np.ndarray]) -> list[list[int]]:
+        if not held:
+            say(f"distill.sequence_level: the teacher ({adapter or teacher.name_or_path}) answers the training prompts")
+            held.append(whole_teacher(teacher, adapter, device))
+        return generate(held[0], tokenizer, prompts, cfg.max_new_tokens, device)
+
+    return Answers(teacher_key(teacher, adapter, "greedy", cfg.max_new_tokens), answer)

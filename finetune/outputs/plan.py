@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from finetune.config.errors import UserError
-from finetune.config.schema import DTYPE_BYTES, RunConfig, read_model_config
+from finetune.config.schema import DTYPE_BYTES, QuantizationConfig, RunConfig, read_model_config
 from finetune.config.strategy import Strategy
 from finetune.model import families, nf4, vision
 from finetune.model.families import Linear
@@ -282,18 +282,7 @@ def estimate(shape: Shape, cfg: RunConfig, s: Setup) -> tuple[dict[str, float], 
     full = s.method == "full"
     # Weights. A quantized base keeps its non-linear parts in fp32 (bitsandbytes' path: peft's
     # prepare_model_for_kbit_training), or as loaded (torchao's).
-    kept = shape.linear_params - shape.quantizable_params + shape.other_params  # left unquantized
-    kept_bytes = s.weight_bytes if torchao_base(cfg, s) else 4
-    if s.bits == 4:
-        double = cfg.model.quantization.double_quant
-        per_param = 0.5 + (1 / BNB_BLOCK + 4 / (BNB_BLOCK * 256) if double else 4 / BNB_BLOCK)
-        base = shape.quantizable_params * per_param + kept * kept_bytes + quantized_layers(shape) * (NF4_STATE_DOUBLE if double else NF4_STATE)
-    elif s.bits == 8:
-        scales = sum(l.fan_out * l.copies for l in shape.linears if not (l.expert or l.router)) * 4  # one fp32 scale per output row
-        base = shape.quantizable_params * 1 + scales + kept * 4
-    else:
-        base = (shape.linear_params + shape.other_params) * s.weight_bytes
-    base += shape.buffers(s.weight_bytes)  # the rotary frequencies (and Gemma's embedding scale)
+    base = base_weights(shape, cfg.model.quantization, s, torchao_base(cfg, s))
     adapter = 0 if full else n_train * 4  # peft keeps adapter weights in fp32
     param_bytes = s.weight_bytes if full else 4
     grads = n_train * param_bytes
@@ -336,16 +325,32 @@ def vision_rows(v: VisionShape, cfg: RunConfig, s: Setup) -> tuple[float, float]
     return v.params * kept + trained, s.micro_batch * patches * (6 * v.hidden + 4 * v.intermediate) * s.activation_bytes * layers
 
 
+def base_weights(shape: Shape, q: QuantizationConfig | None, s: Setup, torchao: bool) -> float:
+    """A frozen base's weights, quantized by `q` (bitsandbytes': the rest upcast to fp32 by peft's k-bit preparation;
+    torchao's: the rest as loaded) or in the model's dtype, with its buffers."""
+    kept = shape.linear_params - shape.quantizable_params + shape.other_params  # left unquantized
+    kept_bytes = s.weight_bytes if torchao else 4
+    if q is not None and q.bits == 4:
+        per_param = 0.5 + (1 / BNB_BLOCK + 4 / (BNB_BLOCK * 256) if q.double_quant else 4 / BNB_BLOCK)
+        base = shape.quantizable_params * per_param + kept * kept_bytes + quantized_layers(shape) * (NF4_STATE_DOUBLE if q.double_quant else NF4_STATE)
+    elif q is not None:
+        scales = sum(l.fan_out * l.copies for l in shape.linears if not (l.expert or l.router)) * 4  # one fp32 scale per output row
+        base = shape.quantizable_params * 1 + scales + kept * 4
+    else:
+        base = (shape.linear_params + shape.other_params) * s.weight_bytes
+    return base + shape.buffers(s.weight_bytes)  # the rotary frequencies (and Gemma's embedding scale)
+
+
 def teacher_rows(cfg: RunConfig, s: Setup) -> tuple[float, float]:
-    """Distillation's frozen teacher: (its weights, in the student's dtype, sharded as the student's are; what its
-    forward leaves for the loss). Without gradients its forward holds one layer's values at a time (as
+    """Distillation's frozen teacher: (its weights, in the student's dtype or distill.teacher_quantization's, sharded as
+    the student's are; what its forward leaves for the loss). Without gradients its forward holds one layer's values at a time (as
     wide as the student's in the worst case: counted within the student's activations' peak), and leaves its
     final hidden states at the trained tokens, or (a sharded or biased head) its logits there in fp32."""
     folder = Path(cfg.distill.teacher).expanduser()
     if (folder / "adapter_config.json").is_file():  # merged into its base as it loads: the base's shape
         folder = Path(json.loads((folder / "adapter_config.json").read_text()).get("base_model_name_or_path", folder))
-    teacher = read_shape(str(folder))
-    weights = (teacher.linear_params + teacher.other_params) * s.weight_bytes + teacher.buffers(s.weight_bytes)
+    teacher, q = read_shape(str(folder)), cfg.distill.teacher_quantization
+    weights = base_weights(teacher, q, s, q is not None and q.backend_for(s.strategy) == "torchao")
     if s.shards_weights:
         weights /= s.devices
     fused = families.plain_head(teacher.config) and not s.shards_weights

@@ -38,6 +38,7 @@ from finetune.config.schema import ModelConfig, RunConfig
 from finetune.config.strategy import Strategy
 from finetune.model import nf4
 from finetune.model.loading import load_model, quantize_layers
+from finetune.model.teacher import frozen, merged
 from finetune.parallel.distributed import full_state_dict, gathered_trainable_state, init_deepspeed, shard_fsdp2, stream_source, zero3_loading
 from finetune.parallel.optim import build_optimizer, build_scheduler, loraplus_params
 
@@ -104,8 +105,10 @@ class Replicated:
         """A frozen model held as the policy is (DPO's reference under full fine-tuning: a copy of the base; a
         distillation teacher, `adapter` merged into it): whole on every rank here, with accelerate's autocast like
         the policy, no DDP wrapper."""
-        model = merged(self.load(model_cfg, say), adapter)
-        return self.accelerator.prepare_model(frozen(model), evaluation_mode=True)
+        model = frozen(merged(self.load(model_cfg, say), adapter))
+        if nf4.used(model_cfg):  # a teacher in torchao's NF4 (distill.teacher_quantization)
+            quantize_layers(model, model_cfg)
+        return self.accelerator.prepare_model(model, evaluation_mode=True)
 
 
 class FSDP(Replicated):
@@ -138,7 +141,7 @@ class FSDP(Replicated):
     def reference(self, model_cfg: ModelConfig, say, adapter: str | None = None) -> torch.nn.Module:
         """Sharded as the policy, loaded (streamed) the same way."""
         model = frozen(self.load(model_cfg, say))  # an adapter teacher is refused before (teacher_source)
-        return shard_fsdp2(model, self.cfg, self.accelerator.device, self.world, self.stream_from)
+        return shard_fsdp2(model, self.cfg.model_copy(update={"model": model_cfg}), self.accelerator.device, self.world, self.stream_from)
 
 
 class Zero(Replicated):
@@ -187,19 +190,6 @@ class Zero(Replicated):
         # moments) make room for the gathered copy rank 0 builds.
         self.optimizer.optimizer.state.clear()
         return gathered_trainable_state(self.unwrap(), keep=self.accelerator.is_main_process)
-
-
-def merged(model: torch.nn.Module, adapter: str | None) -> torch.nn.Module:
-    """The model with the adapter folder's weights merged in (none: as it is)."""
-    if not adapter:
-        return model
-    from peft import PeftModel
-
-    return PeftModel.from_pretrained(model, adapter).merge_and_unload()
-
-
-def frozen(model: torch.nn.Module) -> torch.nn.Module:
-    return model.requires_grad_(False).eval()
 
 
 def trained(model: torch.nn.Module) -> list[torch.nn.Parameter]:
