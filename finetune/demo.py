@@ -124,7 +124,6 @@ def make_demo_model(out: str, steps: int | None = None, overwrite: bool = False,
                     "lr": 2e-3,
                     "warmup_steps": 20,
                     "weight_decay": 0.01,
-                    "mixed_precision": "no",
                 },
                 "logging": {"report_to": [], "log_every": 10},
             },
@@ -349,7 +348,7 @@ def make_vision_demo(out: str, steps: int | None = None, overwrite: bool = False
             "adapter": {"method": "full", "vision": "full", "projector": "full"},
             "data": {"train": str(data / "captions.jsonl"), "format": "chat", "max_seq_len": 64, "packing": False, "eval_fraction": 0.0},
             "train": {"output_dir": str(work / "pretrained"), "max_steps": steps or VISION_PRETRAIN_STEPS, "micro_batch_size": 16, "lr": 2e-3,
-                      "warmup_steps": 20, "mixed_precision": "no"},
+                      "warmup_steps": 20},
             # Checkpoints let the divergence guard roll a loss spike back at a lower LR rather than stop the build.
             "eval": {"on_start": False}, "checkpoint": {"save_every": 250}, "logging": {"report_to": [], "log_every": 50},
             # A caption's loss levels out near 0.05 nats a token, where its noise makes a few hundredths look like drift.

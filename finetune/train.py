@@ -486,7 +486,7 @@ def train_loop(run: RunState) -> None:
         window_tokens += done.real_tokens
         run.progress.step += 1
         log.advance()
-        if run.progress.step % cfg.logging.log_every == 0 or run.progress.step == total:
+        if logged(run, run.progress.step):
             now = time.perf_counter()
             run.last = {"step": run.progress.step, "epoch": done.epoch, "loss": done.loss, "grad_norm": done.grad_norm, "lr": current_lr(run.engine.scheduler),
                         "tokens": run.progress.tokens, "tokens_per_s": window_tokens / max(now - window_start, 1e-9), "elapsed_s": now - run.started,
@@ -576,7 +576,12 @@ def train_step(run: RunState) -> StepOutcome:
     moved = engine.apply(verdict.action == "apply")
     return StepOutcome(epoch, step_loss, grad_norm, verdict, moved, int(global_real),
                        router_loss / (len(micro_batches) * world) if run.router_coef > 0 else None, preempted > 0, time_due > 0, metrics,
-                       trained_samples(run, position) if cfg.logging.sample_ids else None)
+                       trained_samples(run, position) if cfg.logging.sample_ids and logged(run, step + 1) else None)
+
+
+def logged(run: RunState, steps_done: int) -> bool:
+    """Whether the step that makes `steps_done` writes a metrics row."""
+    return steps_done % run.cfg.logging.log_every == 0 or steps_done == run.schedule.total_steps
 
 
 def saved_on_cpu(offload: bool):

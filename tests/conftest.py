@@ -319,7 +319,7 @@ def build_bpe_model(out: Path, corpus_rows: list[str], steps: int = 300) -> Path
     run(validate_config({
         "model": {"name_or_path": str(init), "dtype": "float32"}, "adapter": {"method": "full"},
         "data": {"train": str(corpus), "format": "completion", "max_seq_len": 256},
-        "train": {"output_dir": str(out), "max_steps": steps, "micro_batch_size": 8, "lr": 3e-3, "warmup_steps": 10, "mixed_precision": "no"},
+        "train": {"output_dir": str(out), "max_steps": steps, "micro_batch_size": 8, "lr": 3e-3, "warmup_steps": 10},
         "eval": {"on_start": False}, "logging": {"report_to": [], "progress_bar": False, "plot": False, "log_every": 10}}, "bpe-model"))
     from accelerate.state import AcceleratorState
 
