@@ -205,14 +205,16 @@ def test_two_processes_distill_as_one(tiny_model_dir, teacher_dir, trained, stra
 
 def test_on_policy_steps_train_on_the_students_answers_and_resume_bitwise(tmp_path, demo_student_dir, demo_model_dir):
     """lmbda 1: every step the student answers the data's prompts itself (at most max_new_tokens, cut at its EOS) and learns
-    the teacher's distribution on its own tokens; killed after the step-2 checkpoint, the run resamples the same answers."""
+    the teacher's distribution on its own tokens (the divergence alone: ce_weight weighs the data's answers); killed after the
+    step-2 checkpoint, the run resamples the same answers."""
     cfg = _distill_config(demo_student_dir, demo_model_dir, tmp_path / "reference", data={"eval": None, "packing": False},
-                          train={"max_steps": 4}, distill={"lmbda": 1.0, "max_new_tokens": 8})
+                          train={"max_steps": 4}, distill={"lmbda": 1.0, "max_new_tokens": 8, "ce_weight": 0.5})
     result = finetune_in_process("train", "--config", str(write_config(tmp_path / "reference.yaml", cfg)))
     assert result.returncode == 0, result.stderr[-2000:]
     keys = ("loss", "grad_norm", "divergence", "agreement", "on_policy", "tokens")
     expected = [[r[k] for k in keys] for r in step_rows(tmp_path / "reference")]
     assert all(r[4] == 1.0 for r in expected) and expected[-1][2] < expected[0][2]
+    assert all(r[0] == pytest.approx(r[2], rel=1e-6) for r in expected)  # the student's own tokens: no cross-entropy, ce_weight aside
     _, steps = killed_and_resumed(tmp_path, cfg, save_every=2, kill_at=3)
     assert [[r[k] for k in keys] for r in steps] == expected
 

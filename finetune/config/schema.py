@@ -312,7 +312,7 @@ class DistillConfig(_Section):
     temperature: float = Field(1.0, gt=0, description="Both models' logits are divided by this before the divergence (softer "
                                "distributions above 1).")
     ce_weight: float = Field(0.0, ge=0, le=1, description="The loss is (1 - ce_weight) x the divergence + ce_weight x the cross-entropy "
-                             "on the data's answer tokens.")
+                             "on the data's answer tokens (on-policy steps: the divergence alone, their tokens being the student's).")
     top_k: int = Field(0, ge=0, description="forward_kl: only the teacher's k most likely tokens at each position (its probabilities "
                        "renormalised over them); 0: the whole vocabulary.")
     lmbda: float = Field(0.0, ge=0, le=1, description="On-policy distillation (GKD's lambda): the share of steps whose answers the student "

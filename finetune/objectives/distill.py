@@ -63,10 +63,12 @@ class Distill(Objective):
         student = forward_kept(model, batch, router, fuse)
         with torch.no_grad():
             teacher = forward_kept(self.teacher, batch, fuse=fuse)
+        # An on-policy step's tokens are the student's own: no cross-entropy there (the data's answers are not in it), as GKD
+        cfg = self.cfg.model_copy(update={"ce_weight": 0.0}) if "sampled" in batch else self.cfg
         if fuse:
-            total, metrics = _LinearDivergence.apply(student.hidden, student.weight, teacher.hidden, teacher.weight, student.targets, self.cfg)
+            total, metrics = _LinearDivergence.apply(student.hidden, student.weight, teacher.hidden, teacher.weight, student.targets, cfg)
         else:
-            total, metrics = logits_divergence(student.logits, teacher.logits, student.targets, self.cfg)
+            total, metrics = logits_divergence(student.logits, teacher.logits, student.targets, cfg)
         sampled = len(student.targets) if "sampled" in batch else 0
         return Losses(total, student.aux, torch.cat([metrics, metrics.new_tensor([sampled])]))
 
