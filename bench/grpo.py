@@ -7,7 +7,10 @@ the exact-match reward, loss dapo, beta 0 (no reference forward), gradient check
 default is on: set off for it, as finetune's), one process. A random model rarely
 ends a completion early, so both sample about the full 16 tokens. Timed from the end of the first step to
 the end of the last (the first includes warm-up). Each generation path: finetune's dynamic and static KV
-cache (grpo.kv_cache), TRL's default, its static cache and its transformers continuous batching (paged cache).
+cache (grpo.kv_cache), finetune's asynchronous rollouts (grpo.async_rollouts: the next step's completions
+sampled in a thread while a step trains), TRL's default, its static cache and its transformers continuous
+batching (paged cache). TRL's asynchronous GRPO (trl.experimental.async_grpo) samples on a vLLM server, which
+this CPU machine has not: not run.
 
 usage: python bench/grpo.py [--steps 12]   (make bench-grpo, ~8 min on 2 cores)
 Prints a markdown table and writes it to bench/results/grpo.md.
@@ -28,13 +31,13 @@ CACHE = Path(os.environ.get("FINETUNE_CACHE", REPO / ".cache" / "finetune")) / "
 PROMPTS, GENERATIONS, LENGTH, LR = 8, 8, 16, 1e-4
 
 
-def our_config(model: Path, steps: int, out: Path, kv_cache: str = "dynamic") -> dict:
+def our_config(model: Path, steps: int, out: Path, kv_cache: str = "dynamic", async_rollouts: bool = False) -> dict:
     return {"model": {"name_or_path": str(model)}, "adapter": {"method": "lora", "r": 16, "alpha": 32, "dropout": 0.0},
             "data": {"train": str(DATA / "prompts-train.jsonl"), "format": "prompt", "max_seq_len": 128},
             "train": {"output_dir": str(out), "objective": "grpo", "max_steps": steps, "micro_batch_size": PROMPTS, "lr": LR, "scheduler": "constant",
                       "gradient_checkpointing": False},
             "grpo": {"num_generations": GENERATIONS, "max_completion_length": LENGTH, "temperature": 1.0, "top_k": 0, "top_p": 1.0,
-                     "loss_type": "dapo", "beta": 0.0, "kv_cache": kv_cache},
+                     "loss_type": "dapo", "beta": 0.0, "kv_cache": kv_cache, "async_rollouts": async_rollouts},
             "eval": {"on_start": False}, "guard": {"enabled": False},
             "logging": {"report_to": [], "progress_bar": False, "plot": False}}
 
@@ -50,12 +53,12 @@ def trl_args(steps: int, out: Path, **generation):
                       save_strategy="no", gradient_checkpointing=False, **generation)
 
 
-def ours(model: Path, steps: int, out: Path, kv_cache: str = "dynamic") -> list[float]:
-    """finetune's step end times (s)."""
+def ours(model: Path, steps: int, out: Path, **generation) -> list[float]:
+    """finetune's step end times (s); `generation`: grpo.kv_cache, grpo.async_rollouts."""
     from finetune.config.schema import validate_config
     from finetune.train import run
 
-    run(validate_config(our_config(model, steps, out, kv_cache), "bench"))
+    run(validate_config(our_config(model, steps, out, **generation), "bench"))
     return [r["time"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
 
 
@@ -93,7 +96,8 @@ def main() -> None:
     lines = [f"GRPO, {PROMPTS} prompts x {GENERATIONS} completions of <= {LENGTH} tokens a step, LoRA r16, fp32, no gradient checkpointing, 1 process "
              f"({cpu_name()}, {os.cpu_count()} cores); steps 2-{args.steps} timed",
              "", "| runner | s/step | completions/s |", "|---|---|---|"]
-    runners = (("finetune", ours, {}), ("finetune, grpo.kv_cache: static", ours, {"kv_cache": "static"}), ("TRL GRPOTrainer", trls, {}),
+    runners = (("finetune", ours, {}), ("finetune, grpo.kv_cache: static", ours, {"kv_cache": "static"}),
+               ("finetune, grpo.async_rollouts (one step off-policy)", ours, {"async_rollouts": True}), ("TRL GRPOTrainer", trls, {}),
                ("TRL GRPOTrainer, static cache", trls, {"cache_implementation": "static"}),
                ("TRL GRPOTrainer, continuous batching (paged)", trls, {"use_transformers_continuous_batching": True}))
     for i, (name, runner, generation) in enumerate(runners):

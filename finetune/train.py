@@ -282,7 +282,7 @@ def start_losses(run: RunState) -> list[float]:
     try:
         with torch.no_grad():
             for step in range(DRIFT_STEPS):
-                _, micro_batches, totals, _ = step_batches(run, data_step(step, [list(w) for w in run.cfg.train.skip_data]))
+                _, micro_batches, totals, _ = step_batches(run, data_step(step, skipped(run)))
                 loss = sum(run.objective.losses(run.engine.model, batch, totals).tokens.float() for batch in micro_batches)
                 losses.append(run.accelerator.reduce(loss, "sum").item() / max(totals[0], 1))
     finally:
@@ -518,6 +518,11 @@ def reading_position(run: RunState, position: int) -> int:
     return position // run.objective.cfg.num_iterations if isinstance(run.objective, GRPO) else position
 
 
+def skipped(run: RunState) -> list[list[int]]:
+    """The data windows steps skip: the guard's rollbacks' and train.skip_data."""
+    return run.guard.state.skip_windows + [list(w) for w in run.cfg.train.skip_data]
+
+
 def trained_samples(run: RunState, position: int) -> list[int]:
     """logging.sample_ids: the samples of data step `position` on every rank (those sharing a row name it once), sorted."""
     sp, accelerator = run.sequence_parallel, run.accelerator
@@ -534,7 +539,7 @@ def train_step(run: RunState) -> StepOutcome:
     cfg, engine, accelerator, step = run.cfg, run.engine, run.accelerator, run.progress.step
     rank, world, device = accelerator.process_index, accelerator.num_processes, accelerator.device
     faults.inject(step, rank, engine.checkpointer.wait)
-    position = data_step(step, run.guard.state.skip_windows + [list(w) for w in cfg.train.skip_data])
+    position = data_step(step, skipped(run))
     epoch, micro_batches, totals, global_real = step_batches(run, position)
     # The loss is a mean over every trained token (or pair) of the step, across micro-batches and ranks:
     # each micro-batch contributes its sum divided by the global count (times world size, because DDP
@@ -602,6 +607,7 @@ def step_batches(run: RunState, position: int) -> tuple[int, list[dict], list[fl
             sampled = run.objective.rollout(run.engine.unwrap(), run.tokenizer, micro_batches, position, accelerator.device)
         if sampled is not None:
             micro_batches, real_tokens = sampled
+        sample_ahead(run, position)
     micro_batches = [sp.shard(b, pad) for b in micro_batches]  # this process's slice of each row (sequence parallelism)
     real_tokens = 0 if sp.rank else real_tokens  # a row's tokens, counted once among the processes sharing it
     local = [*map(sum, zip(*(run.objective.counts(b) for b in micro_batches))), real_tokens]  # counted on the host
@@ -610,6 +616,20 @@ def step_batches(run: RunState, position: int) -> tuple[int, list[dict], list[fl
         return epoch, micro_batches, local[:-1], local[-1]
     *totals, global_real = accelerator.reduce(torch.tensor(local, device=accelerator.device), "sum").tolist()  # a sync: the loss scale
     return epoch, micro_batches, totals, global_real
+
+
+def sample_ahead(run: RunState, position: int) -> None:
+    """grpo.async_rollouts: the next data step's rollouts, sampled in the background while this step trains."""
+    step = run.progress.step + 1
+    if not (isinstance(run.objective, GRPO) and run.objective.cfg.async_rollouts) or step >= run.schedule.total_steps:
+        return
+    following = reading_position(run, data_step(step, skipped(run)))
+    if following == position:  # num_iterations > 1: the next update trains on the same rollouts
+        return
+    accelerator, sp = run.accelerator, run.sequence_parallel
+    _, prompts, _ = batches_at(run.data, run.cfg, run.schedule, following, sp.data_rank(accelerator.process_index),
+                               sp.data_world(accelerator.num_processes), run.tokenizer.pad_token_id)
+    run.objective.sample_ahead(run.engine.unwrap(), run.tokenizer, prompts, following, accelerator.device, accelerator.autocast)
 
 
 def evaluate(run: RunState, step: int) -> dict | None:

@@ -258,9 +258,20 @@ def test_a_guessing_game_run_plays_several_turns_and_logs_each_reward(agent_run)
     assert any(row["loss"] != 0 for row in rows)
 
 
-def test_kill_and_resume_repeats_the_episodes_bitwise(tmp_path, tiny_model_dir, agent_run):
+@pytest.mark.parametrize("sampled_ahead", [False, True])
+def test_kill_and_resume_repeats_the_episodes_bitwise(tmp_path, tiny_model_dir, agent_run, sampled_ahead):
+    """Synchronous, and with grpo.async_rollouts (the episodes of the next step played in a thread while a step trains)."""
     _, reference = agent_run
-    cfg = write_config(tmp_path / "run.yaml", _agent_config(tiny_model_dir, tmp_path / "out"))
+    config = _agent_config(tiny_model_dir, tmp_path / "out", grpo={"async_rollouts": sampled_ahead})
+    if sampled_ahead:
+        ahead = tmp_path / "sampled-ahead"
+        assert finetune_in_process("train", "--config", str(write_config(tmp_path / "ahead.yaml", {
+            **config, "train": {**config["train"], "output_dir": str(ahead)}}))).returncode == 0
+        reference = [r for r in read_jsonl(ahead / "metrics.jsonl") if "loss" in r]
+        keys = ("loss", "reward", "turns")
+        assert [reference[0][k] for k in keys] == [agent_run[1][0][k] for k in keys]  # the first step plays in line
+        assert [r["loss"] for r in reference[1:]] != [r["loss"] for r in agent_run[1][1:]]  # the later ones a step off the policy
+    cfg = write_config(tmp_path / "run.yaml", config)
     killed = run_cli("train", "--config", str(cfg), "--save-every", "2", env={**os.environ, "FINETUNE_FAULT": "kill@4"})
     assert killed.returncode == -9, killed.stderr[-2000:]
     resumed = finetune_in_process("train", "--config", str(cfg))

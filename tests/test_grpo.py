@@ -4,6 +4,7 @@ are checked; a run on the demo raises the reward."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import numpy as np
@@ -160,6 +161,70 @@ def test_num_iterations_holds_each_generation_and_a_run_resumed_between_its_upda
     assert [[r[k] for k in keys] for r in steps] == expected  # bitwise
 
 
+def test_rollouts_sampled_ahead_are_the_policys_as_it_was_when_they_began(tiny_model_dir, parity_reward):
+    """grpo.async_rollouts: a thread samples the next data step's completions while the step trains; what it samples, and
+    the log-probabilities it gives them, are those of the weights when it began, however the model moves meanwhile."""
+    from transformers import AutoTokenizer
+
+    from finetune.data.packing import Prompt
+
+    model, tokenizer = adapted_lora(tiny_model_dir), AutoTokenizer.from_pretrained(tiny_model_dir)
+    cfg = GRPOConfig(rewards=[parity_reward], num_generations=4, max_completion_length=6, async_rollouts=True)
+    prompts = [[Prompt(np.array(p), {"prompt": "a"}, i) for i, p in enumerate(PROMPTS)]]
+    expected, tokens = GRPO(cfg, load_rewards(cfg), seed=3).rollout(model, tokenizer, prompts, 5, "cpu")
+    expected_old = GRPO(cfg, [], seed=3)._logps(model, expected[0], "cpu")
+    objective = GRPO(cfg, load_rewards(cfg), seed=3)
+    objective.sample_ahead(model, tokenizer, prompts, 5, "cpu", contextlib.nullcontext)
+    with torch.no_grad():  # the step trains meanwhile
+        for p in model.parameters():
+            if p.requires_grad:
+                p.add_(0.3)
+    ahead, ahead_tokens = objective.rollout(model, tokenizer, prompts, 5, "cpu")
+    assert ahead_tokens == tokens and objective.ahead is None
+    for key in ("input_ids", "labels", "position_ids", "rewards", "advantages"):
+        assert torch.equal(ahead[0][key], expected[0][key]), key
+    assert torch.equal(ahead[0]["old_logps"], expected_old) and (expected_old != 0).sum() > 10
+    assert (GRPO(cfg, [], seed=3)._logps(model, expected[0], "cpu") - expected_old).abs().max() > 0.1  # the moved model's are not
+    objective.sample_ahead(model, tokenizer, prompts, 5, "cpu", contextlib.nullcontext)  # begun after the move: its copy is refreshed
+    again = objective.joined_ahead()[1][0]
+    assert torch.equal(again["old_logps"], GRPO(cfg, [], seed=3)._logps(model, again, "cpu"))
+    in_line, _ = objective.rollout(model, tokenizer, prompts, 6, "cpu")  # another data step: sampled in line, what was ahead dropped
+    assert "old_logps" not in in_line[0] and objective.ahead is None
+
+
+def test_async_rollouts_run_resumed_after_kill_9_trains_the_same(tmp_path, tiny_model_dir, parity_reward):
+    """The first step samples in line (as a synchronous run's), the later ones train on completions sampled a step before
+    (their ratio moved off 1); a checkpoint holds what was sampled ahead, so a run killed after it resumes bitwise."""
+    sections = {"data": {"eval": None}, "grpo": {"rewards": [parity_reward], "beta": 0.1}}
+    cfg = _grpo_config(tiny_model_dir, tmp_path / "reference", **{**sections, "grpo": {**sections["grpo"], "async_rollouts": True}})
+    synchronous = _grpo_config(tiny_model_dir, tmp_path / "synchronous", **sections)
+    for config in (cfg, synchronous):
+        assert finetune_in_process("train", "--config", str(write_config(tmp_path / "run.yaml", config))).returncode == 0
+    keys = ("loss", "grad_norm", "reward", "completion_length", "kl", "clip_ratio")
+    expected = [[r[k] for k in keys] for r in step_rows(tmp_path / "reference")]
+    in_line = [[r[k] for k in keys] for r in step_rows(tmp_path / "synchronous")]
+    assert expected[0] == in_line[0] and all(e[0] != s[0] for e, s in zip(expected[1:], in_line[1:]))
+    _, steps = killed_and_resumed(tmp_path, cfg, save_every=2, kill_at=3)
+    from safetensors.torch import load_file
+
+    saved = load_file(tmp_path / "out" / "checkpoints" / "step-000002" / "state-rank0.safetensors")
+    assert int(saved["ahead.position"]) == 2 and "batches" not in saved  # step 3's rollouts, sampled during step 2; none held
+    assert [[r[k] for k in keys] for r in steps] == expected  # bitwise
+
+
+def test_plan_counts_the_policy_copy_that_samples_ahead(tmp_path, tiny_model_dir):
+    from finetune.config.schema import validate_config
+    from finetune.outputs.plan import make_plan
+
+    rows = {(method, ahead): make_plan(validate_config(_grpo_config(tiny_model_dir, tmp_path, adapter={"method": method},
+                                                                    grpo={"async_rollouts": ahead}), "test")).rows
+            for method in ("lora", "full") for ahead in (False, True)}
+    copied, weights = rows["full", True]["async rollouts' policy copy"], rows["full", True]["weights"]
+    assert weights - 1024 < copied <= weights  # all trained: a second copy (the weights' row adds the rotary buffers)
+    assert 0 < rows["lora", True]["async rollouts' policy copy"] == rows["lora", True]["gradients"]  # the fp32 adapter's size
+    assert "async rollouts' policy copy" not in rows["lora", False] and "async rollouts' policy copy" not in rows["full", False]
+
+
 @pytest.fixture(scope="module")
 def two_sections(tmp_path_factory, tiny_model_dir, parity_reward) -> dict:
     """4 steps of 4 prompts, two updates on each sample (num_iterations 2: the held rollouts' old log-probabilities computed
@@ -172,11 +237,14 @@ def two_sections(tmp_path_factory, tiny_model_dir, parity_reward) -> dict:
     return {k: sections[k] for k in ("data", "grpo")} | {"train": {"objective": "grpo"}, "eval": {"every": 2}}
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "zero3"])
-def test_two_processes_sample_and_train_as_one(tiny_model_dir, trained, two_sections, strategy):
+@pytest.mark.parametrize("strategy, sampled_ahead", [("ddp", False), ("fsdp", False), ("zero3", False), ("ddp", True), ("zero2", True)])
+def test_two_processes_sample_and_train_as_one(tiny_model_dir, trained, two_sections, strategy, sampled_ahead):
     """The same completions (rewards, lengths), losses and greedy eval whether one process or two sample them, the
     weights whole (ddp) or sharded (fsdp, zero3: every rank decodes as long as the longest; rank 1 evaluates one
-    prompt fewer and runs a stand-in batch)."""
+    prompt fewer and runs a stand-in batch); with grpo.async_rollouts too (each data step's two updates on rollouts
+    sampled during the update before)."""
+    if sampled_ahead:
+        two_sections = {**two_sections, "grpo": {**two_sections["grpo"], "async_rollouts": True}}
     reference, one, _ = trained(tiny_model_dir, "lora", **two_sections)
     out, two, summary = trained(tiny_model_dir, "lora", 2, strategy, **two_sections)
     assert summary["world_size"] == 2 and summary["strategy"] == strategy and len(two) == 4
@@ -275,7 +343,9 @@ def test_bad_grpo_input_is_one_line_with_exit_2(tmp_path, tiny_model_dir):
              ({"grpo": {"rewards": [f"{tmp_path}/r.py:broken"]}, "data": {"eval": None}},
               r"grpo.rewards: .*r.py:broken returned None for a completion of .*prompts-train.jsonl:\d+ \(prompt"),
              ({"grpo": {"rewards": ["exact_match", "length"], "reward_weights": [1.0]}}, "2 reward functions"),
-             ({"train": {"objective": "sft"}}, "grpo for data.format: prompt")]
+             ({"train": {"objective": "sft"}}, "grpo for data.format: prompt"),
+             ({"grpo": {"async_rollouts": True}, "distributed": {"strategy": "fsdp"}},
+              "grpo.async_rollouts: sampling in the background would gather distributed.strategy fsdp's sharded weights")]
     for i, (sections, why) in enumerate(cases):
         config = write_config(tmp_path / f"bad{i}.yaml", _grpo_config(tiny_model_dir, tmp_path / f"out{i}", **sections))
         result = finetune_in_process("train", "--config", str(config))

@@ -288,6 +288,12 @@ class GRPOConfig(_Section):
                                                    "(on CUDA transformers compiles the decoding step: 2.3-3.3x dynamic's tokens/s for a 1.1B "
                                                    "model on an H200, bench/rollouts.py; not yet run through a GRPO run on a GPU). In bf16 the "
                                                    "two sample other completions, each repeatably.")
+    async_rollouts: bool = Field(False, description="Sample each data step's completions in a background thread while the step before "
+                                 "trains, by a copy of the policy as that step began (one update off-policy: the ratio to the log-probabilities "
+                                 "they were sampled with is clipped by epsilon, the importance-sampling correction). The first step samples in "
+                                 "line, as does one whose data step was not the one foreseen (a rollback skipped a window). LoRA copies the "
+                                 "adapter, full fine-tuning the whole model. Not under fsdp or zero3 (sampling gathers their shards with "
+                                 "collectives).")
     environment: str | None = Field(None, description="Agentic GRPO: an environment class, path/to/file.py:Class or module:Class, built from "
                                     "each prompt row; each completion is then an episode of up to max_turns assistant turns, tool calls run "
                                     "and answered, the environment's reward added to the reward functions' (docs/agents.md).")
@@ -429,6 +435,17 @@ class DistributedConfig(_Section):
         "with the nearest batch, said in events.jsonl (the steps then cover other samples than an unchanged run's).")
 
 
+def _teacher_quantization_refused(q: QuantizationConfig, strategy: str) -> str | None:
+    """Why distill.teacher_quantization cannot run under `strategy` (None: it can)."""
+    if strategy == "zero3":
+        return "distributed.strategy zero3 (its partitioned loading is not tested with a quantized frozen model)"
+    if strategy == "fsdp" and q.chosen_backend != "torchao":
+        return f"backend {q.chosen_backend} under distributed.strategy fsdp (torchao's NF4 is what FSDP2 shards)"
+    if q.chosen_backend == "torchao" and (q.bits != 4 or q.quant_type != "nf4"):
+        return "backend torchao with bits 8 or fp4 (it has 4-bit NF4)"
+    return None
+
+
 class RunConfig(_Section):
     model: ModelConfig
     adapter: AdapterConfig = Field(default_factory=AdapterConfig)
@@ -522,6 +539,11 @@ class RunConfig(_Section):
         if g.kv_cache == "static" and asked.shards_weights:
             raise ValueError(f"grpo.kv_cache: static compiles the decoding step, which sharded weights (distributed.strategy {strategy}) "
                              "gather in each forward; use dynamic")
+        if g.async_rollouts and asked.shards_weights:
+            raise ValueError(f"grpo.async_rollouts: sampling in the background would gather distributed.strategy {strategy}'s sharded "
+                             "weights with collectives racing the step's; use ddp or zero2, or set async_rollouts: false")
+        if g.async_rollouts and self.train.objective != "grpo":
+            raise ValueError(f"grpo.async_rollouts: samples GRPO's completions; set train.objective: grpo (not {self.train.objective})")
         if not g.rewards and not g.environment:
             raise ValueError("grpo.rewards: no reward function, and no grpo.environment to score the episodes; name at least one")
         if self.guard.max_kl and (self.train.objective != "grpo" or not g.beta):
@@ -534,11 +556,7 @@ class RunConfig(_Section):
             raise ValueError("distill.teacher: train.objective distill needs a teacher model folder (or a finetune run's adapter folder)")
         if d.teacher_quantization is not None:
             d.teacher_quantization._strategy = strategy
-            backend = d.teacher_quantization.chosen_backend
-            why = ("distributed.strategy zero3 (its partitioned loading is not tested with a quantized frozen model)" if strategy == "zero3"
-                   else f"backend {backend} under distributed.strategy fsdp (torchao's NF4 is what FSDP2 shards)" if strategy == "fsdp"
-                   and backend != "torchao" else "backend torchao with bits 8 or fp4 (it has 4-bit NF4)" if backend == "torchao"
-                   and (d.teacher_quantization.bits != 4 or d.teacher_quantization.quant_type != "nf4") else None)
+            why = _teacher_quantization_refused(d.teacher_quantization, strategy)
             if why:
                 raise ValueError(f"distill.teacher_quantization: a quantized teacher cannot run with {why}")
         if d.sequence_level and "completion" in formats:

@@ -69,19 +69,25 @@ def tokenized(source: SourceConfig, cfg: DataConfig, tokenizer, say=print, proce
     except OSError as err:
         raise UserError(f"data.cache_dir: cannot create {root} ({err.strerror})") from None
     key = fingerprint(source, cfg, tokenizer, processor)
-    entry = root / key
+    return cached_entry(root, key, f"tokenizing {source.path}", cfg, say, lambda work: _build(source, cfg, tokenizer, work, say, processor))
+
+
+def cached_entry(root: Path, name: str, doing: str, cfg: DataConfig, say, build):
+    """(the cache entry `name` as a table, whether it was there). `build(work)` writes it into a work folder, once
+    per node under the entry's lock, and the folder is renamed into place: an entry is whole or absent."""
+    entry = root / name
     if (entry / MANIFEST).exists():
         return _load(entry), True
-    lock = root / f"{key}.lock"
-    with exclusive(lock, f"data: another process is tokenizing {source.path}; waiting for it", timeout_s=60 * cfg.tokenize_wait_minutes,
+    lock = root / f"{name}.lock"
+    with exclusive(lock, f"data: another process is {doing}; waiting for it", timeout_s=60 * cfg.tokenize_wait_minutes,
                    timeout_hint=f"raise data.tokenize_wait_minutes, or stop the process that holds {lock}", say=say):
         if (entry / MANIFEST).exists():
             return _load(entry), True
-        for stale in [*root.glob(f".partial-{key}-*"), entry]:  # a tokenizer killed mid-way: nobody else builds this entry now
+        for stale in [*root.glob(f".partial-{name}-*"), entry]:  # a writer killed mid-way: nobody else builds this entry now
             shutil.rmtree(stale, ignore_errors=True)
-        work = root / f".partial-{key}-{os.getpid()}"
+        work = root / f".partial-{name}-{os.getpid()}"
         try:
-            _build(source, cfg, tokenizer, work, say, processor)
+            build(work)
             os.replace(work, entry)
         finally:
             shutil.rmtree(work, ignore_errors=True)
@@ -222,27 +228,14 @@ def answered(table, keys: list[str], answers: Answers, cfg: DataConfig, say=prin
     """(`table`'s samples with each one's answer, from its first trained token on, replaced by `answers`' answer to
     the tokens before it, as a table over memory-mapped files; whether the cache had it). Made once per node under
     the entry's lock, as a source's entry is; a sample with nothing trained stays as it is."""
-    root = cache_root(cfg)
     key = hashlib.sha256(json.dumps([TOKENIZE_VERSION, keys, answers.key, cfg.max_seq_len]).encode()).hexdigest()[:24]
-    entry = root / f"answers-{key}"
-    if (entry / MANIFEST).exists():
-        return _load(entry), True
-    lock = root / f"answers-{key}.lock"
-    with exclusive(lock, "data: another process is writing the teacher's answers; waiting for it", timeout_s=60 * cfg.tokenize_wait_minutes,
-                   timeout_hint=f"raise data.tokenize_wait_minutes, or stop the process that holds {lock}", say=say):
-        if (entry / MANIFEST).exists():
-            return _load(entry), True
-        for stale in [*root.glob(f".partial-answers-{key}-*"), entry]:
-            shutil.rmtree(stale, ignore_errors=True)
-        work = root / f".partial-answers-{key}-{os.getpid()}"
-        try:
-            work.mkdir(parents=True)
-            _write_answered(table, _answers_of(table, answers, cfg.max_seq_len), work / "answered.arrow")
-            (work / MANIFEST).write_text(json.dumps({"files": ["answered.arrow"], "source": keys}))
-            os.replace(work, entry)
-        finally:
-            shutil.rmtree(work, ignore_errors=True)
-    return _load(entry), False
+
+    def build(work: Path) -> None:
+        work.mkdir(parents=True)
+        _write_answered(table, _answers_of(table, answers, cfg.max_seq_len), work / "answered.arrow")
+        (work / MANIFEST).write_text(json.dumps({"files": ["answered.arrow"], "source": keys}))
+
+    return cached_entry(cache_root(cfg), f"answers-{key}", "writing the teacher's answers", cfg, say, build)
 
 
 def _answers_of(table, answers: Answers, max_seq_len: int) -> dict[int, object]:
@@ -274,16 +267,17 @@ def _write_answered(table, found: dict[int, object], path: Path) -> None:
         for start in range(0, len(table), WRITE_SAMPLES):
             part = table.slice(start, WRITE_SAMPLES)
             ids, labels, cuts = [], [], []
+            part_ids, part_labels = part.column("input_ids"), part.column("labels")
             for k in range(len(part)):
                 i = start + k
-                own_ids = part.column("input_ids")[k].values.to_numpy()
+                own_ids = part_ids[k].values.to_numpy()
                 if i in found:
                     prompt = own_ids[: first[i]]
                     own_ids = np.concatenate([prompt, found[i]])
                     own_labels = np.concatenate([np.full(len(prompt), IGNORE, dtype=np.int32), found[i]])
                     cuts.append(len(prompt))
                 else:
-                    own_labels = part.column("labels")[k].values.to_numpy()
+                    own_labels = part_labels[k].values.to_numpy()
                     cuts.append(first[i])
                 ids.append(own_ids)
                 labels.append(own_labels)

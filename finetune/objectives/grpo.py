@@ -16,11 +16,20 @@ log-probability gradient, moves the weights. With grpo.num_iterations = mu > 1, 
 are held for mu optimizer steps (`held`, saved per rank in every checkpoint, so a run resumed between
 them trains on the same completions), with the log-probabilities the policy gave their tokens when it
 sampled them (`old_logps`): from the second update on, the ratio moves and the clipping bounds it.
+
+With grpo.async_rollouts, the next data step's rollouts are sampled in a background thread while a step
+trains (`sample_ahead`), by a copy of the policy as the step began, with their log-probabilities under
+that copy: the next step trains one update off the sampling policy, its ratio clipped as above (the
+importance-sampling correction). The copy shares the frozen weights (LoRA: only the adapter is copied).
+Pending rollouts are saved in the checkpoint beside the held ones, so a resumed run trains on what the
+uninterrupted one sampled.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -44,6 +53,9 @@ class GRPO(Objective):
     locate: object = None  # sample index -> "file:line" (data.Split.locate), for reward errors
     synced: bool = False  # the weights are sharded over the processes (fsdp, zero3): every rank decodes as many tokens as the longest
     held: tuple[int, list[dict], int] | None = None  # num_iterations > 1: (data step, its training micro-batches, their tokens)
+    ahead: tuple[int, list[dict], int] | Future | None = None  # async_rollouts: the next data step's, as `held` (a Future while sampled)
+    policy_copy: torch.nn.Module | None = field(default=None, repr=False)  # async_rollouts: what samples them
+    worker: ThreadPoolExecutor | None = field(default=None, repr=False)
     metrics: tuple[str, ...] = field(init=False)
     metric_counts: tuple[int, ...] = field(init=False)
 
@@ -115,9 +127,25 @@ class GRPO(Objective):
     def rollout(self, model, tokenizer, prompts: list[list[Prompt]], position: int, device) -> tuple[list[dict], int]:
         """Data step `position`'s micro-batches of prompts as training micro-batches (on the host): each prompt's
         completions sampled, scored and given their advantages. Also the real tokens they hold. With
-        num_iterations > 1, the rollouts held from the first of the step's updates."""
+        num_iterations > 1, the rollouts held from the first of the step's updates; with async_rollouts, those
+        sampled during the step before (in line where there are none for this data step: the first step, after a
+        rollback that skipped a window)."""
         if self.held is not None and self.held[0] == position:
             return self.held[1], self.held[2]
+        ahead = self.joined_ahead()
+        self.ahead = None
+        if ahead is not None and ahead[0] == position:
+            _, batches, tokens = ahead
+        else:
+            batches, tokens = self._sampled(model, tokenizer, prompts, position, device)
+            if self.cfg.num_iterations > 1:
+                for batch in batches:
+                    batch["old_logps"] = self._logps(model, batch, device)
+        if self.cfg.num_iterations > 1:
+            self.held = (position, batches, tokens)
+        return batches, tokens
+
+    def _sampled(self, model, tokenizer, prompts: list[list[Prompt]], position: int, device) -> tuple[list[dict], int]:
         was_training = model.training
         model.eval()
         batches, tokens = [], 0
@@ -133,11 +161,47 @@ class GRPO(Objective):
                 batches.append({**batch, **{key: torch.cat(value) for key, value in columns.items()}})
         finally:
             model.train(was_training)
-        if self.cfg.num_iterations > 1:
-            for batch in batches:
-                batch["old_logps"] = self._logps(model, batch, device)
-            self.held = (position, batches, tokens)
         return batches, tokens
+
+    def sample_ahead(self, model, tokenizer, prompts: list[list[Prompt]], position: int, device, autocast) -> None:
+        """grpo.async_rollouts: start sampling data step `position`'s rollouts in the background, by a copy of the
+        policy as it is now, with their log-probabilities under it; `rollout` takes them at that step. autocast:
+        the training forward's (a thread's autocast state is its own)."""
+        self.joined_ahead()  # one thread at a time: the copy is refreshed below
+        policy = self._copy_of(model)
+        stream = torch.cuda.Stream(device) if torch.device(device).type == "cuda" else None
+        if stream is not None:  # the copy's weights are written on the current stream: the side stream starts after them
+            stream.wait_stream(torch.cuda.current_stream(device))
+
+        @torch.no_grad()
+        def work() -> tuple[int, list[dict], int]:
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext(), autocast():
+                batches, tokens = self._sampled(policy, tokenizer, prompts, position, device)
+                for batch in batches:
+                    batch["old_logps"] = self._logps(policy, batch, device)  # on the host: no stream to wait for
+            return position, batches, tokens
+
+        self.worker = self.worker or ThreadPoolExecutor(1, thread_name_prefix="rollouts")
+        self.ahead = self.worker.submit(work)
+
+    def joined_ahead(self) -> tuple[int, list[dict], int] | None:
+        """The rollouts sampled ahead, waiting for their thread (its error raised here)."""
+        if isinstance(self.ahead, Future):
+            self.ahead = self.ahead.result()
+        return self.ahead
+
+    @torch.no_grad()
+    def _copy_of(self, model) -> torch.nn.Module:
+        """The policy's copy that samples ahead, its trained weights set to the model's: the frozen ones are shared
+        (read only, by both threads), the rest copied once and refreshed in place."""
+        if self.policy_copy is None:
+            self.policy_copy = copy.deepcopy(model, memo={id(p): p for p in model.parameters() if not p.requires_grad})
+            for p in self.policy_copy.parameters():
+                p.grad = None
+        for mine, theirs in zip(self.policy_copy.parameters(), model.parameters(), strict=True):
+            if theirs.requires_grad:
+                mine.copy_(theirs)
+        return self.policy_copy
 
     def _logps(self, model, batch: dict[str, torch.Tensor], device) -> torch.Tensor:
         """The policy's log-probability of each trained token as it samples them, where the batch's labels are
@@ -150,20 +214,14 @@ class GRPO(Objective):
         return old.cpu()
 
     def held_state(self) -> dict[str, torch.Tensor]:
-        """The held rollouts as flat tensors (a checkpoint's per-rank file); {} when none are."""
-        if self.held is None:
-            return {}
-        position, batches, tokens = self.held
-        flat = {f"{i}.{key}": value.contiguous() for i, batch in enumerate(batches) for key, value in batch.items()}
-        return {**flat, "position": torch.tensor(position), "tokens": torch.tensor(tokens), "batches": torch.tensor(len(batches))}
+        """The held rollouts and those sampled ahead, as flat tensors (a checkpoint's per-rank file); {} when none are."""
+        return {**_flat(self.held, ""), **_flat(self.joined_ahead(), "ahead.")}
 
     def load_held(self, state: dict[str, torch.Tensor]) -> None:
-        """Hold the rollouts a checkpoint saved (none if it saved none: the next step samples)."""
-        if not state:
-            self.held = None
-            return
-        batches = [{key.split(".", 1)[1]: value for key, value in state.items() if key.startswith(f"{i}.")} for i in range(int(state["batches"]))]
-        self.held = (int(state["position"]), batches, int(state["tokens"]))
+        """Hold the rollouts a checkpoint saved (none if it saved none: the next step samples). A thread still
+        sampling from the weights before a rollback is waited for, and its rollouts dropped."""
+        self.joined_ahead()
+        self.held, self.ahead = _unflat(state, ""), _unflat(state, "ahead.")
 
     def groups(self, model, tokenizer, prompts: list[Prompt], position: int, device) -> list[tuple[Row, dict[str, torch.Tensor]]]:
         """Each prompt's group of completions as a scored training row."""
@@ -242,6 +300,22 @@ class GRPO(Objective):
         reward = float(total[0]) / n
         return {"eval_loss": -reward, "eval_reward": reward, "eval_prompts": int(total[1]),
                 **{f"eval_{r.metric}": float(v) / n for r, v in zip(self.rewards, total[2:])}}
+
+
+def _flat(held: tuple[int, list[dict], int] | None, prefix: str) -> dict[str, torch.Tensor]:
+    if held is None:
+        return {}
+    position, batches, tokens = held
+    flat = {f"{prefix}{i}.{key}": value.contiguous() for i, batch in enumerate(batches) for key, value in batch.items()}
+    return {**flat, f"{prefix}position": torch.tensor(position), f"{prefix}tokens": torch.tensor(tokens), f"{prefix}batches": torch.tensor(len(batches))}
+
+
+def _unflat(state: dict[str, torch.Tensor], prefix: str) -> tuple[int, list[dict], int] | None:
+    if f"{prefix}batches" not in state:
+        return None
+    starts = [f"{prefix}{i}." for i in range(int(state[f"{prefix}batches"]))]
+    batches = [{key[len(start) :]: value for key, value in state.items() if key.startswith(start)} for start in starts]
+    return int(state[f"{prefix}position"]), batches, int(state[f"{prefix}tokens"])
 
 
 def group_row(sequences: list[tuple[list[int], list[bool]]], per_function: torch.Tensor, reward: torch.Tensor,
