@@ -235,10 +235,10 @@ def test_lora_trains_the_language_model_and_loads_in_peft(vision_run, llava):
     assert sum("lora_A" in n for n, _ in tuned.named_parameters()) == 2 * 7  # 2 layers x q k v o gate up down
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "zero2"])
 def test_two_processes_equal_one(tmp_path, llava, picture_data, vision_run, strategy):
-    """DDP and FSDP2 (the tower in the root unit) over 2 CPU processes (2 rows each) train as one process on 4 rows, 12
-    steps: the guard's start and its step-0 checkpoint included (FSDP's once took a step of Adam's before the first)."""
+    """DDP, FSDP2 (the tower in the root unit) and ZeRO-2 over 2 CPU processes (2 rows each) train as one process on 4 rows,
+    12 steps: the guard's start and its step-0 checkpoint included (FSDP's once took a step of Adam's before the first)."""
     _, one = vision_run
     sections = {k: v for k, v in _config(llava("clip"), picture_data, tmp_path).items() if k in ("model", "adapter", "data", "eval")}
     _, two, _ = train_strategy(tmp_path, strategy, llava("clip"), "lora", 2, strategy,

@@ -87,8 +87,9 @@ def check_vision(cfg: RunConfig) -> None:
     strategy = Strategy.of(cfg.distributed.strategy)  # as named: validate, in one process, says what a launch would refuse
     refused = [
         vision.refusal(config),
-        # measured: LLaVA's LoRA gradients under ZeRO-3 part from one process's (norm 0.99 against 1.40 at the first step)
-        strategy.deepspeed and f"distributed.strategy: {strategy.name} does not train vision-language models yet; use ddp or fsdp",
+        # measured: LLaVA's LoRA gradients under ZeRO-3 part from one process's (norm 0.99 against 1.40 at the first step); ZeRO-2's do not
+        strategy.shards_weights and strategy.deepspeed and
+        f"distributed.strategy: {strategy.name} does not train vision-language models yet; use ddp, fsdp or zero2",
         cfg.train.objective not in ("sft", "dpo", "orpo", "cpo", "simpo") and
         f"train.objective: {cfg.train.objective} on pictures is not built yet; vision-language models train with sft, dpo, orpo, cpo or simpo",
         cfg.train.objective != "sft" and config.get("model_type") not in vision.PACKABLE and
