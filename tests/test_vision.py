@@ -235,10 +235,11 @@ def test_lora_trains_the_language_model_and_loads_in_peft(vision_run, llava):
     assert sum("lora_A" in n for n, _ in tuned.named_parameters()) == 2 * 7  # 2 layers x q k v o gate up down
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "zero2"])
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "zero2", "zero3"])
 def test_two_processes_equal_one(tmp_path, llava, picture_data, vision_run, strategy):
-    """DDP, FSDP2 (the tower in the root unit) and ZeRO-2 over 2 CPU processes (2 rows each) train as one process on 4 rows,
-    12 steps: the guard's start and its step-0 checkpoint included (FSDP's once took a step of Adam's before the first)."""
+    """DDP, FSDP2 (the tower in the root unit), ZeRO-2 and ZeRO-3 over 2 CPU processes (2 rows each) train as one process on
+    4 rows, 12 steps: the guard's start and its step-0 checkpoint included (FSDP's once took a step of Adam's before the first;
+    ZeRO-3's load once drew CLIP's class embedding from the generator the adapter's initial weights are drawn from next)."""
     _, one = vision_run
     sections = {k: v for k, v in _config(llava("clip"), picture_data, tmp_path).items() if k in ("model", "adapter", "data", "eval")}
     _, two, _ = train_strategy(tmp_path, strategy, llava("clip"), "lora", 2, strategy,
@@ -322,7 +323,8 @@ def test_what_vision_models_do_not_do_yet_is_refused_in_one_line(tmp_path, llava
                         ({"train": {"objective": "kto"}, "data": {"format": "unpaired"}}, "train.objective"),
                         ({"train": {"objective": "dpo"}, "data": {"format": "preference"}, "model": {"name_or_path": str(llava("gemma3"))}},
                          "train.objective"),
-                        ({"distributed": {"strategy": "zero3"}}, "distributed.strategy")]:
+                        ({"distributed": {"sequence_parallel": 2}}, "distributed.sequence_parallel"),
+                        ({"distributed": {"strategy": "zero3"}, "model": {"quantization": {"bits": 4}}}, "model.quantization")]:
         cfg = _config(llava("clip"), picture_data, tmp_path / "out")
         for section, values in change.items():
             cfg.setdefault(section, {}).update(values)

@@ -153,6 +153,14 @@ class Zero(Replicated):
         super().__init__(cfg, accelerator, strategy)
         self.partitioning = zero3_loading(cfg, self.world)  # ZeRO-3: weights partitioned as they load, while this lives
 
+    def load(self, model_cfg: ModelConfig, say) -> torch.nn.Module:
+        """ZeRO-3 builds each module for real before partitioning it, where a plain load builds it on the meta device:
+        a module that draws its own weights (CLIP's class embedding) would move the random generators, and with them
+        the adapter's initial weights, drawn next. They are put back after the load."""
+        devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+        with torch.random.fork_rng(devices=devices):
+            return super().load(model_cfg, say)
+
     def prepare(self, model: torch.nn.Module, total_steps: int) -> None:
         self.params = trained(model)  # the same objects once DeepSpeed wraps the module
         optimizer = build_optimizer(self.params, self.cfg.train, zero_offload=self.strategy.offload, fast=loraplus_params(model, self.cfg.train))
