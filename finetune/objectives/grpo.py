@@ -137,15 +137,13 @@ class GRPO(Objective):
         if ahead is not None and ahead[0] == position:
             _, batches, tokens = ahead
         else:
-            batches, tokens = self._sampled(model, tokenizer, prompts, position, device)
-            if self.cfg.num_iterations > 1:
-                for batch in batches:
-                    batch["old_logps"] = self._logps(model, batch, device)
+            batches, tokens = self._sampled(model, tokenizer, prompts, position, device, old_logps=self.cfg.num_iterations > 1)
         if self.cfg.num_iterations > 1:
             self.held = (position, batches, tokens)
         return batches, tokens
 
-    def _sampled(self, model, tokenizer, prompts: list[list[Prompt]], position: int, device) -> tuple[list[dict], int]:
+    def _sampled(self, model, tokenizer, prompts: list[list[Prompt]], position: int, device, old_logps: bool) -> tuple[list[dict], int]:
+        """The rollouts `model` samples, with its log-probabilities of their tokens where `old_logps` (on the host)."""
         was_training = model.training
         model.eval()
         batches, tokens = [], 0
@@ -161,6 +159,9 @@ class GRPO(Objective):
                 batches.append({**batch, **{key: torch.cat(value) for key, value in columns.items()}})
         finally:
             model.train(was_training)
+        if old_logps:
+            for batch in batches:
+                batch["old_logps"] = self._logps(model, batch, device)
         return batches, tokens
 
     def sample_ahead(self, model, tokenizer, prompts: list[list[Prompt]], position: int, device, autocast) -> None:
@@ -176,9 +177,7 @@ class GRPO(Objective):
         @torch.no_grad()
         def work() -> tuple[int, list[dict], int]:
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext(), autocast():
-                batches, tokens = self._sampled(policy, tokenizer, prompts, position, device)
-                for batch in batches:
-                    batch["old_logps"] = self._logps(policy, batch, device)  # on the host: no stream to wait for
+                batches, tokens = self._sampled(policy, tokenizer, prompts, position, device, old_logps=True)  # on the host: no stream to wait for
             return position, batches, tokens
 
         self.worker = self.worker or ThreadPoolExecutor(1, thread_name_prefix="rollouts")
