@@ -9,13 +9,14 @@ TORCH_VERSION  ?= 2.13.0
 TORCH_PIP_ARGS ?=
 export FINETUNE_CACHE ?= $(CURDIR)/.cache/finetune
 
-.PHONY: install tokenizers demo demo-vision demo-dpo demo-grpo demo-agent demo-distill test test-fast lint bench bench-grpo bench-rollouts bench-distill bench-compile bench-data bench-families bench-fsdp-load bench-guard bench-host bench-load bench-large bench-long bench-released bench-scale bench-vision docs-check bench-xl chaos-elastic clean help
+.PHONY: install tokenizers demo demo-vision demo-dpo demo-grpo demo-agent demo-agent-tools demo-distill test test-fast lint bench bench-grpo bench-rollouts bench-distill bench-compile bench-data bench-families bench-fsdp-load bench-guard bench-host bench-load bench-large bench-long bench-released bench-scale bench-vision docs-check bench-xl chaos-elastic clean help
 
 help:
 	@echo "make demo   - install, build the demo model, fine-tune it (LoRA) and show before/after"
 	@echo "make demo-dpo - install, build the demo model, DPO on the demo's preference pairs: held-out pairs preferred before/after"
 	@echo "make demo-grpo - install, build the demo model, a short SFT merged, then GRPO with the exact-match reward: held-out answers before/after"
-	@echo "make demo-agent - install, build the demo model, SFT on tool-call transcripts, then GRPO in the calculator environment (docs/agents.md)"
+	@echo "make demo-agent - install, build the demo model, SFT on games of guessing a number, then GRPO in the game: its reward before/after (~9 min)"
+	@echo "make demo-agent-tools - the same with tools: SFT on calls of a calculate tool, then GRPO in the calculator environment (docs/agents.md)"
 	@echo "make demo-distill - install, build the demo model and make demo's adapter (if absent), distil it into a narrower student (off-policy, sequence-level), beside SFT alone"
 	@echo "make demo-vision - install, build the vision demo (a tiny LLaVA that describes pictures), LoRA on its question: held-out exact match before/after (~3 min)"
 	@echo "make test   - install what is missing, run ruff and the import layers (make lint), then the tests"
@@ -87,9 +88,17 @@ demo-grpo: install demo/model/config.json
 	$(VENV)/bin/finetune merge --adapter outputs/grpo-sft --out outputs/grpo-sft-merged
 	$(VENV)/bin/finetune train --config configs/grpo.yaml
 
-# Agentic GRPO: a full-fine-tuning SFT on 300 tool-call transcripts (the shape of a call to calculate), then GRPO in
-# the calculator environment (demo/agent/calculator.py): held-out episodes' reward before/after.
+# Agentic GRPO, multi-turn: a full-fine-tuning SFT on games of guessing a number played at random within the rules,
+# then GRPO in the guessing game (demo/agent/guess.py): the mean reward of a game for each secret, before/after.
 demo-agent: install demo/model/config.json
+	@$(call keep_previous,outputs/agent-guess-sft)
+	@$(call keep_previous,outputs/agent-guess)
+	$(VENV)/bin/finetune train --config configs/agent-guess-sft.yaml
+	$(VENV)/bin/finetune train --config configs/agent-guess.yaml
+
+# Agentic GRPO with tools: a full-fine-tuning SFT on 300 tool-call transcripts (the shape of a call to calculate), then
+# GRPO in the calculator environment (demo/agent/calculator.py): held-out episodes' reward before/after (no gain yet).
+demo-agent-tools: install demo/model/config.json
 	@$(call keep_previous,outputs/agent-sft)
 	@$(call keep_previous,outputs/agent)
 	$(VENV)/bin/finetune train --config configs/agent-sft.yaml

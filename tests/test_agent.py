@@ -326,6 +326,9 @@ def test_the_agent_demo_config_validates_and_its_environment_scores(tmp_path):
 
         validate_config({**base_config(DEMO_DATA, tmp_path), "train": {"objective": "grpo"}, "grpo": {"rewards": []},
                          "data": {"train": str(DEMO_DATA / "prompts-train.jsonl"), "format": "prompt"}}, "test")
+    prompts = {**base_config(DEMO_DATA, tmp_path), "train": {"objective": "grpo"}, "data": {"train": str(AGENT / "guess-train.jsonl"), "format": "prompt"}}
+    assert validate_config({**prompts, "grpo": {"environment": f"{AGENT / 'guess.py'}:GuessNumber"}}, "test").grpo.rewards == []  # its own reward alone
+    assert validate_config(prompts, "test").grpo.rewards == ["exact_match"]
     rows = [json.loads(line) for line in (AGENT / "calc-eval.jsonl").read_text().splitlines()]
     import importlib.util
 
@@ -336,3 +339,34 @@ def test_the_agent_demo_config_validates_and_its_environment_scores(tmp_path):
         env = calculator.Calculator(row)
         expression = row["prompt"][0]["content"].removeprefix("What is ").removesuffix("?")
         assert env.reward([{"role": "assistant", "content": calculator.calculate(expression)}]) == 1.0
+
+
+def test_the_guessing_demo_plays_by_the_rules_and_its_configs_validate():
+    from finetune.config.schema import load_config
+
+    sft = load_config(REPO / "configs" / "agent-guess-sft.yaml", check_model=False, check_paths=False)
+    grpo = load_config(REPO / "configs" / "agent-guess.yaml", check_model=False, check_paths=False)
+    assert sft.data.train == "demo/agent/guess-sft.jsonl" and grpo.model.name_or_path == sft.train.output_dir
+    assert grpo.grpo.rewards == [] and grpo.grpo.max_turns == 4
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("guess", AGENT / "guess.py")
+    guess = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(guess)
+    games = [json.loads(line)["messages"] for line in (AGENT / "guess-sft.jsonl").read_text().splitlines()]
+    assert len(games) == 2000
+    for messages in games:  # every guess one the answers so far leave possible, every answer the game's own
+        secret = int(messages[-1]["content"]) if len(messages) < 8 else None
+        env = guess.GuessNumber({"secret": secret or 0})
+        low, high = 1, 16
+        for turn, message in enumerate(messages[1::2]):
+            number = int(message["content"])
+            assert low <= number <= high, messages
+            answer = env.step(message) if secret else []
+            if turn < len(messages[1::2]) - 1:
+                assert not secret or answer == [messages[2 * turn + 2]]
+                low, high = (number + 1, high) if messages[2 * turn + 2]["content"] == "higher" else (low, number - 1)
+        if secret:
+            assert env.found and env.reward(messages) == pytest.approx(1.0 - 0.1 * (len(messages) // 2 - 1))
+    secrets = [json.loads(line)["secret"] for line in (AGENT / "guess-eval.jsonl").read_text().splitlines()]
+    assert secrets == list(range(1, 17))

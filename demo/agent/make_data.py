@@ -4,7 +4,10 @@
   `calculate`, its result, the answer; the short SFT that teaches the demo model the shape of a call;
 - calc-train.jsonl / calc-eval.jsonl: 400 / 50 other questions as prompt rows with their answers, for GRPO in the
   calculator environment (calculator.py);
-- guess-train.jsonl: 64 guessing-game prompts with their secret numbers (guess.py).
+- guess-train.jsonl: 64 guessing-game prompts with their secret numbers (guess.py);
+- guess-sft.jsonl: 2,000 guessing-game transcripts whose guesses are drawn at random from the numbers the answers so
+  far leave possible: the rules, not a strategy (that is GRPO's to find);
+- guess-eval.jsonl: the game for each secret number from 1 to 16.
 
     python demo/agent/make_data.py
 """
@@ -35,6 +38,22 @@ def transcript(expression: str, answer: str, schema: dict) -> dict:
                                             {"role": "assistant", "content": answer}]}
 
 
+GUESS = "Guess my number from 1 to 16."
+
+
+def guesses(secret: int, rng: random.Random, turns: int = 4) -> dict:
+    """A game played by guessing any number still possible: found, or `turns` guesses."""
+    low, high, messages = 1, 16, [{"role": "user", "content": GUESS}]
+    for turn in range(turns):
+        guess = rng.randint(low, high)
+        messages.append({"role": "assistant", "content": str(guess)})
+        if guess == secret or turn == turns - 1:
+            break
+        messages.append({"role": "user", "content": "higher" if guess < secret else "lower"})
+        low, high = (guess + 1, high) if guess < secret else (low, guess - 1)
+    return {"messages": messages}
+
+
 def main() -> None:
     from transformers.utils import get_json_schema
 
@@ -49,8 +68,10 @@ def main() -> None:
     files = {"calc-sft.jsonl": [transcript(e, a, schema) for e, a in questions[:300]],
              "calc-train.jsonl": [{"prompt": [{"role": "user", "content": f"What is {e}?"}], "answer": a} for e, a in questions[300:700]],
              "calc-eval.jsonl": [{"prompt": [{"role": "user", "content": f"What is {e}?"}], "answer": a} for e, a in questions[700:]],
-             "guess-train.jsonl": [{"prompt": [{"role": "user", "content": "Guess my number from 1 to 16."}], "secret": rng.randrange(1, 17)}
-                                   for _ in range(64)]}
+             "guess-train.jsonl": [{"prompt": [{"role": "user", "content": GUESS}], "secret": rng.randrange(1, 17)} for _ in range(64)]}
+    games = random.Random(1)
+    files["guess-sft.jsonl"] = [guesses(games.randint(1, 16), games) for _ in range(2000)]
+    files["guess-eval.jsonl"] = [{"prompt": [{"role": "user", "content": GUESS}], "secret": secret} for secret in range(1, 17)]
     for name, rows in files.items():
         (HERE / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
         print(f"{name}: {len(rows)} rows")

@@ -258,11 +258,12 @@ class PreferenceConfig(_Section):
 
 
 class GRPOConfig(_Section):
-    rewards: list[str] = Field(["exact_match"], description="Reward functions, summed (weighted): exact_match (1 where the "
-                               "completion, stripped, equals the row's answer), format (1 where it matches format_pattern whole), length "
-                               "(minus the share of max_completion_length used), reward_model:PATH (a reward model train.objective: reward "
-                               "saved: its score), or module:function / path/to/file.py:function, called as TRL calls them: f(prompts=, "
-                               "completions=, completion_ids=, **the rows' other columns) -> a float per completion.")
+    rewards: list[str] | None = Field(None, description="Reward functions, summed (weighted; null: exact_match, or none beside "
+                                      "grpo.environment's own reward): exact_match (1 where the "
+                                      "completion, stripped, equals the row's answer), format (1 where it matches format_pattern whole), length "
+                                      "(minus the share of max_completion_length used), reward_model:PATH (a reward model train.objective: reward "
+                                      "saved: its score), or module:function / path/to/file.py:function, called as TRL calls them: f(prompts=, "
+                                      "completions=, completion_ids=, **the rows' other columns) -> a float per completion.")
     reward_weights: list[float] | None = Field(None, description="A weight per reward function (null: 1 each).")
     format_pattern: str = Field(r"\S.*", description="The format reward's regular expression (Python re, matched against the whole completion, "
                                 "DOTALL).")
@@ -534,6 +535,8 @@ class RunConfig(_Section):
                 "preference": "preference pairs: set data.format: preference", "prompt": "prompts: set data.format: prompt ({prompt, answer?, ...} rows)",
                 "unpaired": "unpaired examples: set data.format: unpaired ({prompt, completion, label} rows)"}[wanted])
         g = self.grpo
+        if g.rewards is None:
+            g.rewards = [] if g.environment else ["exact_match"]
         if g.reward_weights is not None and len(g.reward_weights) != len(g.rewards):
             raise ValueError(f"grpo.reward_weights: {len(g.reward_weights)} weights for {len(g.rewards)} reward functions; give one each")
         if g.kv_cache == "static" and asked.shards_weights:
