@@ -224,13 +224,15 @@ VISION_TEMPLATE = (
 
 
 def build_vision_model(out: Path, tokenizer, tower: str = "clip", language: dict | None = None, seed: int = 0, side: int = 56) -> Path:
-    """A random-weight LLaVA (tower "clip" or "siglip") or Gemma 3 ("gemma3") with `tokenizer` (given the
+    """A random-weight LLaVA (tower "clip" or "siglip"), Gemma 3 ("gemma3") or Idefics3 ("idefics3") with `tokenizer` (given the
     family's picture tokens here) and its processor, saved to `out`."""
     import torch
     from transformers import CLIPImageProcessor, LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor, SiglipImageProcessor
 
     if tower == "gemma3":
         return _gemma3(out, tokenizer, language, seed)
+    if tower == "idefics3":
+        return _idefics3(out, tokenizer, language, seed)
     tokenizer.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN]})
     tokenizer.chat_template = VISION_TEMPLATE
     vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=side, patch_size=14)
@@ -277,6 +279,29 @@ def _gemma3(out: Path, tokenizer, language: dict | None, seed: int) -> Path:
     Gemma3ForConditionalGeneration(config).save_pretrained(out)
     Gemma3Processor(image_processor=Gemma3ImageProcessor(size={"height": 56, "width": 56}), tokenizer=tokenizer, chat_template=template,
                     image_seq_length=4).save_pretrained(out)
+    return out
+
+
+def _idefics3(out: Path, tokenizer, language: dict | None, seed: int) -> Path:
+    """Idefics3's (SmolVLM's) way: each `<image>` widened by its processor to the picture's crops, here a 2 x 2 grid
+    of 56-pixel crops of the picture enlarged to 112 and the whole picture at 56, each crop 4 tokens (16 patches
+    shuffled 2 x 2 into one) between its row/column tag and `<fake_token_around_image>`."""
+    import torch
+    from transformers import Idefics3Config, Idefics3ForConditionalGeneration, Idefics3ImageProcessorPil, Idefics3Processor
+
+    tags = ["<fake_token_around_image>", IMAGE_TOKEN, "<end_of_utterance>", "<global-img>"]
+    tokenizer.add_special_tokens({"additional_special_tokens": tags + [f"<row_{i}_col_{j}>" for i in range(1, 7) for j in range(1, 7)]})
+    tokenizer.chat_template = VISION_TEMPLATE
+    text = dict(model_type="llama", vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, bos_token_id=tokenizer.bos_token_id,
+                eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    config = Idefics3Config(text_config={**text, **(language or {})}, scale_factor=2, image_token_id=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN),
+                            vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=56,
+                                               patch_size=14))
+    torch.manual_seed(seed)
+    Idefics3ForConditionalGeneration(config).save_pretrained(out)
+    images = Idefics3ImageProcessorPil(size={"longest_edge": 112}, max_image_size={"longest_edge": 56}, do_image_splitting=True)
+    Idefics3Processor(image_processor=images, tokenizer=tokenizer, image_seq_len=4, chat_template=VISION_TEMPLATE).save_pretrained(out)
     return out
 
 

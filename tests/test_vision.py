@@ -1,12 +1,13 @@
 """Vision-language models: rows with pictures tokenized as the model's processor does, the loss and
 gradients of the model's own forward, LoRA on the language model only, DDP = one process, kill -9 and
 resume, bad picture rows in one line, merge and generate with a picture. Tiny LLaVAs (a CLIP and a SigLIP
-tower) with the demo tokenizer given LLaVA's <image> token (finetune/demo.py)."""
+tower), a Gemma 3 and an Idefics3 with the demo tokenizer given each family's picture tokens (finetune/demo.py)."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 
 import pytest
@@ -117,7 +118,8 @@ def _tuned_model(model):
 
 
 # a picture's token, how many (clip-llama2: the CLIP LLaVA with Llama 2's released tokenizer)
-TOWERS = {"clip": ("<image>", 16), "clip-llama2": ("<image>", 16), "siglip": ("<image>", 16), "gemma3": ("<image_soft_token>", 4)}
+TOWERS = {"clip": ("<image>", 16), "clip-llama2": ("<image>", 16), "siglip": ("<image>", 16), "gemma3": ("<image_soft_token>", 4),
+          "idefics3": ("<image>", 20)}
 
 
 @pytest.mark.parametrize("tower", sorted(TOWERS))
@@ -157,19 +159,21 @@ def test_picture_rows_tokenize_as_the_processor_and_train_only_the_answers(llava
 def test_loss_and_gradients_equal_the_models_own_forward(llava, picture_data, tmp_path, tower):
     """Our loss (the fused head on the language model's hidden states, only at trained positions) equals
     the model's own loss with labels (what TRL's SFTTrainer takes), and so do the LoRA gradients."""
+    from finetune.model.vision import part_names
     from finetune.objectives.loss import fusable_parts, losses, to_device
 
     model_dir = llava(tower)
     batch, *_ = _batch(model_dir, picture_data, tmp_path)
     model = _tuned(model_dir)
-    assert not any("vision_tower" in n or "multi_modal_projector" in n for n, p in model.named_parameters() if p.requires_grad)
+    frozen = tuple(f"{name}." for role, name in part_names(model).items() if role != "language")
+    assert len(frozen) == 2 and not any(frozen[0] in n or frozen[1] in n for n, p in model.named_parameters() if p.requires_grad)
     assert fusable_parts(model) is not None  # the fused head on the language model's hidden states
     ours = losses(model, to_device(batch, "cpu")).tokens
     count = int((batch["labels"][:, 1:] != IGNORE).sum())
     (ours / count).backward()
     mine = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad()
-    inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "pixel_values", "token_type_ids") if k in batch}
+    inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "pixel_values", "pixel_attention_mask", "token_type_ids") if k in batch}
     theirs = model(**inputs, labels=batch["labels"]).loss
     theirs.backward()
     assert abs(ours.item() / count - theirs.item()) < 1e-5
@@ -178,7 +182,7 @@ def test_loss_and_gradients_equal_the_models_own_forward(llava, picture_data, tm
         torch.testing.assert_close(grad, dict(model.named_parameters())[name].grad, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("tower", ["clip", "siglip"])
+@pytest.mark.parametrize("tower", ["clip", "siglip", "idefics3"])
 def test_packed_picture_rows_equal_one_sample_a_row(llava, picture_data, tmp_path, tower):
     """LLaVA packs: its language model keeps the samples of a packed row apart by their restarting positions,
     the pictures' features go to their tokens in order; loss and LoRA gradients equal the unpacked rows'."""
@@ -195,7 +199,8 @@ def test_packed_picture_rows_equal_one_sample_a_row(llava, picture_data, tmp_pat
     results = []
     for split, which in ((packed, rows), (unpacked, [row_of[x] for x in samples])):
         batch = split.batch(which, tokenizer.pad_token_id)
-        assert ("attention_mask" in batch) == (split is unpacked) and batch["pixel_values"].shape[0] == len(samples)
+        crops = batch["pixel_values"].shape[:2].numel() if tower == "idefics3" else batch["pixel_values"].shape[0]  # its 4 + 1 crops a picture
+        assert ("attention_mask" in batch) == (split is unpacked) and crops == len(samples) * (5 if tower == "idefics3" else 1)
         model.zero_grad()
         loss = losses(model, to_device(batch, "cpu")).tokens
         loss.backward()
@@ -291,6 +296,35 @@ def test_merge_loads_in_transformers_and_generates_from_a_picture(tmp_path, visi
     assert first["completion"] == answers[0]
 
 
+def test_idefics3_trains_packed_merges_and_answers_a_picture(tmp_path, llava, picture_data):
+    """Idefics3 (SmolVLM's first version) end to end: packed rows of pictures in 2 x 2 crops and the whole, LoRA on its
+    text model only, merged into a folder transformers loads, which answers a picture as base + adapter does."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from finetune.outputs.generate import answer_picture, as_trained, find_adapter
+
+    cfg = _config(llava("idefics3"), picture_data, tmp_path / "out", data={"packing": True, "max_seq_len": 160})
+    result = finetune_in_process("train", "--config", str(write_config(tmp_path / "run.yaml", cfg)))
+    assert result.returncode == 0, result.stderr[-3000:]
+    packed = re.search(r"48 samples -> (\d+) rows", result.stdout)
+    assert packed and int(packed.group(1)) <= 24, result.stdout[-2000:]  # two or more samples a row
+    losses = [r["loss"] for r in read_jsonl(tmp_path / "out" / "metrics.jsonl") if "loss" in r]
+    assert losses[-1] < losses[0] - 0.5, losses
+    from safetensors.torch import load_file
+
+    assert all(".text_model." in k for k in load_file(tmp_path / "out" / "adapter_model.safetensors"))
+    merged = finetune_in_process("merge", "--adapter", str(tmp_path / "out"), "--out", str(tmp_path / "merged"))
+    assert merged.returncode == 0, merged.stderr[-3000:]
+    report = json.loads((tmp_path / "merged" / "merge_report.json").read_text())
+    assert report["check_pictures"] == 4 and report["passed"]
+    model = AutoModelForImageTextToText.from_pretrained(tmp_path / "merged").eval()
+    processor = AutoProcessor.from_pretrained(tmp_path / "merged")
+    picture = str(picture_data.parent / "img" / "00001.png")
+    tuned = as_trained(find_adapter(str(tmp_path / "out"), None))
+    answers = [answer_picture(m, processor, QUESTION, picture, max_new_tokens=4, stream=False) for m in (model, tuned)]
+    assert answers[0] == answers[1] and answers[0]
+
+
 BAD = {
     "missing": (lambda row: {**row, "images": ["img/nope.png"]}, "image {}/img/nope.png: cannot be read (No such file or directory)"),
     "corrupt": (lambda row: {**row, "images": ["img/corrupt.png"]}, "image {}/img/corrupt.png: not a picture"),
@@ -319,7 +353,11 @@ def test_a_bad_picture_row_is_one_line_naming_its_line(tmp_path, llava, picture_
 
 
 def test_what_vision_models_do_not_do_yet_is_refused_in_one_line(tmp_path, llava, picture_data):
-    for change, key in [({"data": {"packing": True}, "model": {"name_or_path": str(llava("gemma3"))}}, "data.packing"),
+    mllama = tmp_path / "mllama"  # a family not built: its config is enough to refuse it
+    mllama.mkdir()
+    (mllama / "config.json").write_text(json.dumps({"model_type": "mllama", "vision_config": {}, "text_config": {}}))
+    for change, key in [({"model": {"name_or_path": str(mllama)}}, "model: mllama is a vision-language model finetune does not fine-tune yet"),
+                        ({"data": {"packing": True}, "model": {"name_or_path": str(llava("gemma3"))}}, "data.packing"),
                         ({"train": {"objective": "kto"}, "data": {"format": "unpaired"}}, "train.objective"),
                         ({"train": {"objective": "dpo"}, "data": {"format": "preference"}, "model": {"name_or_path": str(llava("gemma3"))}},
                          "train.objective"),
@@ -329,7 +367,7 @@ def test_what_vision_models_do_not_do_yet_is_refused_in_one_line(tmp_path, llava
         for section, values in change.items():
             cfg.setdefault(section, {}).update(values)
         result = finetune_in_process("validate", "--config", str(write_config(tmp_path / "c.yaml", cfg)))
-        assert result.returncode == 2 and f"error: {key}:" in result.stderr.strip().splitlines()[-1], result.stderr[-1000:]
+        assert result.returncode == 2 and f"error: {key}" in result.stderr.strip().splitlines()[-1], result.stderr[-1000:]
 
 
 def test_export_and_eval_refuse_a_vision_model_in_one_line(tmp_path, vision_run):

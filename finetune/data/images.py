@@ -32,7 +32,7 @@ SOURCE_KEYS = ("path", "image", "url", "image_url")  # an image part names its p
 # What a batch with pictures gives the model's forward besides its tokens (LLaVA: pixel values; Qwen-VL:
 # also each picture's patch grid and which tokens are a picture's, for its 3-D positions; LLaVA-NeXT: sizes;
 # Gemma 3: which tokens are a picture's, which attend to each other both ways).
-MODEL_INPUTS = ("pixel_values", "image_grid_thw", "image_sizes", "token_type_ids", "mm_token_type_ids")
+MODEL_INPUTS = ("pixel_values", "pixel_attention_mask", "image_grid_thw", "image_sizes", "token_type_ids", "mm_token_type_ids")
 
 
 def has_images(row: dict) -> bool:
