@@ -538,8 +538,9 @@ def picture_pairs(tmp_path_factory, picture_data):
     return once(tmp_path_factory, "picture-pairs", build) / "pairs.jsonl"
 
 
-def test_a_pairs_sequences_each_show_the_prompts_picture(llava, picture_pairs, tmp_path):
-    """A preference pair with a picture (LLaVA): both sequences in one row, apart by their positions, each with the
+@pytest.mark.parametrize("tower", ["clip", "idefics3"])
+def test_a_pairs_sequences_each_show_the_prompts_picture(llava, picture_pairs, tmp_path, tower):
+    """A preference pair with a picture (LLaVA, Idefics3): both sequences in one row, apart by their positions, each with the
     picture; each answer's summed log-probability equals the model's own on that sequence alone, from its processor."""
     from finetune.config.schema import DataConfig, ModelConfig
     from finetune.data.chat import render
@@ -551,13 +552,14 @@ def test_a_pairs_sequences_each_show_the_prompts_picture(llava, picture_pairs, t
     from finetune.objectives.loss import to_device, trained_mask
     from finetune.objectives.objective import token_logps
 
-    model_dir = llava("clip")
+    model_dir = llava(tower)
     processor = vision.processor_for(ModelConfig(name_or_path=str(model_dir)))
     tokenizer = load_tokenizer(ModelConfig(name_or_path=str(model_dir)), processor)
-    cfg = DataConfig(train=str(picture_pairs), format="preference", max_seq_len=96, packing=False, eval_fraction=0.0, cache_dir=str(tmp_path))
+    cfg = DataConfig(train=str(picture_pairs), format="preference", max_seq_len=160, packing=False, eval_fraction=0.0, cache_dir=str(tmp_path))
     split = load_data(cfg, tokenizer, seed=0, processor=processor).train
     batch = split.batch([0, 1], tokenizer.pad_token_id)
-    assert "attention_mask" not in batch and batch["pixel_values"].shape[0] == 4  # two pairs, the picture in each of their four sequences
+    crops = batch["pixel_values"].shape[:2].numel() if tower == "idefics3" else batch["pixel_values"].shape[0]  # Idefics3: 4 + 1 crops a picture
+    assert "attention_mask" not in batch and crops == 4 * (5 if tower == "idefics3" else 1)  # two pairs, the picture in each of their four sequences
     model = _tuned(model_dir).eval()
     keep = trained_mask(batch["labels"])
     with torch.no_grad():
