@@ -314,7 +314,7 @@ def load_inputs(cfg: RunConfig, accelerator, preemption) -> RunState:
     sp = sequence_parallel.setup(cfg.distributed.sequence_parallel, rank, world)
     run = RunState(cfg, accelerator, preemption, model_cfg, tokenizer, data, plan_steps(cfg, len(data.train), sp.data_world(world)),
                    processor=processor, sequence_parallel=sp, teacher=teacher)
-    run.objective = objective_for(cfg, locate=data.train.locate, world=world)
+    run.objective = objective_for(cfg, locate=data.train.locate, world=world, processor=processor)
     for line in summary_lines(data, cfg.data.max_seq_len):
         run.say(line)
     return run

@@ -10,9 +10,10 @@ import os
 import re
 import shutil
 
+import numpy as np
 import pytest
 import torch
-from conftest import DEMO_DATA, REPO, finetune_in_process, once, read_jsonl, run_cli, train_strategy, write_config
+from conftest import DEMO_DATA, REPO, finetune_in_process, killed_and_resumed, once, read_jsonl, run_cli, step_rows, train_strategy, write_config
 
 from finetune.data.rows import IGNORE
 
@@ -361,6 +362,10 @@ def test_what_vision_models_do_not_do_yet_is_refused_in_one_line(tmp_path, llava
                         ({"train": {"objective": "kto"}, "data": {"format": "unpaired"}}, "train.objective"),
                         ({"train": {"objective": "dpo"}, "data": {"format": "preference"}, "model": {"name_or_path": str(llava("gemma3"))}},
                          "train.objective"),
+                        ({"train": {"objective": "grpo"}, "data": {"format": "prompt"}, "model": {"name_or_path": str(llava("gemma3"))}},
+                         "train.objective: grpo lays a group's completions in one row"),
+                        ({"train": {"objective": "grpo"}, "data": {"format": "prompt"}, "grpo": {"environment": "env.py:Env"}},
+                         "grpo.environment: episodes with a vision-language model"),
                         ({"distributed": {"sequence_parallel": 2}}, "distributed.sequence_parallel"),
                         ({"distributed": {"strategy": "zero3"}, "model": {"quantization": {"bits": 4}}}, "model.quantization")]:
         cfg = _config(llava("clip"), picture_data, tmp_path / "out")
@@ -589,3 +594,134 @@ def test_dpo_on_pictures_prefers_the_chosen_answers(tmp_path, llava, picture_pai
     steps = [r for r in read_jsonl(tmp_path / "out" / "metrics.jsonl") if "loss" in r]
     assert steps[0]["loss"] == pytest.approx(0.6931, abs=1e-3) and steps[-1]["loss"] < 0.6  # log 2 at the start, the adapter being B = 0
     assert steps[-1]["reward_margin"] > 0
+
+
+# -- GRPO on prompts with pictures -------------------------------------------------------------
+
+def _picture_prompts(model_dir, picture_data):
+    """Two prompts that each show a picture, as the data step tokenizes them; (prompts, tokenizer, vision)."""
+    import functools
+
+    from finetune.data import images
+    from finetune.data.chat import render
+    from finetune.data.packing import Prompt
+
+    _, processor, tokenizer = _split(model_dir, picture_data, picture_data.parent / "cache-prompts")
+    prompts = []
+    for i in range(2):
+        shown = [(picture_data.parent / "img" / f"{i:05d}.png").read_bytes()]
+        messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]}]
+        ids = images.encoder(processor, shown)(render(tokenizer, messages, add_generation_prompt=True))
+        prompts.append(Prompt(np.array(ids), {"prompt": messages}, i, shown))
+    return prompts, tokenizer, functools.partial(images.image_inputs, processor)
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.2])
+def test_grpo_on_pictures_equals_trls_loss(tmp_path, llava, picture_data, beta):
+    """Completions of prompts with pictures, laid out as our rollout lays them (a prompt's completions packed in one row, each
+    showing the prompt's picture): loss and LoRA gradients equal TRL's GRPOTrainer._compute_loss on the same batch (its
+    prompts left-padded, completions right-padded, a picture a sequence)."""
+    pytest.importorskip("trl")
+    from datasets import Dataset
+    from trl import GRPOConfig as TRLConfig
+    from trl import GRPOTrainer
+
+    from finetune.config.schema import GRPOConfig
+    from finetune.data.packing import collate
+    from finetune.objectives.grpo import GRPO, group_row
+    from finetune.objectives.loss import to_device
+    from finetune.objectives.rewards import Reward
+
+    model_dir = llava("clip")
+    prompts, tokenizer, vision = _picture_prompts(model_dir, picture_data)
+    completions = [[9, 10, 11, tokenizer.eos_token_id], [12, 13], [14, 15, 16], [17, tokenizer.eos_token_id]]
+    advantages = torch.tensor([0.9, -0.9, -0.5, 0.5])
+    cfg = GRPOConfig(beta=beta, loss_type="dapo", max_completion_length=4, num_generations=2)
+    model = _tuned(model_dir)
+    rows = [group_row([([*p.ids.tolist(), *c], [False] * len(p.ids) + [True] * len(c)) for c in completions[2 * i : 2 * i + 2]],
+                      torch.zeros(2, 1), torch.zeros(2), "group")[0] for i, p in enumerate(prompts)]
+    batch = collate(rows, tokenizer.pad_token_id)
+    batch.update(vision([b for p in prompts for _ in range(2) for b in p.pictures], batch["input_ids"]))
+    batch.update(advantages=advantages, rewards=torch.zeros(4, 1), reward=torch.zeros(4), reward_std=torch.zeros(4), zero_std=torch.zeros(4))
+    assert batch["pixel_values"].shape[0] == 4  # each completion shows its prompt's picture
+    objective = GRPO(cfg, [Reward("r", "reward_r", 1.0, None)], seed=0, vision=vision)
+    totals = objective.counts(batch)
+    ours = objective.losses(model, to_device(batch, "cpu"), totals).tokens / totals[0]
+    ours.backward()
+    mine = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+
+    args = TRLConfig(output_dir=str(tmp_path / "trl"), per_device_train_batch_size=4, num_generations=2, max_completion_length=4, beta=beta,
+                     loss_type="dapo", report_to=[], use_cpu=True, bf16=False)
+    processor = vision.args[0]
+    trainer = GRPOTrainer(model=model, reward_funcs=[lambda completions, **_: [0.0] * len(completions)], args=args,
+                          train_dataset=Dataset.from_list([{"prompt": "a"}] * 4), processing_class=processor)
+    trainer.current_gradient_accumulation_steps = 1
+    width = max(len(p.ids) for p in prompts)
+    left = [[tokenizer.pad_token_id] * (width - len(p.ids)) + p.ids.tolist() for p in prompts for _ in range(2)]
+    prompt_mask = torch.tensor([[0] * (width - len(p.ids)) + [1] * len(p.ids) for p in prompts for _ in range(2)])
+    completion_ids = torch.tensor([c + [tokenizer.pad_token_id] * (4 - len(c)) for c in completions])
+    completion_mask = torch.tensor([[1] * len(c) + [0] * (4 - len(c)) for c in completions])
+    pixels = vision([b for p in prompts for _ in range(2) for b in p.pictures], torch.tensor(left))["pixel_values"]
+    inputs = {"prompt_ids": torch.tensor(left), "prompt_mask": prompt_mask, "completion_ids": completion_ids, "completion_mask": completion_mask,
+              "advantages": advantages, "num_items_in_batch": completion_mask.sum(), "pixel_values": pixels, "num_images": [1, 1, 1, 1]}
+    if beta:
+        with torch.no_grad(), model.disable_adapter():
+            inputs["ref_per_token_logps"], _, _ = trainer._get_per_token_logps_and_entropies(
+                model, torch.cat([inputs["prompt_ids"], completion_ids], 1), torch.cat([prompt_mask, completion_mask], 1), 4,
+                pixel_values=pixels, num_images=[1, 1, 1, 1])
+    model.train()
+    theirs = trainer._compute_loss(model, inputs)
+    theirs.backward()
+    assert abs(ours.item() - theirs.item()) < 1e-5 and abs(theirs.item()) > 1e-3, (ours.item(), theirs.item())
+    assert mine.keys() == {n for n, p in model.named_parameters() if p.grad is not None} and mine
+    for name, grad in mine.items():
+        torch.testing.assert_close(grad, dict(model.named_parameters())[name].grad, atol=1e-4, rtol=1e-4)
+
+
+def test_grpo_samples_each_prompt_with_its_picture(llava, picture_data):
+    """The rollout's `generate` call sees each prompt's picture: greedy completions of two prompts together equal the
+    model's own `generate` on each prompt alone from its processor; a rollout's training batch shows each completion its
+    prompt's picture (num_generations copies, in order)."""
+    from finetune.config.schema import GRPOConfig
+    from finetune.data import images
+    from finetune.objectives.grpo import GRPO, generate
+    from finetune.objectives.rewards import load_rewards
+
+    model_dir = llava("clip")
+    prompts, tokenizer, vision = _picture_prompts(model_dir, picture_data)
+    model = _tuned(model_dir).eval()
+    cfg = GRPOConfig(num_generations=3, max_completion_length=6, rewards=["length"])
+    objective = GRPO(cfg, load_rewards(cfg), seed=0, vision=vision, placeholders=tuple(images.placeholders(vision.args[0])))
+    together = generate(model, tokenizer, [p.ids for p in prompts], 6, "cpu", pictures=objective._pictures([p.pictures for p in prompts]))
+    for prompt, completion in zip(prompts, together):
+        alone = {"input_ids": torch.tensor([prompt.ids]), **vision(prompt.pictures, torch.tensor([prompt.ids]))}
+        with torch.no_grad():
+            out = model.generate(**alone, do_sample=False, max_new_tokens=6, pad_token_id=tokenizer.pad_token_id)[0, len(prompt.ids) :].tolist()
+        assert completion == out[: len(completion)] and len(completion) > 1
+    blind = generate(model, tokenizer, [p.ids for p in prompts], 6, "cpu")  # without the pictures, other completions
+    assert blind != together
+    batches, _ = objective._sampled(model, tokenizer, [prompts], position=0, device="cpu", old_logps=False)
+    shown = [b for p in prompts for _ in range(3) for b in p.pictures]
+    torch.testing.assert_close(batches[0]["pixel_values"], vision(shown, batches[0]["input_ids"])["pixel_values"], rtol=0, atol=0)
+    assert not torch.equal(batches[0]["pixel_values"][0], batches[0]["pixel_values"][3])
+
+
+def test_grpo_on_pictures_resumes_bitwise_after_kill_9(tmp_path, llava, picture_data):
+    """A GRPO run on prompts with pictures (the next step's sampled ahead in the background: its pixels in the checkpoint),
+    killed with SIGKILL at step 3 and resumed from step 2's checkpoint, repeats every step's loss, reward and lengths."""
+    rows = tmp_path / "prompts.jsonl"
+    rows.write_text("".join(json.dumps({"images": [str(picture_data.parent / "img" / f"{i:05d}.png")], "answer": "circle",
+                                        "prompt": [{"role": "user", "content": f"<image>\n{QUESTION}"}]}) + "\n" for i in range(12)))
+    cfg = _config(llava("clip"), rows, tmp_path / "reference", data={"format": "prompt"},
+                  train={"objective": "grpo", "max_steps": 4, "micro_batch_size": 2, "lr": 5e-3})
+    parity = tmp_path / "parity.py"  # a reward random completions score unevenly on
+    parity.write_text("def even(completion_ids, **_):\n    return [float(sum(ids) % 2 == 0) for ids in completion_ids]\n")
+    cfg["grpo"] = {"num_generations": 4, "max_completion_length": 4, "rewards": [f"{parity}:even"], "beta": 0.1, "async_rollouts": True}
+    result = finetune_in_process("train", "--config", str(write_config(tmp_path / "reference.yaml", cfg)))
+    assert result.returncode == 0, result.stderr[-3000:]
+    keys = ("loss", "grad_norm", "reward", "completion_length", "kl")
+    expected = [[r[k] for k in keys] for r in step_rows(tmp_path / "reference")]
+    assert len(expected) == 4 and len({tuple(e) for e in expected}) == 4 and all(e[0] != 0 for e in expected)
+    _, steps = killed_and_resumed(tmp_path, cfg, save_every=2, kill_at=3)
+    assert [[r[k] for k in keys] for r in steps] == expected  # bitwise

@@ -188,6 +188,12 @@ def image_inputs(processor, pictures: list[bytes], input_ids) -> dict:
     return {key: torch.as_tensor(value) for key, value in out.items() if key in MODEL_INPUTS}
 
 
+def placeholders(processor) -> list[int]:
+    """The token ids that stand for a picture's features (LLaVA's <image>, Gemma 3's soft token, Qwen-VL's pads): a
+    sampled completion must never hold one, or the forward would look for a picture it does not have."""
+    return sorted({i for i in (getattr(processor, name, None) for name in ("image_token_id", "video_token_id")) if isinstance(i, int)})
+
+
 def decoded(data: list[bytes]) -> list:
     from PIL import Image
 

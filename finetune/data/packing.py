@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import bisect
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -33,11 +33,12 @@ class Row:
 
 @dataclass
 class Prompt:
-    """A prompt row (GRPO): its token ids, the row as read, its sample's index in the table."""
+    """A prompt row (GRPO): its token ids, the row as read, its sample's index in the table, the pictures it shows."""
 
     ids: np.ndarray
     row: dict
     sample: int
+    pictures: list[bytes] = field(default_factory=list)
 
 
 @dataclass
@@ -202,7 +203,8 @@ class Split:
             member = self.order[self.offsets[r] : self.offsets[r] + 1]
             sample = int(self.samples[member[0]])
             ids = self.columns["input_ids"].cut(self.samples[member], self.lengths[member], self.starts[member])
-            out.append(Prompt(ids, json.loads(self.records[sample].as_py()), sample))
+            shown = self.pictures[sample].as_py() if self.pictures is not None else []
+            out.append(Prompt(ids, json.loads(self.records[sample].as_py()), sample, shown))
         return out
 
     def sample_ids(self, rows) -> torch.Tensor:

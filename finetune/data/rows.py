@@ -152,17 +152,19 @@ def canonical(row: object, fmt: str, columns: dict[str, str] | None = None) -> t
         row, problem = _chat_shape(row)
         if problem:
             return row, problem
-    if fmt in ("preference", "unpaired"):
-        row = _pair_shape(row, ("chosen", "rejected") if fmt == "preference" else ("completion",))
+    if fmt == "prompt" and "prompt" not in row and isinstance(row.get("messages"), list):
+        row = {**{k: v for k, v in row.items() if k != "messages"}, "prompt": row["messages"]}
+    if fmt in ("preference", "unpaired", "prompt"):
+        if fmt != "prompt":
+            row = _pair_shape(row, ("chosen", "rejected") if fmt == "preference" else ("completion",))
         prompt = row.get("prompt")
         if isinstance(prompt, list) and all(isinstance(m, dict) for m in prompt) and (
                 row.get("images") or any(isinstance(m.get("content"), list) for m in prompt)):
-            shown, problem = images.gather({"messages": prompt, "images": row.get("images")})  # TRL's vision pairs: the prompt shows them
+            # TRL's vision pairs and GRPO prompts: the prompt shows them
+            shown, problem = images.gather({"messages": prompt, **({"images": row["images"]} if "images" in row else {})})
             if problem:
                 return row, problem.replace("messages", "prompt", 1)
             row = {**row, "prompt": shown["messages"], **({"images": shown["images"]} if "images" in shown else {})}
-    if fmt == "prompt" and "prompt" not in row and isinstance(row.get("messages"), list):
-        row = {**{k: v for k, v in row.items() if k != "messages"}, "prompt": row["messages"]}
     return row, _row_problem(row, fmt)
 
 
@@ -528,13 +530,17 @@ def tokenize_unpaired(rows: list[dict], tokenizer, max_seq_len: int) -> list[tup
     return out
 
 
-def tokenize_prompts(rows: list[dict], tokenizer) -> list[tuple[list[int], list[bool]] | str]:
+def tokenize_prompts(rows: list[dict], tokenizer, processor=None, pictures: list | None = None) -> list[tuple[list[int], list[bool]] | str]:
     """Prompt rows -> (the prompt's ids, nothing trained) each: text as generation reads it (special tokens
-    where the tokenizer has no chat template), chat messages rendered with the generation prompt."""
+    where the tokenizer has no chat template), chat messages rendered with the generation prompt. A prompt that
+    shows pictures (pictures: images.row_pictures', per row) is tokenized by the processor with them."""
     out = []
-    for row in rows:
+    for row, shown in zip(rows, pictures or [[] for _ in rows]):
+        if isinstance(shown, str):
+            out.append(shown)
+            continue
         try:
-            ids = prompt_ids(row, tokenizer)
+            ids = images.encoder(processor, shown)(prompt_text(row, tokenizer)) if shown else prompt_ids(row, tokenizer)
         except UserError as err:
             out.append(str(err))
             continue

@@ -34,7 +34,8 @@ from finetune.data.rows import IGNORE, Skipped, checked_rows, tokenize_pairs, to
 
 # Raise it when the ids or loss mask a row turns into change (2: masks from the chat template; 3: rows
 # cached in their canonical shape; 4: preference pairs).
-TOKENIZE_VERSION = 5  # 4: preference pairs (prompt and unpaired rows are new formats: no entry of theirs to invalidate); 5: pictures
+TOKENIZE_VERSION = 6  # 4: preference pairs (prompt and unpaired rows are new formats: no entry of theirs to invalidate); 5: pictures;
+# 6: prompts with pictures
 LARGE = 10_000  # rows from which tokenization uses every core unless data.num_proc says otherwise
 
 
@@ -177,9 +178,10 @@ def _tokenize_batch(batch, tokenizer, fmt: str, train_on_prompt: bool, max_seq_l
     import pyarrow as pa
 
     rows = [json.loads(r) for r in batch.column("row").to_pylist()]
-    pictures = images.row_pictures(rows, processor) if fmt in ("chat", "preference") else [[] for _ in rows]
-    results = (tokenize_pairs(rows, tokenizer, max_seq_len, processor, pictures) if fmt == "preference" else tokenize_prompts(rows, tokenizer)
-               if fmt == "prompt" else tokenize_unpaired(rows, tokenizer, max_seq_len) if fmt == "unpaired" else tokenize_rows(rows, tokenizer, fmt))
+    pictures = images.row_pictures(rows, processor) if fmt in ("chat", "preference", "prompt") else [[] for _ in rows]
+    results = (tokenize_pairs(rows, tokenizer, max_seq_len, processor, pictures) if fmt == "preference"
+               else tokenize_prompts(rows, tokenizer, processor, pictures) if fmt == "prompt"
+               else tokenize_unpaired(rows, tokenizer, max_seq_len) if fmt == "unpaired" else tokenize_rows(rows, tokenizer, fmt))
     if fmt == "chat":
         results = images.expand_rows(rows, results, tokenizer, processor, pictures, max_seq_len)
     problems = [r if isinstance(r, str) else None for r in results]

@@ -52,6 +52,8 @@ class GRPO(Objective):
     reference: torch.nn.Module | None = None  # full fine-tuning with beta > 0: a frozen copy (engines.reference); else the adapter-off model
     locate: object = None  # sample index -> "file:line" (data.Split.locate), for reward errors
     synced: bool = False  # the weights are sharded over the processes (fsdp, zero3): every rank decodes as many tokens as the longest
+    vision: object = None  # a vision-language model's (pictures, input_ids) -> image inputs (data.Split.vision): prompts with pictures
+    placeholders: tuple[int, ...] = ()  # ...and its picture placeholder tokens, never sampled (images.placeholders)
     held: tuple[int, list[dict], int] | None = None  # num_iterations > 1: (data step, its training micro-batches, their tokens)
     ahead: tuple[int, list[dict], int] | Future | None = None  # async_rollouts: the next data step's, as `held` (a Future while sampled)
     policy_copy: torch.nn.Module | None = field(default=None, repr=False)  # async_rollouts: what samples them
@@ -156,6 +158,8 @@ class GRPO(Objective):
                     for key, value in parts.items():
                         columns.setdefault(key, []).append(value)
                 batch = collate(rows, tokenizer.pad_token_id)
+                if self.vision is not None:  # each completion in its group's row shows its prompt's pictures
+                    batch.update(self.vision([b for p in micro for _ in range(self.cfg.num_generations) for b in p.pictures], batch["input_ids"]))
                 batches.append({**batch, **{key: torch.cat(value) for key, value in columns.items()}})
         finally:
             model.train(was_training)
@@ -235,8 +239,16 @@ class GRPO(Objective):
                                 for p in prompts]).view(np.int64)
         repeated = [p.ids for p in prompts for _ in range(cfg.num_generations)]
         sampler = self.sampler(torch.as_tensor(seeds, device=device))
-        completions = generate(model, tokenizer, repeated, cfg.max_completion_length, device, sampler, synced=self.synced, cache=cfg.kv_cache)
+        shown = [p.pictures for p in prompts for _ in range(cfg.num_generations)]
+        completions = generate(model, tokenizer, repeated, cfg.max_completion_length, device, sampler, synced=self.synced, cache=cfg.kv_cache,
+                               pictures=self._pictures(shown), never=self.placeholders)
         return [completions[i : i + cfg.num_generations] for i in range(0, len(completions), cfg.num_generations)]
+
+    def _pictures(self, shown: list[list[bytes]]):
+        """generate's image inputs for prompts showing these pictures (each prompt's, in order): None for text prompts."""
+        if self.vision is None or not any(shown):
+            return None
+        return lambda ids: self.vision([b for pictures in shown for b in pictures], ids)
 
     def sampler(self, seeds: torch.Tensor) -> GumbelSampler:
         """A sampler of grpo.temperature, top_k and top_p, a row a seed."""
@@ -269,7 +281,7 @@ class GRPO(Objective):
     def greedy_scores(self, model, tokenizer, prompts: list[Prompt], device) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Each prompt's greedy completion's (rewards by function, weighted sum)."""
         completions = generate(model, tokenizer, [p.ids for p in prompts], self.cfg.max_completion_length, device, synced=self.synced,
-                               cache=self.cfg.kv_cache)
+                               cache=self.cfg.kv_cache, pictures=self._pictures([p.pictures for p in prompts]), never=self.placeholders)
         return [self._rewards(tokenizer, p, [c]) for p, c in zip(prompts, completions)]
 
     @torch.no_grad()
@@ -341,11 +353,12 @@ def group_row(sequences: list[tuple[list[int], list[bool]]], per_function: torch
 # -- generation ----------------------------------------------------------------------------------
 
 def generate(model, tokenizer, prompts: list[np.ndarray], max_new_tokens: int, device, sampler=None, synced: bool = False,
-             cache: str = "dynamic") -> list[list[int]]:
+             cache: str = "dynamic", pictures=None, never: tuple[int, ...] = ()) -> list[list[int]]:
     """One completion of each prompt (cut after its EOS token) from one `generate` call, the prompts
     left-padded: greedy, or sampled by `sampler` (a GumbelSampler). `synced`: the weights are sharded, and
     every rank runs as many forwards as the rank with the longest completion (transformers' synced_gpus).
-    cache: grpo.kv_cache (static: transformers' static KV cache, its decoding step compiled on CUDA)."""
+    cache: grpo.kv_cache (static: transformers' static KV cache, its decoding step compiled on CUDA).
+    pictures: the padded ids -> the prompts' image inputs (a vision-language model's), or None; `never`: tokens not sampled."""
     from transformers import GenerationConfig, LogitsProcessorList
 
     width = max(len(p) for p in prompts)
@@ -355,9 +368,11 @@ def generate(model, tokenizer, prompts: list[np.ndarray], max_new_tokens: int, d
         ids[i, width - len(p) :] = torch.as_tensor(p, dtype=torch.long)
         mask[i, width - len(p) :] = 1
     settings = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
-                                eos_token_id=tokenizer.eos_token_id, use_cache=True, cache_implementation="static" if cache == "static" else None)
+                                eos_token_id=tokenizer.eos_token_id, use_cache=True, cache_implementation="static" if cache == "static" else None,
+                                suppress_tokens=list(never) or None)
+    shown = {k: v.to(device) for k, v in pictures(ids).items()} if pictures is not None else {}
     with root_gathered(model):
-        out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=settings,
+        out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), **shown, generation_config=settings,
                              logits_processor=LogitsProcessorList([] if sampler is None else [sampler]), synced_gpus=synced)
     completions = []
     for seq in out[:, width:].tolist():

@@ -3,7 +3,10 @@ module, so that the base module (objective.py) never imports what builds on it (
 
 from __future__ import annotations
 
+import functools
+
 from finetune.config.strategy import Strategy
+from finetune.data import images
 from finetune.objectives.agent import agent_objective
 from finetune.objectives.distill import Distill
 from finetune.objectives.grpo import GRPO
@@ -11,8 +14,9 @@ from finetune.objectives.objective import KTO, SFT, Objective, Preference, Rewar
 from finetune.objectives.rewards import load_rewards
 
 
-def objective_for(cfg, locate=None, world: int = 1) -> Objective:
-    """The run config's objective over `world` processes (`locate`: a prompt row's file:line, for GRPO's reward errors)."""
+def objective_for(cfg, locate=None, world: int = 1, processor=None) -> Objective:
+    """The run config's objective over `world` processes (`locate`: a prompt row's file:line, for GRPO's reward errors;
+    `processor`: a vision-language model's, for GRPO's prompts with pictures)."""
     train, preference = cfg.train, cfg.preference
     synced = Strategy.of(cfg.distributed.strategy, world).shards_weights
     if train.objective == "distill":
@@ -20,7 +24,9 @@ def objective_for(cfg, locate=None, world: int = 1) -> Objective:
     if train.objective == "grpo":
         if cfg.grpo.environment:
             return agent_objective(cfg.grpo, load_rewards(cfg.grpo), train.seed, locate=locate, synced=synced)
-        return GRPO(cfg.grpo, load_rewards(cfg.grpo), train.seed, locate=locate, synced=synced)
+        pictures = {} if processor is None else {"vision": functools.partial(images.image_inputs, processor),
+                                                 "placeholders": tuple(images.placeholders(processor))}
+        return GRPO(cfg.grpo, load_rewards(cfg.grpo), train.seed, locate=locate, synced=synced, **pictures)
     if train.objective == "kto":
         return KTO(preference)
     if train.objective == "reward":
