@@ -725,3 +725,30 @@ def test_grpo_on_pictures_resumes_bitwise_after_kill_9(tmp_path, llava, picture_
     assert len(expected) == 4 and len({tuple(e) for e in expected}) == 4 and all(e[0] != 0 for e in expected)
     _, steps = killed_and_resumed(tmp_path, cfg, save_every=2, kill_at=3)
     assert [[r[k] for k in keys] for r in steps] == expected  # bitwise
+
+
+def test_prompt_rows_with_pictures_read_in_both_shapes(tmp_path, llava, picture_data):
+    """GRPO's prompt rows: image parts (no `images` field) and `<image>` markers with `images` both give the prompt the
+    processor's picture tokens and keep the picture's bytes for sampling; a text-only prompt keeps none."""
+    from finetune.config.schema import DataConfig, ModelConfig
+    from finetune.data.datasets import load_data
+    from finetune.model import vision
+    from finetune.model.loading import load_tokenizer
+
+    picture = picture_data.parent / "img" / "00002.png"
+    rows = tmp_path / "prompts.jsonl"
+    rows.write_text("\n".join(json.dumps(r) for r in [
+        {"prompt": [{"role": "user", "content": [{"type": "image", "path": str(picture)}, {"type": "text", "text": QUESTION}]}], "answer": "a"},
+        {"images": [str(picture)], "prompt": [{"role": "user", "content": f"<image>{QUESTION}"}], "answer": "b"},
+        {"prompt": [{"role": "user", "content": QUESTION}], "answer": "c"}]) + "\n")
+    model_dir = llava("clip")
+    processor = vision.processor_for(ModelConfig(name_or_path=str(model_dir)))
+    tokenizer = load_tokenizer(ModelConfig(name_or_path=str(model_dir)), processor)
+    split = load_data(DataConfig(train=str(rows), format="prompt", max_seq_len=96, eval_fraction=0.0, cache_dir=str(tmp_path / "cache")),
+                      tokenizer, seed=0, processor=processor).train
+    prompts = {p.row["answer"]: p for p in split.prompts(range(len(split)))}
+    image = tokenizer.convert_tokens_to_ids("<image>")
+    for answer in ("a", "b"):
+        assert int((prompts[answer].ids == image).sum()) == 16 and prompts[answer].pictures == [picture.read_bytes()]
+    assert prompts["a"].ids.tolist() == prompts["b"].ids.tolist()
+    assert int((prompts["c"].ids == image).sum()) == 0 and prompts["c"].pictures == []
