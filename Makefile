@@ -29,7 +29,7 @@ help:
 	@echo "make bench-rollouts - rollout generation paths: tokens/s of generate, a static KV cache, continuous batching (CPU ~1 min; on a GPU: --device cuda --shape 1.1b)"
 	@echo "make bench-compile - model.compile (torch.compile per layer) against eager: start-up, s/step, losses (~15 min)"
 	@echo "make bench-data - a million rows: tokenization, start-up, memory vs datasets + HF Trainer (~25 min)"
-	@echo "make bench-families - 40 architectures beyond the tested ones: packed samples kept apart (exact) or refused (~3 min)"
+	@echo "make bench-families - 40 architectures beyond the tested ones, and the vision-language families: packed samples kept apart (exact) or refused (~3 min)"
 	@echo "make chaos-elastic - elastic jobs of 3 loopback nodes under random node losses (mid-save too) and returns: each must end with an uninterrupted run's numbers (~10 min)"
 	@echo "make bench-guard - the divergence guard's false alarms on flat runs and its verdicts on the recorded ones (~1 min, no training)"
 	@echo "make bench-host - the GPU path's host overhead, measured on CPU: operators, host syncs and Python per step vs HF Trainer (~4 min)"
@@ -168,6 +168,7 @@ bench-data: install
 
 bench-families: install
 	$(PY) bench/families.py
+	$(PY) bench/vision_families.py
 
 bench-vision: install
 	$(PY) -c "import trl" 2>/dev/null || $(PIP) install -q -e ".[bench]" "torch==$$($(PY) -c 'import torch; print(torch.__version__)')"
