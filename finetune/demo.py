@@ -224,7 +224,7 @@ VISION_TEMPLATE = (
 
 
 def build_vision_model(out: Path, tokenizer, tower: str = "clip", language: dict | None = None, seed: int = 0, side: int = 56) -> Path:
-    """A random-weight LLaVA (tower "clip" or "siglip"), Gemma 3 ("gemma3") or Idefics3 ("idefics3") with `tokenizer` (given the
+    """A random-weight LLaVA (tower "clip" or "siglip"), Gemma 3 ("gemma3"), Idefics3 ("idefics3") or Mllama ("mllama") with `tokenizer` (given the
     family's picture tokens here) and its processor, saved to `out`."""
     import torch
     from transformers import CLIPImageProcessor, LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor, SiglipImageProcessor
@@ -233,6 +233,8 @@ def build_vision_model(out: Path, tokenizer, tower: str = "clip", language: dict
         return _gemma3(out, tokenizer, language, seed)
     if tower == "idefics3":
         return _idefics3(out, tokenizer, language, seed)
+    if tower == "mllama":
+        return _mllama(out, tokenizer, language, seed)
     tokenizer.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN]})
     tokenizer.chat_template = VISION_TEMPLATE
     vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=side, patch_size=14)
@@ -302,6 +304,29 @@ def _idefics3(out: Path, tokenizer, language: dict | None, seed: int) -> Path:
     Idefics3ForConditionalGeneration(config).save_pretrained(out)
     images = Idefics3ImageProcessorPil(size={"longest_edge": 112}, max_image_size={"longest_edge": 56}, do_image_splitting=True)
     Idefics3Processor(image_processor=images, tokenizer=tokenizer, image_seq_len=4, chat_template=VISION_TEMPLATE).save_pretrained(out)
+    return out
+
+
+def _mllama(out: Path, tokenizer, language: dict | None, seed: int) -> Path:
+    """Mllama's (Llama 3.2 Vision's) way: one `<|image|>` token a picture; the text attends to the picture's tiles (up to
+    2 of 56 x 56 pixels here) through a cross-attention layer between its self-attention layers."""
+    import torch
+    from transformers import MllamaConfig, MllamaForConditionalGeneration, MllamaProcessor
+    from transformers.models.mllama.image_processing_pil_mllama import MllamaImageProcessorPil
+
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|image|>", "<|python_tag|>"]})
+    template = VISION_TEMPLATE.replace(IMAGE_TOKEN, "<|image|>")
+    tokenizer.chat_template = template
+    text = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                cross_attention_layers=[1], max_position_embeddings=512, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                pad_token_id=tokenizer.pad_token_id)
+    vision = dict(hidden_size=32, num_hidden_layers=2, num_global_layers=1, attention_heads=2, intermediate_size=64, vision_output_dim=64,
+                  image_size=56, patch_size=14, max_num_tiles=2, intermediate_layers_indices=[0], supported_aspect_ratios=[[1, 1], [1, 2], [2, 1]])
+    config = MllamaConfig(vision_config=vision, text_config={**text, **(language or {})}, image_token_index=tokenizer.convert_tokens_to_ids("<|image|>"))
+    torch.manual_seed(seed)
+    MllamaForConditionalGeneration(config).save_pretrained(out)
+    images = MllamaImageProcessorPil(size={"height": 56, "width": 56}, max_image_tiles=2)
+    MllamaProcessor(image_processor=images, tokenizer=tokenizer, chat_template=template).save_pretrained(out)
     return out
 
 

@@ -120,7 +120,7 @@ def _tuned_model(model):
 
 # a picture's token, how many (clip-llama2: the CLIP LLaVA with Llama 2's released tokenizer)
 TOWERS = {"clip": ("<image>", 16), "clip-llama2": ("<image>", 16), "siglip": ("<image>", 16), "gemma3": ("<image_soft_token>", 4),
-          "idefics3": ("<image>", 20)}
+          "idefics3": ("<image>", 20), "mllama": ("<|image|>", 1)}
 
 
 @pytest.mark.parametrize("tower", sorted(TOWERS))
@@ -148,7 +148,8 @@ def test_picture_rows_tokenize_as_the_processor_and_train_only_the_answers(llava
         if tower != "clip-llama2":  # (sentencepiece spells a word alone with its leading space: "▁circle", not the answer's "circle")
             assert trained.tolist() == tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
         pictures += picture
-    expected = processor.image_processor(images=pictures, return_tensors="pt")["pixel_values"]
+    shown = [[p] for p in pictures] if tower == "mllama" else pictures  # Mllama: each row's pictures its own
+    expected = processor.image_processor(images=shown, return_tensors="pt")["pixel_values"]
     assert torch.equal(batch["pixel_values"], expected)
     token, count = TOWERS[tower]  # 56 x 56 pictures in 14-pixel patches (Gemma 3: pooled 2 x 2)
     assert int((batch["input_ids"] == tokenizer.convert_tokens_to_ids(token)).sum()) == count * len(samples)
@@ -174,7 +175,8 @@ def test_loss_and_gradients_equal_the_models_own_forward(llava, picture_data, tm
     (ours / count).backward()
     mine = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad()
-    inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "pixel_values", "pixel_attention_mask", "token_type_ids") if k in batch}
+    inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "pixel_values", "pixel_attention_mask", "token_type_ids", "aspect_ratio_ids",
+                                    "aspect_ratio_mask", "cross_attention_mask") if k in batch}
     theirs = model(**inputs, labels=batch["labels"]).loss
     theirs.backward()
     assert abs(ours.item() / count - theirs.item()) < 1e-5
@@ -297,23 +299,25 @@ def test_merge_loads_in_transformers_and_generates_from_a_picture(tmp_path, visi
     assert first["completion"] == answers[0]
 
 
-def test_idefics3_trains_packed_merges_and_answers_a_picture(tmp_path, llava, picture_data):
-    """Idefics3 (SmolVLM's first version) end to end: packed rows of pictures in 2 x 2 crops and the whole, LoRA on its
-    text model only, merged into a folder transformers loads, which answers a picture as base + adapter does."""
+@pytest.mark.parametrize(("tower", "language", "packing"), [("idefics3", ".text_model.", True), ("mllama", ".language_model.", False)])
+def test_a_family_trains_merges_and_answers_a_picture(tmp_path, llava, picture_data, tower, language, packing):
+    """Idefics3 (SmolVLM's first version; packed rows of pictures in 2 x 2 crops and the whole) and Mllama (one row a
+    sample, its pictures cross-attended) end to end: LoRA on the language model only, merged into a folder transformers
+    loads, which answers a picture as base + adapter does."""
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
     from finetune.outputs.generate import answer_picture, as_trained, find_adapter
 
-    cfg = _config(llava("idefics3"), picture_data, tmp_path / "out", data={"packing": True, "max_seq_len": 160})
+    cfg = _config(llava(tower), picture_data, tmp_path / "out", data={"packing": packing, "max_seq_len": 160})
     result = finetune_in_process("train", "--config", str(write_config(tmp_path / "run.yaml", cfg)))
     assert result.returncode == 0, result.stderr[-3000:]
-    packed = re.search(r"48 samples -> (\d+) rows", result.stdout)
-    assert packed and int(packed.group(1)) <= 24, result.stdout[-2000:]  # two or more samples a row
+    rows = re.search(r"48 samples -> (\d+) rows", result.stdout)
+    assert rows and (int(rows.group(1)) <= 24 if packing else int(rows.group(1)) == 48), result.stdout[-2000:]  # packed: 2+ samples a row
     losses = [r["loss"] for r in read_jsonl(tmp_path / "out" / "metrics.jsonl") if "loss" in r]
     assert losses[-1] < losses[0] - 0.5, losses
     from safetensors.torch import load_file
 
-    assert all(".text_model." in k for k in load_file(tmp_path / "out" / "adapter_model.safetensors"))
+    assert all(language in k for k in load_file(tmp_path / "out" / "adapter_model.safetensors"))
     merged = finetune_in_process("merge", "--adapter", str(tmp_path / "out"), "--out", str(tmp_path / "merged"))
     assert merged.returncode == 0, merged.stderr[-3000:]
     report = json.loads((tmp_path / "merged" / "merge_report.json").read_text())
@@ -354,10 +358,10 @@ def test_a_bad_picture_row_is_one_line_naming_its_line(tmp_path, llava, picture_
 
 
 def test_what_vision_models_do_not_do_yet_is_refused_in_one_line(tmp_path, llava, picture_data):
-    mllama = tmp_path / "mllama"  # a family not built: its config is enough to refuse it
-    mllama.mkdir()
-    (mllama / "config.json").write_text(json.dumps({"model_type": "mllama", "vision_config": {}, "text_config": {}}))
-    for change, key in [({"model": {"name_or_path": str(mllama)}}, "model: mllama is a vision-language model finetune does not fine-tune yet"),
+    smolvlm = tmp_path / "smolvlm"  # a family not built (SmolVLM2): its config is enough to refuse it
+    smolvlm.mkdir()
+    (smolvlm / "config.json").write_text(json.dumps({"model_type": "smolvlm", "vision_config": {}, "text_config": {}}))
+    for change, key in [({"model": {"name_or_path": str(smolvlm)}}, "model: smolvlm is a vision-language model finetune does not fine-tune yet"),
                         ({"data": {"packing": True}, "model": {"name_or_path": str(llava("gemma3"))}}, "data.packing"),
                         ({"train": {"objective": "kto"}, "data": {"format": "unpaired"}}, "train.objective"),
                         ({"train": {"objective": "dpo"}, "data": {"format": "preference"}, "model": {"name_or_path": str(llava("gemma3"))}},

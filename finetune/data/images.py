@@ -32,7 +32,8 @@ SOURCE_KEYS = ("path", "image", "url", "image_url")  # an image part names its p
 # What a batch with pictures gives the model's forward besides its tokens (LLaVA: pixel values; Qwen-VL:
 # also each picture's patch grid and which tokens are a picture's, for its 3-D positions; LLaVA-NeXT: sizes;
 # Gemma 3: which tokens are a picture's, which attend to each other both ways).
-MODEL_INPUTS = ("pixel_values", "pixel_attention_mask", "image_grid_thw", "image_sizes", "token_type_ids", "mm_token_type_ids")
+MODEL_INPUTS = ("pixel_values", "pixel_attention_mask", "image_grid_thw", "image_sizes", "token_type_ids", "mm_token_type_ids",
+                "aspect_ratio_ids", "aspect_ratio_mask", "cross_attention_mask")
 
 
 def has_images(row: dict) -> bool:
@@ -181,10 +182,30 @@ def image_inputs(processor, pictures: list[bytes], input_ids) -> dict:
     types where the processor gives them (Gemma 3)."""
     import torch
 
+    if "cross_attention_mask" in processor.model_input_names:
+        return _cross_attended(processor, pictures, input_ids)
     out = dict(processor.image_processor(images=decoded(pictures), return_tensors="pt")) if pictures else {}
     for name in ("token_type_ids", "mm_token_type_ids"):  # Gemma 3's name for them, and Qwen-VL's (its 3-D positions need them)
         if name in processor.model_input_names:
             out[name] = processor.create_mm_token_type_ids(input_ids.tolist())
+    return {key: torch.as_tensor(value) for key, value in out.items() if key in MODEL_INPUTS}
+
+
+def _cross_attended(processor, pictures: list[bytes], input_ids) -> dict:
+    """Mllama's image inputs: each row's pictures its own (its text attends to them through cross-attention layers, not
+    through tokens in the row), the tiles of each, and which tokens see which picture (from each `<|image|>` on)."""
+    import torch
+    from transformers.models.mllama.processing_mllama import convert_sparse_cross_attention_mask_to_dense, get_cross_attention_token_mask
+
+    counts = (input_ids == processor.image_token_id).sum(1).tolist()
+    shown, at = [], 0
+    for count in counts:
+        shown.append(decoded(pictures[at : at + count]))
+        at += count
+    out = dict(processor.image_processor(images=shown, return_tensors="pt"))
+    masks = [get_cross_attention_token_mask(row, processor.image_token_id) for row in input_ids.tolist()]
+    out["cross_attention_mask"] = convert_sparse_cross_attention_mask_to_dense(
+        masks, out.pop("num_tiles"), max_num_tiles=processor.image_processor.max_image_tiles, length=input_ids.shape[1])
     return {key: torch.as_tensor(value) for key, value in out.items() if key in MODEL_INPUTS}
 
 

@@ -16,14 +16,14 @@ from finetune.config.errors import UserError
 from finetune.config.schema import AdapterConfig, ModelConfig
 
 # The families whose batches are their processor's (tests/test_vision.py: LLaVA with a CLIP or SigLIP tower,
-# Gemma 3, Idefics3 (SmolVLM's first version is one) with its grid of crops; Qwen2-VL and Qwen2.5-VL through the
-# same path, their processor needing torchvision, which has no wheel for the CPU torch here: docs/vision.md);
-# others are refused in one line. Mllama needs cross-attention masks a batch here does not make; SmolVLM2's
-# processor needs torchvision for its video half.
-FAMILIES = {"llava": "LLaVA", "gemma3": "Gemma 3", "qwen2_vl": "Qwen2-VL", "qwen2_5_vl": "Qwen2.5-VL", "idefics3": "Idefics3 / SmolVLM"}
+# Gemma 3, Idefics3 (SmolVLM's first version is one) with its grid of crops, Mllama with its cross-attention masks;
+# Qwen2-VL and Qwen2.5-VL through the same path, their processor needing torchvision, which has no wheel for the CPU
+# torch here: docs/vision.md); others are refused in one line. SmolVLM2's processor needs torchvision for its video half.
+FAMILIES = {"llava": "LLaVA", "gemma3": "Gemma 3", "qwen2_vl": "Qwen2-VL", "qwen2_5_vl": "Qwen2.5-VL", "idefics3": "Idefics3 / SmolVLM",
+            "mllama": "Mllama"}
 # Those whose packed rows are exact (tests/test_vision.py: packed equals one sample a row): the language model takes
 # restarting positions as a text model does, the pictures' features fill their tokens in order. Qwen-VL's 3-D
-# positions and Gemma 3's picture-wide attention are not packed.
+# positions, Gemma 3's picture-wide attention and Mllama's per-row pictures (cross-attended) are not packed.
 PACKABLE = {"llava", "idefics3"}
 TOWERS = ("vision_tower", "visual", "vision_model")
 PROJECTORS = ("multi_modal_projector", "visual.merger", "connector")
