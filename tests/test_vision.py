@@ -697,7 +697,7 @@ def test_grpo_samples_each_prompt_with_its_picture(llava, picture_data):
     model = _tuned(model_dir).eval()
     cfg = GRPOConfig(num_generations=3, max_completion_length=6, rewards=["length"])
     objective = GRPO(cfg, load_rewards(cfg), seed=0, vision=vision, placeholders=tuple(images.placeholders(vision.args[0])))
-    together = generate(model, tokenizer, [p.ids for p in prompts], 6, "cpu", pictures=objective._pictures([p.pictures for p in prompts]))
+    together = generate(model, tokenizer, [p.ids for p in prompts], 6, "cpu", picture_inputs=objective._picture_inputs([p.pictures for p in prompts]))
     for prompt, completion in zip(prompts, together):
         alone = {"input_ids": torch.tensor([prompt.ids]), **vision(prompt.pictures, torch.tensor([prompt.ids]))}
         with torch.no_grad():

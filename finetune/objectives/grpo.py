@@ -241,10 +241,10 @@ class GRPO(Objective):
         sampler = self.sampler(torch.as_tensor(seeds, device=device))
         shown = [p.pictures for p in prompts for _ in range(cfg.num_generations)]
         completions = generate(model, tokenizer, repeated, cfg.max_completion_length, device, sampler, synced=self.synced, cache=cfg.kv_cache,
-                               pictures=self._pictures(shown), never=self.placeholders)
+                               picture_inputs=self._picture_inputs(shown), never=self.placeholders)
         return [completions[i : i + cfg.num_generations] for i in range(0, len(completions), cfg.num_generations)]
 
-    def _pictures(self, shown: list[list[bytes]]):
+    def _picture_inputs(self, shown: list[list[bytes]]):
         """generate's image inputs for prompts showing these pictures (each prompt's, in order): None for text prompts."""
         if self.vision is None or not any(shown):
             return None
@@ -281,7 +281,7 @@ class GRPO(Objective):
     def greedy_scores(self, model, tokenizer, prompts: list[Prompt], device) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Each prompt's greedy completion's (rewards by function, weighted sum)."""
         completions = generate(model, tokenizer, [p.ids for p in prompts], self.cfg.max_completion_length, device, synced=self.synced,
-                               cache=self.cfg.kv_cache, pictures=self._pictures([p.pictures for p in prompts]), never=self.placeholders)
+                               cache=self.cfg.kv_cache, picture_inputs=self._picture_inputs([p.pictures for p in prompts]), never=self.placeholders)
         return [self._rewards(tokenizer, p, [c]) for p, c in zip(prompts, completions)]
 
     @torch.no_grad()
@@ -353,12 +353,12 @@ def group_row(sequences: list[tuple[list[int], list[bool]]], per_function: torch
 # -- generation ----------------------------------------------------------------------------------
 
 def generate(model, tokenizer, prompts: list[np.ndarray], max_new_tokens: int, device, sampler=None, synced: bool = False,
-             cache: str = "dynamic", pictures=None, never: tuple[int, ...] = ()) -> list[list[int]]:
+             cache: str = "dynamic", picture_inputs=None, never: tuple[int, ...] = ()) -> list[list[int]]:
     """One completion of each prompt (cut after its EOS token) from one `generate` call, the prompts
     left-padded: greedy, or sampled by `sampler` (a GumbelSampler). `synced`: the weights are sharded, and
     every rank runs as many forwards as the rank with the longest completion (transformers' synced_gpus).
     cache: grpo.kv_cache (static: transformers' static KV cache, its decoding step compiled on CUDA).
-    pictures: the padded ids -> the prompts' image inputs (a vision-language model's), or None; `never`: tokens not sampled."""
+    picture_inputs: the padded ids -> the prompts' image inputs (a vision-language model's), or None; `never`: tokens not sampled."""
     from transformers import GenerationConfig, LogitsProcessorList
 
     width = max(len(p) for p in prompts)
@@ -370,7 +370,7 @@ def generate(model, tokenizer, prompts: list[np.ndarray], max_new_tokens: int, d
     settings = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
                                 eos_token_id=tokenizer.eos_token_id, use_cache=True, cache_implementation="static" if cache == "static" else None,
                                 suppress_tokens=list(never) or None)
-    shown = {k: v.to(device) for k, v in pictures(ids).items()} if pictures is not None else {}
+    shown = {k: v.to(device) for k, v in picture_inputs(ids).items()} if picture_inputs is not None else {}
     with root_gathered(model):
         out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), **shown, generation_config=settings,
                              logits_processor=LogitsProcessorList([] if sampler is None else [sampler]), synced_gpus=synced)
