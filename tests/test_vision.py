@@ -756,3 +756,66 @@ def test_prompt_rows_with_pictures_read_in_both_shapes(tmp_path, llava, picture_
         assert int((prompts[answer].ids == image).sum()) == 16 and prompts[answer].pictures == [picture.read_bytes()]
     assert prompts["a"].ids.tolist() == prompts["b"].ids.tolist()
     assert int((prompts["c"].ids == image).sum()) == 0 and prompts["c"].pictures == []
+
+
+def test_dpo_on_pictures_equals_trls_loss(tmp_path, llava, picture_pairs):
+    """DPO on 4 pairs that show pictures (LLaVA): loss and LoRA gradients equal TRL's DPOTrainer with the model's processor
+    on the same pairs, the reference the adapter off in both. The template here ends an answer at its end-of-turn token:
+    TRL also trains the text a template writes after it (the demo template's newline), finetune only what it marks."""
+    pytest.importorskip("trl")
+    from datasets import Dataset
+    from peft import LoraConfig
+    from PIL import Image
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+    from trl import DPOConfig, DPOTrainer
+
+    from finetune.config.schema import DataConfig, ModelConfig, PreferenceConfig
+    from finetune.data.datasets import load_data
+    from finetune.demo import VISION_TEMPLATE
+    from finetune.model import vision
+    from finetune.model.loading import load_tokenizer
+    from finetune.objectives.loss import to_device
+    from finetune.objectives.objective import Preference
+
+    model_dir = tmp_path / "model"
+    shutil.copytree(llava("clip"), model_dir)
+    processor = AutoProcessor.from_pretrained(model_dir)
+    template = VISION_TEMPLATE.replace("{{ '\n' }}{% endfor %}", "{% if m['role'] != 'assistant' %}{{ '\n' }}{% endif %}{% endfor %}")
+    assert template != VISION_TEMPLATE
+    processor.chat_template = processor.tokenizer.chat_template = template
+    processor.save_pretrained(model_dir)
+    rows = [json.loads(line) for line in picture_pairs.read_text().splitlines()[:4]]
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps({**r, "images": [str(picture_pairs.parent / r["images"][0])]}) + "\n" for r in rows))
+
+    processor = vision.processor_for(ModelConfig(name_or_path=str(model_dir)))
+    tokenizer = load_tokenizer(ModelConfig(name_or_path=str(model_dir)), processor)
+    split = load_data(DataConfig(train=str(pairs), format="preference", max_seq_len=160, eval_fraction=0.0, cache_dir=str(tmp_path / "cache")),
+                      tokenizer, seed=0, processor=processor).train
+    batch = split.batch(range(len(split)), tokenizer.pad_token_id)
+    ours = _tuned(model_dir).train()
+    objective = Preference("dpo", PreferenceConfig(beta=0.1))
+    counts = objective.counts(batch)
+    assert counts[0] == 4
+    loss = objective.losses(ours, to_device(batch, "cpu"), counts).tokens / counts[0]
+    loss.backward()
+
+    shown = [{**r, "images": [Image.open(picture_pairs.parent / r["images"][0]).convert("RGB")]} for r in rows]
+    args = DPOConfig(output_dir=str(tmp_path / "trl"), beta=0.1, per_device_train_batch_size=4, report_to=[], use_cpu=True, max_length=None, bf16=False)
+    lora = LoraConfig(r=8, lora_alpha=32, lora_dropout=0.0, target_modules=r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)")
+    trainer = DPOTrainer(model=AutoModelForImageTextToText.from_pretrained(model_dir), args=args, train_dataset=Dataset.from_list(shown),
+                         processing_class=AutoProcessor.from_pretrained(model_dir), peft_config=lora)
+    theirs_model, mine = trainer.model, dict(ours.named_parameters())
+    with torch.no_grad():
+        for name, p in theirs_model.named_parameters():
+            if "lora_" in name:
+                p.copy_(mine[name])
+    theirs_model.train()
+    theirs = trainer.compute_loss(theirs_model, trainer.data_collator([trainer.train_dataset[i] for i in range(4)]))
+    theirs.backward()
+    assert abs(loss.item() - theirs.item()) < 1e-5, (loss.item(), theirs.item())
+    grads = {n: p.grad for n, p in theirs_model.named_parameters() if p.grad is not None}
+    assert grads.keys() == {n for n, p in ours.named_parameters() if p.grad is not None} and grads
+    for name, p in ours.named_parameters():
+        if p.grad is not None:
+            torch.testing.assert_close(p.grad, grads[name], atol=1e-6, rtol=1e-4)
