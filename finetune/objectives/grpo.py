@@ -158,8 +158,9 @@ class GRPO(Objective):
                     for key, value in parts.items():
                         columns.setdefault(key, []).append(value)
                 batch = collate(rows, tokenizer.pad_token_id)
-                if self.vision is not None:  # each completion in its group's row shows its prompt's pictures
-                    batch.update(self.vision([b for p in micro for _ in range(self.cfg.num_generations) for b in p.pictures], batch["input_ids"]))
+                shown = self._picture_inputs([p.pictures for p in micro for _ in range(self.cfg.num_generations)])
+                if shown is not None:  # each completion in its group's row shows its prompt's pictures
+                    batch.update(shown(batch["input_ids"]))
                 batches.append({**batch, **{key: torch.cat(value) for key, value in columns.items()}})
         finally:
             model.train(was_training)
