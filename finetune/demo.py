@@ -224,7 +224,8 @@ VISION_TEMPLATE = (
 
 
 def build_vision_model(out: Path, tokenizer, tower: str = "clip", language: dict | None = None, seed: int = 0, side: int = 56) -> Path:
-    """A random-weight LLaVA (tower "clip" or "siglip"), Gemma 3 ("gemma3"), Idefics3 ("idefics3") or Mllama ("mllama") with `tokenizer` (given the
+    """A random-weight LLaVA (tower "clip" or "siglip"), Gemma 3 ("gemma3"), Idefics3 ("idefics3"), Mllama ("mllama"), Qwen2-VL
+    ("qwen2_vl") or Qwen2.5-VL ("qwen2_5_vl") with `tokenizer` (given the
     family's picture tokens here) and its processor, saved to `out`."""
     import torch
     from transformers import CLIPImageProcessor, LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor, SiglipImageProcessor
@@ -235,6 +236,8 @@ def build_vision_model(out: Path, tokenizer, tower: str = "clip", language: dict
         return _idefics3(out, tokenizer, language, seed)
     if tower == "mllama":
         return _mllama(out, tokenizer, language, seed)
+    if tower in ("qwen2_vl", "qwen2_5_vl"):
+        return _qwen_vl(out, tokenizer, tower, language, seed)
     tokenizer.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN]})
     tokenizer.chat_template = VISION_TEMPLATE
     vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=side, patch_size=14)
@@ -328,6 +331,45 @@ def _mllama(out: Path, tokenizer, language: dict | None, seed: int) -> Path:
     images = MllamaImageProcessorPil(size={"height": 56, "width": 56}, max_image_tiles=2)
     MllamaProcessor(image_processor=images, tokenizer=tokenizer, chat_template=template).save_pretrained(out)
     return out
+
+
+# Qwen-VL's vision towers, tiny: 14-pixel patches, 2 x 2 of them merged into one token (a 56-pixel picture: 4 tokens).
+QWEN_VISION = {"qwen2_vl": dict(depth=2, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2),
+               "qwen2_5_vl": dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, window_size=56,
+                                  fullatt_block_indexes=[1])}
+QWEN_PICTURE = "<|vision_start|><|image_pad|><|vision_end|>"
+
+
+def _qwen_vl(out: Path, tokenizer, family: str, language: dict | None, seed: int) -> Path:
+    """Qwen2-VL's / Qwen2.5-VL's way: `<|image_pad|>` between `<|vision_start|>` and `<|vision_end|>`, widened by its processor to the
+    picture's grid of merged patches; 3-D rotary positions (time, height, width) for the language model. The folder is as the
+    releases ship it, the image processor's settings in preprocessor_config.json."""
+    import torch
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]})
+    tokenizer.chat_template = VISION_TEMPLATE.replace(IMAGE_TOKEN, QWEN_PICTURE)
+    ids = {name: tokenizer.convert_tokens_to_ids(f"<|{name}|>") for name in ("vision_start", "vision_end", "image_pad", "video_pad")}
+    text = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                max_position_embeddings=512, rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]}, bos_token_id=tokenizer.bos_token_id,
+                eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    config = AutoConfig.for_model(family, vision_config={**QWEN_VISION[family], "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2},
+                                  text_config={**text, **(language or {})}, image_token_id=ids["image_pad"], video_token_id=ids["video_pad"],
+                                  vision_start_token_id=ids["vision_start"], vision_end_token_id=ids["vision_end"])
+    torch.manual_seed(seed)
+    AutoModelForImageTextToText.from_config(config).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    write_qwen_vl_processor(out, family)
+    return out
+
+
+def write_qwen_vl_processor(out: Path, family: str) -> None:
+    """Qwen-VL's image processor settings as its releases ship them (preprocessor_config.json): pixels between 56 x 56 and 3584 x 3584."""
+    images = {"image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen2_5_VLProcessor" if family == "qwen2_5_vl" else "Qwen2VLProcessor",
+              "do_convert_rgb": True, "do_normalize": True, "do_rescale": True, "do_resize": True, "rescale_factor": 1 / 255, "resample": 3,
+              "image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711],
+              "min_pixels": 3136, "max_pixels": 12845056, "patch_size": 14, "merge_size": 2, "temporal_patch_size": 2}
+    (out / "preprocessor_config.json").write_text(json.dumps(images, indent=2) + "\n")
 
 
 SHAPES = ("circle", "square", "triangle")

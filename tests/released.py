@@ -39,6 +39,22 @@ SHAPES = {
 }
 
 
+# Released vision-language models and the family tokenizer each is paired with (Qwen2.5-VL's vocabulary, its picture
+# tokens included, is Qwen3's), with the chat template the release ships.
+VISION_SHAPES = {"qwen2.5-vl-7b": "qwen3"}
+QWEN_VL_TEMPLATE = (
+    "{% set pictures = namespace(n=0) %}{% for message in messages %}"
+    "{% if loop.first and message['role'] != 'system' %}<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' or 'image' in part or 'image_url' in part %}{% set pictures.n = pictures.n + 1 %}"
+    "{% if add_vision_id %}Picture {{ pictures.n }}: {% endif %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif part['type'] == 'video' or 'video' in part %}<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif 'text' in part %}{{ part['text'] }}{% endif %}{% endfor %}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
 def tokenizer_dir(family: str) -> Path:
     """The folder holding `family`'s released tokenizer files (fetched by `python tests/released.py`)."""
     folder = CACHE / f"{family}-{TOKENIZERS[family][1]}"
@@ -116,6 +132,28 @@ def build(name: str, out: Path, seed: int = 0, tokenizer: str | None = None, **c
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
+    return out
+
+
+def build_vision(name: str, out: Path, seed: int = 0) -> Path:
+    """A released vision-language model (Qwen2.5-VL), scaled down (a 2-block tower), with random weights, its family's real
+    tokenizer, the release's chat template and image processor settings, saved as a model folder at `out`."""
+    import torch
+    from transformers import AutoConfig, AutoModelForImageTextToText, AutoTokenizer
+
+    from finetune.demo import write_qwen_vl_processor
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir(VISION_SHAPES[name]))
+    tokenizer.chat_template = QWEN_VL_TEMPLATE
+    values = scaled(released_config(name))
+    values["vision_config"] = dict(values["vision_config"], depth=2, hidden_size=32, intermediate_size=64, num_heads=2, fullatt_block_indexes=[1],
+                                   out_hidden_size=values["hidden_size"])
+    kind = values.pop("model_type")
+    config = AutoConfig.for_model(kind, **{k: v for k, v in values.items() if k not in ("architectures", "transformers_version")})
+    torch.manual_seed(seed)
+    AutoModelForImageTextToText.from_config(config, dtype=torch.float32).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    write_qwen_vl_processor(out, kind)
     return out
 
 

@@ -120,7 +120,7 @@ def _tuned_model(model):
 
 # a picture's token, how many (clip-llama2: the CLIP LLaVA with Llama 2's released tokenizer)
 TOWERS = {"clip": ("<image>", 16), "clip-llama2": ("<image>", 16), "siglip": ("<image>", 16), "gemma3": ("<image_soft_token>", 4),
-          "idefics3": ("<image>", 20), "mllama": ("<|image|>", 1)}
+          "idefics3": ("<image>", 20), "mllama": ("<|image|>", 1), "qwen2_vl": ("<|image_pad|>", 4), "qwen2_5_vl": ("<|image_pad|>", 4)}
 
 
 @pytest.mark.parametrize("tower", sorted(TOWERS))
@@ -176,7 +176,7 @@ def test_loss_and_gradients_equal_the_models_own_forward(llava, picture_data, tm
     mine = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad()
     inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "pixel_values", "pixel_attention_mask", "token_type_ids", "aspect_ratio_ids",
-                                    "aspect_ratio_mask", "cross_attention_mask") if k in batch}
+                                    "aspect_ratio_mask", "cross_attention_mask", "image_grid_thw", "mm_token_type_ids") if k in batch}
     theirs = model(**inputs, labels=batch["labels"]).loss
     theirs.backward()
     assert abs(ours.item() / count - theirs.item()) < 1e-5
@@ -185,10 +185,11 @@ def test_loss_and_gradients_equal_the_models_own_forward(llava, picture_data, tm
         torch.testing.assert_close(grad, dict(model.named_parameters())[name].grad, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("tower", ["clip", "siglip", "idefics3"])
+@pytest.mark.parametrize("tower", ["clip", "siglip", "idefics3", "qwen2_vl", "qwen2_5_vl"])
 def test_packed_picture_rows_equal_one_sample_a_row(llava, picture_data, tmp_path, tower):
     """LLaVA packs: its language model keeps the samples of a packed row apart by their restarting positions,
-    the pictures' features go to their tokens in order; loss and LoRA gradients equal the unpacked rows'."""
+    the pictures' features go to their tokens in order; loss and LoRA gradients equal the unpacked rows'. Qwen-VL's
+    3-D positions restart with each sample too."""
     from finetune.objectives.loss import losses, to_device
 
     model_dir = llava(tower)
@@ -202,8 +203,9 @@ def test_packed_picture_rows_equal_one_sample_a_row(llava, picture_data, tmp_pat
     results = []
     for split, which in ((packed, rows), (unpacked, [row_of[x] for x in samples])):
         batch = split.batch(which, tokenizer.pad_token_id)
-        crops = batch["pixel_values"].shape[:2].numel() if tower == "idefics3" else batch["pixel_values"].shape[0]  # its 4 + 1 crops a picture
-        assert ("attention_mask" in batch) == (split is unpacked) and crops == len(samples) * (5 if tower == "idefics3" else 1)
+        crops = batch["pixel_values"].shape[:2].numel() if tower == "idefics3" else batch["pixel_values"].shape[0]
+        per_picture = {"idefics3": 5, "qwen2_vl": 16, "qwen2_5_vl": 16}.get(tower, 1)  # Idefics3's 4 + 1 crops, Qwen-VL's 4 x 4 patches
+        assert ("attention_mask" in batch) == (split is unpacked) and crops == len(samples) * per_picture
         model.zero_grad()
         loss = losses(model, to_device(batch, "cpu")).tokens
         loss.backward()
@@ -212,6 +214,18 @@ def test_packed_picture_rows_equal_one_sample_a_row(llava, picture_data, tmp_pat
     assert abs(a - b) < 1e-5 * abs(b), (a, b)
     for name in grads_b:
         torch.testing.assert_close(grads_a[name], grads_b[name], atol=1e-4, rtol=1e-4)
+    if tower.startswith("qwen"):  # each sample's 3-D positions in the packed row are those the model gives it alone
+        from finetune.model.attention import packed_positions
+
+        together = packed_positions(model, packed.batch(rows[:1], tokenizer.pad_token_id))[1:, 0]
+        first_row = samples[: int(packed.offsets[1] - packed.offsets[0])]
+        starts = (together[0] == 0).nonzero().flatten().tolist()[: len(first_row)]
+        for sample, start in zip(first_row, starts, strict=True):
+            alone = unpacked.batch([row_of[sample]], tokenizer.pad_token_id)
+            mine = model.get_base_model().model.get_rope_index(alone["input_ids"], alone["mm_token_type_ids"], alone["image_grid_thw"],
+                                                                 attention_mask=alone["attention_mask"])[0][:, 0, : int(alone["attention_mask"].sum())]
+            assert torch.equal(together[:, start : start + mine.shape[1]], mine)
+            assert not torch.equal(mine[1], mine[2])  # a picture's tokens: rows and columns of its grid, not a text's one line
 
 
 @pytest.fixture(scope="session")
@@ -268,7 +282,7 @@ def test_kill_and_resume_gives_the_same_losses(tmp_path, llava, picture_data, vi
     assert [losses[s] for s in sorted(losses)] == reference
 
 
-def test_merge_loads_in_transformers_and_generates_from_a_picture(tmp_path, vision_run, picture_data):
+def test_merge_loads_in_transformers_and_generates_from_a_picture(tmp_path, vision_run, picture_data, llava):
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
     from finetune.outputs.generate import answer_picture, as_trained, find_adapter
@@ -284,6 +298,10 @@ def test_merge_loads_in_transformers_and_generates_from_a_picture(tmp_path, visi
     assert answers[0] == answers[1]
     report = json.loads((tmp_path / "merged" / "merge_report.json").read_text())
     assert report["check_pictures"] == 4 and report["passed"]  # the check ran the tower too
+    from safetensors import safe_open  # shard by shard, under the base's own names (LLaVA's older ones, which transformers renames)
+
+    names = [set(safe_open(folder / "model.safetensors", "pt").keys()) for folder in (tmp_path / "merged", llava("clip"))]
+    assert report["by_shard"] and names[0] == names[1]
     from PIL import Image
 
     text = processor.apply_chat_template([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]}],
@@ -321,13 +339,52 @@ def test_a_family_trains_merges_and_answers_a_picture(tmp_path, llava, picture_d
     merged = finetune_in_process("merge", "--adapter", str(tmp_path / "out"), "--out", str(tmp_path / "merged"))
     assert merged.returncode == 0, merged.stderr[-3000:]
     report = json.loads((tmp_path / "merged" / "merge_report.json").read_text())
-    assert report["check_pictures"] == 4 and report["passed"]
+    assert report["check_pictures"] == 4 and report["passed"] and report["by_shard"]
     model = AutoModelForImageTextToText.from_pretrained(tmp_path / "merged").eval()
     processor = AutoProcessor.from_pretrained(tmp_path / "merged")
     picture = str(picture_data.parent / "img" / "00001.png")
     tuned = as_trained(find_adapter(str(tmp_path / "out"), None))
     answers = [answer_picture(m, processor, QUESTION, picture, max_new_tokens=4, stream=False) for m in (model, tuned)]
     assert answers[0] == answers[1] and answers[0]
+
+
+def test_a_released_qwen2_5_vl_folder_plans_trains_merges_and_answers_a_picture(tmp_path, picture_data):
+    """Qwen2.5-VL as released (its config scaled down, Qwen's real tokenizer, the release's chat template and image
+    processor settings), one config through plan, train, merge and generate. Here without torchvision: its processor is
+    built for pictures only, and saves as the family's (docs/vision.md). Only the answer and its end-of-turn train."""
+    from released import build_vision
+
+    from finetune.config.schema import ModelConfig
+    from finetune.data.rows import canonical
+    from finetune.model import vision
+
+    model_dir = build_vision("qwen2.5-vl-7b", tmp_path / "model")
+    processor = vision.processor_for(ModelConfig(name_or_path=str(model_dir)))
+    assert type(processor).__name__ == "Qwen2_5_VLProcessor" and not hasattr(processor, "video_processor")
+    split, _, tokenizer = _split(model_dir, picture_data, tmp_path)
+    batch = split.batch([0, 1], tokenizer.pad_token_id)
+    lines = picture_data.read_text().splitlines()
+    answers = [canonical(json.loads(lines[int(split.samples[split.order[r]])]), "chat")[0]["messages"][-1]["content"] for r in (0, 1)]
+    assert [tokenizer.decode(row[labels != IGNORE]) for row, labels in zip(batch["input_ids"], batch["labels"])] == [a + "<|im_end|>" for a in answers]
+    assert int((batch["input_ids"] == tokenizer.convert_tokens_to_ids("<|image_pad|>")).sum()) == 2 * 4  # 56 x 56: 4 x 4 patches, merged 2 x 2
+    config = write_config(tmp_path / "run.yaml", _config(model_dir, picture_data, tmp_path / "out"))
+    planned = finetune_in_process("plan", "--config", str(config))
+    assert planned.returncode == 0 and "vision tower + projector" in planned.stdout, planned.stderr[-2000:]
+    result = finetune_in_process("train", "--config", str(config))
+    assert result.returncode == 0, result.stderr[-3000:]
+    losses = [r["loss"] for r in read_jsonl(tmp_path / "out" / "metrics.jsonl") if "loss" in r]
+    assert losses[-1] < losses[0] - 0.5, losses
+    merged = finetune_in_process("merge", "--adapter", str(tmp_path / "out"), "--out", str(tmp_path / "merged"))
+    assert merged.returncode == 0, merged.stderr[-3000:]
+    report = json.loads((tmp_path / "merged" / "merge_report.json").read_text())
+    assert report["check_pictures"] == 4 and report["passed"] and report["by_shard"]  # its weights under the release's names, as the base's
+    saved = json.loads((tmp_path / "merged" / "processor_config.json").read_text())
+    assert saved["processor_class"] == "Qwen2_5_VLProcessor" and (tmp_path / "merged" / "preprocessor_config.json").is_file()
+    picture = str(picture_data.parent / "img" / "00001.png")
+    answers = [finetune_in_process("generate", *source, "--image", picture, "--prompt", QUESTION, "--max-new-tokens", "4")
+               for source in (("--model", str(tmp_path / "merged")), ("--adapter", str(tmp_path / "out")))]
+    assert all(a.returncode == 0 for a in answers), answers[0].stderr[-2000:]
+    assert answers[0].stdout == answers[1].stdout and answers[0].stdout.strip()
 
 
 BAD = {
@@ -468,54 +525,6 @@ def test_qlora_quantizes_the_language_model_and_keeps_the_tower(tmp_path, llava,
     assert losses[-1] < losses[0] - 0.3, losses
 
 
-QWEN_VISION = {"qwen2_vl": dict(depth=2, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2),
-               "qwen2_5_vl": dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, window_size=56,
-                                  fullatt_block_indexes=[1])}
-
-
-@pytest.mark.parametrize("family", sorted(QWEN_VISION))
-def test_qwen_vl_trains_through_its_own_forward(family):
-    """Qwen2-VL's processor needs torchvision, which has no wheel here (docs/vision.md): its image processor's pixels
-    and <|image_pad|> widened to each picture's grid by hand make the batch. Our loss (the model's own 3-D positions,
-    from the attention mask) and LoRA gradients equal the model's own loss with labels; LoRA adapts the language
-    model only (not `visual`, nor the merger in it)."""
-    from PIL import Image
-    from transformers import AutoConfig, AutoModelForImageTextToText
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
-    from finetune.model import vision
-    from finetune.objectives.loss import losses, to_device
-
-    pad, start, end = 1000, 1001, 1002
-    config = AutoConfig.for_model(family, vision_config={**QWEN_VISION[family], "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2},
-                                  text_config=dict(vocab_size=1010, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                                                   num_key_value_heads=2, rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]}),
-                                  image_token_id=pad, video_token_id=1003, vision_start_token_id=start, vision_end_token_id=end)
-    torch.manual_seed(0)
-    model = _tuned_model(AutoModelForImageTextToText.from_config(config))
-    assert vision.part_names(model.get_base_model()) == {"tower": "model.visual", "projector": "model.visual.merger", "language": "model.language_model"}
-    assert not any(".visual." in n for n, p in model.named_parameters() if p.requires_grad)
-    pictures = [Image.new("RGB", (56, 56), colour) for colour in ("red", "blue")]
-    out = Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=56 * 56).preprocess(pictures, return_tensors="pt")
-    tokens = int(out["image_grid_thw"][0].prod()) // 4  # 2 x 2 patches merged into one token
-    rows = [[5, 6, start, *[pad] * tokens, end, 7, 8, 9, 10, 11], [12, start, *[pad] * tokens, end, 13, 14, 15]]
-    width = max(map(len, rows))
-    ids = torch.tensor([r + [0] * (width - len(r)) for r in rows])
-    mask = (torch.arange(width) < torch.tensor([len(r) for r in rows])[:, None]).long()
-    labels = torch.where(mask.bool() & (torch.arange(width) >= width - 6), ids, -100)
-    batch = {"input_ids": ids, "labels": labels, "position_ids": torch.arange(width).expand(2, -1).clone(), "attention_mask": mask,
-             "pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"], "mm_token_type_ids": (ids == pad).long()}
-    ours = losses(model, to_device(batch, "cpu")).tokens / int((labels[:, 1:] != -100).sum())
-    ours.backward()
-    mine = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad()
-    theirs = model(**{k: batch[k] for k in ("input_ids", "attention_mask", "pixel_values", "image_grid_thw", "mm_token_type_ids")}, labels=labels).loss
-    theirs.backward()
-    assert abs(ours.item() - theirs.item()) < 1e-5 and mine
-    for name, grad in mine.items():
-        torch.testing.assert_close(grad, dict(model.named_parameters())[name].grad, atol=1e-4, rtol=1e-4)
-
-
 def test_a_saved_dataset_with_image_features_reads_its_pictures_bytes(tmp_path, picture_data):
     """`datasets`' Image feature (a save_to_disk folder, as a hub dataset gives it): its stored bytes reach the row."""
     import datasets
@@ -547,9 +556,9 @@ def picture_pairs(tmp_path_factory, picture_data):
     return once(tmp_path_factory, "picture-pairs", build) / "pairs.jsonl"
 
 
-@pytest.mark.parametrize("tower", ["clip", "idefics3"])
+@pytest.mark.parametrize("tower", ["clip", "idefics3", "qwen2_5_vl"])
 def test_a_pairs_sequences_each_show_the_prompts_picture(llava, picture_pairs, tmp_path, tower):
-    """A preference pair with a picture (LLaVA, Idefics3): both sequences in one row, apart by their positions, each with the
+    """A preference pair with a picture (LLaVA, Idefics3, Qwen2.5-VL): both sequences in one row, apart by their positions, each with the
     picture; each answer's summed log-probability equals the model's own on that sequence alone, from its processor."""
     from finetune.config.schema import DataConfig, ModelConfig
     from finetune.data.chat import render
@@ -567,8 +576,9 @@ def test_a_pairs_sequences_each_show_the_prompts_picture(llava, picture_pairs, t
     cfg = DataConfig(train=str(picture_pairs), format="preference", max_seq_len=160, packing=False, eval_fraction=0.0, cache_dir=str(tmp_path))
     split = load_data(cfg, tokenizer, seed=0, processor=processor).train
     batch = split.batch([0, 1], tokenizer.pad_token_id)
-    crops = batch["pixel_values"].shape[:2].numel() if tower == "idefics3" else batch["pixel_values"].shape[0]  # Idefics3: 4 + 1 crops a picture
-    assert "attention_mask" not in batch and crops == 4 * (5 if tower == "idefics3" else 1)  # two pairs, the picture in each of their four sequences
+    crops = batch["pixel_values"].shape[:2].numel() if tower == "idefics3" else batch["pixel_values"].shape[0]
+    per_picture = {"idefics3": 5, "qwen2_5_vl": 16}.get(tower, 1)  # Idefics3's 4 + 1 crops, Qwen-VL's 4 x 4 patches
+    assert "attention_mask" not in batch and crops == 4 * per_picture  # two pairs, the picture in each of their four sequences
     model = _tuned(model_dir).eval()
     keep = trained_mask(batch["labels"])
     with torch.no_grad():
@@ -683,7 +693,8 @@ def test_grpo_on_pictures_equals_trls_loss(tmp_path, llava, picture_data, beta):
         torch.testing.assert_close(grad, dict(model.named_parameters())[name].grad, atol=1e-4, rtol=1e-4)
 
 
-def test_grpo_samples_each_prompt_with_its_picture(llava, picture_data):
+@pytest.mark.parametrize("tower", ["clip", "qwen2_5_vl"])
+def test_grpo_samples_each_prompt_with_its_picture(llava, picture_data, tower):
     """The rollout's `generate` call sees each prompt's picture: greedy completions of two prompts together equal the
     model's own `generate` on each prompt alone from its processor; a rollout's training batch shows each completion its
     prompt's picture (num_generations copies, in order)."""
@@ -692,7 +703,7 @@ def test_grpo_samples_each_prompt_with_its_picture(llava, picture_data):
     from finetune.objectives.grpo import GRPO, generate
     from finetune.objectives.rewards import load_rewards
 
-    model_dir = llava("clip")
+    model_dir = llava(tower)
     prompts, tokenizer, vision = _picture_prompts(model_dir, picture_data)
     model = _tuned(model_dir).eval()
     cfg = GRPOConfig(num_generations=3, max_completion_length=6, rewards=["length"])
@@ -708,7 +719,8 @@ def test_grpo_samples_each_prompt_with_its_picture(llava, picture_data):
     batches, _ = objective._sampled(model, tokenizer, [prompts], position=0, device="cpu", old_logps=False)
     shown = [b for p in prompts for _ in range(3) for b in p.pictures]
     torch.testing.assert_close(batches[0]["pixel_values"], vision(shown, batches[0]["input_ids"])["pixel_values"], rtol=0, atol=0)
-    assert not torch.equal(batches[0]["pixel_values"][0], batches[0]["pixel_values"][3])
+    per = 16 if tower == "qwen2_5_vl" else 1  # Qwen-VL: a picture's 16 patches, one a row
+    assert not torch.equal(batches[0]["pixel_values"][:per], batches[0]["pixel_values"][3 * per : 4 * per])  # the second prompt's picture
 
 
 def test_grpo_on_pictures_resumes_bitwise_after_kill_9(tmp_path, llava, picture_data):

@@ -24,6 +24,9 @@ when gradient checkpointing recomputes a layer in the backward) and in eval forw
 which run inside `packed_rows()`; any other forward (generation with a KV cache or padding) is plain
 sdpa over the mask transformers builds.
 
+Qwen-VL takes its 3-D rotary positions (time, height, width of a picture's tokens) with the restarting
+text positions above them, the 4-row form its forward reads packed rows from (`packed_positions`).
+
 Not every architecture keeps packed samples apart: some build their masks from an attention mask alone
 (ALiBi, learned positions), some never route attention through the interface (`leak` measures both on
 the loaded model itself), and SSM, linear-attention and short-convolution layers carry a state along
@@ -89,6 +92,23 @@ def base_model(model):
     """The transformers model inside DDP, DeepSpeed and peft wrappers."""
     inner = getattr(model, "module", model)
     return inner.get_base_model() if hasattr(inner, "get_base_model") else inner
+
+
+def packed_positions(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Packed rows' position_ids as the model takes them. Qwen-VL's 3-D rotary positions (time, height, width: its own
+    get_rope_index over each row) made each sample's own by taking off its first token's, below the restarting text
+    positions its attention keeps the samples apart by: the 4-row form its forward takes for packed rows."""
+    text = batch["position_ids"]
+    rope_index = getattr(getattr(base_model(model), "model", None), "get_rope_index", None)
+    if rope_index is None:
+        return text
+    if "image_grid_thw" in batch:
+        rope, _ = rope_index(batch["input_ids"], batch["mm_token_type_ids"], image_grid_thw=batch["image_grid_thw"])
+    else:
+        rope = text[None].expand(3, -1, -1)
+    columns = torch.arange(text.shape[-1], device=text.device).expand_as(text)
+    first = torch.where(text == 0, columns, 0).cummax(-1).values  # each token's sample's first column
+    return torch.cat([text[None], rope - rope.gather(2, first[None].expand(3, -1, -1))])
 
 
 def attention_of(model) -> str | None:
@@ -343,7 +363,8 @@ def leak(model, vocab_size: int, device: torch.device | str) -> float:
         mask = {"attention_mask": mask_placeholder(device)} if attention_of(model) == PACKED_SDPA else {}
         with packed_rows():
             for name, (ids, positions) in runs.items():
-                out = model(input_ids=ids[None].to(device), position_ids=positions[None].to(device), use_cache=False, **mask)
+                row = {"input_ids": ids[None].to(device), "position_ids": positions[None].to(device)}
+                out = model(input_ids=row["input_ids"], position_ids=packed_positions(model, row), use_cache=False, **mask)
                 logits[name] = out.logits[0, -8:].float()
     finally:
         model.train(was_training)

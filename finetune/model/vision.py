@@ -15,16 +15,17 @@ import re
 from finetune.config.errors import UserError
 from finetune.config.schema import AdapterConfig, ModelConfig
 
-# The families whose batches are their processor's (tests/test_vision.py: LLaVA with a CLIP or SigLIP tower,
-# Gemma 3, Idefics3 (SmolVLM's first version is one) with its grid of crops, Mllama with its cross-attention masks;
-# Qwen2-VL and Qwen2.5-VL through the same path, their processor needing torchvision, which has no wheel for the CPU
-# torch here: docs/vision.md); others are refused in one line. SmolVLM2's processor needs torchvision for its video half.
+# The families whose batches are their processor's (tests/test_vision.py: LLaVA with a CLIP or SigLIP tower, Gemma 3,
+# Idefics3 (SmolVLM's first version is one) with its grid of crops, Mllama with its cross-attention masks, Qwen2-VL and
+# Qwen2.5-VL with their 3-D positions; without torchvision, their processor for pictures only: _without_video); others
+# are refused in one line.
 FAMILIES = {"llava": "LLaVA", "gemma3": "Gemma 3", "qwen2_vl": "Qwen2-VL", "qwen2_5_vl": "Qwen2.5-VL", "idefics3": "Idefics3 / SmolVLM",
             "mllama": "Mllama"}
 # Those whose packed rows are exact (tests/test_vision.py: packed equals one sample a row): the language model takes
-# restarting positions as a text model does, the pictures' features fill their tokens in order. Qwen-VL's 3-D
-# positions, Gemma 3's picture-wide attention and Mllama's per-row pictures (cross-attended) are not packed.
-PACKABLE = {"llava", "idefics3"}
+# restarting positions as a text model does (Qwen-VL: its 3-D positions each sample's own, objectives/loss.py), the
+# pictures' features fill their tokens in order. Gemma 3's picture-wide attention and Mllama's per-row pictures
+# (cross-attended) are not packed.
+PACKABLE = {"llava", "idefics3", "qwen2_vl", "qwen2_5_vl"}
 TOWERS = ("vision_tower", "visual", "vision_model")
 PROJECTORS = ("multi_modal_projector", "visual.merger", "connector")
 
@@ -51,18 +52,61 @@ def processor_for(cfg: ModelConfig, model: str | None = None):
         config = AutoConfig.from_pretrained(model or cfg.name_or_path, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code).to_dict()
     except Exception:  # noqa: BLE001 - any unreadable config: load_model names it
         return None
-    return load_processor(cfg) if is_vision(config) else None
+    return load_processor(cfg, config.get("model_type")) if is_vision(config) else None
 
 
-def load_processor(cfg: ModelConfig):
+def load_processor(cfg: ModelConfig, model_type: str | None = None):
     from transformers import AutoProcessor
 
+    settings = dict(revision=cfg.revision, trust_remote_code=cfg.trust_remote_code, **cfg.processor)
     try:
-        return AutoProcessor.from_pretrained(cfg.name_or_path, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code, **cfg.processor)
+        return AutoProcessor.from_pretrained(cfg.name_or_path, **settings)
     except Exception as err:  # noqa: BLE001 - a missing file, a bad setting or a missing library (torchvision): one line
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        hint = " (its processor needs torchvision: pip install torchvision, the build matching your torch)" if "orchvision" in str(err) else ""
-        raise UserError(f"model.name_or_path: cannot load the processor of '{cfg.name_or_path}': {first}{hint}") from None
+        failed = err
+    pictures_only = _without_video(model_type)
+    if pictures_only is not None:
+        try:
+            processor = pictures_only.from_pretrained(cfg.name_or_path, **settings)
+            processor.source = cfg.name_or_path
+            return processor
+        except Exception as err:  # noqa: BLE001 - as above
+            failed = err
+    first = str(failed).strip().splitlines()[0] if str(failed).strip() else type(failed).__name__
+    hint = " (its processor needs torchvision: pip install torchvision, the build matching your torch)" if "orchvision" in str(failed) else ""
+    raise UserError(f"model.name_or_path: cannot load the processor of '{cfg.name_or_path}': {first}{hint}")
+
+
+def _without_video(model_type: str | None):
+    """The family's processor class without its video half, where torchvision is missing (no wheel matches the CPU
+    torch here: docs/platform-notes.md); None where that is not what stops it. Qwen-VL's and SmolVLM2's processors
+    take a video processor, which needs torchvision, and transformers will not build them without one; their
+    pictures need only the image processor, whose PIL version transformers picks then. The class keeps the
+    family's name, so that a saved processor is the family's, and saves its video settings as the source had them."""
+    import transformers
+    from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
+    from transformers.utils import is_torchvision_available
+
+    family = getattr(transformers, PROCESSOR_MAPPING_NAMES.get(model_type) or "", None)
+    if is_torchvision_available() or family is None or "video_processor" not in family.get_attributes():
+        return None
+    return type(family.__name__, (family,), {
+        "__module__": __name__, "__doc__": f"{family.__name__} for pictures only (no torchvision here for its videos).",
+        "get_attributes": classmethod(lambda cls: [a for a in family.get_attributes() if a != "video_processor"]),
+        "save_pretrained": _save_with_video_settings})
+
+
+def _save_with_video_settings(self, out, **kwargs):
+    """A pictures-only processor saved as the family's: where torchvision is, the video processor reads the source's
+    video settings, or (as for a release that has none) the image processor's."""
+    import shutil
+    from pathlib import Path
+
+    made = super(type(self), self).save_pretrained(out, **kwargs)
+    self.image_processor.save_pretrained(out)
+    video = Path(getattr(self, "source", "")) / "video_preprocessor_config.json"
+    if video.is_file():
+        shutil.copyfile(video, Path(out) / video.name)
+    return made
 
 
 def part_names(model) -> dict[str, str]:

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from finetune.data.images import MODEL_INPUTS
 from finetune.data.rows import IGNORE
 from finetune.model import families
-from finetune.model.attention import PACKED_SDPA, accelerator_path, attention_of, base_model, mask_placeholder, packed_rows, with_bounds
+from finetune.model.attention import PACKED_SDPA, accelerator_path, attention_of, base_model, mask_placeholder, packed_positions, packed_rows, with_bounds
 
 # Logits held at once: 16 MiB in fp32 on CPU. Each chunk reads the whole head weight twice, so smaller
 # chunks make the matmuls memory-bound (8 MiB ran the bench's steps ~6% slower); much larger ones leave
@@ -113,7 +113,7 @@ def forward_kept(model, batch: dict[str, torch.Tensor], router: bool = False, fu
     keep, targets = next_token_targets(batch)
     # A vision-language model's unpacked rows take its own attention mask (Qwen-VL then computes its 3-D positions);
     # packed rows (LLaVA's too) restarting positions.
-    apart = {"attention_mask": batch["attention_mask"]} if "attention_mask" in batch else {"position_ids": batch["position_ids"]}
+    apart = {"attention_mask": batch["attention_mask"]} if "attention_mask" in batch else {"position_ids": packed_positions(model, batch)}
     inputs = {"input_ids": batch["input_ids"], **apart, "use_cache": False, **picture_inputs(batch)}
     if router:  # Mixtral-style load balancing reads a 2-D attention_mask if there is one: none then
         inputs["output_router_logits"] = True

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from finetune.config.schema import PreferenceConfig
+from finetune.model.attention import packed_positions
 from finetune.objectives.loss import Losses, losses, picture_inputs, trained_mask, trained_tokens
 
 
@@ -254,7 +255,7 @@ def token_logps(model, batch: dict[str, torch.Tensor], where: torch.Tensor, rout
     load-balancing loss of this forward (added as TRL's preference trainers add it). Logits only there
     (transformers' logits_to_keep mask), divided by the sampling temperature (GRPO, as TRL), log-softmax in fp32."""
     extra = {"output_router_logits": True} if router else {}
-    out = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False, logits_to_keep=where, **extra,
+    out = model(input_ids=batch["input_ids"], position_ids=packed_positions(model, batch), use_cache=False, logits_to_keep=where, **extra,
                 **picture_inputs(batch))  # a vision-language model's pair shows its prompt's pictures
     targets = batch["input_ids"][:, 1:][where[:, :-1]]
     logits = out.logits.float() if temperature == 1.0 else out.logits.float() / temperature

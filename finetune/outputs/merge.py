@@ -225,6 +225,8 @@ class Targets:
                 layers[f"{name}.weight"] = module
             elif type(module).__name__ in ("Linear4bit", "Linear8bitLt") or nf4.is_nf4(getattr(module, "weight", None)):
                 quantized[f"{name.removesuffix('.base_layer')}.weight"] = (module.weight, getattr(module, "state", None))
+        named = _file_keys(tuned.get_base_model(), set(layers) | set(replaced) | set(quantized), keys)
+        layers, replaced, quantized = ({named[k]: v for k, v in found.items()} for found in (layers, replaced, quantized))
         missing = sorted((set(layers) | set(replaced)) - keys)
         if missing:
             return None, f"{missing[0]} is not a key of the base's weight files (the model renames its weights when loading)"
@@ -252,6 +254,22 @@ class Targets:
             weight = stored
         layer = self.layers.get(key)
         return weight if layer is None else merge_layer(layer, weight.float(), self.config)
+
+
+def _file_keys(model, names: set[str], keys: set[str]) -> dict[str, str]:
+    """Each weight's name in the model -> its key in the base's files. transformers renames some checkpoints' weights as
+    it loads them (a vision-language model's language model under model.language_model) and reverts that as it saves;
+    so does this, a name at a time (a name it cannot place stays as it is)."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    out = {}
+    for name in names:
+        try:
+            renamed = list(revert_weight_conversion(model, {name: torch.empty(0)})) if name not in keys else [name]
+        except Exception:  # noqa: BLE001 - a conversion that is more than a rename: the whole-model merge takes it
+            renamed = [name]
+        out[name] = renamed[0] if len(renamed) == 1 else name
+    return out
 
 
 def merge_layer(layer, weight: torch.Tensor, config) -> torch.Tensor:

@@ -97,7 +97,7 @@ def check_vision(cfg: RunConfig) -> None:
         cfg.train.objective == "grpo" and cfg.grpo.kv_cache == "static" and
         "grpo.kv_cache: static is not tested with a vision-language model; use dynamic",
         cfg.data.packing and config.get("model_type") not in vision.PACKABLE and
-        f"data.packing: {config.get('model_type')}'s rows with pictures are not packed (its positions, its pictures' attention or its "
+        f"data.packing: {config.get('model_type')}'s rows with pictures are not packed (its pictures' attention or its "
         f"cross-attended pictures span a row); set data.packing: false (packed: {', '.join(sorted(vision.PACKABLE))})",
         cfg.distributed.sequence_parallel > 1 and "distributed.sequence_parallel: not with a vision-language model (a picture's tokens would be split)",
         cfg.model.tiled_mlp > 1 and "model.tiled_mlp: not with a vision-language model yet",
