@@ -224,7 +224,7 @@ VISION_TEMPLATE = (
 
 
 def build_vision_model(out: Path, tokenizer, tower: str = "clip", language: dict | None = None, seed: int = 0, side: int = 56) -> Path:
-    """A random-weight LLaVA (tower "clip" or "siglip"), Gemma 3 ("gemma3"), Idefics3 ("idefics3"), Mllama ("mllama"), Qwen2-VL
+    """A random-weight LLaVA (tower "clip" or "siglip"), Gemma 3 ("gemma3"), Idefics3 ("idefics3"), SmolVLM2 ("smolvlm"), Mllama ("mllama"), Qwen2-VL
     ("qwen2_vl") or Qwen2.5-VL ("qwen2_5_vl") with `tokenizer` (given the
     family's picture tokens here) and its processor, saved to `out`."""
     import torch
@@ -232,8 +232,8 @@ def build_vision_model(out: Path, tokenizer, tower: str = "clip", language: dict
 
     if tower == "gemma3":
         return _gemma3(out, tokenizer, language, seed)
-    if tower == "idefics3":
-        return _idefics3(out, tokenizer, language, seed)
+    if tower in ("idefics3", "smolvlm"):
+        return _idefics3(out, tokenizer, language, seed, tower)
     if tower == "mllama":
         return _mllama(out, tokenizer, language, seed)
     if tower in ("qwen2_vl", "qwen2_5_vl"):
@@ -287,12 +287,17 @@ def _gemma3(out: Path, tokenizer, language: dict | None, seed: int) -> Path:
     return out
 
 
-def _idefics3(out: Path, tokenizer, language: dict | None, seed: int) -> Path:
+def _idefics3(out: Path, tokenizer, language: dict | None, seed: int, family: str = "idefics3") -> Path:
     """Idefics3's (SmolVLM's) way: each `<image>` widened by its processor to the picture's crops, here a 2 x 2 grid
     of 56-pixel crops of the picture enlarged to 112 and the whole picture at 56, each crop 4 tokens (16 patches
-    shuffled 2 x 2 into one) between its row/column tag and `<fake_token_around_image>`."""
+    shuffled 2 x 2 into one) between its row/column tag and `<fake_token_around_image>`. SmolVLM2 ("smolvlm") is the
+    same model with its own classes; its processor also takes videos (without torchvision, vision.load_processor
+    builds it for pictures only, and so does this)."""
     import torch
-    from transformers import Idefics3Config, Idefics3ForConditionalGeneration, Idefics3ImageProcessorPil, Idefics3Processor
+    from transformers import AutoConfig, AutoModelForImageTextToText, Idefics3ImageProcessorPil, Idefics3Processor
+    from transformers.models.smolvlm.image_processing_pil_smolvlm import SmolVLMImageProcessorPil
+
+    from finetune.model import vision
 
     tags = ["<fake_token_around_image>", IMAGE_TOKEN, "<end_of_utterance>", "<global-img>"]
     tokenizer.add_special_tokens({"additional_special_tokens": tags + [f"<row_{i}_col_{j}>" for i in range(1, 7) for j in range(1, 7)]})
@@ -300,13 +305,15 @@ def _idefics3(out: Path, tokenizer, language: dict | None, seed: int) -> Path:
     text = dict(model_type="llama", vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, bos_token_id=tokenizer.bos_token_id,
                 eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    config = Idefics3Config(text_config={**text, **(language or {})}, scale_factor=2, image_token_id=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN),
-                            vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=56,
-                                               patch_size=14))
+    config = AutoConfig.for_model(family, text_config={**text, **(language or {})}, scale_factor=2, image_token_id=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN),
+                                  vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=56,
+                                                     patch_size=14))
     torch.manual_seed(seed)
-    Idefics3ForConditionalGeneration(config).save_pretrained(out)
-    images = Idefics3ImageProcessorPil(size={"longest_edge": 112}, max_image_size={"longest_edge": 56}, do_image_splitting=True)
-    Idefics3Processor(image_processor=images, tokenizer=tokenizer, image_seq_len=4, chat_template=VISION_TEMPLATE).save_pretrained(out)
+    AutoModelForImageTextToText.from_config(config).save_pretrained(out)
+    sizes = dict(size={"longest_edge": 112}, max_image_size={"longest_edge": 56}, do_image_splitting=True)
+    processor = Idefics3Processor if family == "idefics3" else (vision._without_video(family) or __import__("transformers").SmolVLMProcessor)
+    images = (Idefics3ImageProcessorPil if family == "idefics3" else SmolVLMImageProcessorPil)(**sizes)
+    processor(image_processor=images, tokenizer=tokenizer, image_seq_len=4, chat_template=VISION_TEMPLATE).save_pretrained(out)
     return out
 
 

@@ -1,7 +1,8 @@
 """Vision-language models: rows with pictures tokenized as the model's processor does, the loss and
 gradients of the model's own forward, LoRA on the language model only, DDP = one process, kill -9 and
 resume, bad picture rows in one line, merge and generate with a picture. Tiny LLaVAs (a CLIP and a SigLIP
-tower), a Gemma 3 and an Idefics3 with the demo tokenizer given each family's picture tokens (finetune/demo.py)."""
+tower), a Gemma 3, an Idefics3, a SmolVLM2, an Mllama, a Qwen2-VL and a Qwen2.5-VL with the demo tokenizer given each
+family's picture tokens (finetune/demo.py), and a released-shape Qwen2.5-VL with Qwen's own tokenizer (released.py)."""
 
 from __future__ import annotations
 
@@ -120,7 +121,8 @@ def _tuned_model(model):
 
 # a picture's token, how many (clip-llama2: the CLIP LLaVA with Llama 2's released tokenizer)
 TOWERS = {"clip": ("<image>", 16), "clip-llama2": ("<image>", 16), "siglip": ("<image>", 16), "gemma3": ("<image_soft_token>", 4),
-          "idefics3": ("<image>", 20), "mllama": ("<|image|>", 1), "qwen2_vl": ("<|image_pad|>", 4), "qwen2_5_vl": ("<|image_pad|>", 4)}
+          "idefics3": ("<image>", 20), "smolvlm": ("<image>", 20), "mllama": ("<|image|>", 1), "qwen2_vl": ("<|image_pad|>", 4),
+          "qwen2_5_vl": ("<|image_pad|>", 4)}
 
 
 @pytest.mark.parametrize("tower", sorted(TOWERS))
@@ -185,7 +187,7 @@ def test_loss_and_gradients_equal_the_models_own_forward(llava, picture_data, tm
         torch.testing.assert_close(grad, dict(model.named_parameters())[name].grad, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("tower", ["clip", "siglip", "idefics3", "qwen2_vl", "qwen2_5_vl"])
+@pytest.mark.parametrize("tower", ["clip", "siglip", "idefics3", "smolvlm", "qwen2_vl", "qwen2_5_vl"])
 def test_packed_picture_rows_equal_one_sample_a_row(llava, picture_data, tmp_path, tower):
     """LLaVA packs: its language model keeps the samples of a packed row apart by their restarting positions,
     the pictures' features go to their tokens in order; loss and LoRA gradients equal the unpacked rows'. Qwen-VL's
@@ -203,8 +205,8 @@ def test_packed_picture_rows_equal_one_sample_a_row(llava, picture_data, tmp_pat
     results = []
     for split, which in ((packed, rows), (unpacked, [row_of[x] for x in samples])):
         batch = split.batch(which, tokenizer.pad_token_id)
-        crops = batch["pixel_values"].shape[:2].numel() if tower == "idefics3" else batch["pixel_values"].shape[0]
-        per_picture = {"idefics3": 5, "qwen2_vl": 16, "qwen2_5_vl": 16}.get(tower, 1)  # Idefics3's 4 + 1 crops, Qwen-VL's 4 x 4 patches
+        crops = batch["pixel_values"].shape[:2].numel() if tower in ("idefics3", "smolvlm") else batch["pixel_values"].shape[0]
+        per_picture = {"idefics3": 5, "smolvlm": 5, "qwen2_vl": 16, "qwen2_5_vl": 16}.get(tower, 1)  # Idefics3's 4 + 1 crops, Qwen-VL's 4 x 4 patches
         assert ("attention_mask" in batch) == (split is unpacked) and crops == len(samples) * per_picture
         model.zero_grad()
         loss = losses(model, to_device(batch, "cpu")).tokens
@@ -317,13 +319,17 @@ def test_merge_loads_in_transformers_and_generates_from_a_picture(tmp_path, visi
     assert first["completion"] == answers[0]
 
 
-@pytest.mark.parametrize(("tower", "language", "packing"), [("idefics3", ".text_model.", True), ("mllama", ".language_model.", False)])
+@pytest.mark.parametrize(("tower", "language", "packing"), [("idefics3", ".text_model.", True), ("smolvlm", ".text_model.", True),
+                                                           ("mllama", ".language_model.", False)])
 def test_a_family_trains_merges_and_answers_a_picture(tmp_path, llava, picture_data, tower, language, packing):
-    """Idefics3 (SmolVLM's first version; packed rows of pictures in 2 x 2 crops and the whole) and Mllama (one row a
+    """Idefics3 (SmolVLM's first version) and SmolVLM2 (packed rows of pictures in 2 x 2 crops and the whole; SmolVLM2's
+    processor for pictures only here, without torchvision) and Mllama (one row a
     sample, its pictures cross-attended) end to end: LoRA on the language model only, merged into a folder transformers
     loads, which answers a picture as base + adapter does."""
-    from transformers import AutoModelForImageTextToText, AutoProcessor
+    from transformers import AutoModelForImageTextToText
 
+    from finetune.config.schema import ModelConfig
+    from finetune.model import vision
     from finetune.outputs.generate import answer_picture, as_trained, find_adapter
 
     cfg = _config(llava(tower), picture_data, tmp_path / "out", data={"packing": packing, "max_seq_len": 160})
@@ -341,7 +347,7 @@ def test_a_family_trains_merges_and_answers_a_picture(tmp_path, llava, picture_d
     report = json.loads((tmp_path / "merged" / "merge_report.json").read_text())
     assert report["check_pictures"] == 4 and report["passed"] and report["by_shard"]
     model = AutoModelForImageTextToText.from_pretrained(tmp_path / "merged").eval()
-    processor = AutoProcessor.from_pretrained(tmp_path / "merged")
+    processor = vision.processor_for(ModelConfig(name_or_path=str(tmp_path / "merged")))
     picture = str(picture_data.parent / "img" / "00001.png")
     tuned = as_trained(find_adapter(str(tmp_path / "out"), None))
     answers = [answer_picture(m, processor, QUESTION, picture, max_new_tokens=4, stream=False) for m in (model, tuned)]
@@ -415,10 +421,10 @@ def test_a_bad_picture_row_is_one_line_naming_its_line(tmp_path, llava, picture_
 
 
 def test_what_vision_models_do_not_do_yet_is_refused_in_one_line(tmp_path, llava, picture_data):
-    smolvlm = tmp_path / "smolvlm"  # a family not built (SmolVLM2): its config is enough to refuse it
-    smolvlm.mkdir()
-    (smolvlm / "config.json").write_text(json.dumps({"model_type": "smolvlm", "vision_config": {}, "text_config": {}}))
-    for change, key in [({"model": {"name_or_path": str(smolvlm)}}, "model: smolvlm is a vision-language model finetune does not fine-tune yet"),
+    other = tmp_path / "paligemma"  # a family not built (PaliGemma): its config is enough to refuse it
+    other.mkdir()
+    (other / "config.json").write_text(json.dumps({"model_type": "paligemma", "vision_config": {}, "text_config": {}}))
+    for change, key in [({"model": {"name_or_path": str(other)}}, "model: paligemma is a vision-language model finetune does not fine-tune yet"),
                         ({"data": {"packing": True}, "model": {"name_or_path": str(llava("gemma3"))}}, "data.packing"),
                         ({"train": {"objective": "kto"}, "data": {"format": "unpaired"}}, "train.objective"),
                         ({"train": {"objective": "dpo"}, "data": {"format": "preference"}, "model": {"name_or_path": str(llava("gemma3"))}},

@@ -16,16 +16,16 @@ from finetune.config.errors import UserError
 from finetune.config.schema import AdapterConfig, ModelConfig
 
 # The families whose batches are their processor's (tests/test_vision.py: LLaVA with a CLIP or SigLIP tower, Gemma 3,
-# Idefics3 (SmolVLM's first version is one) with its grid of crops, Mllama with its cross-attention masks, Qwen2-VL and
+# Idefics3 (SmolVLM's first version is one) and SmolVLM2 with their grid of crops, Mllama with its cross-attention masks, Qwen2-VL and
 # Qwen2.5-VL with their 3-D positions; without torchvision, their processor for pictures only: _without_video); others
 # are refused in one line.
 FAMILIES = {"llava": "LLaVA", "gemma3": "Gemma 3", "qwen2_vl": "Qwen2-VL", "qwen2_5_vl": "Qwen2.5-VL", "idefics3": "Idefics3 / SmolVLM",
-            "mllama": "Mllama"}
+            "smolvlm": "SmolVLM2", "mllama": "Mllama"}
 # Those whose packed rows are exact (tests/test_vision.py: packed equals one sample a row): the language model takes
 # restarting positions as a text model does (Qwen-VL: its 3-D positions each sample's own, objectives/loss.py), the
 # pictures' features fill their tokens in order. Gemma 3's picture-wide attention and Mllama's per-row pictures
 # (cross-attended) are not packed.
-PACKABLE = {"llava", "idefics3", "qwen2_vl", "qwen2_5_vl"}
+PACKABLE = {"llava", "idefics3", "smolvlm", "qwen2_vl", "qwen2_5_vl"}
 TOWERS = ("vision_tower", "visual", "vision_model")
 PROJECTORS = ("multi_modal_projector", "visual.merger", "connector")
 
@@ -91,8 +91,21 @@ def _without_video(model_type: str | None):
         return None
     return type(family.__name__, (family,), {
         "__module__": __name__, "__doc__": f"{family.__name__} for pictures only (no torchvision here for its videos).",
+        "__init__": _video_optional(family.__init__),
         "get_attributes": classmethod(lambda cls: [a for a in family.get_attributes() if a != "video_processor"]),
         "save_pretrained": _save_with_video_settings})
+
+
+def _video_optional(init):
+    """The family's own __init__ with its video processor defaulting to None (SmolVLM2's requires one). The same
+    code, not a wrapper: transformers reads the settings a processor takes off its __init__'s code."""
+    import types
+
+    names = init.__code__.co_varnames[1 : init.__code__.co_argcount]
+    defaults = init.__defaults__ or ()
+    wanted = len(names) - names.index("video_processor")
+    defaults = (None,) * max(0, wanted - len(defaults)) + defaults
+    return types.FunctionType(init.__code__, init.__globals__, init.__name__, defaults, init.__closure__)
 
 
 def _save_with_video_settings(self, out, **kwargs):
