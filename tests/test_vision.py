@@ -273,6 +273,20 @@ def test_two_processes_equal_one(tmp_path, llava, picture_data, vision_run, stra
         assert abs(a - b) < 1e-4 * max(1.0, abs(a)), (one, two)
 
 
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_packed_qwen_vl_over_two_processes_equals_one(tmp_path, llava, picture_data, strategy):
+    """Qwen2.5-VL's packed rows (each sample's own 3-D positions) under torchrun, its processor built for pictures only in each
+    process: 2 processes train as one, 8 steps."""
+    sections = {k: v for k, v in _config(llava("qwen2_5_vl"), picture_data, tmp_path).items() if k in ("model", "adapter", "eval")}
+    data = {"train": str(picture_data), "format": "chat", "max_seq_len": 160, "packing": True, "eval_fraction": 0.0}
+    train = {"max_steps": 8, "lr": 1e-2, "warmup_steps": 0, "mixed_precision": "no"}
+    runs = [train_strategy(tmp_path, f"{strategy}-{n}", llava("qwen2_5_vl"), "lora", n, strategy, train=train, data=data, **sections)[1] for n in (1, 2)]
+    one, two = runs
+    assert len(one) == len(two) == 8 and one[-1] < one[0] - 0.3, one
+    for a, b in zip(one, two):
+        assert abs(a - b) < 1e-4 * max(1.0, abs(a)), (one, two)
+
+
 def test_kill_and_resume_gives_the_same_losses(tmp_path, llava, picture_data, vision_run):
     _, reference = vision_run
     cfg = write_config(tmp_path / "run.yaml", _config(llava("clip"), picture_data, tmp_path / "out"))
