@@ -276,7 +276,7 @@ def test_two_processes_equal_one(tmp_path, llava, picture_data, vision_run, stra
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_packed_qwen_vl_over_two_processes_equals_one(tmp_path, llava, picture_data, strategy):
     """Qwen2.5-VL's packed rows (each sample's own 3-D positions) under torchrun, its processor built for pictures only in each
-    process: 2 processes train as one, 8 steps."""
+    process: 2 processes train as one, 8 steps (FSDP2: its tower a unit of its own)."""
     sections = {k: v for k, v in _config(llava("qwen2_5_vl"), picture_data, tmp_path).items() if k in ("model", "adapter", "eval")}
     data = {"train": str(picture_data), "format": "chat", "max_seq_len": 160, "packing": True, "eval_fraction": 0.0}
     train = {"max_steps": 8, "lr": 1e-2, "warmup_steps": 0, "mixed_precision": "no"}

@@ -26,6 +26,10 @@ FAMILIES = {"llava": "LLaVA", "gemma3": "Gemma 3", "qwen2_vl": "Qwen2-VL", "qwen
 # pictures' features fill their tokens in order. Gemma 3's picture-wide attention and Mllama's per-row pictures
 # (cross-attended) are not packed.
 PACKABLE = {"llava", "idefics3", "smolvlm", "qwen2_vl", "qwen2_5_vl"}
+# Towers FSDP2 shards as units of their own (tests/test_vision.py: Qwen-VL, 2 processes equal 1). LLaVA's stays in the
+# root unit: it reads the tower's hidden states through transformers' output capture, which came back empty from a
+# unit of its own; the other families are not run under FSDP2 here.
+TOWER_UNIT = {"qwen2_vl", "qwen2_5_vl"}
 TOWERS = ("vision_tower", "visual", "vision_model")
 PROJECTORS = ("multi_modal_projector", "visual.merger", "connector")
 

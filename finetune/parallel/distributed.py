@@ -17,7 +17,7 @@ import torch
 from finetune.config.errors import UserError
 from finetune.config.schema import PRECISIONS, RunConfig
 from finetune.config.strategy import Strategy
-from finetune.model import nf4
+from finetune.model import nf4, vision
 from finetune.model.loading import DTYPES, decoder_layers
 
 
@@ -119,12 +119,15 @@ def fsdp_settings(cfg: RunConfig, device_type: str, world: int) -> dict:
 
 
 def shard_layers(model: torch.nn.Module, settings: dict) -> None:
-    """FSDP2's units: each decoder layer, a vision-language model's tower (with its projector where it holds
-    it), then the root (embeddings, final norm, head, a projector of its own)."""
+    """FSDP2's units: each decoder layer, Qwen-VL's tower (with its projector, which it holds: vision.TOWER_UNIT),
+    then the root (embeddings, final norm, head, other families' towers and projectors)."""
     from torch.distributed.fsdp import fully_shard
 
     for layer in decoder_layers(model):
         fully_shard(layer, **settings)
+    tower = vision.part_names(model).get("tower") if model.config.model_type in vision.TOWER_UNIT else None
+    if tower:
+        fully_shard(model.get_submodule(tower), **settings)
     fully_shard(model, **settings)
 
 
