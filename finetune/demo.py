@@ -294,7 +294,7 @@ def _idefics3(out: Path, tokenizer, language: dict | None, seed: int, family: st
     same model with its own classes; its processor also takes videos (without torchvision, vision.load_processor
     builds it for pictures only, and so does this)."""
     import torch
-    from transformers import AutoConfig, AutoModelForImageTextToText, Idefics3ImageProcessorPil, Idefics3Processor
+    from transformers import AutoConfig, AutoModelForImageTextToText, Idefics3ImageProcessorPil, Idefics3Processor, SmolVLMProcessor
     from transformers.models.smolvlm.image_processing_pil_smolvlm import SmolVLMImageProcessorPil
 
     from finetune.model import vision
@@ -311,7 +311,7 @@ def _idefics3(out: Path, tokenizer, language: dict | None, seed: int, family: st
     torch.manual_seed(seed)
     AutoModelForImageTextToText.from_config(config).save_pretrained(out)
     sizes = dict(size={"longest_edge": 112}, max_image_size={"longest_edge": 56}, do_image_splitting=True)
-    processor = Idefics3Processor if family == "idefics3" else (vision._without_video(family) or __import__("transformers").SmolVLMProcessor)
+    processor = Idefics3Processor if family == "idefics3" else (vision.pictures_only_class(family) or SmolVLMProcessor)
     images = (Idefics3ImageProcessorPil if family == "idefics3" else SmolVLMImageProcessorPil)(**sizes)
     processor(image_processor=images, tokenizer=tokenizer, image_seq_len=4, chat_template=VISION_TEMPLATE).save_pretrained(out)
     return out

@@ -17,12 +17,12 @@ from finetune.config.schema import AdapterConfig, ModelConfig
 
 # The families whose batches are their processor's (tests/test_vision.py: LLaVA with a CLIP or SigLIP tower, Gemma 3,
 # Idefics3 (SmolVLM's first version is one) and SmolVLM2 with their grid of crops, Mllama with its cross-attention masks, Qwen2-VL and
-# Qwen2.5-VL with their 3-D positions; without torchvision, their processor for pictures only: _without_video); others
+# Qwen2.5-VL with their 3-D positions; without torchvision, their processor for pictures only: pictures_only_class); others
 # are refused in one line.
 FAMILIES = {"llava": "LLaVA", "gemma3": "Gemma 3", "qwen2_vl": "Qwen2-VL", "qwen2_5_vl": "Qwen2.5-VL", "idefics3": "Idefics3 / SmolVLM",
             "smolvlm": "SmolVLM2", "mllama": "Mllama"}
 # Those whose packed rows are exact (tests/test_vision.py: packed equals one sample a row): the language model takes
-# restarting positions as a text model does (Qwen-VL: its 3-D positions each sample's own, objectives/loss.py), the
+# restarting positions as a text model does (Qwen-VL: its 3-D positions each sample's own, attention.packed_positions), the
 # pictures' features fill their tokens in order. Gemma 3's picture-wide attention and Mllama's per-row pictures
 # (cross-attended) are not packed.
 PACKABLE = {"llava", "idefics3", "smolvlm", "qwen2_vl", "qwen2_5_vl"}
@@ -67,7 +67,7 @@ def load_processor(cfg: ModelConfig, model_type: str | None = None):
         return AutoProcessor.from_pretrained(cfg.name_or_path, **settings)
     except Exception as err:  # noqa: BLE001 - a missing file, a bad setting or a missing library (torchvision): one line
         failed = err
-    pictures_only = _without_video(model_type)
+    pictures_only = pictures_only_class(model_type)
     if pictures_only is not None:
         try:
             processor = pictures_only.from_pretrained(cfg.name_or_path, **settings)
@@ -80,7 +80,7 @@ def load_processor(cfg: ModelConfig, model_type: str | None = None):
     raise UserError(f"model.name_or_path: cannot load the processor of '{cfg.name_or_path}': {first}{hint}")
 
 
-def _without_video(model_type: str | None):
+def pictures_only_class(model_type: str | None) -> type | None:
     """The family's processor class without its video half, where torchvision is missing (no wheel matches the CPU
     torch here: docs/platform-notes.md); None where that is not what stops it. Qwen-VL's and SmolVLM2's processors
     take a video processor, which needs torchvision, and transformers will not build them without one; their
