@@ -117,17 +117,24 @@ def scaled(config: dict, hidden: int = 64, heads: int = 4, intermediate: int = 1
     return out
 
 
+def model_config(name: str, **changes):
+    """A released model's config (docs/examples/NAME), scaled down, with `changes`: a transformers config."""
+    from transformers import AutoConfig
+
+    values = scaled(released_config(name))
+    values.update(changes)
+    kind = values.pop("model_type")
+    return AutoConfig.for_model(kind, **{k: v for k, v in values.items() if not k.startswith("_") and k not in ("architectures", "transformers_version")})
+
+
 def build(name: str, out: Path, seed: int = 0, tokenizer: str | None = None, **changes) -> Path:
     """A released model, scaled down, with random weights and its family's real tokenizer (or `tokenizer`,
     another family's), saved as a model folder at `out`."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir(tokenizer or SHAPES[name]))
-    values = scaled(released_config(name))
-    values.update(changes)
-    kind = values.pop("model_type")
-    config = AutoConfig.for_model(kind, **{k: v for k, v in values.items() if not k.startswith("_") and k not in ("architectures", "transformers_version")})
+    config = model_config(name, **changes)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(out)
@@ -139,21 +146,19 @@ def build_vision(name: str, out: Path, seed: int = 0) -> Path:
     """A released vision-language model (Qwen2.5-VL), scaled down (a 2-block tower), with random weights, its family's real
     tokenizer, the release's chat template and image processor settings, saved as a model folder at `out`."""
     import torch
-    from transformers import AutoConfig, AutoModelForImageTextToText, AutoTokenizer
+    from transformers import AutoModelForImageTextToText, AutoTokenizer
 
     from finetune.demo import write_qwen_vl_processor
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir(VISION_SHAPES[name]))
     tokenizer.chat_template = QWEN_VL_TEMPLATE
-    values = scaled(released_config(name))
-    values["vision_config"] = dict(values["vision_config"], depth=2, hidden_size=32, intermediate_size=64, num_heads=2, fullatt_block_indexes=[1],
-                                   out_hidden_size=values["hidden_size"])
-    kind = values.pop("model_type")
-    config = AutoConfig.for_model(kind, **{k: v for k, v in values.items() if k not in ("architectures", "transformers_version")})
+    text = scaled(released_config(name))
+    config = model_config(name, vision_config=dict(text["vision_config"], depth=2, hidden_size=32, intermediate_size=64, num_heads=2,
+                                                   fullatt_block_indexes=[1], out_hidden_size=text["hidden_size"]))
     torch.manual_seed(seed)
     AutoModelForImageTextToText.from_config(config, dtype=torch.float32).save_pretrained(out)
     tokenizer.save_pretrained(out)
-    write_qwen_vl_processor(out, kind)
+    write_qwen_vl_processor(out, config.model_type)
     return out
 
 

@@ -100,6 +100,17 @@ def _batch(model_dir, data, tmp_path, rows=(0, 1, 2)):
     return split.batch(list(rows), tokenizer.pad_token_id), processor, tokenizer, samples
 
 
+# pixel_values rows a 56 x 56 picture takes: Idefics3's and SmolVLM2's 2 x 2 crops and the whole, Qwen-VL's 4 x 4 patches
+PIXEL_ROWS = {"idefics3": 5, "smolvlm": 5, "qwen2_vl": 16, "qwen2_5_vl": 16}
+
+
+def _pictures_in(batch, tower: str) -> float:
+    """How many pictures a batch's pixel_values hold (Idefics3 and SmolVLM2 give them as (rows, crops, ...))."""
+    pixels = batch["pixel_values"]
+    rows = pixels.shape[:2].numel() if tower in ("idefics3", "smolvlm") else pixels.shape[0]
+    return rows / PIXEL_ROWS.get(tower, 1)  # not a whole number where a picture is cut
+
+
 def _tuned(model_dir):
     from transformers import AutoModelForImageTextToText
 
@@ -205,9 +216,7 @@ def test_packed_picture_rows_equal_one_sample_a_row(llava, picture_data, tmp_pat
     results = []
     for split, which in ((packed, rows), (unpacked, [row_of[x] for x in samples])):
         batch = split.batch(which, tokenizer.pad_token_id)
-        crops = batch["pixel_values"].shape[:2].numel() if tower in ("idefics3", "smolvlm") else batch["pixel_values"].shape[0]
-        per_picture = {"idefics3": 5, "smolvlm": 5, "qwen2_vl": 16, "qwen2_5_vl": 16}.get(tower, 1)  # Idefics3's 4 + 1 crops, Qwen-VL's 4 x 4 patches
-        assert ("attention_mask" in batch) == (split is unpacked) and crops == len(samples) * per_picture
+        assert ("attention_mask" in batch) == (split is unpacked) and _pictures_in(batch, tower) == len(samples)
         model.zero_grad()
         loss = losses(model, to_device(batch, "cpu")).tokens
         loss.backward()
@@ -602,9 +611,7 @@ def test_a_pairs_sequences_each_show_the_prompts_picture(llava, picture_pairs, t
     cfg = DataConfig(train=str(picture_pairs), format="preference", max_seq_len=160, packing=False, eval_fraction=0.0, cache_dir=str(tmp_path))
     split = load_data(cfg, tokenizer, seed=0, processor=processor).train
     batch = split.batch([0, 1], tokenizer.pad_token_id)
-    crops = batch["pixel_values"].shape[:2].numel() if tower == "idefics3" else batch["pixel_values"].shape[0]
-    per_picture = {"idefics3": 5, "qwen2_5_vl": 16}.get(tower, 1)  # Idefics3's 4 + 1 crops, Qwen-VL's 4 x 4 patches
-    assert "attention_mask" not in batch and crops == 4 * per_picture  # two pairs, the picture in each of their four sequences
+    assert "attention_mask" not in batch and _pictures_in(batch, tower) == 4  # two pairs, the picture in each of their four sequences
     model = _tuned(model_dir).eval()
     keep = trained_mask(batch["labels"])
     with torch.no_grad():
@@ -745,7 +752,7 @@ def test_grpo_samples_each_prompt_with_its_picture(llava, picture_data, tower):
     batches, _ = objective._sampled(model, tokenizer, [prompts], position=0, device="cpu", old_logps=False)
     shown = [b for p in prompts for _ in range(3) for b in p.pictures]
     torch.testing.assert_close(batches[0]["pixel_values"], vision(shown, batches[0]["input_ids"])["pixel_values"], rtol=0, atol=0)
-    per = 16 if tower == "qwen2_5_vl" else 1  # Qwen-VL: a picture's 16 patches, one a row
+    per = PIXEL_ROWS.get(tower, 1)
     assert not torch.equal(batches[0]["pixel_values"][:per], batches[0]["pixel_values"][3 * per : 4 * per])  # the second prompt's picture
 
 
