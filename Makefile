@@ -79,7 +79,7 @@ demo-dpo: install demo/model/config.json
 	@$(call keep_previous,outputs/dpo)
 	$(VENV)/bin/finetune train --config configs/dpo.yaml
 
-# GRPO needs a policy that sometimes answers right: 225 SFT steps (exact match ~89%), merged, are its base.
+# GRPO needs a policy that sometimes answers right: 225 SFT steps (held-out exact match 97.2% on the fp32 demo base, README), merged, are its base.
 demo-grpo: install demo/model/config.json
 	@$(call keep_previous,outputs/grpo-sft)
 	@$(call keep_previous,outputs/grpo)

@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common import DATA, REPO
+from common import DATA, REPO, report
 
 MICRO, ROWS = 1, 6  # 6 rows a step: 2 accumulated x 3 nodes, 3 x 2, or 6 in one process
 PACE = 1.5  # seconds added to every step: time to kill and start nodes while the job runs
@@ -175,9 +175,9 @@ def main() -> None:
     rng, strategies = random.Random(args.seed), args.strategies.split(",")
     rows = [chaos(work / s, work / "model", s, args.minutes * 60 / len(strategies), rng) for s in strategies]
     keys = list(rows[0])
-    print("| " + " | ".join(keys) + " |\n|" + "---|" * len(keys))
-    for row in rows:
-        print("| " + " | ".join(f"{v:.1e}" if isinstance(v, float) else str(v) for v in row.values()) + " |")
+    report("chaos-elastic", [f"*make chaos-elastic, --seed {args.seed}, {args.minutes:g} minutes of chaos shared by {args.strategies}*", "",
+                             "| " + " | ".join(keys) + " |", "|" + "---|" * len(keys),
+                             *("| " + " | ".join(f"{v:.1e}" if isinstance(v, float) else str(v) for v in row.values()) + " |" for row in rows)])
     good = all(r["each step once"] and r["same samples"] and r["max loss diff"] < 1e-5 for r in rows)
     print("all runs ended with the uninterrupted run's numbers" if good else "A RUN DIFFERS from the uninterrupted run")
     sys.exit(0 if good else 1)

@@ -5,7 +5,7 @@ trained positions (random, fp32): a student 1,024 wide, a teacher 2,048 wide, a 
 (Llama 3's), N tokens. Each path runs in a process of its own, three times; its peak RSS above what the inputs
 and weights hold is the loss's own memory.
 
-  finetune   distill._LinearDivergence: the logits of both models made a chunk of tokens at a time, the
+  finetune   distill.linear_divergence: the logits of both models made a chunk of tokens at a time, the
              divergence and its gradient taken per chunk (what train.objective distill runs where both heads
              are plain linear layers)
   full       both models' logits whole (hidden @ head.T), then TRL's GKDTrainer.generalized_jsd_loss and
@@ -49,7 +49,7 @@ def one(path: str, tokens: int, beta: float) -> dict:
 
     sys.path.insert(0, str(REPO))
     from finetune.config.schema import DistillConfig
-    from finetune.objectives.distill import _LinearDivergence
+    from finetune.objectives.distill import linear_divergence
 
     torch.manual_seed(0)
     hidden = (torch.randn(tokens, STUDENT) * 0.5).requires_grad_()
@@ -61,7 +61,7 @@ def one(path: str, tokens: int, beta: float) -> dict:
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     began = time.perf_counter()
     if path == "finetune":
-        total, _ = _LinearDivergence.apply(hidden, head, teacher_hidden, teacher_head, targets, cfg)
+        total, _ = linear_divergence(hidden, head, teacher_hidden, teacher_head, targets, cfg)
         loss = total / tokens
     else:
         from trl.experimental.gkd import GKDTrainer

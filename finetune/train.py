@@ -37,7 +37,7 @@ import torch
 from finetune.checkpoint import store
 from finetune.checkpoint.checkpointers import last_good
 from finetune.checkpoint.locks import hold_output_dir, release_output_dir
-from finetune.checkpoint.resume import BatchUnreachable, Progress, Start, batch_for_world, clear_starts, resume, starting_point
+from finetune.checkpoint.resume import Progress, Start, clear_starts, resume, starting_point
 from finetune.config import faults
 from finetune.config.errors import EXIT_DIVERGED, EXIT_PREEMPTED, Stopped, UserError
 from finetune.config.schema import CONFIG_FILE, MUTATED_INITS, SUMMARY_FILE, ModelConfig, RunConfig, looks_local, to_yaml
@@ -58,14 +58,15 @@ from finetune.objectives.table import objective_for
 from finetune.outputs import model_card
 from finetune.outputs.plan import LONG_ROWS
 from finetune.outputs.serving import check_vllm
-from finetune.parallel import runtime, sequence_parallel
+from finetune.parallel import network, runtime, sequence_parallel
 from finetune.parallel.distributed import local_numel, replicas_identical
 from finetune.parallel.engines import Replicated, engine_class, engine_for
 from finetune.parallel.optim import current_lr, set_peak_lr, warmup_steps
 from finetune.parallel.sequence_parallel import SequenceParallel
 from finetune.run import preflight
+from finetune.run.elastic import batch_at_this_size
 from finetune.run.guard import DRIFT_STEPS, FIRST_STEPS_CHECKED, Guard, Verdict, check_first_steps, data_step
-from finetune.run.metrics import EVENTS_FILE, RunLog, plot_loss_curve, summary_line, tracked_config, tracker_kwargs, write_event
+from finetune.run.metrics import RunLog, plot_loss_curve, summary_line, tracked_config, tracker_kwargs
 from finetune.run.supervise import Watchdog, release_preemption, stop_if_preempted, stop_with_launcher, watch_preemption
 
 # A packed sample's logits may move by rounding (bf16 kernels over rows of other lengths), a small
@@ -92,6 +93,7 @@ def make_accelerator(cfg: RunConfig):
     flag = runtime.launcher_strategy(cfg)
     if flag:
         os.environ[flag] = "false"  # the strategy agrees: finetune applies it, not accelerate's plugin
+    network.check_store()  # rank 0's store answers, before the process group waits on it
     runtime.join_restarted_workers()
     if not engine_class(cfg, int(os.environ.get("WORLD_SIZE", "1")))[0].autocast:  # launchers set WORLD_SIZE
         mp = "no"
@@ -229,37 +231,6 @@ def setup(cfg: RunConfig) -> RunState:
     return run
 
 
-def batch_at_this_size(cfg: RunConfig, start: Start, accelerator, preemption) -> tuple[RunConfig, str | None, dict]:
-    """The config at this process count (the checkpoint's global batch kept: batch_for_world). Where no
-    accumulation keeps it, an elastic job below its largest size waits for nodes: the launcher's agents
-    re-form the job (SIGTERM, then a start at the new size) when one joins; anything else stops in one line."""
-    worlds, main, out = runtime.elastic_worlds(), accelerator.is_main_process, Path(cfg.train.output_dir)
-    try:
-        cfg, resized, batch = batch_for_world(cfg, start.path, accelerator.num_processes)
-    except BatchUnreachable as err:
-        if not worlds or accelerator.num_processes >= worlds[-1]:
-            raise
-        wait_for_nodes(f"{err}; waiting for nodes to join (the launcher starts the run again at the new size)", preemption, out, main)
-    sp, micro = cfg.distributed.sequence_parallel, cfg.train.micro_batch_size
-    bad = [w for w in worlds if w % sp or batch["rows"] % (micro * (w // sp))]
-    if bad and start.path is None and main and cfg.distributed.elastic_batch == "fixed":
-        message = (f"{batch['rows']} rows per step (micro_batch_size {micro}) cannot be kept at {', '.join(map(str, bad))} of this elastic job's "
-                   f"{worlds[0]}-{worlds[-1]} processes: there it would wait for a node (choose a batch every count divides)")
-        write_event(out / EVENTS_FILE, "warning", None, message)
-        print(f"[warning] {message}", flush=True)
-    return cfg, resized, batch
-
-
-def wait_for_nodes(message: str, preemption, out: Path, main: bool) -> None:
-    """Idle until the agent's SIGTERM, then end as a preempted run (exit 75) would before its first step."""
-    if main:
-        write_event(out / EVENTS_FILE, "wait", None, message)
-        print(f"[wait] {message}", flush=True)
-    while preemption.signal is None:
-        time.sleep(1)
-    stop_if_preempted(True, preemption.name, out, main, "while it waited for nodes")
-
-
 def start_point(run: RunState) -> None:
     """Before the first step: the eval baseline and, unless a step-0 checkpoint holds them already,
     where the guard judges the run from (the first steps' batches at the initial weights, the eval
@@ -374,7 +345,7 @@ def load_and_prepare_model(run: RunState) -> None:
         compile_layers(model)
     run.engine.prepare(model, run.schedule.total_steps)
     run.engine.checkpointer.after_file = faults.inject_saving
-    if (cfg.train.objective in ("dpo", "kto") or cfg.train.objective == "grpo" and cfg.grpo.beta) and cfg.adapter.method == "full":
+    if cfg.needs_reference:
         run.objective.reference = run.engine.reference(run.model_cfg, run.say)
         run.say(f"{cfg.train.objective}: the reference is a frozen copy of the base, held as the policy is")
     if run.teacher is not None:

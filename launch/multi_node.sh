@@ -25,7 +25,21 @@ the larger size. The rendezvous host must stay up (it holds the rendezvous). doc
                           (env MAX_RESTARTS, default 0; 100 with an elastic range)
   --rdzv-conf K=V,...     torchrun's rendezvous settings, e.g. last_call_timeout=10 (seconds
                           the rendezvous waits for more nodes once MIN are there; default 30)
+  --local-addr ADDR       this node's address on the network the nodes share (env LOCAL_ADDR;
+                          default: the address this node reaches the rendezvous host from)
+  --iface NAME            the interface of that network: its address, and gloo's and NCCL's
+                          sockets (GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME) (env IFACE)
+  --connect-timeout S     seconds to wait for the rendezvous host, and a worker for rank 0's
+                          store, before stopping in one line (env CONNECT_TIMEOUT, default 120)
   --dry-run               print the command, run nothing
+
+Addresses: where the hostname resolves to loopback (containers, many cloud images) or to another
+network than the nodes share, torchrun alone would hang. Before it starts, this script takes the
+address the kernel routes to the rendezvous host from (or --local-addr / --iface), passes it to
+torchrun (--local-addr), lets the node whose address is the rendezvous host's host the store
+(is_host), and checks that the rendezvous host answers from there: a wrong or unreachable address
+ends in one line naming the node and the setting, exit 2. A rendezvous host on loopback (one
+machine) keeps torchrun's own choices.
 
 example (on each of two nodes):
   launch/multi_node.sh --nnodes 2 --rdzv-host node0 --rdzv-id run42 -- --config configs/lora.yaml
@@ -34,6 +48,7 @@ USAGE
 
 nnodes="${NNODES:-1}" nper="" host="${MASTER_ADDR:-127.0.0.1}" port="${MASTER_PORT:-29500}"
 rdzv_id="${RDZV_ID:-finetune}" restarts="${MAX_RESTARTS:-}" rdzv_conf=""
+local_addr="${LOCAL_ADDR:-}" iface="${IFACE:-}" connect_timeout="${CONNECT_TIMEOUT:-120}"
 while [ $# -gt 0 ]; do
     case "$1" in
         --nnodes) nnodes="$2"; shift 2 ;;
@@ -43,6 +58,9 @@ while [ $# -gt 0 ]; do
         --rdzv-id) rdzv_id="$2"; shift 2 ;;
         --max-restarts) restarts="$2"; shift 2 ;;
         --rdzv-conf) rdzv_conf="$2"; shift 2 ;;
+        --local-addr) local_addr="$2"; shift 2 ;;
+        --iface) iface="$2"; shift 2 ;;
+        --connect-timeout) connect_timeout="$2"; shift 2 ;;
         --dry-run) DRY_RUN=1; shift ;;
         -h|--help) usage; exit 0 ;;
         --) shift; break ;;
@@ -50,6 +68,23 @@ while [ $# -gt 0 ]; do
     esac
 done
 [ $# -gt 0 ] || { echo "launch/multi_node.sh: no training arguments (e.g. -- --config configs/lora.yaml)" >&2; exit 2; }
+
+# This node's address, interface and store role, checked before anything waits (finetune/parallel/network.py).
+check=(--rdzv-host "$host" --rdzv-port "$port" --nnodes "$nnodes" --connect-timeout "$connect_timeout" ${local_addr:+--local-addr "$local_addr"} ${iface:+--iface "$iface"})
+if [ "${DRY_RUN:-0}" = "1" ]; then  # the command as any node starts it: each adds its own address when it runs
+    LOCAL_ADDR="" IFACE="" IS_HOST=""
+    echo "launch: dry run: each node takes its address for the rendezvous ($host) when it runs" >&2
+else
+    chosen="$(PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -m finetune.parallel.network "${check[@]}")" || exit 2
+    eval "$chosen"  # LOCAL_ADDR, IFACE, IS_HOST
+fi
+if [ -n "$IFACE" ]; then
+    export GLOO_SOCKET_IFNAME="${GLOO_SOCKET_IFNAME:-$IFACE}" NCCL_SOCKET_IFNAME="${NCCL_SOCKET_IFNAME:-$IFACE}"
+fi
+if [ -n "$IS_HOST" ] && [[ ",$rdzv_conf," != *",is_host="* ]]; then
+    rdzv_conf="${rdzv_conf:+$rdzv_conf,}is_host=$IS_HOST"
+fi
+export FINETUNE_CONNECT_TIMEOUT="$connect_timeout"  # the workers' wait for rank 0's store
 
 # A fixed-size job launched again while its first launch still runs would fail at the rendezvous with a
 # stack trace; `finetune validate` says first, in one line, which run holds the output folder (and
@@ -62,10 +97,11 @@ esac
 # where a start after a node joined would find the earlier start's addresses under the same keys.
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
 
+
 gpus="$(gpu_count)"
 nper="${nper:-$([ "$gpus" = "0" ] && echo 1 || echo "$gpus")}"
 setup_cpu_if_needed "$nper"
 run_or_print "$PYTHON" -m torch.distributed.run --nnodes "$nnodes" --nproc_per_node "$nper" \
     --rdzv_backend c10d --rdzv_endpoint "$host:$port" --rdzv_id "$rdzv_id" --max_restarts "${restarts:-0}" \
-    ${rdzv_conf:+--rdzv_conf "$rdzv_conf"} \
+    ${IS_HOST:+--local_addr "$LOCAL_ADDR"} ${rdzv_conf:+--rdzv_conf "$rdzv_conf"} \
     "$REPO/finetune/train.py" "$@"

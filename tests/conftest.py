@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import types
@@ -102,13 +104,40 @@ def pytest_sessionfinish(session, exitstatus):
         leftover.unlink(missing_ok=True)
 
 
+_PORTS = itertools.count()
+
+
 def free_port() -> int:
-    """A TCP port nothing listens on now (tests run side by side: no fixed rendezvous port)."""
+    """A TCP port nothing listens on now, from a range of this pytest-xdist worker's own (20000 + 4000 x its number, below
+    the kernel's ephemeral ports), each handed out once: two workers never get the same port, as the kernel's port 0
+    could give both between one's check and its use."""
     import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+    for _ in range(4000):
+        port = 20000 + 4000 * worker + next(_PORTS) % 4000
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in worker {worker}'s range")
+
+
+def hub_cached(monkeypatch, root: Path, repo_id: str, folder: Path) -> str:
+    """`folder` laid out as the Hub's cache keeps a download of `repo_id` (snapshots/<commit>, refs/main), with this process
+    reading that cache offline: a model named by id, as a user's is, with no hub to reach."""
+    import huggingface_hub.constants as constants
+
+    repo = root / f"models--{repo_id.replace('/', '--')}"
+    commit = "0" * 40
+    shutil.copytree(folder, repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(root))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    return repo_id
 
 
 def run_cli(*args: str, cwd: Path = REPO, env: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:

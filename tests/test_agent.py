@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import os
-import time
+import threading
 
 import pytest
 import torch
@@ -61,6 +61,10 @@ def test_auto_reads_the_format_from_the_chat_template():
 
 
 def test_a_raising_hanging_or_unknown_tool_answers_and_returns():
+    """Each call's answer and whether it failed, by what happened (never by its text); a call past its time limit returns
+    with the tool's thread still running, handed back so that its episode can wait for it."""
+    release = threading.Event()
+
     def divide(a: int, b: int) -> float:
         """Divide.
 
@@ -70,24 +74,29 @@ def test_a_raising_hanging_or_unknown_tool_answers_and_returns():
         """
         return a / b
 
-    def wait(seconds: float) -> str:
-        """Wait.
-
-        Args:
-            seconds: how long
-        """
-        time.sleep(seconds)
+    def wait() -> str:
+        """Wait until released."""
+        release.wait(60)
         return "done"
 
-    table = {"divide": divide, "wait": wait}
-    assert tools.run(table, tools.Call("divide", {"a": 6, "b": 3}), 1.0) == "2.0"
-    assert tools.run(table, tools.Call("divide", {"a": 1, "b": 0}), 1.0) == "error: ZeroDivisionError: division by zero"
-    assert tools.run(table, tools.Call("divide", {"a": 1}), 1.0).startswith("error: TypeError: ")
-    assert tools.run(table, tools.Call("nope", {}), 1.0) == "invalid tool call: no tool named 'nope' (tools: divide, wait)"
-    started = time.perf_counter()
-    assert tools.run(table, tools.Call("wait", {"seconds": 30}), 0.3) == "error: tool wait did not answer within 0.3 s"
-    assert time.perf_counter() - started < 2
-    assert [s["function"]["name"] for s in tools.schemas(table)] == ["divide", "wait"]
+    def honest() -> str:
+        """An answer that happens to start like a failure."""
+        return "error: 3 files not found, as you asked"
+
+    table = {"divide": divide, "wait": wait, "honest": honest}
+    assert tools.run(table, tools.Call("divide", {"a": 6, "b": 3}), 1.0) == tools.Answer("2.0")
+    assert tools.run(table, tools.Call("divide", {"a": 1, "b": 0}), 1.0) == tools.Answer("error: ZeroDivisionError: division by zero", failed=True)
+    assert tools.run(table, tools.Call("divide", {"a": 1}), 1.0).text.startswith("error: TypeError: ")
+    assert tools.run(table, tools.Call("nope", {}), 1.0) == tools.Answer("invalid tool call: no tool named 'nope' (tools: divide, wait, honest)",
+                                                                        failed=True)
+    assert tools.run(table, tools.Call("honest", {}), 1.0) == tools.Answer("error: 3 files not found, as you asked", failed=False)
+    timed_out = tools.run(table, tools.Call("wait", {}), 0.2)
+    assert timed_out.text == "error: tool wait did not answer within 0.2 s" and timed_out.failed
+    assert timed_out.running.is_alive()  # returned before the tool did
+    release.set()
+    timed_out.running.join(10)
+    assert not timed_out.running.is_alive()
+    assert [s["function"]["name"] for s in tools.schemas(table)] == ["divide", "wait", "honest"]
 
 
 # -- episodes: tokens and masks ------------------------------------------------------------------
@@ -170,6 +179,51 @@ def test_malformed_and_failing_calls_are_observations_and_the_episode_goes_on(de
     assert answers[2].startswith("invalid tool call: no tool named 'nope'")
     assert not episode.done and episode.calls == 3 and episode.failures == 3
     assert objective.scores([episode])[0].tolist() == [[0.0, 0.0]]
+
+
+SLOW_ENVIRONMENT = """
+import threading
+RELEASE = threading.Event()
+
+class Slow:
+    def __init__(self, row):
+        self.marked = False
+        self.tools = [self.mark]
+
+    def mark(self, wait: bool) -> str:
+        \"\"\"Mark the environment, once released if asked to wait.
+
+        Args:
+            wait: whether to wait
+        \"\"\"
+        if wait:
+            RELEASE.wait(60)
+        self.marked = True
+        return "marked"
+
+    def reward(self, messages):
+        return 1.0 if self.marked else 0.0
+"""
+
+
+def test_a_tool_past_its_time_limit_ends_the_episode_and_its_thread_ends_before_the_reward(demo_agent_tokenizer, tmp_path):
+    """The call past grpo.tool_timeout is answered as timed out, the turn's later calls are not run and the episode ends; its
+    thread is waited for (up to grpo.episode_timeout) before the environment is scored, so no stray thread changes it later.
+    One still running past episode_timeout stops the run in one line."""
+    (tmp_path / "slow.py").write_text(SLOW_ENVIRONMENT)
+    cfg = GRPOConfig(environment=f"{tmp_path / 'slow.py'}:Slow", rewards=[], tool_timeout=0.1, episode_timeout=0.4, max_completion_length=96)
+    objective = agent_objective(cfg, load_rewards(cfg), seed=0)
+    release = objective.environment.mark.__globals__["RELEASE"]
+    calls = '<tool_call>{"name": "mark", "arguments": {"wait": true}}</tool_call><tool_call>{"name": "mark", "arguments": {"wait": false}}</tool_call>'
+    with pytest.raises(UserError, match=r"the tool mark still ran past grpo.episode_timeout \(0.4 s; the episode of sample 0\)"):
+        _played(objective, demo_agent_tokenizer, [calls])
+    release.set()  # the stray thread ends
+
+    release.clear()
+    threading.Timer(0.2, release.set).start()  # past tool_timeout, within episode_timeout
+    episode, _ = _played(objective, demo_agent_tokenizer, [calls])
+    assert episode.ended == "timeout" and episode.turns == 1 and episode.calls == 1 and episode.failures == 1
+    assert objective.scores([episode])[0].tolist() == [[1.0]]  # the tool's change made before the reward read it
 
 
 def test_an_episode_ends_at_max_turns_and_length_and_a_cut_turn_is_closed_and_answered(demo_agent_tokenizer):
@@ -281,10 +335,13 @@ def test_kill_and_resume_repeats_the_episodes_bitwise(tmp_path, tiny_model_dir, 
     assert [[rows[s][k] for k in keys] for s in sorted(rows)] == [[r[k] for k in keys] for r in reference]
 
 
-def test_two_processes_play_and_train_as_one(tmp_path, tiny_model_dir, agent_run):
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_two_processes_play_and_train_as_one(tmp_path, tiny_model_dir, agent_run, strategy):
+    """DDP, and FSDP2 (sharded weights: every rank takes part in max_turns generate calls, a rank whose episodes are over on a
+    stand-in): 2 processes x 1 prompt a step play the episodes and give the losses of 1 process x 2."""
     _, one = agent_run
     sections = {k: v for k, v in _agent_config(tiny_model_dir, tmp_path).items() if k in ("data", "grpo", "eval")}
-    out, losses, _ = train_strategy(tmp_path, "ddp", tiny_model_dir, "lora", 2, "ddp", **sections,
+    out, losses, _ = train_strategy(tmp_path, strategy, tiny_model_dir, "lora", 2, strategy, **sections,
                                     train={"objective": "grpo", "max_steps": 6, "lr": 5e-3, "micro_batch_size": 1})  # 2 x 1 prompts a step, as 1 x 2
     rows = [r for r in read_jsonl(out / "metrics.jsonl") if "loss" in r]
     assert [v for r in rows for v in (r["reward"], r["turns"])] == pytest.approx([v for r in one for v in (r["reward"], r["turns"])], abs=1e-6)
@@ -296,20 +353,39 @@ def test_two_processes_play_and_train_as_one(tmp_path, tiny_model_dir, agent_run
 BAD_ENVIRONMENTS = {
     "no class": ("Missing", "grpo.environment: {spec}: {file} has no class Missing"),
     "no reward": ("NoReward", "the class has no reward(self, messages) method"),
-    "raising reward": ("RaisingReward", "reward raised ZeroDivisionError: division by zero (the episode of "),
-    "bad reset": ("BadReset", "reset() of "),
+    "raising reward": ("RaisingReward", "grpo.environment: {spec}.reward raised ZeroDivisionError: division by zero (the episode of "),
+    "bad reset": ("BadReset", "grpo.environment: {spec}.reset() returned str for the episode of "),
+    "step says text": ("TextStep", "grpo.environment: {spec}.step() returned str for the episode of "),
+    "hanging reset": ("HangingReset", "grpo.environment: {spec}.reset did not return within grpo.episode_timeout (0.3 s; the episode of "),
+    "no end of turn": ("RaisingReward", "grpo.environment: the chat template does not end the policy's turns with the tokenizer's EOS"),
 }
+BAD_ENVIRONMENT_FILE = """
+import threading
+class NoReward:
+    def __init__(self, row): pass
+class RaisingReward:
+    def __init__(self, row): pass
+    def reward(self, messages): return 1 / 0
+class BadReset(RaisingReward):
+    def reset(self): return 'hello'
+class TextStep(RaisingReward):
+    def step(self, message): return 'try again'
+class HangingReset(RaisingReward):
+    def reset(self):
+        threading.Event().wait(3)
+"""
 
 
 @pytest.mark.parametrize("case", sorted(BAD_ENVIRONMENTS))
 def test_a_broken_environment_is_one_line_exit_2(tmp_path, tiny_model_dir, case):
     name, expected = BAD_ENVIRONMENTS[case]
     file = tmp_path / "envs.py"
-    file.write_text("class NoReward:\n    def __init__(self, row): pass\n"
-                    "class RaisingReward:\n    def __init__(self, row): pass\n    def reward(self, messages): return 1 / 0\n"
-                    "class BadReset(RaisingReward):\n    def reset(self): return 'hello'\n")
+    file.write_text(BAD_ENVIRONMENT_FILE)
     spec = f"{file}:{name}"
-    cfg = _agent_config(tiny_model_dir, tmp_path / "out", grpo={"environment": spec}, train={"max_steps": 1})
+    cfg = _agent_config(tiny_model_dir, tmp_path / "out", grpo={"environment": spec, "episode_timeout": 0.3}, train={"max_steps": 1})
+    if case == "no end of turn":  # found before anything loads, not mid-training
+        (tmp_path / "plain.jinja").write_text("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}")
+        cfg["data"]["chat_template"] = str(tmp_path / "plain.jinja")
     result = finetune_in_process("train", "--config", str(write_config(tmp_path / "c.yaml", cfg)))
     assert result.returncode == 2, result.stderr[-2000:]
     assert expected.format(spec=spec, file=file) in result.stderr, result.stderr[-2000:]

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import DEMO_DATA, base_config
+from conftest import DEMO_DATA, base_config, hub_cached
 
 from finetune.cli import main
 
@@ -395,3 +395,57 @@ def test_what_the_user_plainly_meant_is_accepted(tmp_path, tiny_model_dir, capsy
     assert "mixed_precision: 'no'" in capsys.readouterr().out
     assert main(["validate", "--config", case.config("model: {name_or_path: %s}\ndata: {train: %s, max_seq_len: 128}\ntrain: {mixed_precision: no}\n"
                                                      % (tiny_model_dir, DEMO_DATA / "train.jsonl"))]) == 0
+
+
+def test_a_model_named_by_id_meets_the_refusals_a_folder_meets(tmp_path, tiny_model_dir, monkeypatch, capsys):
+    """preflight reads a hub id's config as loading does (here from the Hub's cache, offline): a vision-language family not
+    built is refused in one line, as for a folder, not passed as a text model to fail later."""
+    from transformers import PaliGemmaConfig
+
+    PaliGemmaConfig().save_pretrained(tmp_path / "vlm")
+    model = hub_cached(monkeypatch, tmp_path / "hub", "acme/tiny-vlm", tmp_path / "vlm")
+    case = Case(tmp_path, tiny_model_dir)
+    assert main(["validate", "--config", case.config(model={"name_or_path": model})]) == 2
+    assert capsys.readouterr().err.strip() == ("error: model: paligemma is a vision-language model finetune does not fine-tune yet; it "
+                                               "fine-tunes LLaVA, Gemma 3, Qwen2-VL, Qwen2.5-VL, Idefics3 / SmolVLM, SmolVLM2, Mllama (docs/vision.md)")
+
+
+def test_a_student_named_by_id_is_checked_against_its_teacher_by_their_configs(tmp_path, tiny_model_dir, monkeypatch):
+    """The vocabulary check reads both models' text configs as loading reads them: a student named by id passes against a
+    teacher of its vocabulary, and a teacher of another width is refused naming both widths."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from finetune.config.errors import UserError
+    from finetune.config.schema import ModelConfig
+    from finetune.model.teacher import teacher_source
+
+    student = ModelConfig(name_or_path=hub_cached(monkeypatch, tmp_path / "hub", "acme/tiny-student", tiny_model_dir))
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    assert teacher_source(str(tiny_model_dir), student, tokenizer)[0].name_or_path == str(tiny_model_dir)
+    wider = tmp_path / "wider"
+    shutil.copytree(tiny_model_dir, wider)
+    config = AutoConfig.from_pretrained(wider)
+    config.vocab_size += 64
+    config.save_pretrained(wider)
+    with pytest.raises(UserError, match=rf"distill.teacher: its model has {config.vocab_size} logits per token, the student "
+                                        rf"{config.vocab_size - 64}; distillation needs the same vocabulary size"):
+        teacher_source(str(wider), student, tokenizer)
+
+
+def test_programming_errors_are_not_bad_rows_and_a_lost_exit_code_is_said(tmp_path, tiny_model_dir, monkeypatch, capsys):
+    """A chat template's refusal is a bad row (one line); a message that is not a dict is the caller's bug and surfaces as
+    such, never dropped by data.bad_rows: skip. An exit code the launch script cannot be told of is said on stderr."""
+    from transformers import AutoTokenizer
+
+    from finetune.config.errors import EXIT_FILE_VAR, EXIT_PREEMPTED, UserError, record_exit
+    from finetune.data.chat import render
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tokenizer.chat_template = "{{ raise_exception('no system turns') if messages[0]['role'] == 'system' }}{{ messages[0]['content'] }}"
+    with pytest.raises(UserError, match="data: the chat template cannot render a row: no system turns"):
+        render(tokenizer, [{"role": "system", "content": "x"}])
+    with pytest.raises(AttributeError):
+        render(tokenizer, ["a message that is not a dict"])
+    monkeypatch.setenv(EXIT_FILE_VAR, str(tmp_path / "gone" / "exit"))
+    record_exit(EXIT_PREEMPTED)
+    assert capsys.readouterr().err.startswith(f"error: exit code 75 not recorded in {EXIT_FILE_VAR}={tmp_path / 'gone' / 'exit'} (")

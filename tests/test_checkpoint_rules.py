@@ -111,8 +111,8 @@ def test_a_resume_accepts_changes_of_how_the_run_goes_on_and_names_those_of_what
 
 
 def test_a_resume_at_another_process_count_keeps_the_global_batch_or_says_why_it_cannot(tmp_path, run_config):
-    from finetune.checkpoint.resume import BatchUnreachable, batch_for_world
     from finetune.config.schema import CONFIG_FILE, to_yaml
+    from finetune.run.elastic import BatchUnreachable, batch_for_world
 
     raw, _ = run_config
     config = lambda train=None, **sections: validate_config({**raw, "train": {**raw["train"], "micro_batch_size": 2, "grad_accum": 3, **(train or {})},  # noqa: E731

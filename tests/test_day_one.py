@@ -236,17 +236,29 @@ def test_shipped_configs_validate_after_make_demo(plain_run, name, tmp_path, mon
     assert main(["validate", "--config", f"configs/{name}.yaml", "--set", "model.name_or_path=hub-org/some-model"]) == 0
     out, err = capsys.readouterr()
     assert yaml.safe_load(out)["data"]["train"]
-    assert [line.split(" holds ")[0] for line in err.splitlines() if line.startswith("warning: ")] == (
-        ["warning: train.output_dir: outputs/demo"] if name == "demo" else [])
+    warnings = [line.split(" holds ")[0].split(": cannot read")[0] for line in err.splitlines() if line.startswith("warning: ")]
+    assert warnings == ["warning: model.name_or_path"] + (["warning: train.output_dir: outputs/demo"] if name == "demo" else [])
+    assert "(validate skips the checks that need the model's config; train stops here)" in err  # a hub id not downloaded here
     assert [p.name for p in (tmp_path / "outputs").iterdir()] == ["demo"]  # validate wrote nothing
 
 
 def test_merge_and_generate_work_from_another_directory(plain_run, tmp_path, monkeypatch, capsys):
+    """From another folder: generate streams the adapter's own greedy text; a checkpoint merged there generates the text
+    that checkpoint's base + adapter generate."""
+    from finetune.outputs.generate import generate, load
+
     out, _ = plain_run  # trained with data paths relative to its own folder
     monkeypatch.chdir(tmp_path)
-    assert main(["generate", "--adapter", str(out), "--prompt", "The", "--max-new-tokens", "3"]) == 0
-    assert main(["merge", "--adapter", str(out / "checkpoints" / "step-000002"), "--out", "merged", "--dtype", "fp32"]) == 0
-    assert (tmp_path / "merged" / "model.safetensors").is_file()
+    expected = generate(*load(None, str(out)), "The", max_new_tokens=6, stream=False)
+    checkpoint = out / "checkpoints" / "step-000002"
+    at_checkpoint = generate(*load(None, str(checkpoint)), "The", max_new_tokens=6, stream=False)
+    capsys.readouterr()
+    assert main(["generate", "--adapter", str(out), "--prompt", "The", "--max-new-tokens", "6"]) == 0
+    assert expected.strip() and expected in capsys.readouterr().out
+    assert main(["merge", "--adapter", str(checkpoint), "--out", "merged", "--dtype", "fp32"]) == 0
+    capsys.readouterr()
+    assert main(["generate", "--model", "merged", "--prompt", "The", "--max-new-tokens", "6"]) == 0
+    assert at_checkpoint.strip() and at_checkpoint in capsys.readouterr().out
 
 
 def test_a_file_of_prompts_is_answered_in_batches_as_one_at_a_time(plain_run, tmp_path, capsys):

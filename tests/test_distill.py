@@ -131,6 +131,29 @@ def test_top_k_at_the_vocabulary_is_the_full_loss_and_cross_entropy_mixes_in(tin
     assert mixed.item() == pytest.approx(0.75 * divergence.item() + 0.25 * ce.item(), abs=1e-5) and ce.item() > 1.0
 
 
+def test_the_chunked_heads_do_no_gradient_work_under_no_grad(tiny_model_dir, teacher_dir, monkeypatch):
+    """Eval runs the losses under no_grad with the head still trainable (full fine-tuning): neither the divergence nor the
+    cross-entropy takes a chunk's d(hidden) or d(weight) then, and both give the values they give with gradients."""
+    from transformers import AutoModelForCausalLM
+
+    model, teacher = AutoModelForCausalLM.from_pretrained(tiny_model_dir), AutoModelForCausalLM.from_pretrained(teacher_dir).eval()
+    assert model.get_output_embeddings().weight.requires_grad
+    calls = []
+    real = loss_module.chunk_grads
+    monkeypatch.setattr(loss_module, "chunk_grads", lambda *args: calls.append(1) or real(*args))
+    cfg = DistillConfig(teacher="t", ce_weight=0.25)
+    with_grads, metrics = _ours(model, teacher, cfg)
+    assert calls, "the fused path was not taken"
+    calls.clear()
+    with torch.no_grad():
+        without, metrics_without = _ours(model, teacher, cfg)
+        batch = to_device(collate([Row(np.array(p + a), np.array([IGNORE] * len(p) + a), np.arange(len(p) + len(a))) for p, a in SAMPLES], 0), "cpu")
+        cross_entropy = loss_module.losses(model, batch).tokens
+    assert calls == [] and not without.requires_grad
+    assert without.item() == with_grads.item() and torch.equal(metrics, metrics_without)
+    assert cross_entropy.item() == pytest.approx(loss_module.losses(model, batch).tokens.item(), rel=1e-6)
+
+
 def _distill_config(model_dir, teacher, out, **sections) -> dict:
     cfg = base_config(model_dir, out, **sections)
     cfg["train"] = {**cfg["train"], "objective": "distill", "max_steps": 8, "lr": 1e-2, **sections.get("train", {})}

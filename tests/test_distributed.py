@@ -162,18 +162,14 @@ def test_zero3_checkpoint_resumes_at_the_same_world_size_and_at_another(tmp_path
 
 
 def test_a_rank_that_raises_stops_the_whole_job_quickly(tmp_path, tiny_model_dir):
-    import time
-
     cfg = base_config(tiny_model_dir, tmp_path / "out", train={"max_steps": 200, "micro_batch_size": 2})
     env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "FINETUNE_FAULT": "raise@3:rank=1"}
-    started = time.monotonic()
+    # A hang would last until gloo's collective timeout, 1,800 s (torch's default; finetune sets none); the job takes ~20 s
+    # here: the launch's own deadline (600 s, TimeoutExpired) tells the two apart on a machine 30x slower.
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "finetune/train.py",
-                             "--config", str(write_config(tmp_path / "c.yaml", cfg))], cwd=REPO, capture_output=True, text=True, timeout=120, env=env)
+                             "--config", str(write_config(tmp_path / "c.yaml", cfg))], cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
     assert result.returncode != 0
     assert "injected fault on rank 1 at step 3" in result.stderr
-    # A hang would last until gloo's collective timeout, 1,800 s (torch's default; finetune sets none); the job takes
-    # ~20 s here: 300 s tells the two apart on a machine 10x slower.
-    assert time.monotonic() - started < 300
     assert not (tmp_path / "out" / "summary.json").exists()
 
 

@@ -62,6 +62,12 @@ def test_where_no_accumulation_keeps_the_batch_an_elastic_job_waits_for_its_node
     waiting.stdout.read()
     assert waiting.wait(timeout=60) == 75
     assert [e["event"] for e in read_jsonl(tmp_path / "out" / "events.jsonl")][-2:] == ["wait", "preempted"]
+    # No node joins: the wait ends at distributed.elastic_wait, in one line
+    gave_up = subprocess.run([*cmd(), "--set", "distributed.elastic_wait=3"], cwd=REPO, capture_output=True, text=True, timeout=300,
+                             env={**env, "FINETUNE_ELASTIC": "1:2"})
+    assert gave_up.returncode == 2, gave_up.stderr[-2000:]
+    assert ("error: distributed.elastic_wait: no node joined within 3 s (" in gave_up.stderr
+            and "set distributed.elastic_batch: flexible" in gave_up.stderr), gave_up.stderr[-2000:]
     # A fresh start of that job: 2 rows a step (1 x 1 x 2) cannot be kept at 4 processes, said first
     shutil.rmtree(tmp_path / "out")
     started = subprocess.run([*cmd(), "--set", "train.max_steps=1"], cwd=REPO, capture_output=True, text=True, timeout=300,

@@ -66,7 +66,7 @@ def test_the_tokenizers_split_is_what_llama_cpp_is_told(demo_tokenizer_dir):
 
 
 @pytest.mark.skipif(not LLAMA_CPP, reason="llama-cpp-python is not installed (make test installs it)")
-@pytest.mark.parametrize("kind,bound,block", [("q4_k_m", 0.5, "Q4_K"), ("q6_k", 0.2, "Q6_K")])
+@pytest.mark.parametrize("kind,bound,block", [("q4_k_m", 0.5, "Q4_K"), ("q5_k_m", 0.35, "Q5_K"), ("q6_k", 0.2, "Q6_K")])
 def test_k_quants_come_from_llama_cpps_quantizer_and_are_checked_in_it(tmp_path, released, kind, bound, block, capsys):
     """Llama 3.2's shape 256 wide (k-quants take rows of 256): the f16 file quantized by llama.cpp's own
     llama_model_quantize, its layers' weights in the k-quant's blocks, the same token ids as transformers,

@@ -218,3 +218,28 @@ def test_a_training_batch_from_the_host_gives_the_loss_of_eager_attention(tiny_m
     assert got[0] == pytest.approx(want[0], rel=1e-5)
     for name, grad in want[1].items():
         assert torch.allclose(got[1][name], grad, atol=1e-5), (name, (got[1][name] - grad).abs().max())
+
+
+def test_packed_rows_and_the_bounds_cache_belong_to_the_thread_that_set_them():
+    """The async rollouts sample in a thread while the step trains: one thread inside packed_rows() leaves another's forwards
+    as they were, and a bounds lookup in one thread never returns another thread's position_ids' bounds."""
+    import threading
+
+    inside, leave, seen = threading.Event(), threading.Event(), {}
+
+    def rollout():
+        with attention.packed_rows():
+            seen["thread"] = attention.in_packed_rows()
+            sample_bounds(torch.tensor([[0, 1, 2, 0, 1]]))
+            inside.set()
+            leave.wait(10)
+
+    worker = threading.Thread(target=rollout)
+    worker.start()
+    assert inside.wait(10)
+    ours = torch.tensor([[0, 1, 0, 1, 2, 3]])
+    assert not attention.in_packed_rows() and seen["thread"]
+    assert sample_bounds(ours) == [[0, 2, 6]]
+    leave.set()
+    worker.join(10)
+    assert not attention.in_packed_rows()

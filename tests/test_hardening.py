@@ -22,9 +22,12 @@ def _cfg(model_dir, out, steps=400):
     return base_config(model_dir, out, train={"max_steps": steps, "lr": 1e-3}, data={"eval": None}, watchdog={"enabled": False})
 
 
-def _wait_for_rows(metrics: Path, job, rows: int) -> None:
+def _wait_for_rows(metrics: Path, job, rows: int, seconds: float = 600) -> None:
+    """Until the job has logged `rows` rows; a job that ends first, or logs nothing for `seconds` (a hang), fails the test."""
+    deadline = time.monotonic() + seconds
     while not (metrics.exists() and len(metrics.read_text().splitlines()) >= rows):
         assert job.poll() is None, job.communicate()
+        assert time.monotonic() < deadline, f"{metrics}: fewer than {rows} rows after {seconds:g} s"
         time.sleep(0.05)
 
 
@@ -74,9 +77,9 @@ def test_workers_stop_when_their_launcher_is_killed(tmp_path, tiny_model_dir):
     agent.communicate()
     killed = time.monotonic()
     while any(Path(f"/proc/{pid}").exists() and _parent(pid) != 0 and _state(pid) != "Z" for pid in workers):
-        assert time.monotonic() - killed < 60, "orphaned workers are still running"
+        # a deadline, not a speed: orphans live until someone kills them, a stopping worker saves a checkpoint first
+        assert time.monotonic() - killed < 600, "orphaned workers are still running"
         time.sleep(0.1)
-    print(f"workers gone {time.monotonic() - killed:.1f} s after the agent was killed")
     saved = sorted((out / "checkpoints").iterdir())  # the start's and the preemption's
     assert len(saved) == 2 and all(verify(p) is None for p in saved) and not [p for p in saved if p.name.startswith(".")]
     assert [e["event"] for e in read_jsonl(out / "events.jsonl")] == ["preempted"]

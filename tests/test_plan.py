@@ -295,6 +295,11 @@ def test_simulate_refuses_what_it_does_not_simulate_in_one_line(capsys, tiny_mod
                           "--simulate")
     assert result.returncode == 2 and result.stderr.strip() == ("error: --simulate: simulates distributed.strategy fsdp over 2 or more devices "
                                                                "(--strategy fsdp --gpus N)"), result.stderr
+    for config, what in (("dpo", "two sequences a pair and reference"), ("grpo", "sampling, reference and group rows")):
+        result = finetune_cli(capsys, "plan", "--config", config, "--model", str(tiny_model_dir), "--seq-len", "128", "--gpus", "2",
+                              "--strategy", "fsdp", "--set", "eval.generate_samples=0", "--simulate")
+        assert result.returncode == 2 and result.stderr.strip() == (f"error: --simulate: simulates SFT's step only; train.objective {config}'s "
+                                                                   f"step (its {what}) is not simulated yet"), result.stderr
 
 
 SIMULATED_RUN = """

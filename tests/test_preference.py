@@ -258,18 +258,31 @@ def test_two_processes_match_one_on_pairs(tmp_path, tiny_model_dir, trained, str
     assert two == pytest.approx(one, rel=1e-4, abs=1e-5) and two[-1] < one[0] - 0.01
 
 
-def test_plan_counts_dpos_frozen_reference_under_full_fine_tuning_only(tmp_path, tiny_model_dir):
+def test_plan_counts_the_frozen_reference_the_trainer_builds(tmp_path, tiny_model_dir):
+    """DPO, KTO and GRPO with a KL term hold a frozen base beside a fully fine-tuned policy (cfg.needs_reference, the
+    trainer's rule too); ORPO, GRPO without beta and any adapter hold none."""
     from finetune.outputs.plan import make_plan
 
-    rows = {}
-    for objective, method in (("dpo", "full"), ("orpo", "full"), ("dpo", "lora")):
-        cfg = validate_config(_pairs_config(tiny_model_dir, tmp_path / "out", objective=objective, adapter={"method": method}), "test")
-        rows[objective, method] = make_plan(cfg).rows
-    reference = rows["dpo", "full"]["DPO reference model"]
-    assert reference == rows["dpo", "full"]["weights"] > 0  # a second copy of the base, as the policy holds it
-    assert "DPO reference model" not in rows["orpo", "full"] and "DPO reference model" not in rows["dpo", "lora"]
-    sharded = validate_config(_pairs_config(tiny_model_dir, tmp_path / "out", adapter={"method": "full"}, distributed={"strategy": "fsdp"}), "test")
-    assert make_plan(sharded, devices=2).rows["DPO reference model"] == reference / 2
+    data = {"dpo": "pairs", "orpo": "pairs", "kto": "unpaired", "grpo": "prompts"}
+    formats = {"pairs": "preference", "unpaired": "unpaired", "prompts": "prompt"}
+
+    def plan(objective, method, beta=0.04, **sections):
+        cfg = _pairs_config(tiny_model_dir, tmp_path / "out", objective=objective, adapter={"method": method}, **sections)
+        cfg["data"].update(train=str(DEMO_DATA / f"{data[objective]}-train.jsonl"), eval=str(DEMO_DATA / f"{data[objective]}-eval.jsonl"),
+                           format=formats[data[objective]])
+        cfg["grpo"] = {"beta": beta} if objective == "grpo" else {}
+        cfg = validate_config(cfg, "test")
+        rows = make_plan(cfg, devices=2 if sections else 1).rows
+        assert cfg.needs_reference == ("reference model" in rows)
+        return rows
+
+    for objective in ("dpo", "kto", "grpo"):
+        rows = plan(objective, "full")
+        assert rows["reference model"] == rows["weights"] > 0, objective  # a second copy of the base, as the policy holds it
+        assert "reference model" not in plan(objective, "lora"), objective  # the base with the adapter off
+    assert "reference model" not in plan("orpo", "full") and "reference model" not in plan("grpo", "full", beta=0.0)
+    sharded = plan("dpo", "full", distributed={"strategy": "fsdp"})
+    assert sharded["reference model"] == plan("dpo", "full")["reference model"] / 2
 
 
 def test_the_guard_skips_a_poisoned_dpo_step_and_judges_the_preference_loss(tmp_path, tiny_model_dir, monkeypatch):

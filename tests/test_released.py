@@ -4,6 +4,7 @@ tokens trained are the assistant's answer and its end-of-turn token, token by to
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from released import tokenizer_dir
 from transformers import AutoTokenizer
@@ -181,3 +182,50 @@ def test_dpo_trains_through_a_released_template(tmp_path, released, capsys):
     # the policy starts as the reference (ln 2); after one step every batch's loss is below it: each prefers its chosen
     # answers over its rejected ones more than the reference does (measured 0.666-0.692 over the next 5)
     assert abs(losses[0] - 0.6931) < 1e-3 and max(losses[1:]) < 0.6931 and min(losses) < 0.675, losses
+
+
+# The releases' generation_config.json eos_token_id (Llama-3.1-8B-Instruct; gemma-3-1b-pt, whose tokenizer's EOS is <eos>)
+# and the end token each model writes where its tokenizer's EOS is not that token.
+ENDS = {"llama3": ([128001, 128008, 128009], None, 128008), "gemma3": ([1, 106], "<eos>", 106)}
+
+
+@pytest.mark.parametrize("family", sorted(ENDS))
+def test_every_sampler_stops_at_any_end_token_the_model_names(family):
+    """A model (its weights set so that it writes ' big world', then an end token, then ' after' for ever) whose end token
+    is in its generation_config but is not its tokenizer's EOS: GRPO's sampler, eval's and `finetune generate`'s (one prompt
+    or a batch) stop there, as transformers' own generate does with the model's generation_config."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from finetune.model.loading import end_tokens
+    from finetune.objectives.evaluate import generate
+    from finetune.objectives.grpo import generate as sample
+    from finetune.outputs.generate import generate_batch
+
+    configured, eos, end = ENDS[family]
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir(family))
+    if eos:
+        tokenizer.eos_token = eos
+    tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
+    assert end != tokenizer.eos_token_id
+    prompt = tokenizer("Hello", add_special_tokens=False)["input_ids"]
+    big, world, after = (tokenizer(w, add_special_tokens=False)["input_ids"][-1] for w in (" big", " world", " after"))
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=8, intermediate_size=8, num_hidden_layers=1, num_attention_heads=2,
+                                         num_key_value_heads=2, tie_word_embeddings=False)).eval()
+    chain = [prompt[-1], big, world, end, after, after]  # each token's successor is the next: attention and MLP add nothing
+    with torch.no_grad():
+        model.model.embed_tokens.weight.zero_()
+        model.lm_head.weight.zero_()
+        model.model.layers[0].self_attn.o_proj.weight.zero_()
+        model.model.layers[0].mlp.down_proj.weight.zero_()
+        for k, (token, successor) in enumerate(zip(chain, chain[1:])):
+            model.model.embed_tokens.weight[token, k] = 1.0
+            model.lm_head.weight[successor, k] = 10.0
+    model.generation_config.eos_token_id = configured
+    assert end_tokens(model, tokenizer) == [tokenizer.eos_token_id, *[t for t in configured if t != tokenizer.eos_token_id]]
+    assert sample(model, tokenizer, [np.array(prompt)], 6, "cpu") == [[big, world, end]]
+    assert generate(model, tokenizer, "Hello", 6, add_special_tokens=False) == tokenizer.decode([big, world]) == " big world"
+    assert generate_batch(model, tokenizer, ["Hello", "Hello"], False, 6, 0.0) == [" big world"] * 2
+    model.generation_config.eos_token_id = None  # the tokenizer's EOS alone: it writes on past the end token
+    assert generate(model, tokenizer, "Hello", 6, add_special_tokens=False).startswith(" big world after")

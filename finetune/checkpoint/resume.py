@@ -29,7 +29,7 @@ class Progress:
     tokens: int = 0
     epoch: int = 0
     guard: dict | None = None  # Guard.state_dict()
-    batch: dict | None = None  # rows per step and the configured micro-batch and accumulation (batch_for_world)
+    batch: dict | None = None  # rows per step and the configured micro-batch and accumulation (run/elastic.batch_for_world)
     good: bool = True  # a rollback may come back here
 
     def state_dict(self) -> dict:
@@ -51,7 +51,7 @@ class Start:
 
 def starting_point(cfg: RunConfig) -> Start:
     """Which checkpoint to resume (checkpoint.resume; auto: the newest complete one). Read before the
-    engine is built: its process count decides the gradient accumulation (batch_for_world)."""
+    engine is built: its process count decides the gradient accumulation (run/elastic.batch_for_world)."""
     events = []
     choice = cfg.checkpoint.resume
     path = None
@@ -86,48 +86,6 @@ def resume(cfg: RunConfig, start: Start, checkpointer, accelerator) -> tuple[Pro
         raise UserError(f"checkpoint.resume: {err}") from None
     events.append(("restart", f"resumed from {path} at step {progress.step} ({time.perf_counter() - began:.1f} s)"))
     return progress, events
-
-
-class BatchUnreachable(UserError):
-    """No gradient accumulation keeps the checkpoint's global batch at this process count."""
-
-
-def batch_for_world(cfg: RunConfig, path: Path | None, world: int) -> tuple[RunConfig, str | None, dict]:
-    """The config to run with at `world` processes, what changed, and the run's batch as checkpoints record it
-    (Progress.batch: rows per optimizer step, and the micro_batch_size and grad_accum configured for it).
-
-    A run keeps its global batch whatever its process count (an elastic job's node lost or back):
-    micro_batch_size as configured, grad_accum re-derived so micro x accum x processes is the checkpoint's.
-    A step's micro-batches are one block of the epoch's single order (datasets._step_rows), so the data
-    position, LR schedule and per-step losses go on as if no node had come or gone. A config whose
-    micro_batch_size or grad_accum differs from the ones the run was configured with sets a new batch
-    instead. distributed.elastic_batch: flexible takes the nearest batch where none is exact."""
-    import yaml
-
-    configured = [cfg.train.micro_batch_size, cfg.train.grad_accum]
-    share = cfg.train.micro_batch_size * (world // cfg.distributed.sequence_parallel)  # rows per micro-batch over all processes
-    ours = {"rows": share * cfg.train.grad_accum, "configured": configured}
-    if path is None or world % cfg.distributed.sequence_parallel:  # the latter: sequence_parallel.setup refuses it
-        return cfg, None, ours
-    state = store.trainer_state(path)
-    saved_world, batch = state.get("world_size", world), state.get("batch")
-    if batch is None:  # a checkpoint from before batches were recorded: its config's, as it ran
-        t, sp = (yaml.safe_load((path / CONFIG_FILE).read_text()) or {}).get("train", {}), cfg.distributed.sequence_parallel
-        micro, accum = t.get("micro_batch_size", 4), t.get("grad_accum", 1)  # the schema's defaults, as that run took them
-        batch = {"rows": micro * accum * (saved_world // sp), "configured": [micro, accum]}
-    if batch["configured"] != configured:  # the user set another batch
-        return cfg, None, ours
-    rows = batch["rows"]
-    accum, exact = max(1, round(rows / share)), rows % share == 0
-    if saved_world == world and exact and accum == cfg.train.grad_accum:
-        return cfg, None, batch
-    where = f"{path} was written by {saved_world} process(es) at {rows} rows per step; at {world}"
-    if not exact and cfg.distributed.elastic_batch == "fixed":
-        raise BatchUnreachable(f"{where}, micro_batch_size {cfg.train.micro_batch_size} x grad_accum N x {world // cfg.distributed.sequence_parallel} "
-                               f"cannot make {rows}: resume at a process count that can, or set distributed.elastic_batch: flexible")
-    kept = f"{rows} rows per step kept" if exact else f"{share * accum} rows per step instead of {rows} (distributed.elastic_batch: flexible)"
-    resized = cfg.model_copy(update={"train": cfg.train.model_copy(update={"grad_accum": accum})})
-    return resized, f"{where}: train.grad_accum {accum}, {kept}", batch
 
 
 def config_change(path: Path, cfg: RunConfig) -> list[tuple[str, str]]:

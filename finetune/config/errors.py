@@ -8,6 +8,7 @@
 """
 
 import os
+import sys
 
 EXIT_USAGE = 2
 EXIT_DIVERGED = 3
@@ -25,8 +26,9 @@ def record_exit(code: int) -> None:
         try:
             with open(path, "w") as fh:
                 fh.write(f"{code}\n")
-        except OSError:
-            pass
+        except OSError as err:  # the launcher then reports torchrun's 1: say so, with the code it should have been
+            print(f"error: exit code {code} not recorded in {EXIT_FILE_VAR}={path} ({err.strerror or err}); the launch script will "
+                  f"report 1 (torchrun's) instead of {code}", file=sys.stderr, flush=True)
 
 
 class UserError(Exception):

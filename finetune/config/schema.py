@@ -33,8 +33,9 @@ class QuantizationConfig(_Section):
     compute_dtype: Literal["bfloat16", "float32", "float16"] = Field("bfloat16", description="4-bit: dtype the dequantized weights are multiplied in.")
     skip_modules: list[str] | None = Field(None, description="Modules left unquantized besides transformers' defaults (lm_head is always kept).")
     backend: Literal["auto", "bitsandbytes", "torchao"] = Field(
-        "auto", description="Who quantizes: bitsandbytes (4- and 8-bit, one process, ddp, zero2/zero3), or torchao's NF4Tensor (4-bit NF4 "
-        "with LoRA, one process, ddp or fsdp: the 4-bit base FSDP2 shards). auto: torchao under distributed.strategy fsdp, else bitsandbytes.")
+        "auto", description="Who quantizes: bitsandbytes (4- and 8-bit, one process, ddp, zero2/zero3; a distill teacher not under zero3), "
+        "or torchao's NF4Tensor (4-bit NF4 with LoRA, one process, ddp or fsdp: the 4-bit base FSDP2 shards). auto: torchao under "
+        "distributed.strategy fsdp, else bitsandbytes.")
     _strategy: str = PrivateAttr("none")  # the run's distributed.strategy, set by RunConfig: what auto picks by (the saved config keeps auto)
 
     @property
@@ -434,6 +435,8 @@ class DistributedConfig(_Section):
         "train.grad_accum is re-derived so that micro x accum x processes is the checkpoint's. fixed: where no accumulation gives that batch, "
         "the run refuses in one line (an elastic job launched by launch/multi_node.sh waits for its nodes instead); flexible: it goes on "
         "with the nearest batch, said in events.jsonl (the steps then cover other samples than an unchanged run's).")
+    elastic_wait: float = Field(1800.0, gt=0, description="Seconds an elastic job that cannot keep its global batch at its size waits for "
+                                "nodes to join (distributed.elastic_batch: fixed); past it the run stops in one line (exit 2).")
 
 
 def _teacher_quantization_refused(q: QuantizationConfig, strategy: str) -> str | None:
@@ -461,6 +464,14 @@ class RunConfig(_Section):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     guard: GuardConfig = Field(default_factory=GuardConfig)
     watchdog: WatchdogConfig = Field(default_factory=WatchdogConfig)
+
+    @property
+    def needs_reference(self) -> bool:
+        """Whether the run holds a frozen copy of the base beside the policy: DPO, KTO and GRPO with a KL term (beta) under
+        full fine-tuning. With an adapter the reference is the base with the adapter off: no second model. The recipe
+        builds it and the planner counts it from this one rule."""
+        kl = self.train.objective in ("dpo", "kto") or self.train.objective == "grpo" and bool(self.grpo.beta)
+        return kl and self.adapter.method == "full"
 
     @field_validator("data")
     @classmethod
@@ -657,7 +668,7 @@ def config_changes(saved: dict, cfg: RunConfig) -> tuple[list[str], list[str]]:
     checkpoint's version of finetune did not have takes its default, which is how that version ran."""
     try:
         saved = RunConfig.model_validate(saved).model_dump(mode="json")
-    except Exception:  # a setting since renamed or removed: compared as written (it shows as a change)
+    except ValidationError:  # a setting since renamed or removed: compared as written (it shows as a change)
         pass
     old, new = flatten(saved), flatten(cfg.model_dump(mode="json"))
     breaking, harmless = [], []

@@ -18,6 +18,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from jinja2.exceptions import TemplateError
+
 from finetune.config.errors import UserError
 
 # Built-in templates, for models that have none or to replace theirs (data.chat_template). Each marks
@@ -90,10 +92,15 @@ def _is_one_token(tokenizer, text: str) -> bool:
     return len(tokenizer(text, add_special_tokens=False)["input_ids"]) == 1
 
 
+# What a chat template raises for a row it refuses: Jinja's errors (its own raise_exception() among them) and transformers'
+# ValueError. Anything else (an AttributeError on a message that is not a dict) is a bug of the caller's, not a bad row.
+TEMPLATE_ERRORS = (TemplateError, ValueError)
+
+
 def render(tokenizer, messages: list[dict], add_generation_prompt: bool = False, tools: list | None = None) -> str:
     try:
         return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt)
-    except Exception as err:  # noqa: BLE001 - a template's own raise_exception() or a Jinja error: the template refuses this row
+    except TEMPLATE_ERRORS as err:  # the template refuses this row (its own raise_exception(), a Jinja error)
         raise UserError(f"data: the chat template cannot render a row: {str(err).splitlines()[0] if str(err) else type(err).__name__}") from None
 
 
@@ -115,7 +122,7 @@ def assistant_masks(tokenizer, conversations: list[list[dict]], tools: list[list
             try:
                 enc = tokenizer.apply_chat_template(messages, tools=schemas, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
                 out.append((list(enc["input_ids"]), [bool(m) for m in enc["assistant_masks"]]))
-            except Exception as err:  # noqa: BLE001 - the template refuses this conversation
+            except TEMPLATE_ERRORS as err:  # the template refuses this conversation
                 out.append(f"data: the chat template cannot render a row: {str(err).splitlines()[0] if str(err) else type(err).__name__}")
         return out
     texts, spans, out = [], [], []

@@ -170,7 +170,7 @@ def encoder(processor, pictures: list[bytes]):
     def encode(text: str) -> list[int]:
         try:
             return list(np.asarray(processor(text=[text], images=shown, add_special_tokens=False)["input_ids"][0]).tolist())
-        except Exception as err:  # noqa: BLE001 - the processor refuses this row (a count mismatch, a picture too small): its words
+        except (ValueError, OSError) as err:  # the processor refuses this row (a count mismatch, a picture too small): its words
             raise UserError(f"data: the model's processor refuses the row: {str(err).splitlines()[0] if str(err) else type(err).__name__}") from None
 
     return encode

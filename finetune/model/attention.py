@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import threading
 
 import torch
 import torch.nn.functional as F
@@ -46,8 +47,9 @@ PACKED_SDPA = "sdpa_packed"
 SHORT_SAMPLE = 1024  # tokens: above it the saved probabilities outweigh the speed (and torch's kernel does better)
 
 
-_last: tuple[torch.Tensor, int, list[list[int]]] | None = None  # every layer of a forward sees the same position_ids
-_packed = False  # inside packed_rows()
+# Per thread (the async rollouts sample in a thread of their own while the step trains): `last` (position_ids, its version,
+# its bounds), as every layer of a forward sees the same position_ids; `packed`: inside packed_rows().
+_state = threading.local()
 
 
 def accelerator_path(tensor: torch.Tensor) -> bool:
@@ -61,30 +63,34 @@ def accelerator_path(tensor: torch.Tensor) -> bool:
 def packed_rows():
     """An eval forward over packed rows: attention follows the restarting position_ids, as in training,
     whatever mask the model built. Outside it, generation keeps plain sdpa over its padding mask."""
-    global _packed
-    before, _packed = _packed, True
+    before, _state.packed = in_packed_rows(), True
     try:
         yield
     finally:
-        _packed = before
+        _state.packed = before
+
+
+def in_packed_rows() -> bool:
+    """Whether this thread is inside packed_rows()."""
+    return getattr(_state, "packed", False)
 
 
 def sample_bounds(position_ids: torch.Tensor) -> list[list[int]]:
     """Per row, the offsets where a sample starts, plus the row length at the end. Training batches
     carry them from the host (`with_bounds`); any other device tensor costs a host sync per forward."""
-    global _last
     known = getattr(position_ids, "sample_bounds", None)
     if known is not None:
         return known
-    if _last is not None and _last[0] is position_ids and _last[1] == position_ids._version:
-        return _last[2]
+    last = getattr(_state, "last", None)
+    if last is not None and last[0] is position_ids and last[1] == position_ids._version:
+        return last[2]
     length = position_ids.shape[-1]
     starts = (position_ids == 0).nonzero().tolist()
     bounds: list[list[int]] = [[] for _ in range(position_ids.shape[0])]
     for row, col in starts:
         bounds[row].append(col)
     result = [([0] if not b or b[0] != 0 else []) + b + [length] for b in bounds]
-    _last = (position_ids, position_ids._version, result)
+    _state.last = (position_ids, position_ids._version, result)
     return result
 
 
@@ -156,7 +162,7 @@ def packed_sdpa_forward(module, query, key, value, attention_mask, dropout: floa
     if whole_row is not None:  # this process holds a slice of each row: attention over the whole row, through Ulysses
         return whole_row.route(packed_sdpa_forward, module, query, key, value, attention_mask, whole_row, dropout=dropout, scaling=scaling, **kwargs)
     placeholder = getattr(attention_mask, "finetune_placeholder", False)
-    if not (module.training or _packed) or position_ids is None or query.shape[2] != key.shape[2] or position_ids.dim() != 2:
+    if not (module.training or in_packed_rows()) or position_ids is None or query.shape[2] != key.shape[2] or position_ids.dim() != 2:
         if placeholder:
             raise RuntimeError(f"{PACKED_SDPA}: a packed-row forward without its position_ids (mask_placeholder needs them)")
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
@@ -280,9 +286,10 @@ def _causal_mask(length: int, dtype: torch.dtype, device: torch.device, window: 
     # Fake tensors (finetune plan --simulate) keep masks of their mode's own: a fake one must never stand in
     # for a real mask in the process's next real forward.
     key = (dtype, device, window, torch._guards.detect_fake_mode())
-    if key not in _masks or _masks[key].shape[0] < length:
-        _masks[key] = torch.zeros(length, length, dtype=dtype, device=device).masked_fill_(~_allowed(length, window, device), float("-inf"))
-    return _masks[key][:length, :length]
+    mask = _masks.get(key)  # read once: another thread may put a longer one in its place meanwhile
+    if mask is None or mask.shape[0] < length:
+        mask = _masks[key] = torch.zeros(length, length, dtype=dtype, device=device).masked_fill_(~_allowed(length, window, device), float("-inf"))
+    return mask[:length, :length]
 
 
 class _CausalAttention(torch.autograd.Function):

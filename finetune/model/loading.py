@@ -16,6 +16,7 @@ from finetune.config.errors import UserError
 from finetune.config.schema import DTYPE_BYTES, AdapterConfig, ModelConfig, RunConfig, looks_local, read_model_config
 from finetune.model import families, nf4, vision
 from finetune.model.attention import register as register_packed_sdpa
+from finetune.model.configs import first_line, model_config
 
 DTYPES = {**{name: getattr(torch, name) for name in DTYPE_BYTES}, "auto": "auto"}  # model.dtype -> torch
 
@@ -28,12 +29,20 @@ def load_tokenizer(cfg: ModelConfig, processor=None):
         tok = processor.tokenizer if processor is not None else \
             AutoTokenizer.from_pretrained(cfg.name_or_path, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
     except Exception as err:  # noqa: BLE001 - a missing, garbage or unreadable tokenizer raises many types; all mean "this folder's tokenizer"
-        raise UserError(f"model.name_or_path: cannot load a tokenizer from '{cfg.name_or_path}': {_first_line(err)}") from None
+        raise UserError(f"model.name_or_path: cannot load a tokenizer from '{cfg.name_or_path}': {first_line(err)}") from None
     if processor is not None and getattr(processor, "chat_template", None) and not tok.chat_template:
         tok.chat_template = processor.chat_template
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     return tok
+
+
+def end_tokens(model, tokenizer) -> list[int]:
+    """The tokens where sampling stops: the tokenizer's EOS and every one the model's generation_config names (Llama 3.1's
+    <|eom_id|> after a tool call and <|eot_id|>, Gemma's <end_of_turn> beside its tokenizer's <eos>), the tokenizer's first."""
+    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    configured = configured if isinstance(configured, list) else [configured]
+    return list(dict.fromkeys(t for t in [tokenizer.eos_token_id, *configured] if isinstance(t, int)))
 
 
 def check_supported(cfg: RunConfig) -> None:
@@ -159,17 +168,7 @@ def load_model(cfg: ModelConfig, device: torch.device | str = "cpu", skeleton: s
     files: peft then creates and initializes the adapter on real tensors, as it would on a loaded model).
     head: "causal" (the LM head), or "score" (a reward model: AutoModelForSequenceClassification with one
     label, its score head initialized as transformers does)."""
-    from transformers import AutoConfig
-
-    if looks_local(cfg.name_or_path):
-        read_model_config(Path(cfg.name_or_path), "model.name_or_path")  # one line for a missing or garbage config.json
-    from huggingface_hub.errors import StrictDataclassError
-
-    try:
-        config = AutoConfig.from_pretrained(cfg.name_or_path, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
-    except (OSError, ValueError, StrictDataclassError) as err:  # the last: a config whose fields disagree (num_hidden_layers, layer_types)
-        raise UserError(f"model.name_or_path: cannot read the config of '{cfg.name_or_path}': {_first_line(err)}") from None
-    override_config(config, cfg.config_overrides)
+    config = model_config(cfg)
     if head == "score":
         return _reward_model(cfg, config)
     attn, notice = attention_for(cfg, config)
@@ -208,7 +207,7 @@ def load_model(cfg: ModelConfig, device: torch.device | str = "cpu", skeleton: s
         if state is not None:
             _as_if_read_from(model, Path(cfg.name_or_path))
     except Exception as err:  # noqa: BLE001 - missing, truncated, garbage or mis-shaped weights: the folder's fault, said in one line
-        why = "its weights have other shapes than its config.json says" if "mismatched_sizes" in str(err) else _first_line(err)
+        why = "its weights have other shapes than its config.json says" if "mismatched_sizes" in str(err) else first_line(err)
         raise UserError(f"model.name_or_path: cannot load '{cfg.name_or_path}': {why}") from None
     if cfg.quantization is not None and not nf4.used(cfg):
         from peft import prepare_model_for_kbit_training
@@ -242,7 +241,7 @@ def _reward_model(cfg: ModelConfig, config):
                                                                   use_safetensors=True)
     except ValueError as err:  # no sequence-classification class for this architecture
         raise UserError(f"train.objective: reward: {config.model_type} has no sequence-classification model in transformers "
-                        f"({_first_line(err)})") from None
+                        f"({first_line(err)})") from None
 
 
 @contextmanager
@@ -283,16 +282,6 @@ def _as_if_read_from(model, folder: Path) -> None:
         model.generation_config = GenerationConfig.from_pretrained(folder)
 
 
-def override_config(config, overrides: dict) -> None:
-    """model.config_overrides, set on the loaded config: only settings the model's config has."""
-    unknown = [key for key in overrides if not hasattr(config, key)]
-    if unknown:
-        raise UserError(f"model.config_overrides: {', '.join(unknown)} is not a setting of {type(config).__name__} "
-                        f"(its config.json has e.g. {', '.join(sorted(config.to_diff_dict())[:6])})")
-    for key, value in overrides.items():
-        setattr(config, key, value)
-
-
 def weight_file_names(folder: Path) -> list[str]:
     """A model folder's safetensors files, from its index ([] if it has none); reads no weight file."""
     index = folder / "model.safetensors.index.json"
@@ -309,15 +298,6 @@ def weight_files(folder: Path) -> dict[str, list[str]]:
         with safe_open(folder / name, "pt") as f:
             files[name] = list(f.keys())
     return files
-
-
-def _first_line(err: Exception) -> str:
-    from huggingface_hub.errors import StrictDataclassError
-
-    if isinstance(err, StrictDataclassError) and err.__cause__ is not None:  # it wraps the config's own complaint: say that one
-        err = err.__cause__
-    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
-    return lines[0] if lines else type(err).__name__
 
 
 def _keep_one_cpu_4bit_path(model) -> None:

@@ -11,8 +11,9 @@ from pathlib import Path
 import torch
 
 from finetune.config.errors import UserError
-from finetune.config.schema import ModelConfig, QuantizationConfig, read_model_config
+from finetune.config.schema import ModelConfig, QuantizationConfig
 from finetune.model import nf4
+from finetune.model.configs import model_config
 from finetune.model.loading import load_model, quantize_layers
 
 
@@ -57,10 +58,19 @@ def check_vocabulary(folder: Path, tokenizer, student: ModelConfig, teacher: Mod
         if ours.get(i) != other.get(i):
             raise UserError(f"distill.teacher: {folder}'s tokenizer differs from the student's at id {i} ({other.get(i)!r} there, "
                             f"{ours.get(i)!r} here); distillation compares the two models' next-token probabilities id by id")
-    widths = [read_model_config(Path(c.name_or_path), "distill.teacher").get("vocab_size") for c in (student, teacher)]
+    widths = [logits_width(c, key) for c, key in ((student, "model.name_or_path"), (teacher, "distill.teacher"))]
     if widths[0] != widths[1]:
         raise UserError(f"distill.teacher: its model has {widths[1]} logits per token, the student {widths[0]}; "
                         "distillation needs the same vocabulary size")
+
+
+def logits_width(cfg: ModelConfig, key: str) -> int:
+    """The logits a model gives per token: its text config's vocab_size, read as loading reads it (a hub id too)."""
+    width = getattr(model_config(cfg, key).get_text_config(), "vocab_size", None)
+    if not isinstance(width, int) or width <= 0:
+        raise UserError(f"{key}: the config of '{cfg.name_or_path}' gives no vocab_size (found {width!r}); distillation compares "
+                        "the two models' logits entry by entry")
+    return width
 
 
 def _by_id(tokenizer) -> dict[int, str]:

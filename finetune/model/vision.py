@@ -14,6 +14,7 @@ import re
 
 from finetune.config.errors import UserError
 from finetune.config.schema import AdapterConfig, ModelConfig
+from finetune.model.configs import model_config
 
 # The families whose batches are their processor's (tests/test_vision.py: LLaVA with a CLIP or SigLIP tower, Gemma 3,
 # Idefics3 (SmolVLM's first version is one) and SmolVLM2 with their grid of crops, Mllama with its cross-attention masks, Qwen2-VL and
@@ -49,13 +50,8 @@ def refusal(config: dict) -> str | None:
 
 def processor_for(cfg: ModelConfig, model: str | None = None):
     """The processor in cfg's folder if the model (`model`, else that folder's) is a vision-language model;
-    None for a text model (or a config that does not read: loading the model says why, in one line)."""
-    from transformers import AutoConfig
-
-    try:
-        config = AutoConfig.from_pretrained(model or cfg.name_or_path, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code).to_dict()
-    except Exception:  # noqa: BLE001 - any unreadable config: load_model names it
-        return None
+    None for a text model. A config that does not read stops in one line, as loading the model would."""
+    config = model_config(cfg if model is None else cfg.model_copy(update={"name_or_path": model})).to_dict()
     return load_processor(cfg, config.get("model_type")) if is_vision(config) else None
 
 

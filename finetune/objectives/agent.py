@@ -36,19 +36,42 @@ import torch
 from finetune.config.errors import UserError
 from finetune.data.packing import Prompt, Row
 from finetune.data.rows import prompt_ids, render
+from finetune.model.loading import end_tokens
 from finetune.objectives import tools as toolkit
 from finetune.objectives.grpo import GRPO, generate, group_row
-from finetune.objectives.rewards import Reward, _import, finite, score
+from finetune.objectives.rewards import Reward, finite, import_named, score
 
 ENDED = ("answer", "max_turns", "length", "timeout")  # why an episode ended, counted in the step's metrics
 
 
 def load_environment(spec: str) -> type:
     """The environment class grpo.environment names, imported now (one line if it does not resolve or lacks `reward`)."""
-    environment = _import(spec, {}, key="grpo.environment", kind="class")
+    environment = import_named(spec, {}, key="grpo.environment", kind="class")
     if not callable(getattr(environment, "reward", None)):
         raise UserError(f"grpo.environment: {spec}: the class has no reward(self, messages) method, which scores an episode")
     return environment
+
+
+def answer_text(tokenizer, messages: list[dict], answers: list[dict], tools: list[dict] | None = None) -> str:
+    """The text the chat template writes for `answers` after the policy's last turn, up to the next generation prompt:
+    what follows that turn's end-of-turn token when the conversation is rendered with them (the turn's end is found by
+    count, not by position: templates rewrite earlier turns, as Qwen3 drops the empty <think> block of a past answer)."""
+    end = tokenizer.eos_token
+    turns = render(tokenizer, messages, tools=tools).count(end) if end else 0
+    after = render(tokenizer, messages + answers, add_generation_prompt=True, tools=tools)
+    at = -1
+    for _ in range(turns):
+        at = after.find(end, at + 1)
+    if not turns or at < 0:
+        raise UserError(f"grpo.environment: the chat template does not end the policy's turns with the tokenizer's EOS ({end!r}); "
+                        "finetune cannot tell where the answers to a turn begin (data.chat_template names another template)")
+    return after[at + len(end):]
+
+
+def check_template(tokenizer) -> None:
+    """Before any episode (preflight): the chat template ends an assistant turn with the tokenizer's EOS, where the answers begin."""
+    answer_text(tokenizer, [{"role": "user", "content": "1 + 1?"}, {"role": "assistant", "content": "2"}],
+                [{"role": "user", "content": "And 2 + 2?"}])
 
 
 @dataclass
@@ -79,6 +102,7 @@ class AgentGRPO(GRPO):
     environment: type = None
     tool_format: str = "hermes"
     max_episode_tokens: int = 1024
+    ends: list[int] = field(default_factory=list)  # where a turn ends (loading.end_tokens), set as episodes are played
     extra_metrics: tuple[str, ...] = field(default=("turns", "cut_turns", "tool_calls", "tool_failures", *(f"ended_{e}" for e in ENDED)),
                                            init=False)
 
@@ -100,6 +124,7 @@ class AgentGRPO(GRPO):
         `generate` call; position None: greedy (evaluation). Sharded weights (synced): every rank runs max_turns calls."""
         if self.tool_format == "auto":
             self.tool_format = toolkit.format_of(tokenizer.chat_template)
+        self.ends = end_tokens(model, tokenizer)
         episodes = [self._begin(tokenizer, p, i) for p, i in zip(prompts, indices)]
         for turn in range(self.cfg.max_turns):
             active = [e for e in episodes if not e.done]
@@ -123,10 +148,13 @@ class AgentGRPO(GRPO):
         functions = list(getattr(env, "tools", None) or [])
         tools = {getattr(f, "__name__", str(f)): f for f in functions}
         schemas = self._call(where, "tools", lambda: toolkit.schemas(tools)) if tools else None
-        messages = self._call(where, "reset", env.reset) if hasattr(env, "reset") else prompt.row["prompt"]
-        if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) and "role" in m for m in messages):
-            raise UserError(f"grpo.environment: {self.cfg.environment}: reset() of {where} returned {type(messages).__name__}; expected a "
-                            "non-empty list of messages ({'role': ..., 'content': ...})")
+        if hasattr(env, "reset"):
+            messages = self._call(where, "reset", env.reset)
+            self._check_messages(messages, where, "reset", may_end=False)
+        else:
+            messages = prompt.row["prompt"]
+            if isinstance(messages, str):  # a text prompt: the user's message
+                messages = [{"role": "user", "content": messages}]
         ids = prompt_ids({"prompt": messages, "tools": schemas}, tokenizer)
         return Episode(env, prompt, index, tools, schemas, list(messages), len(messages), list(ids), [False] * len(ids))
 
@@ -135,7 +163,7 @@ class AgentGRPO(GRPO):
         episode.ids += completion
         episode.trained += [True] * len(completion)
         episode.turns += 1
-        finished = bool(completion) and completion[-1] == tokenizer.eos_token_id
+        finished = bool(completion) and completion[-1] in (self.ends or [tokenizer.eos_token_id])
         text = tokenizer.decode(completion[:-1] if finished else completion, skip_special_tokens=False)
         parsed = toolkit.parse(text, self.tool_format)
         message = {"role": "assistant", "content": parsed.content}
@@ -148,16 +176,14 @@ class AgentGRPO(GRPO):
             episode.trained.append(False)
         started = time.perf_counter()
         if parsed.calls or parsed.errors:
-            answers = [{"role": "tool", "content": f"invalid tool call: {why}"} for why in parsed.errors]
-            for call in parsed.calls:
-                answer = toolkit.run(episode.tools, call, self.cfg.tool_timeout)
-                answers.append({"role": "tool", "name": call.name, "content": answer})
-                episode.failures += answer.startswith(("error:", "invalid tool call:"))
-            episode.calls += len(parsed.calls) + len(parsed.errors)
-            episode.failures += len(parsed.errors)
+            answers = self._tool_answers(episode, parsed)
         else:
-            answers = self._call(self._where(episode.prompt), "step", lambda: episode.env.step(message)) if hasattr(episode.env, "step") else None
+            where = self._where(episode.prompt)
+            answers = self._call(where, "step", lambda: episode.env.step(message)) if hasattr(episode.env, "step") else None
+            self._check_messages(answers, where, "step", may_end=True)
         episode.spent += time.perf_counter() - started
+        if episode.ended:
+            return
         if not answers:
             episode.ended = "answer"
         elif turn + 1 >= self.cfg.max_turns:
@@ -173,20 +199,45 @@ class AgentGRPO(GRPO):
             episode.ids += observed
             episode.trained += [False] * len(observed)
 
+    def _tool_answers(self, episode: Episode, parsed: toolkit.Parsed) -> list[dict]:
+        """The tool messages answering a turn's calls. A call past grpo.tool_timeout ends the episode ("timeout") and the
+        turn's later calls are not run: its thread may still change the environment, which is used again (its reward) only
+        once that thread has ended (waited for up to grpo.episode_timeout in all)."""
+        answers = [{"role": "tool", "content": f"invalid tool call: {why}"} for why in parsed.errors]
+        episode.calls += len(parsed.errors)
+        episode.failures += len(parsed.errors)
+        for call in parsed.calls:
+            answer = toolkit.run(episode.tools, call, self.cfg.tool_timeout)
+            answers.append({"role": "tool", "name": call.name, "content": answer.text})
+            episode.calls += 1
+            episode.failures += answer.failed
+            if answer.running is not None:
+                episode.ended = "timeout"
+                left = max(0.0, self.cfg.episode_timeout - episode.spent - self.cfg.tool_timeout)
+                answer.running.join(left)
+                if answer.running.is_alive():
+                    raise UserError(f"grpo.environment: {self.cfg.environment}: the tool {call.name} still ran past grpo.episode_timeout "
+                                    f"({self.cfg.episode_timeout:g} s; the episode of {self._where(episode.prompt)}), so its environment "
+                                    "cannot be scored while it may change; make the tool return or raise within grpo.episode_timeout")
+                break
+        return answers
+
+    def _check_messages(self, messages, where: str, method: str, may_end: bool) -> None:
+        """What reset (a non-empty list) or step (a list, or [] / None: the episode is over) returned: messages."""
+        if may_end and (messages is None or messages == []):
+            return
+        good = isinstance(messages, list) and bool(messages)
+        bad = next((m for m in messages if not (isinstance(m, dict) and isinstance(m.get("role"), str))), None) if good else None
+        if good and bad is None:
+            return
+        got = f"a list holding {type(bad).__name__} {str(bad)[:60]!r}" if good else repr(messages) if isinstance(messages, list) \
+            else type(messages).__name__
+        raise UserError(f"grpo.environment: {self.cfg.environment}.{method}() returned {got} for the episode of {where}; expected a "
+                        + ("list of messages ({'role': ..., 'content': ...}), or [] / None to end the episode" if may_end
+                           else "non-empty list of messages ({'role': ..., 'content': ...})"))
+
     def _answer_ids(self, tokenizer, episode: Episode, answers: list[dict]) -> list[int]:
-        """The tokens the chat template writes for `answers` after the policy's last turn, up to the next generation prompt:
-        what follows that turn's end-of-turn token when the conversation is rendered with them (the turn's end is found by
-        count, not by position: templates rewrite earlier turns, as Qwen3 drops the empty <think> block of a past answer)."""
-        end = tokenizer.eos_token
-        turns = render(tokenizer, episode.messages, tools=episode.schemas).count(end) if end else 0
-        after = render(tokenizer, episode.messages + answers, add_generation_prompt=True, tools=episode.schemas)
-        at = -1
-        for _ in range(turns):
-            at = after.find(end, at + 1)
-        if not turns or at < 0:
-            raise UserError(f"grpo.environment: the chat template does not end the policy's turns with the tokenizer's EOS ({end!r}); "
-                            "finetune cannot tell where the answers to a turn begin")
-        return tokenizer(after[at + len(end):], add_special_tokens=False)["input_ids"]
+        return tokenizer(answer_text(tokenizer, episode.messages, answers, episode.schemas), add_special_tokens=False)["input_ids"]
 
     # -- rewards -----------------------------------------------------------------------------------
 
@@ -215,13 +266,18 @@ class AgentGRPO(GRPO):
         return (self.locate or (lambda sample: f"sample {sample}"))(prompt.sample)
 
     def _call(self, where: str, what: str, function: Callable):
-        """The environment's code, run: its failure is bad input, named with its row (a tool's failure is the model's observation)."""
-        try:
-            return function()
-        except UserError:
-            raise
-        except Exception as err:  # noqa: BLE001 - the user's environment: one line naming it, the method and the row
-            raise UserError(f"grpo.environment: {self.cfg.environment}: {what} raised {type(err).__name__}: {err} (the episode of {where})") from None
+        """The environment's code, run for up to grpo.episode_timeout: its failure, or its running past that, is bad input,
+        named with its row (a tool's failure is the model's observation)."""
+        outcome = toolkit.bounded(function, self.cfg.episode_timeout, f"environment {what}")
+        if outcome.running is not None:
+            raise UserError(f"grpo.environment: {self.cfg.environment}.{what} did not return within grpo.episode_timeout "
+                            f"({self.cfg.episode_timeout:g} s; the episode of {where})")
+        if isinstance(outcome.error, UserError):
+            raise outcome.error
+        if outcome.error is not None:
+            err = outcome.error
+            raise UserError(f"grpo.environment: {self.cfg.environment}.{what} raised {type(err).__name__}: {err} (the episode of {where})")
+        return outcome.value
 
 
 def agent_objective(g, rewards: list[Reward], seed: int, locate=None, synced: bool = False) -> AgentGRPO:

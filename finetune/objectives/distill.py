@@ -35,7 +35,7 @@ from finetune.data.tokenized import Answers
 from finetune.model.attention import accelerator_path
 from finetune.model.teacher import teacher_key, whole_teacher
 from finetune.objectives.grpo import GumbelSampler, generate
-from finetune.objectives.loss import CHUNK_ELEMENTS, CHUNK_ELEMENTS_CUDA, Losses, chunk_grads, forward_kept, fusable_parts, trained_tokens
+from finetune.objectives.loss import CHUNK_ELEMENTS, CHUNK_ELEMENTS_CUDA, Losses, chunked_head, forward_kept, fusable_parts, trained_tokens
 from finetune.objectives.objective import Objective
 
 
@@ -66,7 +66,7 @@ class Distill(Objective):
         # An on-policy step's tokens are the student's own: no cross-entropy there (the data's answers are not in it), as GKD
         cfg = self.cfg.model_copy(update={"ce_weight": 0.0}) if "sampled" in batch else self.cfg
         if fuse:
-            total, metrics = _LinearDivergence.apply(student.hidden, student.weight, teacher.hidden, teacher.weight, student.targets, cfg)
+            total, metrics = linear_divergence(student.hidden, student.weight, teacher.hidden, teacher.weight, student.targets, cfg)
         else:
             total, metrics = logits_divergence(student.logits, teacher.logits, student.targets, cfg)
         sampled = len(student.targets) if "sampled" in batch else 0
@@ -173,43 +173,22 @@ def logits_divergence(student: torch.Tensor, teacher: torch.Tensor, targets: tor
     return sums[0], sums[1:].detach()
 
 
-class _LinearDivergence(torch.autograd.Function):
-    """token_losses summed, from the two decoders' hidden states and head weights, a chunk of tokens at a time;
-    the gradient is taken in the forward (autograd over one chunk's logits) and only d(hidden), d(weight) kept."""
+def linear_divergence(hidden: torch.Tensor, weight: torch.Tensor, teacher_hidden: torch.Tensor, teacher_weight: torch.Tensor,
+                      targets: torch.Tensor, cfg: DistillConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """token_losses summed, from the two decoders' hidden states and head weights, a chunk of tokens at a time (loss.chunked_head:
+    the gradient through autograd over one chunk's logits; none under no_grad)."""
 
-    @staticmethod
-    def forward(ctx, hidden, weight, teacher_hidden, teacher_weight, targets, cfg):
-        need_hidden, need_weight = hidden.requires_grad, weight.requires_grad
-        ctx.weight_dtype = weight.dtype
-        wide = torch.promote_types(weight.dtype, torch.float32)
-        grad_hidden = torch.empty_like(hidden) if need_hidden else None
-        grad_weight = torch.zeros_like(weight, dtype=wide) if need_weight else None
-        sums = torch.zeros(4, dtype=wide, device=hidden.device)
-        chunk = _chunk(hidden, weight.shape[0])
-        for start in range(0, hidden.shape[0], chunk):
-            h = hidden[start : start + chunk]
-            teacher = (teacher_hidden[start : start + chunk] @ teacher_weight.t()).to(wide)
-            with torch.enable_grad():
-                logits = (h @ weight.t()).to(wide).detach().requires_grad_(need_hidden or need_weight)
-                per_token = token_losses(logits, teacher, targets[start : start + chunk], cfg).sum(1)
-                if need_hidden or need_weight:
-                    (g,) = torch.autograd.grad(per_token[0], logits)
-            sums += per_token.detach()
-            if need_hidden or need_weight:
-                chunk_grads(g, h, weight, grad_hidden, grad_weight, slice(start, start + chunk))
-        ctx.save_for_backward(grad_hidden, grad_weight)
-        metrics = sums[1:].clone()
-        ctx.mark_non_differentiable(metrics)
-        return sums[0].clone(), metrics
+    def divergence(logits: torch.Tensor, rows: slice, with_grad: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        teacher = (teacher_hidden[rows] @ teacher_weight.t()).to(logits.dtype)
+        if not with_grad:
+            return token_losses(logits, teacher, targets[rows], cfg).sum(1), None
+        with torch.enable_grad():
+            logits = logits.detach().requires_grad_(True)
+            per_token = token_losses(logits, teacher, targets[rows], cfg).sum(1)
+            (grad,) = torch.autograd.grad(per_token[0], logits)
+        return per_token.detach(), grad
 
-    @staticmethod
-    def backward(ctx, grad_total, _grad_metrics):
-        grad_hidden, grad_weight = ctx.saved_tensors
-        return (
-            grad_hidden * grad_total.to(grad_hidden.dtype) if grad_hidden is not None else None,
-            (grad_weight * grad_total).to(ctx.weight_dtype) if grad_weight is not None else None,
-            None, None, None, None,
-        )
+    return chunked_head(hidden, weight, divergence)
 
 
 def teacher_answers(teacher: ModelConfig, adapter: str | None, cfg: DistillConfig, tokenizer, device, say=print) -> Answers:

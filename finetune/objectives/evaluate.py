@@ -10,6 +10,7 @@ import torch
 from finetune.data import images
 from finetune.data.packing import Split
 from finetune.data.rows import IGNORE, prompt_and_answer
+from finetune.model.loading import end_tokens
 from finetune.objectives.loss import to_device
 
 
@@ -86,7 +87,7 @@ def generate(model, tokenizer, prompt: str, max_new_tokens: int, add_special_tok
         max_new_tokens=max_new_tokens,
         use_cache=True,
         pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
+        eos_token_id=end_tokens(model, tokenizer),
         streamer=streamer,
         **sampling(temperature),
     )

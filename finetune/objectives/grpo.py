@@ -38,6 +38,7 @@ import torch
 from finetune.config.schema import GRPOConfig
 from finetune.data.packing import Prompt, Row, Split, collate
 from finetune.data.rows import IGNORE, prompt_text
+from finetune.model.loading import end_tokens
 from finetune.objectives.evaluate import batches_per_rank
 from finetune.objectives.loss import Losses, to_device
 from finetune.objectives.objective import Objective, adapters_off, answers, token_logps
@@ -355,7 +356,7 @@ def group_row(sequences: list[tuple[list[int], list[bool]]], per_function: torch
 
 def generate(model, tokenizer, prompts: list[np.ndarray], max_new_tokens: int, device, sampler=None, synced: bool = False,
              cache: str = "dynamic", picture_inputs=None, never: tuple[int, ...] = ()) -> list[list[int]]:
-    """One completion of each prompt (cut after its EOS token) from one `generate` call, the prompts
+    """One completion of each prompt (cut after its first end token: loading.end_tokens) from one `generate` call, the prompts
     left-padded: greedy, or sampled by `sampler` (a GumbelSampler). `synced`: the weights are sharded, and
     every rank runs as many forwards as the rank with the longest completion (transformers' synced_gpus).
     cache: grpo.kv_cache (static: transformers' static KV cache, its decoding step compiled on CUDA).
@@ -368,8 +369,9 @@ def generate(model, tokenizer, prompts: list[np.ndarray], max_new_tokens: int, d
     for i, p in enumerate(prompts):
         ids[i, width - len(p) :] = torch.as_tensor(p, dtype=torch.long)
         mask[i, width - len(p) :] = 1
+    ends = end_tokens(model, tokenizer)
     settings = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
-                                eos_token_id=tokenizer.eos_token_id, use_cache=True, cache_implementation="static" if cache == "static" else None,
+                                eos_token_id=ends, use_cache=True, cache_implementation="static" if cache == "static" else None,
                                 suppress_tokens=list(never) or None)
     shown = {k: v.to(device) for k, v in picture_inputs(ids).items()} if picture_inputs is not None else {}
     with root_gathered(model):
@@ -377,7 +379,8 @@ def generate(model, tokenizer, prompts: list[np.ndarray], max_new_tokens: int, d
                              logits_processor=LogitsProcessorList([] if sampler is None else [sampler]), synced_gpus=synced)
     completions = []
     for seq in out[:, width:].tolist():
-        completions.append(seq[: seq.index(tokenizer.eos_token_id) + 1] if tokenizer.eos_token_id in seq else seq)
+        end = next((i for i, token in enumerate(seq) if token in ends), None)
+        completions.append(seq if end is None else seq[: end + 1])
     return completions
 
 

@@ -167,34 +167,57 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
     Same arithmetic as the plain path (logits in the weights' dtype, softmax in fp32), but the gradient
     is taken in the forward, chunk by chunk, and only d(hidden) (and d(weight) if it trains) is kept.
     """
+
+    def cross_entropy(logits: torch.Tensor, rows: slice, with_grad: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        t = targets[rows]
+        # Widen first (the caller): log_softmax(bf16, dtype=float32) took a path 5x slower on CPU (torch 2.13).
+        log_probs = torch.log_softmax(logits, dim=-1)
+        total = -log_probs.gather(1, t[:, None]).sum()
+        if not with_grad:
+            return total[None], None
+        probs = log_probs.exp_()  # d(loss)/d(logits) = softmax - one_hot, in the same memory
+        probs[torch.arange(len(t), device=t.device), t] -= 1.0
+        return total[None], probs
+
+    return chunked_head(hidden, weight, cross_entropy)[0]
+
+
+def chunked_head(hidden: torch.Tensor, weight: torch.Tensor, per_chunk) -> tuple[torch.Tensor, torch.Tensor]:
+    """(a loss summed over tokens, its metrics' sums) from a linear head's logits (hidden @ weight.T), made a chunk of tokens
+    at a time: the (tokens x vocabulary) logits never exist whole. `per_chunk(logits, rows, with_grad)` takes one chunk's
+    logits (fp32 at least) and gives (sums: the loss first, then any metrics; d(loss)/d(logits) when with_grad, else None).
+    The gradient is taken in the forward and only d(hidden), d(weight) kept; none at all under no_grad (eval) or when
+    neither input trains. The cross-entropy (above) and distillation's divergence both run through it."""
     with_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-    return _LinearCrossEntropy.apply(hidden, weight, targets, with_grad)
+    return _ChunkedHead.apply(hidden, weight, per_chunk, with_grad)
 
 
-class _LinearCrossEntropy(torch.autograd.Function):
+class _ChunkedHead(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, with_grad):
+    def forward(ctx, hidden, weight, per_chunk, with_grad):
         need_hidden, need_weight = with_grad and hidden.requires_grad, with_grad and weight.requires_grad
         ctx.weight_dtype = weight.dtype
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
         wide = torch.promote_types(weight.dtype, torch.float32)  # softmax and d(weight) sums: fp32 at least
         grad_weight = torch.zeros_like(weight, dtype=wide) if need_weight else None
-        total = torch.zeros((), dtype=wide, device=hidden.device)
+        sums = None
         chunk = max(1, (CHUNK_ELEMENTS_CUDA if accelerator_path(hidden) else CHUNK_ELEMENTS) // weight.shape[0])
         for start in range(0, hidden.shape[0], chunk):
-            h, t = hidden[start : start + chunk], targets[start : start + chunk]
-            # Widen first: log_softmax(bf16, dtype=float32) took a path 5x slower on CPU (torch 2.13).
-            log_probs = torch.log_softmax((h @ weight.t()).to(wide), dim=-1)
-            total -= log_probs.gather(1, t[:, None]).sum()
-            if need_hidden or need_weight:
-                probs = log_probs.exp_()  # d(loss)/d(logits) = softmax - one_hot, in the same memory
-                probs[torch.arange(len(t), device=t.device), t] -= 1.0
-                chunk_grads(probs, h, weight, grad_hidden, grad_weight, slice(start, start + chunk))
+            rows = slice(start, start + chunk)
+            h = hidden[rows]
+            part, grad_logits = per_chunk((h @ weight.t()).to(wide), rows, need_hidden or need_weight)
+            sums = part.detach().to(wide) if sums is None else sums + part.detach()
+            if grad_logits is not None:
+                chunk_grads(grad_logits, h, weight, grad_hidden, grad_weight, rows)
+        if sums is None:  # no trained token: the loss is 0 (a row of metrics sized by a call on nothing)
+            sums = per_chunk(hidden.new_zeros((0, weight.shape[0]), dtype=wide), slice(0, 0), False)[0].to(wide)
         ctx.save_for_backward(grad_hidden, grad_weight)
-        return total
+        metrics = sums[1:].clone()
+        ctx.mark_non_differentiable(metrics)
+        return sums[0].clone(), metrics
 
     @staticmethod
-    def backward(ctx, grad_total):
+    def backward(ctx, grad_total, _grad_metrics):
         grad_hidden, grad_weight = ctx.saved_tensors
         return (
             grad_hidden * grad_total.to(grad_hidden.dtype) if grad_hidden is not None else None,

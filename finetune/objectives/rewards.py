@@ -79,14 +79,14 @@ def load_rewards(cfg: GRPOConfig) -> list[Reward]:
 
             out.append(Reward(name, "reward_model", weight, RewardModelReward(name.removeprefix("reward_model:"))))
             continue
-        function = built_in.get(name) or _import(name, built_in)
+        function = built_in.get(name) or import_named(name, built_in)
         out.append(Reward(name, "reward_" + re.sub(r"\W", "_", name.rsplit(":", 1)[-1].removesuffix(".py")), weight, function))
     if len({r.metric for r in out}) < len(out):
         raise UserError(f"grpo.rewards: {cfg.rewards} names a function twice (or two with the same name); give each once")
     return out
 
 
-def _import(name: str, built_in: dict, key: str = "grpo.rewards", kind: str = "function") -> Callable:
+def import_named(name: str, built_in: dict, key: str = "grpo.rewards", kind: str = "function") -> Callable:
     """`module:attribute` or `path/to/file.py:attribute`, imported (kind: what the attribute must be, for the messages)."""
     where, _, attribute = name.rpartition(":")
     if not where or not attribute:

@@ -7,8 +7,9 @@ Formats (grpo.tool_format; auto reads the chat template):
   mistral  `[TOOL_CALLS]` then a JSON list of {"name", "arguments"} (v3), or `name[ARGS]{...}` once a call (v11+)
 
 A call that cannot be read is not an error of the run: the model sees "invalid tool call: why" as the tool's answer.
-A tool that raises answers with its error; one that runs past grpo.tool_timeout answers that it timed out (its thread
-is left to finish in the background: Python cannot stop a thread, and the run does not wait for it).
+A tool that raises answers with its error; one that runs past grpo.tool_timeout answers that it timed out, and its
+episode ends there (objectives/agent.py waits for its thread before the environment is used again: Python cannot stop
+a thread). Each is counted as a failed call by what happened, never by the answer's text.
 """
 
 from __future__ import annotations
@@ -144,25 +145,50 @@ def schemas(tools: dict[str, Callable]) -> list[dict]:
     return [get_json_schema(function) for function in tools.values()]
 
 
-def run(tools: dict[str, Callable], call: Call, timeout: float) -> str:
-    """The tool's answer to one call as text: its result, its error, or that it timed out or does not exist."""
-    function = tools.get(call.name)
-    if function is None:
-        return f"invalid tool call: no tool named {call.name!r} (tools: {', '.join(tools) or 'none'})"
-    outcome: dict = {}
+@dataclass
+class Outcome:
+    """What a function run in a thread of its own with a time limit gave: its value, or its error, or (past the limit) its
+    thread, still running: Python cannot stop a thread, so its caller must not use what that thread may still change."""
+
+    value: object = None
+    error: BaseException | None = None
+    running: threading.Thread | None = None
+
+
+def bounded(function: Callable, seconds: float, name: str) -> Outcome:
+    """function() in a daemon thread, waited for up to `seconds`."""
+    outcome = Outcome()
 
     def target():
         try:
-            outcome["result"] = function(**call.arguments)
-        except Exception as err:  # noqa: BLE001 - a tool's failure is the model's observation, never the run's
-            outcome["error"] = f"{type(err).__name__}: {err}"
+            outcome.value = function()
+        except Exception as err:  # noqa: BLE001 - handed to the caller, which says whose failure it is
+            outcome.error = err
 
-    worker = threading.Thread(target=target, name=f"tool {call.name}", daemon=True)
+    worker = threading.Thread(target=target, name=name, daemon=True)
     worker.start()
-    worker.join(timeout)
+    worker.join(seconds)
     if worker.is_alive():
-        return f"error: tool {call.name} did not answer within {timeout:g} s"
-    if "error" in outcome:
-        return f"error: {outcome['error']}"
-    result = outcome.get("result")
-    return result if isinstance(result, str) else json.dumps(result, default=str)
+        outcome.running = worker
+    return outcome
+
+
+@dataclass
+class Answer:
+    text: str  # the tool's answer as the model reads it
+    failed: bool = False  # no such tool, it raised, or it timed out
+    running: threading.Thread | None = None  # timed out: the tool's thread, still running
+
+
+def run(tools: dict[str, Callable], call: Call, timeout: float) -> Answer:
+    """The tool's answer to one call: its result as text, its error, or that it timed out or does not exist."""
+    function = tools.get(call.name)
+    if function is None:
+        return Answer(f"invalid tool call: no tool named {call.name!r} (tools: {', '.join(tools) or 'none'})", failed=True)
+    outcome = bounded(lambda: function(**call.arguments), timeout, f"tool {call.name}")
+    if outcome.running is not None:
+        return Answer(f"error: tool {call.name} did not answer within {timeout:g} s", failed=True, running=outcome.running)
+    if outcome.error is not None:  # a tool's failure is the model's observation, never the run's
+        return Answer(f"error: {type(outcome.error).__name__}: {outcome.error}", failed=True)
+    result = outcome.value
+    return Answer(result if isinstance(result, str) else json.dumps(result, default=str))

@@ -15,7 +15,7 @@ from finetune.data import images
 from finetune.data.chat import render as render_chat
 from finetune.model import vision
 from finetune.model.adapters import as_trained, find_adapter, tokenizer_source
-from finetune.model.loading import load_model, load_tokenizer
+from finetune.model.loading import end_tokens, load_model, load_tokenizer
 from finetune.objectives.evaluate import generate as continuation
 from finetune.objectives.evaluate import sampling
 
@@ -119,7 +119,7 @@ def generate_batch(model, tokenizer, texts: list[str], add_special_tokens: bool,
         tokenizer.padding_side = side
     device = next(model.parameters()).device
     out = model.generate(**batch.to(device), max_new_tokens=max_new_tokens, use_cache=True, pad_token_id=tokenizer.pad_token_id,
-                         eos_token_id=tokenizer.eos_token_id, **sampling(temperature))
+                         eos_token_id=end_tokens(model, tokenizer), **sampling(temperature))
     return tokenizer.batch_decode(out[:, batch.input_ids.shape[1]:], skip_special_tokens=True)
 
 

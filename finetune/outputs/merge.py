@@ -27,7 +27,8 @@ from finetune.config.schema import PRECISIONS, ModelConfig
 from finetune.data import images
 from finetune.model import nf4, vision
 from finetune.model.adapters import Adapter, as_trained, attach, find_adapter, load_base, tokenizer_source
-from finetune.model.loading import DTYPES, auto_class, load_tokenizer, override_config, quantize_layers, weight_files
+from finetune.model.configs import override_config
+from finetune.model.loading import DTYPES, auto_class, load_tokenizer, quantize_layers, weight_files
 from finetune.model.stage import resolve_source
 from finetune.outputs import model_card
 
@@ -225,11 +226,13 @@ class Targets:
                 layers[f"{name}.weight"] = module
             elif type(module).__name__ in ("Linear4bit", "Linear8bitLt") or nf4.is_nf4(getattr(module, "weight", None)):
                 quantized[f"{name.removesuffix('.base_layer')}.weight"] = (module.weight, getattr(module, "state", None))
-        named = _file_keys(tuned.get_base_model(), set(layers) | set(replaced) | set(quantized), keys)
+        named, failed = _file_keys(tuned.get_base_model(), set(layers) | set(replaced) | set(quantized), keys)
         layers, replaced, quantized = ({named[k]: v for k, v in found.items()} for found in (layers, replaced, quantized))
         missing = sorted((set(layers) | set(replaced)) - keys)
         if missing:
-            return None, f"{missing[0]} is not a key of the base's weight files (the model renames its weights when loading)"
+            why = f"transformers' conversion to the files' names failed: {failed[missing[0]]}" if missing[0] in failed else \
+                "the model renames its weights when loading"
+            return None, f"{missing[0]} is not a key of the base's weight files ({why})"
         if not quantized:  # keep the adapter's weights; the float base weight goes with the model
             for layer in layers.values():
                 layer.base_layer.weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)
@@ -256,20 +259,20 @@ class Targets:
         return weight if layer is None else merge_layer(layer, weight.float(), self.config)
 
 
-def _file_keys(model, names: set[str], keys: set[str]) -> dict[str, str]:
-    """Each weight's name in the model -> its key in the base's files. transformers renames some checkpoints' weights as
-    it loads them (a vision-language model's language model under model.language_model) and reverts that as it saves;
-    so does this, a name at a time (a name it cannot place stays as it is)."""
+def _file_keys(model, names: set[str], keys: set[str]) -> tuple[dict[str, str], dict[str, str]]:
+    """Each weight's name in the model -> its key in the base's files, and why transformers' conversion failed for a name
+    (which then stays as it is). transformers renames some checkpoints' weights as it loads them (a vision-language model's
+    language model under model.language_model) and reverts that as it saves; so does this, a name at a time."""
     from transformers.core_model_loading import revert_weight_conversion
 
-    out = {}
+    out, failed = {}, {}
     for name in names:
         try:
             renamed = list(revert_weight_conversion(model, {name: torch.empty(0)})) if name not in keys else [name]
-        except Exception:  # noqa: BLE001 - a conversion that is more than a rename: the whole-model merge takes it
-            renamed = [name]
+        except (RuntimeError, ValueError, IndexError) as err:  # a conversion that computes (fused experts), not a rename
+            renamed, failed[name] = [name], f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
         out[name] = renamed[0] if len(renamed) == 1 else name
-    return out
+    return out, failed
 
 
 def merge_layer(layer, weight: torch.Tensor, config) -> torch.Tensor:

@@ -303,8 +303,8 @@ def estimate(shape: Shape, cfg: RunConfig, s: Setup) -> tuple[dict[str, float], 
         rows["gathered for compute"] = peak.gathered
     if s.run_as.deepspeed:  # DeepSpeed's optimizer keeps an fp32 copy of its partition, even of fp32 weights
         rows["fp32 master weights (DeepSpeed)"] = n_train * 4 / s.devices
-    if cfg.train.objective == "dpo" and full:  # a frozen copy of the base, held as the policy is (adapters: the base with them off)
-        rows["DPO reference model"] = base / s.devices if s.shards_weights else base
+    if cfg.needs_reference:  # a frozen copy of the base, held as the policy is (adapters: the base with them off)
+        rows["reference model"] = base / s.devices if s.shards_weights else base
     if cfg.train.objective == "grpo" and cfg.grpo.async_rollouts:  # the trained weights' copy that samples ahead (frozen ones shared)
         rows["async rollouts' policy copy"] = n_train * param_bytes
     if cfg.train.objective == "distill" and cfg.distill.teacher:

@@ -16,8 +16,8 @@ The step is a later one, and its micro-batch not the first: the optimizer's stat
 accumulated from an earlier micro-batch, as in every step after the first.
 
 Simulated: distributed.strategy fsdp (FSDP2: the tracker follows its modules), LoRA, DoRA or full, on a
-bf16 or torchao NF4 base (quantized layer by layer as finetune shards it). Not yet: ZeRO, DDP and sequence
-parallelism, each refused in one line.
+bf16 or torchao NF4 base (quantized layer by layer as finetune shards it), the SFT loss. Not yet: ZeRO, DDP, sequence
+parallelism and the other objectives' steps, each refused in one line.
 """
 
 from __future__ import annotations
@@ -71,6 +71,10 @@ def refusal(cfg: RunConfig, devices: int) -> str | None:
         return "a bitsandbytes base is not simulated (FSDP quantizes with torchao: model.quantization.backend auto or torchao)"
     if cfg.distributed.sequence_parallel > 1:
         return "sequence parallelism is not simulated yet"
+    if cfg.train.objective != "sft":  # the plan counts their extra models; the step here would be SFT's
+        return (f"simulates SFT's step only; train.objective {cfg.train.objective}'s step (its "
+                + {"grpo": "sampling, reference and group rows", "distill": "teacher's forward and divergence",
+                   "reward": "score head"}.get(cfg.train.objective, "two sequences a pair and reference") + ") is not simulated yet")
     return None
 
 

@@ -45,17 +45,6 @@ def launcher_strategy(cfg: RunConfig) -> str | None:
     return flag
 
 
-def elastic_worlds() -> list[int]:
-    """The process counts an elastic job may run at (launch/multi_node.sh --nnodes MIN:MAX sets FINETUNE_ELASTIC to
-    the range; each node runs LOCAL_WORLD_SIZE processes); [] outside one. Its agents re-form the job when a node
-    joins, so a run that cannot go on at one size may wait for another."""
-    low, _, high = os.environ.get("FINETUNE_ELASTIC", "").partition(":")
-    if not (low.isdigit() and high.isdigit()):
-        return []
-    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    return [nodes * per_node for nodes in range(int(low), int(high) + 1)]
-
-
 def join_restarted_workers() -> None:
     """After torchrun restarts its workers, join them through a store prefix of their own.
 

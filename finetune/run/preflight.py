@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 
 from finetune.config.errors import UserError
-from finetune.config.schema import CONFIG_FILE, SUMMARY_FILE, RunConfig, read_model_config
+from finetune.config.schema import CONFIG_FILE, SUMMARY_FILE, RunConfig, looks_local
 
 
 def check(cfg: RunConfig, warn=None) -> None:
@@ -30,8 +30,9 @@ def check(cfg: RunConfig, warn=None) -> None:
         nf4.check_available()
     optim.check_optimizer(cfg.train)
     distributed.check_strategy(cfg)
-    check_long_context(cfg, launched=warn is None or "WORLD_SIZE" in os.environ)
-    check_vision(cfg)
+    config = model_json(cfg, warn)
+    check_long_context(cfg, launched=warn is None or "WORLD_SIZE" in os.environ, config=config)
+    check_vision(cfg, config)
     check_gpu_features(cfg)
     check_trackers(cfg)
     runtime.launcher_strategy(cfg)
@@ -41,9 +42,13 @@ def check(cfg: RunConfig, warn=None) -> None:
 
         load_rewards(cfg.grpo)
         if cfg.grpo.environment:
-            from finetune.objectives.agent import load_environment
+            from finetune.data.chat import choose_template
+            from finetune.objectives.agent import check_template, load_environment
 
             load_environment(cfg.grpo.environment)
+            tokenizer = loading.load_tokenizer(cfg.model)
+            choose_template(tokenizer, cfg.data.chat_template, cfg.data.format, say=lambda *_: None)
+            check_template(tokenizer)
     if int(os.environ.get("RANK", "0")) == 0:  # the process that will create and lock it
         check_output_dir(Path(cfg.train.output_dir))
         finished = finished_run(Path(cfg.train.output_dir), cfg.checkpoint.resume)
@@ -53,8 +58,23 @@ def check(cfg: RunConfig, warn=None) -> None:
             warn(f"{finished} (train refuses this folder)")
 
 
-def check_long_context(cfg: RunConfig, launched: bool) -> None:
-    """distributed.sequence_parallel against the model's heads (a local folder's config.json) and, once
+def model_json(cfg: RunConfig, warn=None) -> dict:
+    """The model's config as a dict, resolved as loading resolves it (a local folder, or a hub id from the cache or the
+    Hub), so that a model named by id meets the same refusals as a folder. One that cannot be read stops train in one
+    line, as loading would; validate (`warn`) says so and skips what needs it, for a hub id not downloaded here."""
+    from finetune.model.configs import model_config
+
+    try:
+        return model_config(cfg.model).to_dict()
+    except UserError as err:
+        if warn is None or looks_local(cfg.model.name_or_path):
+            raise
+        warn(f"{err} (validate skips the checks that need the model's config; train stops here)")
+        return {}
+
+
+def check_long_context(cfg: RunConfig, launched: bool, config: dict | None = None) -> None:
+    """distributed.sequence_parallel against the model's heads and, once
     launched (train, or validate under a launcher), the process count; both it and model.tiled_mlp need DeepSpeed."""
     from finetune.config.strategy import Strategy
     from finetune.parallel import sequence_parallel
@@ -68,20 +88,17 @@ def check_long_context(cfg: RunConfig, launched: bool) -> None:
                             "use distributed.strategy fsdp or a zero strategy with it, or one process")
     if size == 1:
         return
-    folder = Path(cfg.model.name_or_path).expanduser()
-    sequence_parallel.check(size, read_model_config(folder, "model.name_or_path") if (folder / "config.json").is_file() else {})
+    sequence_parallel.check(size, model_json(cfg) if config is None else config)
     if launched:
         sequence_parallel.check_world(size, world)
 
 
-def check_vision(cfg: RunConfig) -> None:
-    """A vision-language model (a local folder's config.json with a vision_config): its family, and what
+def check_vision(cfg: RunConfig, config: dict) -> None:
+    """A vision-language model (a config with a vision_config): its family, and what
     its picture batches do not support yet (docs/vision.md)."""
     from finetune.config.strategy import Strategy
     from finetune.model import vision
 
-    folder = Path(cfg.model.name_or_path).expanduser()
-    config = read_model_config(folder, "model.name_or_path") if (folder / "config.json").is_file() else {}
     if not vision.is_vision(config):
         return
     strategy = Strategy.of(cfg.distributed.strategy)  # as named: validate, in one process, says what a launch would refuse

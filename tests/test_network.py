@@ -1,0 +1,140 @@
+"""Nodes with network stacks of their own: two network namespaces joined by a veth pair, each a 'node' with its own
+address (10.77.N.1 and 10.77.N.2, a range used nowhere else, traffic only between the two), the machine's hostname
+resolving to loopback inside each (as on many containers and cloud images). launch/multi_node.sh run as a user would,
+without is_host or --local-addr, trains to the end as one process does; a rendezvous host that does not answer, an
+address not of the node and a loopback one each end in one line within their timeout, with no process left behind.
+
+Making namespaces needs root (CI runs as root); elsewhere these tests skip with the reason."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+from conftest import REPO, base_config, finetune_in_process, read_jsonl, write_config
+
+from finetune.config.errors import UserError
+from finetune.parallel import network
+
+
+def _ip(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
+
+
+@pytest.fixture(scope="module")
+def nodes():
+    """Two namespaces joined by a veth pair, with their addresses; /etc/netns/NAME/hosts (which `ip netns exec` shows
+    as /etc/hosts inside) maps the hostname to 127.0.1.1. Removed at the end, with the files this made."""
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        pytest.skip("network namespaces need root and iproute2 (CI has both)")
+    tag, subnet = uuid.uuid4().hex[:6], 77
+    names, links = [f"ft{tag}a", f"ft{tag}b"], [f"v{tag}a", f"v{tag}b"]
+    addresses = [f"10.{subnet}.0.1", f"10.{subnet}.0.2"]
+    made = _ip("netns", "add", names[0])
+    if made.returncode != 0:
+        pytest.skip(f"this machine refuses network namespaces: {made.stderr.strip()}")
+    steps = [("netns", "add", names[1]), ("link", "add", links[0], "type", "veth", "peer", "name", links[1])]
+    for name, link, address in zip(names, links, addresses):
+        steps += [("link", "set", link, "netns", name), ("-n", name, "addr", "add", f"{address}/24", "dev", link),
+                  ("-n", name, "link", "set", link, "up"), ("-n", name, "link", "set", "lo", "up")]
+    hosts = [Path("/etc/netns") / name for name in names]
+    try:
+        for step in steps:
+            result = _ip(*step)
+            assert result.returncode == 0, (step, result.stderr)
+        for folder in hosts:
+            folder.mkdir(parents=True)
+            (folder / "hosts").write_text(f"127.0.0.1 localhost\n127.0.1.1 {socket.gethostname()}\n")
+        yield list(zip(names, addresses, links))
+    finally:
+        for folder in hosts:
+            shutil.rmtree(folder, ignore_errors=True)
+        for name in names:
+            _ip("netns", "del", name)
+
+
+def _launch(namespace: str, out_dir: Path, *options: str, config: Path | None = None, timeout: float = 300) -> subprocess.Popen:
+    log = (out_dir / f"{namespace}.log").open("w")
+    args = ["--", "--config", str(config)] if config else ["--", "--config", "configs/demo.yaml"]
+    return subprocess.Popen(["ip", "netns", "exec", namespace, "bash", "launch/multi_node.sh", "--nproc-per-node", "1", *options, *args],
+                            cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHON": sys.executable})
+
+
+def _left_in(namespace: str) -> list[str]:
+    """The processes still running in the namespace."""
+    return _ip("netns", "pids", namespace).stdout.split()
+
+
+def test_the_hostname_resolves_to_loopback_inside_each_node(nodes):
+    for name, address, _ in nodes:
+        resolved = subprocess.run(["ip", "netns", "exec", name, "getent", "hosts", socket.gethostname()], capture_output=True, text=True)
+        assert resolved.stdout.split()[0] == "127.0.1.1", resolved
+
+
+def test_two_nodes_launched_as_written_train_to_the_end_as_one_process(tmp_path, tiny_model_dir, nodes):
+    """The issue's launch as written (no is_host, no --local-addr): each node takes its route's address, node 0 hosts the
+    store, and 2 nodes x 1 process x 2 rows give one process's losses at 2 rows x 2 accumulated."""
+    cfg = base_config(tiny_model_dir, tmp_path / "two", train={"max_steps": 8, "micro_batch_size": 2}, data={"eval": None},
+                      checkpoint={"save_every": 4})
+    config = write_config(tmp_path / "two.yaml", cfg)
+    (host, host_address, _), (other, _, _) = nodes
+    options = ["--nnodes", "2", "--rdzv-host", host_address, "--rdzv-port", "29611", "--rdzv-id", "two", "--connect-timeout", "120"]
+    jobs = [_launch(name, tmp_path, *options, config=config) for name in (host, other)]
+    codes = [job.wait(timeout=600) for job in jobs]
+    logs = {name: (tmp_path / f"{name}.log").read_text() for name in (host, other)}
+    assert codes == [0, 0], logs
+    assert f"--local_addr {host_address} --rdzv_conf is_host=1" in logs[host] and "--rdzv_conf is_host=0" in logs[other], logs
+    two = [r["loss"] for r in read_jsonl(tmp_path / "two" / "metrics.jsonl") if "loss" in r]
+    one_cfg = base_config(tiny_model_dir, tmp_path / "one", train={"max_steps": 8, "micro_batch_size": 2, "grad_accum": 2}, data={"eval": None})
+    assert finetune_in_process("train", "--config", str(write_config(tmp_path / "one.yaml", one_cfg))).returncode == 0
+    one = [r["loss"] for r in read_jsonl(tmp_path / "one" / "metrics.jsonl") if "loss" in r]
+    assert len(two) == 8 and two == pytest.approx(one, rel=1e-4, abs=1e-5)
+    assert not _left_in(host) and not _left_in(other)
+
+
+@pytest.mark.parametrize("case", ["unreachable rendezvous host", "an address not of the node", "a loopback address"])
+def test_a_misaddressed_node_ends_in_one_line_within_its_timeout(tmp_path, nodes, case):
+    (host, host_address, _), (other, other_address, link) = nodes
+    prefix = host_address.rsplit(".", 1)[0]
+    options, expected = {
+        "unreachable rendezvous host": (["--rdzv-host", f"{prefix}.9", "--connect-timeout", "3"],
+                                        f"launch/multi_node.sh: --rdzv-host: node {socket.gethostname()} ({other_address}) could not reach "
+                                        f"the rendezvous at {prefix}.9:29612 within 3 s ("),
+        "an address not of the node": (["--rdzv-host", host_address, "--local-addr", f"{prefix}.5"],
+                                       f"launch/multi_node.sh: --local-addr: {prefix}.5 is not an address of node {socket.gethostname()} "
+                                       f"(its addresses: 127.0.0.1, {other_address})"),
+        "a loopback address": (["--rdzv-host", host_address, "--local-addr", "127.0.0.1"],
+                               f"launch/multi_node.sh: --local-addr: node {socket.gethostname()} would take part from 127.0.0.1, a loopback "
+                               f"address, while the rendezvous host {host_address} ({host_address}) is not"),
+    }[case]
+    job = _launch(other, tmp_path, "--nnodes", "2", "--rdzv-port", "29612", *options)
+    assert job.wait(timeout=120) == 2
+    lines = (tmp_path / f"{other}.log").read_text().strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(expected), lines
+    assert not _left_in(other)
+
+
+def test_a_worker_that_cannot_reach_rank_0s_store_says_so_within_its_timeout(monkeypatch):
+    """What a worker sees where the launcher did not know rank 0's node's address (MASTER_ADDR on loopback, rank 0
+    elsewhere): one line after FINETUNE_CONNECT_TIMEOUT seconds, instead of the 30 minutes of the collective timeout."""
+    from conftest import free_port
+
+    port = free_port()
+    env = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+           network.TIMEOUT_VAR: "1"}
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    with pytest.raises(UserError, match=rf"rank 1 on node {socket.gethostname()}: rank 0's store at 127.0.0.1:{port} did not answer "
+                                        r"within 1 s \(.*\)\. MASTER_ADDR is a loopback address on a job of several nodes"):
+        network.check_store()
+    with socket.socket() as listening:  # rank 0's store up: no wait
+        listening.bind(("127.0.0.1", port))
+        listening.listen()
+        network.check_store()
