@@ -77,24 +77,33 @@ def test_the_hostname_resolves_to_loopback_inside_each_node(nodes):
         assert resolved.stdout.split()[0] == "127.0.1.1", resolved
 
 
-def test_two_nodes_launched_as_written_train_to_the_end_as_one_process(tmp_path, tiny_model_dir, nodes):
-    """The issue's launch as written (no is_host, no --local-addr): each node takes its route's address, node 0 hosts the
-    store, and 2 nodes x 1 process x 2 rows give one process's losses at 2 rows x 2 accumulated."""
-    cfg = base_config(tiny_model_dir, tmp_path / "two", train={"max_steps": 8, "micro_batch_size": 2}, data={"eval": None},
-                      checkpoint={"save_every": 4})
+@pytest.mark.parametrize("nnodes", ["2", "1:2"])
+def test_two_nodes_launched_as_written_train_to_the_end_as_one_process(tmp_path, tiny_model_dir, nodes, nnodes):
+    """The issue's launch as written (no is_host, no --local-addr; a fixed size, and its elastic range 1:2 with
+    last_call_timeout=5): each node takes its route's address, node 0 hosts the store, and the run ends with one
+    process's losses at the same rows a step."""
+    cfg = base_config(tiny_model_dir, tmp_path / "two", train={"max_steps": 12, "micro_batch_size": 1, "grad_accum": 2}, data={"eval": None},
+                      checkpoint={"save_every": 5})
     config = write_config(tmp_path / "two.yaml", cfg)
     (host, host_address, _), (other, _, _) = nodes
-    options = ["--nnodes", "2", "--rdzv-host", host_address, "--rdzv-port", "29611", "--rdzv-id", "two", "--connect-timeout", "120"]
+    port = "29611" if nnodes == "2" else "29613"
+    options = ["--nnodes", nnodes, "--rdzv-host", host_address, "--rdzv-port", port, "--rdzv-id", f"part-{port}", "--rdzv-conf", "last_call_timeout=5"]
     jobs = [_launch(name, tmp_path, *options, config=config) for name in (host, other)]
     codes = [job.wait(timeout=600) for job in jobs]
     logs = {name: (tmp_path / f"{name}.log").read_text() for name in (host, other)}
     assert codes == [0, 0], logs
-    assert f"--local_addr {host_address} --rdzv_conf is_host=1" in logs[host] and "--rdzv_conf is_host=0" in logs[other], logs
+    assert f"--local_addr {host_address} --rdzv_conf last_call_timeout=5,is_host=1" in logs[host], logs[host]
+    assert "--rdzv_conf last_call_timeout=5,is_host=0" in logs[other], logs[other]
     two = [r["loss"] for r in read_jsonl(tmp_path / "two" / "metrics.jsonl") if "loss" in r]
-    one_cfg = base_config(tiny_model_dir, tmp_path / "one", train={"max_steps": 8, "micro_batch_size": 2, "grad_accum": 2}, data={"eval": None})
+    # The global batch is the first start's: 1 x 2 x 2 processes, or 1 x 2 x 1 where the elastic job formed with node 0
+    # alone and took node 1 in later (a resize event), keeping that batch.
+    events = tmp_path / "two" / "events.jsonl"
+    grew = events.exists() and any(e["event"] == "resize" for e in read_jsonl(events))
+    one_cfg = base_config(tiny_model_dir, tmp_path / "one", train={"max_steps": 12, "micro_batch_size": 1, "grad_accum": 2 if grew else 4},
+                          data={"eval": None})
     assert finetune_in_process("train", "--config", str(write_config(tmp_path / "one.yaml", one_cfg))).returncode == 0
     one = [r["loss"] for r in read_jsonl(tmp_path / "one" / "metrics.jsonl") if "loss" in r]
-    assert len(two) == 8 and two == pytest.approx(one, rel=1e-4, abs=1e-5)
+    assert len(two) == 12 and two == pytest.approx(one, rel=1e-4, abs=1e-5)
     assert not _left_in(host) and not _left_in(other)
 
 

@@ -87,6 +87,7 @@ def reward_run(tmp_path_factory, demo_model_dir):
     """LoRA on the demo base (it learned the words in pretraining; the held-out pairs ask about words the run never sees)."""
     out = tmp_path_factory.mktemp("reward") / "rm"
     cfg = _reward_config(demo_model_dir, out, adapter={"r": 16, "alpha": 32}, train={"max_steps": 100, "lr": 2e-3}, eval={"every": 50})
+    cfg["logging"]["progress_bar"] = True  # as `finetune train --config reward` shows it: its accuracy in the bar
     result = finetune_in_process("train", "--config", str(write_config(out.parent / "rm.yaml", cfg)))
     assert result.returncode == 0, result.stderr[-2000:]
     return out

@@ -67,7 +67,8 @@ class RunLog:
         numbers = {k: v for k, v in row.items() if isinstance(v, (int, float)) and k != "step"}
         self.accelerator.log(numbers, step=row["step"])
         if self.bar is not None and "loss" in row:
-            preference = {"acc": f"{row['reward_accuracy']:.2f}", "margin": f"{row['reward_margin']:.3f}"} if "reward_margin" in row else {}
+            accuracy = row.get("reward_accuracy", row.get("accuracy"))  # pairs' (dpo, orpo, ...) or a reward model's
+            preference = {"acc": f"{accuracy:.2f}", "margin": f"{row['reward_margin']:.3f}"} if "reward_margin" in row else {}
             self.bar.set_postfix(loss=f"{row['loss']:.4f}", **preference, lr=f"{row['lr']:.2e}", tok_s=f"{row['tokens_per_s']:.0f}", refresh=False)
 
     def event(self, kind: str, step: int | None, message: str, any_rank: bool = False) -> None:
