@@ -103,5 +103,5 @@ nper="${nper:-$([ "$gpus" = "0" ] && echo 1 || echo "$gpus")}"
 setup_cpu_if_needed "$nper"
 run_or_print "$PYTHON" -m torch.distributed.run --nnodes "$nnodes" --nproc_per_node "$nper" \
     --rdzv_backend c10d --rdzv_endpoint "$host:$port" --rdzv_id "$rdzv_id" --max_restarts "${restarts:-0}" \
-    ${IS_HOST:+--local_addr "$LOCAL_ADDR"} ${rdzv_conf:+--rdzv_conf "$rdzv_conf"} \
+    ${LOCAL_ADDR:+--local_addr "$LOCAL_ADDR"} ${rdzv_conf:+--rdzv_conf "$rdzv_conf"} \
     "$REPO/finetune/train.py" "$@"

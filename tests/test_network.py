@@ -147,3 +147,17 @@ def test_a_worker_that_cannot_reach_rank_0s_store_says_so_within_its_timeout(mon
         listening.bind(("127.0.0.1", port))
         listening.listen()
         network.check_store()
+
+
+def test_a_rendezvous_on_loopback_keeps_torchruns_choices_and_a_loopback_hostname_needs_an_address():
+    """One machine (the rendezvous host written as 127.0.0.1 or localhost): torchrun chooses as it always has. A hostname
+    that resolves to loopback here, in a job of several nodes, is refused in one line unless an address or interface is named."""
+    assert network.choose("127.0.0.1", nodes=3) == network.choose("localhost", nodes=3) == network.Choice(None, None, None)
+    name = socket.gethostname()
+    if not network.loopback(network.resolve(name, "the hostname")):
+        pytest.skip(f"{name} does not resolve to loopback on this machine")
+    with pytest.raises(UserError, match=rf"--rdzv-host: {name} resolves to 127\.\d+\.\d+\.\d+ \(loopback\) on node {name}, so torchrun would give "
+                                        "the other nodes an address they cannot reach"):
+        network.choose(name, nodes=2)
+    assert network.choose(name, nodes=1) == network.Choice(None, None, None)
+    assert network.choose(name, iface="lo", nodes=2) == network.Choice("127.0.0.1", "lo", None)  # torchrun's hostname test picks the host

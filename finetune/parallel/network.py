@@ -72,13 +72,13 @@ def loopback(address: str) -> bool:
 
 @dataclass
 class Choice:
-    address: str  # what torchrun publishes for this node (--local_addr)
+    address: str | None  # what torchrun publishes for this node (--local_addr); None: its own choice (a rendezvous on loopback)
     iface: str | None  # gloo's and NCCL's socket interface; None: theirs to choose (a rendezvous on loopback)
     hosts_store: bool | None  # torchrun's rendezvous is_host; None: torchrun decides (a rendezvous on loopback)
 
     def shell(self) -> str:
         """The choice as shell assignments, for launch/multi_node.sh to eval."""
-        return "\n".join([f"LOCAL_ADDR={self.address}", f"IFACE={self.iface or ''}",
+        return "\n".join([f"LOCAL_ADDR={self.address or ''}", f"IFACE={self.iface or ''}",
                           f"IS_HOST={'' if self.hosts_store is None else int(self.hosts_store)}"])
 
 
@@ -112,8 +112,10 @@ def choose(rdzv_host: str, local_addr: str | None = None, iface: str | None = No
             raise UserError(f"--rdzv-host: {rdzv_host} resolves to {host_ip} (loopback) on node {node}, so torchrun would give the other "
                             "nodes an address they cannot reach; give this node's address on the network the nodes share (--local-addr "
                             "ADDR or --iface NAME, on every node), or write the rendezvous host as that address")
-        return Choice(address, None, None)  # one machine: torchrun's own choices work
-    return Choice(address, own.get(address), host_ip == address or on_loopback)
+        return Choice(None, None, None)  # one machine: torchrun's own choices work
+    # A rendezvous host on loopback here is this node (a hostname mapped to loopback): torchrun's own test of the hostname
+    # makes it the host, and falls back to a client where another agent of this machine already is.
+    return Choice(address, own.get(address), None if on_loopback else host_ip == address)
 
 
 def _is_address(text: str) -> bool:
