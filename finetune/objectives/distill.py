@@ -32,10 +32,9 @@ from finetune.config.schema import DistillConfig, ModelConfig
 from finetune.data.packing import Row, collate
 from finetune.data.rows import IGNORE
 from finetune.data.tokenized import Answers
-from finetune.model.attention import accelerator_path
 from finetune.model.teacher import teacher_key, whole_teacher
 from finetune.objectives.grpo import GumbelSampler, generate
-from finetune.objectives.loss import CHUNK_ELEMENTS, CHUNK_ELEMENTS_CUDA, Losses, chunked_head, forward_kept, fusable_parts, trained_tokens
+from finetune.objectives.loss import Losses, chunk_rows, chunked_head, forward_kept, fusable_parts, trained_tokens
 from finetune.objectives.objective import Objective
 
 
@@ -159,14 +158,10 @@ def token_losses(student: torch.Tensor, teacher: torch.Tensor, targets: torch.Te
     return torch.stack([(1 - cfg.ce_weight) * divergence + cfg.ce_weight * ce, divergence, ce, agree.detach()])
 
 
-def _chunk(rows: torch.Tensor, vocab: int) -> int:
-    return max(1, (CHUNK_ELEMENTS_CUDA if accelerator_path(rows) else CHUNK_ELEMENTS) // vocab)
-
-
 def logits_divergence(student: torch.Tensor, teacher: torch.Tensor, targets: torch.Tensor, cfg: DistillConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """(the loss summed over tokens, [divergence, cross-entropy, agreement] sums) from both models' logits."""
     sums = torch.zeros(4, dtype=torch.float32, device=student.device)
-    chunk = _chunk(student, student.shape[-1])
+    chunk = chunk_rows(student, student.shape[-1])
     for start in range(0, len(student), chunk):
         rows = slice(start, start + chunk)
         sums = sums + token_losses(student[rows].float(), teacher[rows].float(), targets[rows], cfg).sum(1)

@@ -182,6 +182,11 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
     return chunked_head(hidden, weight, cross_entropy)[0]
 
 
+def chunk_rows(rows: torch.Tensor, vocab: int) -> int:
+    """Tokens a chunk of logits holds: CHUNK_ELEMENTS (CUDA: CHUNK_ELEMENTS_CUDA) over the vocabulary."""
+    return max(1, (CHUNK_ELEMENTS_CUDA if accelerator_path(rows) else CHUNK_ELEMENTS) // vocab)
+
+
 def chunked_head(hidden: torch.Tensor, weight: torch.Tensor, per_chunk) -> tuple[torch.Tensor, torch.Tensor]:
     """(a loss summed over tokens, its metrics' sums) from a linear head's logits (hidden @ weight.T), made a chunk of tokens
     at a time: the (tokens x vocabulary) logits never exist whole. `per_chunk(logits, rows, with_grad)` takes one chunk's
@@ -201,7 +206,7 @@ class _ChunkedHead(torch.autograd.Function):
         wide = torch.promote_types(weight.dtype, torch.float32)  # softmax and d(weight) sums: fp32 at least
         grad_weight = torch.zeros_like(weight, dtype=wide) if need_weight else None
         sums = None
-        chunk = max(1, (CHUNK_ELEMENTS_CUDA if accelerator_path(hidden) else CHUNK_ELEMENTS) // weight.shape[0])
+        chunk = chunk_rows(hidden, weight.shape[0])
         for start in range(0, hidden.shape[0], chunk):
             rows = slice(start, start + chunk)
             h = hidden[rows]
