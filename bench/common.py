@@ -56,6 +56,15 @@ def cpu_name() -> str:
     return platform.machine()
 
 
+def cpu() -> str:
+    """The CPU as results files name it: its model, whether it has avx512-bf16 / AMX (bf16 in hardware), its cores."""
+    import os
+
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
+    kinds = [kind for kind, flag in (("avx512-bf16", " avx512_bf16"), ("AMX", " amx_tile")) if flag in flags] or ["AVX2 only"]
+    return f"{cpu_name()} ({', '.join(kinds)}, {os.cpu_count()} cores)"
+
+
 def report(name: str, lines: list[str], results: Path = REPO / "bench" / "results") -> None:
     """Print a result table and keep it in RESULTS/NAME.md (bench/results: quoted by the README)."""
     table = "\n".join(lines)

@@ -502,7 +502,7 @@ def test_the_vision_demo_builds_and_its_config_trains_on_it(tmp_path):
     built = finetune_in_process("make-vision-demo", "--out", str(tmp_path / "vision"), "--steps", "20")
     assert built.returncode == 0, built.stderr[-2000:]
     data = tmp_path / "vision" / "data"
-    assert len((data / "captions.jsonl").read_text().splitlines()) == 1800 and len((data / "eval.jsonl").read_text().splitlines()) == 200
+    assert len((data / "captions.jsonl").read_text().splitlines()) == 5800 and len((data / "eval.jsonl").read_text().splitlines()) == 200
     result = finetune_in_process("train", "--config", str(REPO / "configs" / "vision.yaml"), "--set", f"model.name_or_path={tmp_path / 'vision' / 'model'}",
                                  "--set", f"data.train={data / 'train.jsonl'}", "--set", f"data.eval={data / 'eval.jsonl'}",
                                  "--set", "eval.generate_samples=8", "--set", "train.max_steps=6", "--set", f"train.output_dir={tmp_path / 'out'}",
