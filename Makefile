@@ -9,7 +9,7 @@ TORCH_VERSION  ?= 2.13.0
 TORCH_PIP_ARGS ?=
 export FINETUNE_CACHE ?= $(CURDIR)/.cache/finetune
 
-.PHONY: install tokenizers demo demo-vision demo-dpo demo-grpo demo-agent demo-agent-tools demo-distill test test-fast lint bench bench-grpo bench-rollouts bench-distill bench-compile bench-data bench-families bench-fsdp-load bench-guard bench-host bench-load bench-large bench-long bench-released bench-scale bench-vision docs-check bench-xl chaos-elastic clean help
+.PHONY: install tokenizers demo demo-vision demo-dpo demo-grpo demo-agent demo-agent-tools demo-distill test test-fast lint bench bench-grpo bench-rollouts bench-distill bench-compile bench-data bench-families bench-fsdp-load bench-guard bench-host bench-load bench-large bench-long bench-released bench-scale bench-vision docs-check bench-xl bench-demos bench-suite chaos-elastic clean help
 
 help:
 	@echo "make demo   - install, build the demo model, fine-tune it (LoRA) and show before/after"
@@ -35,12 +35,15 @@ help:
 	@echo "make bench-host - the GPU path's host overhead, measured on CPU: operators, host syncs and Python per step vs HF Trainer (~4 min)"
 	@echo "make bench-fsdp-load - RAM used loading a 0.8 GB model in 1 process vs 2 (ddp, fsdp)"
 	@echo "make bench-load - load times of a 0.9 GB model: disk cold/warm, staged in RAM, vs a plain read"
-	@echo "make docs-check - the figures in docs/ a bench or a GPU measured, with the commits on their code since (bench/figures.json)"
+	@echo "make docs-check - every figure in README.md and docs/ backed by a results file the doc cites (also in make lint); then the"
+	@echo "                  figures bench/figures.json lists, with the commits on their code since they were measured"
 	@echo "make bench-released - released shapes at full size (Qwen2.5-0.5B, Qwen3-0.6B, Llama-3.2-1B, Gemma-3-1B): plan vs measured peak (~15 min)"
 	@echo "make bench-scale - FSDP2 steps of 8B-405B shapes at 8-512 GPUs simulated on fake tensors, LoRA/QLoRA/full, beside the plan (~100 min)"
 	@echo "make bench-large - a 1.1B model through every method and strategy: memory vs plan, speed, checkpoints, merge, staged load (~30 min)"
 	@echo "make bench-long - long rows: the longest row at 2 GiB a process in one process, with sequence parallelism over 2 and a tiled MLP; a 16k row tiled and not (~30 min)"
 	@echo "make bench-xl - an 8B model (Llama-3-8B's shape) on this box: 4-bit load, QLoRA, kill and resume, 2 processes, merge, generate (~60 min, ~50 GB of disk)"
+	@echo "make bench-demos - the demos (demo, vision, dpo, orpo, kto, reward) from fresh bases on this CPU: its kernels, AVX2's, one thread; bench/results/demos.md (~30 min)"
+	@echo "make bench-suite - make test on a clean clone: counts, times and the slowest tests, bench/results/suite-test.md (~35 min)"
 	@echo "make clean  - remove outputs and the demo model (keeps .venv)"
 
 install: $(VENV)/.installed
@@ -79,7 +82,7 @@ demo-dpo: install demo/model/config.json
 	@$(call keep_previous,outputs/dpo)
 	$(VENV)/bin/finetune train --config configs/dpo.yaml
 
-# GRPO needs a policy that sometimes answers right: 225 SFT steps (held-out exact match 97.2% on the fp32 demo base, README), merged, are its base.
+# GRPO needs a policy that sometimes answers right: 225 SFT steps, merged, are its base (docs/preference.md: what they reached, measured on the earlier 300-step demo base).
 demo-grpo: install demo/model/config.json
 	@$(call keep_previous,outputs/grpo-sft)
 	@$(call keep_previous,outputs/grpo)
@@ -140,10 +143,12 @@ test: install lint tokenizers $(VENV)/.llama-cpp $(VENV)/.deepspeed-ops
 test-fast: install lint tokenizers $(VENV)/.llama-cpp
 	$(PY) -m pytest -q -n 2 --dist loadfile --durations=10 -m "not slow" tests
 
-# ruff, then the layers (import-linter, contracts in pyproject.toml; docs/architecture.md draws them).
+# ruff, the layers (import-linter, contracts in pyproject.toml; docs/architecture.md draws them), and every figure in
+# README.md and docs/ against the results files they cite (bench/docs_check.py).
 lint: install
 	$(VENV)/bin/ruff check finetune tests bench
 	$(VENV)/bin/lint-imports --no-cache
+	$(PY) bench/docs_check.py
 
 bench: install
 	$(PY) -c "import trl" 2>/dev/null || $(PIP) install -q -e ".[bench]" "torch==$$($(PY) -c 'import torch; print(torch.__version__)')"
@@ -165,6 +170,14 @@ bench-compile: install
 
 bench-data: install
 	$(PY) bench/data.py
+
+bench-demos: install
+	$(PY) bench/demos.py --kernels native
+	$(PY) bench/demos.py --kernels avx2
+	$(PY) bench/demos.py --only demo,vision --threads 1
+
+bench-suite:
+	python3 bench/suite.py
 
 bench-families: install
 	$(PY) bench/families.py
@@ -194,6 +207,7 @@ bench-large: install
 
 docs-check:
 	python3 bench/docs_check.py
+	python3 bench/docs_check.py --stale
 
 bench-released: install tokenizers
 	$(PY) bench/released.py

@@ -41,16 +41,36 @@ def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
-class Node:
-    """One node's launch/multi_node.sh (its agent and worker die together, as a machine does)."""
+class Gate:
+    """FINETUNE_STEP_GATE's file: how many steps the job may have done (a step beyond waits), written whole. A test moves
+    it on as it kills and starts nodes, so what happens between two steps does not depend on how fast the machine is."""
 
-    def __init__(self, index: int, port: int, config: Path, logs: Path):
+    def __init__(self, path: Path, steps: int):
+        self.path = path
+        self.set(steps)
+
+    def set(self, steps: int) -> None:
+        self.steps = steps
+        part = self.path.with_suffix(".part")
+        part.write_text(str(steps))
+        part.replace(self.path)
+
+    def env(self) -> dict:
+        return {"FINETUNE_STEP_GATE": str(self.path)}
+
+
+class Node:
+    """One node's launch/multi_node.sh (its agent and worker die together, as a machine does). The job's pace: a gate
+    (tests), else PACE seconds added to every step (the chaos bench's random moments)."""
+
+    def __init__(self, index: int, port: int, config: Path, logs: Path, gate: Gate | None = None):
         cmd = ["bash", "launch/multi_node.sh", "--nnodes", "2:3", "--nproc-per-node", "1", "--rdzv-host", "127.0.0.1", "--rdzv-port", str(port),
                "--rdzv-id", f"elastic-{port}", "--rdzv-conf", "last_call_timeout=2", "--", "--config", str(config)]
         self.log = logs / f"node{index}.log"
         with self.log.open("a") as fh:
             self.process = subprocess.Popen(cmd, cwd=REPO, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True,
-                                            env={**os.environ, "PYTHON": sys.executable, "FINETUNE_STEP_SECONDS": str(PACE)})
+                                            env={**os.environ, "PYTHON": sys.executable,
+                                                 **(gate.env() if gate else {"FINETUNE_STEP_SECONDS": str(PACE)})})
 
     def kill(self) -> None:
         """Worker first: a worker outliving its agent would get SIGTERM (its parent's death) and save first."""
@@ -70,15 +90,19 @@ class Job:
     out: Path
     logs: Path
     port: int
+    gate: Gate | None = None
     nodes: list[Node | None] = field(default_factory=list)  # None: a node lost, not yet started again
     kills: int = 0
     mid_save: int = 0
 
     def start(self) -> Job:
-        self.nodes = [Node(0, self.port, self.config, self.logs)]
+        self.nodes = [Node(0, self.port, self.config, self.logs, self.gate)]
         time.sleep(1)
-        self.nodes += [Node(i, self.port, self.config, self.logs) for i in (1, 2)]
+        self.nodes += [Node(i, self.port, self.config, self.logs, self.gate) for i in (1, 2)]
         return self
+
+    def last_step(self) -> int:
+        return max((r["step"] for r in read_jsonl(self.out / "metrics.jsonl") if "loss" in r), default=0)
 
     def resizes(self) -> list[str]:
         return [e["message"] for e in read_jsonl(self.out / "events.jsonl") if e["event"] == "resize"]
@@ -99,13 +123,24 @@ class Job:
         started again and taken back. A job that ends meanwhile ends the episode."""
         seen = len(self.resizes())
         if mid_save:
-            self.until(lambda: any(self.out.glob("checkpoints/.step-*.tmp")) or self.finished(), "a save to begin")
+            self.until(self.saving, "a save to begin")
         self.nodes[index].kill()
         self.nodes[index] = None
         self.kills, self.mid_save = self.kills + 1, self.mid_save + mid_save
+        if self.gate:  # the others meet the loss in their next step's collectives, go on at two and train two steps there
+            self.gate.set(self.gate.steps + 2)
         self.until(lambda: len(self.resizes()) > seen or self.finished(), "the job going on without the node")
-        self.nodes[index] = Node(index, self.port, self.config, self.logs)
+        self.nodes[index] = Node(index, self.port, self.config, self.logs, self.gate)
         self.until(lambda: len(self.resizes()) > seen + 1 or self.finished(), "the job taking the node back")
+
+    def saving(self) -> bool:
+        """A checkpoint is being written (or the job ended). Gated, the job is moved on a step at a time until it writes
+        one: a tiny model's save can be over before it is seen, so each step held at the gate is a new chance."""
+        if any(self.out.glob("checkpoints/.step-*.tmp")) or self.finished():
+            return True
+        if self.gate and self.last_step() >= self.gate.steps:
+            self.gate.set(self.gate.steps + 1)
+        return False
 
     def finished(self) -> bool:
         return self.nodes[0].process.poll() is not None

@@ -47,7 +47,8 @@ def _reward(s: dict) -> str:
 
 
 def _kto(s: dict) -> str:
-    return f"eval loss {s['start_eval_loss']:.3f} → {s['eval_loss']:.3f}; reward margin {s['eval_reward_margin']:.3f}"
+    return (f"eval loss {s['start_eval_loss']:.3f} → {s['eval_loss']:.3f}; rewards: desirable {s['eval_rewards_desirable']:.3f}, "
+            f"undesirable {s['eval_rewards_undesirable']:.3f}; reference point kl {s['eval_kl']:.3f}")
 
 
 # demo: (what it needs built first, its config, the summary's figures)
@@ -126,8 +127,8 @@ def main() -> None:
         detail.write_text(f"`python bench/demos.py --only {name} --kernels {args.kernels}{f' --threads {args.threads}' if args.threads else ''}` on "
                           f"{cpu()}, {kernels}, {stamp}: {outcome}\n\n"
                           + "\n".join(steps) + "\n")
+        keep(rows[-1:])  # row by row: a later demo that fails loses nothing measured before it
         print(rows[-1], flush=True)
-    keep(rows)
     print("\n".join(HEADER + rows))
 
 

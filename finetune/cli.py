@@ -36,6 +36,13 @@ def _run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resume", metavar="auto|never|PATH", help="same as --set checkpoint.resume=...")
 
 
+def _model_or_adapter(p: argparse.ArgumentParser, adapter_help: str) -> None:
+    """--model DIR or --adapter DIR, one of them: what export, eval and generate read."""
+    which = p.add_mutually_exclusive_group(required=True)
+    which.add_argument("--model", metavar="DIR", help="a model folder (e.g. the output of finetune merge)")
+    which.add_argument("--adapter", metavar="DIR", help=adapter_help)
+
+
 def _number(kind, low, expected: str):
     """An argparse type: a number of this kind, at least `low` (above it when expected says so)."""
     def parse(text: str):
@@ -93,9 +100,7 @@ def _output_commands(sub) -> None:
                        "llama.cpp itself (llama-cpp-python; else transformers' GGUF loader) and compare its token ids, logits and greedy "
                        "tokens with the model's; above the tolerance nothing is written (exit 5). An Ollama Modelfile is written beside "
                        "it. With --lora, an adapter alone as a GGUF LoRA file. Families: llama, mistral, qwen2, qwen3, gemma2.")
-    which = p.add_mutually_exclusive_group(required=True)
-    which.add_argument("--model", metavar="DIR", help="a model folder (e.g. the output of finetune merge)")
-    which.add_argument("--adapter", metavar="DIR", help="a run's adapter (or a checkpoint): merged in fp32 first, then exported")
+    _model_or_adapter(p, "a run's adapter (or a checkpoint): merged in fp32 first, then exported")
     p.add_argument("--lora", action="store_true", help="with --adapter: write the adapter alone as a GGUF LoRA file for llama.cpp "
                    "(llama-cli -m BASE.gguf --lora FILE), checked by applying it in llama.cpp to the base (needs llama-cpp-python)")
     p.add_argument("--format", choices=["gguf"], default="gguf", help="the file format (gguf)")
@@ -109,9 +114,7 @@ def _output_commands(sub) -> None:
                        "files in the harness's format (their local data files taken relative to the file). Prompts go through the "
                        "tokenizer's chat template where it has one. Prints the table and writes it as JSON to --out, by default "
                        "harness_eval.json in the current folder (harness_eval-2.json, ... if taken). The demo's task: demo/eval/word_kind.yaml.")
-    which = p.add_mutually_exclusive_group(required=True)
-    which.add_argument("--model", metavar="DIR", help="a model folder (e.g. the output of finetune merge)")
-    which.add_argument("--adapter", metavar="DIR", help="an adapter folder or checkpoint; its base is loaded as in training")
+    _model_or_adapter(p, "an adapter folder or checkpoint; its base is loaded as in training")
     p.add_argument("--base", metavar="PATH_OR_ID", help="with --adapter: another base than the one it names")
     p.add_argument("--tasks", required=True, help="comma-separated task names or task YAML files")
     p.add_argument("--limit", type=_number(int, 1, "at least 1"), help="at most this many samples per task")
@@ -130,9 +133,7 @@ def _output_commands(sub) -> None:
     p = sub.add_parser("generate", help="try a model or an adapter on a prompt (tokens stream as they come), or answer a file of prompts",
                        description="Generate a continuation of a prompt with a model folder (merged or fully fine-tuned) or with "
                        "base + adapter as trained. Greedy unless --temperature is above 0.")
-    which = p.add_mutually_exclusive_group(required=True)
-    which.add_argument("--model", metavar="DIR", help="a model folder (e.g. the output of finetune merge)")
-    which.add_argument("--adapter", metavar="DIR", help="an adapter folder or checkpoint; its base is loaded as in training")
+    _model_or_adapter(p, "an adapter folder or checkpoint; its base is loaded as in training")
     p.add_argument("--base", metavar="PATH_OR_ID", help="with --adapter: another base than the one it names")
     given = p.add_mutually_exclusive_group(required=True)
     given.add_argument("--prompt", help="the prompt text (the answer streams to the terminal)")

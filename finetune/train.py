@@ -39,7 +39,7 @@ from finetune.checkpoint.checkpointers import last_good
 from finetune.checkpoint.locks import hold_output_dir, release_output_dir
 from finetune.checkpoint.resume import Progress, Start, clear_starts, resume, starting_point
 from finetune.config import faults
-from finetune.config.errors import EXIT_DIVERGED, EXIT_PREEMPTED, Stopped, UserError
+from finetune.config.errors import EXIT_DIVERGED, EXIT_PREEMPTED, Stopped, UserError, make_folder
 from finetune.config.schema import CONFIG_FILE, MUTATED_INITS, SUMMARY_FILE, ModelConfig, RunConfig, looks_local, to_yaml
 from finetune.config.strategy import Strategy
 from finetune.data.chat import choose_template
@@ -54,13 +54,12 @@ from finetune.objectives.evaluate import eval_loss, exact_match, exact_match_aft
 from finetune.objectives.grpo import GRPO
 from finetune.objectives.loss import to_device
 from finetune.objectives.objective import SFT, Objective
-from finetune.objectives.table import objective_for
+from finetune.objectives.registry import objective_for
 from finetune.outputs import model_card
-from finetune.outputs.plan import LONG_ROWS
 from finetune.outputs.serving import check_vllm
 from finetune.parallel import network, runtime, sequence_parallel
 from finetune.parallel.distributed import local_numel, replicas_identical
-from finetune.parallel.engines import Replicated, engine_class, engine_for
+from finetune.parallel.engines import Engine, engine_class, engine_for
 from finetune.parallel.optim import current_lr, set_peak_lr, warmup_steps
 from finetune.parallel.sequence_parallel import SequenceParallel
 from finetune.run import preflight
@@ -136,10 +135,7 @@ def run(cfg: RunConfig) -> RunResult:
 
 def claim_output_dir(out: Path):
     """Create and lock the output directory (preflight.check_output_dir has found it fit to use)."""
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise UserError(f"train.output_dir: cannot create {out} ({err.strerror})") from None
+    make_folder(out, "train.output_dir")
     return hold_output_dir(out)
 
 
@@ -170,7 +166,7 @@ class RunState:
     data: Datasets
     schedule: Schedule
     processor: object = None  # a vision-language model's (AutoProcessor): pictures to pixels; saved beside the adapter
-    engine: Replicated = None  # model, optimizer, scheduler and checkpoint layout of the strategy
+    engine: Engine = None  # model, optimizer, scheduler and checkpoint layout of the strategy
     sequence_parallel: SequenceParallel = field(default_factory=SequenceParallel)  # the processes that share each row, if any
     base: str = ""  # the base model as the saved adapter names it
     teacher: tuple[ModelConfig, str | None] | None = None  # distillation: the teacher's base and the adapter merged into it
@@ -226,7 +222,7 @@ def setup(cfg: RunConfig) -> RunState:
     signalled = accelerator.reduce(torch.tensor(float(preemption.signal is not None), device=accelerator.device), "sum").item() > 0
     stop_if_preempted(signalled, preemption.name, run.out, run.main, "before the first step")
     tokens = cfg.train.micro_batch_size * cfg.data.max_seq_len / cfg.distributed.sequence_parallel  # a process's share of a micro-batch
-    runtime.keep_freed_memory(gathers=run.engine.gathers, quantized=cfg.model.quantization is not None, long_rows=tokens >= LONG_ROWS)
+    runtime.keep_freed_memory(gathers=run.engine.gathers, quantized=cfg.model.quantization is not None, long_rows=tokens >= runtime.LONG_ROWS)
     run.peak_rss_since = "the first step" if runtime.reset_peak_rss() else "the process's start"
     return run
 
@@ -509,7 +505,7 @@ def train_step(run: RunState) -> StepOutcome:
     engine applies it. One all-reduce and host sync: every rank takes the same decision."""
     cfg, engine, accelerator, step = run.cfg, run.engine, run.accelerator, run.progress.step
     rank, world, device = accelerator.process_index, accelerator.num_processes, accelerator.device
-    faults.inject(step, rank, engine.checkpointer.wait)
+    faults.inject(step, rank, engine.checkpointer.wait, lambda: run.preemption.signal is not None)
     position = data_step(step, skipped(run))
     epoch, micro_batches, totals, global_real = step_batches(run, position)
     # The loss is a mean over every trained token (or pair) of the step, across micro-batches and ranks:
@@ -541,7 +537,7 @@ def train_step(run: RunState) -> StepOutcome:
     norm = torch.as_tensor(norm, dtype=torch.float32, device=device).reshape(1)
     total_loss, preempted, time_due, router_loss, *metric_totals, grad_norm = torch.cat([accelerator.reduce(local, "sum"), norm]).tolist()
     step_loss = total_loss / max(totals[0], 1)
-    metrics = {name: value / max(totals[c], 1) for name, value, c in zip(objective.metrics, metric_totals, objective.metric_counts)}
+    metrics = {name: value / max(totals[c], 1) for name, value, c in zip(objective.metrics, metric_totals, objective.mean_over)}
     if step - run.start_step < FIRST_STEPS_CHECKED and objective.levels:  # GRPO's loss is 0 where no group's rewards differ
         check_first_steps(step, step_loss)
     verdict = run.guard.check(step, objective.watched(step_loss, metrics), grad_norm, metrics.get("kl"))

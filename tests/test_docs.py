@@ -32,6 +32,51 @@ def test_the_count_of_bad_input_cases_is_the_tests():
     assert said and int(said.group(1)) == len(_cases()), (said and said.group(1), len(_cases()))
 
 
+def test_every_figure_in_the_docs_is_in_a_results_file_they_cite():
+    """`make lint` runs bench/docs_check.py: a figure (a number with a unit) in README.md or docs/ that no cited results
+    file holds, and no ledger entry owes, fails it."""
+    assert bench_module("docs_check").problems() == []
+
+
+def _edited(text: str, line: int, value: str, unit: str | None, pairs) -> str | None:
+    """TEXT with the figure's last digit moved by 3, as a hand edit would change it (None: not found on its line)."""
+    lines = text.splitlines()
+    for found, found_unit, start, end in pairs(lines[line - 1]):
+        if (found, found_unit) == (value, unit):
+            raw = lines[line - 1][start:end]
+            digits = [i for i, c in enumerate(raw.lower().split("e")[0]) if c.isdigit()]
+            raw = raw[:digits[-1]] + str((int(raw[digits[-1]]) + 3) % 10) + raw[digits[-1] + 1:]
+            lines[line - 1] = lines[line - 1][:start] + raw + lines[line - 1][end:]
+            return "\n".join(lines)
+    return None
+
+
+def test_a_figure_edited_by_hand_fails_docs_check():
+    """Every figure of README.md and docs/, backed or owed, edited alone: docs-check names its line. A changed number
+    can by chance sit in the same results line beside the same words; at most 2% get through that way."""
+    docs_check = bench_module("docs_check")
+    ledger, caught, through = docs_check.owed(), 0, []
+    for doc in docs_check.documents():
+        where, text = str(doc.relative_to(REPO)), doc.read_text()
+        for line, value, unit, _ in docs_check.figures(text):
+            edited = _edited(text, line, value, unit, docs_check._pairs)
+            if edited is None:  # inside inline code on its line: figures() read the line without it
+                continue
+            if any(p.startswith(f"{where}:{line}:") for p in docs_check.unbacked(where, edited, ledger)[0]):
+                caught += 1
+            else:
+                through.append(f"{where}:{line}: {value} {unit}")
+    assert caught > 500 and len(through) <= 0.02 * caught, through
+
+
+def test_a_ledger_entry_no_doc_quotes_fails_docs_check(tmp_path, monkeypatch):
+    docs_check = bench_module("docs_check")
+    ledger = tmp_path / "owed.txt"
+    ledger.write_text((docs_check.OWED.read_text() if docs_check.OWED.is_file() else "") + "docs/running.md\tno such figure 9.9 GiB\n")
+    monkeypatch.setattr(docs_check, "OWED", ledger)
+    assert docs_check.problems() == ["owed.txt: no document quotes 'docs/running.md\\tno such figure 9.9 GiB' any more: take it off"]
+
+
 def test_each_measured_figure_names_the_commit_it_was_measured_at():
     """bench/figures.json lists the figures a bench or a GPU measured; `make docs-check` counts the commits on their
     files since. Each doc quotes its figure's commit, and the commit is in this repository's history."""

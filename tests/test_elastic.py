@@ -13,22 +13,27 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO, base_config, bench_module, free_port, read_jsonl, write_config
+from conftest import REPO, base_config, bench_module, free_port, once, read_jsonl, write_config
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.mark.parametrize("strategy,losses", [("ddp", [(2, False)]), ("fsdp", [(1, True)]), ("zero3", [(2, False), (1, False)])],
                          ids=["ddp-one-loss", "fsdp-lost-mid-save", "zero3-two-losses"])
-def test_lost_nodes_and_their_return_leave_the_run_as_if_nothing_happened(tmp_path, tiny_model_dir, strategy, losses):
+def test_lost_nodes_and_their_return_leave_the_run_as_if_nothing_happened(tmp_path, tmp_path_factory, tiny_model_dir, strategy, losses):
     chaos = bench_module("chaos_elastic")
     steps = 12
-    reference = chaos.reference_run(tmp_path, tiny_model_dir, steps)
+    # One process, never interrupted: the same run for every case, made once.
+    reference = once(tmp_path_factory, "elastic-reference", lambda folder: chaos.reference_run(folder, tiny_model_dir, steps)) / "reference"
     out = tmp_path / strategy
-    job = chaos.Job(chaos.write_config(tmp_path / "elastic.json", tiny_model_dir, out, steps, 2, strategy, save_every=2), out, tmp_path, free_port())
-    job.start().until(lambda: job.steps() >= 3, "three steps at three nodes")
+    gate = chaos.Gate(tmp_path / "gate", 3)  # the job is moved on step by step: no wall-clock pacing
+    job = chaos.Job(chaos.write_config(tmp_path / "elastic.json", tiny_model_dir, out, steps, 2, strategy, save_every=2), out, tmp_path, free_port(),
+                    gate)
+    job.start().until(lambda: job.last_step() >= 3, "three steps at three nodes")
     for node, mid_save in losses:
         job.lose_and_regain(node, mid_save)
+    assert not job.finished()
+    gate.set(steps)
     job.wait()
     resizes = job.resizes()
     assert len(resizes) == 2 * len(losses), resizes

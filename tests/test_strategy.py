@@ -11,7 +11,7 @@ from conftest import REPO, base_config
 from finetune.config.schema import validate_config
 from finetune.config.strategy import NAMES, Strategy
 from finetune.outputs.plan import setup_from_config
-from finetune.parallel.engines import FSDP, Replicated, Zero, engine_class
+from finetune.parallel.engines import FSDP, Engine, Zero, engine_class
 
 EXPECTED = {  # name: (replicated, shards states, shards weights, ZeRO stage, offload, layout)
     "none": (True, False, False, None, False, "full"),
@@ -36,7 +36,7 @@ def test_the_engine_and_the_planner_run_the_same_strategy(name, tmp_path, tiny_m
     for world in (1, 2):
         cls, strategy = engine_class(cfg, world)
         assert strategy == Strategy.of(name, world)
-        assert cls is {"full": Replicated, "dcp": FSDP, "deepspeed": Zero}[strategy.layout]
+        assert cls is {"full": Engine, "dcp": FSDP, "deepspeed": Zero}[strategy.layout]
         setup = setup_from_config(cfg, world)
         assert setup.strategy == strategy.name and (setup.shards_states, setup.shards_weights) == (strategy.shards_states, strategy.shards_weights)
 

@@ -37,6 +37,15 @@ class UserError(Exception):
     exit_code = EXIT_USAGE
 
 
+def make_folder(path, setting: str):
+    """`path` created with its parents, or one line naming the setting that chose it and why it cannot be."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise UserError(f"{setting}: cannot create {path} ({err.strerror})") from None
+    return path
+
+
 class Stopped(UserError):
     """The run stopped itself (diverged beyond what the guard repairs, or preempted): the message
     says what was seen and where to start again."""

@@ -12,8 +12,10 @@ raises once 2 optimizer steps are done, before the third. Kinds:
                    (in the background writer when saves are asynchronous)
 A fault fires in the first attempt only: after torchrun restarts the workers
 (TORCHELASTIC_RESTART_COUNT > 0) the run goes on cleanly. Unset, it costs one comparison per step.
-FINETUNE_STEP_SECONDS=S makes every step of every attempt last S seconds longer, so a test has time to
-kill and start nodes while a run goes on.
+FINETUNE_STEP_SECONDS=S makes every step of every attempt last S seconds longer (bench/chaos_elastic.py kills nodes
+at random moments while a run goes on). FINETUNE_STEP_GATE=FILE holds the run instead, by count, not by time: a step
+waits while FILE holds a number of steps already done (tests/test_elastic.py moves it on as it kills and starts nodes);
+a signal to stop lets the waiting step run, so the run saves and exits as it would.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import os
 import signal
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 KINDS = ("raise", "kill", "term", "hang", "nan", "spike", "kill-staging", "kill-saving")
 
@@ -48,6 +51,17 @@ def parse(spec: str | None) -> Fault | None:
 
 FAULT = parse(os.environ.get("FINETUNE_FAULT")) if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" else None
 PACE = float(os.environ.get("FINETUNE_STEP_SECONDS", "0"))
+GATE = os.environ.get("FINETUNE_STEP_GATE")
+
+
+def _open(step: int) -> bool:
+    """The gate lets step `step + 1` run: its file is gone, or holds more than `step` (a half-written number waits)."""
+    try:
+        return step < int(Path(GATE).read_text())
+    except FileNotFoundError:
+        return True
+    except ValueError:
+        return False
 
 
 def _due(step: int, rank: int, kinds: tuple[str, ...]) -> bool:
@@ -62,11 +76,14 @@ def loss_factor(data_step: int, rank: int) -> float:
     return 1000.0 if _due(data_step, rank, ("spike",)) else 1.0
 
 
-def inject(step: int, rank: int, settle) -> None:
+def inject(step: int, rank: int, settle, stopping) -> None:
     """Called at the start of each optimizer step, with the number of steps done. `settle()` first
-    completes a background save, so a test knows the newest checkpoint (kill-saving kills mid-write)."""
+    completes a background save, so a test knows the newest checkpoint (kill-saving kills mid-write);
+    `stopping()` says a signal to stop came (the gate then lets the step run)."""
     if PACE:
         time.sleep(PACE)
+    while GATE and not stopping() and not _open(step):
+        time.sleep(0.05)
     if not _due(step, rank, ("raise", "kill", "term", "hang")):
         return
     if FAULT.kind == "term":

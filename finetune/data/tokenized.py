@@ -27,7 +27,7 @@ from itertools import chain
 from pathlib import Path
 
 from finetune.checkpoint.locks import exclusive
-from finetune.config.errors import UserError
+from finetune.config.errors import UserError, make_folder
 from finetune.config.schema import DataConfig, SourceConfig
 from finetune.data import images
 from finetune.data.rows import IGNORE, Skipped, checked_rows, tokenize_pairs, tokenize_prompts, tokenize_rows, tokenize_unpaired, where
@@ -65,10 +65,7 @@ def fingerprint(source: SourceConfig, cfg: DataConfig, tokenizer, processor=None
 def tokenized(source: SourceConfig, cfg: DataConfig, tokenizer, say=print, processor=None):
     """(the source's tokenized samples as a pyarrow Table over memory-mapped files, whether the cache had them)."""
     root = cache_root(cfg)
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise UserError(f"data.cache_dir: cannot create {root} ({err.strerror})") from None
+    make_folder(root, "data.cache_dir")
     key = fingerprint(source, cfg, tokenizer, processor)
     return cached_entry(root, key, f"tokenizing {source.path}", cfg, say, lambda work: _build(source, cfg, tokenizer, work, say, processor))
 

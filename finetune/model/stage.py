@@ -29,7 +29,7 @@ from pathlib import Path
 from finetune.checkpoint.diskio import sha256_file
 from finetune.checkpoint.locks import exclusive
 from finetune.config import faults
-from finetune.config.errors import UserError
+from finetune.config.errors import UserError, make_folder
 from finetune.config.schema import DEFAULT_RAMDISK, ModelConfig, looks_local
 
 MANIFEST = ".staged.json"
@@ -152,10 +152,7 @@ def stage(name_or_path: str, root: str | Path, reserve_gib: float, revision: str
     src = resolve_source(name_or_path, revision)
     files = source_files(src)
     root = Path(root)
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise UserError(f"model.ramdisk: cannot create the staging folder {root}: {err.strerror}") from None
+    make_folder(root, "model.ramdisk")
     name = staged_name(src)
     dest = root / name
     with locked(root, name, say):

@@ -99,9 +99,10 @@ class Episode:
 
 @dataclass
 class AgentGRPO(GRPO):
-    environment: type = None
-    tool_format: str = "hermes"
-    max_episode_tokens: int = 1024
+    # The grpo section's settings, passed by `build` (their defaults are the schema's alone).
+    environment: type = field(kw_only=True)
+    tool_format: str = field(kw_only=True)
+    max_episode_tokens: int = field(kw_only=True)
     ends: list[int] = field(default_factory=list)  # where a turn ends (loading.end_tokens), set as episodes are played
     extra_metrics: tuple[str, ...] = field(default=("turns", "cut_turns", "tool_calls", "tool_failures", *(f"ended_{e}" for e in ENDED)),
                                            init=False)

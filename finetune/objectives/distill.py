@@ -48,7 +48,7 @@ class Distill(Objective):
     # Means over trained tokens: the divergence to the teacher, the cross-entropy on the trained tokens, the share of tokens
     # where the student's most likely next token is the teacher's, and the share the student sampled (on-policy steps).
     metrics = ("divergence", "ce", "agreement", "on_policy")
-    metric_counts = (0, 0, 0, 0)
+    mean_over = (0, 0, 0, 0)
 
     def counts(self, batch: dict[str, torch.Tensor]) -> list[int]:
         return [trained_tokens(batch)]

@@ -60,7 +60,7 @@ def eval_loss(model, rows: Split, batch_size: int, pad_id: int, accelerator, max
     if objective.metrics:
         return {"eval_loss": loss, f"eval_{objective.unit}": int(counts[0]),
                 **{f"eval_{name}": (value / counts[c]).item() if counts[c] > 0 else float("nan")
-                   for name, value, c in zip(objective.metrics, metric_sums, objective.metric_counts)}}
+                   for name, value, c in zip(objective.metrics, metric_sums, objective.mean_over)}}
     return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0)), "eval_tokens": int(counts[0])}
 
 

@@ -60,7 +60,7 @@ class GRPO(Objective):
     policy_copy: torch.nn.Module | None = field(default=None, repr=False)  # async_rollouts: what samples them
     worker: ThreadPoolExecutor | None = field(default=None, repr=False)
     metrics: tuple[str, ...] = field(init=False)
-    metric_counts: tuple[int, ...] = field(init=False)
+    mean_over: tuple[int, ...] = field(init=False)
 
     extra_metrics: tuple[str, ...] = ()  # per-completion numbers a subclass's rows carry (their "extra" column), averaged like the rest
     levels = False  # the loss is centred on 0 by the advantages: no start level, no stuck-at-0 check
@@ -76,7 +76,7 @@ class GRPO(Objective):
     def __post_init__(self):
         self.metrics = ("reward", "reward_std", "zero_std_groups", "completion_length", "kl", "clip_ratio", *(r.metric for r in self.rewards),
                         *self.extra_metrics)
-        self.metric_counts = (1,) * len(self.metrics)  # means over the step's completions (counts' second entry)
+        self.mean_over = (1,) * len(self.metrics)  # means over the step's completions (counts' second entry)
 
     def eval_line(self, result: dict) -> str:
         return (f"eval reward {result['eval_reward']:.4f} (greedy completions of {result['eval_prompts']} prompts; "

@@ -29,7 +29,7 @@ class Objective:
     """What every objective tells the loop besides its counts and losses (the defaults: a loss the guard judges)."""
 
     metrics: tuple[str, ...] = ()  # the objective's own metrics, as sums per micro-batch
-    metric_counts: tuple[int, ...] = ()  # per metric, the entry of counts it is a mean over
+    mean_over: tuple[int, ...] = ()  # per metric, the entry of counts it is a mean over
     unit = "tokens"  # what counts' first entry counts (eval_<unit> in the eval's results)
     start_loss = 0.0  # what the guard's min_rise defaults to: any rise of a cross-entropy may be divergence
     levels = True  # the loss has a level the guard's drift and start tests can judge
@@ -67,7 +67,7 @@ class Preference(Objective):
     # Means over pairs. reward_accuracy: chosen's reward above rejected's (TRL's rewards/accuracies; 0 while the policy is the
     # reference); choice_accuracy: the policy gives the chosen answer the higher log-probability (what the model would pick).
     metrics = ("rewards_chosen", "rewards_rejected", "reward_margin", "reward_accuracy", "logps_chosen", "logps_rejected", "choice_accuracy")
-    metric_counts = (0,) * 7  # over pairs
+    mean_over = (0,) * 7  # over pairs
     unit = "pairs"
 
     @property
@@ -138,7 +138,7 @@ class KTO(Objective):
     reference: torch.nn.Module | None = None
 
     metrics = ("kl", "rewards_desirable", "rewards_undesirable", "logps_desirable", "logps_undesirable")
-    metric_counts = (0, 1, 2, 1, 2)  # kl over examples; the rest over desirable (counts[1]) or undesirable (counts[2]) ones
+    mean_over = (0, 1, 2, 1, 2)  # kl over examples; the rest over desirable (counts[1]) or undesirable (counts[2]) ones
     unit = "examples"
     start_loss = 0.5  # 1 - sigmoid(0) while the policy is the reference: a rise smaller than this is no divergence (as DPO's ln 2)
 
@@ -185,7 +185,7 @@ class RewardModel(Objective):
     cfg: PreferenceConfig
 
     metrics = ("rewards_chosen", "rewards_rejected", "reward_margin", "accuracy")
-    metric_counts = (0, 0, 0, 0)  # over pairs
+    mean_over = (0, 0, 0, 0)  # over pairs
     unit = "pairs"
     start_loss = math.log(2)  # equal rewards: a rise below this is no divergence (as DPO's)
 

@@ -112,10 +112,7 @@ def export_gguf(model_dir: str, out: str, kind: str = "f16", say=print) -> dict:
         writer = gguf.GGUFWriter(str(unquantized if kind in K_QUANTS else tmp), arch_name)
         header(writer)
         _tensors(writer, model, config, getattr(gguf.MODEL_ARCH, arch), permuted, written)
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-        writer.close()
+        _finish(writer)
         if kind in K_QUANTS:
             _quantize(unquantized, tmp, kind)
         if in_llama_cpp:
@@ -128,11 +125,8 @@ def export_gguf(model_dir: str, out: str, kind: str = "f16", say=print) -> dict:
             say(f"GGUF ({kind}) loaded back by transformers: logits within max {report['max']:.3g} (mean {report['mean']:.3g}) of the model's "
                 f"on {len(CHECK_TEXTS)} texts, greedy tokens {'the same' if report['same_greedy'] else 'DIFFERENT'} (llama.cpp itself: not "
                 "checked; pip install llama-cpp-python)")
-        if report["max"] > TOLERANCE[kind]:
-            raise Stopped(f"GGUF check failed: logits differ by up to {report['max']:.4g} (tolerance {TOLERANCE[kind]:g}); nothing written to {target}",
-                          exit_code=EXIT_MERGE_CHECK)
         report.update(model=str(folder), out=str(target), type=kind, family=family, bytes=tmp.stat().st_size)
-        os.replace(tmp, target)
+        _publish(tmp, target, report["max"], TOLERANCE[kind], "GGUF")
     finally:
         tmp.unlink(missing_ok=True)
         unquantized.unlink(missing_ok=True)
@@ -140,6 +134,21 @@ def export_gguf(model_dir: str, out: str, kind: str = "f16", say=print) -> dict:
     if not modelfile.exists():  # Ollama's recipe: `ollama create NAME -f Modelfile`
         modelfile.write_text(f"FROM ./{target.name}\n")
     return report
+
+
+def _finish(writer) -> None:
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def _publish(tmp: Path, target: Path, worst: float, tolerance: float, what: str) -> None:
+    """The checked file in its place, or nothing written (exit 5) where llama.cpp's logits differ beyond the tolerance."""
+    if worst > tolerance:
+        raise Stopped(f"{what} check failed: logits differ by up to {worst:.4g} (tolerance {tolerance:g}); nothing written to {target}",
+                      exit_code=EXIT_MERGE_CHECK)
+    os.replace(tmp, target)
 
 
 def _refuse_unwritable(config: dict, folder: Path) -> None:
@@ -195,19 +204,13 @@ def export_lora(adapter_path: str, out: str, say=print) -> dict:
         writer.add_string(gguf.Keys.Adapter.TYPE, "lora")
         writer.add_float32(gguf.Keys.Adapter.LORA_ALPHA, scaling * r)
         _lora_tensors(writer, load_file(Path(adapter.path) / "adapter_model.safetensors"), config, getattr(gguf.MODEL_ARCH, arch), permuted)
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-        writer.close()
+        _finish(writer)
         export_gguf(str(folder), str(base_file), "f16", say=lambda _: None)
         tuned = attach(load_base(adapter, False), adapter)
         worst, effect = _applied_in_llama_cpp(tuned, base_file, tmp, target)
         say(f"GGUF LoRA applied by llama.cpp to its base (f16): logits within max {worst:.3g} of base + adapter's on {len(CHECK_TEXTS)} texts "
             f"(the adapter moves them by max {effect:.3g})")
-        if worst > TOLERANCE["f16"]:
-            raise Stopped(f"GGUF LoRA check failed: logits differ by up to {worst:.4g} (tolerance {TOLERANCE['f16']:g}); nothing written to {target}",
-                          exit_code=EXIT_MERGE_CHECK)
-        os.replace(tmp, target)
+        _publish(tmp, target, worst, TOLERANCE["f16"], "GGUF LoRA")
     finally:
         tmp.unlink(missing_ok=True)
         scratch.cleanup()

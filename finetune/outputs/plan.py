@@ -18,7 +18,7 @@ from finetune.config.schema import DTYPE_BYTES, QuantizationConfig, RunConfig, r
 from finetune.config.strategy import Strategy
 from finetune.model import families, nf4, vision
 from finetune.model.families import Linear
-from finetune.parallel.runtime import glibc_tuned_by_user
+from finetune.parallel.runtime import LONG_ROWS, glibc_tuned_by_user
 
 GiB = 2**30
 # Optimizer state bytes per trainable parameter (None: same as the parameter's own bytes, twice).
@@ -382,9 +382,6 @@ def dense_temporaries(shape: Shape, cfg: RunConfig, s: Setup) -> float:
     return size
 
 
-# From this many tokens a micro-batch per process, blocks of 1 MiB and more are mapped and handed back
-# when freed on CPU runs (runtime.keep_freed_memory), as under FSDP/ZeRO-3: no heap row.
-LONG_ROWS = 4096
 
 def heap_holes(shape: Shape, cfg: RunConfig, s: Setup) -> float:
     """What glibc's heap holds beyond live tensors on a CPU run (runtime.keep_freed_memory; not under

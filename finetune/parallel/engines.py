@@ -43,8 +43,9 @@ from finetune.parallel.distributed import full_state_dict, gathered_trainable_st
 from finetune.parallel.optim import build_optimizer, build_scheduler, loraplus_params
 
 
-class Replicated:
-    """One process, or DDP through accelerate: every rank holds the whole model."""
+class Engine:
+    """One process, or DDP through accelerate: every rank holds the whole model. FSDP and Zero override what sharding
+    changes (loading, preparing, saving, gathering the trained weights)."""
 
     background_saves = True  # checkpoints may be written while training goes on (DeepSpeed writes its own files, synchronously)
     autocast = True  # accelerate's autocast (FSDP's MixedPrecisionPolicy and DeepSpeed's bf16 mode do its job when sharded)
@@ -111,7 +112,7 @@ class Replicated:
         return self.accelerator.prepare_model(model, evaluation_mode=True)
 
 
-class FSDP(Replicated):
+class FSDP(Engine):
     """FSDP2 (`fully_shard` per decoder layer): rank 0 loads or streams the weights, every rank keeps its shards."""
 
     autocast = False
@@ -144,7 +145,7 @@ class FSDP(Replicated):
         return shard_fsdp2(model, self.cfg.model_copy(update={"model": model_cfg}), self.accelerator.device, self.world, self.stream_from)
 
 
-class Zero(Replicated):
+class Zero(Engine):
     """DeepSpeed ZeRO-2/3 (offload too): its engine reduces, clips and steps inside backward."""
 
     autocast, background_saves = False, False
@@ -204,13 +205,13 @@ def trained(model: torch.nn.Module) -> list[torch.nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
 
 
-def engine_class(cfg: RunConfig, world: int) -> tuple[type[Replicated], Strategy]:
+def engine_class(cfg: RunConfig, world: int) -> tuple[type[Engine], Strategy]:
     """The engine of distributed.strategy and the strategy as run: sharding applies with several processes only."""
     strategy = Strategy.of(cfg.distributed.strategy, world)
-    return (FSDP if strategy.layout == "dcp" else Zero if strategy.deepspeed else Replicated), strategy
+    return (FSDP if strategy.layout == "dcp" else Zero if strategy.deepspeed else Engine), strategy
 
 
-def engine_for(cfg: RunConfig, accelerator) -> Replicated:
+def engine_for(cfg: RunConfig, accelerator) -> Engine:
     cls, strategy = engine_class(cfg, accelerator.num_processes)
     return cls(cfg, accelerator, strategy)
 

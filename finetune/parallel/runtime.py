@@ -88,6 +88,11 @@ def stop_together(timeout_s: float = 30.0) -> None:
             pass  # a rank did not come: exit all the same
 
 
+# From this many tokens a micro-batch per process, blocks of 1 MiB and more are mapped and handed back when freed on CPU
+# runs (keep_freed_memory), as under FSDP/ZeRO-3; the plan then counts no heap row.
+LONG_ROWS = 4096
+
+
 def keep_freed_memory(gathers: bool = False, quantized: bool = False, long_rows: bool = False) -> None:
     """CPU runs: tune glibc's heap for the allocations a training step repeats.
 
@@ -106,7 +111,7 @@ def keep_freed_memory(gathers: bool = False, quantized: bool = False, long_rows:
     so blocks of 1 MiB and more come from mmap and go back when freed: a 1.1B LoRA rank then peaked
     at 3.9 GB under FSDP (4.6 with the defaults, 12.5 with the tuning above) and 4.0 GB under ZeRO-3
     (5.8), within the plan (that setting is made before loading too: map_large_blocks). Long rows
-    (long_rows: plan.LONG_ROWS tokens and more a micro-batch per process) likewise: a row of 6,208 tokens
+    (long_rows: LONG_ROWS tokens and more a micro-batch per process) likewise: a row of 6,208 tokens
     through two layers of the 1.1B model's widths held 4,970 MiB with the tuning for speed and 2,186
     with this one, for 1.12x the step time (bench/long.py, docs/platform-notes.md). Set just
     before the loop, after what loading freed is handed back (always), so RSS then tracks what

@@ -1,4 +1,4 @@
-"""Which objective a run config asks for (train.objective): the one table over every objective
+"""Which objective a run config asks for (train.objective): the one registry over every objective
 module, so that the base module (objective.py) never imports what builds on it (grpo.py)."""
 
 from __future__ import annotations
