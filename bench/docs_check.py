@@ -1,13 +1,17 @@
 """`make docs-check` (and `make lint`): every figure in README.md and docs/ is backed by a file that a command wrote.
 
 A figure is a number with a unit (`97.2%`, `1,911 MiB`, `3 min 2 s`, `2.5x`, `907 passed`) or a number in scientific
-notation (`1.3e-6`). Each one must appear, at the precision the doc quotes it, in a results file the doc cites: a path
-under bench/results/ named anywhere in that doc (a link or plain text). Those files are what benches, demos
-(bench/demos.py) and test runs wrote, with their machine, date and commit; a figure edited by hand in a doc, or one
-whose results file moved on, fails here with its file and line.
+notation (`1.3e-6`). Each one must be in a results file the doc cites: a path under bench/results/ named anywhere in
+that doc (a link or plain text), written by a bench, a demo run (bench/demos.py) or a test run (bench/suite.py) with
+its machine, date and commit. A table row must be one results line, every number of the row in it; a figure in a
+sentence must be on a results line, at the doc's precision, that shares a word with the figure's line or the one before
+(a table row of numbers takes its header's words). A tolerance (`1e-5`) may instead be backed by a cited test
+(tests/test_*.py) that holds a result to it. A figure edited by hand, or one whose results file moved on, fails here
+with its file and line.
 
 What a reader types is not a figure: inline code (`--gpu-mem 80GiB`) and fenced blocks of commands or configs
 (```bash, ```yaml, ```python, ...) are skipped; a fence without a language, or ```text, is printed output and checked.
+Figures quoted before this check whose command's output was not kept are owed (bench/owed-figures.txt).
 
 Usage: python bench/docs_check.py            check; exit 1 naming each figure no cited results file backs
        python bench/docs_check.py --stale    the figures bench/figures.json lists, with the commits on their files since
@@ -40,11 +44,13 @@ _NUMBER = r"(?<![\w.,/-])[-−]?\d{1,3}(?:,\d{3})+(?:\.\d+)?|(?<![\w.,/-])[-−]
 # A multiple is written against its number (`2.5x`); `4096 x 32000` is a shape, not a figure.
 # Hours take a space: `6h + 2kv` is a formula.
 FIGURE = re.compile(rf"({_NUMBER})(?:([x×])(?![\w/])|\s(h|hours?)(?![\w/])|\s?((?!h\b|hours?\b){_UNIT})(?![\w/]))?")
+# `31 min 51 s` is one figure, 1911 s: its seconds alone are not a figure of their own.
+DURATION = re.compile(r"(?<![\w.,/-])(\d+)\s?min\s(\d+)\s?s\b")
 SCIENTIFIC = re.compile(r"[eE][-+]?\d+$")
 CODE_FENCE = re.compile(r"^\s*(```+|~~~+)\s*([\w+-]*)")
 COMMON = {"with", "that", "this", "from", "than", "each", "they", "were", "what", "when", "which", "their", "there", "into",
           "over", "only", "more", "less", "same", "also", "does", "have", "been", "here", "step", "steps", "make"}
-CITATION = re.compile(re.escape(RESULTS) + r"[\w./-]+\.(?:md|json|txt)")
+CITATION = re.compile(re.escape(RESULTS) + r"[\w./-]+\.(?:md|json|txt)|tests/test_\w+\.py")
 
 
 def figures(text: str) -> list[tuple[int, str, str | None, str]]:
@@ -67,7 +73,8 @@ def figures(text: str) -> list[tuple[int, str, str | None, str]]:
 
 
 def _pairs(text: str) -> list[tuple[str, str | None, int, int]]:
-    pairs = []
+    pairs = [(str(60 * int(m.group(1)) + int(m.group(2))), "s", m.start(), m.end()) for m in DURATION.finditer(text)]
+    text = DURATION.sub(lambda m: " " * len(m.group(0)), text)
     for match in FIGURE.finditer(text):
         value, unit = match.group(1).replace("−", "-").replace(",", ""), match.group(2) or match.group(3) or match.group(4)
         if unit or SCIENTIFIC.search(value):
@@ -108,41 +115,42 @@ def numbers(line: str) -> list[str]:
     return [m.replace("−", "-").replace(",", "") for m in re.findall(_NUMBER, line)]
 
 
-def table_rows(paths: list[Path]) -> list[list[Decimal]]:
-    """The numbers of each line of these results files (JSON excepted: it has no lines of a table)."""
-    return [[Decimal(n) for n in numbers(line)] for path in paths if path.suffix != ".json" for line in path.read_text().splitlines()]
+def table_rows(paths: list[Path]) -> list[tuple[list[Decimal], set[str]]]:
+    """The numbers and words of each line of these results files (JSON and tests excepted: they have no table rows)."""
+    return [([Decimal(n) for n in numbers(line)], words(line)) for path in paths if path.suffix == ".md" for line in path.read_text().splitlines()]
 
 
-def row_backed(doc_numbers: list[str], rows: list[list[Decimal]]) -> bool:
+def row_backed(row: str, rows: list[tuple[list[Decimal], set[str]]]) -> bool:
     """A doc's table row is one results line's: every number of the row, as it is there (tables are copied, not
-    rounded), in that same line, so a cell is checked against its own row and not against any number in the file."""
-    wanted = [Decimal(n) for n in doc_numbers]
-    return any(all(n in row for n in wanted) for row in rows)
+    rounded), in that same line, so a cell is checked against its own row and not against any number in the file; a
+    row of one or two numbers also shares a word with it."""
+    wanted, named = [Decimal(n) for n in numbers(row)], words(row)
+    return any(all(n in found for n in wanted) and (len(wanted) > 2 or named & found_words) for found, found_words in rows)
 
 
 def words(text: str) -> set[str]:
     return {w.lower() for w in re.findall(r"[A-Za-z]{4,}", text)} - COMMON
 
 
-def results_lines(paths: list[Path]) -> list[tuple[dict[str | None, list[Decimal]], set[str]]]:
-    """Each line of these results files: its figures by unit, and its words; a table row's words include its table's
-    header and the file's name (a row of numbers says what they are there)."""
+def results_lines(paths: list[Path]) -> list[tuple[dict[str | None, list[Decimal]], set[str], bool]]:
+    """Each line of these results files: its figures by unit, its words (a table row's include its table's header and
+    the file's name: a row of numbers says what they are there), and whether it is a test's."""
     out = []
     for path in paths:
-        lines, header = path.read_text().splitlines(), set()
+        lines, header, test = path.read_text().splitlines(), set(), path.suffix == ".py"
         for i, line in enumerate(lines):
             if line.lstrip().startswith("|") and i + 1 < len(lines) and re.match(r"\s*\|\s*:?-{3,}", lines[i + 1]):
                 header = words(line) | words(path.stem.replace("-", " ").replace("_", " "))
             named = words(line) | (header if line.lstrip().startswith("|") else set())
-            out.append((backing_text(line, path.suffix == ".json"), named))
+            out.append((backing_text(line, path.suffix in (".json", ".py")), named, test))
     return out
 
 
-def prose_backed(value: str, unit: str | None, context: str, lines) -> bool:
+def prose_backed(value: str, unit: str | None, near: set[str], lines) -> bool:
     """A figure in a sentence is backed by a results line that holds it (at the doc's precision) and shares a word with
-    the figure's neighbours: a bare `2%` is not backed by any 2% in the file, but by the line that says what it is."""
-    near = words(context)
-    return any(near & line_words and backed(value, unit, seen) for seen, line_words in lines)
+    the figure's line or the one before: a bare `2%` is not backed by any 2% in the file, but by the line that says what
+    it is. A tolerance (`1e-5`) is backed by a cited test that holds a result to it."""
+    return any((unit is None if test else bool(near & line_words)) and backed(value, unit, seen) for seen, line_words, test in lines)
 
 
 @functools.lru_cache(maxsize=None)
@@ -151,22 +159,27 @@ def results(paths: tuple[Path, ...]) -> tuple[list[list[Decimal]], list]:
     return table_rows(list(paths)), results_lines(list(paths))
 
 
+def unbacked_figures(text: str) -> tuple[list[tuple[int, str, str | None, str]], list[Path]]:
+    """The figures of a document's text that no results file it cites backs, and the files it cites."""
+    cited = sorted({REPO / c.rstrip(".") for c in CITATION.findall(text)})
+    rows, said = results(tuple(path for path in cited if path.is_file()))
+    lines, out = text.splitlines(), []
+    for line, value, unit, context in figures(text):
+        row, near = lines[line - 1], words(" ".join(lines[max(0, line - 2):line]))
+        if not (row_backed(row, rows) if row.lstrip().startswith("|") else prose_backed(value, unit, near, said)):
+            out.append((line, value, unit, context))
+    return out, cited
+
+
 def unbacked(where: str, text: str, owed: set[str]) -> tuple[list[str], set[str]]:
     """One line for each figure in `text` (the document `where`) that neither a results file it cites nor the ledger of
     owed figures holds; and the ledger's entries this text used."""
-    cited = sorted({REPO / c.rstrip(".") for c in CITATION.findall(text)})
+    figures_left, cited = unbacked_figures(text)
     out = [f"{where}: cites {path.relative_to(REPO)}, which is not there" for path in cited if not path.is_file()]
-    rows, said = results(tuple(path for path in cited if path.is_file()))
-    lines, used = text.splitlines(), set()
-    for line, value, unit, context in figures(text):
-        row = lines[line - 1]
-        if row_backed(numbers(row), rows) if row.lstrip().startswith("|") else prose_backed(value, unit, context, said):
-            continue
-        if owed_key(where, context) in owed:
-            used.add(owed_key(where, context))
-            continue
-        source = ", ".join(str(p.relative_to(REPO)) for p in cited) or "no bench/results file"
-        out.append(f"{where}:{line}: {value}{' ' + unit if unit else ''} ({context!r}) is in none of the results files it cites ({source})")
+    used = {owed_key(where, context) for _, _, _, context in figures_left} & owed
+    source = ", ".join(str(p.relative_to(REPO)) for p in cited) or "no bench/results file"
+    out += [f"{where}:{line}: {value}{' ' + unit if unit else ''} ({context!r}) is in none of the results files it cites ({source})"
+            for line, value, unit, context in figures_left if owed_key(where, context) not in owed]
     return out, used
 
 

@@ -29,8 +29,7 @@ CHAT_TEMPLATE = (
 )
 MODEL_SHAPE = dict(hidden_size=256, intermediate_size=704, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2)
 # 600 steps: after 300 the base's sense of which words are adjectives and verbs still moved with the CPU's arithmetic
-# (`make demo`'s held-out exact match 83-100% across kernels and thread counts); after 600 it lands within a word of
-# 36 (bench/results/demos.md).
+# (docs/platform-notes.md), and so did `make demo`'s held-out exact match; bench/results/demos.md has it now.
 PRETRAIN_STEPS = 600
 
 
@@ -418,8 +417,7 @@ def draw_pictures(folder: Path, count: int, seed: int, side: int = 56) -> list[d
 # 1,500 full steps, the tower and projector trained too; ~1 min on 2 cores), then the question users
 # fine-tune it on (configs/vision.yaml): "What shape is in the picture?", answered in one word, asked of
 # pictures the base never saw. On 1,800 pictures the base saw each one 13 times and what it learned of shapes
-# moved with the CPU's arithmetic (held-out exact match 47-67%); on 5,800 it lands within a few points
-# (bench/results/demos.md).
+# moved with the CPU's arithmetic (docs/platform-notes.md); bench/results/demos.md has it on 5,800.
 VISION_PRETRAIN_STEPS = 1500
 VISION_CAPTIONS = 5800
 VISION_LANGUAGE = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2)
@@ -454,7 +452,8 @@ def make_vision_demo(out: str, steps: int | None = None, overwrite: bool = False
             "data": {"train": str(data / "captions.jsonl"), "format": "chat", "max_seq_len": 64, "packing": False, "eval_fraction": 0.0},
             "train": {"output_dir": str(work / "pretrained"), "max_steps": steps or VISION_PRETRAIN_STEPS, "micro_batch_size": 16, "lr": 2e-3,
                       "warmup_steps": 20},
-            # Checkpoints let the divergence guard roll a loss spike back at a lower LR rather than stop the build.
+            # Checkpoints let the divergence guard roll a loss spike back at a lower LR rather than stop the build (every
+            # 50 steps: on one thread a spike came before a first save at 250, docs/platform-notes.md).
             "eval": {"on_start": False}, "checkpoint": {"save_every": 50}, "logging": {"report_to": [], "log_every": 50},
             # A caption's loss levels out near 0.05 nats a token, where its noise makes a few hundredths look like drift.
             "guard": {"min_rise": 0.1},

