@@ -39,6 +39,6 @@ run_or_print() {
     if [ "$rc" != 0 ] && [ -s "$FINETUNE_EXIT_FILE" ]; then
         rc="$(head -n 1 "$FINETUNE_EXIT_FILE")"
     fi
-    rm -f "$FINETUNE_EXIT_FILE"
+    rm -f "$FINETUNE_EXIT_FILE" "$FINETUNE_EXIT_FILE".*  # and a half-written one of a rank killed while it wrote
     exit "$rc"
 }

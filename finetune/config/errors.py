@@ -9,6 +9,7 @@
 
 import os
 import sys
+from pathlib import Path
 
 EXIT_USAGE = 2
 EXIT_DIVERGED = 3
@@ -23,9 +24,13 @@ def record_exit(code: int) -> None:
     failed worker as its own exit 1, and a preempted job must still end with 75 to be requeued."""
     path = os.environ.get(EXIT_FILE_VAR)
     if path and code:
+        # Whole or not at all: every rank that fails writes its code, and one killed by the launcher while it wrote
+        # (a rank that stopped first ends the others) must not leave the file empty, which the script reads as none.
+        part = f"{path}.{os.getpid()}"
         try:
-            with open(path, "w") as fh:
+            with open(part, "w") as fh:
                 fh.write(f"{code}\n")
+            os.replace(part, path)
         except OSError as err:  # the launcher then reports torchrun's 1: say so, with the code it should have been
             print(f"error: exit code {code} not recorded in {EXIT_FILE_VAR}={path} ({err.strerror or err}); the launch script will "
                   f"report 1 (torchrun's) instead of {code}", file=sys.stderr, flush=True)
@@ -37,7 +42,7 @@ class UserError(Exception):
     exit_code = EXIT_USAGE
 
 
-def make_folder(path, setting: str):
+def make_folder(path: Path, setting: str) -> Path:
     """`path` created with its parents, or one line naming the setting that chose it and why it cannot be."""
     try:
         path.mkdir(parents=True, exist_ok=True)
