@@ -56,6 +56,13 @@ def cpu_name() -> str:
     return platform.machine()
 
 
+def head_commit() -> str:
+    """The short hash of the commit a result is measured at."""
+    import subprocess
+
+    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+
+
 def cpu() -> str:
     """The CPU as results files name it: its model, whether it has avx512-bf16 / AMX (bf16 in hardware), its cores."""
     import os

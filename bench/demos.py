@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import REPO, cpu
+from common import REPO, cpu, head_commit
 
 RESULTS = REPO / "bench" / "results" / "demos.md"
 FINETUNE = [sys.executable, "-m", "finetune.cli"]
@@ -114,7 +114,7 @@ def main() -> None:
         env["OMP_NUM_THREADS"] = str(args.threads)
     kernels = f"{args.kernels}, {args.threads or os.cpu_count()} thread{'s' if (args.threads or os.cpu_count()) > 1 else ''}"
     work = args.work or Path(tempfile.mkdtemp(prefix="finetune-demos-"))
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+    commit = head_commit()
     stamp = f"{commit}, {datetime.date.today()}"
     rows = []
     for name in [n for n in args.only.split(",") if n]:

@@ -21,7 +21,7 @@ import subprocess
 import sys
 import time
 
-from common import REPO, cpu_name, report
+from common import REPO, cpu_name, head_commit, report
 
 sys.path.insert(0, str(REPO))
 from finetune.config.schema import validate_config  # noqa: E402
@@ -125,7 +125,7 @@ def table() -> list[str]:
 
 def run(job: tuple) -> dict:
     """One simulation in a fresh process, as `finetune plan --simulate` runs."""
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+    commit = head_commit()
     worker = subprocess.run([sys.executable, __file__, "--one", *map(str, job)], cwd=REPO, capture_output=True, text=True)
     if worker.returncode:
         sys.exit(f"{' '.join(map(str, job))}: {worker.stderr.strip().splitlines()[-1]}")

@@ -19,14 +19,14 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import REPO, cpu
+from common import REPO, cpu, head_commit
 
 RESULTS = REPO / "bench" / "results"
 
 
 def run(target: str) -> tuple[str, str]:
     """A clean clone's `make TARGET` output, with its wall time in `time`'s words; and the commit."""
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
+    commit = head_commit()
     clone = Path(tempfile.mkdtemp(prefix="finetune-suite-")) / "repo"
     subprocess.run(["git", "clone", "-q", str(REPO), str(clone)], check=True)
     start = time.perf_counter()
