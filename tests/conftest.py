@@ -407,7 +407,17 @@ OTHERS = {
                                       linear_value_head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                                       shared_expert_intermediate_size=32, layer_types=["linear_attention", "full_attention"])),
     "lfm2": ("lfm2", dict(TINY, num_key_value_heads=2, layer_types=["conv", "full_attention"])),  # a short convolution along the row
+    # DeepSeek-V3 / Kimi K2: latent attention (MLA: q and kv through low-rank projections, a decoupled rope part, value heads
+    # narrower than the query's), a dense first layer, routed experts beside a shared one, grouped top-k routing
+    "deepseek-v3": ("deepseek_v3", dict(TINY, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16,
+                                        v_head_dim=16, n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1, moe_intermediate_size=32,
+                                        n_shared_experts=1, first_k_dense_replace=1)),
+    "glm4-moe": ("glm4_moe", dict(TINY, head_dim=16, partial_rotary_factor=0.5, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                  n_shared_experts=1, first_k_dense_replace=1, use_qk_norm=True)),  # GLM-4.5: partial rotary, q/k norms
+    "gpt-oss": ("gpt_oss", dict(TINY, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW,
+                                layer_types=["sliding_attention", "full_attention"])),  # attention sinks, biased experts stored (E, in, out)
 }
+MOE_OTHERS = ["deepseek-v3", "glm4-moe", "gpt-oss"]
 
 
 @pytest.fixture(scope="module")
@@ -543,10 +553,6 @@ def textbook(model, samples, device: str = "cpu") -> tuple[float, dict]:
         value.backward()
         total += value.item()
     return total, trained_grads(model)
-
-
-# ------------------------------------------------------------------------------------------------
-# Runs under a distributed strategy (test_distributed, test_preference)
 
 
 def strategy_config(model_dir, out, method, nproc, strategy="ddp", **sections) -> dict:

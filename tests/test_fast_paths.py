@@ -212,7 +212,7 @@ def test_a_training_batch_from_the_host_gives_the_loss_of_eager_attention(tiny_m
         gpu_branch_on_cpu(monkeypatch)
         # varlen computes in bf16/fp16 only: an fp32 run takes the sdpa-mask branch.
         monkeypatch.setattr(attention, "_varlen", (lambda: documented_varlen(True)) if branch == "gpu-varlen" else (lambda: None))
-        monkeypatch.setattr(attention, "_varlen_dtype", lambda query, dropout: torch.float32 if attention._varlen() else None)
+        monkeypatch.setattr(attention, "_varlen_dtype", lambda query, value, dropout: torch.float32 if attention._varlen() else None)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation=register()).train()
     got = loss_and_grads(model, loss.to_device(batch, "cpu"))
     assert got[0] == pytest.approx(want[0], rel=1e-5)

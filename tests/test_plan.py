@@ -256,7 +256,7 @@ def test_zero3_gathers_a_quantized_base_as_it_is_held():
     cfg = load_config(REPO / "docs/examples/plan-7b-qlora.yaml", check_model=False)
     plan = make_plan(cfg, devices=2, strategy="zero3")
     shape = read_shape(str(REPO / "docs/examples/llama-2-7b"))
-    root, packed = shape.other_params * 4, shape.quantizable_params * 0.5 / shape.layers
+    root, packed = shape.other_params * 4, shape.quantized_params(4) * 0.5 / shape.layers
     assert plan.setup.bits == 4 and plan.moment == "the last layer's backward"
     assert plan.rows["gathered for compute"] == pytest.approx(root + 2 * packed, rel=1e-3)
     assert gathered_weights(shape, cfg, with_(plan.setup, bits=None)) == (shape.other_params * 2, shape.linear_params / 32 * 2)

@@ -67,7 +67,7 @@ def as_trained(adapter: Adapter, dtype: str = "float32"):
     """base + adapter as the run computed with them: on the 4-bit base where it trained on one (torchao's
     quantized after the adapter is attached, as in training, so the adapter keeps its own dtype)."""
     model = attach(load_base(adapter, quantized=adapter.quantized, dtype=dtype), adapter)
-    if adapter.quantized and nf4.used(adapter.run.model):
+    if adapter.quantized and nf4.after_adapter(adapter.run.model):
         quantize_layers(model.get_base_model(), adapter.run.model)
     return model
 

@@ -172,7 +172,7 @@ def packed_sdpa_forward(module, query, key, value, attention_mask, dropout: floa
     if position_ids.shape[0] != query.shape[0]:
         position_ids = position_ids.expand(query.shape[0], -1)
     if accelerator_path(query):
-        dtype = _varlen_dtype(query, dropout)
+        dtype = _varlen_dtype(query, value, dropout)
         if dtype is None:
             if placeholder:
                 attention_mask = _block_mask(position_ids, sample_bounds(position_ids), window)
@@ -215,13 +215,14 @@ def _split_sdpa(query, key, value, bounds: list[list[int]], window: int | None, 
     return torch.stack(rows)
 
 
-def _varlen_dtype(query: torch.Tensor, dropout: float) -> torch.dtype | None:
+def _varlen_dtype(query: torch.Tensor, value: torch.Tensor, dropout: float) -> torch.dtype | None:
     """The dtype torch's varlen kernel would compute in (sdpa's: autocast's if on), or None where it cannot
     run: torch without `varlen_attn(window_size=...)` (before 2.11), fp32, dropout, or head sizes
-    flash-attention does not take (over 256, or not a multiple of 8)."""
+    flash-attention does not take (over 256, not a multiple of 8, or value heads of another size: MLA's)."""
     device = query.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else query.dtype
-    if dropout or dtype not in (torch.float16, torch.bfloat16) or query.shape[-1] > 256 or query.shape[-1] % 8 or _varlen() is None:
+    if dropout or dtype not in (torch.float16, torch.bfloat16) or query.shape[-1] > 256 or query.shape[-1] % 8 or _varlen() is None \
+            or value.shape[-1] != query.shape[-1]:
         return None
     return dtype
 
@@ -244,7 +245,7 @@ def varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     causal; a window keeps a query to itself and the `window - 1` keys before it (transformers' masks)."""
     varlen_attn = _varlen()
     batch, heads, length, dim = query.shape
-    q, k, v = (x.transpose(1, 2).reshape(batch * length, x.shape[1], dim).to(dtype) for x in (query, key, value))
+    q, k, v = (x.transpose(1, 2).reshape(batch * length, x.shape[1], x.shape[-1]).to(dtype) for x in (query, key, value))
     extra = {}
     if k.shape[1] != heads:
         if "enable_gqa" in inspect.signature(varlen_attn).parameters:
@@ -255,7 +256,7 @@ def varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     longest = max(e - s for s, e in zip(starts, starts[1:]))
     cu = torch.tensor(starts, dtype=torch.int32).to(query.device, non_blocking=True)
     out = varlen_attn(q, k, v, cu, cu, longest, longest, scale=scale, window_size=(-1 if window is None else window - 1, 0), **extra)
-    return out.view(batch, length, heads, dim)
+    return out.view(batch, length, heads, value.shape[-1])
 
 
 def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, spans: list[tuple[int, int, int]], scale: float,
@@ -304,8 +305,8 @@ class _CausalAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, query, key, value, spans, scale, dtype, window):
-        batch, heads, length, dim = query.shape
-        out = query.new_zeros(batch, length, heads, dim, dtype=dtype)
+        batch, heads, length, _ = query.shape
+        out = query.new_zeros(batch, length, heads, value.shape[-1], dtype=dtype)  # MLA's value heads are narrower than its query's
         probs = []
         for b, s, e in spans:
             q, k, v = _sample(query, key, value, b, s, e, dtype)

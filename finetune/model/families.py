@@ -60,7 +60,7 @@ SPELLED_OUT = {"llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "p
 
 def num_experts(config: dict) -> int:
     c = text_config(config)
-    return int(c.get("num_local_experts") or c.get("num_experts") or 0)
+    return int(c.get("num_local_experts") or c.get("num_experts") or c.get("n_routed_experts") or 0)
 
 
 def router_aux_loss_coef(config: dict) -> float:
@@ -74,15 +74,6 @@ def sparse_layers(config: dict) -> list[bool]:
     n, experts = c["num_hidden_layers"], num_experts(config)
     step, dense = c.get("decoder_sparse_step") or 1, set(c.get("mlp_only_layers") or [])
     return [bool(experts) and i not in dense and (i + 1) % step == 0 for i in range(n)]
-
-
-def unsupported(config: dict) -> str | None:
-    """Why finetune cannot plan or train this architecture correctly, or None."""
-    c = text_config(config)
-    for key in ("n_routed_experts", "n_shared_experts", "first_k_dense_replace", "kv_lora_rank"):
-        if c.get(key) is not None:
-            return f"'{c.get('model_type')}' ({key}): DeepSeek-style MoE/MLA layers are not supported yet"
-    return None
 
 
 def linear_layers(config: dict) -> list[Linear]:

@@ -8,13 +8,14 @@ from __future__ import annotations
 import importlib.util
 import json
 from contextlib import contextmanager, nullcontext
+from importlib.metadata import version
 from pathlib import Path
 
 import torch
 
 from finetune.config.errors import UserError
 from finetune.config.schema import DTYPE_BYTES, AdapterConfig, ModelConfig, RunConfig, looks_local, read_model_config
-from finetune.model import families, nf4, vision
+from finetune.model import experts, families, nf4, vision
 from finetune.model.attention import register as register_packed_sdpa
 from finetune.model.configs import first_line, model_config
 
@@ -217,7 +218,8 @@ def load_model(cfg: ModelConfig, device: torch.device | str = "cpu", skeleton: s
         cpu = torch.device(device).type == "cpu"  # "cpu:0" in a multi-process run
         if cpu:
             _own_unquantized_weights(model)
-        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+        with experts.held_out(model):  # frozen expert stacks stay as loaded (4-bit ones are quantized after the adapter)
+            model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
         if cpu:
             _keep_one_cpu_4bit_path(model)
     model.config.use_cache = False  # no KV cache while training; generation turns it on per call
@@ -329,10 +331,19 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
 
 
-def quantize_layers(model: torch.nn.Module, cfg: ModelConfig) -> int:
-    """torchao's NF4 for the frozen linear weights of every decoder layer (model/nf4.py)."""
+def quantize_layers(model: torch.nn.Module, cfg: ModelConfig, shards: int = 1) -> int:
+    """What torchao quantizes once the adapter is on (nf4.after_adapter): the frozen linear weights of every
+    decoder layer of a torchao base (model/nf4.py), and the frozen expert weights of any 4-bit base
+    (model/experts.py), in blocks `shards` processes can split. Returns how many weights."""
+    experts.group(model)  # what reads the 4-bit expert stacks
+    return sum(quantize_layer(layer, cfg, shards) for layer in decoder_layers(model))
+
+
+def quantize_layer(layer: torch.nn.Module, cfg: ModelConfig, shards: int = 1) -> int:
+    """quantize_layers for one decoder layer of a model whose experts `experts.group` runs."""
     q = cfg.quantization
-    return sum(nf4.quantize_frozen_linears(layer, DTYPES[q.compute_dtype], q.skip_modules) for layer in decoder_layers(model))
+    count = nf4.quantize_frozen_linears(layer, DTYPES[q.compute_dtype], q.skip_modules, shards) if nf4.used(cfg) else 0
+    return count + (experts.quantize(layer, DTYPES[q.compute_dtype], shards) if q.bits == 4 else 0)
 
 
 def apply_adapter(model, cfg: AdapterConfig, gradient_checkpointing: bool, say=print):
@@ -349,6 +360,15 @@ def apply_adapter(model, cfg: AdapterConfig, gradient_checkpointing: bool, say=p
         # With a frozen embedding nothing before the first checkpointed block needs grad.
         model.enable_input_require_grads()
     modules, parameters = lora_targets(model, cfg.target_modules)
+    lost = set(modules if isinstance(modules, list) else []) & mapped_onto_experts(model.config.model_type)
+    if lost:  # left out: peft would otherwise also double the experts' rank with them
+        modules = [m for m in modules if m not in lost]
+        left = [name for name, m in model.named_modules() if linear_like(m) and name.rsplit(".", 1)[-1] in lost]
+        if not modules and not parameters:
+            raise UserError(f"adapter.target_modules: peft {version('peft')} maps {', '.join(sorted(lost))} onto the experts of "
+                            f"{model.config.model_type} models (huggingface/peft#3711); name the experts (experts) or attention layers")
+        say(f"adapter: peft {version('peft')} maps {', '.join(sorted(lost))} onto the experts of {model.config.model_type} models "
+            f"(huggingface/peft#3711): {len(left)} dense or shared-expert layers stay unadapted ({', '.join(left[:3])}{', ...' if len(left) > 3 else ''})")
     whole = cfg.modules_to_save
     if vision.is_vision(model.config.to_dict()):
         head = model.get_output_embeddings()
@@ -366,18 +386,14 @@ def apply_adapter(model, cfg: AdapterConfig, gradient_checkpointing: bool, say=p
             raise UserError("adapter.target_modules: DoRA cannot adapt fused expert weights (peft); use adapter.method: lora for the experts")
         say("adapter: DoRA cannot adapt the experts' fused weights (peft): the experts stay frozen; adapter.method: lora adapts them")
         parameters = []
-    dropout = cfg.dropout
-    if parameters and dropout:
-        if "dropout" in cfg.model_fields_set:
-            raise UserError(f"adapter.dropout: peft's LoRA on fused expert weights ({', '.join(parameters)}) takes no dropout; set it to 0")
-        say(f"adapter: LoRA on the experts' fused weights takes no dropout: adapter.dropout {dropout} -> 0 for this model")
-        dropout = 0.0
+    if parameters and cfg.dropout:
+        say(f"adapter: dropout {cfg.dropout} on the dense layers' LoRA, none on the experts' (peft's LoRA on fused expert weights takes none)")
     lora = LoraConfig(
         # A reward model's score head is new: peft trains it whole (modules_to_save) beside the adapter
         task_type="SEQ_CLS" if type(model).__name__.endswith("ForSequenceClassification") else "CAUSAL_LM",
         r=cfg.r,
         lora_alpha=cfg.alpha,
-        lora_dropout=dropout,
+        lora_dropout=0.0 if parameters else cfg.dropout,  # peft refuses dropout beside expert weights: set per layer below
         target_modules=modules,
         target_parameters=parameters or None,
         use_dora=cfg.method == "dora",
@@ -386,9 +402,34 @@ def apply_adapter(model, cfg: AdapterConfig, gradient_checkpointing: bool, say=p
         modules_to_save=whole,
     )
     try:
-        return get_peft_model(model, lora)
+        model = get_peft_model(model, lora)
     except (ValueError, TypeError) as err:
         raise UserError(f"adapter: {str(err).splitlines()[0]}") from None
+    if parameters and cfg.dropout:
+        dense_dropout(model, cfg.dropout)
+    experts.group(model)
+    return model
+
+
+def mapped_onto_experts(model_type: str) -> set[str]:
+    """The layer names peft's conversion of transformers-v4 adapters maps onto the experts of a `model_type`
+    MoE (its tables; huggingface/peft#3711): named in target_modules, such layers get no LoRA and the
+    experts' rank doubles. Empty where peft converts nothing (Qwen2-MoE, dense models)."""
+    try:
+        from peft.utils.transformers_weight_conversion import _MODEL_TO_CONVERSION_PATTERN, _MOE_TARGET_MODULE_MAPPING
+    except ImportError:  # a peft without the conversion
+        return set()
+    return set(_MOE_TARGET_MODULE_MAPPING.get(_MODEL_TO_CONVERSION_PATTERN.get(model_type), {})) - ROUTERS
+
+
+def dense_dropout(model, p: float) -> None:
+    """Dropout `p` before the LoRA of every adapted linear layer (what lora_dropout gives where no expert weight is adapted)."""
+    from peft.tuners.lora.layer import LoraLayer, ParamWrapper
+
+    for module in model.modules():
+        if isinstance(module, LoraLayer) and not isinstance(module, ParamWrapper):
+            for name in module.lora_dropout:
+                module.lora_dropout[name] = torch.nn.Dropout(p)
 
 
 def loftq_init(model, cfg: ModelConfig) -> None:
@@ -430,18 +471,23 @@ def lora_targets(model, wanted: str | list[str]) -> tuple[str | list[str], list[
     `experts` stands for those expert weights; any other name must match some linear layer."""
     head = model.get_output_embeddings()
     linears = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if linear_like(m) and m is not head}
-    experts = sorted({f"{module.rsplit('.', 1)[-1]}.{p}" for module, m in model.named_modules() if module.endswith("experts")
-                      for p, w in m.named_parameters(recurse=False) if w.dim() == 3})
+    stacks = sorted({f"{module.rsplit('.', 1)[-1]}.{p}" for module, m in model.named_modules() if module.endswith("experts")
+                     for p, w in m.named_parameters(recurse=False) if w.dim() == 3})
     if wanted == "all-linear":
-        return (sorted(linears - ROUTERS), experts) if experts else ("all-linear", [])
+        return (sorted(linears - ROUTERS), stacks) if stacks else ("all-linear", [])
     named = [t for t in wanted if t != "experts"]
+    routers = [t for t in named if stacks and t.rsplit(".", 1)[-1] in ROUTERS]
+    if routers:
+        raise UserError(f"adapter.target_modules: {', '.join(routers)} is this {model.config.model_type} model's router, which takes no LoRA "
+                        "(a changed routing undoes what the experts learned); name the experts, attention or shared-expert layers")
     missing = [t for t in named if t.rsplit(".", 1)[-1] not in linears]
-    if missing or ("experts" in wanted and not experts):
+    if missing or ("experts" in wanted and not stacks):
         kind = model.config.model_type
         raise UserError(f"adapter.target_modules: {', '.join(missing) or 'experts'} matches no layer of this {kind} model; its linear layers are "
-                        f"{', '.join(sorted(linears))}" + (" and its experts (name: experts)" if experts else "")
+                        f"{', '.join(sorted(linears))}" + (" and its experts (name: experts)" if stacks else
+                                                           " (experts, if it has any, are not fused 3-D weights)" if "experts" in wanted else "")
                         + (" (Phi-3 fuses q/k/v into qkv_proj and gate/up into gate_up_proj)" if kind == "phi3" else ""))
-    return named, experts if "experts" in wanted else []
+    return named, stacks if "experts" in wanted else []
 
 
 def adapter_input_casting_off(model, mixed_precision: str):

@@ -28,11 +28,18 @@ from finetune.config.schema import ModelConfig
 
 BLOCK = 64  # weights per absmax scale (bitsandbytes' 4-bit blocksize)
 SCALER_BLOCK = 256  # absmax scales per double-quantization block (bitsandbytes' nested blocksize)
+SHAPES = "_nf4_shapes"  # a module's {parameter name: shape} for weights quantized in another shape than their own
 
 
 def used(cfg: ModelConfig) -> bool:
     """Whether a ModelConfig's base is quantized by torchao."""
     return cfg.quantization is not None and cfg.quantization.chosen_backend == "torchao"
+
+
+def after_adapter(cfg: ModelConfig) -> bool:
+    """Whether torchao quantizes weights once the adapter is on: a torchao base's linear layers, and any
+    4-bit base's fused expert weights, which bitsandbytes leaves as they are (model/experts.py)."""
+    return used(cfg) or (cfg.quantization is not None and cfg.quantization.bits == 4)
 
 
 def check_available() -> None:
@@ -104,8 +111,12 @@ def packed_bytes(model: torch.nn.Module) -> int:
 
 
 def dequantize_model(model: torch.nn.Module) -> torch.nn.Module:
-    """Every 4-bit weight replaced by its dequantized values (what merging into the trained-on base takes)."""
+    """Every 4-bit weight replaced by its dequantized values, in its own shape (an expert stack, stored
+    2-D, in 3-D again): what merging into the trained-on base takes."""
     for module in model.modules():
-        if is_nf4(getattr(module, "weight", None)):
-            module.weight = torch.nn.Parameter(module.weight.get_original_weight(), requires_grad=False)
+        shapes = module.__dict__.get(SHAPES, {})
+        for name, param in list(module.named_parameters(recurse=False)):
+            if is_nf4(param):
+                value = param.get_original_weight().view(shapes.get(name, param.shape))
+                setattr(module, name, torch.nn.Parameter(value, requires_grad=False))
     return model

@@ -93,11 +93,9 @@ def frozen(model: torch.nn.Module) -> torch.nn.Module:
 def whole_teacher(cfg: ModelConfig, adapter: str | None, device) -> torch.nn.Module:
     """The teacher on this process alone, whatever the strategy (sequence-level distillation's answers)."""
     model = frozen(merged(load_model(cfg, device), adapter))
-    if cfg.quantization is not None and not nf4.used(cfg):
-        return model  # bitsandbytes placed it on the device as it quantized
-    if nf4.used(cfg):
+    if nf4.after_adapter(cfg):
         quantize_layers(model, cfg)
-    return model.to(device)
+    return model if cfg.quantization is not None and not nf4.used(cfg) else model.to(device)  # bitsandbytes placed it as it quantized
 
 
 def teacher_key(cfg: ModelConfig, adapter: str | None, *settings) -> str:

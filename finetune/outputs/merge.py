@@ -95,12 +95,12 @@ def merged_model(adapter: Adapter, qlora_base: str):
     """The whole model in float32 with the adapter merged in, by peft's merge_and_unload (the path for
     what the shard-by-shard merge does not handle). qlora_base: 'dequantized' merges into the 4-bit
     weights the adapter was trained against, 'original' into the base's own weights."""
-    if adapter.quantized and nf4.used(adapter.run.model) and qlora_base == "dequantized":
+    if adapter.quantized and qlora_base == "dequantized":
         base = load_base(adapter, quantized=True).requires_grad_(False)
-        quantize_layers(base, adapter.run.model)
-        base = nf4.dequantize_model(base).float()
-    elif adapter.quantized and qlora_base == "dequantized":
-        base = load_base(adapter, quantized=True).dequantize(dtype=torch.float32).float()
+        if nf4.after_adapter(adapter.run.model):  # torchao's 4-bit weights, as training quantized them
+            quantize_layers(base, adapter.run.model)
+            base = nf4.dequantize_model(base)
+        base = (base if nf4.used(adapter.run.model) else base.dequantize(dtype=torch.float32)).float()
     else:
         base = load_base(adapter, quantized=False)
     return attach(base, adapter).merge_and_unload()

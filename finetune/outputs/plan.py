@@ -16,7 +16,7 @@ from pathlib import Path
 from finetune.config.errors import UserError
 from finetune.config.schema import DTYPE_BYTES, QuantizationConfig, RunConfig, read_model_config
 from finetune.config.strategy import Strategy
-from finetune.model import families, nf4, vision
+from finetune.model import experts, families, nf4, vision
 from finetune.model.families import Linear
 from finetune.parallel.runtime import LONG_ROWS, glibc_tuned_by_user
 
@@ -86,11 +86,13 @@ class Shape:
         """Embeddings, lm_head, norms and biases: never quantized."""
         return self.vocab * self.hidden * (1 if self.tied else 2) + self.norms_and_biases
 
-    @property
-    def quantizable_params(self) -> int:
-        """What bitsandbytes quantizes: nn.Linear layers. Fused 3-D expert weights and routers are not
-        (transformers 5.23 + bitsandbytes 0.50), and peft's k-bit preparation keeps them in fp32."""
-        return sum(layer.params for layer in self.linears if not (layer.expert or layer.router))
+    def quantized(self, bits: int) -> list[Linear]:
+        """The weights a `bits`-bit base quantizes: the linear layers but the routers, and at 4 bits the
+        experts' fused weights too (torchao's NF4: model/experts.py)."""
+        return [layer for layer in self.linears if not layer.router and (bits == 4 or not layer.expert)]
+
+    def quantized_params(self, bits: int) -> int:
+        return sum(layer.params for layer in self.quantized(bits))
 
 
 def read_shape(model_path: str) -> Shape:
@@ -127,9 +129,6 @@ def vision_shape(model, folder: Path, config: dict) -> VisionShape:
 
 
 def _model_shape(path: Path, config: dict) -> Shape:
-    why = families.unsupported(config)
-    if why:
-        raise UserError(f"plan: {path}: {why}")
     c = families.text_config(config)
     if not c.get("model_type"):
         raise UserError(f"plan: {path} lacks model_type (the planner knows decoder-only transformers)")
@@ -198,7 +197,8 @@ def skeleton_shape(folder: Path) -> Shape:
     other = sum(p.numel() for p in language) - sum(layer.params for layer in linears) - vocab * hidden * (1 if tied else 2)
     kv_dim = (getattr(config, "num_key_value_heads", None) or heads) * (hidden // heads)
     return Shape(vocab=vocab, hidden=hidden, layers=config.num_hidden_layers, kv_dim=kv_dim,
-                 mlp_width=width, attention_values=6 * hidden + 2 * kv_dim, tied=tied, linears=tuple(linears), norms_and_biases=other, config={},
+                 mlp_width=width, attention_values=6 * hidden + 2 * kv_dim, tied=tied, linears=tuple(linears), norms_and_biases=other,
+                 config=config.to_dict(),
                  meta_buffers=sum(b.numel() * b.element_size() for b in model.buffers()),
                  vision=vision_shape(model, folder, model.config.to_dict()) if pictures else None)
 
@@ -259,14 +259,18 @@ def setup_from_config(cfg: RunConfig, devices: int, strategy: str | None = None)
 
 
 def adapted(shape: Shape, cfg: RunConfig) -> list[Linear]:
-    """The layers LoRA/DoRA wraps, as model.lora_targets chooses them: all-linear is every linear layer
-    and expert weight but the routers; DoRA cannot wrap expert weights."""
+    """The layers LoRA/DoRA wraps, as model.apply_adapter chooses them: all-linear is every linear layer
+    and expert weight but the routers; DoRA cannot wrap expert weights; names peft maps onto the experts
+    are left out (loading.mapped_onto_experts)."""
+    from finetune.model.loading import mapped_onto_experts
+
     wanted = cfg.adapter.target_modules
     if wanted == "all-linear":
         layers = [l for l in shape.linears if not l.router]
     else:
         layers = [l for l in shape.linears if (l.expert and "experts" in wanted) or (not l.expert and l.name.rsplit(".", 1)[-1] in wanted)]
-    return [l for l in layers if not (l.expert and cfg.adapter.method == "dora")]
+    lost = mapped_onto_experts(families.text_config(shape.config).get("model_type", ""))
+    return [l for l in layers if not (l.expert and cfg.adapter.method == "dora") and (l.expert or l.name.rsplit(".", 1)[-1] not in lost)]
 
 
 def trainable_params(shape: Shape, cfg: RunConfig) -> int:
@@ -330,16 +334,18 @@ def vision_rows(v: VisionShape, cfg: RunConfig, s: Setup) -> tuple[float, float]
 def base_weights(shape: Shape, q: QuantizationConfig | None, s: Setup, torchao: bool) -> float:
     """A frozen base's weights, quantized by `q` (bitsandbytes': the rest upcast to fp32 by peft's k-bit preparation;
     torchao's: the rest as loaded) or in the model's dtype, with its buffers."""
-    kept = shape.linear_params - shape.quantizable_params + shape.other_params  # left unquantized
+    if q is None:
+        return (shape.linear_params + shape.other_params) * s.weight_bytes + shape.buffers(s.weight_bytes)
+    packed = shape.quantized_params(q.bits)
+    experts = shape.linear_params - packed - sum(l.params for l in shape.linears if l.router)  # 8-bit: the experts, kept as loaded
+    kept = shape.linear_params - packed - experts + shape.other_params  # upcast to fp32 by peft's k-bit preparation, or as loaded (torchao)
     kept_bytes = s.weight_bytes if torchao else 4
-    if q is not None and q.bits == 4:
+    if q.bits == 4:
         per_param = 0.5 + (1 / BNB_BLOCK + 4 / (BNB_BLOCK * 256) if q.double_quant else 4 / BNB_BLOCK)
-        base = shape.quantizable_params * per_param + kept * kept_bytes + quantized_layers(shape) * (NF4_STATE_DOUBLE if q.double_quant else NF4_STATE)
-    elif q is not None:
-        scales = sum(l.fan_out * l.copies for l in shape.linears if not (l.expert or l.router)) * 4  # one fp32 scale per output row
-        base = shape.quantizable_params * 1 + scales + kept * 4
+        base = packed * per_param + kept * kept_bytes + quantized_layers(shape, 4) * (NF4_STATE_DOUBLE if q.double_quant else NF4_STATE)
     else:
-        base = (shape.linear_params + shape.other_params) * s.weight_bytes
+        scales = sum(l.fan_out * l.copies for l in shape.quantized(8)) * 4  # one fp32 scale per output row
+        base = packed * 1 + scales + kept * 4 + experts * s.weight_bytes
     return base + shape.buffers(s.weight_bytes)  # the rotary frequencies (and Gemma's embedding scale)
 
 
@@ -359,8 +365,9 @@ def teacher_rows(cfg: RunConfig, s: Setup) -> tuple[float, float]:
     return weights, s.tokens * (teacher.hidden * s.activation_bytes if fused else teacher.vocab * 4)
 
 
-def quantized_layers(shape: Shape) -> int:
-    return sum(layer.copies for layer in shape.linears if not (layer.expert or layer.router))
+def quantized_layers(shape: Shape, bits: int) -> int:
+    """Quantized weights, each with its quantization state (an expert counted as one: its slice's state is as small)."""
+    return sum(layer.copies for layer in shape.quantized(bits))
 
 
 def dense_temporaries(shape: Shape, cfg: RunConfig, s: Setup) -> float:
@@ -376,7 +383,10 @@ def dense_temporaries(shape: Shape, cfg: RunConfig, s: Setup) -> float:
     size = 0.0
     if s.bits:  # set from cfg.model.quantization (the QLoRA alternative sets both)
         compute = DTYPE_BYTES[cfg.model.quantization.compute_dtype]
-        size = max(l.fan_in * l.fan_out for l in layers) * (7 * compute if torchao_base(cfg, s) else compute + 4)
+        size = max(l.fan_in * l.fan_out for l in layers if not l.expert) * (7 * compute if torchao_base(cfg, s) else compute + 4)
+        if s.bits == 4 and any(l.expert for l in shape.linears):  # a chunk of a layer's expert stack, dequantized (model/experts.py)
+            stack = max(l.fan_in * l.fan_out for l in shape.linears if l.expert) * max(1, families.num_experts(shape.config))
+            size = max(size, min(stack, experts.CHUNK) * 7 * compute)
     if s.method == "dora":
         size = max(size, max((l.fan_in ** 2 + 3 * l.fan_in * l.fan_out) * 4 for l in layers))
     return size
@@ -404,10 +414,10 @@ def heap_holes(shape: Shape, cfg: RunConfig, s: Setup) -> float:
 def dropped_inputs(shape: Shape, cfg: RunConfig, s: Setup) -> float:
     """LoRA dropout (adapter.dropout > 0): each adapted layer keeps its input after dropout for the backward, and the
     dropout's 1-byte mask, beside what the layer keeps anyway (590 MiB beside Qwen2.5-0.5B's other 1,230 MiB at 512
-    tokens; bench/released.py). With checkpointing one rebuilt layer's worth."""
+    tokens; bench/released.py). With checkpointing one rebuilt layer's worth. Experts take no dropout (model/experts.py)."""
     if s.method == "full" or cfg.adapter.dropout == 0:
         return 0.0
-    values = sum(l.fan_in * l.copies for l in adapted(shape, cfg)) * s.tokens * (s.activation_bytes + 1)
+    values = sum(l.fan_in * l.copies for l in adapted(shape, cfg) if not l.expert) * s.tokens * (s.activation_bytes + 1)
     return values / shape.layers if s.checkpointing else values
 
 
@@ -418,8 +428,10 @@ def layer_activations(shape: Shape, s: Setup) -> float:
     activation and product; i is the MLP width a token passes through, with experts the routed ones' and
     the shared one's), its MLP's share for one chunk where the MLP is tiled. Sequence parallelism: a
     device holds 1/N of each row's tokens (and, inside attention, the whole row for 1/N of the heads:
-    as many values)."""
-    return (shape.attention_values + 4 * shape.mlp_width / s.tiled_mlp) * s.activation_bytes * s.tokens
+    as many values). With experts, each routed copy of a token's input and of its expert's output too
+    (the grouped matmuls' input, and what the routing weight multiplies: model/experts.py)."""
+    routed = next((l.active for l in shape.linears if l.expert), 0) / shape.layers  # routed copies of a token, per layer
+    return (shape.attention_values + 4 * shape.mlp_width / s.tiled_mlp + 2 * shape.hidden * routed) * s.activation_bytes * s.tokens
 
 
 @dataclass(frozen=True)
@@ -475,8 +487,8 @@ def gathered_weights(shape: Shape, cfg: RunConfig, s: Setup) -> tuple[float, flo
     k-bit preparation) or as loaded (torchao)."""
     if s.bits:
         kept = s.weight_bytes if torchao_base(cfg, s) else 4
-        packed = shape.quantizable_params * (0.5 if s.bits == 4 else 1)
-        return shape.other_params * kept, (packed + (shape.linear_params - shape.quantizable_params) * kept) / shape.layers
+        packed = shape.quantized_params(s.bits)
+        return shape.other_params * kept, (packed * (0.5 if s.bits == 4 else 1) + (shape.linear_params - packed) * kept) / shape.layers
     return shape.other_params * s.weight_bytes, shape.linear_params / shape.layers * s.weight_bytes
 
 
@@ -526,7 +538,7 @@ class Plan:
     trainable: int
     total_params: int
     active_params: int  # per token: differs from total_params with experts
-    unquantized_experts: int  # expert and router weights a quantized base keeps in full precision
+    unquantized_experts: int  # router (and at 8 bits expert) weights a quantized base keeps unquantized
     host: dict[str, float] = field(default_factory=dict)  # offloaded to CPU RAM, per process
     refused: str | None = None  # what `finetune train` would refuse in this setup (the schema's own checks)
     moment: str = ""  # when in the step the rows are held together (peak_moment)
@@ -566,7 +578,7 @@ def make_plan(cfg: RunConfig, devices: int = 1, strategy: str | None = None, gpu
             rows["freed but held by the heap (CPU)"] = heap_holes(shape, cfg, setup)
     pictures = shape.vision.params if shape.vision else 0
     return Plan(rows, sum(rows.values()), setup, trainable_params(shape, cfg), shape.linear_params + shape.other_params + pictures,
-                shape.active_params + pictures, shape.linear_params - shape.quantizable_params, host, moment=moment)
+                shape.active_params + pictures, shape.linear_params - shape.quantized_params(setup.bits or 16), host, moment=moment)
 
 
 def checked_plan(cfg: RunConfig, devices: int = 1, strategy: str | None = None, gpu: bool = False, setup: Setup | None = None) -> Plan:
@@ -743,7 +755,8 @@ def render(plan: Plan, budget: float, where: str, alts: list[tuple[str, Plan]]) 
         lines.append("offloaded to CPU RAM, per process: " + ", ".join(f"{name} {value / GiB:.2f} GiB" for name, value in plan.host.items())
                      + f" ({sum(plan.host.values()) / GiB:.2f} GiB; x {s.devices} processes over the nodes)")
     if s.bits and plan.unquantized_experts:
-        lines.append(f"note: bitsandbytes quantizes nn.Linear layers only: {plan.unquantized_experts:,} expert and router parameters stay in fp32")
+        lines.append(f"note: {plan.unquantized_experts:,} router" + (" parameters stay unquantized" if s.bits == 4 else
+                     " and expert parameters stay unquantized (8-bit quantizes linear layers; a 4-bit base its experts too)"))
     fits = plan.total <= budget
     if plan.refused:
         lines += ["", f"{where}: {budget / GiB:.1f} GiB per device -> finetune train refuses this setup: {plan.refused}"]

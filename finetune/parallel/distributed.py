@@ -17,8 +17,8 @@ import torch
 from finetune.config.errors import UserError
 from finetune.config.schema import PRECISIONS, RunConfig
 from finetune.config.strategy import Strategy
-from finetune.model import nf4, vision
-from finetune.model.loading import DTYPES, decoder_layers
+from finetune.model import experts, nf4, vision
+from finetune.model.loading import DTYPES, decoder_layers, quantize_layer
 
 
 def stream_source(cfg: RunConfig, say) -> Path | None:
@@ -139,13 +139,13 @@ def _shard_nf4(model: torch.nn.Module, cfg: RunConfig, device: torch.device, kwa
     rank 0's model is an uninitialized skeleton, each layer filled from the files just before it goes."""
     from torch.distributed.fsdp import fully_shard
 
-    q = cfg.model.quantization
     names = {id(m): name for name, m in model.named_modules()}
+    experts.group(model)  # what reads the 4-bit expert stacks
     for layer in decoder_layers(model):
         if read is not None:
             _fill(layer, read, names[id(layer)] + ".")
         _broadcast_from_rank0(layer, device)
-        nf4.quantize_frozen_linears(layer, DTYPES[q.compute_dtype], q.skip_modules, shards=kwargs["mesh"].size(-1))
+        quantize_layer(layer, cfg.model, shards=kwargs["mesh"].size(-1))
         fully_shard(layer, **kwargs)
     if read is not None:
         _fill(model, read, "")

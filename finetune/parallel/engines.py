@@ -66,7 +66,7 @@ class Engine:
     def prepare(self, model: torch.nn.Module, total_steps: int) -> None:
         """Wrap the model, then build the optimizer on what this rank holds, and the LR schedule on that
         optimizer before any wrapper (it then drives the groups a wrapper holds too)."""
-        if nf4.used(self.cfg.model):  # before accelerate places it: the device only ever holds the 4-bit weights
+        if nf4.after_adapter(self.cfg.model):  # before accelerate places it: the device only ever holds the 4-bit weights
             quantize_layers(model, self.cfg.model)
         self.model = self.accelerator.prepare(model)
         self.params = trained(self.model)
@@ -107,7 +107,7 @@ class Engine:
         distillation teacher, `adapter` merged into it): whole on every rank here, with accelerate's autocast like
         the policy, no DDP wrapper."""
         model = frozen(merged(self.load(model_cfg, say), adapter))
-        if nf4.used(model_cfg):  # a teacher in torchao's NF4 (distill.teacher_quantization)
+        if nf4.after_adapter(model_cfg):  # a teacher in torchao's NF4 (distill.teacher_quantization), or its experts
             quantize_layers(model, model_cfg)
         return self.accelerator.prepare_model(model, evaluation_mode=True)
 

@@ -1,0 +1,181 @@
+"""Mixture-of-experts models on this machine: our grouped expert LoRA against HF + peft, and the plan against the peak.
+
+Three scaled-down released shapes (the expert count, top-k and the expert-to-hidden ratio kept; hidden 512, 2 layers;
+random weights, the demo tokenizer):
+  - qwen3-moe: Qwen3-30B-A3B's 128 experts, 8 routed, MoE width 3/8 of hidden
+  - gpt-oss: gpt-oss-20b's 32 experts, 4 routed, biased experts stored (E, in, out), attention sinks
+  - deepseek-v3: DeepSeek-V3's latent attention, a dense first layer, 64 routed experts of 8 (scaled from 256), a shared one
+
+speed: one process, fp32, LoRA r 16 on attention and experts, 1 x 1024 tokens, a forward and backward of the
+model's own loss per step (3 timed after 1). "HF + peft" is transformers' default experts path (grouped_mm) with
+peft's `target_parameters` LoRA (each expert weight parametrized as W + B·A); "ours" is the same adapter through
+finetune's load and adapter (model/experts.py: the LoRA on the routed tokens only). Same weights, same adapter
+values: the first losses must agree.
+
+memory: `finetune train` on the qwen3-moe shape (LoRA in fp32; QLoRA with torchao's NF4 on the linear layers and
+the experts), 1 x 1024 tokens, 3 steps, a process each; measured = peak anonymous RSS - anonymous RSS before the
+model loaded (bench/large.py's sampling); planned = `finetune plan`'s total for the same config.
+
+plan: `finetune plan` for the released shapes (docs/examples/NAME/config.json), configs/qlora.yaml and configs/lora.yaml
+as shipped (LoRA r 16 on every linear layer and the experts; QLoRA: 4-bit NF4 linear layers and experts) with one row of
+4,096 tokens a micro-batch and activation checkpointing, on 80 GiB GPUs: one GPU, or FSDP2 over 8 and 64 (torchao's NF4 and AdamW, which it shards).
+
+Usage: python bench/moe.py [--steps 3] [--only speed,memory,plan]   (make bench-moe, ~5 min)
+Prints the tables and writes them to bench/results/moe.md.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+from common import DATA, REPO, cpu, head_commit, report, steps_and_parts
+from large import planned, train
+
+CACHE = Path(os.environ.get("FINETUNE_CACHE", REPO / ".cache" / "finetune")) / "bench-moe"
+TOKENS = 1024
+COMMON = dict(hidden_size=512, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4, head_dim=64, max_position_embeddings=4096)
+SHAPES = {
+    "qwen3-moe": ("qwen3_moe", dict(intermediate_size=1536, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=192)),
+    "gpt-oss": ("gpt_oss", dict(intermediate_size=512, num_local_experts=32, num_experts_per_tok=4, sliding_window=128,
+                                layer_types=["sliding_attention", "full_attention"])),
+    "deepseek-v3": ("deepseek_v3", dict(num_key_value_heads=8, head_dim=32, intermediate_size=1536, kv_lora_rank=128, q_lora_rank=192, qk_rope_head_dim=32,
+                                        qk_nope_head_dim=64, v_head_dim=64, n_routed_experts=64, num_experts_per_tok=8, n_group=8, topk_group=4,
+                                        moe_intermediate_size=256, n_shared_experts=1, first_k_dense_replace=1)),
+}
+
+
+def model(name: str) -> Path:
+    """The scaled-down shape, saved once with random weights and the demo tokenizer."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from finetune.demo import build_tokenizer
+
+    out = CACHE / name
+    if not (out / "config.json").is_file():
+        texts = [json.loads(line)["text"] for line in (DATA / "corpus.jsonl").read_text().splitlines()[:1500]]
+        tok = build_tokenizer(texts)
+        kind, extra = SHAPES[name]
+        config = AutoConfig.for_model(kind, **{**COMMON, **extra, "vocab_size": len(tok), "bos_token_id": tok.bos_token_id,
+                                               "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id})
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(config).save_pretrained(out)
+        tok.save_pretrained(out)
+    return out
+
+
+def timed(model, ids, steps: int) -> tuple[float, float]:
+    """(tokens/s over `steps` forward-backward steps after one untimed, the first loss)."""
+    first = None
+    for step in range(steps + 1):
+        if step == 1:
+            began = time.perf_counter()
+        out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+        first = out.loss.item() if first is None else first
+    return steps * ids.numel() / (time.perf_counter() - began), first
+
+
+def speed(name: str, steps: int) -> str:
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from finetune.config.schema import AdapterConfig, ModelConfig
+    from finetune.model.loading import apply_adapter, load_model
+
+    folder = model(name)
+    ours = apply_adapter(load_model(ModelConfig(name_or_path=str(folder)), say=lambda _: None), AdapterConfig(r=16, alpha=32, dropout=0.0),
+                         gradient_checkpointing=False, say=lambda _: None)
+    with torch.no_grad():
+        for key, p in ours.named_parameters():
+            if "lora_B" in key:
+                p.normal_(0, 0.01, generator=torch.Generator().manual_seed(len(key)))
+    config = ours.peft_config["default"]
+    theirs = get_peft_model(AutoModelForCausalLM.from_pretrained(folder), LoraConfig(**{  # the adapter config ours resolved to
+        **config.to_dict(), "target_modules": sorted(config.target_modules), "target_parameters": sorted(config.target_parameters)}))
+    theirs.load_state_dict(ours.state_dict())
+    ids = torch.randint(0, ours.config.vocab_size, (1, TOKENS), generator=torch.Generator().manual_seed(0))
+    peer, peer_loss = timed(theirs.train(), ids, steps)
+    mine, my_loss = timed(ours.train(), ids, steps)
+    trainable = sum(p.numel() for p in ours.parameters() if p.requires_grad)
+    return f"| {name} | {trainable / 1e6:.1f}M | {peer:,.0f} | {mine:,.0f} | {mine / peer:.2f}x | {peer_loss:.6f} | {my_loss:.6f} |"
+
+
+def memory(run: str, steps: int) -> str:
+    work = CACHE / "runs"
+    work.mkdir(parents=True, exist_ok=True)
+    cfg = {"model": {"name_or_path": str(model("qwen3-moe")), "dtype": "float32"}, "adapter": {"method": "lora", "r": 16, "alpha": 32},
+           "data": {"train": str(DATA / "train.jsonl"), "format": "alpaca", "max_seq_len": TOKENS, "packing": True, "eval": None},
+           "train": {"output_dir": str(work / run), "max_steps": steps, "micro_batch_size": 1, "lr": 1e-4, "mixed_precision": "no"},
+           "logging": {"report_to": [], "progress_bar": False, "plot": False}, "checkpoint": {"save_every": 0}}
+    if run == "qlora":
+        cfg["model"]["quantization"] = {"bits": 4, "backend": "torchao", "compute_dtype": "bfloat16"}
+    shutil.rmtree(cfg["train"]["output_dir"], ignore_errors=True)  # this bench's own run of last time
+    result = train(work, run, 1, cfg, env={"MALLOC_MMAP_THRESHOLD_": "131072"})
+    if result["code"] != 0:
+        return f"| qwen3-moe {run} | exit {result['code']}: {result['console'].strip().splitlines()[-1][:120]} | | |"
+    measured = result["anon"][0] - result["summary"]["anonymous_before_model_mib"]
+    plan = planned(cfg, 1, "none")
+    return f"| qwen3-moe {run} | {plan:,.0f} | {measured:,.0f} | {plan / measured:.2f} |"
+
+
+PLANS = [("qwen3-30b-a3b", 1), ("gpt-oss-20b", 1), ("glm-4.5-air", 1), ("gpt-oss-120b", 1), ("qwen3-235b-a22b", 8), ("qwen3-235b-a22b", 64),
+         ("deepseek-v3", 8), ("deepseek-v3", 64)]
+
+
+def plans() -> list[str]:
+    import yaml
+
+    from finetune.config.schema import validate_config
+    from finetune.outputs.plan import GiB, make_plan
+
+    lines = []
+    for name, gpus in PLANS:
+        row = [name, str(gpus)]
+        for method in ("qlora", "lora"):
+            cfg = yaml.safe_load((REPO / "configs" / f"{method}.yaml").read_text())
+            cfg["model"]["name_or_path"] = str(REPO / "docs" / "examples" / name)
+            cfg["data"].update(train=str(DATA / "train.jsonl"), max_seq_len=4096)
+            cfg["data"].pop("eval", None)
+            cfg["train"].update(micro_batch_size=1, gradient_checkpointing=True)  # lora.yaml's is off: 94 layers' activations would not fit
+            cfg.setdefault("distributed", {})["strategy"] = "fsdp" if gpus > 1 else "none"
+            if gpus > 1:  # what FSDP2 shards: torchao's 4-bit base, AdamW's states (not bitsandbytes' paged ones)
+                cfg["train"]["optimizer"] = "adamw"
+                if method == "qlora":
+                    cfg["model"]["quantization"]["backend"] = "torchao"
+            plan = make_plan(validate_config(cfg, "bench"), devices=gpus, gpu=True)
+            row.append(f"{plan.total / GiB:.2f}" + ("" if plan.total <= 80 * GiB else " (does not fit)"))
+        lines.append(f"| {' | '.join(row)} |")
+    return lines
+
+
+def main() -> None:
+    args, wanted = steps_and_parts(__doc__, 3, "speed, memory, plan")
+    lines = [f"{cpu()}, commit {head_commit()}, {time.strftime('%Y-%m-%d')}"]
+    if wanted("speed"):
+        lines += ["", f"fp32, LoRA r 16 on attention and experts, 1 x {TOKENS} tokens, forward + backward, {args.steps} steps timed after 1", "",
+                  "| shape | LoRA params | HF + peft (tokens/s) | ours (tokens/s) | speed-up | HF + peft first loss | ours first loss |",
+                  "| --- | --- | --- | --- | --- | --- | --- |"]
+        for name in SHAPES:
+            lines.append(speed(name, args.steps))
+            print(lines[-1], flush=True)
+    if wanted("memory"):
+        lines += ["", f"`finetune train`, LoRA r 16 in fp32 (QLoRA: torchao NF4 linear layers and experts), 1 x {TOKENS} tokens, {args.steps} steps", "",
+                  "| run | planned (MiB) | measured (MiB) | planned / measured |", "| --- | --- | --- | --- |"]
+        for run in ("lora", "qlora"):
+            lines.append(memory(run, args.steps))
+            print(lines[-1], flush=True)
+    if wanted("plan"):
+        lines += ["", "`finetune plan`, configs/qlora.yaml and configs/lora.yaml, 1 x 4096 tokens a micro-batch, checkpointing on, 80 GiB GPUs "
+                  "(FSDP2 over more than one), GiB per GPU at the step's peak", "",
+                  "| model | GPUs | QLoRA (GiB) | LoRA (GiB) |", "| --- | --- | --- | --- |", *plans()]
+    report("moe", lines)
+
+
+if __name__ == "__main__":
+    main()

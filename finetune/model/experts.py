@@ -1,0 +1,213 @@
+"""Mixture-of-experts layers computed grouped, with LoRA on the experts and 4-bit expert weights.
+
+transformers holds the experts of every current MoE family as fused 3-D weights and lets a model pick how
+they run (`experts_implementation`, its ExpertsInterface); its default sorts the tokens by expert and runs
+one grouped matmul per projection. peft adapts those weights (`target_parameters`) by parametrizing them:
+each forward builds W + B·A for every expert of the layer, a tensor the size of the layer's experts,
+and its gradient another. Here the same peft adapter (its modules, its saved files) is computed on the
+routed tokens only: x·Aᵀ·Bᵀ per expert as two more grouped matmuls of rank r, beside the base's.
+
+A frozen expert weight can be 4-bit: torchao's NF4, as the linear layers of a torchao base are
+(model/nf4.py). torchao's NF4 tensor is 2-D, so an expert stack (E, d1, d2) is stored as (E·d1, d2), and
+the grouped matmul dequantizes it a few experts at a time, in the forward and again in the backward: only
+the 4-bit codes stay alive between them. The routers and norms stay as loaded.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+
+from finetune.config.errors import UserError
+from finetune.model import nf4
+
+IMPLEMENTATION = "finetune_grouped"  # the name registered in transformers' ExpertsInterface
+LORA = "_finetune_lora"  # an experts module's {parameter name: peft wrapper}, kept outside its submodules
+
+
+def fused_experts(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The experts modules whose weights are fused 3-D tensors that transformers dispatches through
+    its ExpertsInterface (the ones `experts_implementation` switches)."""
+    return [m for m in model.modules() if hasattr(m, "is_transposed") and hasattr(m, "num_experts") and any(
+        p.dim() == 3 for p in m.parameters(recurse=False))]
+
+
+def group(model: torch.nn.Module) -> int:
+    """Run every fused experts module of `model` (a peft model or a plain one) through `grouped_forward`,
+    with the LoRA that peft put on its weights. Returns how many experts modules that is."""
+    from peft.tuners.lora.layer import ParamWrapper
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    experts = fused_experts(model)
+    if not experts:
+        return 0
+    ALL_EXPERTS_FUNCTIONS.register(IMPLEMENTATION, grouped_forward)
+    for module in experts:
+        module.__dict__[LORA] = {}
+    for module in model.modules():
+        if isinstance(module, ParamWrapper) and LORA in module.get_base_layer().__dict__:
+            module.get_base_layer().__dict__[LORA][module.parameter_name] = module
+            module.__class__ = _grouped_wrapper(type(module))
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base.set_experts_implementation(IMPLEMENTATION)
+    return len(experts)
+
+
+@contextmanager
+def held_out(model: torch.nn.Module):
+    """The fused expert weights taken off their modules for the duration, and frozen as it freezes the rest:
+    peft's k-bit preparation upcasts every 16-bit weight to fp32, which for frozen experts (quantized later,
+    or kept at 8 bits) is memory for nothing."""
+    held = [(m, name, w) for m in fused_experts(model) for name, w in m.named_parameters(recurse=False) if w.dim() == 3]
+    for m, name, _ in held:
+        del m._parameters[name]
+    try:
+        yield
+    finally:
+        for m, name, w in held:
+            m._parameters[name] = w.requires_grad_(False)
+
+
+_WRAPPERS: dict[type, type] = {}
+
+
+def _grouped_wrapper(cls: type) -> type:
+    """peft's ParamWrapper, but leaving its weight as it is: grouped_forward adds the LoRA itself."""
+    if getattr(cls, "grouped", False):
+        return cls
+    if cls not in _WRAPPERS:
+        @contextmanager
+        def _activate_lora(self, active_adapters):
+            yield
+
+        _WRAPPERS[cls] = type(f"Grouped{cls.__name__}", (cls,), {"_activate_lora": _activate_lora, "grouped": True})
+    return _WRAPPERS[cls]
+
+
+def grouped_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+    """transformers' grouped experts forward (its grouped_mm_experts_forward: tokens sorted by expert, one
+    grouped matmul per projection, the routing weights applied, summed per token), with each projection's
+    LoRA and 4-bit weights as `project` computes them."""
+    tokens, top_k, hidden = hidden_states.shape[0], top_k_index.shape[-1], hidden_states.shape[-1]
+    expert_ids, order = torch.sort(top_k_index.reshape(-1))
+    x = hidden_states[order // top_k]
+    counts = torch.bincount(expert_ids, minlength=self.num_experts)
+    offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
+    up = project(self, "gate_up_proj" if self.has_gate else "up_proj", x, offsets, expert_ids)
+    up = self._apply_gate(up) if self.has_gate else self.act_fn(up)
+    out = project(self, "down_proj", up, offsets, expert_ids)
+    if self.has_post_expert_norm:
+        out = self.post_expert_norm(out)
+    out = out * top_k_weights.reshape(-1)[order].unsqueeze(-1).to(out.dtype)
+    unsorted = torch.empty_like(out).index_copy_(0, order, out)
+    return unsorted.view(tokens, top_k, hidden).sum(dim=1).to(hidden_states.dtype)
+
+
+def project(experts: torch.nn.Module, name: str, x: torch.Tensor, offsets: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
+    """One projection of the routed tokens `x` (sorted by expert, `offsets` ending each expert's rows):
+    the base weight's, its bias, and the LoRA of every active adapter on it."""
+    weight = getattr(experts, name)
+    if nf4.is_nf4(weight):
+        out = FrozenGroupedNF4.apply(x, weight, experts.num_experts, offsets, experts.is_transposed)
+    else:
+        out = torch.nn.functional.grouped_mm(x.to(weight.dtype), weight if experts.is_transposed else weight.transpose(-2, -1), offs=offsets)
+    if experts.has_bias:
+        out = out + getattr(experts, f"{name}_bias")[expert_ids]
+    wrapper = experts.__dict__.get(LORA, {}).get(name)
+    if wrapper is not None and not wrapper.disable_adapters and not wrapper.merged:
+        for adapter in (a for a in wrapper.active_adapters if a in wrapper.lora_A):
+            out = out + lora_delta(wrapper, adapter, x, offsets).to(out.dtype)
+    return out
+
+
+def lora_delta(wrapper, adapter: str, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """scaling · (x·A_eᵀ)·B_eᵀ for each routed token's expert e, in peft's layout: lora_A (E·r, in) holds
+    A_e in rows e·r..(e+1)·r, lora_B (out, r·E) holds B_e in columns e, e+E, e+2E, ..."""
+    a, b = wrapper.lora_A[adapter].weight, wrapper.lora_B[adapter].weight
+    experts = wrapper.num_experts
+    a = a.view(experts, -1, a.shape[-1]).transpose(-2, -1).contiguous()  # (E, in, r)
+    b = (b.view(b.shape[0], -1, experts).permute(2, 1, 0) * wrapper.scaling[adapter]).contiguous()  # (E, r, out), scaled here: r·out, not tokens·out
+    low = torch.nn.functional.grouped_mm(x.to(a.dtype), a, offs=offsets)
+    return torch.nn.functional.grouped_mm(low, b, offs=offsets)
+
+
+CHUNK = 1 << 25  # expert weights dequantized at a time: torchao's dequantization holds 7x their compute-dtype bytes at its peak
+
+
+class FrozenGroupedNF4(torch.autograd.Function):
+    """x @ W_eᵀ per expert group for a frozen NF4 expert stack stored as (E·d1, d2): dequantized a few experts
+    at a time (CHUNK weights), in the forward and again for the input's gradient, so neither a layer's whole
+    dequantized stack nor torchao's 7x peak of it is ever held, and experts no token reached are skipped."""
+
+    @staticmethod
+    def forward(ctx, x, weight, experts, offsets, transposed):
+        ctx.weight, ctx.experts, ctx.transposed = weight, experts, transposed
+        ctx.save_for_backward(offsets)
+        return _chunked(x, weight, experts, offsets, lambda w: w if transposed else w.transpose(-2, -1))
+
+    @staticmethod
+    def backward(ctx, grad):
+        (offsets,) = ctx.saved_tensors
+        grad_x = _chunked(grad.contiguous(), ctx.weight, ctx.experts, offsets, lambda w: w.transpose(-2, -1) if ctx.transposed else w)
+        return grad_x, None, None, None, None
+
+
+def _chunked(x: torch.Tensor, weight: torch.Tensor, experts: int, offsets: torch.Tensor, oriented) -> torch.Tensor:
+    """grouped_mm of x's expert groups with `oriented(W_e)`, the stack dequantized chunk by chunk (in x's dtype,
+    as torchao's linear_nf4 computes)."""
+    rows = weight.shape[0] // experts
+    step = max(1, CHUNK // (rows * weight.shape[1]))
+    if not slices_evenly(weight, rows * step):
+        step = experts  # a tiny stack whose scale groups straddle experts: whole
+    ends = offsets.tolist()
+    outs = []
+    for first in range(0, experts, step):
+        last = min(first + step, experts)
+        start, stop = (ends[first - 1] if first else 0), ends[last - 1]
+        if stop == start:
+            continue
+        w = rows_of(weight, first * rows, last * rows).view(last - first, rows, -1).to(x.dtype)
+        outs.append(torch.nn.functional.grouped_mm(x[start:stop], oriented(w), offs=offsets[first:last] - start))
+    if not outs:  # no token routed to any expert (an empty micro-batch)
+        return x.new_zeros(0, oriented(torch.empty(1, rows, weight.shape[1], device="meta")).shape[-1])
+    return torch.cat(outs)
+
+
+def slices_evenly(weight: torch.Tensor, rows: int) -> bool:
+    """Whether `rows` rows of an NF4 weight hold whole double-quantization groups (a chunk can be dequantized alone)."""
+    return (rows * weight.shape[1]) % (weight.block_size * weight.scaler_block_size) == 0
+
+
+def rows_of(weight: torch.Tensor, first: int, last: int) -> torch.Tensor:
+    """Rows first..last of an NF4 weight, dequantized by torchao (get_original_weight) from a view of its codes
+    and scales: torchao slices an NF4Tensor only whole."""
+    if first == 0 and last == weight.shape[0]:
+        return weight.get_original_weight()
+    from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import NF4Tensor, SubclassTensorArgs
+
+    width = weight.shape[1]
+    lo, hi = first * width // weight.block_size, last * width // weight.block_size  # blocks
+    group = weight.scaler_block_size
+    meta = SubclassTensorArgs(torch.Size([last - first, width]), (width, 1), 0, weight.dtype, weight.device, False)
+    part = NF4Tensor(meta, weight.block_size, hi - lo, group, weight.quantized_scalers[lo:hi], weight.quantization_factor[lo // group:hi // group],
+                     weight.scaler_mean, weight.quantized_data[first * width // 2:last * width // 2], weight.nf4)
+    return part.get_original_weight()
+
+
+def quantize(module: torch.nn.Module, dtype: torch.dtype, shards: int = 1) -> int:
+    """Every frozen fused expert weight (E, d1, d2) under `module` as torchao's NF4 of its (E·d1, d2) rows,
+    from the weight cast to `dtype` (the compute dtype), in blocks `shards` processes can split. Only
+    experts that `group` runs: no other forward reads the 2-D form. Returns how many were replaced."""
+    from torchao.quantization import to_nf4
+
+    chosen = [(m, name, w) for m in module.modules() if LORA in m.__dict__ for name, w in m.named_parameters(recurse=False)
+              if w.dim() == 3 and not w.requires_grad and w.numel() % nf4.BLOCK == 0]
+    why = nf4.uneven_rows({f"experts.{name}": w.shape[0] * w.shape[1] for _, name, w in chosen}, shards)
+    if why:
+        raise UserError(why)
+    for m, name, w in chosen:
+        rows = w.detach().to(dtype).reshape(-1, w.shape[-1])
+        m.__dict__.setdefault(nf4.SHAPES, {})[name] = tuple(w.shape)
+        setattr(m, name, torch.nn.Parameter(to_nf4(rows, nf4.BLOCK, nf4.scaler_block(rows.numel(), shards)), requires_grad=False))
+    return len(chosen)

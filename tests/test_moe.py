@@ -1,0 +1,204 @@
+"""Mixture-of-experts models: the experts' LoRA computed grouped on the routed tokens (model/experts.py) equals
+peft's own LoRA on the library's eager experts, in every MoE family we claim, packed rows exact; 4-bit
+experts compute what their dequantized values do; the router never gets an adapter; dropout stays on the
+dense layers; a 4-bit MoE run resumes bitwise after kill -9."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import (
+    MOE,
+    MOE_OTHERS,
+    base_config,
+    killed_and_resumed,
+    samples_batch,
+    step_rows,
+    textbook_samples,
+    trained_grads,
+)
+from peft import get_peft_model
+from test_families import assert_equal_to_each_sample_alone
+
+from finetune.config.errors import UserError
+from finetune.config.schema import AdapterConfig, ModelConfig, QuantizationConfig, validate_config
+from finetune.model import experts, nf4
+from finetune.model.loading import apply_adapter, load_model, quantize_layers
+from finetune.objectives import loss
+from finetune.train import run
+
+FAMILIES = [*MOE, *MOE_OTHERS]
+
+
+def _adapted(model_dir, say=lambda _: None, **adapter):
+    """Our load and adapter (experts grouped), every LoRA B drawn so that the adapters change the output."""
+    model = apply_adapter(load_model(ModelConfig(name_or_path=str(model_dir)), say=say), AdapterConfig(**{"r": 4, "dropout": 0.0, **adapter}),
+                          gradient_checkpointing=False, say=say)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(len(name)))
+    return model.train()
+
+
+def _peft_on_eager_experts(model_dir, ours):
+    """The same adapter as peft builds and computes it (each expert's weight parametrized as W + B·A), on
+    the library's own eager loop over experts, with our adapter's values."""
+    config = ours.peft_config["default"]
+    base = load_model(ModelConfig(name_or_path=str(model_dir)), say=lambda _: None)
+    base.set_experts_implementation("eager")
+    theirs = get_peft_model(base, config.__class__(**{**config.to_dict(), "target_modules": sorted(config.target_modules),
+                                                      "target_parameters": sorted(config.target_parameters)}))
+    theirs.load_state_dict(ours.state_dict())
+    return theirs.train()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_grouped_expert_lora_equals_peft_on_the_librarys_eager_experts(family_dirs, family):
+    """Loss and every LoRA gradient (attention, experts, shared experts) of our grouped expert path equal
+    peft's on the eager experts, over packed and unpacked rows (gpt-oss: unpacked; its packed rows are
+    refused); the routers carry no adapter."""
+    ours = _adapted(family_dirs(family))
+    assert ours.config._experts_implementation == experts.IMPLEMENTATION
+    theirs = _peft_on_eager_experts(family_dirs(family), ours)
+    trained = {name for name, p in ours.named_parameters() if p.requires_grad}
+    assert any(".experts." in n for n in trained) and not any(f".{router}." in n for n in trained for router in ("gate", "router"))
+    samples = textbook_samples(ours.config.vocab_size)
+    for packed in (False,) if family == "gpt-oss" else (True, False):
+        results = []
+        for model in (ours, theirs):
+            model.zero_grad()
+            value = loss.token_loss_sum(model, samples_batch(samples, packed))
+            value.backward()
+            results.append((value.item(), trained_grads(model)))
+        (mine, my_grads), (reference, grads) = results
+        assert abs(mine - reference) < 1e-5 * reference, (packed, mine, reference)
+        assert my_grads.keys() == grads.keys()
+        for name, grad in grads.items():
+            assert (my_grads[name] - grad).abs().max() <= 1e-4 * grad.abs().max() + 1e-9, (packed, name)
+
+
+@pytest.mark.parametrize("family", ["deepseek-v3", "glm4-moe"])
+@pytest.mark.parametrize("method", ["lora", "full"])
+def test_latent_attention_and_partial_rotary_moes_pack_exactly(family_dirs, family, method):
+    """DeepSeek-V3 (latent attention: a decoupled rope part, value heads narrower than the query's) and
+    GLM-4.5 (partial rotary, q/k norms): finetune's packed rows give the losses and gradients of the
+    library's eager attention over each sample alone."""
+    if method == "lora":
+        model = _adapted(family_dirs(family))
+    else:
+        model = load_model(ModelConfig(name_or_path=str(family_dirs(family))), say=lambda _: None).train()
+    assert_equal_to_each_sample_alone(model, textbook_samples(model.config.vocab_size))
+
+
+def test_the_router_takes_no_adapter_and_dropout_stays_on_the_dense_layers(family_dirs):
+    """Naming the router is refused in one line; the default dropout applies to the dense layers' LoRA
+    and not the experts' (peft's takes none), said once."""
+    model_dir = family_dirs("qwen3-moe")
+    with pytest.raises(UserError, match=r"^adapter.target_modules: gate is this qwen3_moe model's router, which takes no LoRA"):
+        _adapted(model_dir, target_modules=["q_proj", "gate"])
+    said = []
+    model = _adapted(model_dir, say=said.append, dropout=0.05)
+    dropouts = {name.split(".lora_dropout")[0].replace(".base_layer", "").rsplit(".", 1)[-1]: type(m).__name__
+                for name, m in model.named_modules() if name.endswith("lora_dropout.default")}
+    assert dropouts == {"q_proj": "Dropout", "k_proj": "Dropout", "v_proj": "Dropout", "o_proj": "Dropout", "experts": "Identity"}, dropouts
+    assert [line for line in said if "dropout" in line] == ["adapter: dropout 0.05 on the dense layers' LoRA, none on the experts' "
+                                                            "(peft's LoRA on fused expert weights takes none)"]
+
+
+def test_dense_and_shared_expert_layers_peft_leaves_unadapted_are_said(family_dirs):
+    """Qwen2-MoE: its dense first layer and shared expert carry LoRA. In the families peft 0.21 converts as
+    transformers-v4 Qwen2-MoE adapters (DeepSeek-V3 here; Qwen3-MoE, GLM-4.5, OLMoE too), it maps gate/up/down_proj
+    onto the experts (huggingface/peft#3711): those layers stay without LoRA, said in one line naming them."""
+    said = []
+    qwen2 = _adapted(family_dirs("qwen2-moe"), say=said.append)
+    assert {n.split(".lora_")[0].rsplit(".", 2)[-2] for n, p in qwen2.named_parameters() if p.requires_grad and "layers.1.mlp.shared" in n} \
+        == {"shared_expert"} and not [line for line in said if "unadapted" in line]
+    deepseek = _adapted(family_dirs("deepseek-v3"), say=said.append)
+    left = [line for line in said if "unadapted" in line]
+    assert left == ["adapter: peft 0.21.2 maps down_proj, gate_proj, up_proj onto the experts of deepseek_v3 models (huggingface/peft#3711): "
+                    "6 dense or shared-expert layers stay unadapted (model.layers.0.mlp.gate_proj, model.layers.0.mlp.up_proj, "
+                    "model.layers.0.mlp.down_proj, ...)"], said
+    assert not any("shared_experts." in n for n, p in deepseek.named_parameters() if p.requires_grad)
+    assert deepseek.peft_config["default"].rank_pattern == {}  # the experts keep rank r (peft doubles it beside those names)
+
+
+@pytest.mark.parametrize("backend", ["torchao", "bitsandbytes"])
+def test_4bit_experts_compute_what_their_dequantized_values_do(family_dirs, backend):
+    """A 4-bit base quantizes the experts' fused weights too (torchao's NF4, with either backend; the router
+    stays as loaded): each stack is stored 2-D at half a byte a weight plus scales, dequantizes to
+    torchao's own values, and the grouped path's loss and gradients equal those of the same model with
+    the dequantized values put back."""
+    from torchao.quantization import to_nf4
+
+    model_dir = family_dirs("qwen3-moe")
+    cfg = ModelConfig(name_or_path=str(model_dir), quantization=QuantizationConfig(bits=4, backend=backend, compute_dtype="bfloat16"))
+    model = apply_adapter(load_model(cfg, say=lambda _: None), AdapterConfig(r=4, dropout=0.0), False, say=lambda _: None)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(len(name)))
+    original = {name: p.detach().clone() for name, p in model.named_parameters() if name.endswith(("experts.base_layer.base_layer.down_proj",))}
+    quantize_layers(model, cfg)
+    stacks = {name: p for name, p in model.named_parameters() if nf4.is_nf4(p)}
+    assert sum(name.endswith(("gate_up_proj", "down_proj")) and ".experts." in name for name in stacks) == 4  # two layers, two stacks each
+    assert not any(".gate." in name for name in stacks)
+    name, weight = next(iter(original.items()))
+    theirs = to_nf4(weight.to(torch.bfloat16).reshape(-1, weight.shape[-1]), nf4.BLOCK, nf4.scaler_block(weight.numel()))
+    assert torch.equal(stacks[name].get_original_weight(), theirs.get_original_weight())
+    assert nf4.packed_bytes(model) < 0.3 * sum(p.numel() for p in stacks.values()) * 2  # vs bf16
+    batch = samples_batch(textbook_samples(model.config.vocab_size), packed=True)
+    results = []
+    for dequantized in (False, True):
+        if dequantized:  # the values, in the input's dtype as torchao's 4-bit matmul computes them
+            nf4.dequantize_model(model)
+            for p in model.parameters():
+                p.data = p.data.float() if p.dtype == torch.bfloat16 else p.data
+        model.zero_grad()
+        value = loss.token_loss_sum(model, batch)
+        value.backward()
+        results.append((value.item(), trained_grads(model)))
+    assert abs(results[0][0] - results[1][0]) < 1e-6 * results[1][0]
+    assert all(torch.allclose(results[0][1][k], g, rtol=0, atol=1e-6 * g.abs().max().item() + 1e-12) for k, g in results[1][1].items())
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_4bit_experts_dequantized_chunk_by_chunk_compute_what_the_whole_stack_does(monkeypatch, transposed):
+    """The 4-bit grouped matmul dequantizes a few experts at a time (experts.CHUNK weights; experts no token
+    reached skipped): output and input gradient equal grouped_mm over the whole dequantized stack, for
+    chunks of one expert, of three, and the whole."""
+    from torchao.quantization import to_nf4
+
+    generator = torch.Generator().manual_seed(0)
+    count, rows, cols = 16, 128, 256
+    weight = to_nf4(torch.randn(count * rows, cols, generator=generator).to(torch.bfloat16), nf4.BLOCK, nf4.SCALER_BLOCK)
+    tokens = torch.tensor([5, 0, 7, 3, 0, 0, 9, 1, 2, 4, 0, 8, 6, 2, 1, 3])
+    offsets = torch.cumsum(tokens, 0).to(torch.int32)
+    stack = weight.get_original_weight().view(count, rows, cols).float()
+    x = torch.randn(int(tokens.sum()), rows if transposed else cols, generator=generator)
+    grad = torch.randn(x.shape[0], cols if transposed else rows, generator=generator)
+    expected = x.clone().requires_grad_()
+    torch.nn.functional.grouped_mm(expected, stack if transposed else stack.transpose(-2, -1), offs=offsets).backward(grad)
+    for chunk in (rows * cols, 3 * rows * cols, experts.CHUNK):
+        monkeypatch.setattr(experts, "CHUNK", chunk)
+        mine = x.clone().requires_grad_()
+        out = experts.FrozenGroupedNF4.apply(mine, weight, count, offsets, transposed)
+        out.backward(grad)
+        assert torch.equal(out, torch.nn.functional.grouped_mm(x, stack if transposed else stack.transpose(-2, -1), offs=offsets)), chunk
+        assert torch.equal(mine.grad, expected.grad), chunk
+
+
+def test_a_4bit_moe_run_killed_resumes_with_the_same_losses(family_dirs, tmp_path):
+    """QLoRA on a mixture of experts (torchao's NF4 for the linear layers and the experts) through
+    `finetune train`: SIGKILLed at step 5, resumed from step 4's checkpoint, its losses are those of the
+    run that was never stopped, bit for bit; the router's loss is logged and the loss falls."""
+    sections = dict(model={"quantization": {"bits": 4, "backend": "torchao", "compute_dtype": "bfloat16"}},
+                    adapter={"r": 4}, data={"eval": None, "max_seq_len": 64},
+                    train={"max_steps": 8, "micro_batch_size": 2, "lr": 5e-3, "scheduler": "constant"})
+    cfg = base_config(family_dirs("qwen3-moe"), tmp_path / "whole", **sections)
+    run(validate_config(cfg, "test"))
+    whole = step_rows(tmp_path / "whole")
+    _, rows = killed_and_resumed(tmp_path, base_config(family_dirs("qwen3-moe"), tmp_path / "out", **sections), save_every=4, kill_at=5)
+    assert [r["loss"] for r in rows] == [r["loss"] for r in whole] and len(whole) == 8
+    assert all("router_aux_loss" in r for r in whole)
+    assert whole[-1]["loss"] < whole[0]["loss"]
