@@ -202,3 +202,18 @@ def test_a_4bit_moe_run_killed_resumes_with_the_same_losses(family_dirs, tmp_pat
     assert [r["loss"] for r in rows] == [r["loss"] for r in whole] and len(whole) == 8
     assert all("router_aux_loss" in r for r in whole)
     assert whole[-1]["loss"] < whole[0]["loss"]
+
+
+def test_4bit_experts_under_fsdp2_match_one_process(tmp_path, family_dirs):
+    """FSDP2 + QLoRA on a mixture of experts: each rank quantizes the streamed layer's experts as one process
+    would and keeps its shard of their 4-bit codes; 2 processes give one process's losses and hold half the
+    codes and scales each (the tiny stacks' scale groups are smaller when split in two: a few bytes more)."""
+    from conftest import train_strategy
+
+    sections = {"model": {"quantization": {"bits": 4, "backend": "torchao", "compute_dtype": "bfloat16"}}, "adapter": {"dropout": 0.0}}
+    runs = {nproc: train_strategy(tmp_path, f"p{nproc}", family_dirs("qwen3-moe"), "lora", nproc, "fsdp", **sections) for nproc in (1, 2)}
+    (_, one, single), (_, two, summary) = runs[1], runs[2]
+    assert two == pytest.approx(one, rel=1e-4), (one, two)
+    assert one[-1] < one[0], one
+    held = summary["nf4_bytes_per_rank"]
+    assert held[0] == held[1] and abs(2 * held[0] - single["nf4_bytes_per_rank"][0]) < 0.01 * single["nf4_bytes_per_rank"][0], (held, single)
