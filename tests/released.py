@@ -33,7 +33,7 @@ FILES = ("tokenizer.json", "tokenizer_config.json")
 # Released models (docs/examples/NAME/config.json, as published) and the family tokenizer each is paired with.
 SHAPES = {
     "llama-3.2-1b": "llama3", "llama-3.2-3b": "llama3", "llama-3.1-8b": "llama3",
-    "qwen2.5-0.5b": "qwen3", "qwen2.5-7b": "qwen3", "qwen3-0.6b": "qwen3", "qwen3-8b": "qwen3",
+    "qwen2.5-0.5b": "qwen3", "qwen2.5-7b": "qwen3", "qwen3-0.6b": "qwen3", "qwen3-8b": "qwen3", "qwen3-30b-a3b": "qwen3",
     "gemma-3-1b": "gemma3", "gemma-3-4b": "gemma3",
     "mistral-7b-v0.3": "llama2", "phi-3-mini-4k": "llama2", "smollm2-1.7b": "llama2",
 }

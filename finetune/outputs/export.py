@@ -29,11 +29,12 @@ import torch
 
 from finetune.config.errors import EXIT_MERGE_CHECK, Stopped, UserError
 from finetune.config.schema import read_model_config
+from finetune.model import families
 from finetune.outputs.gguf_vocab import check_in_llama_cpp, quiet_stderr, write_vocabulary
 
 # model_type -> (the gguf package's architecture, query/key rows reordered for llama.cpp's rotary layout)
 FAMILIES = {"llama": ("LLAMA", True), "mistral": ("LLAMA", True), "qwen2": ("QWEN2", False), "qwen3": ("QWEN3", False),
-            "gemma2": ("GEMMA2", False), "gemma3_text": ("GEMMA3", False)}
+            "gemma2": ("GEMMA2", False), "gemma3_text": ("GEMMA3", False), "qwen3_moe": ("QWEN3MOE", False)}
 GEMMAS = ("gemma2", "gemma3_text")  # norms that scale by (1 + weight), heads scaled by query_pre_attn_scalar
 # families not written, and llama.cpp's reason
 NOT_WRITTEN = {"phi3": "llama.cpp's phi3 turns Phi-3-mini-4k's 2,047-token sliding window off, and Phi-3.5/4's longrope would need "
@@ -166,6 +167,9 @@ def _refuse_unwritable(config: dict, folder: Path) -> None:
     if window and window < config.get("max_position_embeddings", 0):
         raise UserError(f"--model: {folder} attends within a sliding window of {window} tokens, which GGUF's "
                         f"{FAMILIES[family][0].lower()} architecture does not carry (llama.cpp would attend over the whole context)")
+    if family == "qwen3_moe" and (not config.get("norm_topk_prob") or config.get("mlp_only_layers") or (config.get("decoder_sparse_step") or 1) != 1):
+        raise UserError(f"--model: {folder} has dense layers or leaves its routed experts' weights unnormalized (norm_topk_prob); "
+                        "llama.cpp's qwen3moe architecture has every layer routed and normalizes them, as the Qwen3-MoE releases")
     scaling = _rope(config).get("rope_type", "default")
     if scaling not in ("default", "llama3", "linear"):
         raise UserError(f"--model: {folder} scales rope as {scaling}; GGUF export writes llama3 and linear scaling")
@@ -311,6 +315,10 @@ def _metadata(writer, config: dict, name: str, kind: str) -> None:
         writer.add_sliding_window(config["sliding_window"])
         writer.add_sliding_window_pattern([k == "sliding_attention" for k in kinds])
         writer.add_rope_freq_base_swa(float(_rope(config, "sliding_attention")["rope_theta"]))
+    if config.get("model_type") == "qwen3_moe":
+        writer.add_expert_count(families.num_experts(config))
+        writer.add_expert_used_count(config["num_experts_per_tok"])
+        writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
     writer.add_vocab_size(config["vocab_size"])
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16 if kind == "f16" else gguf.LlamaFileType.MOSTLY_Q8_0)
 
@@ -332,7 +340,7 @@ def _tensors(writer, model, config: dict, arch, permuted: bool, kind: str) -> No
 
     names = gguf.get_tensor_name_map(arch, config["num_hidden_layers"])
     heads, kv = config["num_attention_heads"], config.get("num_key_value_heads") or config["num_attention_heads"]
-    for name, tensor in model.state_dict().items():
+    for name, tensor in _split_experts(model.state_dict()).items():
         if name == "lm_head.weight" and config.get("tie_word_embeddings"):
             continue  # llama.cpp ties the output to token_embd when output.weight is missing
         target = names.get_name(name, try_suffixes=(".weight", ".bias"))
@@ -343,7 +351,7 @@ def _tensors(writer, model, config: dict, arch, permuted: bool, kind: str) -> No
             data = _rotary_rows(data, heads if "q_proj" in name else kv)
         if config.get("model_type") in GEMMAS and name.endswith("norm.weight"):
             data = data + 1  # Gemma's norms scale by (1 + weight); llama.cpp's by the weight stored
-        if data.ndim == 1 or kind == "f16" and data.ndim != 2:
+        if data.ndim == 1:
             writer.add_tensor(target, data.astype(np.float32))
         elif kind == "f16":
             writer.add_tensor(target, data.astype(np.float16))
@@ -351,6 +359,19 @@ def _tensors(writer, model, config: dict, arch, permuted: bool, kind: str) -> No
             writer.add_tensor(target, gguf.quants.quantize(data, gguf.GGMLQuantizationType.Q8_0), raw_dtype=gguf.GGMLQuantizationType.Q8_0)
     if _rope(config)["rope_type"] == "llama3":
         writer.add_tensor(gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight", _llama3_rope_factors(model, config))
+
+
+def _split_experts(state: dict) -> dict:
+    """transformers' fused expert weights as GGUF holds them: gate_up_proj (E, 2m, h) as gate_proj and up_proj
+    (E, m, h) each (llama.cpp's ffn_gate_exps and ffn_up_exps); down_proj (E, h, m) as it is; each named as a weight."""
+    out = {}
+    for name, tensor in state.items():
+        if name.endswith("experts.gate_up_proj"):
+            gate, up = tensor.chunk(2, dim=1)
+            out[name.replace("gate_up_proj", "gate_proj.weight")], out[name.replace("gate_up_proj", "up_proj.weight")] = gate, up
+        else:
+            out[name + (".weight" if name.endswith("experts.down_proj") else "")] = tensor
+    return out
 
 
 def _llama3_rope_factors(model, config: dict) -> np.ndarray:
