@@ -106,6 +106,27 @@ def test_the_router_takes_no_adapter_and_dropout_stays_on_the_dense_layers(famil
                                                             "(peft's LoRA on fused expert weights takes none)"]
 
 
+def test_experts_that_are_not_fused_weights_and_prequantized_experts_are_one_line(family_dirs, tmp_path):
+    """`experts` named on a model without fused expert weights, and a 4-bit base asked of a checkpoint that ships
+    its experts quantized (gpt-oss's MXFP4 release): each refused in one line, through the CLI with exit 2."""
+    import json
+    import shutil
+
+    from conftest import finetune_in_process, write_config
+
+    with pytest.raises(UserError, match=r"^adapter.target_modules: experts matches no layer of this qwen3 model; .* \(experts, if it has "
+                                        r"any, are not fused 3-D weights\)$"):
+        _adapted(family_dirs("qwen3"), target_modules=["q_proj", "experts"])
+    shipped = tmp_path / "gpt-oss-mxfp4"
+    shutil.copytree(family_dirs("gpt-oss"), shipped)
+    config = json.loads((shipped / "config.json").read_text())
+    (shipped / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "mxfp4"}}))
+    cfg = base_config(shipped, tmp_path / "out", model={"quantization": {"bits": 4}}, data={"eval": None, "packing": False})
+    result = finetune_in_process("train", "--config", str(write_config(tmp_path / "c.yaml", cfg)))
+    assert result.returncode == 2 and result.stderr.strip().splitlines()[-1].startswith(
+        f"error: model.quantization: {shipped} ships its weights quantized (mxfp4"), result.stderr[-500:]
+
+
 def test_dense_and_shared_expert_layers_peft_leaves_unadapted_are_said(family_dirs):
     """Qwen2-MoE: its dense first layer and shared expert carry LoRA. In the families peft 0.21 converts as
     transformers-v4 Qwen2-MoE adapters (DeepSeek-V3 here; Qwen3-MoE, GLM-4.5, OLMoE too), it maps gate/up/down_proj

@@ -59,6 +59,10 @@ def check_supported(cfg: RunConfig) -> None:
 def check_quantized(cfg: ModelConfig, key: str, method: str) -> None:
     """What bitsandbytes cannot run here: `key` names the setting."""
     q, cuda = cfg.quantization, torch.cuda.is_available()
+    shipped = _shipped_quantization(cfg)
+    if q is not None and shipped:
+        raise UserError(f"{key}: {cfg.name_or_path} ships its weights quantized ({shipped}: gpt-oss's MXFP4 experts, DeepSeek's FP8 "
+                        "blocks); finetune quantizes from 16-bit weights: load it without model.quantization, or from a 16-bit copy")
     if q is None or nf4.used(cfg):
         return
     if importlib.util.find_spec("bitsandbytes") is None:
@@ -74,6 +78,13 @@ def check_quantized(cfg: ModelConfig, key: str, method: str) -> None:
             odd = sorted(k for k, v in dims.items() if v % 32)
             if odd:
                 raise UserError(f"{key}: 4-bit on CPU needs layer widths divisible by 32; {', '.join(f'{k}={dims[k]}' for k in odd)} is not")
+
+
+def _shipped_quantization(cfg: ModelConfig) -> str | None:
+    """The quant_method a local model's config.json says its weights are stored in, or None."""
+    path = Path(cfg.name_or_path).expanduser() / "config.json"
+    shipped = json.loads(path.read_text()).get("quantization_config") if path.is_file() else None
+    return (shipped or {}).get("quant_method") or ("quantized" if shipped else None)
 
 
 def _linear_out_dims(cfg: ModelConfig) -> dict[str, int]:
