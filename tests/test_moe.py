@@ -22,7 +22,7 @@ from test_families import assert_equal_to_each_sample_alone
 
 from finetune.config.errors import UserError
 from finetune.config.schema import AdapterConfig, ModelConfig, QuantizationConfig, validate_config
-from finetune.model import experts, nf4
+from finetune.model import attention, experts, nf4
 from finetune.model.loading import apply_adapter, load_model, quantize_layers
 from finetune.objectives import loss
 from finetune.train import run
@@ -56,15 +56,14 @@ def _peft_on_eager_experts(model_dir, ours):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_grouped_expert_lora_equals_peft_on_the_librarys_eager_experts(family_dirs, family):
     """Loss and every LoRA gradient (attention, experts, shared experts) of our grouped expert path equal
-    peft's on the eager experts, over packed and unpacked rows (gpt-oss: unpacked; its packed rows are
-    refused); the routers carry no adapter."""
+    peft's on the eager experts, over packed and unpacked rows; the routers carry no adapter."""
     ours = _adapted(family_dirs(family))
     assert ours.config._experts_implementation == experts.IMPLEMENTATION
     theirs = _peft_on_eager_experts(family_dirs(family), ours)
     trained = {name for name, p in ours.named_parameters() if p.requires_grad}
     assert any(".experts." in n for n in trained) and not any(f".{router}." in n for n in trained for router in ("gate", "router"))
     samples = textbook_samples(ours.config.vocab_size)
-    for packed in (False,) if family == "gpt-oss" else (True, False):
+    for packed in (True, False):
         results = []
         for model in (ours, theirs):
             model.zero_grad()
@@ -78,16 +77,22 @@ def test_grouped_expert_lora_equals_peft_on_the_librarys_eager_experts(family_di
             assert (my_grads[name] - grad).abs().max() <= 1e-4 * grad.abs().max() + 1e-9, (packed, name)
 
 
-@pytest.mark.parametrize("family", ["deepseek-v3", "glm4-moe"])
+@pytest.mark.parametrize("family", ["deepseek-v3", "glm4-moe", "gpt-oss"])
 @pytest.mark.parametrize("method", ["lora", "full"])
-def test_latent_attention_and_partial_rotary_moes_pack_exactly(family_dirs, family, method):
-    """DeepSeek-V3 (latent attention: a decoupled rope part, value heads narrower than the query's) and
-    GLM-4.5 (partial rotary, q/k norms): finetune's packed rows give the losses and gradients of the
-    library's eager attention over each sample alone."""
+def test_latent_attention_partial_rotary_and_sink_moes_pack_exactly(family_dirs, family, method):
+    """DeepSeek-V3 (latent attention: a decoupled rope part, value heads narrower than the query's), GLM-4.5
+    (partial rotary, q/k norms) and gpt-oss (a sink logit per head, sliding and full layers in turn; its sinks
+    drawn large and trained in full fine-tuning): finetune's packed rows give the losses and gradients of the
+    library's eager attention over each sample alone, and the start's leak check sees nothing move."""
     if method == "lora":
         model = _adapted(family_dirs(family))
     else:
         model = load_model(ModelConfig(name_or_path=str(family_dirs(family))), say=lambda _: None).train()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("sinks"):
+                p.normal_(0, 1.0, generator=torch.Generator().manual_seed(0))
+    assert attention.leak(model, model.config.vocab_size, "cpu") < 1e-5
     assert_equal_to_each_sample_alone(model, textbook_samples(model.config.vocab_size))
 
 
@@ -238,3 +243,17 @@ def test_4bit_experts_under_fsdp2_match_one_process(tmp_path, family_dirs):
     assert one[-1] < one[0], one
     held = summary["nf4_bytes_per_rank"]
     assert held[0] == held[1] and abs(2 * held[0] - single["nf4_bytes_per_rank"][0]) < 0.01 * single["nf4_bytes_per_rank"][0], (held, single)
+
+
+def test_gpt_oss_generates_as_its_own_eager_attention(family_dirs):
+    """gpt-oss under finetune's packed attention with sinks: outside packed rows (generation with a KV cache,
+    a plain forward) its own eager attention runs, with eager's masks: the same logits and greedy tokens."""
+    from transformers import AutoModelForCausalLM
+
+    ours = load_model(ModelConfig(name_or_path=str(family_dirs("gpt-oss"))), say=lambda _: None).eval()
+    theirs = AutoModelForCausalLM.from_pretrained(family_dirs("gpt-oss"), attn_implementation="eager").eval()
+    assert ours.config._attn_implementation == attention.PACKED_SINKS
+    ids = torch.tensor([textbook_samples(ours.config.vocab_size)[0][0]])
+    with torch.no_grad():
+        assert torch.equal(ours(input_ids=ids).logits, theirs(input_ids=ids).logits)
+        assert torch.equal(ours.generate(ids, max_new_tokens=12, do_sample=False), theirs.generate(ids, max_new_tokens=12, do_sample=False))

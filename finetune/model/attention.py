@@ -38,12 +38,14 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import sys
 import threading
 
 import torch
 import torch.nn.functional as F
 
 PACKED_SDPA = "sdpa_packed"
+PACKED_SINKS = "packed_sinks"  # the same, for attention with sinks (register)
 SHORT_SAMPLE = 1024  # tokens: above it the saved probabilities outweigh the speed (and torch's kernel does better)
 
 
@@ -154,9 +156,9 @@ def packed_sdpa_forward(module, query, key, value, attention_mask, dropout: floa
     """query (B, H, L, D), key/value (B, H_kv, L, D) -> (B, L, H, D), as transformers' sdpa returns."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    unsupported = [k for k in ("softcap", "s_aux") if kwargs.get(k) is not None]
-    if unsupported:  # load_model picks eager attention for these models; reaching here would be silently wrong
-        raise NotImplementedError(f"{PACKED_SDPA} does not implement {', '.join(unsupported)}; load this model with eager attention")
+    if kwargs.get("softcap") is not None:  # load_model picks eager attention for these models; reaching here would be silently wrong
+        raise NotImplementedError(f"{PACKED_SDPA} does not implement softcap; load this model with eager attention")
+    sinks = kwargs.pop("s_aux", None)  # gpt-oss: a learned logit per head that every query's softmax also spreads over
     position_ids = kwargs.get("position_ids")
     whole_row = getattr(position_ids, "sequence_parallel", None)
     if whole_row is not None:  # this process holds a slice of each row: attention over the whole row, through Ulysses
@@ -165,12 +167,20 @@ def packed_sdpa_forward(module, query, key, value, attention_mask, dropout: floa
     if not (module.training or in_packed_rows()) or position_ids is None or query.shape[2] != key.shape[2] or position_ids.dim() != 2:
         if placeholder:
             raise RuntimeError(f"{PACKED_SDPA}: a packed-row forward without its position_ids (mask_placeholder needs them)")
+        if sinks is not None:  # sdpa has no sinks: the model's own eager attention (generation, unpacked eval)
+            own = sys.modules[type(module).__module__].eager_attention_forward
+            return own(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     gqa = key.shape[1] != query.shape[1]
     window = kwargs.get("sliding_window")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     if position_ids.shape[0] != query.shape[0]:
         position_ids = position_ids.expand(query.shape[0], -1)
+    if sinks is not None:  # every sample through finetune's kernel, the only one here that takes sinks
+        if dropout:
+            raise NotImplementedError(f"{PACKED_SDPA}: attention dropout with sinks")
+        spans = [(b, s, e) for b, row in enumerate(sample_bounds(position_ids)) for s, e in zip(row, row[1:])]
+        return causal_attention(query, key, value, spans, scale, window, sinks), None
     if accelerator_path(query):
         dtype = _varlen_dtype(query, value, dropout)
         if dtype is None:
@@ -260,16 +270,17 @@ def varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 
 
 def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, spans: list[tuple[int, int, int]], scale: float,
-                     window: int | None = None) -> torch.Tensor:
+                     window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """softmax(q kᵀ · scale + causal mask) v for each sample (row, start, end) of a packed batch:
     query (B, H, L, D), key/value (B, H_kv, L, D) -> (B, L, H, D), zero outside the spans.
     window: a query sees only the `window` most recent keys (itself included), as in sliding-window layers.
+    sinks (H,): a logit per head in every query's softmax with no value behind it (gpt-oss), as its eager attention.
 
     Computes in the dtype sdpa would (autocast's, if on), the softmax in fp32."""
     device = query.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else query.dtype
     with torch.autocast(device, enabled=False):
-        return _CausalAttention.apply(query, key, value, spans, scale, dtype, window)
+        return _CausalAttention.apply(query, key, value, spans, scale, dtype, window, sinks)
 
 
 def _allowed(length: int, window: int | None, device: torch.device) -> torch.Tensor:
@@ -304,17 +315,19 @@ class _CausalAttention(torch.autograd.Function):
     sample's gradient back as a zero-filled tensor the size of the whole batch, and add them all up."""
 
     @staticmethod
-    def forward(ctx, query, key, value, spans, scale, dtype, window):
+    def forward(ctx, query, key, value, spans, scale, dtype, window, sinks):
         batch, heads, length, _ = query.shape
         out = query.new_zeros(batch, length, heads, value.shape[-1], dtype=dtype)  # MLA's value heads are narrower than its query's
         probs = []
         for b, s, e in spans:
             q, k, v = _sample(query, key, value, b, s, e, dtype)
             scores = torch.baddbmm(_causal_mask(e - s, dtype, q.device, window), q, k.transpose(1, 2), alpha=scale)
+            if sinks is not None:  # the sink's column, kept in the probabilities: its share of each row is what the keys lose
+                scores = torch.cat([scores, sinks.to(dtype).view(-1, 1, 1).expand(-1, e - s, 1)], dim=-1)
             probs.append(torch.softmax(scores, dim=-1, dtype=torch.float32))
-            out[b, s:e] = torch.bmm(probs[-1].to(dtype), v).transpose(0, 1)
+            out[b, s:e] = torch.bmm(probs[-1][..., : e - s].to(dtype), v).transpose(0, 1)
         ctx.save_for_backward(query, key, value, *probs)
-        ctx.spans, ctx.scale, ctx.dtype = spans, scale, dtype
+        ctx.spans, ctx.scale, ctx.dtype, ctx.sinks = spans, scale, dtype, sinks
         return out
 
     @staticmethod
@@ -322,13 +335,20 @@ class _CausalAttention(torch.autograd.Function):
         query, key, value, *probs = ctx.saved_tensors
         groups = query.shape[1] // key.shape[1]
         grad_query, grad_key, grad_value = torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value)
+        grad_sinks = None if ctx.sinks is None else torch.zeros(ctx.sinks.shape, dtype=torch.float32, device=ctx.sinks.device)
         for (b, s, e), p in zip(ctx.spans, probs):
             q, k, v = _sample(query, key, value, b, s, e, ctx.dtype)
             g = grad_out[b, s:e].transpose(0, 1)
             # The input-dtype probabilities are cast again, not saved: one len² tensor per sample, not two.
-            grad_v = torch.bmm(p.to(ctx.dtype).transpose(1, 2), g)
+            grad_v = torch.bmm(p[..., : e - s].to(ctx.dtype).transpose(1, 2), g)
             grad_probs = torch.bmm(g, v.transpose(1, 2)).float()
-            grad_scores = torch.ops.aten._softmax_backward_data(grad_probs, p, -1, torch.float32).to(ctx.dtype)
+            if grad_sinks is not None:  # the sink's column has no value: no gradient flows into it from the output
+                grad_probs = torch.nn.functional.pad(grad_probs, (0, 1))
+            grad_scores = torch.ops.aten._softmax_backward_data(grad_probs, p, -1, torch.float32)
+            if grad_sinks is not None:
+                grad_sinks += grad_scores[..., -1].sum(-1)
+                grad_scores = grad_scores[..., :-1]
+            grad_scores = grad_scores.to(ctx.dtype)
             grad_query[b, :, s:e] = torch.bmm(grad_scores, k).mul_(ctx.scale)
             grad_k = torch.bmm(grad_scores.transpose(1, 2), q).mul_(ctx.scale)
             # The heads that shared a key/value head add up in the inputs' dtype (fp32 under autocast
@@ -337,7 +357,7 @@ class _CausalAttention(torch.autograd.Function):
             if groups > 1:
                 grad_k, grad_v = (x.unflatten(0, (-1, groups)).sum(1) for x in (grad_k, grad_v))
             grad_key[b, :, s:e], grad_value[b, :, s:e] = grad_k, grad_v
-        return grad_query, grad_key, grad_value, None, None, None, None
+        return grad_query, grad_key, grad_value, None, None, None, None, None if grad_sinks is None else grad_sinks.to(ctx.sinks.dtype)
 
 
 def _sample(query, key, value, b: int, s: int, e: int, dtype: torch.dtype):
@@ -392,11 +412,15 @@ def mixer_outside_attention(model) -> str | None:
     return None
 
 
-def register() -> str:
-    """Make PACKED_SDPA a name transformers accepts for attn_implementation (idempotent)."""
+def register(sinks: bool = False) -> str:
+    """Make PACKED_SDPA a name transformers accepts for attn_implementation (idempotent). sinks: PACKED_SINKS
+    instead, for a model transformers gives no sdpa (gpt-oss): the same packed attention under a name without
+    "sdpa" in it (transformers refuses those for such models), with eager's additive masks for the rows it
+    hands to the model's own eager attention (generation, unpacked eval)."""
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 
-    AttentionInterface.register(PACKED_SDPA, packed_sdpa_forward)
-    AttentionMaskInterface.register(PACKED_SDPA, sdpa_mask)
-    return PACKED_SDPA
+    name = PACKED_SINKS if sinks else PACKED_SDPA
+    AttentionInterface.register(name, packed_sdpa_forward)
+    AttentionMaskInterface.register(name, eager_mask if sinks else sdpa_mask)
+    return name

@@ -58,6 +58,11 @@ PLAIN_HEAD_MODELS = {"llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gem
 SPELLED_OUT = {"llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "mixtral", "qwen2_moe", "qwen3_moe"}
 
 
+# Attention with a learned sink logit per head (passed to the attention function as s_aux): finetune's packed
+# attention takes it (model/attention.py), transformers' sdpa does not.
+ATTENTION_SINKS = {"gpt_oss"}
+
+
 def num_experts(config: dict) -> int:
     c = text_config(config)
     return int(c.get("num_local_experts") or c.get("num_experts") or c.get("n_routed_experts") or 0)

@@ -146,6 +146,8 @@ def attention_for(cfg: ModelConfig, config) -> tuple[str, str | None]:
         return "eager", (f"model: {kind} soft-caps its attention logits, which sdpa cannot do: "
                          "using eager attention (model.attn_implementation: flash_attention_2 on a GPU also does it)")
     model_class = _causal_lm_class(config)
+    if kind in families.ATTENTION_SINKS and getattr(model_class, "_supports_attention_backend", False) is True:
+        return register_packed_sdpa(sinks=True), None  # no sdpa in transformers, for its sinks: finetune's kernel takes them
     if model_class is not None and getattr(model_class, "_supports_sdpa", False) is not True:
         return "eager", f"model: {kind} has no sdpa attention in transformers: using eager attention"
     if getattr(model_class, "_supports_attention_backend", False) is True:
@@ -371,15 +373,7 @@ def apply_adapter(model, cfg: AdapterConfig, gradient_checkpointing: bool, say=p
         # With a frozen embedding nothing before the first checkpointed block needs grad.
         model.enable_input_require_grads()
     modules, parameters = lora_targets(model, cfg.target_modules)
-    lost = set(modules if isinstance(modules, list) else []) & mapped_onto_experts(model.config.model_type)
-    if lost:  # left out: peft would otherwise also double the experts' rank with them
-        modules = [m for m in modules if m not in lost]
-        left = [name for name, m in model.named_modules() if linear_like(m) and name.rsplit(".", 1)[-1] in lost]
-        if not modules and not parameters:
-            raise UserError(f"adapter.target_modules: peft {version('peft')} maps {', '.join(sorted(lost))} onto the experts of "
-                            f"{model.config.model_type} models (huggingface/peft#3711); name the experts (experts) or attention layers")
-        say(f"adapter: peft {version('peft')} maps {', '.join(sorted(lost))} onto the experts of {model.config.model_type} models "
-            f"(huggingface/peft#3711): {len(left)} dense or shared-expert layers stay unadapted ({', '.join(left[:3])}{', ...' if len(left) > 3 else ''})")
+    modules = without_names_peft_moves(model, modules, parameters, say)
     whole = cfg.modules_to_save
     if vision.is_vision(model.config.to_dict()):
         head = model.get_output_embeddings()
@@ -420,6 +414,22 @@ def apply_adapter(model, cfg: AdapterConfig, gradient_checkpointing: bool, say=p
         dense_dropout(model, cfg.dropout)
     experts.group(model)
     return model
+
+
+def without_names_peft_moves(model, modules: str | list[str], parameters: list[str], say) -> str | list[str]:
+    """`modules` without the names peft would map onto the experts (mapped_onto_experts), said with the layers
+    they leave unadapted: peft would adapt none of them and double the experts' rank besides."""
+    lost = set(modules if isinstance(modules, list) else []) & mapped_onto_experts(model.config.model_type)
+    if not lost:
+        return modules
+    kept, kind = [m for m in modules if m not in lost], model.config.model_type
+    if not kept and not parameters:
+        raise UserError(f"adapter.target_modules: peft {version('peft')} maps {', '.join(sorted(lost))} onto the experts of {kind} models "
+                        "(huggingface/peft#3711); name the experts (experts) or attention layers")
+    left = [name for name, m in model.named_modules() if linear_like(m) and name.rsplit(".", 1)[-1] in lost]
+    say(f"adapter: peft {version('peft')} maps {', '.join(sorted(lost))} onto the experts of {kind} models (huggingface/peft#3711): "
+        f"{len(left)} dense or shared-expert layers stay unadapted ({', '.join(left[:3])}{', ...' if len(left) > 3 else ''})")
+    return kept
 
 
 def mapped_onto_experts(model_type: str) -> set[str]:
