@@ -96,8 +96,11 @@ class Job:
     mid_save: int = 0
 
     def start(self) -> Job:
+        """Node 0 first, the others once its agent listens on the rendezvous port. On loopback every node's agent
+        may host the rendezvous (torchrun's choice: the first to bind the port): a node lost that hosted it would
+        take the rendezvous with it, and the others would wait for it until their join timeout."""
         self.nodes = [Node(0, self.port, self.config, self.logs, self.gate)]
-        time.sleep(1)
+        self.until(lambda: listening(self.nodes[0].process.pid, self.port), "node 0's agent to host the rendezvous", seconds=120)
         self.nodes += [Node(i, self.port, self.config, self.logs, self.gate) for i in (1, 2)]
         return self
 
@@ -111,11 +114,13 @@ class Job:
         return sum("loss" in r for r in read_jsonl(self.out / "metrics.jsonl"))
 
     def until(self, done, what: str, seconds: float = 300) -> None:
-        deadline = time.monotonic() + seconds
+        began = time.monotonic()
         while not done():
-            if time.monotonic() > deadline or any(n.process.poll() not in (None, 0) for n in self.nodes if n):
+            ended = {n.log.stem: n.process.poll() for n in self.nodes if n and n.process.poll() not in (None, 0)}
+            if time.monotonic() - began > seconds or ended:
+                why = f"exit codes {ended}" if ended else f"{seconds:.0f} s passed"
                 logs = "\n".join(f"--- {n.log.name}\n{n.log.read_text()[-3000:]}" for n in self.nodes if n)
-                raise AssertionError(f"waited for {what}\n{logs}")
+                raise AssertionError(f"waited for {what} ({why})\n{logs}")
             time.sleep(0.05)
 
     def lose_and_regain(self, index: int, mid_save: bool = False) -> None:
@@ -157,6 +162,14 @@ def compare(out: Path, reference: Path) -> dict:
     return {"steps": len(rows), "each step once": [r["step"] for r in rows] == list(range(1, len(expected) + 1)),
             "same samples": [r["samples"] for r in rows] == [r["samples"] for r in expected],
             "max loss diff": max((abs(a["loss"] - b["loss"]) for a, b in zip(rows, expected)), default=float("nan"))}
+
+
+def listening(pid: int, port: int) -> bool:
+    """Whether a process under `pid` listens on `port` (read from /proc: nothing connects to it)."""
+    import psutil
+
+    tree = {pid, *(p.pid for p in psutil.Process(pid).children(recursive=True))}
+    return any(c.status == psutil.CONN_LISTEN and c.laddr.port == port and c.pid in tree for c in psutil.net_connections("tcp"))
 
 
 def free_port() -> int:
