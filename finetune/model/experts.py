@@ -26,11 +26,15 @@ IMPLEMENTATION = "finetune_grouped"  # the name registered in transformers' Expe
 LORA = "_finetune_lora"  # an experts module's {parameter name: peft wrapper}, kept outside its submodules
 
 
-def fused_experts(model: torch.nn.Module) -> list[torch.nn.Module]:
+def named_fused_experts(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     """The experts modules whose weights are fused 3-D tensors that transformers dispatches through
-    its ExpertsInterface (the ones `experts_implementation` switches)."""
-    return [m for m in model.modules() if hasattr(m, "is_transposed") and hasattr(m, "num_experts") and any(
+    its ExpertsInterface (the ones `experts_implementation` switches), by name."""
+    return [(name, m) for name, m in model.named_modules() if hasattr(m, "is_transposed") and hasattr(m, "num_experts") and any(
         p.dim() == 3 for p in m.parameters(recurse=False))]
+
+
+def fused_experts(model: torch.nn.Module) -> list[torch.nn.Module]:
+    return [m for _, m in named_fused_experts(model)]
 
 
 def group(model: torch.nn.Module) -> int:

@@ -5,6 +5,7 @@ Any local HF folder or hub id goes through the same calls; nothing here knows ab
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 from contextlib import contextmanager, nullcontext
@@ -82,8 +83,9 @@ def check_quantized(cfg: ModelConfig, key: str, method: str) -> None:
 
 def _shipped_quantization(cfg: ModelConfig) -> str | None:
     """The quant_method a local model's config.json says its weights are stored in, or None."""
-    path = Path(cfg.name_or_path).expanduser() / "config.json"
-    shipped = json.loads(path.read_text()).get("quantization_config") if path.is_file() else None
+    if not (Path(cfg.name_or_path).expanduser() / "config.json").is_file():
+        return None
+    shipped = read_model_config(Path(cfg.name_or_path), "model.name_or_path").get("quantization_config")
     return (shipped or {}).get("quant_method") or ("quantized" if shipped else None)
 
 
@@ -432,15 +434,16 @@ def without_names_peft_moves(model, modules: str | list[str], parameters: list[s
     return kept
 
 
-def mapped_onto_experts(model_type: str) -> set[str]:
+@functools.cache  # the planner asks for each of its candidate runs
+def mapped_onto_experts(model_type: str) -> frozenset[str]:
     """The layer names peft's conversion of transformers-v4 adapters maps onto the experts of a `model_type`
     MoE (its tables; huggingface/peft#3711): named in target_modules, such layers get no LoRA and the
     experts' rank doubles. Empty where peft converts nothing (Qwen2-MoE, dense models)."""
     try:
         from peft.utils.transformers_weight_conversion import _MODEL_TO_CONVERSION_PATTERN, _MOE_TARGET_MODULE_MAPPING
     except ImportError:  # a peft without the conversion
-        return set()
-    return set(_MOE_TARGET_MODULE_MAPPING.get(_MODEL_TO_CONVERSION_PATTERN.get(model_type), {})) - ROUTERS
+        return frozenset()
+    return frozenset(_MOE_TARGET_MODULE_MAPPING.get(_MODEL_TO_CONVERSION_PATTERN.get(model_type), {})) - ROUTERS
 
 
 def dense_dropout(model, p: float) -> None:
@@ -492,7 +495,7 @@ def lora_targets(model, wanted: str | list[str]) -> tuple[str | list[str], list[
     `experts` stands for those expert weights; any other name must match some linear layer."""
     head = model.get_output_embeddings()
     linears = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if linear_like(m) and m is not head}
-    stacks = sorted({f"{module.rsplit('.', 1)[-1]}.{p}" for module, m in model.named_modules() if module.endswith("experts")
+    stacks = sorted({f"{module.rsplit('.', 1)[-1]}.{p}" for module, m in experts.named_fused_experts(model)
                      for p, w in m.named_parameters(recurse=False) if w.dim() == 3})
     if wanted == "all-linear":
         return (sorted(linears - ROUTERS), stacks) if stacks else ("all-linear", [])

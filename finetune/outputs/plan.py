@@ -172,6 +172,7 @@ def skeleton_shape(folder: Path) -> Shape:
     routed = getattr(config, "num_experts_per_tok", None) or 1
     copies, active = Counter(), Counter()  # by (name, fan_in, fan_out, expert)
     pictures = tuple(f"{name}." for role, name in vision.part_names(model).items() if role != "language")  # counted by vision_shape
+    stacks = {id(m) for _, m in experts.named_fused_experts(model)}
     for name, module in model.named_modules():
         if name.startswith(pictures):
             continue
@@ -180,7 +181,7 @@ def skeleton_shape(folder: Path) -> Shape:
             key = (name.rsplit(".", 1)[-1], *shape, False)
             copies[key] += 1
             active[key] += 1
-        elif name.endswith("experts"):
+        elif id(module) in stacks:
             for weight_name, weight in module.named_parameters(recurse=False):
                 if weight.dim() == 3:
                     key = (f"experts.{weight_name}", weight.shape[1], weight.shape[2], True)
