@@ -5,7 +5,10 @@ prompts answered in batches."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -50,6 +53,24 @@ def test_finetune_configs_lists_every_shipped_config_with_a_line_on_it(capsys):
     assert sorted(listed) == shipped and len(shipped) >= 15
     assert all(len(about) > 10 for about in listed.values())
     assert listed["configs/qlora.yaml"].startswith("QLoRA: the base model loaded in 4-bit NF4")
+
+
+def test_installed_without_the_repository_a_config_is_named_by_its_path_and_a_bare_name_says_so(tmp_path):
+    """A wheel carries the package alone (pyproject.toml: finetune*): there `finetune configs` and a bare name say in one line
+    that there are no shipped configs, exit 2; a config named by its path still loads."""
+    site = tmp_path / "site"
+    shutil.copytree(REPO / "finetune", site / "finetune", ignore=shutil.ignore_patterns("__pycache__"))
+    env = {**os.environ, "PYTHONPATH": str(site)}
+    listed = subprocess.run([sys.executable, "-m", "finetune", "configs"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert listed.returncode == 2 and "this finetune has no shipped configs" in listed.stderr, listed.stderr[-2000:]
+    assert len(listed.stderr.strip().splitlines()) == 1 and "Traceback" not in listed.stderr
+    shutil.copy(REPO / "configs" / "lora.yaml", tmp_path / "mine.yaml")
+    code = ("from finetune.config.schema import load_config; import sys\n"
+            "print(load_config(sys.argv[1], check_model=False, check_paths=False).adapter.method)")
+    by_path = subprocess.run([sys.executable, "-c", code, "mine.yaml"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert by_path.returncode == 0 and by_path.stdout.strip() == "lora", by_path.stderr[-2000:]
+    bare = subprocess.run([sys.executable, "-c", code, "qlora"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert "qlora: config file not found; this finetune has no shipped configs" in bare.stderr, bare.stderr[-2000:]
 
 
 # --- schedules and knobs ----------------------------------------------------------------------

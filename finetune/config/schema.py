@@ -689,7 +689,11 @@ def flatten(tree: dict, prefix: str = "") -> dict:
     return flat
 
 
-SHIPPED_CONFIGS = Path(__file__).resolve().parents[2] / "configs"  # the repo's configs/, beside the package
+# The repository's configs/, beside the package: a source checkout (or an editable install) has them; a wheel carries the
+# package alone, and then a config is named by its path (NO_SHIPPED_CONFIGS says so).
+SHIPPED_CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+NO_SHIPPED_CONFIGS = (f"this finetune has no shipped configs ({SHIPPED_CONFIGS} is missing: a wheel carries the package alone); "
+                      "give a config file's path, or install from a clone of the repository (pip install -e .)")
 
 
 def find_config(name: str | os.PathLike) -> Path:
@@ -707,6 +711,8 @@ def find_config(name: str | os.PathLike) -> Path:
 
 def shipped_configs() -> list[tuple[str, str]]:
     """(name, the first line of its opening comment) of every shipped config, for `finetune configs`."""
+    if not SHIPPED_CONFIGS.is_dir():
+        raise UserError(f"finetune configs: {NO_SHIPPED_CONFIGS}")
     found = []
     for folder in (SHIPPED_CONFIGS, SHIPPED_CONFIGS / "presets"):
         for path in sorted(folder.glob("*.yaml")):
@@ -731,7 +737,8 @@ def load_config(path: str | os.PathLike, overrides: list[str] = (), check_model:
     config read back; a plan)."""
     path = find_config(path)
     if not path.is_file():
-        hint = "" if path.parent != Path(".") else " (nor a shipped config: finetune configs lists them)"
+        hint = "" if path.parent != Path(".") else (" (nor a shipped config: finetune configs lists them)" if SHIPPED_CONFIGS.is_dir()
+                                                    else f"; {NO_SHIPPED_CONFIGS}")
         raise UserError(f"{path}: config file not found{hint}")
     try:
         raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
