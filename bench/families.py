@@ -165,9 +165,8 @@ def compare(model) -> tuple[float, float]:
 
 def measure(folder: Path) -> dict:
     from finetune.config.schema import ModelConfig
-    from finetune.model.attention import leak, mixer_outside_attention
+    from finetune.model.attention import LEAK_TOLERANCE, leak, mixer_outside_attention
     from finetune.model.loading import load_model
-    from finetune.train import LEAK_TOLERANCE
 
     said = []
     model = without_dropout(load_model(ModelConfig(name_or_path=str(folder)), say=said.append)).train()

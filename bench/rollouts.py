@@ -40,7 +40,7 @@ def build(shape: str, device: str):
     return model.eval()
 
 
-class Tokens:  # what finetune.objectives.grpo.generate reads of a tokenizer
+class Tokens:  # what finetune.objectives.sampling.generate reads of a tokenizer
     pad_token_id, eos_token_id = 0, 2
 
 
@@ -50,7 +50,7 @@ def paths(model, prompts: list[list[int]], generations: int, new_tokens: int, de
     from transformers import GenerationConfig
     from transformers.generation.logits_process import TemperatureLogitsWarper
 
-    from finetune.objectives.grpo import GumbelSampler, generate
+    from finetune.objectives.sampling import GumbelSampler, generate
 
     repeated = [np.array(p) for p in prompts for _ in range(generations)]
     seeds = torch.arange(len(repeated), device=device, dtype=torch.int64) + 12345

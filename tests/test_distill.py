@@ -273,7 +273,7 @@ def test_sequence_level_answers_are_the_teachers_made_once_and_trained_on(tmp_pa
     from finetune.data.tokenized import Answers
     from finetune.model.teacher import teacher_source, whole_teacher
     from finetune.objectives.distill import teacher_answers
-    from finetune.objectives.grpo import generate
+    from finetune.objectives.sampling import generate
 
     sections = {"data": {"eval": None, "eval_fraction": 0.05, "cache_dir": str(tmp_path / "cache")}, "distill": {"sequence_level": True, "ce_weight": 1.0,
                 "max_new_tokens": 12}, "train": {"max_steps": 6}}

@@ -25,10 +25,11 @@ from transformers import AutoModelForCausalLM
 
 from finetune.config.schema import AdapterConfig, ModelConfig, validate_config
 from finetune.model import attention, families
+from finetune.model.attention import LEAK_TOLERANCE
 from finetune.model.loading import apply_adapter, load_model
 from finetune.objectives import loss
 from finetune.outputs.merge import merge
-from finetune.train import LEAK_TOLERANCE, run
+from finetune.train import run
 
 
 def _load(model_dir, method: str):

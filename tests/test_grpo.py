@@ -261,7 +261,7 @@ def test_gumbel_noise_samples_the_softmax_and_is_splitmix64():
     over the top k; the noise made for the top k alone is the whole row's at those entries."""
     from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper
 
-    from finetune.objectives.grpo import GumbelSampler, uniforms
+    from finetune.objectives.sampling import GumbelSampler, uniforms
 
     def splitmix64(seed: int, k: int) -> float:
         z = (seed + k * 0x9E3779B97F4A7C15) % 2**64
@@ -293,7 +293,7 @@ def test_a_prompts_completions_are_the_same_in_any_batch(tiny_model_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from finetune.data.packing import Prompt
-    from finetune.objectives.grpo import generate
+    from finetune.objectives.sampling import generate
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)

@@ -199,7 +199,7 @@ def test_every_sampler_stops_at_any_end_token_the_model_names(family):
 
     from finetune.model.loading import end_tokens
     from finetune.objectives.evaluate import generate
-    from finetune.objectives.grpo import generate as sample
+    from finetune.objectives.sampling import generate as sample
     from finetune.outputs.generate import generate_batch
 
     configured, eos, end = ENDS[family]

@@ -733,8 +733,9 @@ def test_grpo_samples_each_prompt_with_its_picture(llava, picture_data, tower):
     prompt's picture (num_generations copies, in order)."""
     from finetune.config.schema import GRPOConfig
     from finetune.data import images
-    from finetune.objectives.grpo import GRPO, generate
+    from finetune.objectives.grpo import GRPO
     from finetune.objectives.rewards import load_rewards
+    from finetune.objectives.sampling import generate
 
     model_dir = llava(tower)
     prompts, tokenizer, vision = _picture_prompts(model_dir, picture_data)

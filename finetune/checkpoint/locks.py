@@ -13,7 +13,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from finetune.config.errors import UserError
+from finetune.config.errors import UserError, make_folder
 
 
 @contextmanager
@@ -43,11 +43,13 @@ def hold_output_dir(out: Path, say=print):
     line naming the holder; the lock of a run that died is taken over, with a line saying so.
 
     On a file system shared by several nodes the lock holds where the file system passes flock on
-    (local disks; NFSv4; Lustre mounted with -o flock); elsewhere two nodes could both take it."""
+    (local disks; NFSv4; Lustre mounted with -o flock); elsewhere two nodes could both take it. The
+    directory is made first (preflight.check_output_dir has found it fit to use)."""
     import json
     import os
     import socket
 
+    make_folder(out, "train.output_dir")
     path = out / LOCK_FILE
     handle = open(path, "a+")
     handle.seek(0)

@@ -369,6 +369,30 @@ def _sample(query, key, value, b: int, s: int, e: int, dtype: torch.dtype):
     return q.to(dtype), k.to(dtype), v.to(dtype)
 
 
+# A packed sample's logits may move by rounding (bf16 kernels over rows of other lengths), a small
+# share of what the sample before it would move them as context; samples that see each other move them
+# most of the way.
+LEAK_TOLERANCE = 0.05
+
+
+def packed_samples_meet(model, prepared, device, autocast) -> str:
+    """Why the samples of a packed row would see each other in `model` ("" where they stay apart): a layer
+    that mixes tokens outside attention, else `leak` measured on `prepared` (the model as the strategy wraps
+    it; every process at once) under `autocast`, the training forward's."""
+    kind = f"{model.config.model_type} ({model.config._attn_implementation} attention)"
+    mixer = mixer_outside_attention(model)
+    if mixer:
+        return f"{kind} mixes tokens outside attention ({mixer}), carrying a state from one packed sample into the next"
+    with autocast():
+        # a vision-language model's text vocabulary, below its picture token (a picture token without a picture fails)
+        vocab = min(model.config.get_text_config().vocab_size, getattr(model.config, "image_token_id", None) or 2**62)
+        moved = leak(prepared, vocab, device)
+    if not moved > LEAK_TOLERANCE:  # nan: context changes nothing, there is nothing to leak
+        return ""
+    return (f"{kind} lets the samples of a packed row see each other (measured at the start: a sample's logits "
+            f"moved {moved:.0%} of the way to having the sample before it as context)")
+
+
 @torch.no_grad()
 def leak(model, vocab_size: int, device: torch.device | str) -> float:
     """How far a packed sample's logits move towards having the sample before it as context: 0 where

@@ -38,8 +38,9 @@ from finetune.data.packing import Prompt, Row
 from finetune.data.rows import prompt_ids, render
 from finetune.model.loading import end_tokens
 from finetune.objectives import tools as toolkit
-from finetune.objectives.grpo import GRPO, generate, group_row
+from finetune.objectives.grpo import GRPO, group_row
 from finetune.objectives.rewards import Reward, finite, import_named, score
+from finetune.objectives.sampling import generate
 
 ENDED = ("answer", "max_turns", "length", "timeout")  # why an episode ended, counted in the step's metrics
 

@@ -33,9 +33,9 @@ from finetune.data.packing import Row, collate
 from finetune.data.rows import IGNORE
 from finetune.data.tokenized import Answers
 from finetune.model.teacher import teacher_key, whole_teacher
-from finetune.objectives.grpo import GumbelSampler, generate
 from finetune.objectives.loss import Losses, chunk_rows, chunked_head, forward_kept, fusable_parts, trained_tokens
 from finetune.objectives.objective import Objective
+from finetune.objectives.sampling import GumbelSampler, generate
 
 
 @dataclass

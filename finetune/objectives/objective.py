@@ -41,6 +41,21 @@ class Objective:
         """What the guard judges: the loss."""
         return loss
 
+    def reading_position(self, position: int) -> int:
+        """The data step whose rows optimizer step `position` trains on (one each, unless updates share a data step)."""
+        return position
+
+    def samples_ahead(self) -> bool:
+        """Whether the next data step's rollouts are sampled while a step trains (`sample_ahead` starts them)."""
+        return False
+
+    def held_state(self) -> dict[str, torch.Tensor]:
+        """What a checkpoint keeps of this objective, per rank, beside the weights ({}: nothing)."""
+        return {}
+
+    def load_held(self, state: dict[str, torch.Tensor]) -> None:
+        """Take back what `held_state` saved (a resume, a rollback)."""
+
 
 class SFT(Objective):
     """Summed cross-entropy over the trained tokens, a mean over the step's tokens."""

@@ -1,4 +1,4 @@
-"""What a run leaves and what a user asks of it: merged models (merge), GGUF files (export, gguf_vocab),
+"""What a run leaves and what a user asks of it: the run's own saved model, summary and card (finish), merged models (merge), GGUF files (export, gguf_vocab),
 generation (generate), the eval harness (harness), model cards (model_card), the serving check
 (serving), the memory planner (plan) and rank 0's step simulated on fake tensors (simulate).
 

@@ -3,6 +3,8 @@ restart and at the end, the CPU heap, and resident memory. No training happens h
 
 from __future__ import annotations
 
+import dataclasses
+import importlib.util
 import os
 import sys
 from pathlib import Path
@@ -12,6 +14,8 @@ import torch
 from finetune.config.errors import UserError
 from finetune.config.schema import RunConfig
 from finetune.config.strategy import NAMES
+from finetune.parallel import network
+from finetune.parallel.engines import engine_class
 
 # A quantized base's dequantized weights from this size on come from fresh mappings on CPU runs
 # (keep_freed_memory): freed, they leave no hole in the heap.
@@ -21,6 +25,40 @@ MAPPED_FROM = 64 << 20
 def glibc_tuned_by_user() -> bool:
     """glibc's MALLOC_* variables set: finetune leaves the heap to them (keep_freed_memory)."""
     return any(key.startswith("MALLOC_") for key in os.environ)
+
+
+def make_accelerator(cfg: RunConfig):
+    """The run's Accelerator: the launcher's process group (rank 0's store checked first), mixed precision
+    where the strategy's engine autocasts, fp8 through torchao's recipe, the trackers."""
+    from accelerate import Accelerator
+
+    mp = cfg.train.mixed_precision
+    cuda = torch.cuda.is_available()
+    if cfg.train.tf32 and cuda:
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    flag = launcher_strategy(cfg)
+    if flag:
+        os.environ[flag] = "false"  # the strategy agrees: finetune applies it, not accelerate's plugin
+    network.check_store()  # rank 0's store answers, before the process group waits on it
+    join_restarted_workers()
+    if not engine_class(cfg, int(os.environ.get("WORLD_SIZE", "1")))[0].autocast:  # launchers set WORLD_SIZE
+        mp = "no"
+    handlers = []
+    if mp == "fp8" and importlib.util.find_spec("torchao"):
+        from accelerate.utils import AORecipeKwargs
+        from torchao.float8 import Float8LinearConfig
+
+        # Rowwise scaling: a scale per token. One scale per tensor (accelerate's default) lets the largest
+        # activation of a packed row set every sample's precision: the packed-row check saw a sample's
+        # logits move 6% towards the previous sample's context (docs/platform-notes.md). Rowwise takes no
+        # FSDP float8 all-gather, which only made weights that safetensors cannot save; fp8 runs unsharded.
+        # pad_inner_dim: a micro-batch's token count is rarely a multiple of 16, and the weight gradient's
+        # matmul runs over tokens.
+        rowwise = dataclasses.replace(Float8LinearConfig.from_recipe_name("rowwise"), pad_inner_dim=True)
+        handlers.append(AORecipeKwargs(config=rowwise))
+    return Accelerator(mixed_precision=mp, cpu=not cuda, log_with=list(cfg.logging.report_to) or None, project_dir=cfg.train.output_dir,
+                       kwargs_handlers=handlers)
 
 
 def launcher_strategy(cfg: RunConfig) -> str | None:
