@@ -19,7 +19,7 @@ def build_model(out: Path, layers: int, hidden: int, dtype: str = "float32", voc
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from finetune.demo import build_tokenizer
+    from finetune.model.tiny import build_tokenizer
 
     texts = [json.loads(line)["text"] for line in (DATA / "corpus.jsonl").read_text().splitlines()[:1500]]
     tok = build_tokenizer(texts)

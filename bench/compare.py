@@ -96,8 +96,9 @@ def prepare(work: Path, sizes: Sizes) -> dict:
     sys.path.insert(0, str(REPO))
     from transformers import AutoTokenizer
 
+    from finetune.data.encoding import tokenize_row
     from finetune.data.packing import pack
-    from finetune.data.rows import IGNORE, tokenize_row
+    from finetune.data.rows import IGNORE
 
     model = work / "model"
     if not (model / "config.json").exists():

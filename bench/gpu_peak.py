@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench/gpu_peak.py: needs a CUDA GPU (it reads the CUDA allocator's history)")
-    from finetune.config.schema import load_config
+    from finetune.config.files import load_config
     from finetune.train import run
 
     cfg = load_config(args.config, args.set)

@@ -63,7 +63,7 @@ def build(folder: Path) -> Path:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from finetune.demo import build_tokenizer
+    from finetune.model.tiny import build_tokenizer
 
     texts = [json.loads(line)["text"] for line in (DATA / "corpus.jsonl").read_text().splitlines()[:1500]]
     tok = build_tokenizer(texts)

@@ -97,7 +97,7 @@ def main() -> None:
     args = p.parse_args()
     from transformers import AutoConfig
 
-    from finetune.config.schema import load_config
+    from finetune.config.files import load_config
 
     cfg = load_config(args.config)
     rank, vocab = cfg.adapter.r, AutoConfig.from_pretrained(cfg.model.name_or_path).vocab_size

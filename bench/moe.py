@@ -53,7 +53,7 @@ def model(name: str) -> Path:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from finetune.demo import build_tokenizer
+    from finetune.model.tiny import build_tokenizer
 
     out = CACHE / name
     if not (out / "config.json").is_file():

@@ -48,8 +48,9 @@ def build(work: Path) -> None:
     from transformers import AutoModelForImageTextToText, AutoTokenizer
 
     from finetune.config.schema import ModelConfig
-    from finetune.demo import CORPUS, build_tokenizer, build_vision_model, draw_pictures
+    from finetune.demo import CORPUS, draw_pictures
     from finetune.model import vision
+    from finetune.model.tiny import build_tokenizer, build_vision_model
 
     texts = [json.loads(line)["text"] for line in (REPO / CORPUS).read_text().splitlines()[:400]]
     build_tokenizer(texts).save_pretrained(work / "tok")

@@ -4,7 +4,7 @@ config.json files in docs/examples/ alone (no weights, no GPU); seconds.
 
 Per device: weights, gradients and optimizer states (on the GPU, or in CPU RAM where offloaded),
 activations at 4k and 32k tokens a row (gradient checkpointing on, micro-batch 1), the total at 4k, and
-the step time predicted from FLOPs per token at the stated MFU and collective bandwidth (plan.step_time;
+the step time predicted from FLOPs per token at the stated MFU and collective bandwidth (steptime.step_time;
 16 rows of 4k tokens per device per step).
 
 usage: python bench/plan_table.py   (results: bench/results/plan.md)
@@ -17,8 +17,9 @@ import sys
 from common import REPO, report
 
 sys.path.insert(0, str(REPO))
-from finetune.config.schema import load_config  # noqa: E402
-from finetune.outputs.plan import GiB, checked_plan, step_time  # noqa: E402
+from finetune.config.files import load_config
+from finetune.outputs.plan import GiB, checked_plan
+from finetune.outputs.steptime import step_time
 
 # name, preset, model config, overrides, devices, strategy, GPU memory (GiB), peak TFLOP/s, MFU, bandwidth (GB/s), the hardware
 JOBS = [

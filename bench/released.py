@@ -32,7 +32,7 @@ RUNS = {"qwen2.5-0.5b": {}, "qwen3-0.6b": {}, "llama-3.2-1b": {}, "gemma-3-1b": 
 def model(name: str) -> Path:
     from transformers import AutoConfig, AutoTokenizer
 
-    from finetune.demo import write_random_model
+    from finetune.model.tiny import write_random_model
 
     out = CACHE / name
     if not (out / "config.json").is_file():

@@ -25,8 +25,9 @@ from common import REPO, cpu_name, head_commit, report
 
 sys.path.insert(0, str(REPO))
 from finetune.config.schema import validate_config  # noqa: E402
-from finetune.outputs.plan import GiB, make_plan, step_time  # noqa: E402
+from finetune.outputs.plan import GiB, make_plan
 from finetune.outputs.simulate import NOT_TENSORS  # noqa: E402
+from finetune.outputs.steptime import step_time
 
 MODELS = {"llama-3.1-8b": "Llama-3.1-8B", "llama-2-70b": "Llama-2-70B", "qwen2.5-72b": "Qwen2.5-72B", "llama-3.1-405b": "Llama-3.1-405B"}
 METHODS = ("lora", "full", "qlora")  # QLoRA last: quantizing fake layers takes the longest

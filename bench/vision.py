@@ -33,7 +33,8 @@ def prepare(work: Path) -> None:
     """The model and the rows, once."""
     from transformers import AutoTokenizer
 
-    from finetune.demo import CORPUS, build_tokenizer, build_vision_model, draw_pictures
+    from finetune.demo import CORPUS, draw_pictures
+    from finetune.model.tiny import build_tokenizer, build_vision_model
 
     if (work / "rows.jsonl").is_file():
         return

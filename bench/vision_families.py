@@ -1,6 +1,6 @@
 """Vision-language families: is finetune's loss the model's own, and do rows with pictures pack exactly?
 
-Each family is built tiny from its transformers config (random weights; finetune/demo.py: the demo tokenizer
+Each family is built tiny from its transformers config (random weights; finetune/model/tiny.py: the demo tokenizer
 given the family's picture tokens, 56 x 56 pictures), its rows of pictures tokenized by the data step. Per family:
 
   own forward    finetune's loss (the fused head on the language model's hidden states, at the trained positions)
@@ -33,7 +33,8 @@ def build(work: Path, tower: str) -> tuple[Path, Path]:
     """A tiny model of the family and 24 rows about pictures: (model folder, rows file)."""
     from transformers import AutoTokenizer
 
-    from finetune.demo import CORPUS, build_tokenizer, build_vision_model, draw_pictures
+    from finetune.demo import CORPUS, draw_pictures
+    from finetune.model.tiny import build_tokenizer, build_vision_model
 
     texts = [json.loads(line)["text"] for line in (REPO / CORPUS).read_text().splitlines()[:400]]
     build_tokenizer(texts).save_pretrained(work / "tok")

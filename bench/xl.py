@@ -60,7 +60,7 @@ def build(folder: Path) -> Path:
     if not (folder / "model.safetensors.index.json").is_file():
         from transformers import LlamaConfig
 
-        from finetune.demo import byte_level_bpe, write_random_model
+        from finetune.model.tiny import byte_level_bpe, write_random_model
 
         tok = byte_level_bpe([json.loads(line)["text"] for line in (DATA / "corpus.jsonl").read_text().splitlines()], SHAPE["vocab_size"])
         config = LlamaConfig(**SHAPE, max_position_embeddings=8192, rope_parameters={"rope_theta": 500000.0, "rope_type": "default"},

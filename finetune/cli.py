@@ -239,7 +239,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def resolve_config(args: argparse.Namespace, check_paths: bool = True):
-    from finetune.config.schema import load_config
+    from finetune.config.files import load_config
 
     overrides = list(args.overrides)
     for flag, key in SHORTHANDS.items():
@@ -275,7 +275,7 @@ def train(args: argparse.Namespace) -> None:
 
 
 def validate(args: argparse.Namespace) -> None:
-    from finetune.config.schema import to_yaml
+    from finetune.config.files import to_yaml
     from finetune.run import preflight
 
     cfg = resolve_config(args)
@@ -300,7 +300,7 @@ def data(args: argparse.Namespace) -> None:
 
 
 def plan(args: argparse.Namespace) -> None:
-    from finetune.outputs import plan
+    from finetune.outputs import plan, steptime
     from finetune.run import preflight
 
     cfg = resolve_config(args, check_paths=False)  # a plan reads the model's shape alone
@@ -316,7 +316,7 @@ def plan(args: argparse.Namespace) -> None:
         raise UserError(f"--mfu {args.mfu:g}: expected a share of the peak, above 0 and at most 1")
     if args.tflops:
         bandwidth = plan.parse_size(args.bandwidth, "--bandwidth") if args.bandwidth else 0.0
-        print(plan.render_time(plan.step_time(cfg, result.setup, args.tflops, args.mfu, bandwidth), args.tflops, args.mfu, bandwidth))
+        print(steptime.render_time(steptime.step_time(cfg, result.setup, args.tflops, args.mfu, bandwidth), args.tflops, args.mfu, bandwidth))
     if args.simulate:
         from finetune.outputs import simulate
 
@@ -325,7 +325,7 @@ def plan(args: argparse.Namespace) -> None:
         raw = cfg.model_dump()
         raw["distributed"]["strategy"], raw["train"]["grad_accum"] = result.setup.strategy, 1
         cfg = validate_config(raw, "plan --simulate", check_paths=False)
-        print(simulate.render(simulate.simulate(cfg, args.gpus), result, plan.step_time(cfg, result.setup, 1.0, 1.0, 0.0).comm_bytes))
+        print(simulate.render(simulate.simulate(cfg, args.gpus), result, steptime.step_time(cfg, result.setup, 1.0, 1.0, 0.0).comm_bytes))
 
 
 def stage(args: argparse.Namespace) -> None:
@@ -424,7 +424,7 @@ def eval_tasks(args: argparse.Namespace) -> None:
 
 
 def configs(args: argparse.Namespace) -> None:
-    from finetune.config.schema import shipped_configs
+    from finetune.config.files import shipped_configs
 
     for name, about in shipped_configs():
         print(f"{name:<34} {about}")
@@ -437,7 +437,8 @@ def make_vision_demo(args: argparse.Namespace) -> None:
 
 
 def make_demo_model(args: argparse.Namespace) -> None:
-    from finetune.demo import MODEL_SHAPE, make_demo_model, student_shape
+    from finetune.demo import make_demo_model
+    from finetune.model.tiny import MODEL_SHAPE, student_shape
 
     shape = None
     if args.hidden_size or args.layers:

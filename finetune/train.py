@@ -30,7 +30,8 @@ import torch
 from finetune.checkpoint.locks import hold_output_dir, release_output_dir
 from finetune.checkpoint.resume import starting_point
 from finetune.config import faults
-from finetune.config.schema import CONFIG_FILE, RunConfig, to_yaml
+from finetune.config.files import to_yaml
+from finetune.config.schema import CONFIG_FILE, RunConfig
 from finetune.model.loading import adapter_input_casting_off
 from finetune.outputs.finish import finish
 from finetune.parallel import runtime

@@ -248,7 +248,7 @@ def once(tmp_path_factory, name: str, build) -> Path:
 
 @pytest.fixture(scope="session")
 def demo_tokenizer_dir(tmp_path_factory) -> Path:
-    from finetune.demo import build_tokenizer
+    from finetune.model.tiny import build_tokenizer
 
     texts = [json.loads(line)["text"] for line in (DEMO_DATA / "corpus.jsonl").read_text().splitlines()[:1500]]
     return once(tmp_path_factory, "tokenizer", build_tokenizer(texts).save_pretrained)
@@ -333,7 +333,7 @@ def build_bpe_model(out: Path, corpus_rows: list[str], steps: int = 300) -> Path
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from finetune.config.schema import validate_config
-    from finetune.demo import byte_level_bpe
+    from finetune.model.tiny import byte_level_bpe
     from finetune.train import run
 
     tokenizer = byte_level_bpe([json.loads(row)["text"] for row in corpus_rows], 4096, fill=False)
@@ -468,8 +468,9 @@ def packed_batch(model_dir):
     """Six alpaca rows packed into two rows of a batch (the shorter one padded), prompts masked."""
     from transformers import AutoTokenizer
 
+    from finetune.data.encoding import tokenize_row
     from finetune.data.packing import Row, collate
-    from finetune.data.rows import IGNORE, tokenize_row
+    from finetune.data.rows import IGNORE
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     rows = [{"instruction": "What kind of word is this?", "input": w, "output": k}

@@ -148,7 +148,7 @@ def build_vision(name: str, out: Path, seed: int = 0) -> Path:
     import torch
     from transformers import AutoModelForImageTextToText, AutoTokenizer
 
-    from finetune.demo import write_qwen_vl_processor
+    from finetune.model.tiny import write_qwen_vl_processor
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir(VISION_SHAPES[name]))
     tokenizer.chat_template = QWEN_VL_TEMPLATE

@@ -393,7 +393,7 @@ def test_a_broken_environment_is_one_line_exit_2(tmp_path, tiny_model_dir, case)
 
 
 def test_the_agent_demo_config_validates_and_its_environment_scores(tmp_path):
-    from finetune.config.schema import load_config
+    from finetune.config.files import load_config
 
     cfg = load_config(REPO / "configs" / "agent.yaml", check_model=False, check_paths=False)
     assert cfg.grpo.environment and cfg.train.objective == "grpo"
@@ -418,7 +418,7 @@ def test_the_agent_demo_config_validates_and_its_environment_scores(tmp_path):
 
 
 def test_the_guessing_demo_plays_by_the_rules_and_its_configs_validate():
-    from finetune.config.schema import load_config
+    from finetune.config.files import load_config
 
     sft = load_config(REPO / "configs" / "agent-guess-sft.yaml", check_model=False, check_paths=False)
     grpo = load_config(REPO / "configs" / "agent-guess.yaml", check_model=False, check_paths=False)

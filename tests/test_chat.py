@@ -10,7 +10,7 @@ from transformers import AutoTokenizer
 from finetune.config.errors import UserError
 from finetune.config.schema import CHAT_TEMPLATES
 from finetune.data.chat import BUILTIN, assistant_mask, choose_template, ends_turns
-from finetune.data.rows import tokenize_row
+from finetune.data.encoding import tokenize_row
 
 # Qwen3's rule, written small: the <think> block of an answer is rendered only after the last user
 # turn; past answers lose theirs (their content is cut at </think>).
@@ -158,7 +158,8 @@ TOOL_ROW = {
 def test_tool_calls_are_trained_and_tool_results_and_schemas_are_not(tok):
     """OpenAI-style tool calls through the built-in chatml: the call (as Qwen's <tool_call> JSON) and the
     final answer are what the assistant writes; the tool's result and the tool schemas are context."""
-    from finetune.data.rows import canonical, tokenize_rows
+    from finetune.data.encoding import tokenize_rows
+    from finetune.data.rows import canonical
 
     choose_template(tok, "chatml", "chat", say=lambda _: None)
     row, problem = canonical(TOOL_ROW, "chat")

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from finetune.checkpoint import store
-from finetune.config.schema import config_changes, validate_config
+from finetune.checkpoint.resume import config_changes
+from finetune.config.schema import validate_config
 
 
 def _write(root, step: int, good: bool = True, best: list | None = None, keep_last: int = 100):
@@ -111,7 +112,8 @@ def test_a_resume_accepts_changes_of_how_the_run_goes_on_and_names_those_of_what
 
 
 def test_a_resume_at_another_process_count_keeps_the_global_batch_or_says_why_it_cannot(tmp_path, run_config):
-    from finetune.config.schema import CONFIG_FILE, to_yaml
+    from finetune.config.files import to_yaml
+    from finetune.config.schema import CONFIG_FILE
     from finetune.run.elastic import BatchUnreachable, batch_for_world
 
     raw, _ = run_config

@@ -94,10 +94,10 @@ def test_every_command_has_help(capsys):
 
 
 def test_the_configuration_reference_matches_the_schema():
-    from finetune.config.schema import reference_markdown
+    from finetune.config.reference import reference_markdown
 
     readme = (REPO / "docs" / "configuration.md").read_text()
     start, end = "<!-- config-reference:start -->\n", "<!-- config-reference:end -->"
     assert readme[readme.index(start) + len(start) : readme.index(end)].strip() == reference_markdown().strip(), (
-        "docs/configuration.md is stale: regenerate it from finetune.config.schema.reference_markdown()"
+        "docs/configuration.md is stale: regenerate it from finetune.config.reference.reference_markdown()"
     )

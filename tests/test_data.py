@@ -16,8 +16,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from finetune.config.errors import UserError
 from finetune.config.schema import DataConfig
 from finetune.data.datasets import load_data
+from finetune.data.encoding import tokenize_row
 from finetune.data.packing import Row, collate, epoch_batches, pack
-from finetune.data.rows import IGNORE, Skipped, checked_rows, tokenize_row
+from finetune.data.readers import Skipped, checked_rows
+from finetune.data.rows import IGNORE
 
 
 @pytest.fixture(scope="module")

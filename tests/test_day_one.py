@@ -19,7 +19,8 @@ from safetensors.torch import load_file
 
 from finetune.cli import main
 from finetune.config.errors import UserError
-from finetune.config.schema import SHIPPED_CONFIGS, TrainConfig, load_config, validate_config
+from finetune.config.files import SHIPPED_CONFIGS, load_config
+from finetune.config.schema import TrainConfig, validate_config
 from finetune.train import run
 
 

@@ -142,7 +142,7 @@ def test_a_longer_context_than_gpt2s_position_table_is_refused(family_dirs, tmp_
     """GPT-2 names its context n_positions: a longer data.max_seq_len is refused before anything loads,
     not met as an index error in the position embedding."""
     from finetune.config.errors import UserError
-    from finetune.config.schema import check_against_model
+    from finetune.config.files import check_against_model
 
     cfg = validate_config(base_config(family_dirs("gpt2"), tmp_path, data={"max_seq_len": 1024}), "c.yaml")
     with pytest.raises(UserError, match=r"^c.yaml: data.max_seq_len: 1024 is larger than the model's n_positions \(512\)$"):
@@ -282,7 +282,7 @@ def test_the_4bit_load_reads_what_transformers_reads_from_the_folder(family_dirs
 def test_plan_counts_published_models():
     """Totals for the shapes of real checkpoints (docs/examples/*/config.json) equal their published
     parameter counts; Mixtral 8x7B is 46.7B parameters with 12.9B active per token."""
-    from finetune.outputs.plan import read_shape
+    from finetune.outputs.shape import read_shape
 
     published = {"mixtral-8x7b": (46_702_792_704, 12_879_925_248), "qwen3-30b-a3b": (30_532_122_624, 3_353_032_704),
                  "llama-3.1-8b": (8_030_261_248, None), "qwen2.5-7b": (7_615_616_512, None), "gemma-2-9b": (9_241_705_984, None),

@@ -338,7 +338,7 @@ def wide_model_dir(tmp_path_factory, demo_tokenizer_dir):
     heads): what a long row costs a layer, at a size whose steps take a second."""
     from transformers import AutoTokenizer, LlamaConfig
 
-    from finetune.demo import write_random_model
+    from finetune.model.tiny import write_random_model
 
     tok = AutoTokenizer.from_pretrained(demo_tokenizer_dir)
     config = LlamaConfig(vocab_size=len(tok), hidden_size=2048, intermediate_size=5632, num_hidden_layers=2, num_attention_heads=32,

@@ -8,7 +8,8 @@ import pytest
 from conftest import REPO, base_config, finetune_cli, run_cli, write_config
 from safetensors.torch import load_file
 
-from finetune.config.schema import load_config, validate_config
+from finetune.config.files import load_config
+from finetune.config.schema import validate_config
 from finetune.outputs.plan import GiB, make_plan
 
 N_LINEAR = 32 * (4 * 4096 * 4096 + 3 * 4096 * 11008)  # q, k, v, o + gate, up, down
@@ -106,7 +107,7 @@ def test_step_time_counts_flops_per_token_and_the_collectives_by_hand():
     forward and backward and reduce-scatters the gradients: 7/8 of each."""
     from dataclasses import replace
 
-    from finetune.outputs.plan import step_time
+    from finetune.outputs.steptime import step_time
 
     cfg = load_config(REPO / "docs/examples/plan-7b-full.yaml", check_model=False, overrides=["train.grad_accum=4"])
     one = make_plan(cfg).setup
@@ -251,7 +252,8 @@ def test_zero3_gathers_a_quantized_base_as_it_is_held():
     gathers those (at 8B the 16-bit root the plan assumed was 2.1 GB short of what a rank held)."""
     from dataclasses import replace as with_
 
-    from finetune.outputs.plan import gathered_weights, read_shape
+    from finetune.outputs.plan import gathered_weights
+    from finetune.outputs.shape import read_shape
 
     cfg = load_config(REPO / "docs/examples/plan-7b-qlora.yaml", check_model=False)
     plan = make_plan(cfg, devices=2, strategy="zero3")
@@ -269,8 +271,10 @@ def test_a_simulated_fsdp_step_moves_the_bytes_the_plan_counts(tmp_path, tiny_mo
     """`finetune plan --simulate`: rank 0 of 2 FSDP2 processes takes finetune's own step on fake tensors; the
     collectives it calls move what the planner's formula says (weights gathered forward and backward, the
     trained gradients reduce-scattered), and it holds half the weights."""
-    from finetune.outputs.plan import read_shape, setup_from_config, step_time, trainable_params
+    from finetune.outputs.plan import setup_from_config, trainable_params
+    from finetune.outputs.shape import read_shape
     from finetune.outputs.simulate import simulate
+    from finetune.outputs.steptime import step_time
 
     raw = {"model": {"name_or_path": str(tiny_model_dir)}, "data": {"train": "unused.jsonl", "max_seq_len": 256},
            "adapter": {"method": method}, "train": {"output_dir": str(tmp_path / "out"), "micro_batch_size": 2}, "distributed": {"strategy": "fsdp"}}

@@ -10,7 +10,7 @@ from released import tokenizer_dir
 from transformers import AutoTokenizer
 
 from finetune.data.chat import choose_template
-from finetune.data.rows import tokenize_pairs, tokenize_rows
+from finetune.data.encoding import tokenize_pairs, tokenize_rows
 
 CONVERSATION = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?"},
                 {"role": "assistant", "content": "4"}, {"role": "user", "content": "And 3+3?"}, {"role": "assistant", "content": "6, of course."}]
@@ -140,7 +140,7 @@ def test_a_released_shape_trains_merges_and_answers_as_transformers_does(tmp_pat
 def test_grpo_prompts_are_the_templates_generation_prompt(tokenizers, family):
     """A GRPO prompt of chat messages is sampled after what transformers' apply_chat_template gives with the
     generation prompt (Llama 3's assistant header, Qwen3's `<|im_start|>assistant`, Gemma 3's `<start_of_turn>model`)."""
-    from finetune.data.rows import tokenize_prompts
+    from finetune.data.encoding import tokenize_prompts
 
     tokenizer = tokenizers(family)
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?"}] if family != "gemma3" else \

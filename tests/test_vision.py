@@ -2,7 +2,7 @@
 gradients of the model's own forward, LoRA on the language model only, DDP = one process, kill -9 and
 resume, bad picture rows in one line, merge and generate with a picture. Tiny LLaVAs (a CLIP and a SigLIP
 tower), a Gemma 3, an Idefics3, a SmolVLM2, an Mllama, a Qwen2-VL and a Qwen2.5-VL with the demo tokenizer given each
-family's picture tokens (finetune/demo.py), and a released-shape Qwen2.5-VL with Qwen's own tokenizer (released.py)."""
+family's picture tokens (finetune/model/tiny.py), and a released-shape Qwen2.5-VL with Qwen's own tokenizer (released.py)."""
 
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ def llava(tmp_path_factory):
     """tower ("clip" or "siglip") -> a tiny LLaVA folder, built once."""
     from transformers import AutoTokenizer
 
-    from finetune.demo import build_tokenizer, build_vision_model
+    from finetune.model.tiny import build_tokenizer, build_vision_model
 
     def get(tower: str):
         def build(folder):
@@ -481,13 +481,14 @@ def test_plan_counts_a_released_vision_models_tower(tmp_path, picture_data, name
     follow model.processor's picture size."""
     from finetune.config.schema import RunConfig
     from finetune.outputs import plan
+    from finetune.outputs import shape as shapes
 
     config = {"model": {"name_or_path": str(REPO / "docs" / "examples" / name), "dtype": "bfloat16"}, "adapter": {"method": "lora", "r": 16},
               "data": {"train": str(picture_data), "format": "chat", "max_seq_len": 2048, "packing": False},
               "train": {"output_dir": str(tmp_path / "out"), "micro_batch_size": 1, "gradient_checkpointing": True}}
     made = plan.make_plan(RunConfig.model_validate(config))
     assert made.total_params == published
-    shape = plan.read_shape(config["model"]["name_or_path"])
+    shape = shapes.read_shape(config["model"]["name_or_path"])
     language = published - shape.vision.params
     assert made.trainable == plan.trainable_params(shape, RunConfig.model_validate(config)) and made.trainable < language * 0.01
     assert made.rows["vision tower + projector"] == shape.vision.params * 2
@@ -521,7 +522,7 @@ def test_openai_image_url_parts_and_parquet_bytes_read_as_paths_do(tmp_path, pic
     import pyarrow.parquet as pq
 
     from finetune.data.images import read
-    from finetune.data.rows import Skipped, checked_rows
+    from finetune.data.readers import Skipped, checked_rows
 
     picture = picture_data.parent / "img" / "00000.png"
     uri = "data:image/png;base64," + base64.b64encode(picture.read_bytes()).decode()
@@ -565,7 +566,7 @@ def test_a_saved_dataset_with_image_features_reads_its_pictures_bytes(tmp_path, 
     import datasets
 
     from finetune.data.images import read
-    from finetune.data.rows import Skipped, checked_rows
+    from finetune.data.readers import Skipped, checked_rows
 
     picture = picture_data.parent / "img" / "00000.png"
     features = datasets.Features({"images": datasets.List(datasets.Image()),
@@ -817,9 +818,9 @@ def test_dpo_on_pictures_equals_trls_loss(tmp_path, llava, picture_pairs):
 
     from finetune.config.schema import DataConfig, ModelConfig, PreferenceConfig
     from finetune.data.datasets import load_data
-    from finetune.demo import VISION_TEMPLATE
     from finetune.model import vision
     from finetune.model.loading import load_tokenizer
+    from finetune.model.tiny import VISION_TEMPLATE
     from finetune.objectives.loss import to_device
     from finetune.objectives.objective import Preference
 

@@ -22,7 +22,7 @@ SHARD_BYTES = 10**9
 def wide_model_dir(tmp_path_factory):
     from transformers import LlamaConfig
 
-    from finetune.demo import byte_level_bpe, write_random_model
+    from finetune.model.tiny import byte_level_bpe, write_random_model
 
     texts = [json.loads(line)["text"] for line in (DEMO_DATA / "corpus.jsonl").read_text().splitlines()[:1500]]
     tok = byte_level_bpe(texts, 128256)
@@ -135,7 +135,7 @@ def test_a_random_model_with_a_tied_head_loads_tied(tmp_path, demo_tokenizer_dir
     the head would load untied (transformers keeps both), and the model would be another, larger one."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
-    from finetune.demo import write_random_model
+    from finetune.model.tiny import write_random_model
 
     tok = AutoTokenizer.from_pretrained(demo_tokenizer_dir)
     config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2, vocab_size=len(tok), tie_word_embeddings=True)

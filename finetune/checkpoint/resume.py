@@ -15,9 +15,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from pydantic import ValidationError
+
 from finetune.checkpoint import store
 from finetune.config.errors import EXIT_DIVERGED, Stopped, UserError
-from finetune.config.schema import CONFIG_FILE, RunConfig, to_yaml
+from finetune.config.files import to_yaml
+from finetune.config.schema import CONFIG_FILE, RunConfig, flatten
 
 
 @dataclass
@@ -93,8 +96,6 @@ def config_change(path: Path, cfg: RunConfig) -> list[tuple[str, str]]:
     new LR or clipping then wins over the checkpoint's). The event saying what changed, if anything."""
     import yaml
 
-    from finetune.config.schema import config_changes
-
     breaking, harmless = config_changes(yaml.safe_load((path / CONFIG_FILE).read_text()) or {}, cfg)
     if breaking and not cfg.checkpoint.allow_config_change:
         raise UserError(f"checkpoint.resume: {path} was written with a different config: {'; '.join(breaking[:4])}. "
@@ -146,3 +147,31 @@ def record_start(output_dir: str | Path, step: int, config_yaml: str, count: int
 
 def clear_starts(output_dir: str | Path) -> None:
     starts_file(output_dir).unlink(missing_ok=True)
+
+
+# Settings that may differ between a checkpoint and the run resuming it: how the run is observed,
+# how long it goes on, how it is spread, and the knobs OPT's and PaLM's teams turned when they
+# restarted by hand. Anything else (model, adapter, data, seed, optimizer) changes what is trained.
+CHANGEABLE_ON_RESUME = (
+    "logging.", "eval.", "checkpoint.", "model.ramdisk", "guard.", "watchdog.", "distributed.", "data.cache_dir", "data.num_proc", "data.tokenize_wait_minutes",
+    "train.output_dir", "train.max_steps", "train.epochs", "train.lr", "train.warmup_", "train.scheduler", "train.min_lr_ratio", "train.decay_ratio",
+    "train.max_grad_norm", "train.skip_data",
+    # Batch shape: resuming at another world size (DCP reshards) means another micro-batch/accumulation.
+    "train.micro_batch_size", "train.grad_accum",
+)
+
+
+def config_changes(saved: dict, cfg: RunConfig) -> tuple[list[str], list[str]]:
+    """(changes that alter what is trained, harmless changes) from a checkpoint's config to this one. A setting the
+    checkpoint's version of finetune did not have takes its default, which is how that version ran."""
+    try:
+        saved = RunConfig.model_validate(saved).model_dump(mode="json")
+    except ValidationError:  # a setting since renamed or removed: compared as written (it shows as a change)
+        pass
+    old, new = flatten(saved), flatten(cfg.model_dump(mode="json"))
+    breaking, harmless = [], []
+    for key in sorted(set(old) | set(new)):
+        if old.get(key) != new.get(key):
+            line = f"{key}: {json.dumps(old.get(key))} -> {json.dumps(new.get(key))}"
+            (harmless if key.startswith(CHANGEABLE_ON_RESUME) else breaking).append(line)
+    return breaking, harmless

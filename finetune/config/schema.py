@@ -1,19 +1,18 @@
 """The run configuration: one typed schema, the single source of truth for every option and default.
 
-A run is described by one YAML file. `load_config` reads it, applies `--set key=value` overrides,
-validates everything that can be checked without loading a model, and returns a `RunConfig`.
-Every problem becomes a `UserError` that names the file and key and what was expected.
+A run is described by one YAML file (read by config/files.load_config). `validate_config` checks
+everything that can be checked without loading a model, the rules between sections included, and
+returns a `RunConfig`; every problem becomes a `UserError` that names the file and key and what was
+expected.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import re
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, ValidationInfo, field_validator, model_validator
 
 from finetune.config.errors import UserError
@@ -627,139 +626,6 @@ def data_sources(value, data: DataConfig) -> list[SourceConfig]:
 # Loading, overrides and errors
 
 
-def parse_override(item: str) -> tuple[list[str], Any]:
-    """`train.lr=1e-4` -> (['train', 'lr'], 1e-4). The value is parsed as YAML, so types come out right."""
-    if "=" not in item:
-        raise UserError(f"--set {item}: expected KEY=VALUE, e.g. --set train.lr=1e-4")
-    key, raw = item.split("=", 1)
-    keys = key.strip().split(".")
-    if not all(k.strip() for k in keys):
-        raise UserError(f"--set {item}: the key is empty (expected KEY=VALUE, e.g. --set train.lr=1e-4)")
-    try:
-        return keys, yaml.safe_load(raw) if raw.strip() else None
-    except yaml.YAMLError as err:
-        raise UserError(f"--set {item}: not a plain YAML value ({getattr(err, 'problem', None) or str(err).splitlines()[0]})") from None
-
-
-def apply_override(raw: dict, keys: list[str], value: Any, source: str) -> None:
-    node = raw
-    for k in keys[:-1]:
-        child = node.setdefault(k, {})
-        if not isinstance(child, dict):
-            raise UserError(f"{source}: {'.'.join(keys)}: {k} is not a section")
-        node = child
-    node[keys[-1]] = value
-
-
-# Settings that may differ between a checkpoint and the run resuming it: how the run is observed,
-# how long it goes on, how it is spread, and the knobs OPT's and PaLM's teams turned when they
-# restarted by hand. Anything else (model, adapter, data, seed, optimizer) changes what is trained.
-CHANGEABLE_ON_RESUME = (
-    "logging.", "eval.", "checkpoint.", "model.ramdisk", "guard.", "watchdog.", "distributed.", "data.cache_dir", "data.num_proc", "data.tokenize_wait_minutes",
-    "train.output_dir", "train.max_steps", "train.epochs", "train.lr", "train.warmup_", "train.scheduler", "train.min_lr_ratio", "train.decay_ratio",
-    "train.max_grad_norm", "train.skip_data",
-    # Batch shape: resuming at another world size (DCP reshards) means another micro-batch/accumulation.
-    "train.micro_batch_size", "train.grad_accum",
-)
-
-
-def config_changes(saved: dict, cfg: RunConfig) -> tuple[list[str], list[str]]:
-    """(changes that alter what is trained, harmless changes) from a checkpoint's config to this one. A setting the
-    checkpoint's version of finetune did not have takes its default, which is how that version ran."""
-    try:
-        saved = RunConfig.model_validate(saved).model_dump(mode="json")
-    except ValidationError:  # a setting since renamed or removed: compared as written (it shows as a change)
-        pass
-    old, new = flatten(saved), flatten(cfg.model_dump(mode="json"))
-    breaking, harmless = [], []
-    for key in sorted(set(old) | set(new)):
-        if old.get(key) != new.get(key):
-            line = f"{key}: {json.dumps(old.get(key))} -> {json.dumps(new.get(key))}"
-            (harmless if key.startswith(CHANGEABLE_ON_RESUME) else breaking).append(line)
-    return breaking, harmless
-
-
-def flatten(tree: dict, prefix: str = "") -> dict:
-    flat = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            flat.update(flatten(value, f"{prefix}{key}."))
-        else:
-            flat[prefix + key] = value
-    return flat
-
-
-# The repository's configs/, beside the package: a source checkout (or an editable install) has them; a wheel carries the
-# package alone, and then a config is named by its path (NO_SHIPPED_CONFIGS says so).
-SHIPPED_CONFIGS = Path(__file__).resolve().parents[2] / "configs"
-NO_SHIPPED_CONFIGS = (f"this finetune has no shipped configs ({SHIPPED_CONFIGS} is missing: a wheel carries the package alone); "
-                      "give a config file's path, or install from a clone of the repository (pip install -e .)")
-
-
-def find_config(name: str | os.PathLike) -> Path:
-    """A config file by path, or by the name of a shipped config (`qlora`, `qlora.yaml`, `llama3-8b`):
-    configs/ and then configs/presets/, as torchtune resolves its built-in config names."""
-    path = Path(name)
-    if path.is_file() or path.parent != Path("."):
-        return path
-    for folder in (SHIPPED_CONFIGS, SHIPPED_CONFIGS / "presets"):
-        for candidate in (folder / path.name, folder / f"{path.name}.yaml"):
-            if candidate.is_file():
-                return candidate
-    return path
-
-
-def shipped_configs() -> list[tuple[str, str]]:
-    """(name, the first line of its opening comment) of every shipped config, for `finetune configs`."""
-    if not SHIPPED_CONFIGS.is_dir():
-        raise UserError(f"finetune configs: {NO_SHIPPED_CONFIGS}")
-    found = []
-    for folder in (SHIPPED_CONFIGS, SHIPPED_CONFIGS / "presets"):
-        for path in sorted(folder.glob("*.yaml")):
-            found.append((str(path.relative_to(SHIPPED_CONFIGS.parent)), _first_sentence(path)))
-    return found
-
-
-def _first_sentence(path: Path) -> str:
-    """A shipped config's opening comment (before its example commands), up to the first full stop."""
-    words = []
-    for line in path.read_text().splitlines():
-        if not line.startswith("#") or line.startswith("#  "):
-            break
-        words.append(line.lstrip("#").strip())
-    text = " ".join(words)
-    return text.split(". ", 1)[0].rstrip(".")
-
-
-def load_config(path: str | os.PathLike, overrides: list[str] = (), check_model: bool = True, check_paths: bool = True) -> RunConfig:
-    """Read, override and validate a run config. Raises UserError with one line on any problem.
-    check_paths: False where data, template and resume paths need not exist from here (a run's saved
-    config read back; a plan)."""
-    path = find_config(path)
-    if not path.is_file():
-        hint = "" if path.parent != Path(".") else (" (nor a shipped config: finetune configs lists them)" if SHIPPED_CONFIGS.is_dir()
-                                                    else f"; {NO_SHIPPED_CONFIGS}")
-        raise UserError(f"{path}: config file not found{hint}")
-    try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-    except UnicodeDecodeError:
-        raise UserError(f"{path}: not UTF-8 text") from None
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        where = f":{mark.line + 1}" if mark else ""
-        raise UserError(f"{path}{where}: not valid YAML ({getattr(err, 'problem', err)})") from None
-    if not isinstance(raw, dict):
-        raise UserError(f"{path}: expected a mapping of sections (model, adapter, data, train, ...)")
-    for item in overrides:
-        keys, value = parse_override(item)
-        apply_override(raw, keys, value, f"--set {item}")
-    # Relative data and model paths are relative to the working directory, as users type them.
-    cfg = validate_config(raw, str(path), check_paths)
-    if check_model:
-        check_against_model(cfg, str(path))
-    return cfg
-
-
 def validate_config(raw: dict, source: str, check_paths: bool = True) -> RunConfig:
     try:
         return RunConfig.model_validate(raw, context={"check_paths": check_paths})
@@ -786,68 +652,12 @@ def _describe(err: ValidationError) -> str:
 _UNION_TAG = re.compile(r"^(str|int|float|bool|list\[.*\]|dict\[.*\]|tuple\[.*\]|[A-Z]\w*Config)$")  # a union branch's name in a location
 
 
-# Where a config.json gives the longest sequence: most families, GPT-2/GPT-J/CodeGen/GPT-BigCode, MPT.
-# ALiBi models (Bloom) have no limit to give.
-CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len")
-
-
-def check_against_model(cfg: RunConfig, source: str) -> None:
-    """Checks that need the model's config.json (read as JSON: no weights, no transformers import)."""
-    model_dir = Path(cfg.model.name_or_path).expanduser()
-    if not model_dir.exists():
-        if looks_local(cfg.model.name_or_path):
-            raise UserError(f"{source}: model.name_or_path: folder not found: {cfg.model.name_or_path}")
-        return  # a hub id: checked when it is loaded
-    model_cfg = read_model_config(model_dir, f"{source}: model.name_or_path")
-    model_cfg = {**(model_cfg.get("text_config") or model_cfg), **cfg.model.config_overrides}
-    key = next((k for k in CONTEXT_KEYS if model_cfg.get(k)), None)
-    if key and cfg.data.max_seq_len > model_cfg[key]:
-        raise UserError(f"{source}: data.max_seq_len: {cfg.data.max_seq_len} is larger than the model's {key} ({model_cfg[key]})")
-
-
-def read_model_config(folder: Path, what: str) -> dict:
-    """A model folder's config.json as a dict, or one line saying what is wrong with it."""
-    path = Path(folder).expanduser() / "config.json"
-    if not path.is_file():
-        raise UserError(f"{what}: {path.parent} has no config.json (not a HF model folder)")
-    return read_json_object(path, what)
-
-
-def read_json_object(path: Path, what: str) -> dict:
-    """A JSON file holding an object, or one line naming `what` and what is wrong with the file."""
-    try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError):
-        raise UserError(f"{what}: {path} is not valid JSON") from None
-    if not isinstance(value, dict):
-        raise UserError(f"{what}: {path}: expected a JSON object")
-    return value
-
-
-def to_yaml(cfg: RunConfig) -> str:
-    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
-
-
-def reference_markdown() -> str:
-    """Every config key with its type, default and meaning, as Markdown tables (docs/configuration.md)."""
-    lines = []
-    for section, field in RunConfig.model_fields.items():
-        lines += [f"**`{section}`**", "", "| key | default | meaning |", "| --- | --- | --- |"]
-        lines += _reference_rows(section, field.annotation)
-        lines.append("")
-    return "\n".join(lines)
-
-
-def _reference_rows(prefix: str, schema: type[BaseModel]) -> list[str]:
-    rows = []
-    for key, f in schema.model_fields.items():
-        if f.is_required():
-            default = "*required*"
+def flatten(tree: dict, prefix: str = "") -> dict:
+    """A config's nested sections as one level of dotted keys (`train.lr`)."""
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(flatten(value, f"{prefix}{key}."))
         else:
-            value = f.default_factory() if f.default_factory else f.default
-            default = f"`{json.dumps(value)}`"
-        rows.append(f"| `{prefix}.{key}` | {default} | {f.description or ''} |")
-        nested = [a for a in getattr(f.annotation, "__args__", (f.annotation,)) if isinstance(a, type) and issubclass(a, BaseModel)]
-        for sub in nested:
-            rows += _reference_rows(f"{prefix}.{key}", sub)
-    return rows
+            flat[prefix + key] = value
+    return flat

@@ -24,7 +24,8 @@ from finetune.config.errors import UserError
 from finetune.config.schema import DataConfig, RunConfig, SourceConfig, data_sources
 from finetune.data import images
 from finetune.data.packing import Split, Unpaired, epoch_batches, pack, unpacked
-from finetune.data.rows import IGNORE, where
+from finetune.data.readers import where
+from finetune.data.rows import IGNORE
 from finetune.data.tokenized import Answers, answered, cache_root, fingerprint, tokenized
 
 PACK_VERSION = 1  # raise it when pack() lays out rows differently

@@ -30,7 +30,9 @@ from finetune.checkpoint.locks import exclusive
 from finetune.config.errors import UserError, make_folder
 from finetune.config.schema import DataConfig, SourceConfig
 from finetune.data import images
-from finetune.data.rows import IGNORE, Skipped, checked_rows, tokenize_pairs, tokenize_prompts, tokenize_rows, tokenize_unpaired, where
+from finetune.data.encoding import tokenize_pairs, tokenize_prompts, tokenize_rows, tokenize_unpaired
+from finetune.data.readers import Skipped, checked_rows, where
+from finetune.data.rows import IGNORE
 
 # Raise it when the ids or loss mask a row turns into change (2: masks from the chat template; 3: rows
 # cached in their canonical shape; 4: preference pairs).

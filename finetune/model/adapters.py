@@ -8,7 +8,8 @@ from pathlib import Path
 
 from finetune.checkpoint import store
 from finetune.config.errors import UserError
-from finetune.config.schema import CONFIG_FILE, ModelConfig, RunConfig, load_config, read_json_object
+from finetune.config.files import load_config, read_json_object
+from finetune.config.schema import CONFIG_FILE, ModelConfig, RunConfig
 from finetune.model import nf4
 from finetune.model.loading import apply_adapter, load_model, quantize_layers
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from finetune.config.errors import UserError
-from finetune.config.schema import ModelConfig, looks_local, read_model_config
+from finetune.config.files import read_model_config
+from finetune.config.schema import ModelConfig, looks_local
 
 
 def model_config(cfg: ModelConfig, key: str = "model.name_or_path"):

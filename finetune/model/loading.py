@@ -15,7 +15,8 @@ from pathlib import Path
 import torch
 
 from finetune.config.errors import UserError
-from finetune.config.schema import DTYPE_BYTES, AdapterConfig, ModelConfig, RunConfig, looks_local, read_model_config
+from finetune.config.files import read_model_config
+from finetune.config.schema import DTYPE_BYTES, AdapterConfig, ModelConfig, RunConfig, looks_local
 from finetune.model import experts, families, nf4, vision
 from finetune.model.attention import register as register_packed_sdpa
 from finetune.model.configs import first_line, model_config

@@ -34,8 +34,9 @@ import numpy as np
 import torch
 
 from finetune.config.errors import UserError
+from finetune.data.chat import render
+from finetune.data.encoding import prompt_ids
 from finetune.data.packing import Prompt, Row
-from finetune.data.rows import prompt_ids, render
 from finetune.model.loading import end_tokens
 from finetune.objectives import tools as toolkit
 from finetune.objectives.grpo import GRPO, group_row

@@ -8,8 +8,9 @@ import math
 import torch
 
 from finetune.data import images
+from finetune.data.encoding import prompt_and_answer
 from finetune.data.packing import Split
-from finetune.data.rows import IGNORE, prompt_and_answer
+from finetune.data.rows import IGNORE
 from finetune.model.loading import end_tokens
 from finetune.objectives.loss import to_device
 

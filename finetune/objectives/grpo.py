@@ -36,8 +36,9 @@ import numpy as np
 import torch
 
 from finetune.config.schema import GRPOConfig
+from finetune.data.encoding import prompt_text
 from finetune.data.packing import Prompt, Row, Split, collate
-from finetune.data.rows import IGNORE, prompt_text
+from finetune.data.rows import IGNORE
 from finetune.objectives.evaluate import batches_per_rank
 from finetune.objectives.loss import Losses, to_device
 from finetune.objectives.objective import Objective, adapters_off, answers, token_logps

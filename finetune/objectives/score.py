@@ -15,14 +15,17 @@ from pathlib import Path
 import torch
 
 from finetune.config.errors import UserError
-from finetune.data.rows import _pair_side, canonical, located, where
+from finetune.data.encoding import _pair_side
+from finetune.data.readers import located, where
+from finetune.data.rows import canonical
 
 
 def load_reward_model(path: str, device: str | torch.device = "cpu"):
     """(model, tokenizer) of a reward model folder or adapter, in eval mode, loaded as training loaded it."""
     from peft import PeftModel
 
-    from finetune.config.schema import ModelConfig, read_json_object, read_model_config
+    from finetune.config.files import read_json_object, read_model_config
+    from finetune.config.schema import ModelConfig
     from finetune.model.loading import load_model, load_tokenizer
 
     folder = Path(path).expanduser()

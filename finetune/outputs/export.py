@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from finetune.config.errors import EXIT_MERGE_CHECK, Stopped, UserError
-from finetune.config.schema import read_model_config
+from finetune.config.files import read_model_config
 from finetune.model import families
 from finetune.outputs.gguf_vocab import check_in_llama_cpp, quiet_stderr, write_vocabulary
 

@@ -56,7 +56,8 @@ def check_texts(adapter: Adapter, tokenizer, prompts_file: str | None, n: int = 
         from itertools import islice
 
         from finetune.config.schema import data_sources
-        from finetune.data.rows import Skipped, checked_rows, prompt_and_answer
+        from finetune.data.encoding import prompt_and_answer
+        from finetune.data.readers import Skipped, checked_rows
 
         source = data_sources(adapter.run.data.train, adapter.run.data)[0]
         try:

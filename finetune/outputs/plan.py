@@ -1,4 +1,5 @@
-"""Memory planner: what a run will need per device, from the model's config.json alone.
+"""Memory planner: what a run will need per device, from the model's config.json alone (its shape:
+outputs/shape; the step's time: outputs/steptime).
 
 The arithmetic (bytes per parameter, per token) is spelled out in docs/planning.md with a worked 7B
 example. Rows: weights, gradients, optimizer states, activations (with or without checkpointing) and,
@@ -7,17 +8,17 @@ on GPUs, a reserve for the CUDA context and allocator slack.
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from finetune.config.errors import UserError
-from finetune.config.schema import DTYPE_BYTES, QuantizationConfig, RunConfig, read_model_config
+from finetune.config.schema import DTYPE_BYTES, QuantizationConfig, RunConfig
 from finetune.config.strategy import Strategy
-from finetune.model import experts, families, nf4, vision
+from finetune.model import experts, families, nf4
 from finetune.model.families import Linear
+from finetune.outputs.shape import Shape, VisionShape, read_shape
 from finetune.parallel.runtime import LONG_ROWS, glibc_tuned_by_user
 
 GiB = 2**30
@@ -32,176 +33,6 @@ BNB_BLOCK = 64  # bitsandbytes 4-bit block size
 # A 4-bit layer's quantization state beyond its per-block scales: the 16-value NF4 code (fp32), and with
 # double quantization the 256-value code of the scales' own quantization and their offset (fp32).
 NF4_STATE, NF4_STATE_DOUBLE = 16 * 4, (16 + 256 + 1) * 4
-
-
-QWEN_VL_MAX_PIXELS = 12845056  # Qwen2-VL's image processor's default largest picture (16,384 merged tokens)
-
-
-@dataclass(frozen=True)
-class VisionShape:
-    """A vision-language model's picture side: its tower's and projector's parameters, the tower's widths
-    and depth, and the patches a picture becomes (the processor's largest picture where it resizes)."""
-
-    params: int
-    hidden: int
-    intermediate: int
-    layers: int
-    patches: int
-    patch: int  # pixels a patch's side
-
-    def patches_of(self, processor: dict) -> int:
-        """Patches a picture becomes with model.processor's settings (a largest picture, max_pixels, where given)."""
-        return int(processor["max_pixels"]) // self.patch**2 if processor.get("max_pixels") else self.patches
-
-
-@dataclass(frozen=True)
-class Shape:
-    vocab: int
-    hidden: int
-    layers: int
-    kv_dim: int
-    mlp_width: int  # the MLP's intermediate width a token passes through, averaged over layers (MoE: its experts' and the shared one's)
-    attention_values: int  # what a layer keeps per token for its backward outside the MLP (families.saved_attention_values)
-    tied: bool
-    linears: tuple[Linear, ...]  # every linear layer and expert weight of the decoder (families.linear_layers)
-    norms_and_biases: int
-    config: dict  # the config.json read (families.buffer_bytes needs the weights' dtype, known only with the run's config)
-    meta_buffers: int | None = None  # buffer bytes of the model built on the meta device (architectures outside the table)
-    vision: VisionShape | None = None  # a vision-language model's tower and projector
-
-    def buffers(self, weight_bytes: int) -> int:
-        return self.meta_buffers if self.meta_buffers is not None else families.buffer_bytes(self.config, weight_bytes)
-
-    @property
-    def linear_params(self) -> int:
-        return sum(layer.params for layer in self.linears)
-
-    @property
-    def active_params(self) -> int:
-        """Parameters a token passes through: with experts, only the routed ones."""
-        return sum(layer.fan_in * layer.fan_out * layer.active for layer in self.linears) + self.other_params
-
-    @property
-    def other_params(self) -> int:
-        """Embeddings, lm_head, norms and biases: never quantized."""
-        return self.vocab * self.hidden * (1 if self.tied else 2) + self.norms_and_biases
-
-    def quantized(self, bits: int) -> list[Linear]:
-        """The weights a `bits`-bit base quantizes: the linear layers but the routers, and at 4 bits the
-        experts' fused weights too (torchao's NF4: model/experts.py)."""
-        return [layer for layer in self.linears if not layer.router and (bits == 4 or not layer.expert)]
-
-    def quantized_params(self, bits: int) -> int:
-        return sum(layer.params for layer in self.quantized(bits))
-
-
-def read_shape(model_path: str) -> Shape:
-    """The model's shape from its config.json (one read per file version: a plan's alternatives and the
-    longest-row search re-plan the same model dozens of times; other architectures build a skeleton)."""
-    path = Path(model_path).expanduser() / "config.json"
-    if not path.is_file():
-        raise UserError(f"plan: {path} not found: the planner reads a local model folder's config.json")
-    return _read_shape(path, path.stat().st_mtime_ns)
-
-
-@functools.lru_cache(maxsize=32)
-def _read_shape(path: Path, version: int) -> Shape:
-    return _model_shape(path, read_model_config(path.parent, "plan"))
-
-
-def vision_shape(model, folder: Path, config: dict) -> VisionShape:
-    """The tower and projector counted on the model built on the meta device; a picture's patches from the
-    tower's image size, else the processor's largest picture (Qwen-VL: max_pixels)."""
-    parts = vision.part_names(model)
-    seen = {id(p): p.numel() for role in ("tower", "projector") if role in parts for p in model.get_submodule(parts[role]).parameters()}
-    v = config["vision_config"]
-    patch = v.get("patch_size") or 14
-    if v.get("image_size"):
-        patches = (v["image_size"] // patch) ** 2
-    else:
-        saved = next((json.loads(f.read_text()) for f in (folder / "preprocessor_config.json", folder / "processor_config.json") if f.is_file()), {})
-        saved = saved.get("image_processor", saved)
-        largest = saved.get("max_pixels") or (saved.get("size") or {}).get("longest_edge") or QWEN_VL_MAX_PIXELS
-        patches = int(largest // patch**2)
-    hidden = v.get("embed_dim") or v["hidden_size"]  # Qwen2-VL: hidden_size is the projector's output, embed_dim the tower's width
-    intermediate = v.get("intermediate_size") or int(hidden * v.get("mlp_ratio", 4))
-    return VisionShape(sum(seen.values()), hidden, intermediate, v.get("num_hidden_layers") or v.get("depth") or 0, patches, patch)
-
-
-def _model_shape(path: Path, config: dict) -> Shape:
-    c = families.text_config(config)
-    if not c.get("model_type"):
-        raise UserError(f"plan: {path} lacks model_type (the planner knows decoder-only transformers)")
-    if c["model_type"] not in families.SPELLED_OUT or vision.is_vision(config):  # a nested text config leaves sizes to its class's defaults
-        return skeleton_shape(path.parent)
-    try:
-        linears = families.linear_layers(config)
-        heads = c["num_attention_heads"]
-        head_dim = c.get("head_dim") or c["hidden_size"] // heads
-        ups = [layer for layer in linears if layer.name.endswith("up_proj")]
-        width = sum(layer.fan_out // (2 if "gate_up" in layer.name else 1) * layer.active for layer in ups) // c["num_hidden_layers"]
-        return Shape(vocab=c["vocab_size"], hidden=c["hidden_size"], layers=c["num_hidden_layers"],
-                     kv_dim=(c.get("num_key_value_heads") or heads) * head_dim, mlp_width=width, attention_values=families.saved_attention_values(config),
-                     tied=bool(c.get("tie_word_embeddings", False)), linears=tuple(linears), norms_and_biases=families.small_params(config),
-                     config=config)
-    except KeyError as err:
-        raise UserError(f"plan: {path} lacks {err.args[0]} (the planner knows decoder-only transformers)") from None
-    except (TypeError, ValueError, ZeroDivisionError):
-        raise UserError(f"plan: {path}: a size in it is not a positive number") from None
-
-
-def skeleton_shape(folder: Path) -> Shape:
-    """Any other architecture, read off the model built on the meta device (no weights, no memory): its
-    linear layers (nn.Linear and GPT-2's Conv1D) grouped by name and shape, experts' fused 3-D weights
-    (a token passes through num_experts_per_tok of them), and everything else (embeddings, learned
-    positions, norms, biases) counted as it is."""
-    from collections import Counter
-
-    import torch
-
-    from finetune.config.schema import ModelConfig
-    from finetune.model.loading import ROUTERS, linear_like, load_model
-
-    try:
-        model = load_model(ModelConfig(name_or_path=str(folder)), skeleton="meta", say=lambda _: None)
-    except UserError as err:
-        raise UserError(f"plan: {err}") from None
-    except Exception as err:  # noqa: BLE001 - an architecture transformers cannot build from this config
-        raise UserError(f"plan: {folder / 'config.json'}: transformers cannot build this model from it ({str(err).splitlines()[0]})") from None
-    config, head, embed = model.config.get_text_config(), model.get_output_embeddings(), model.get_input_embeddings()
-    routed = getattr(config, "num_experts_per_tok", None) or 1
-    copies, active = Counter(), Counter()  # by (name, fan_in, fan_out, expert)
-    pictures = tuple(f"{name}." for role, name in vision.part_names(model).items() if role != "language")  # counted by vision_shape
-    stacks = {id(m) for _, m in experts.named_fused_experts(model)}
-    for name, module in model.named_modules():
-        if name.startswith(pictures):
-            continue
-        if linear_like(module) and module is not head:
-            shape = (module.in_features, module.out_features) if isinstance(module, torch.nn.Linear) else tuple(module.weight.shape)
-            key = (name.rsplit(".", 1)[-1], *shape, False)
-            copies[key] += 1
-            active[key] += 1
-        elif id(module) in stacks:
-            for weight_name, weight in module.named_parameters(recurse=False):
-                if weight.dim() == 3:
-                    key = (f"experts.{weight_name}", weight.shape[1], weight.shape[2], True)
-                    copies[key] += weight.shape[0]
-                    active[key] += min(routed, weight.shape[0])
-    moe = any(expert for *_, expert in copies)  # routers are told apart in mixture-of-experts models only, as model.lora_targets does
-    linears = [Linear(name, fan_in, fan_out, n, active[name, fan_in, fan_out, expert], expert=expert, router=moe and not expert and name in ROUTERS)
-               for (name, fan_in, fan_out, expert), n in copies.items()]
-    vocab, hidden = embed.weight.shape
-    tied = head is not None and head.weight is embed.weight
-    heads = config.num_attention_heads
-    width = next((w for w in (getattr(config, key, None) for key in ("intermediate_size", "ffn_dim", "n_inner")) if isinstance(w, int)), 4 * hidden)
-    language = [p for name, p in model.named_parameters() if not name.startswith(pictures)]
-    other = sum(p.numel() for p in language) - sum(layer.params for layer in linears) - vocab * hidden * (1 if tied else 2)
-    kv_dim = (getattr(config, "num_key_value_heads", None) or heads) * (hidden // heads)
-    return Shape(vocab=vocab, hidden=hidden, layers=config.num_hidden_layers, kv_dim=kv_dim,
-                 mlp_width=width, attention_values=6 * hidden + 2 * kv_dim, tied=tied, linears=tuple(linears), norms_and_biases=other,
-                 config=config.to_dict(),
-                 meta_buffers=sum(b.numel() * b.element_size() for b in model.buffers()),
-                 vision=vision_shape(model, folder, model.config.to_dict()) if pictures else None)
 
 
 @dataclass(frozen=True)
@@ -391,7 +222,6 @@ def dense_temporaries(shape: Shape, cfg: RunConfig, s: Setup) -> float:
     if s.method == "dora":
         size = max(size, max((l.fan_in ** 2 + 3 * l.fan_in * l.fan_out) * 4 for l in layers))
     return size
-
 
 
 def heap_holes(shape: Shape, cfg: RunConfig, s: Setup) -> float:
@@ -594,66 +424,6 @@ def uneven_nf4_rows(shape: Shape, cfg: RunConfig, s: Setup) -> str | None:
     if not (torchao_base(cfg, s) and s.shards_weights):
         return None
     return nf4.uneven_rows({l.name: l.fan_out for l in shape.linears if not (l.expert or l.router)}, cfg.distributed.fsdp_shard_size or s.devices)
-
-
-@dataclass(frozen=True)
-class StepTime:
-    """A step's time on `devices` devices from its arithmetic alone: FLOPs at a stated share of the
-    peak (MFU) and collective bytes at a stated bandwidth per device."""
-
-    flops_per_token: float
-    tokens: int  # per device per optimizer step
-    compute_s: float
-    comm_bytes: float  # sent per device per step
-    comm_s: float
-
-    @property
-    def overlapped_s(self) -> float:
-        return max(self.compute_s, self.comm_s)
-
-
-def step_time(cfg: RunConfig, s: Setup, tflops: float, mfu: float, bandwidth: float) -> StepTime:
-    """FLOPs per token: each matmul weight costs 2 FLOPs a token forward, 2 for the gradient of its input
-    and 2 more for its own gradient when it is trained (full fine-tuning; an adapter's are negligible);
-    checkpointing runs the forward again (+2). Causal attention adds 2 * seq * q_dim per layer forward
-    (QK^T and AV over half the keys on average), twice that backward. Communication, ring collectives,
-    each moving (d-1)/d of the tensor per device: FSDP/ZeRO-3 gather the weights in every micro-batch's
-    forward and again in its backward, and reduce-scatter the trained gradients once a step; DDP and
-    ZeRO-2 all-reduce (twice the bytes) the trained gradients once a step. Not counted: FSDP2 pads each
-    weight's first dimension to a multiple of the processes, which at hundreds of them makes LoRA's
-    r-row A matrices gathered as hundreds of rows (the simulation sent 4-9% more at 512 GPUs)."""
-    shape = read_shape(cfg.model.name_or_path)
-    full, d = s.method == "full", s.devices
-    matmul = sum(l.fan_in * l.fan_out * l.active for l in shape.linears) + shape.vocab * shape.hidden  # the lm_head too
-    per_weight = 2 + 2 + (2 if full else 0) + (2 if s.checkpointing else 0)
-    q_dim = next((l.fan_out for l in shape.linears if l.name.rsplit(".", 1)[-1] == "q_proj"), shape.hidden)
-    attention = shape.layers * 2 * s.seq_len * q_dim * (1 + 2 + (1 if s.checkpointing else 0))
-    flops = per_weight * matmul + attention
-    tokens = s.tokens * cfg.train.grad_accum
-    weight_bytes = estimate(shape, cfg, replace(s, strategy="none", devices=1))[0]["weights"]  # the whole model as held, gathered
-    # Adapters train in fp32; FSDP reduce-scatters full fine-tuning's 16-bit gradients in fp32 too (its
-    # MixedPrecisionPolicy's reduce_dtype: the simulated 70B step sent 483 GB at 8 GPUs, not 362)
-    grads = trainable_params(shape, cfg) * (4 if not full or s.run_as.name == "fsdp" else s.weight_bytes)
-    share = (d - 1) / d
-    if d == 1:
-        sent = 0.0
-    elif s.shards_weights:
-        sent = share * (2 * weight_bytes * cfg.train.grad_accum + grads)
-    else:
-        sent = share * 2 * grads
-    if s.sequence_parallel > 1:  # Ulysses: q, k, v and the output through an all-to-all per layer, forward and backward (and the recompute)
-        kv_dim = shape.kv_dim
-        sp_share = (s.sequence_parallel - 1) / s.sequence_parallel
-        sent += sp_share * tokens * (2 * q_dim + 2 * kv_dim) * s.activation_bytes * shape.layers * (2 + (1 if s.checkpointing else 0))
-    return StepTime(flops, tokens, tokens * flops / (tflops * 1e12 * mfu), sent, sent / bandwidth if bandwidth else 0.0)
-
-
-def render_time(t: StepTime, tflops: float, mfu: float, bandwidth: float) -> str:
-    return (f"time: {t.flops_per_token / 1e9:.1f} GFLOP per token; {t.tokens:,} tokens per device per step at {tflops:g} TFLOP/s x MFU {mfu:g}: "
-            f"compute {t.compute_s:.2f} s; communication {t.comm_bytes / 1e9:.1f} GB per device"
-            + (f" at {bandwidth / 1e9:g} GB/s: {t.comm_s:.2f} s" if bandwidth else "")
-            + f"; step {t.overlapped_s:.2f} s overlapped ({t.compute_s + t.comm_s:.2f} s if not), "
-            f"{t.tokens / t.overlapped_s:,.0f} tokens/s per device")
 
 
 def alternatives(cfg: RunConfig, plan: Plan, gpu: bool) -> list[tuple[str, Plan]]:

@@ -12,7 +12,7 @@ import torch
 from finetune.checkpoint import store
 from finetune.checkpoint.resume import Progress, Start, resume
 from finetune.config.errors import EXIT_DIVERGED, EXIT_PREEMPTED, Stopped
-from finetune.config.schema import to_yaml
+from finetune.config.files import to_yaml
 from finetune.parallel import runtime
 from finetune.parallel.optim import set_peak_lr, warmup_steps
 from finetune.run.guard import DRIFT_STEPS, Guard, Verdict, data_step

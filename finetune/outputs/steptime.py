@@ -1,0 +1,70 @@
+"""A step's time, as the planner estimates it: the matmuls' FLOPs at a given throughput and utilisation
+against the bytes each step must move (weights gathered, gradients reduced) at a given bandwidth."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from finetune.config.schema import RunConfig
+from finetune.outputs.plan import Setup, estimate, trainable_params
+from finetune.outputs.shape import read_shape
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """A step's time on `devices` devices from its arithmetic alone: FLOPs at a stated share of the
+    peak (MFU) and collective bytes at a stated bandwidth per device."""
+
+    flops_per_token: float
+    tokens: int  # per device per optimizer step
+    compute_s: float
+    comm_bytes: float  # sent per device per step
+    comm_s: float
+
+    @property
+    def overlapped_s(self) -> float:
+        return max(self.compute_s, self.comm_s)
+
+
+def step_time(cfg: RunConfig, s: Setup, tflops: float, mfu: float, bandwidth: float) -> StepTime:
+    """FLOPs per token: each matmul weight costs 2 FLOPs a token forward, 2 for the gradient of its input
+    and 2 more for its own gradient when it is trained (full fine-tuning; an adapter's are negligible);
+    checkpointing runs the forward again (+2). Causal attention adds 2 * seq * q_dim per layer forward
+    (QK^T and AV over half the keys on average), twice that backward. Communication, ring collectives,
+    each moving (d-1)/d of the tensor per device: FSDP/ZeRO-3 gather the weights in every micro-batch's
+    forward and again in its backward, and reduce-scatter the trained gradients once a step; DDP and
+    ZeRO-2 all-reduce (twice the bytes) the trained gradients once a step. Not counted: FSDP2 pads each
+    weight's first dimension to a multiple of the processes, which at hundreds of them makes LoRA's
+    r-row A matrices gathered as hundreds of rows (the simulation sent 4-9% more at 512 GPUs)."""
+    shape = read_shape(cfg.model.name_or_path)
+    full, d = s.method == "full", s.devices
+    matmul = sum(l.fan_in * l.fan_out * l.active for l in shape.linears) + shape.vocab * shape.hidden  # the lm_head too
+    per_weight = 2 + 2 + (2 if full else 0) + (2 if s.checkpointing else 0)
+    q_dim = next((l.fan_out for l in shape.linears if l.name.rsplit(".", 1)[-1] == "q_proj"), shape.hidden)
+    attention = shape.layers * 2 * s.seq_len * q_dim * (1 + 2 + (1 if s.checkpointing else 0))
+    flops = per_weight * matmul + attention
+    tokens = s.tokens * cfg.train.grad_accum
+    weight_bytes = estimate(shape, cfg, replace(s, strategy="none", devices=1))[0]["weights"]  # the whole model as held, gathered
+    # Adapters train in fp32; FSDP reduce-scatters full fine-tuning's 16-bit gradients in fp32 too (its
+    # MixedPrecisionPolicy's reduce_dtype: the simulated 70B step sent 483 GB at 8 GPUs, not 362)
+    grads = trainable_params(shape, cfg) * (4 if not full or s.run_as.name == "fsdp" else s.weight_bytes)
+    share = (d - 1) / d
+    if d == 1:
+        sent = 0.0
+    elif s.shards_weights:
+        sent = share * (2 * weight_bytes * cfg.train.grad_accum + grads)
+    else:
+        sent = share * 2 * grads
+    if s.sequence_parallel > 1:  # Ulysses: q, k, v and the output through an all-to-all per layer, forward and backward (and the recompute)
+        kv_dim = shape.kv_dim
+        sp_share = (s.sequence_parallel - 1) / s.sequence_parallel
+        sent += sp_share * tokens * (2 * q_dim + 2 * kv_dim) * s.activation_bytes * shape.layers * (2 + (1 if s.checkpointing else 0))
+    return StepTime(flops, tokens, tokens * flops / (tflops * 1e12 * mfu), sent, sent / bandwidth if bandwidth else 0.0)
+
+
+def render_time(t: StepTime, tflops: float, mfu: float, bandwidth: float) -> str:
+    return (f"time: {t.flops_per_token / 1e9:.1f} GFLOP per token; {t.tokens:,} tokens per device per step at {tflops:g} TFLOP/s x MFU {mfu:g}: "
+            f"compute {t.compute_s:.2f} s; communication {t.comm_bytes / 1e9:.1f} GB per device"
+            + (f" at {bandwidth / 1e9:g} GB/s: {t.comm_s:.2f} s" if bandwidth else "")
+            + f"; step {t.overlapped_s:.2f} s overlapped ({t.compute_s + t.comm_s:.2f} s if not), "
+            f"{t.tokens / t.overlapped_s:,.0f} tokens/s per device")
