@@ -68,65 +68,59 @@ def tokenize_pairs(rows: list[dict], tokenizer, max_seq_len: int, processor=None
     rendered by the chat template). Each is cut to max_seq_len (its start kept); a pair that keeps no
     answer token on one side comes back empty. A pair that shows pictures (pictures: images.row_pictures',
     per row) is tokenized by the processor, both sides with the prompt's pictures, and never cut."""
-    out = []
-    for row, shown in zip(rows, pictures or [[] for _ in rows]):
-        if isinstance(shown, str):
-            out.append(shown)
-            continue
-        try:
-            sides = [_pair_side(row, key, tokenizer, images.encoder(processor, shown) if shown else None) for key in ("chosen", "rejected")]
-        except UserError as err:
-            out.append(str(err))
-            continue
+    def pair(row: dict, shown: list) -> tuple[list[int], list[bool], int, int] | str:
+        sides = [_pair_side(row, key, tokenizer, images.encoder(processor, shown) if shown else None) for key in ("chosen", "rejected")]
         longest = max(len(ids) for _, ids in sides)
         if shown and longest > max_seq_len:
-            out.append(f"data: the pair's longer side is {longest} tokens with its pictures, over data.max_seq_len={max_seq_len}; a "
-                       "picture's tokens cannot be cut (raise data.max_seq_len)")
-            continue
+            return (f"data: the pair's longer side is {longest} tokens with its pictures, over data.max_seq_len={max_seq_len}; a "
+                    "picture's tokens cannot be cut (raise data.max_seq_len)")
         start = min(_common_start(prompt, ids) for prompt, ids in sides)
         cut = [ids[:max_seq_len] for _, ids in sides]
         if start >= max_seq_len:
-            out.append(([], [], 0, start))
-            continue
+            return [], [], 0, start
         trained = [[i >= start for i in range(len(ids))] for ids in cut]
-        out.append((cut[0] + cut[1], trained[0] + trained[1], len(cut[0]), start))
-    return out
+        return cut[0] + cut[1], trained[0] + trained[1], len(cut[0]), start
+
+    return _per_row(rows, pictures, pair)
 
 
 def tokenize_unpaired(rows: list[dict], tokenizer, max_seq_len: int) -> list[tuple[list[int], list[bool], int, int] | str]:
     """Unpaired rows (KTO) -> (prompt + completion ids cut to max_seq_len, which are trained, 1 for a desirable
     completion and 0 for an undesirable one, where the completion starts) each, tokenized as a pair's side is."""
-    out = []
-    for row in rows:
-        try:
-            prompt, ids = _pair_side(row, "completion", tokenizer)
-        except UserError as err:
-            out.append(str(err))
-            continue
+    def example(row: dict, shown: list) -> tuple[list[int], list[bool], int, int]:
+        prompt, ids = _pair_side(row, "completion", tokenizer)
         start = _common_start(prompt, ids)
         if start >= max_seq_len:
-            out.append(([], [], int(row["label"]), start))
-            continue
+            return [], [], int(row["label"]), start
         ids = ids[:max_seq_len]
-        out.append((ids, [i >= start for i in range(len(ids))], int(row["label"]), start))
-    return out
+        return ids, [i >= start for i in range(len(ids))], int(row["label"]), start
+
+    return _per_row(rows, None, example)
 
 
 def tokenize_prompts(rows: list[dict], tokenizer, processor=None, pictures: list | None = None) -> list[tuple[list[int], list[bool]] | str]:
     """Prompt rows -> (the prompt's ids, nothing trained) each: text as generation reads it (special tokens
     where the tokenizer has no chat template), chat messages rendered with the generation prompt. A prompt that
     shows pictures (pictures: images.row_pictures', per row) is tokenized by the processor with them."""
+    def prompt(row: dict, shown: list) -> tuple[list[int], list[bool]]:
+        ids = images.encoder(processor, shown)(prompt_text(row, tokenizer)) if shown else prompt_ids(row, tokenizer)
+        return ids, [False] * len(ids)
+
+    return _per_row(rows, pictures, prompt)
+
+
+def _per_row(rows: list[dict], pictures: list | None, encode) -> list:
+    """encode(row, its pictures) for each row (pictures: images.row_pictures', per row; none by default); where a row's
+    pictures were refused, or encode raised a UserError, that line in its place."""
     out = []
     for row, shown in zip(rows, pictures or [[] for _ in rows]):
         if isinstance(shown, str):
             out.append(shown)
             continue
         try:
-            ids = images.encoder(processor, shown)(prompt_text(row, tokenizer)) if shown else prompt_ids(row, tokenizer)
+            out.append(encode(row, shown))
         except UserError as err:
             out.append(str(err))
-            continue
-        out.append((ids, [False] * len(ids)))
     return out
 
 
