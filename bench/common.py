@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -141,3 +143,24 @@ def _kib(pid: int, file: str, key: str) -> int:
         pass
     return 0
 
+
+def spawn(cmd: list[str], log: Path) -> tuple[float, int]:
+    """Run cmd as a fresh process from the repository (its PYTHONPATH first, offline); (start time, peak RSS in bytes).
+    Fails loudly with the log's tail."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+           "TOKENIZERS_PARALLELISM": "false", "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
+    with log.open("w") as fh:
+        start = time.time()
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=REPO, env=env)
+        _, status, usage = os.wait4(proc.pid, 0)
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed; the end of {log}:\n" + "\n".join(log.read_text().splitlines()[-15:]))
+    return start, usage.ru_maxrss * 1024
+
+
+def loss_and_grads(model, fn) -> tuple[float, dict]:
+    """fn()'s value (a loss) and the gradients it gives each parameter that gets one."""
+    model.zero_grad()
+    value = fn()
+    value.backward()
+    return value.item(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}

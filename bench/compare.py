@@ -31,10 +31,9 @@ import shutil
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-from common import DATA, REPO, build_model, cpu_name, report
+from common import DATA, REPO, build_model, cpu_name, report, spawn
 
 RESULTS = REPO / "bench" / "results"
 
@@ -157,18 +156,6 @@ def finetune_config(work: Path, out: Path, settings: dict, compiled: bool = Fals
 # ------------------------------------------------------------------------------------------------
 # Runs
 
-
-def spawn(cmd: list[str], log: Path) -> tuple[float, int]:
-    """Run cmd as a fresh process; (start time, peak RSS in bytes). Fails loudly with the log's tail."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-           "TOKENIZERS_PARALLELISM": "false", "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
-    with log.open("w") as fh:
-        start = time.time()
-        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=REPO, env=env)
-        _, status, usage = os.wait4(proc.pid, 0)
-    if os.waitstatus_to_exitcode(status) != 0:
-        raise SystemExit(f"{' '.join(cmd)} failed; the end of {log}:\n" + "\n".join(log.read_text().splitlines()[-15:]))
-    return start, usage.ru_maxrss * 1024
 
 
 def run_once(name: str, work: Path, settings: dict, repeat: int, device: str) -> dict:

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from common import report
+from common import loss_and_grads, report
 
 T = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=512)
 KV = dict(T, num_key_value_heads=2)
@@ -130,12 +130,6 @@ def batch(data, packed: bool) -> dict[str, torch.Tensor]:
     rows = [Row([t for s in g for t in s[0]], [t for s in g for t in s[1]], [p for s in g for p in range(len(s[0]))]) for g in groups]
     return collate(rows, pad_id=0)
 
-
-def loss_and_grads(model, fn) -> tuple[float, dict[str, torch.Tensor]]:
-    model.zero_grad()
-    value = fn()
-    value.backward()
-    return value.item(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
 def compare(model) -> tuple[float, float]:

@@ -23,7 +23,8 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from common import REPO, spawn
+
 RESULTS = REPO / "bench" / "results"
 ROWS, MICRO, LR, RANK = 384, 8, 1e-4, 16
 QUESTION = "What shape is in the picture?"
@@ -94,16 +95,6 @@ def peer(work: Path, out: Path, result: Path) -> None:
     trainer.train()
     result.write_text(json.dumps({"steps": steps}))
 
-
-def spawn(cmd: list[str], log: Path) -> tuple[float, int]:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false", "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
-    with log.open("w") as fh:
-        start = time.time()
-        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=REPO, env=env)
-        _, status, usage = os.wait4(proc.pid, 0)
-    if os.waitstatus_to_exitcode(status) != 0:
-        raise SystemExit(f"{' '.join(cmd)} failed; the end of {log}:\n" + "\n".join(log.read_text().splitlines()[-15:]))
-    return start, usage.ru_maxrss * 1024
 
 
 def measure(name: str, work: Path) -> dict:

@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 
 import torch
-from common import REPO, report
+from common import REPO, loss_and_grads, report
 
 FAMILIES = {"LLaVA, CLIP tower": "clip", "LLaVA, SigLIP tower": "siglip", "Gemma 3": "gemma3", "Idefics3 / SmolVLM": "idefics3",
             "SmolVLM2": "smolvlm", "Mllama": "mllama", "Qwen2-VL": "qwen2_vl", "Qwen2.5-VL": "qwen2_5_vl"}
@@ -72,12 +72,6 @@ def lora_model(model_dir: Path):
             torch.nn.init.normal_(p, std=0.02)
     return model
 
-
-def loss_and_grads(model, fn) -> tuple[float, dict[str, torch.Tensor]]:
-    model.zero_grad()
-    value = fn()
-    value.backward()
-    return value.item(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
 def differences(a: tuple[float, dict], b: tuple[float, dict]) -> tuple[float, float]:

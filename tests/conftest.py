@@ -197,6 +197,11 @@ def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
+def step_losses(out: Path) -> dict[int, float]:
+    """A run's logged loss at each step (metrics.jsonl; a step trained again after a resume or rollback: its last)."""
+    return {r["step"]: r["loss"] for r in read_jsonl(out / "metrics.jsonl") if "loss" in r}
+
+
 def step_rows(out: Path) -> list[dict]:
     """A run's per-step metrics rows (not its evals')."""
     return [r for r in read_jsonl(Path(out) / "metrics.jsonl") if "loss" in r]
@@ -593,6 +598,11 @@ def trained(tmp_path_factory):
     return get
 
 
+def torchrun(nproc: int, *args: str) -> list[str]:
+    """The command that starts `nproc` processes of `args` on this machine with torchrun (a rendezvous of its own)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), *args]
+
+
 def train_strategy(tmp_path, name, model_dir, method, nproc, strategy="ddp", accelerate_config=None, **sections):
     """`finetune train` under a strategy: one process (in this one) or several (torchrun, or accelerate
     launch with one of configs/accelerate); (output folder, per-step losses, summary)."""
@@ -603,10 +613,11 @@ def train_strategy(tmp_path, name, model_dir, method, nproc, strategy="ddp", acc
         result = finetune_in_process("train", "--config", config)
     else:
         env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
-        launcher = ["torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
+        launcher = torchrun(nproc)
         if accelerate_config:
-            launcher = ["accelerate.commands.launch", "--config_file", f"configs/accelerate/{accelerate_config}.yaml", "--main_process_port", str(free_port())]
-        result = subprocess.run([sys.executable, "-m", *launcher, "finetune/train.py", "--config", config],
+            launcher = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", f"configs/accelerate/{accelerate_config}.yaml",
+                        "--main_process_port", str(free_port())]
+        result = subprocess.run([*launcher, "finetune/train.py", "--config", config],
                                 cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
         if accelerate_config and accelerate_config != strategy:
             return result

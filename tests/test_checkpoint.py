@@ -8,11 +8,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import base_config, finetune_in_process, read_jsonl, run_cli, write_config
-
-
-def _losses(out):
-    return {r["step"]: r["loss"] for r in read_jsonl(out / "metrics.jsonl") if "loss" in r}
+from conftest import base_config, finetune_in_process, run_cli, step_losses, write_config
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +18,7 @@ def reference(tmp_path_factory, tiny_model_dir):
     cfg = base_config(tiny_model_dir, tmp / "out", adapter={"dropout": 0.1}, data={"eval": None}, train={"max_steps": 12})
     result = finetune_in_process("train", "--config", str(write_config(tmp / "c.yaml", cfg)))
     assert result.returncode == 0, result.stderr[-2000:]
-    return cfg, _losses(tmp / "out")
+    return cfg, step_losses(tmp / "out")
 
 
 def _run(tmp_path, cfg, *extra, env=None):
@@ -57,7 +53,7 @@ def test_kill_9_then_resume_gives_the_same_losses(tmp_path, reference, killed_at
     resumed = _run(tmp_path, cfg, "--save-every", "4")
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "resumed from" in resumed.stdout and "step-000008 at step 8" in resumed.stdout
-    assert _losses(out) == reference[1]  # bitwise: the same floats, step for step
+    assert step_losses(out) == reference[1]  # bitwise: the same floats, step for step
     assert json.loads((out / "summary.json").read_text())["steps"] == 12
 
 
@@ -76,7 +72,7 @@ def test_a_damaged_newest_checkpoint_is_reported_and_the_previous_one_used(tmp_p
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert f"checkpoint {newest} skipped" in resumed.stdout
     assert "step-000004 at step 4" in resumed.stdout
-    assert _losses(out) == reference[1]
+    assert step_losses(out) == reference[1]
 
 
 def test_retention_keeps_the_last_k(tmp_path, tiny_model_dir):
@@ -143,7 +139,7 @@ def test_a_background_save_writes_the_same_bytes_as_a_synchronous_one(tmp_path, 
         run = {**cfg, "train": {**cfg["train"], "output_dir": str(out)}}
         result = _run(tmp_path, run, "--save-every", "4", "--set", f"checkpoint.async_save={mode}")
         assert result.returncode == 0, result.stderr[-2000:]
-        assert _losses(out) == expected
+        assert step_losses(out) == expected
         manifests[mode] = {p.name: json.loads((p / "manifest.json").read_text()) for p in (out / "checkpoints").iterdir()}
         for files in manifests[mode].values():
             assert files.pop("finetune_config.yaml")  # differs by the output_dir and async_save
@@ -162,7 +158,7 @@ def test_a_kill_during_a_background_write_resumes_from_the_previous_checkpoint(t
     resumed = _run(tmp_path, cfg, "--save-every", "4", "--set", "checkpoint.async_save=true")
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "step-000004 at step 4" in resumed.stdout
-    assert _losses(out) == expected
+    assert step_losses(out) == expected
 
 
 def test_a_background_save_holds_the_weights_of_its_step_once_staged(tmp_path):

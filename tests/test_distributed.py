@@ -6,11 +6,10 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 import torch
-from conftest import REPO, base_config, train_strategy, write_config
+from conftest import REPO, base_config, torchrun, train_strategy, write_config
 
 
 @pytest.fixture(scope="module")
@@ -166,7 +165,7 @@ def test_a_rank_that_raises_stops_the_whole_job_quickly(tmp_path, tiny_model_dir
     env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "FINETUNE_FAULT": "raise@3:rank=1"}
     # A hang would last until gloo's collective timeout, 1,800 s (torch's default; finetune sets none); the job takes ~20 s
     # here: the launch's own deadline (600 s, TimeoutExpired) tells the two apart on a machine 30x slower.
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "finetune/train.py",
+    result = subprocess.run([*torchrun(2), "finetune/train.py",
                              "--config", str(write_config(tmp_path / "c.yaml", cfg))], cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
     assert result.returncode != 0
     assert "injected fault on rank 1 at step 3" in result.stderr
@@ -191,7 +190,7 @@ def test_a_nan_loss_on_one_rank_stops_every_rank(tmp_path, tiny_model_dir):
     """The first-steps guard looks at the loss reduced over ranks, so all ranks stop at the same step."""
     cfg = base_config(tiny_model_dir, tmp_path / "out", train={"max_steps": 6, "micro_batch_size": 2}, distributed={"strategy": "fsdp"})
     env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "FINETUNE_FAULT": "nan@1:rank=1"}
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "finetune/train.py",
+    result = subprocess.run([*torchrun(2), "finetune/train.py",
                              "--config", str(write_config(tmp_path / "c.yaml", cfg))], cwd=REPO, capture_output=True, text=True, timeout=120, env=env)
     assert result.returncode != 0
     assert result.stderr.count("error: step 2: the training loss is nan") == 2, result.stderr[-3000:]

@@ -31,6 +31,7 @@ from conftest import (
     samples_batch,
     textbook,
     textbook_samples,
+    torchrun,
     trained_grads,
     write_config,
 )
@@ -381,7 +382,7 @@ def test_nccl_with_one_rank_under_torchrun(tmp_path, tiny_model_dir):
     cfg = base_config(tiny_model_dir, out, **BF16, train={"max_steps": 20, "micro_batch_size": 8, "lr": 1e-2, "mixed_precision": "bf16"},
                       distributed={"strategy": "ddp"})
     config = str(write_config(tmp_path / "c.yaml", cfg))
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1", "finetune/train.py",
+    result = subprocess.run([*torchrun(1), "finetune/train.py",
                              "--config", config], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
@@ -533,7 +534,7 @@ def test_fsdp_qlora_under_torchrun_on_cuda_trains_as_one_process(tmp_path, tiny_
                 "train": {"max_steps": 12, "micro_batch_size": 8, "lr": 3e-3, "mixed_precision": "bf16"}}
     out = tmp_path / "fsdp"
     config = str(write_config(tmp_path / "fsdp.yaml", base_config(tiny_model_dir, out, **sections, distributed={"strategy": "fsdp"})))
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1", "finetune/train.py",
+    result = subprocess.run([*torchrun(1), "finetune/train.py",
                              "--config", config], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     sharded = [r["loss"] for r in read_jsonl(out / "metrics.jsonl") if "loss" in r]

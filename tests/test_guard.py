@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, base_config, finetune_in_process, read_jsonl, run_cli, wait_for, write_config
+from conftest import REPO, base_config, finetune_in_process, read_jsonl, run_cli, step_losses, torchrun, wait_for, write_config
 
 from finetune.config.schema import GuardConfig
 from finetune.run.guard import DRIFT_STEPS, Guard
@@ -37,9 +37,6 @@ def _events(out):
     return read_jsonl(path) if path.exists() else []
 
 
-def _losses(out):
-    return {r["step"]: r["loss"] for r in read_jsonl(out / "metrics.jsonl") if "loss" in r}
-
 
 def test_poisoned_batches_are_skipped_then_rolled_back_with_lower_lr(tmp_path, tiny_model_dir):
     """NaN losses on the batches of data steps 23-25: skip, skip, then roll back to step 20 with half
@@ -61,7 +58,7 @@ def test_poisoned_batches_are_skipped_then_rolled_back_with_lower_lr(tmp_path, t
     assert reference.returncode == 0
     healthy_lr = {r["step"]: r["lr"] for r in read_jsonl(tmp_path / "healthy" / "metrics.jsonl") if "lr" in r}
     assert lr[30] == pytest.approx(0.5 * healthy_lr[30], rel=1e-6)  # the same schedule at half the peak
-    losses = _losses(out)
+    losses = step_losses(out)
     assert losses[40] < losses[1] and len(losses) == 40
     assert not _events(tmp_path / "healthy")  # a healthy run triggers nothing
 
@@ -99,7 +96,7 @@ def test_sigterm_saves_exits_75_and_resumes_exactly(tmp_path, tiny_model_dir):
     assert [e["event"] for e in _events(out)] == ["preempted"]
     resumed = _train(tmp_path, cfg)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
-    assert _losses(out) == _losses(reference)  # bitwise, before and after the preemption
+    assert step_losses(out) == step_losses(reference)  # bitwise, before and after the preemption
 
 
 def test_a_hung_step_is_caught_by_the_watchdog_with_stacks(tmp_path, tiny_model_dir):
@@ -151,7 +148,7 @@ def test_time_based_saves(tmp_path, tiny_model_dir):
 def _torchrun(tmp_path, cfg, name, *flags, env=None):
     config = write_config(tmp_path / f"{name}.yaml", cfg)
     env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", **(env or {})}
-    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *flags,
+    return subprocess.Popen([*torchrun(2), *flags,
                              "finetune/train.py", "--config", str(config)], cwd=REPO, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
@@ -167,7 +164,7 @@ def test_torchrun_restarts_a_killed_rank_and_the_job_resumes_by_itself(tmp_path,
     stdout, stderr = job.communicate(timeout=300)
     assert job.returncode == 0, stderr[-3000:]
     assert "resumed from" in stdout and "step-000005 at step 5" in stdout
-    assert _losses(tmp_path / "out") == pytest.approx(_losses(tmp_path / "reference"), rel=1e-6)
+    assert step_losses(tmp_path / "out") == pytest.approx(step_losses(tmp_path / "reference"), rel=1e-6)
 
 
 

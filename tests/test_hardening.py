@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from conftest import REPO, base_config, finetune_in_process, read_jsonl, run_cli, write_config
+from conftest import REPO, base_config, finetune_in_process, read_jsonl, run_cli, torchrun, write_config
 
 from finetune.checkpoint.locks import LOCK_FILE
 from finetune.checkpoint.store import verify
@@ -68,7 +68,7 @@ def test_workers_stop_when_their_launcher_is_killed(tmp_path, tiny_model_dir):
     out = tmp_path / "out"
     config = write_config(tmp_path / "c.yaml", _cfg(tiny_model_dir, out, steps=3000))
     env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
-    agent = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "finetune/train.py",
+    agent = subprocess.Popen([*torchrun(2), "finetune/train.py",
                               "--config", str(config)], cwd=REPO, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     _wait_for_rows(out / "metrics.jsonl", agent, 5)
     workers = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _parent(int(p.name)) == agent.pid]

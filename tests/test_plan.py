@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import REPO, base_config, finetune_cli, run_cli, write_config
+from conftest import REPO, base_config, finetune_cli, run_cli, torchrun, write_config
 from safetensors.torch import load_file
 
 from finetune.config.files import load_config
@@ -339,8 +339,8 @@ def test_the_simulated_step_holds_what_the_real_step_of_2_processes_holds(tmp_pa
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     peaks = {}
     # Each in a fresh process, as `finetune plan --simulate` runs.
-    for kind, launcher in (("fake", []), ("real", ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"])):
-        job = subprocess.run([sys.executable, *launcher, str(script), json.dumps(raw), kind], cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+    for kind, launcher in (("fake", [sys.executable]), ("real", torchrun(2))):
+        job = subprocess.run([*launcher, str(script), json.dumps(raw), kind], cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
         assert job.returncode == 0, job.stderr[-3000:]
         peaks[kind] = json.loads(job.stdout.strip().splitlines()[-1])
     simulated, real = peaks["fake"], peaks["real"]

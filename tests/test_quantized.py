@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import base_config, finetune_in_process, read_jsonl, write_config
+from conftest import base_config, finetune_in_process, read_jsonl, torchrun, write_config
 
 from finetune.config.schema import validate_config
 from finetune.data.datasets import load_data
@@ -134,7 +134,6 @@ def test_qlora_under_zero3_matches_one_process_and_partitions_the_4bit_base(tmp_
     import json
     import os
     import subprocess
-    import sys
 
     from conftest import REPO
 
@@ -148,8 +147,7 @@ def test_qlora_under_zero3_matches_one_process_and_partitions_the_4bit_base(tmp_
             result = finetune_in_process("train", "--config", config)
         else:
             env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
-            result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                                     "finetune/train.py", "--config", config], cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+            result = subprocess.run([*torchrun(2), "finetune/train.py", "--config", config], cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
         assert result.returncode == 0, result.stderr[-3000:]
         losses[nproc] = [r["loss"] for r in read_jsonl(out / "metrics.jsonl") if "loss" in r]
     assert losses[2] == pytest.approx(losses[1], rel=1e-4), losses
@@ -186,7 +184,6 @@ def test_qlora_under_fsdp_matches_one_process_shards_the_4bit_base_resumes_and_m
     a checked model."""
     import os
     import subprocess
-    import sys
 
     from conftest import REPO, strategy_config, train_strategy
     from safetensors.torch import load_file
@@ -206,7 +203,7 @@ def test_qlora_under_fsdp_matches_one_process_shards_the_4bit_base_resumes_and_m
     killed = tmp_path / "killed"
     config = write_config(tmp_path / "killed.yaml", strategy_config(nf4_model_dir, killed, "lora", 2, "fsdp", **sections))
     env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "FINETUNE_FAULT": "kill@3:rank=1"}
-    job = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "--max-restarts", "1",
+    job = subprocess.run([*torchrun(2), "--max-restarts", "1",
                           "finetune/train.py", "--config", str(config)], cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
     assert job.returncode == 0 and "resum" in job.stdout + job.stderr, job.stderr[-3000:]
     adapters = [load_file(folder / "adapter_model.safetensors") for folder in (out, killed)]

@@ -7,10 +7,9 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 
 import pytest
-from conftest import DEMO_DATA, REPO, base_config, finetune_in_process, read_jsonl, train_strategy, write_config
+from conftest import DEMO_DATA, REPO, base_config, finetune_in_process, read_jsonl, step_losses, torchrun, train_strategy, write_config
 
 pytest.importorskip("deepspeed")
 
@@ -70,7 +69,7 @@ def probed(tmp_path_factory, family_dirs):
     probe.write_text(PROBE)
     cases = {"-".join(case): (str(family_dirs(case[0])), case[1], case[2]) for case in CASES}
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(probe), str(REPO),
+    result = subprocess.run([*torchrun(2), str(probe), str(REPO),
                              json.dumps(cases)], cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
     assert result.returncode == 0, result.stderr[-4000:]
     return json.loads(next(line for line in result.stdout.splitlines() if line.startswith("RESULT "))[7:])
@@ -86,9 +85,6 @@ def test_two_slices_give_the_whole_rows_loss_and_gradients(probed, case):
     assert got["loss"] == pytest.approx(got["reference"], rel=1e-5), got
     assert got["grads"] < 1e-4 and got["count"] > 0, got
 
-
-def _losses(out):
-    return {r["step"]: r["loss"] for r in read_jsonl(out / "metrics.jsonl") if "loss" in r}
 
 
 SP2 = {"distributed": {"sequence_parallel": 2}}
@@ -113,12 +109,12 @@ def test_a_checkpoint_of_two_slices_resumes_with_two_bitwise_and_with_one_closel
     common = {"train": {"micro_batch_size": 4, "max_steps": 6}, "data": {"eval": None}}
     out, _, _ = train_strategy(tmp_path, "full", tiny_model_dir, "lora", 2, "ddp", **common, **SP2, checkpoint={"save_every": 3})
     saved = str(out / "checkpoints" / "step-000003")
-    expected = _losses(out)
+    expected = step_losses(out)
     again, _, _ = train_strategy(tmp_path, "two", tiny_model_dir, "lora", 2, "ddp", **common, **SP2, checkpoint={"resume": saved})
     alone, _, _ = train_strategy(tmp_path, "one", tiny_model_dir, "lora", 1, "none", **common, checkpoint={"resume": saved})
-    resumed = {s: loss for s, loss in _losses(again).items() if s > 3}
+    resumed = {s: loss for s, loss in step_losses(again).items() if s > 3}
     assert resumed == {s: expected[s] for s in (4, 5, 6)}  # the same floats
-    assert _losses(alone) == pytest.approx({s: expected[s] for s in (4, 5, 6)}, rel=1e-5)
+    assert step_losses(alone) == pytest.approx({s: expected[s] for s in (4, 5, 6)}, rel=1e-5)
 
 
 def test_sizes_that_cannot_work_are_refused_in_one_line_before_loading(tmp_path, tiny_model_dir, family_dirs, capsys):
