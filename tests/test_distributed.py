@@ -6,10 +6,13 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 
 import pytest
 import torch
-from conftest import REPO, base_config, torchrun, train_strategy, write_config
+from conftest import REPO, base_config, free_port, strategy_config, torchrun, train_strategy, write_config
+
+from finetune.config.schema import validate_config
 
 
 @pytest.fixture(scope="module")
@@ -172,18 +175,33 @@ def test_a_rank_that_raises_stops_the_whole_job_quickly(tmp_path, tiny_model_dir
     assert not (tmp_path / "out" / "summary.json").exists()
 
 
-@pytest.mark.parametrize("accelerate_config,strategy", [("fsdp", "fsdp"), ("fsdp", "ddp"), ("zero3", "zero3"), ("zero3_offload", "zero3")])
-def test_accelerate_launch_config_leads_to_that_strategy_or_is_refused(tmp_path, tiny_model_dir, single, accelerate_config, strategy):
-    """accelerate launch --config_file gives the run torchrun gives (same losses), or a refusal when
-    the accelerate config and the run config disagree: never a silent fall-back to DDP."""
-    result = train_strategy(tmp_path, "acc", tiny_model_dir, "lora", 2, strategy, accelerate_config=accelerate_config)
-    if accelerate_config == strategy:
-        _, losses, summary = result
-        assert summary["strategy"] == strategy and summary["world_size"] == 2
-        assert losses == pytest.approx(single["lora"][1], rel=1e-4, abs=1e-5)
-    else:
-        assert result.returncode != 0
-        assert f"accelerate config asks for {accelerate_config} but the run config has distributed.strategy: {strategy}" in result.stderr
+@pytest.mark.parametrize("accelerate_config", ["fsdp", "zero3"])
+def test_accelerate_launch_config_leads_to_that_strategy(tmp_path, tiny_model_dir, single, accelerate_config):
+    """accelerate launch --config_file gives the run torchrun gives (same losses)."""
+    _, losses, summary = train_strategy(tmp_path, "acc", tiny_model_dir, "lora", 2, accelerate_config, accelerate_config=accelerate_config)
+    assert summary["strategy"] == accelerate_config and summary["world_size"] == 2
+    assert losses == pytest.approx(single["lora"][1], rel=1e-4, abs=1e-5)
+
+
+@pytest.mark.parametrize("accelerate_config,strategy", [("fsdp", "ddp"), ("zero3_offload", "zero3")])
+def test_an_accelerate_config_the_run_config_disagrees_with_is_refused(tmp_path, tiny_model_dir, monkeypatch, accelerate_config, strategy):
+    """Never a silent fall-back to DDP: what accelerate launch --config_file hands its processes (read from a script it
+    really launches, not from train.py: a refusal needs no model) makes the recipe's first check refuse the run."""
+    from finetune.config.errors import UserError
+    from finetune.parallel.runtime import launcher_strategy
+
+    script = tmp_path / "env.py"
+    script.write_text("import json, os, sys\njson.dump(dict(os.environ), open(sys.argv[1] + os.environ['RANK'], 'w'))\n")
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", f"configs/accelerate/{accelerate_config}.yaml",
+              "--main_process_port", str(free_port()), str(script), str(tmp_path / "env")]
+    done = subprocess.run(launch, cwd=REPO, capture_output=True, text=True, timeout=300, env={**os.environ, "ACCELERATE_USE_CPU": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    cfg = validate_config(strategy_config(tiny_model_dir, tmp_path / "out", "lora", 2, strategy), "test")
+    for rank in (0, 1):
+        with monkeypatch.context() as patch:
+            patch.setattr(os, "environ", json.loads((tmp_path / f"env{rank}").read_text()))
+            with pytest.raises(UserError, match=f"accelerate config asks for {accelerate_config} but the run config has distributed.strategy: {strategy}"):
+                launcher_strategy(cfg)
 
 
 def test_a_nan_loss_on_one_rank_stops_every_rank(tmp_path, tiny_model_dir):
