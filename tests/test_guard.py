@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, base_config, finetune_in_process, read_jsonl, run_cli, step_losses, torchrun, wait_for, write_config
+from conftest import REPO, base_config, finetune_in_process, once, read_jsonl, run_cli, step_losses, torchrun, wait_for, write_config
 
 from finetune.config.schema import GuardConfig
 from finetune.run.guard import DRIFT_STEPS, Guard
@@ -32,13 +32,23 @@ def _train(tmp_path, cfg, *extra, env=None, name="c"):
     return finetune_in_process("train", "--config", config, *extra, fault=fault)
 
 
+@pytest.fixture(scope="module")
+def healthy(tmp_path_factory, tiny_model_dir):
+    """The 40 steps the fault tests are compared with, run once: nothing injected."""
+
+    def build(folder):
+        assert _train(folder, _cfg(tiny_model_dir, folder / "out"), name="healthy").returncode == 0
+
+    return once(tmp_path_factory, "guard-healthy-40", build) / "out"
+
+
 def _events(out):
     path = out / "events.jsonl"
     return read_jsonl(path) if path.exists() else []
 
 
 
-def test_poisoned_batches_are_skipped_then_rolled_back_with_lower_lr(tmp_path, tiny_model_dir):
+def test_poisoned_batches_are_skipped_then_rolled_back_with_lower_lr(tmp_path, tiny_model_dir, healthy):
     """NaN losses on the batches of data steps 23-25: skip, skip, then roll back to step 20 with half
     the LR and those batches skipped; the run finishes with finite, falling loss."""
     out = tmp_path / "out"
@@ -54,13 +64,11 @@ def test_poisoned_batches_are_skipped_then_rolled_back_with_lower_lr(tmp_path, t
     assert [r["step"] for r in after] == list(range(21, 41))
     assert all(r["loss"] == r["loss"] and r["loss"] < 1e3 for r in after)  # finite
     lr = {r["step"]: r["lr"] for r in after}
-    reference = _train(tmp_path, _cfg(tiny_model_dir, tmp_path / "healthy"), name="healthy")
-    assert reference.returncode == 0
-    healthy_lr = {r["step"]: r["lr"] for r in read_jsonl(tmp_path / "healthy" / "metrics.jsonl") if "lr" in r}
+    healthy_lr = {r["step"]: r["lr"] for r in read_jsonl(healthy / "metrics.jsonl") if "lr" in r}
     assert lr[30] == pytest.approx(0.5 * healthy_lr[30], rel=1e-6)  # the same schedule at half the peak
     losses = step_losses(out)
     assert losses[40] < losses[1] and len(losses) == 40
-    assert not _events(tmp_path / "healthy")  # a healthy run triggers nothing
+    assert not _events(healthy)  # a healthy run triggers nothing
 
 
 def test_a_single_spike_is_skipped_and_the_run_goes_on(tmp_path, tiny_model_dir):
@@ -82,11 +90,9 @@ def test_the_guard_stops_after_its_rollbacks_with_the_checkpoint_to_start_from(t
     assert [e["event"] for e in _events(out)] == ["skip", "skip", "rollback", "skip", "skip", "stop"]
 
 
-def test_sigterm_saves_exits_75_and_resumes_exactly(tmp_path, tiny_model_dir):
+def test_sigterm_saves_exits_75_and_resumes_exactly(tmp_path, tiny_model_dir, healthy):
     """A real SIGTERM, sent by the process to itself as step 21 begins (FINETUNE_FAULT=term@20): that
     step completes, is saved, and the run exits 75; started again it ends as a run never stopped."""
-    reference = tmp_path / "reference"
-    assert _train(tmp_path, _cfg(tiny_model_dir, reference), name="ref").returncode == 0
     out = tmp_path / "out"
     cfg = _cfg(tiny_model_dir, out)
     stopped = _train(tmp_path, cfg, env={"FINETUNE_FAULT": "term@20"})
@@ -96,7 +102,7 @@ def test_sigterm_saves_exits_75_and_resumes_exactly(tmp_path, tiny_model_dir):
     assert [e["event"] for e in _events(out)] == ["preempted"]
     resumed = _train(tmp_path, cfg)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
-    assert step_losses(out) == step_losses(reference)  # bitwise, before and after the preemption
+    assert step_losses(out) == step_losses(healthy)  # bitwise, before and after the preemption
 
 
 def test_a_hung_step_is_caught_by_the_watchdog_with_stacks(tmp_path, tiny_model_dir):
