@@ -66,7 +66,7 @@ def test_installed_without_the_repository_a_config_is_named_by_its_path_and_a_ba
     assert listed.returncode == 2 and "this finetune has no shipped configs" in listed.stderr, listed.stderr[-2000:]
     assert len(listed.stderr.strip().splitlines()) == 1 and "Traceback" not in listed.stderr
     shutil.copy(REPO / "configs" / "lora.yaml", tmp_path / "mine.yaml")
-    code = ("from finetune.config.schema import load_config; import sys\n"
+    code = ("from finetune.config.files import load_config; import sys\n"
             "print(load_config(sys.argv[1], check_model=False, check_paths=False).adapter.method)")
     by_path = subprocess.run([sys.executable, "-c", code, "mine.yaml"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert by_path.returncode == 0 and by_path.stdout.strip() == "lora", by_path.stderr[-2000:]

@@ -65,7 +65,7 @@ def test_the_plan_counts_every_byte_the_loaded_model_holds(wide_model_dir, tmp_p
 
 LOAD = """
 import json, sys
-from finetune.config.schema import load_config
+from finetune.config.files import load_config
 from finetune.model.loading import apply_adapter, load_model
 
 def status(key):
