@@ -44,6 +44,8 @@ import threading
 import torch
 import torch.nn.functional as F
 
+from finetune.model import linear_attention
+
 PACKED_SDPA = "sdpa_packed"
 PACKED_SINKS = "packed_sinks"  # the same, for attention with sinks (register)
 SHORT_SAMPLE = 1024  # tokens: above it the saved probabilities outweigh the speed (and torch's kernel does better)
@@ -429,10 +431,13 @@ def mixer_outside_attention(model) -> str | None:
     linear-attention and short-convolution layers (Mamba, Jamba, Qwen3-Next, LFM2) all run a causal
     nn.Conv1d, which no attention layer has. Their state runs on from one packed sample into the next;
     on small random models that moved the logits too little to measure against bf16 rounding while the
-    gradients were 12-23% off (bench/families.py)."""
+    gradients were 12-23% off (bench/families.py). Not the Gated DeltaNet layers that model/linear_attention
+    runs one sample at a time (Qwen3-Next, Qwen3.5)."""
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.Conv1d):
-            return type(model.get_submodule(name.rpartition(".")[0])).__name__
+            layer = model.get_submodule(name.rpartition(".")[0])
+            if not linear_attention.handles(layer):
+                return type(layer).__name__
     return None
 
 
