@@ -9,7 +9,7 @@ TORCH_VERSION  ?= 2.13.0
 TORCH_PIP_ARGS ?=
 export FINETUNE_CACHE ?= $(CURDIR)/.cache/finetune
 
-.PHONY: install tokenizers demo demo-vision demo-dpo demo-grpo demo-agent demo-agent-tools demo-distill test test-fast lint bench bench-grpo bench-rollouts bench-distill bench-compile bench-data bench-families bench-fsdp-load bench-guard bench-host bench-load bench-large bench-long bench-released bench-moe bench-scale bench-vision docs-check bench-xl bench-demos bench-suite chaos-elastic clean help
+.PHONY: install tokenizers demo demo-vision demo-dpo demo-grpo demo-agent demo-agent-tools demo-distill test test-fast lint bench bench-grpo bench-rollouts bench-distill bench-compile bench-data bench-families bench-fsdp-load bench-guard bench-host bench-load bench-large bench-long bench-released bench-moe bench-hybrid bench-scale bench-vision docs-check bench-xl bench-demos bench-suite chaos-elastic clean help
 
 help:
 	@echo "make demo   - install, build the demo model, fine-tune it (LoRA) and show before/after"
@@ -30,6 +30,7 @@ help:
 	@echo "make bench-compile - model.compile (torch.compile per layer) against eager: start-up, s/step, losses (~15 min)"
 	@echo "make bench-data - a million rows: tokenization, start-up, memory vs datasets + HF Trainer (~25 min)"
 	@echo "make bench-families - 40 architectures beyond the tested ones, and the vision-language families: packed samples kept apart (exact) or refused (~3 min)"
+	@echo "make bench-hybrid - hybrid linear-attention models (Qwen3.5, LFM2) packed exactly against padded: real tok/s, loss and gradients (~4 min)"
 	@echo "make chaos-elastic - elastic jobs of 3 loopback nodes under random node losses (mid-save too) and returns: each must end with an uninterrupted run's numbers (~10 min)"
 	@echo "make bench-guard - the divergence guard's false alarms on flat runs and its verdicts on the recorded ones (~1 min, no training)"
 	@echo "make bench-host - the GPU path's host overhead, measured on CPU: operators, host syncs and Python per step vs HF Trainer (~4 min)"
@@ -215,6 +216,9 @@ bench-released: install tokenizers
 
 bench-moe: install
 	$(PY) bench/moe.py
+
+bench-hybrid: install
+	$(PY) bench/hybrid.py
 
 bench-scale: install
 	$(PY) -c "import torchao" 2>/dev/null || $(PIP) install -q -e ".[torchao]" "torch==$$($(PY) -c 'import torch; print(torch.__version__)')"

@@ -159,22 +159,23 @@ def results(paths: tuple[Path, ...]) -> tuple[list[list[Decimal]], list]:
     return table_rows(list(paths)), results_lines(list(paths))
 
 
-def unbacked_figures(text: str) -> tuple[list[tuple[int, str, str | None, str]], list[Path]]:
-    """The figures of a document's text that no results file it cites backs, and the files it cites."""
+def unbacked_figures(text: str, only: int | None = None) -> tuple[list[tuple[int, str, str | None, str]], list[Path]]:
+    """The figures of a document's text (of its line `only`, if given) that no results file it cites backs, and the
+    files it cites."""
     cited = sorted({REPO / c.rstrip(".") for c in CITATION.findall(text)})
     rows, said = results(tuple(path for path in cited if path.is_file()))
     lines, out = text.splitlines(), []
-    for line, value, unit, context in figures(text):
+    for line, value, unit, context in (f for f in figures(text) if only is None or f[0] == only):
         row, near = lines[line - 1], words(" ".join(lines[max(0, line - 2):line]))
         if not (row_backed(row, rows) if row.lstrip().startswith("|") else prose_backed(value, unit, near, said)):
             out.append((line, value, unit, context))
     return out, cited
 
 
-def unbacked(where: str, text: str, owed: set[str]) -> tuple[list[str], set[str]]:
-    """One line for each figure in `text` (the document `where`) that neither a results file it cites nor the ledger of
-    owed figures holds; and the ledger's entries this text used."""
-    figures_left, cited = unbacked_figures(text)
+def unbacked(where: str, text: str, owed: set[str], only: int | None = None) -> tuple[list[str], set[str]]:
+    """One line for each figure in `text` (the document `where`; of its line `only`, if given) that neither a results
+    file it cites nor the ledger of owed figures holds; and the ledger's entries this text used."""
+    figures_left, cited = unbacked_figures(text, only)
     out = [f"{where}: cites {path.relative_to(REPO)}, which is not there" for path in cited if not path.is_file()]
     used = {owed_key(where, context) for _, _, _, context in figures_left} & owed
     source = ", ".join(str(p.relative_to(REPO)) for p in cited) or "no bench/results file"

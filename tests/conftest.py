@@ -403,6 +403,7 @@ MOE = [name for name, (kind, extra) in FAMILIES.items() if "experts" in json.dum
 NO_DROPOUT = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
 OTHERS = {
     "gpt2": ("gpt2", dict(n_embd=64, n_layer=2, n_head=4, n_positions=512, **NO_DROPOUT)),  # learned positions, Conv1D layers
+    "starcoder": ("gpt_bigcode", dict(n_embd=64, n_layer=2, n_head=4, n_positions=512, multi_query=True, **NO_DROPOUT)),  # attention handed no positions
     "opt": ("opt", dict(hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4, word_embed_proj_dim=64,
                         max_position_embeddings=512, dropout=0.0)),  # its masks come from an all-ones attention mask
     "gptj": ("gptj", dict(n_embd=64, n_layer=2, n_head=4, n_positions=512, rotary_dim=8, **NO_DROPOUT)),  # no sdpa in transformers
@@ -415,7 +416,17 @@ OTHERS = {
                                       shared_expert_intermediate_size=32, mlp_only_layers=[0, 1], layer_types=["linear_attention", "full_attention"])),
     "qwen3.5": ("qwen3_5_text", dict(TINY, head_dim=16, linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
                                      linear_value_head_dim=16, layer_types=["linear_attention", "full_attention"])),  # Qwen3.5's text side
-    "lfm2": ("lfm2", dict(TINY, num_key_value_heads=2, layer_types=["conv", "full_attention"])),  # a short convolution along the row
+    "lfm2": ("lfm2", dict(TINY, layer_types=["conv", "full_attention"])),  # a short convolution along the row
+    # Mamba's selective scan beside attention and experts (Jamba); Mamba2's (Bamba); Mamba2 layers whose attention is handed no
+    # position ids (GraniteMoE-Hybrid); Mamba alone, whose blocks are handed no keywords at all
+    "jamba": ("jamba", dict(TINY, num_experts=2, num_experts_per_tok=1, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
+                            expert_layer_offset=1, mamba_d_state=8, mamba_expand=2)),
+    "bamba": ("bamba", dict(TINY, attn_layer_indices=[1], mamba_n_heads=8, mamba_d_head=16, mamba_d_state=8, mamba_n_groups=1)),
+    "granite-hybrid": ("granitemoehybrid", dict(TINY, layer_types=["mamba", "attention"], num_local_experts=2, num_experts_per_tok=1,
+                                                mamba_n_heads=8, mamba_d_head=16, mamba_d_state=8, mamba_n_groups=1)),
+    "mamba": ("mamba", dict(hidden_size=64, num_hidden_layers=2, state_size=8)),
+    # RecurrentGemma: an RG-LRU block whose short convolution finetune does not run a sample at a time (refused packed)
+    "recurrent-gemma": ("recurrent_gemma", dict(TINY, block_types=["recurrent", "attention"], lru_width=64, attention_window_size=8)),
     # DeepSeek-V3 / Kimi K2: latent attention (MLA: q and kv through low-rank projections, a decoupled rope part, value heads
     # narrower than the query's), a dense first layer, routed experts beside a shared one, grouped top-k routing
     "deepseek-v3": ("deepseek_v3", dict(TINY, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16,

@@ -24,8 +24,7 @@ from conftest import (
 from transformers import AutoModelForCausalLM
 
 from finetune.config.schema import AdapterConfig, ModelConfig, validate_config
-from finetune.model import attention, families
-from finetune.model.attention import LEAK_TOLERANCE
+from finetune.model import attention, families, mixers
 from finetune.model.loading import apply_adapter, load_model
 from finetune.objectives import loss
 from finetune.outputs.merge import merge
@@ -90,17 +89,22 @@ def assert_equal_to_each_sample_alone(model, samples) -> None:
 # ------------------------------------------------------------------------------------------------
 # Runs under a distributed strategy (test_distributed, test_preference)
 
-@pytest.mark.parametrize("family, attn", [("gpt2", attention.PACKED_SDPA), ("opt", attention.PACKED_SDPA), ("gptj", "eager"),
-                                          ("qwen3-next", "sdpa"), ("qwen3.5", "sdpa")])
+@pytest.mark.parametrize("family, attn", [("gpt2", attention.PACKED_SDPA), ("starcoder", attention.PACKED_SDPA), ("opt", attention.PACKED_SDPA),
+                                          ("gptj", "eager"),
+                                          ("qwen3-next", "sdpa"), ("qwen3.5", "sdpa"), ("lfm2", attention.PACKED_SDPA), ("jamba", "sdpa"),
+                                          ("bamba", "sdpa"), ("granite-hybrid", attention.PACKED_SDPA), ("mamba", "eager")])
 def test_other_architectures_keep_packed_samples_apart(family_dirs, family, attn):
     """GPT-2 and OPT (learned positions; OPT's own masks ignore where position_ids restart) take
-    finetune's packed attention, which keeps samples apart in eval too; GPT-J has no sdpa in
-    transformers and loads with eager attention, said in one line. Qwen3-Next and Qwen3.5: their
-    Gated DeltaNet layers run each packed sample from a zero state (model/linear_attention)."""
+    finetune's packed attention, which keeps samples apart in eval too; so does GPT-BigCode (StarCoder 1), whose
+    layers hand its attention no position ids: it reads the samples the model was handed (model/mixers); GPT-J has no sdpa in
+    transformers and loads with eager attention, said in one line. The hybrids (Qwen3-Next and Qwen3.5's
+    Gated DeltaNet, LFM2's short convolution, Jamba's Mamba, Bamba's and GraniteMoE-Hybrid's Mamba2) and Mamba
+    alone: their mixers run each packed sample from a zero state (model/mixers)."""
     said = []
     model = load_model(ModelConfig(name_or_path=str(family_dirs(family))), say=said.append).train()
     assert model.config._attn_implementation == attn
     assert (attn == "eager") == any("has no sdpa attention in transformers: using eager attention" in line for line in said), said
+    assert mixers.unhandled(model) is None
     assert attention.leak(model, model.config.vocab_size, "cpu") < 1e-4
     assert_equal_to_each_sample_alone(model, textbook_samples(model.config.vocab_size))
 
@@ -110,20 +114,20 @@ MIXES = r"mixes tokens outside attention \({}\), carrying a state from one packe
 
 
 @pytest.mark.parametrize("family, attn, why", [("bloom", "sdpa", SEE_EACH_OTHER), ("falcon", "sdpa", SEE_EACH_OTHER),
-                                               ("opt", "eager", SEE_EACH_OTHER), ("lfm2", "sdpa", MIXES.format("Lfm2ShortConv"))])
+                                               ("opt", "eager", SEE_EACH_OTHER),
+                                               ("recurrent-gemma", "sdpa", MIXES.format("RecurrentGemmaRecurrentBlock"))])
 def test_a_model_that_lets_packed_samples_see_each_other_is_refused(family_dirs, tmp_path, family, attn, why):
     """ALiBi built from the attention mask (Bloom, Falcon) and OPT's eager masks, measured on the loaded
-    model at the start; a state carried along the row by a short convolution (LFM2: too small a logit
-    move to measure here, yet gradients 12% off), found in the
-    layers. Refused in one line naming data.packing: false (preference pairs, which always share a row,
-    too); with it the model trains."""
+    model at the start; a state carried along the row by a layer finetune does not run a sample at a time
+    (RecurrentGemma's short convolution), found in the layers before anything is measured. Refused in one line
+    naming data.packing: false (preference pairs, which always share a row, too); with it the model trains."""
     from finetune.config.errors import UserError
 
     model_dir = family_dirs(family)
     model = load_model(ModelConfig(name_or_path=str(model_dir), attn_implementation=attn), say=lambda _: None)
-    moved = attention.leak(model, model.config.vocab_size, "cpu")
-    assert moved > 0.1 if family != "lfm2" else moved < LEAK_TOLERANCE  # LFM2's convolution escapes the measurement
-    assert (attention.mixer_outside_attention(model) is None) == (why == SEE_EACH_OTHER)
+    assert (mixers.unhandled(model) is None) == (why == SEE_EACH_OTHER)
+    if why == SEE_EACH_OTHER:
+        assert attention.leak(model, model.config.vocab_size, "cpu") > 0.1
     sections = dict(model={"attn_implementation": attn}, train={"overfit_batch": 8, "lr": 1e-2, "scheduler": "constant", "micro_batch_size": 2},
                     data={"eval": None, "max_seq_len": 64})
     with pytest.raises(UserError, match=rf"^data.packing: {model.config.model_type} \(\w+ attention\) {why}; set data.packing: false$"):
@@ -139,16 +143,47 @@ def test_a_model_that_lets_packed_samples_see_each_other_is_refused(family_dirs,
     assert len(rows) == 8 and rows[-1] < 0.92 * rows[0], rows
 
 
-@pytest.mark.parametrize("family", ["qwen3-next", "qwen3.5"])
-def test_linear_attention_trains_on_packed_rows(family_dirs, tmp_path, family):
-    """Qwen3-Next and Qwen3.5 pass the packed-row check at the start (their Gated DeltaNet layers found handled, the
-    leak measured at none) and train on packed rows: LoRA on an overfit batch of 8 falls as the unpacked run above does."""
+@pytest.mark.parametrize("family", ["qwen3-next", "qwen3.5", "lfm2"])
+def test_hybrids_train_on_packed_rows(family_dirs, tmp_path, family):
+    """Qwen3-Next, Qwen3.5 and LFM2 pass the packed-row check at the start (their mixers found handled, the leak
+    measured at none) and train on packed rows: LoRA on an overfit batch of 8 falls as the unpacked run above does."""
     # router_aux_loss_coef 0: the test's Qwen3-Next has dense MLPs (conftest), whose empty router logits transformers' loss cannot take
     sections = dict(train={"overfit_batch": 8, "lr": 1e-2, "scheduler": "constant", "micro_batch_size": 2, "router_aux_loss_coef": 0.0},
                     data={"eval": None, "max_seq_len": 64, "packing": True})
     run(validate_config(base_config(family_dirs(family), tmp_path / "packed", **sections), "test"))
     rows = [r["loss"] for r in read_jsonl(tmp_path / "packed" / "metrics.jsonl") if "loss" in r]
     assert len(rows) == 8 and rows[-1] < 0.92 * rows[0], rows
+
+
+@pytest.mark.parametrize("family", ["bamba", "mamba"])
+def test_a_recomputed_mixer_splits_the_rows_of_its_own_forward(family_dirs, tmp_path, family):
+    """Gradient checkpointing replays each layer in the backward pass, after other forwards may have run on other rows
+    (KTO's reference point): Bamba's recomputed Mamba2 layers still split their rows where the forward they replay did,
+    gradients equal to a run without the forward between. Pure Mamba, whose blocks are handed no keywords, is refused
+    packed with checkpointing, in one line."""
+    from finetune.config.errors import UserError
+
+    model = load_model(ModelConfig(name_or_path=str(family_dirs(family))), say=lambda _: None).train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    samples = textbook_samples(model.config.vocab_size)
+    if family == "mamba":
+        sections = dict(train={"max_steps": 1, "gradient_checkpointing": True}, data={"eval": None, "max_seq_len": 64},
+                        adapter={"method": "full"})  # peft refuses LoRA on Mamba's out_proj
+        with pytest.raises(UserError, match=r"^data.packing: mamba \(eager attention\) calls its Mamba blocks without keywords, so gradient "):
+            run(validate_config(base_config(family_dirs(family), tmp_path / "packed", **sections), "test"))
+        return
+    grads = []
+    for between in (False, True):
+        model.zero_grad()
+        value = loss.token_loss_sum(model, samples_batch(samples, packed=True))
+        if between:
+            with torch.no_grad():
+                loss.token_loss_sum(model, samples_batch(samples[::-1], packed=True))
+        value.backward()
+        grads.append(trained_grads(model))
+    assert all(torch.equal(grads[0][name], grads[1][name]) for name in grads[0])
+    model.gradient_checkpointing_disable()
+    assert_equal_to_each_sample_alone(model, samples)
 
 
 def test_a_longer_context_than_gpt2s_position_table_is_refused(family_dirs, tmp_path):
@@ -254,14 +289,14 @@ def test_plan_counts_what_the_model_holds(family_dirs, tmp_path, family):
     from finetune.outputs.plan import make_plan
 
     model_dir = family_dirs(family)
-    for method in ("full", "lora", "dora"):
+    for method in ("full",) if family == "mamba" else ("full", "lora", "dora"):  # peft refuses LoRA on Mamba's out_proj
         cfg = validate_config(base_config(model_dir, tmp_path, adapter={"method": method, "dropout": 0.0}), "test")
         model = apply_adapter(load_model(cfg.model, say=lambda _: None), cfg.adapter, False, say=lambda _: None)
         plan = make_plan(cfg)
         assert plan.trainable == sum(p.numel() for p in model.parameters() if p.requires_grad), method
         if method == "full":
             assert plan.total_params == sum(p.numel() for p in model.parameters())
-    assert (plan.active_params < plan.total_params) == (family in MOE + MOE_OTHERS)
+    assert (plan.active_params < plan.total_params) == (family in [*MOE, *MOE_OTHERS, "jamba", "granite-hybrid"])
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))

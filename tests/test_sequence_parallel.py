@@ -136,7 +136,7 @@ def test_sizes_that_cannot_work_are_refused_in_one_line_before_loading(tmp_path,
     assert not (tmp_path / "out" / "metrics.jsonl").exists()
 
 
-def test_a_model_on_eager_attention_or_with_a_router_loss_is_refused(family_dirs):
+def test_a_model_on_eager_attention_with_a_router_loss_or_a_state_along_the_row_is_refused(family_dirs):
     from finetune.config.errors import UserError
     from finetune.config.schema import ModelConfig
     from finetune.model.loading import load_model
@@ -149,6 +149,9 @@ def test_a_model_on_eager_attention_or_with_a_router_loss_is_refused(family_dirs
     with pytest.raises(UserError, match="load-balancing loss"):
         sequence_parallel.check_model(2, mixtral, 0.02)
     sequence_parallel.check_model(2, mixtral, 0.0)
+    lfm2 = load_model(ModelConfig(name_or_path=str(family_dirs("lfm2"))), say=lambda _: None)  # finetune's packed attention, and a convolution
+    with pytest.raises(UserError, match=r"^distributed.sequence_parallel: this model's Lfm2ShortConv layers carry a state along the row, "):
+        sequence_parallel.check_model(2, lfm2, 0.0)
 
 
 @pytest.mark.parametrize("family", ["llama3", "qwen2", "phi3"])

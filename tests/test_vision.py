@@ -268,10 +268,12 @@ def test_lora_trains_the_language_model_and_loads_in_peft(vision_run, llava):
     assert sum("lora_A" in n for n, _ in tuned.named_parameters()) == 2 * 7  # 2 layers x q k v o gate up down
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "zero2", "zero3"])
+# FSDP2 and ZeRO-3 carry what is vision-specific (the tower's place in the units, a load that draws from the generator); DDP
+# over pictures runs below (Qwen2.5-VL packed), and DDP and ZeRO-2 over text in test_distributed.py.
+@pytest.mark.parametrize("strategy", ["fsdp", "zero3"])
 def test_two_processes_equal_one(tmp_path, llava, picture_data, vision_run, strategy):
-    """DDP, FSDP2 (the tower in the root unit), ZeRO-2 and ZeRO-3 over 2 CPU processes (2 rows each) train as one process on
-    4 rows, 12 steps: the guard's start and its step-0 checkpoint included (FSDP's once took a step of Adam's before the first;
+    """FSDP2 (the tower in the root unit) and ZeRO-3 over 2 CPU processes (2 rows each) train as one process on 4 rows,
+    12 steps: the guard's start and its step-0 checkpoint included (FSDP's once took a step of Adam's before the first;
     ZeRO-3's load once drew CLIP's class embedding from the generator the adapter's initial weights are drawn from next)."""
     _, one = vision_run
     sections = {k: v for k, v in _config(llava("clip"), picture_data, tmp_path).items() if k in ("model", "adapter", "data", "eval")}
@@ -283,14 +285,14 @@ def test_two_processes_equal_one(tmp_path, llava, picture_data, vision_run, stra
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_packed_qwen_vl_over_two_processes_equals_one(tmp_path, llava, picture_data, strategy):
+def test_packed_qwen_vl_over_two_processes_equals_one(tmp_path, llava, picture_data, trained, strategy):
     """Qwen2.5-VL's packed rows (each sample's own 3-D positions) under torchrun, its processor built for pictures only in each
-    process: 2 processes train as one, 8 steps (FSDP2: its tower a unit of its own)."""
+    process: 2 processes train as one (the one run both cases share), 8 steps (FSDP2: its tower a unit of its own)."""
     sections = {k: v for k, v in _config(llava("qwen2_5_vl"), picture_data, tmp_path).items() if k in ("model", "adapter", "eval")}
     data = {"train": str(picture_data), "format": "chat", "max_seq_len": 160, "packing": True, "eval_fraction": 0.0}
     train = {"max_steps": 8, "lr": 1e-2, "warmup_steps": 0, "mixed_precision": "no"}
-    runs = [train_strategy(tmp_path, f"{strategy}-{n}", llava("qwen2_5_vl"), "lora", n, strategy, train=train, data=data, **sections)[1] for n in (1, 2)]
-    one, two = runs
+    one = trained(llava("qwen2_5_vl"), "lora", train=train, data=data, **sections)[1]
+    two = train_strategy(tmp_path, strategy, llava("qwen2_5_vl"), "lora", 2, strategy, train=train, data=data, **sections)[1]
     assert len(one) == len(two) == 8 and one[-1] < one[0] - 0.3, one
     for a, b in zip(one, two):
         assert abs(a - b) < 1e-4 * max(1.0, abs(a)), (one, two)

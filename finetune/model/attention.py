@@ -30,7 +30,7 @@ text positions above them, the 4-row form its forward reads packed rows from (`p
 Not every architecture keeps packed samples apart: some build their masks from an attention mask alone
 (ALiBi, learned positions), some never route attention through the interface (`leak` measures both on
 the loaded model itself), and SSM, linear-attention and short-convolution layers carry a state along
-the row whatever the masks say (`mixer_outside_attention` finds them).
+the row whatever the masks say (model/mixers finds them).
 """
 
 from __future__ import annotations
@@ -43,8 +43,6 @@ import threading
 
 import torch
 import torch.nn.functional as F
-
-from finetune.model import linear_attention
 
 PACKED_SDPA = "sdpa_packed"
 PACKED_SINKS = "packed_sinks"  # the same, for attention with sinks (register)
@@ -96,6 +94,19 @@ def sample_bounds(position_ids: torch.Tensor) -> list[list[int]]:
     result = [([0] if not b or b[0] != 0 else []) + b + [length] for b in bounds]
     _state.last = (position_ids, position_ids._version, result)
     return result
+
+
+SEGMENTS = "finetune_segments"  # the keyword a model hands its layers: [(row, start, end)] of every sample of its rows (model/mixers)
+
+
+def segment_positions(segments: list[tuple[int, int, int]], like: torch.Tensor) -> torch.Tensor:
+    """The position ids of the rows `segments` describes, their sample bounds attached (no host sync), on `like`'s device:
+    for attention layers a model hands no position ids."""
+    rows = max(row for row, _, _ in segments) + 1
+    values = [[p for r, start, end in segments if r == row for p in range(end - start)] for row in range(rows)]
+    tensor = torch.tensor(values, device=like.device)
+    tensor.sample_bounds = [[start for r, start, _ in segments if r == row] + [len(values[row])] for row in range(rows)]
+    return tensor
 
 
 def base_model(model):
@@ -162,6 +173,8 @@ def packed_sdpa_forward(module, query, key, value, attention_mask, dropout: floa
         raise NotImplementedError(f"{PACKED_SDPA} does not implement softcap; load this model with eager attention")
     sinks = kwargs.pop("s_aux", None)  # gpt-oss: a learned logit per head that every query's softmax also spreads over
     position_ids = kwargs.get("position_ids")
+    if position_ids is None and kwargs.get(SEGMENTS) is not None:  # a layer handed no position ids (GPT-BigCode, GraniteMoE-Hybrid)
+        position_ids = segment_positions(kwargs[SEGMENTS], query)
     whole_row = getattr(position_ids, "sequence_parallel", None)
     if whole_row is not None:  # this process holds a slice of each row: attention over the whole row, through Ulysses
         return whole_row.route(packed_sdpa_forward, module, query, key, value, attention_mask, whole_row, dropout=dropout, scaling=scaling, **kwargs)
@@ -377,24 +390,6 @@ def _sample(query, key, value, b: int, s: int, e: int, dtype: torch.dtype):
 LEAK_TOLERANCE = 0.05
 
 
-def packed_samples_meet(model, prepared, device, autocast) -> str:
-    """Why the samples of a packed row would see each other in `model` ("" where they stay apart): a layer
-    that mixes tokens outside attention, else `leak` measured on `prepared` (the model as the strategy wraps
-    it; every process at once) under `autocast`, the training forward's."""
-    kind = f"{model.config.model_type} ({model.config._attn_implementation} attention)"
-    mixer = mixer_outside_attention(model)
-    if mixer:
-        return f"{kind} mixes tokens outside attention ({mixer}), carrying a state from one packed sample into the next"
-    with autocast():
-        # a vision-language model's text vocabulary, below its picture token (a picture token without a picture fails)
-        vocab = min(model.config.get_text_config().vocab_size, getattr(model.config, "image_token_id", None) or 2**62)
-        moved = leak(prepared, vocab, device)
-    if not moved > LEAK_TOLERANCE:  # nan: context changes nothing, there is nothing to leak
-        return ""
-    return (f"{kind} lets the samples of a packed row see each other (measured at the start: a sample's logits "
-            f"moved {moved:.0%} of the way to having the sample before it as context)")
-
-
 @torch.no_grad()
 def leak(model, vocab_size: int, device: torch.device | str) -> float:
     """How far a packed sample's logits move towards having the sample before it as context: 0 where
@@ -424,21 +419,6 @@ def leak(model, vocab_size: int, device: torch.device | str) -> float:
         model.train(was_training)
     moved, context = ((logits[name] - logits["alone"]).abs().max().item() for name in ("packed", "context"))
     return moved / context if context > 0 else float("nan")
-
-
-def mixer_outside_attention(model) -> str | None:
-    """The class of a layer that mixes tokens along the row outside attention, or None: SSM,
-    linear-attention and short-convolution layers (Mamba, Jamba, Qwen3-Next, LFM2) all run a causal
-    nn.Conv1d, which no attention layer has. Their state runs on from one packed sample into the next;
-    on small random models that moved the logits too little to measure against bf16 rounding while the
-    gradients were 12-23% off (bench/families.py). Not the Gated DeltaNet layers that model/linear_attention
-    runs one sample at a time (Qwen3-Next, Qwen3.5)."""
-    for name, module in model.named_modules():
-        if isinstance(module, torch.nn.Conv1d):
-            layer = model.get_submodule(name.rpartition(".")[0])
-            if not linear_attention.handles(layer):
-                return type(layer).__name__
-    return None
 
 
 def register(sinks: bool = False) -> str:

@@ -17,7 +17,7 @@ import torch
 from finetune.config.errors import UserError
 from finetune.config.files import read_model_config
 from finetune.config.schema import DTYPE_BYTES, AdapterConfig, ModelConfig, RunConfig, looks_local
-from finetune.model import experts, families, linear_attention, nf4, vision
+from finetune.model import experts, families, mixers, nf4, vision
 from finetune.model.attention import register as register_packed_sdpa
 from finetune.model.configs import first_line, model_config
 
@@ -199,7 +199,7 @@ def load_model(cfg: ModelConfig, device: torch.device | str = "cpu", skeleton: s
             model = auto_class(config).from_config(config, dtype=dtype, attn_implementation=attn, trust_remote_code=cfg.trust_remote_code)
         model.tie_weights()  # under no_init_weights transformers leaves a tied head (Llama 3.2, Qwen 2.5/3 small, Gemma) a weight of its own
         model.config.use_cache = False
-        linear_attention.register(model)
+        mixers.register(model)
         return model
     extra = {}
     if cfg.quantization is not None and not nf4.used(cfg):  # torchao's: the weights are quantized after the adapter is applied
@@ -240,7 +240,7 @@ def load_model(cfg: ModelConfig, device: torch.device | str = "cpu", skeleton: s
         if cpu:
             _keep_one_cpu_4bit_path(model)
     model.config.use_cache = False  # no KV cache while training; generation turns it on per call
-    linear_attention.register(model)  # Qwen3-Next / Qwen3.5: packed samples each start their linear attention afresh
+    mixers.register(model)  # packed samples start each SSM, linear-attention or convolution layer afresh
     return model
 
 

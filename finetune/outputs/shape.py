@@ -172,11 +172,11 @@ def skeleton_shape(folder: Path) -> Shape:
                for (name, fan_in, fan_out, expert), n in copies.items()]
     vocab, hidden = embed.weight.shape
     tied = head is not None and head.weight is embed.weight
-    heads = config.num_attention_heads
+    heads = getattr(config, "num_attention_heads", None)  # none in a pure state-space model (Mamba)
     width = next((w for w in (getattr(config, key, None) for key in ("intermediate_size", "ffn_dim", "n_inner")) if isinstance(w, int)), 4 * hidden)
     language = [p for name, p in model.named_parameters() if not name.startswith(pictures)]
     other = sum(p.numel() for p in language) - sum(layer.params for layer in linears) - vocab * hidden * (1 if tied else 2)
-    kv_dim = (getattr(config, "num_key_value_heads", None) or heads) * (hidden // heads)
+    kv_dim = (getattr(config, "num_key_value_heads", None) or heads) * (hidden // heads) if heads else 0
     return Shape(vocab=vocab, hidden=hidden, layers=config.num_hidden_layers, kv_dim=kv_dim,
                  mlp_width=width, attention_values=6 * hidden + 2 * kv_dim, tied=tied, linears=tuple(linears), norms_and_biases=other,
                  config=config.to_dict(),

@@ -103,9 +103,10 @@ def check(size: int, model_config: dict) -> None:
 
 
 def check_model(size: int, model, router_coef: float) -> None:
-    """After loading: the model's attention goes through finetune's packed attention, which routes it,
-    and no loss needs a whole row outside attention (an MoE router's load balancing is over the tokens
-    a forward sees)."""
+    """After loading: the model's attention goes through finetune's packed attention, which routes it, no layer
+    carries a state along the row outside attention, and no loss needs a whole row outside attention (an MoE
+    router's load balancing is over the tokens a forward sees)."""
+    from finetune.model import mixers
     from finetune.model.attention import PACKED_SDPA, attention_of
 
     if size == 1:
@@ -113,6 +114,10 @@ def check_model(size: int, model, router_coef: float) -> None:
     if attention_of(model) != PACKED_SDPA:
         raise UserError(f"distributed.sequence_parallel: this model runs {attention_of(model)} attention, which does not go through "
                         f"finetune's packed attention (set model.attn_implementation: sdpa where the family allows it), or set it to 1")
+    carried = mixers.mixers(model)
+    if carried:  # its scan or convolution over a slice would start from nothing where the row's earlier slice ended
+        raise UserError(f"distributed.sequence_parallel: this model's {type(carried[0]).__name__} layers carry a state along the row, "
+                        "which a process holding a slice of it cannot start from; set it to 1")
     if router_coef > 0:
         raise UserError("distributed.sequence_parallel: the router's load-balancing loss of this mixture-of-experts model would be taken per "
                         "slice of a row; set train.router_aux_loss_coef: 0, or sequence_parallel: 1")

@@ -14,8 +14,8 @@ from finetune.config.strategy import Strategy
 from finetune.data.chat import choose_template
 from finetune.data.datasets import load_data, plan_steps, summary_lines
 from finetune.model import families, vision
-from finetune.model.attention import packed_samples_meet
 from finetune.model.loading import apply_adapter, compile_layers, describe, load_tokenizer, loftq_init
+from finetune.model.mixers import packed_samples_meet
 from finetune.model.stage import staged_model
 from finetune.model.teacher import teacher_source
 from finetune.objectives.distill import teacher_answers
