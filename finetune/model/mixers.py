@@ -25,7 +25,7 @@ import inspect
 
 import torch
 
-from finetune.model.attention import LEAK_TOLERANCE, PACKED_SDPA, PACKED_SINKS, SEGMENTS, leak, sample_bounds
+from finetune.model.attention import LEAK_TOLERANCE, PACKED_SDPA, PACKED_SINKS, SEGMENTS, in_packed_rows, leak, sample_bounds
 
 # The model types whose mixers were measured exact packed (bench/families.py; tests/test_families.py tests some)
 FAMILIES = {"qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "lfm2", "lfm2_moe", "jamba", "bamba",
@@ -100,8 +100,8 @@ def register(model: torch.nn.Module) -> bool:
 def _segments_of_packed_rows(model, args, kwargs, found):
     """The model's forward pre-hook: [(row, start, end)] of every sample of rows given position ids (samples start
     where they restart), passed on to its layers and left on its mixers; nothing for a forward with a cache."""
-    if not found and model.config._attn_implementation not in (PACKED_SDPA, PACKED_SINKS):
-        return None  # nothing reads them: no host sync for the samples' bounds
+    if not found and not (model.config._attn_implementation in (PACKED_SDPA, PACKED_SINKS) and (model.training or in_packed_rows())):
+        return None  # nothing reads them (the packed attention reads packed rows only): no host sync for the samples' bounds
     segments = _segments(model, kwargs)
     for mixer in found:
         setattr(mixer, SEGMENTS, segments)
