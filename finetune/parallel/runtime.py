@@ -15,7 +15,6 @@ from finetune.config.errors import UserError
 from finetune.config.schema import RunConfig
 from finetune.config.strategy import NAMES
 from finetune.parallel import network
-from finetune.parallel.engines import engine_class
 
 # A quantized base's dequantized weights from this size on come from fresh mappings on CPU runs
 # (keep_freed_memory): freed, they leave no hole in the heap.
@@ -42,6 +41,8 @@ def make_accelerator(cfg: RunConfig):
         os.environ[flag] = "false"  # the strategy agrees: finetune applies it, not accelerate's plugin
     network.check_store()  # rank 0's store answers, before the process group waits on it
     join_restarted_workers()
+    from finetune.parallel.engines import engine_class  # the model layer behind it: not for what plan reads here
+
     if not engine_class(cfg, int(os.environ.get("WORLD_SIZE", "1")))[0].autocast:  # launchers set WORLD_SIZE
         mp = "no"
     handlers = []
