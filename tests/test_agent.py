@@ -256,7 +256,7 @@ def test_the_loss_and_gradients_are_the_episodes_sum_by_hand(demo_agent_tokenize
     objective = _objective(loss_type="dapo")
     episodes = [_played(objective, demo_agent_tokenizer, turns)[0] for turns in ([CALL, "3367"], [CALL, "12"])]
     per_function, reward = objective.scores(episodes)
-    row, columns = group_row([(e.ids, e.trained) for e in episodes], per_function, reward, "group")
+    row, columns = group_row([(e.ids, e.trained) for e in episodes], per_function, reward, objective.cfg)
     from finetune.data.packing import collate
 
     batch = to_device({**collate([row], demo_agent_tokenizer.pad_token_id), **columns}, "cpu")

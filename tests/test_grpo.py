@@ -335,6 +335,21 @@ def test_reward_functions_resolve_and_bad_ones_stop_in_one_line(tmp_path):
         exact_match(["noun"])
 
 
+@pytest.mark.parametrize("scale", ["none", "group"])
+def test_rloo_measures_each_reward_from_the_mean_of_the_others(scale):
+    """grpo.advantage rloo (REINFORCE Leave-One-Out): each completion's reward less the mean of its group's other rewards,
+    over the group's standard deviation where scale_rewards is group; mean (GRPO): less the group's mean."""
+    from finetune.objectives.grpo import group_row
+
+    reward = torch.tensor([0.0, 1.0, 0.0, 1.0, 1.0])
+    sequences = [([5, 6], [False, True])] * len(reward)
+    std = reward.std().item() + 1e-4 if scale == "group" else 1.0
+    for advantage, expected in (("rloo", [(r - (reward.sum() - r) / (len(reward) - 1)) / std for r in reward.tolist()]),
+                                ("mean", [(r - reward.mean()) / std for r in reward.tolist()])):
+        columns = group_row(sequences, reward[:, None], reward, GRPOConfig(advantage=advantage, scale_rewards=scale))[1]
+        assert columns["advantages"].tolist() == pytest.approx([float(e) for e in expected], abs=1e-6), advantage
+
+
 def test_bad_grpo_input_is_one_line_with_exit_2(tmp_path, tiny_model_dir):
     bad = tmp_path / "prompts.jsonl"
     bad.write_text(json.dumps({"prompt": "What kind?", "answer": "noun"}) + "\n" + json.dumps({"prompt": [{"role": "user"}]}) + "\n")
@@ -345,7 +360,8 @@ def test_bad_grpo_input_is_one_line_with_exit_2(tmp_path, tiny_model_dir):
              ({"grpo": {"rewards": ["exact_match", "length"], "reward_weights": [1.0]}}, "2 reward functions"),
              ({"train": {"objective": "sft"}}, "grpo for data.format: prompt"),
              ({"grpo": {"async_rollouts": True}, "distributed": {"strategy": "fsdp"}},
-              "grpo.async_rollouts: sampling in the background would gather distributed.strategy fsdp's sharded weights")]
+              "grpo.async_rollouts: sampling in the background would gather distributed.strategy fsdp's sharded weights"),
+             ({"grpo": {"advantage": "ppo"}}, r"grpo.advantage: .*'mean' or 'rloo'")]
     for i, (sections, why) in enumerate(cases):
         config = write_config(tmp_path / f"bad{i}.yaml", _grpo_config(tiny_model_dir, tmp_path / f"out{i}", **sections))
         result = finetune_in_process("train", "--config", str(config))

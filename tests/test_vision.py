@@ -689,7 +689,7 @@ def test_grpo_on_pictures_equals_trls_loss(tmp_path, llava, picture_data, beta):
     cfg = GRPOConfig(beta=beta, loss_type="dapo", max_completion_length=4, num_generations=2)
     model = _tuned(model_dir)
     rows = [group_row([([*p.ids.tolist(), *c], [False] * len(p.ids) + [True] * len(c)) for c in completions[2 * i : 2 * i + 2]],
-                      torch.zeros(2, 1), torch.zeros(2), "group")[0] for i, p in enumerate(prompts)]
+                      torch.zeros(2, 1), torch.zeros(2), cfg)[0] for i, p in enumerate(prompts)]
     batch = collate(rows, tokenizer.pad_token_id)
     batch.update(vision([b for p in prompts for _ in range(2) for b in p.pictures], batch["input_ids"]))
     batch.update(advantages=advantages, rewards=torch.zeros(4, 1), reward=torch.zeros(4), reward_std=torch.zeros(4), zero_std=torch.zeros(4))

@@ -281,6 +281,9 @@ class GRPOConfig(_Section):
                                                          "(TRL's bnpo at one micro-batch): the mean over every completion token of the step.")
     scale_rewards: Literal["group", "none"] = Field("group", description="Advantages: a group's rewards less their mean, divided by their "
                                                     "standard deviation (group) or not (none: Dr. GRPO).")
+    advantage: Literal["mean", "rloo"] = Field("mean", description="The baseline a completion's reward is measured from: its group's mean "
+                                               "(GRPO), or the mean of the group's other completions (rloo: REINFORCE Leave-One-Out, "
+                                               "Ahmadian et al. 2024, there with scale_rewards: none).")
     num_iterations: int = Field(1, ge=1, description="Policy updates per generation (GRPO's mu, TRL's num_iterations): each step's sampled "
                                 "completions are trained on this many optimizer steps, the ratio to the log-probabilities they were sampled "
                                 "with clipped by epsilon. Steps count updates: epochs x steps per epoch x num_iterations, and a run of "

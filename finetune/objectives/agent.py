@@ -119,7 +119,7 @@ class AgentGRPO(GRPO):
             group = episodes[i : i + g]
             per_function, reward = self.scores(group)
             extra = torch.tensor([[e.turns, e.cut, e.calls, e.failures, *(float(e.ended == why) for why in ENDED)] for e in group], dtype=torch.float32)
-            out.append(group_row([(e.ids, e.trained) for e in group], per_function, reward, self.cfg.scale_rewards, extra))
+            out.append(group_row([(e.ids, e.trained) for e in group], per_function, reward, self.cfg, extra))
         return out
 
     def play(self, model, tokenizer, prompts: list[Prompt], indices: list[int], position: int | None, device) -> list[Episode]:

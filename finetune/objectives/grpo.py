@@ -284,7 +284,7 @@ class GRPO(Objective):
         """One prompt's completions as a packed row (trained on the completions), with their rewards and advantages."""
         per_function, reward = self._rewards(tokenizer, prompt, completions)
         sequences = [([*prompt.ids.tolist(), *c], [False] * len(prompt.ids) + [True] * len(c)) for c in completions]
-        return group_row(sequences, per_function, reward, self.cfg.scale_rewards)
+        return group_row(sequences, per_function, reward, self.cfg)
 
     # -- evaluation ------------------------------------------------------------------------------
 
@@ -340,13 +340,16 @@ def _unflat(state: dict[str, torch.Tensor], prefix: str) -> tuple[int, list[dict
 
 
 def group_row(sequences: list[tuple[list[int], list[bool]]], per_function: torch.Tensor, reward: torch.Tensor,
-              scale: str, extra: torch.Tensor | None = None) -> tuple[Row, dict[str, torch.Tensor]]:
+              cfg: GRPOConfig, extra: torch.Tensor | None = None) -> tuple[Row, dict[str, torch.Tensor]]:
     """A group's sequences (token ids, whether each is the policy's own and trained) packed into one row, positions
-    restarting at each, with their rewards and the advantages: each reward less the group's mean (over its standard
-    deviation where grpo.scale_rewards is group). extra: more per-sequence metrics, summed into the step's."""
+    restarting at each, with their rewards and the advantages: each reward less the group's mean, or the mean of the
+    others (grpo.advantage rloo), over the group's standard deviation where grpo.scale_rewards is group. extra: more
+    per-sequence metrics, summed into the step's."""
     std = reward.std().expand_as(reward)  # unbiased, as TRL's nanstd
     advantages = reward - reward.mean()
-    if scale == "group":
+    if cfg.advantage == "rloo":  # r - (sum - r) / (n - 1) = n / (n - 1) x (r - mean)
+        advantages = advantages * len(reward) / (len(reward) - 1)
+    if cfg.scale_rewards == "group":
         advantages = advantages / (std + 1e-4)
     ids, labels, positions = [], [], []
     for sequence, trained in sequences:
