@@ -350,6 +350,39 @@ def test_rloo_measures_each_reward_from_the_mean_of_the_others(scale):
         assert columns["advantages"].tolist() == pytest.approx([float(e) for e in expected], abs=1e-6), advantage
 
 
+def test_reinforce_pp_whitens_the_group_centred_rewards_over_every_completion_token_of_the_step():
+    """grpo.advantage reinforce_pp (REINFORCE++-baseline, as verl): each reward less its group's mean, then less the mean and
+    over the (unbiased) standard deviation of those advantages taken over every completion token of the step, written out
+    here; the group's own deviation (scale_rewards) does not apply."""
+    from finetune.objectives.grpo import group_row, whitened_over_the_step
+
+    cfg = GRPOConfig(advantage="reinforce_pp", num_generations=3)
+    groups = [([1.0, 0.0, 0.0], [2, 5, 1]), ([1.0, 1.0, 0.5], [3, 1, 4])]  # rewards, completion lengths
+    batches = []
+    for rewards, lengths in groups:
+        reward = torch.tensor(rewards)
+        row, columns = group_row([([7, 8] + [9] * n, [False, False] + [True] * n) for n in lengths], reward[:, None], reward, cfg)
+        batches.append({**collate([row], 0), **columns})
+    whitened_over_the_step(batches, "cpu")
+    centred = [r - sum(rewards) / len(rewards) for rewards, _ in groups for r in rewards]
+    weights = [n for _, lengths in groups for n in lengths]
+    mean = sum(w * a for w, a in zip(weights, centred)) / sum(weights)
+    std = (sum(w * (a - mean) ** 2 for w, a in zip(weights, centred)) / (sum(weights) - 1)) ** 0.5
+    ours = torch.cat([b["advantages"] for b in batches]).tolist()
+    assert ours == pytest.approx([(a - mean) / std for a in centred], abs=1e-5)
+
+
+@pytest.mark.parametrize("advantage", ["rloo", "reinforce_pp"])
+def test_a_run_with_another_estimator_samples_scores_and_trains(tmp_path, tiny_model_dir, parity_reward, advantage):
+    """The estimators through a real run (its rollouts, the step's whitening for reinforce_pp): 2 steps train, rewards logged."""
+    cfg = _grpo_config(tiny_model_dir, tmp_path / "out", grpo={"advantage": advantage, "scale_rewards": "none", "rewards": [parity_reward]},
+                       train={"max_steps": 2}, data={"eval": None})
+    result = finetune_in_process("train", "--config", str(write_config(tmp_path / "c.yaml", cfg)))
+    assert result.returncode == 0, result.stderr[-2000:]
+    rows = step_rows(tmp_path / "out")
+    assert len(rows) == 2 and all("reward" in r and r["grad_norm"] > 0 for r in rows), rows
+
+
 def test_bad_grpo_input_is_one_line_with_exit_2(tmp_path, tiny_model_dir):
     bad = tmp_path / "prompts.jsonl"
     bad.write_text(json.dumps({"prompt": "What kind?", "answer": "noun"}) + "\n" + json.dumps({"prompt": [{"role": "user"}]}) + "\n")
@@ -361,7 +394,8 @@ def test_bad_grpo_input_is_one_line_with_exit_2(tmp_path, tiny_model_dir):
              ({"train": {"objective": "sft"}}, "grpo for data.format: prompt"),
              ({"grpo": {"async_rollouts": True}, "distributed": {"strategy": "fsdp"}},
               "grpo.async_rollouts: sampling in the background would gather distributed.strategy fsdp's sharded weights"),
-             ({"grpo": {"advantage": "ppo"}}, r"grpo.advantage: .*'mean' or 'rloo'")]
+             ({"grpo": {"advantage": "ppo"}}, r"grpo.advantage: .*'mean', 'rloo' or 'reinforce_pp'"),
+             ({"grpo": {"advantage": "reinforce_pp", "async_rollouts": True}}, r"grpo.advantage: reinforce_pp whitens over the whole step")]
     for i, (sections, why) in enumerate(cases):
         config = write_config(tmp_path / f"bad{i}.yaml", _grpo_config(tiny_model_dir, tmp_path / f"out{i}", **sections))
         result = finetune_in_process("train", "--config", str(config))

@@ -281,9 +281,12 @@ class GRPOConfig(_Section):
                                                          "(TRL's bnpo at one micro-batch): the mean over every completion token of the step.")
     scale_rewards: Literal["group", "none"] = Field("group", description="Advantages: a group's rewards less their mean, divided by their "
                                                     "standard deviation (group) or not (none: Dr. GRPO).")
-    advantage: Literal["mean", "rloo"] = Field("mean", description="The baseline a completion's reward is measured from: its group's mean "
-                                               "(GRPO), or the mean of the group's other completions (rloo: REINFORCE Leave-One-Out, "
-                                               "Ahmadian et al. 2024, there with scale_rewards: none).")
+    advantage: Literal["mean", "rloo", "reinforce_pp"] = Field("mean", description="The baseline a completion's reward is measured from: "
+                                                               "its group's mean (GRPO), the mean of the group's other completions (rloo: "
+                                                               "REINFORCE Leave-One-Out, Ahmadian et al. 2024, there with scale_rewards: "
+                                                               "none), or its group's mean and then whitened over every completion token of "
+                                                               "the step, on every process (reinforce_pp: REINFORCE++-baseline, as verl; "
+                                                               "scale_rewards does not apply).")
     num_iterations: int = Field(1, ge=1, description="Policy updates per generation (GRPO's mu, TRL's num_iterations): each step's sampled "
                                 "completions are trained on this many optimizer steps, the ratio to the log-probabilities they were sampled "
                                 "with clipped by epsilon. Steps count updates: epochs x steps per epoch x num_iterations, and a run of "
@@ -558,6 +561,9 @@ class RunConfig(_Section):
         if g.async_rollouts and asked.shards_weights:
             raise ValueError(f"grpo.async_rollouts: sampling in the background would gather distributed.strategy {strategy}'s sharded "
                              "weights with collectives racing the step's; use ddp or zero2, or set async_rollouts: false")
+        if g.async_rollouts and g.advantage == "reinforce_pp":
+            raise ValueError("grpo.advantage: reinforce_pp whitens over the whole step's completions on every process, which the background "
+                             "sampler (grpo.async_rollouts) cannot gather; use mean or rloo with it")
         if g.async_rollouts and self.train.objective != "grpo":
             raise ValueError(f"grpo.async_rollouts: samples GRPO's completions; set train.objective: grpo (not {self.train.objective})")
         if not g.rewards and not g.environment:

@@ -173,6 +173,8 @@ class GRPO(Objective):
                 batches.append({**batch, **{key: torch.cat(value) for key, value in columns.items()}})
         finally:
             model.train(was_training)
+        if self.cfg.advantage == "reinforce_pp":
+            whitened_over_the_step(batches, device)
         if old_logps:
             for batch in batches:
                 batch["old_logps"] = self._logps(model, batch, device)
@@ -339,6 +341,23 @@ def _unflat(state: dict[str, torch.Tensor], prefix: str) -> tuple[int, list[dict
     return int(state[f"{prefix}position"]), batches, int(state[f"{prefix}tokens"])
 
 
+def whitened_over_the_step(batches: list[dict[str, torch.Tensor]], device) -> None:
+    """REINFORCE++-baseline: the step's group-centred advantages less their mean over every completion token of the step
+    (every process's), over their standard deviation there (unbiased), as verl's masked whitening of token advantages."""
+    tokens = [torch.bincount(answers(batch, pairs=False)[1], minlength=len(batch["advantages"])).double() for batch in batches]
+    values = torch.cat([batch["advantages"].double() for batch in batches])
+    weights = torch.cat(tokens)
+    stats = torch.stack([(weights * values).sum(), (weights * values**2).sum(), weights.sum()])
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        stats = stats.to(device)
+        torch.distributed.all_reduce(stats)
+    total, squares, n = stats.cpu().tolist()
+    mean = total / n
+    std = max((squares - n * mean**2) / max(n - 1, 1), 0.0) ** 0.5
+    for batch in batches:
+        batch["advantages"] = ((batch["advantages"].double() - mean) / (std + 1e-8)).to(batch["advantages"].dtype)
+
+
 def group_row(sequences: list[tuple[list[int], list[bool]]], per_function: torch.Tensor, reward: torch.Tensor,
               cfg: GRPOConfig, extra: torch.Tensor | None = None) -> tuple[Row, dict[str, torch.Tensor]]:
     """A group's sequences (token ids, whether each is the policy's own and trained) packed into one row, positions
@@ -349,7 +368,7 @@ def group_row(sequences: list[tuple[list[int], list[bool]]], per_function: torch
     advantages = reward - reward.mean()
     if cfg.advantage == "rloo":  # r - (sum - r) / (n - 1) = n / (n - 1) x (r - mean)
         advantages = advantages * len(reward) / (len(reward) - 1)
-    if cfg.scale_rewards == "group":
+    if cfg.scale_rewards == "group" and cfg.advantage != "reinforce_pp":  # reinforce_pp: whitened over the step instead
         advantages = advantages / (std + 1e-4)
     ids, labels, positions = [], [], []
     for sequence, trained in sequences:
