@@ -89,6 +89,6 @@ def test_the_grpo_benchmark_runs_trl_with_our_settings(tmp_path):
              (ours.grpo.num_generations, theirs.num_generations), (ours.grpo.max_completion_length, theirs.max_completion_length),
              (ours.grpo.loss_type, theirs.loss_type), (ours.grpo.beta, theirs.beta), (ours.grpo.epsilon, theirs.epsilon),
              (ours.grpo.num_iterations if hasattr(ours.grpo, "num_iterations") else 1, theirs.num_iterations),
-             (ours.grpo.scale_rewards, theirs.scale_rewards), (ours.train.lr, theirs.learning_rate),
+             (ours.grpo.scale_rewards, theirs.scale_rewards), (ours.grpo.ratio, theirs.importance_sampling_level), (ours.train.lr, theirs.learning_rate),
              (ours.train.micro_batch_size * ours.grpo.num_generations, theirs.per_device_train_batch_size)]
     assert all(a == b for a, b in pairs), pairs

@@ -73,8 +73,8 @@ def _trls(model, tokenizer, cfg: GRPOConfig, tmp_path, old: torch.Tensor | None 
 
     args = TRLConfig(output_dir=str(tmp_path / "trl"), per_device_train_batch_size=4, num_generations=2, max_completion_length=MAX_COMPLETION,
                      beta=cfg.beta, loss_type=cfg.loss_type, temperature=cfg.temperature, epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high,
-                     report_to=[], use_cpu=True,
-                     bf16=False)
+                     importance_sampling_level=cfg.ratio, sapo_temperature_pos=cfg.sapo_temperatures[0],
+                     sapo_temperature_neg=cfg.sapo_temperatures[1], report_to=[], use_cpu=True, bf16=False)
     trainer = GRPOTrainer(model=model, reward_funcs=[lambda completions, **_: [0.0] * len(completions)], args=args,
                           train_dataset=Dataset.from_list([{"prompt": "a"}] * 4), processing_class=tokenizer)
     trainer.current_gradient_accumulation_steps = 1
@@ -94,15 +94,18 @@ def _trls(model, tokenizer, cfg: GRPOConfig, tmp_path, old: torch.Tensor | None 
     return trainer._compute_loss(model, inputs)
 
 
-@pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo"])
+@pytest.mark.parametrize("loss_type, ratio", [("grpo", "token"), ("dr_grpo", "token"), ("dapo", "token"), ("cispo", "token"), ("sapo", "token"),
+                                              ("grpo", "sequence"), ("dapo", "sequence")])
 @pytest.mark.parametrize("beta, off_policy", [(0.0, False), (0.2, False), (0.2, True)])
-def test_loss_and_gradients_equal_trls(tmp_path, tiny_model_dir, loss_type, beta, off_policy):
+def test_loss_and_gradients_equal_trls(tmp_path, tiny_model_dir, loss_type, ratio, beta, off_policy):
     """On the sampling policy (one update per generation) and off it (num_iterations > 1: the old log-probabilities
-    held from the sampling, ratios clipped)."""
+    held from the sampling, ratios clipped); the ratio per token, or per completion (GSPO: TRL's importance_sampling_level
+    sequence); CISPO's capped weights and SAPO's soft gate as TRL 1.16 has them."""
     pytest.importorskip("trl")
     from transformers import AutoTokenizer
 
-    cfg = GRPOConfig(loss_type=loss_type, beta=beta, temperature=0.8, max_completion_length=MAX_COMPLETION, epsilon_high=0.28)
+    cfg = GRPOConfig(loss_type=loss_type, ratio=ratio, beta=beta, temperature=0.8, max_completion_length=MAX_COMPLETION,
+                     epsilon_high=1.2 if loss_type == "cispo" else 0.28)  # CISPO caps the ratio itself at epsilon_high: some are, off policy
     model = adapted_lora(tiny_model_dir)
     trained = [p for p in model.parameters() if p.requires_grad]
     ours, old = _ours(model, cfg, off_policy)

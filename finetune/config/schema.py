@@ -276,9 +276,17 @@ class GRPOConfig(_Section):
                         "fine-tuning); 0 (TRL's default) loads no reference and skips its forward.")
     epsilon: float = Field(0.2, gt=0, description="The policy ratio's clipping range below 1 (and above, unless epsilon_high).")
     epsilon_high: float | None = Field(None, gt=0, description="The clipping range above 1 (DAPO's clip-higher; null: epsilon).")
-    loss_type: Literal["grpo", "dr_grpo", "dapo"] = Field("dapo", description="grpo: each completion's mean over its tokens, then the mean over "
-                                                         "completions; dr_grpo: the sum over tokens / (completions x max_completion_length); dapo "
-                                                         "(TRL's bnpo at one micro-batch): the mean over every completion token of the step.")
+    loss_type: Literal["grpo", "dr_grpo", "dapo", "cispo", "sapo"] = Field(
+        "dapo", description="grpo: each completion's mean over its tokens, then the mean over completions; dr_grpo: the sum over tokens / "
+        "(completions x max_completion_length); dapo (TRL's bnpo at one micro-batch): the mean over every completion token of the step; "
+        "cispo (MiniMax-M1): the policy gradient weighted by the ratio capped at epsilon_high (no gradient through the weight), the "
+        "mean over the step's completion tokens; sapo: a soft gate on the ratio, sigmoid(tau (ratio - 1)) x 4 / tau, tau "
+        "sapo_temperatures' first for a positive advantage, else its second, averaged as grpo. As TRL 1.16's loss types of those names.")
+    ratio: Literal["token", "sequence"] = Field("token", description="The policy ratio to the sampling policy per token (GRPO), or per "
+                                                "completion, the geometric mean of its tokens' (sequence: GSPO, TRL's importance_sampling_level: "
+                                                "sequence); the clipping and the KL's bias correction take it.")
+    sapo_temperatures: tuple[float, float] = Field((1.0, 1.05), description="loss_type sapo's gate temperatures for positive and for other "
+                                                   "advantages (TRL's sapo_temperature_pos and _neg).")
     scale_rewards: Literal["group", "none"] = Field("group", description="Advantages: a group's rewards less their mean, divided by their "
                                                     "standard deviation (group) or not (none: Dr. GRPO).")
     advantage: Literal["mean", "rloo", "reinforce_pp"] = Field("mean", description="The baseline a completion's reward is measured from: "

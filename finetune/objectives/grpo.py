@@ -96,7 +96,7 @@ class GRPO(Objective):
         """(what the loss is a mean over, completions): completions (grpo), completion tokens (dapo), or
         completions x max_completion_length (dr_grpo)."""
         n = len(batch["advantages"])
-        if self.cfg.loss_type == "dapo":
+        if self.cfg.loss_type in ("dapo", "cispo"):
             return [int((batch["labels"][:, 1:] != IGNORE).sum()), n]
         return [n * (self.cfg.max_completion_length if self.cfg.loss_type == "dr_grpo" else 1), n]
 
@@ -105,9 +105,10 @@ class GRPO(Objective):
         logps, aux = token_logps(model, batch, keep, router, self.cfg.temperature)
         advantage = batch["advantages"].to(logps.dtype)[completion]
         old = batch["old_logps"][keep].to(logps.dtype) if "old_logps" in batch else logps.detach()
-        ratio = torch.exp(logps - old)  # one update per generation: 1, with the gradient of the log-probability
-        clipped = torch.clamp(ratio, 1 - self.cfg.epsilon, 1 + (self.cfg.epsilon_high or self.cfg.epsilon))
-        per_token = -torch.min(ratio * advantage, clipped * advantage)
+        n = len(batch["advantages"])
+        lengths = torch.bincount(completion, minlength=n).to(logps.dtype)
+        ratio = torch.exp(self._log_ratio(logps - old, completion, lengths))  # one update per generation: 1, with the gradient of log p
+        per_token = self._policy_term(ratio, advantage, logps)
         kl = torch.zeros_like(logps)
         if self.cfg.beta:
             with torch.no_grad(), adapters_off(model) if self.reference is None else contextlib.nullcontext():
@@ -115,9 +116,7 @@ class GRPO(Objective):
             kl = torch.exp(ref - logps) - (ref - logps) - 1
             # Times the ratio (1 in value): the unbiased reverse-KL gradient (DeepSeek-V3.2; TRL's use_bias_correction_kl default)
             per_token = per_token + self.cfg.beta * kl * ratio
-        n = len(batch["advantages"])
-        lengths = torch.bincount(completion, minlength=n).to(logps.dtype)
-        if self.cfg.loss_type == "grpo":  # each completion's mean over its tokens
+        if self.cfg.loss_type in ("grpo", "sapo"):  # each completion's mean over its tokens
             loss = (per_token / lengths[completion]).sum()
         else:
             loss = per_token.sum()
@@ -131,6 +130,24 @@ class GRPO(Objective):
                                           per_completion[0].sum(), per_completion[1].sum()]).to(logps.dtype), rewards.sum(0),
                              *([batch["extra"].to(logps.dtype).sum(0)] if "extra" in batch else [])])
         return Losses(loss, aux, metrics)
+
+    def _log_ratio(self, log_ratio: torch.Tensor, completion: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """Each token's log policy ratio, or (grpo.ratio sequence: GSPO) its completion's mean of them, at every token."""
+        if self.cfg.ratio == "token":
+            return log_ratio
+        means = torch.zeros_like(lengths).index_add(0, completion, log_ratio) / lengths.clamp(min=1)
+        return means[completion]
+
+    def _policy_term(self, ratio: torch.Tensor, advantage: torch.Tensor, logps: torch.Tensor) -> torch.Tensor:
+        """Each token's policy loss from its ratio to the sampling policy (1 in value on the sampling policy)."""
+        high = self.cfg.epsilon_high or self.cfg.epsilon
+        if self.cfg.loss_type == "cispo":  # the ratio, capped, weighs the policy gradient; none flows through it
+            return -torch.clamp(ratio, max=high).detach() * advantage * logps
+        if self.cfg.loss_type == "sapo":
+            positive, other = self.cfg.sapo_temperatures
+            tau = torch.where(advantage > 0, positive, other)
+            return -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * advantage
+        return -torch.min(ratio * advantage, torch.clamp(ratio, 1 - self.cfg.epsilon, 1 + high) * advantage)
 
     # -- sampling and scoring --------------------------------------------------------------------
 
