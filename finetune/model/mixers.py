@@ -54,15 +54,21 @@ def unhandled(model: torch.nn.Module) -> str | None:
     return None
 
 
-def packed_samples_meet(model, prepared, device, autocast) -> str:
+def packed_samples_meet(model, prepared, device, autocast, gathered_per_call: bool = False) -> str:
     """Why the samples of a packed row would see each other in `model` ("" where they stay apart): a layer that mixes
     tokens outside attention unhandled, a Mamba whose recomputation would not know the samples, else attention's
     `leak` measured on `prepared` (the model as the strategy wraps it; every process at once) under `autocast`, the
-    training forward's."""
+    training forward's. gathered_per_call: the strategy gathers a layer's weights at each call (ZeRO-3), where a mixer
+    run once per sample would make the processes' collectives differ in number."""
     kind = f"{model.config.model_type} ({model.config._attn_implementation} attention)"
     mixer = unhandled(model)
     if mixer:
         return f"{kind} mixes tokens outside attention ({mixer}), carrying a state from one packed sample into the next"
+    per_sample = [m for m in mixers(model) if handles(m)]
+    if per_sample and gathered_per_call:
+        return (f"{kind} runs its {type(per_sample[0]).__name__} layers once per packed sample, and ZeRO-3 gathers a layer's weights "
+                "at each call: the processes' rows hold other numbers of samples, so their collectives would not match "
+                "(distributed.strategy: fsdp packs it)")
     if model.config.model_type in UNKEPT and model.is_gradient_checkpointing:
         return (f"{kind} calls its Mamba blocks without keywords, so gradient checkpointing's recomputation would not know where "
                 "each packed sample starts (train.gradient_checkpointing: false packs it)")

@@ -141,7 +141,8 @@ def load_frozen_models(state: RunState) -> None:
 def check_packed_rows(state: RunState) -> None:
     """Refuse a model that lets the samples of a packed row see each other: it would train and evaluate
     on other samples' context without a sign."""
-    how = packed_samples_meet(state.engine.unwrap(), state.engine.model, state.accelerator.device, state.accelerator.autocast)
+    zero3 = Strategy.of(state.cfg.distributed.strategy, state.accelerator.num_processes).zero_stage == 3
+    how = packed_samples_meet(state.engine.unwrap(), state.engine.model, state.accelerator.device, state.accelerator.autocast, zero3)
     if not how:
         return
     objective = state.cfg.train.objective
