@@ -101,11 +101,15 @@ SEGMENTS = "finetune_segments"  # the keyword a model hands its layers: [(row, s
 
 def segment_positions(segments: list[tuple[int, int, int]], like: torch.Tensor) -> torch.Tensor:
     """The position ids of the rows `segments` describes, their sample bounds attached (no host sync), on `like`'s device:
-    for attention layers a model hands no position ids."""
+    for attention layers a model hands no position ids. Made once a forward: every layer is handed the same list."""
+    made = getattr(_state, "segment_positions", None)
+    if made is not None and made[0] is segments:
+        return made[1]
     rows = max(row for row, _, _ in segments) + 1
     values = [[p for r, start, end in segments if r == row for p in range(end - start)] for row in range(rows)]
     tensor = torch.tensor(values, device=like.device)
     tensor.sample_bounds = [[start for r, start, _ in segments if r == row] + [len(values[row])] for row in range(rows)]
+    _state.segment_positions = (segments, tensor)
     return tensor
 
 

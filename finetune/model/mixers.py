@@ -64,7 +64,7 @@ def packed_samples_meet(model, prepared, device, autocast, gathered_per_call: bo
     mixer = unhandled(model)
     if mixer:
         return f"{kind} mixes tokens outside attention ({mixer}), carrying a state from one packed sample into the next"
-    per_sample = [m for m in mixers(model) if handles(m)]
+    per_sample = mixers(model)  # all handled, by the line above
     if per_sample and gathered_per_call:
         return (f"{kind} runs its {type(per_sample[0]).__name__} layers once per packed sample, and ZeRO-3 gathers a layer's weights "
                 "at each call: the processes' rows hold other numbers of samples, so their collectives would not match "
@@ -95,9 +95,10 @@ def register(model: torch.nn.Module) -> bool:
     takes = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in inspect.signature(model.forward).parameters.values())
     if takes and not getattr(model, "finetune_segments_hook", False):
         model.register_forward_pre_hook(lambda module, args, kwargs: _segments_of_packed_rows(module, args, kwargs, found), with_kwargs=True)
-        parents = {name.rpartition(".")[0] for name, module in model.named_modules() if any(module is m for m in found)}
+        ids = {id(m) for m in found}
+        parents = {name.rpartition(".")[0] for name, module in model.named_modules() if id(module) in ids}
         for name in parents:
-            own = [m for m in model.get_submodule(name).children() if any(m is f for f in found)]
+            own = [m for m in model.get_submodule(name).children() if id(m) in ids]
             model.get_submodule(name).register_forward_pre_hook(lambda module, args, kwargs, own=own: _hand_on(kwargs, own), with_kwargs=True)
         model.finetune_segments_hook = True
     return bool(found)
