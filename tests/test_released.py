@@ -31,6 +31,13 @@ EXPECTED = {
               "thinking": ["4<|im_end|>", "<think>\nadd again\n</think>\n\n6<|im_end|>"],
               "tools": ['Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>',
                         "<think>\n\n</think>\n\nIt is 18C and sunny.<|im_end|>"]},
+    # gpt-oss's harmony: each answer after the generation prompt `<|start|>assistant`, its channel header included (the model
+    # writes it); a past answer ends `<|end|>`, the last `<|return|>`; a call's preamble is dropped once an answer follows.
+    "gptoss": {"conversation": ["<|channel|>final<|message|>4<|end|>", "<|channel|>final<|message|>6, of course.<|return|>"],
+               "thinking": ["<|channel|>final<|message|><think>\nadd them\n</think>\n\n4<|end|>",
+                            "<|channel|>final<|message|><think>\nadd again\n</think>\n\n6<|return|>"],
+               "tools": [' to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Paris"}<|call|>',
+                         "<|channel|>final<|message|>It is 18C and sunny.<|return|>"]},
     "gemma3": {"conversation": ["4<end_of_turn>", "6, of course.<end_of_turn>"],
                "thinking": ["<think>\nadd them\n</think>\n\n4<end_of_turn>", "<think>\nadd again\n</think>\n\n6<end_of_turn>"],
                "tools": "data: the chat template cannot render a row: Conversation roles must alternate"},
@@ -76,7 +83,20 @@ def test_the_trained_tokens_are_the_answers_and_their_end_of_turn_token(tokenize
         assert ids == tokenizer.apply_chat_template(row["messages"], tools=row.get("tools"), tokenize=True, return_dict=True)["input_ids"], name
 
 
-@pytest.mark.parametrize("family", ["llama3", "qwen3", "gemma3"])
+def test_gpt_oss_trains_its_reasoning_channel_where_its_template_renders_it(tokenizers):
+    """Harmony's reasoning (a message's `thinking`) is rendered, and so trained, on the last answer only, as the analysis
+    channel before the final one; a past answer's is dropped by the template and nowhere in the row."""
+    tokenizer = tokenizers("gptoss")
+    row = [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "4", "thinking": "add them"},
+           {"role": "user", "content": "And 3+3?"}, {"role": "assistant", "content": "6", "thinking": "add again"}]
+    (ids, trained), = tokenize_rows([{"messages": row}], tokenizer, "chat")
+    assert _trained_spans(ids, trained, tokenizer) == [
+        "<|channel|>final<|message|>4<|end|>",
+        "<|channel|>analysis<|message|>add again<|end|><|start|>assistant<|channel|>final<|message|>6<|return|>"]
+    assert "add them" not in tokenizer.decode(ids)
+
+
+@pytest.mark.parametrize("family", ["llama3", "qwen3", "gemma3", "gptoss"])
 def test_preference_pairs_train_each_answer_through_the_real_template(tokenizers, family):
     """A DPO pair in chat form: each side is the prompt rendered by the template and one answer; what the template
     adds after the prompt is trained, as TRL takes it: the answer, its end-of-turn token and the newline Qwen3's
@@ -86,7 +106,8 @@ def test_preference_pairs_train_each_answer_through_the_real_template(tokenizers
            "rejected": [{"role": "assistant", "content": "I would rather not."}]}
     ids, trained, chosen_length, _ = tokenize_pairs([row], tokenizer, 256)[0]
     sides = [(ids[:chosen_length], trained[:chosen_length]), (ids[chosen_length:], trained[chosen_length:])]
-    before, after = {"llama3": ("", "<|eot_id|>"), "qwen3": ("<think>\n\n</think>\n\n", "<|im_end|>\n"), "gemma3": ("", "<end_of_turn>\n")}[family]
+    before, after = {"llama3": ("", "<|eot_id|>"), "qwen3": ("<think>\n\n</think>\n\n", "<|im_end|>\n"), "gemma3": ("", "<end_of_turn>\n"),
+                     "gptoss": ("<|channel|>final<|message|>", "<|return|>")}[family]
     got = [_trained_spans(side_ids, side_trained, tokenizer) for side_ids, side_trained in sides]
     assert got == [[f"{before}Blue.{after}"], [f"{before}I would rather not.{after}"]]
 

@@ -5,9 +5,11 @@ The loss mask comes from the template's own output, never from guesses about its
    which characters are the assistant's (transformers' `return_assistant_tokens_mask`);
 2. otherwise each assistant turn is what the template adds after the generation prompt, found by
    rendering the conversation up to that turn, when those renders are prefixes of the whole one;
-3. where the template rewrites earlier turns (Qwen3 drops the `<think>` blocks of past answers, some
-   templates trim or re-order), each assistant message is located in the final text, in order, with
-   the end-of-turn token that follows it; a message that cannot be found stops with one line.
+3. where the template rewrites earlier turns (Qwen3 drops the `<think>` blocks of past answers, gpt-oss
+   ends past answers differently from the last, some templates trim or re-order), each assistant
+   message is located in the final text, in order, with the end-of-turn token that follows it and the
+   markup before it that the model writes (gpt-oss's channel header); one that cannot be found stops
+   with one line.
 
 Trained: what the model must write after the generation prompt, up to and including the end-of-turn
 token; never the whitespace that separates turns, the role headers or any other message.
@@ -161,7 +163,7 @@ def _token_mask(batch, index: int, length: int, spans: list[tuple[int, int]]) ->
 
 def assistant_spans(tokenizer, messages: list[dict], full: str, tools: list | None = None) -> list[tuple[int, int]]:
     """Character ranges of `full` (the whole conversation rendered) that the assistant writes."""
-    spans, cursor = [], 0
+    spans, cursor, upto = [], 0, _Prefixes(tokenizer, messages, full, tools)
     for i, msg in enumerate(messages):
         if msg["role"] == "system":
             continue  # templates move system prompts (Mistral's into the last user turn): no landmark
@@ -169,10 +171,10 @@ def assistant_spans(tokenizer, messages: list[dict], full: str, tools: list | No
             found = _locate(full, text_of(msg["content"]), cursor)  # an answer is searched for after the turns before it
             cursor = found[1] if found else cursor
             continue
-        span = _turn_by_prefixes(tokenizer, messages, i, full, tools)
+        span = _turn_by_prefixes(upto, i, full)
         if span is None or span[0] < cursor:
-            span = (_turn_after_prompt(tokenizer, messages, i, full, tools) if msg.get("tool_calls") else None) or \
-                   _located_turn(tokenizer, full, msg.get("content") or "", cursor)
+            span = (_turn_after_prompt(tokenizer, upto, i, full, cursor) if msg.get("tool_calls") else None) or \
+                   _with_its_header(upto, i, full, _located_turn(tokenizer, full, msg.get("content") or "", cursor))
         if span is None or span[0] < cursor:
             raise UserError(f"data: the chat template rewrites assistant message {i} so that its text is not in the rendered "
                             "conversation; give the template generation markers ({% generation %}) or set data.chat_template")
@@ -185,41 +187,94 @@ def assistant_spans(tokenizer, messages: list[dict], full: str, tools: list | No
     return spans
 
 
-def _turn_by_prefixes(tokenizer, messages: list[dict], i: int, full: str, tools: list | None = None) -> tuple[int, int] | None:
+class _Prefixes:
+    """The template's renders of the conversation's first messages, each made once: `(k)` the first k, `(k, True)` with
+    the generation prompt after them."""
+
+    def __init__(self, tokenizer, messages: list[dict], full: str, tools: list | None):
+        self.messages, self.done = messages, {(len(messages), False): full}
+        self.render = lambda k, asked: render(tokenizer, messages[:k], add_generation_prompt=asked, tools=tools)
+
+    def __call__(self, k: int, asked: bool = False) -> str:
+        if (k, asked) not in self.done:
+            self.done[(k, asked)] = self.render(k, asked) if k or asked else ""
+        return self.done[(k, asked)]
+
+    def prompt(self, i: int) -> str:
+        """What the template writes to ask for message i: the generation prompt alone (`<|im_start|>assistant\\n`, gpt-oss's
+        `<|start|>assistant`); empty where the template cannot say."""
+        try:
+            asked, plain = self(i, True), self(i)
+        except UserError:  # templates that refuse a conversation with no user turn yet
+            return ""
+        return asked[len(plain):] if i and asked.startswith(plain) else ""
+
+
+def _turn_by_prefixes(upto: _Prefixes, i: int, full: str) -> tuple[int, int] | None:
     """What the template adds for message i after the generation prompt, if both renders are
     prefixes of the whole conversation; whitespace around it (between turns) excluded."""
     try:
-        before = render(tokenizer, messages[:i], add_generation_prompt=True, tools=tools) if i else ""
+        before = upto(i, True) if i else ""
     except UserError:  # templates that refuse a conversation with no user turn yet
         return None
-    upto = (full if i == len(messages) - 1 else render(tokenizer, messages[: i + 1], tools=tools)).rstrip()
-    if not (full.startswith(before) and full.startswith(upto)) or not upto[len(before):].strip():
+    through = upto(i + 1).rstrip()
+    if not (full.startswith(before) and full.startswith(through)) or not through[len(before):].strip():
         return None
-    added = upto[len(before):]
-    return len(before) + len(added) - len(added.lstrip()), len(upto)
+    added = through[len(before):]
+    return len(before) + len(added) - len(added.lstrip()), len(through)
+
+
+def _header(text: str, prompt: str, answer: int) -> str | None:
+    """The text between the last generation prompt before `answer` and the answer, or None where there is none."""
+    at = text.rfind(prompt, 0, answer) if prompt else -1
+    return text[at + len(prompt) : answer] if at >= 0 else None
+
+
+def _with_its_header(upto: _Prefixes, i: int, full: str, span: tuple[int, int] | None):
+    """A located answer widened back to the end of its generation prompt when what lies between is markup the model
+    writes itself: gpt-oss renders a past answer `<|start|>assistant<|channel|>final<|message|>TEXT<|end|>` but the
+    same answer as the last turn with `<|return|>` (and drops past reasoning), so the renders are not prefixes, and
+    the channel header after the prompt is the model's to write. The markup qualifies when the template writes it
+    after the prompt for this answer as the conversation's last turn (Qwen3's past answers have none)."""
+    prompt = upto.prompt(i) if span else ""
+    gap = _header(full, prompt, span[0]) if prompt else None
+    if not gap:
+        return span
+    try:
+        alone = upto(i + 1)
+    except UserError:
+        return span
+    answer = alone.rfind(text_of(upto.messages[i].get("content") or ""))
+    header = _header(alone, prompt, answer) if answer >= 0 else None
+    return (span[0] - len(gap), span[1]) if header is not None and header.endswith(gap) else span
+
+
+def _turn_after_prompt(tokenizer, upto: _Prefixes, i: int, full: str, cursor: int) -> tuple[int, int] | None:
+    """An assistant turn that calls tools, where rendering it alone differs from the whole conversation (Qwen3 marks a
+    last turn's empty reasoning, gpt-oss drops a call's preamble once an answer follows): from the end of its
+    generation prompt up to and with the special token that closes it, the first after the calls' names that the next
+    turn (or the end) follows."""
+    prompt = upto.prompt(i)
+    names = _called(upto.messages[i])
+    first = min((at for name in names if (at := full.find(name, cursor)) >= 0), default=-1)
+    begin = full.rfind(prompt, cursor, first) if prompt and first >= 0 else -1
+    if begin < 0:
+        return None
+    begin += len(prompt)
+    at = max(found + len(name) for name in names if (found := full.find(name, begin)) >= 0)
+    specials = _special_strings(tokenizer)
+    opener = next((t for t in specials if prompt.startswith(t)), prompt)
+    while hits := [(found, t) for t in specials if (found := full.find(t, at)) >= 0]:
+        found, token = min(hits, key=lambda hit: (hit[0], -len(hit[1])))
+        at = found + len(token)
+        if full[at:].lstrip().startswith(opener) or not full[at:].strip():
+            return begin, at
+    return None
 
 
 def _called(message: dict) -> list[str]:
     """The names of the functions an assistant message calls (OpenAI's tool_calls)."""
     return [(call.get("function") or call).get("name", "") for call in message.get("tool_calls") or []]
-
-
-def _turn_after_prompt(tokenizer, messages: list[dict], i: int, full: str, tools: list | None = None) -> tuple[int, int] | None:
-    """An assistant turn that calls tools, where rendering it alone differs from the whole conversation (Qwen3 marks a
-    last turn's empty reasoning): from the end of the generation prompt up to and with the first special token after
-    it (the end of the turn), its text and its calls."""
-    try:
-        before = render(tokenizer, messages[:i], add_generation_prompt=True, tools=tools)
-    except UserError:
-        return None
-    if not full.startswith(before):
-        return None
-    specials = _special_strings(tokenizer)
-    ends = [(at, len(t)) for t in specials if (at := full.find(t, len(before))) >= 0]
-    if not ends:
-        return None
-    at, length = min(ends)
-    return (len(before), at + length) if full[len(before) : at].strip() else None
 
 
 def _special_strings(tokenizer) -> list[str]:

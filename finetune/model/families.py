@@ -49,7 +49,8 @@ def plain_head(config: dict) -> bool:
 # Causal LMs whose forward ends in a bias-free lm_head over the last hidden state (the fused loss checks
 # the head module itself too). Gemma 2's default final soft-capping is caught by plain_head's key check.
 PLAIN_HEAD_MODELS = {"llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3_text", "olmo", "olmo2",
-                     "mixtral", "qwen2_moe", "qwen3_moe", "mllama_text_model", "qwen2_vl_text", "qwen2_5_vl_text"}
+                     "mixtral", "qwen2_moe", "qwen3_moe", "mllama_text_model", "qwen2_vl_text", "qwen2_5_vl_text",
+                     "gpt_oss", "deepseek_v3", "glm4_moe", "qwen3_next", "qwen3_5_text"}
 
 
 # The families whose layers linear_layers() spells out, each tested against the loaded model and the

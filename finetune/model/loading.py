@@ -52,6 +52,10 @@ def check_supported(cfg: RunConfig) -> None:
     """Refuse, before anything loads, what this machine's hardware or libraries cannot run."""
     check_attention(cfg.model)
     check_quantized(cfg.model, "model.quantization", cfg.adapter.method)
+    if _shipped_quantization(cfg.model) == "mxfp4" and cfg.distributed.strategy in ("fsdp", "zero3"):
+        raise UserError(f"distributed.strategy: {cfg.model.name_or_path} ships its experts in MXFP4, which finetune dequantizes as one process "
+                        f"loads it; {cfg.distributed.strategy} places the weights as the files store them: save a 16-bit copy first "
+                        "(load it in one process, save_pretrained), or use ddp")
     teacher = Path(cfg.distill.teacher or "").expanduser()
     if cfg.distill.teacher_quantization is not None and (teacher / "config.json").is_file():  # an adapter's base: checked as it loads
         check_quantized(cfg.model.model_copy(update={"name_or_path": str(teacher), "quantization": cfg.distill.teacher_quantization}),
@@ -62,9 +66,12 @@ def check_quantized(cfg: ModelConfig, key: str, method: str) -> None:
     """What bitsandbytes cannot run here: `key` names the setting."""
     q, cuda = cfg.quantization, torch.cuda.is_available()
     shipped = _shipped_quantization(cfg)
-    if q is not None and shipped:
-        raise UserError(f"{key}: {cfg.name_or_path} ships its weights quantized ({shipped}: gpt-oss's MXFP4 experts, DeepSeek's FP8 "
-                        "blocks); finetune quantizes from 16-bit weights: load it without model.quantization, or from a 16-bit copy")
+    if q is not None and shipped == "mxfp4" and not nf4.used(cfg):
+        raise UserError(f"{key}: {cfg.name_or_path} ships its experts in MXFP4, which transformers does not load through bitsandbytes; "
+                        "set model.quantization.backend: torchao (it quantizes after loading: the experts dequantized once, re-quantized to NF4)")
+    if q is not None and shipped not in (None, "mxfp4"):
+        raise UserError(f"{key}: {cfg.name_or_path} ships its weights quantized ({shipped}: DeepSeek's FP8 blocks, a GPTQ or AWQ release); "
+                        "finetune quantizes from 16-bit weights: load it without model.quantization, or from a 16-bit copy")
     if q is None or nf4.used(cfg):
         return
     if importlib.util.find_spec("bitsandbytes") is None:
@@ -201,7 +208,7 @@ def load_model(cfg: ModelConfig, device: torch.device | str = "cpu", skeleton: s
         model.config.use_cache = False
         mixers.register(model)
         return model
-    extra = {}
+    extra = _dequantized_on_load(cfg, say)
     if cfg.quantization is not None and not nf4.used(cfg):  # torchao's: the weights are quantized after the adapter is applied
         from transformers.integrations import is_deepspeed_zero3_enabled
 
@@ -262,6 +269,20 @@ def _reward_model(cfg: ModelConfig, config):
     except ValueError as err:  # no sequence-classification class for this architecture
         raise UserError(f"train.objective: reward: {config.model_type} has no sequence-classification model in transformers "
                         f"({first_line(err)})") from None
+
+
+def _dequantized_on_load(cfg: ModelConfig, say) -> dict:
+    """gpt-oss's releases ship their experts in MXFP4: transformers' own dequantization turns them into the model's dtype
+    as they load, on every device (its MXFP4 kernels would leave experts that neither finetune's grouped LoRA nor a 4-bit
+    re-quantization can take), said once."""
+    if _shipped_quantization(cfg) != "mxfp4":
+        return {}
+    from transformers import Mxfp4Config
+
+    then = ", then re-quantized to 4-bit NF4 by torchao with the linear layers" if cfg.quantization is not None else ""
+    dtype = cfg.dtype if cfg.dtype != "auto" else "the dtype config.json names"
+    say(f"model: {cfg.name_or_path} ships its experts in MXFP4: dequantized to {dtype} as transformers loads them{then}")
+    return {"quantization_config": Mxfp4Config(dequantize=True)}
 
 
 @contextmanager

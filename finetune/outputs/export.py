@@ -34,7 +34,7 @@ from finetune.outputs.gguf_vocab import check_in_llama_cpp, quiet_stderr, write_
 
 # model_type -> (the gguf package's architecture, query/key rows reordered for llama.cpp's rotary layout)
 FAMILIES = {"llama": ("LLAMA", True), "mistral": ("LLAMA", True), "qwen2": ("QWEN2", False), "qwen3": ("QWEN3", False),
-            "gemma2": ("GEMMA2", False), "gemma3_text": ("GEMMA3", False), "qwen3_moe": ("QWEN3MOE", False)}
+            "gemma2": ("GEMMA2", False), "gemma3_text": ("GEMMA3", False), "qwen3_moe": ("QWEN3MOE", False), "gpt_oss": ("GPT_OSS", False)}
 GEMMAS = ("gemma2", "gemma3_text")  # norms that scale by (1 + weight), heads scaled by query_pre_attn_scalar
 # families not written, and llama.cpp's reason
 NOT_WRITTEN = {"phi3": "llama.cpp's phi3 turns Phi-3-mini-4k's 2,047-token sliding window off, and Phi-3.5/4's longrope would need "
@@ -170,9 +170,12 @@ def _refuse_unwritable(config: dict, folder: Path) -> None:
     if family == "qwen3_moe" and (not config.get("norm_topk_prob") or config.get("mlp_only_layers") or (config.get("decoder_sparse_step") or 1) != 1):
         raise UserError(f"--model: {folder} has dense layers or leaves its routed experts' weights unnormalized (norm_topk_prob); "
                         "llama.cpp's qwen3moe architecture has every layer routed and normalizes them, as the Qwen3-MoE releases")
+    if family == "gpt_oss" and (config.get("swiglu_alpha"), config.get("swiglu_limit")) != (1.702, 7.0):
+        raise UserError(f"--model: {folder}'s experts gate with alpha {config.get('swiglu_alpha')} and limit {config.get('swiglu_limit')}; "
+                        "llama.cpp's gpt-oss architecture has the releases' 1.702 and 7.0 built in")
     scaling = _rope(config).get("rope_type", "default")
-    if scaling not in ("default", "llama3", "linear"):
-        raise UserError(f"--model: {folder} scales rope as {scaling}; GGUF export writes llama3 and linear scaling")
+    if scaling not in ("default", "llama3", "linear") and not (scaling == "yarn" and family == "gpt_oss"):
+        raise UserError(f"--model: {folder} scales rope as {scaling}; GGUF export writes llama3 and linear scaling (and gpt-oss's yarn)")
 
 
 def export_lora(adapter_path: str, out: str, say=print) -> dict:
@@ -304,11 +307,19 @@ def _metadata(writer, config: dict, name: str, kind: str) -> None:
     if rope["rope_type"] == "linear":  # llama3's scaling goes in as the rope_freqs tensor
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(float(rope["factor"]))
+    if rope["rope_type"] == "yarn":
+        _yarn(writer, rope)
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     if config.get("model_type") == "gemma2":  # its alternate layers attend within a window; logits soft-capped
         writer.add_sliding_window(config["sliding_window"])
         writer.add_attn_logit_softcapping(config["attn_logit_softcapping"])
         writer.add_final_logit_softcapping(config["final_logit_softcapping"])
+    if config.get("model_type") == "gpt_oss":  # which layers attend within the window; its experts
+        writer.add_sliding_window(config["sliding_window"])
+        writer.add_sliding_window_pattern([k == "sliding_attention" for k in config["layer_types"]])
+        writer.add_expert_count(config["num_local_experts"])
+        writer.add_expert_used_count(config["num_experts_per_tok"])
+        writer.add_expert_feed_forward_length(config["intermediate_size"])
     if config.get("model_type") == "gemma3_text":  # which layers attend within the window, and their own rope base
         pattern = config.get("sliding_window_pattern") or 6
         kinds = config.get("layer_types") or ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(config["num_hidden_layers"])]
@@ -321,6 +332,21 @@ def _metadata(writer, config: dict, name: str, kind: str) -> None:
         writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
     writer.add_vocab_size(config["vocab_size"])
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16 if kind == "f16" else gguf.LlamaFileType.MOSTLY_Q8_0)
+
+
+def _yarn(writer, rope: dict) -> None:
+    """YaRN as llama.cpp reads it. llama.cpp rounds the band of blended frequencies outward, as transformers does with
+    `truncate` true; gpt-oss's releases set it false, so a few frequencies at the band's edges differ (within the
+    check's tolerance, measured in tests/test_export.py)."""
+    import gguf
+
+    writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    writer.add_rope_scaling_factor(float(rope["factor"]))
+    writer.add_rope_scaling_orig_ctx_len(int(rope["original_max_position_embeddings"]))
+    for key, add in (("beta_fast", writer.add_rope_scaling_yarn_beta_fast), ("beta_slow", writer.add_rope_scaling_yarn_beta_slow),
+                     ("attention_factor", writer.add_rope_scaling_yarn_attn_factor)):
+        if rope.get(key) is not None:
+            add(float(rope[key]))
 
 
 def _rope(config: dict, layers: str = "full_attention") -> dict:
@@ -340,7 +366,7 @@ def _tensors(writer, model, config: dict, arch, permuted: bool, kind: str) -> No
 
     names = gguf.get_tensor_name_map(arch, config["num_hidden_layers"])
     heads, kv = config["num_attention_heads"], config.get("num_key_value_heads") or config["num_attention_heads"]
-    for name, tensor in _split_experts(model.state_dict()).items():
+    for name, tensor in _split_experts(model.state_dict(), interleaved=config.get("model_type") == "gpt_oss").items():
         if name == "lm_head.weight" and config.get("tie_word_embeddings"):
             continue  # llama.cpp ties the output to token_embd when output.weight is missing
         target = names.get_name(name, try_suffixes=(".weight", ".bias"))
@@ -351,7 +377,7 @@ def _tensors(writer, model, config: dict, arch, permuted: bool, kind: str) -> No
             data = _rotary_rows(data, heads if "q_proj" in name else kv)
         if config.get("model_type") in GEMMAS and name.endswith("norm.weight"):
             data = data + 1  # Gemma's norms scale by (1 + weight); llama.cpp's by the weight stored
-        if data.ndim == 1:
+        if data.ndim == 1 or target.endswith(".bias"):  # llama.cpp adds biases in f32 (gpt-oss's experts' are 2-D)
             writer.add_tensor(target, data.astype(np.float32))
         elif kind == "f16":
             writer.add_tensor(target, data.astype(np.float16))
@@ -361,16 +387,25 @@ def _tensors(writer, model, config: dict, arch, permuted: bool, kind: str) -> No
         writer.add_tensor(gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight", _llama3_rope_factors(model, config))
 
 
-def _split_experts(state: dict) -> dict:
+def _split_experts(state: dict, interleaved: bool = False) -> dict:
     """transformers' fused expert weights as GGUF holds them: gate_up_proj (E, 2m, h) as gate_proj and up_proj
-    (E, m, h) each (llama.cpp's ffn_gate_exps and ffn_up_exps); down_proj (E, h, m) as it is; each named as a weight."""
+    (E, m, h) each (llama.cpp's ffn_gate_exps and ffn_up_exps); down_proj (E, h, m) as it is; each named as a weight.
+    gpt-oss stores them (E, in, out) with gate and up columns interleaved, and biases beside them (its sinks too are
+    named as weights)."""
     out = {}
     for name, tensor in state.items():
-        if name.endswith("experts.gate_up_proj"):
-            gate, up = tensor.chunk(2, dim=1)
-            out[name.replace("gate_up_proj", "gate_proj.weight")], out[name.replace("gate_up_proj", "up_proj.weight")] = gate, up
+        if interleaved and name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            tensor = tensor.transpose(-1, -2)
+        if name.endswith(("experts.gate_up_proj", "experts.gate_up_proj_bias")):
+            axis = -2 if tensor.dim() == 3 else -1  # a weight's output rows, a bias's entries
+            gate, up = tensor.unflatten(axis, (-1, 2)).unbind(axis) if interleaved else tensor.chunk(2, dim=axis)
+            suffix = ".bias" if name.endswith("_bias") else ".weight"
+            stem = name.removesuffix("_bias").removesuffix("gate_up_proj")
+            out[f"{stem}gate_proj{suffix}"], out[f"{stem}up_proj{suffix}"] = gate, up
+        elif name.endswith("experts.down_proj_bias"):
+            out[name.replace("down_proj_bias", "down_proj.bias")] = tensor
         else:
-            out[name + (".weight" if name.endswith("experts.down_proj") else "")] = tensor
+            out[name + (".weight" if name.endswith(("experts.down_proj", "self_attn.sinks")) else "")] = tensor
     return out
 
 
