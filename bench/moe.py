@@ -20,7 +20,10 @@ plan: `finetune plan` for the released shapes (docs/examples/NAME/config.json), 
 as shipped (LoRA r 16 on every linear layer and the experts; QLoRA: 4-bit NF4 linear layers and experts) with one row of
 4,096 tokens a micro-batch and activation checkpointing, on 80 GiB GPUs: one GPU, or FSDP2 over 8 and 64 (torchao's NF4 and AdamW, which it shards).
 
-Usage: python bench/moe.py [--steps 3] [--only speed,memory,plan]   (make bench-moe, ~5 min)
+parallel: the same configs' step time under FSDP2 (`finetune plan --bandwidth --tflops`) against what expert parallelism
+(not built) would send in place of the experts' gathers, and `finetune plan --simulate` of Qwen3-30B-A3B over 8.
+
+Usage: python bench/moe.py [--steps 3] [--only speed,memory,plan,parallel]   (make bench-moe, ~8 min)
 Prints the tables and writes them to bench/results/moe.md.
 """
 
@@ -128,34 +131,66 @@ PLANS = [("qwen3-30b-a3b", 1), ("gpt-oss-20b", 1), ("glm-4.5-air", 1), ("gpt-oss
          ("deepseek-v3", 8), ("deepseek-v3", 64)]
 
 
-def plans() -> list[str]:
+def shipped(name: str, method: str, gpus: int):
+    """configs/METHOD.yaml as shipped on the released shape, one 4,096-token row a micro-batch, checkpointing; over more
+    than one GPU what FSDP2 shards (torchao's 4-bit base, AdamW's states, not bitsandbytes' paged ones)."""
     import yaml
 
     from finetune.config.schema import validate_config
+
+    cfg = yaml.safe_load((REPO / "configs" / f"{method}.yaml").read_text())
+    cfg["model"]["name_or_path"] = str(REPO / "docs" / "examples" / name)
+    cfg["data"].update(train=str(DATA / "train.jsonl"), max_seq_len=4096)
+    cfg["data"].pop("eval", None)
+    cfg["train"].update(micro_batch_size=1, gradient_checkpointing=True)  # lora.yaml's is off: 94 layers' activations would not fit
+    cfg.setdefault("distributed", {})["strategy"] = "fsdp" if gpus > 1 else "none"
+    if gpus > 1:
+        cfg["train"]["optimizer"] = "adamw"
+        if method == "qlora":
+            cfg["model"]["quantization"]["backend"] = "torchao"
+    return validate_config(cfg, "bench")
+
+
+def plans() -> list[str]:
     from finetune.outputs.plan import GiB, make_plan
 
     lines = []
     for name, gpus in PLANS:
-        row = [name, str(gpus)]
-        for method in ("qlora", "lora"):
-            cfg = yaml.safe_load((REPO / "configs" / f"{method}.yaml").read_text())
-            cfg["model"]["name_or_path"] = str(REPO / "docs" / "examples" / name)
-            cfg["data"].update(train=str(DATA / "train.jsonl"), max_seq_len=4096)
-            cfg["data"].pop("eval", None)
-            cfg["train"].update(micro_batch_size=1, gradient_checkpointing=True)  # lora.yaml's is off: 94 layers' activations would not fit
-            cfg.setdefault("distributed", {})["strategy"] = "fsdp" if gpus > 1 else "none"
-            if gpus > 1:  # what FSDP2 shards: torchao's 4-bit base, AdamW's states (not bitsandbytes' paged ones)
-                cfg["train"]["optimizer"] = "adamw"
-                if method == "qlora":
-                    cfg["model"]["quantization"]["backend"] = "torchao"
-            plan = make_plan(validate_config(cfg, "bench"), devices=gpus, gpu=True)
-            row.append(f"{plan.total / GiB:.2f}" + ("" if plan.total <= 80 * GiB else " (does not fit)"))
-        lines.append(f"| {' | '.join(row)} |")
+        totals = [make_plan(shipped(name, method, gpus), devices=gpus, gpu=True).total for method in ("qlora", "lora")]
+        lines.append(f"| {name} | {gpus} | " + " | ".join(f"{t / GiB:.2f}" + ("" if t <= 80 * GiB else " (does not fit)") for t in totals) + " |")
     return lines
 
 
+# (shape, GPUs, GB/s a GPU): one node's NVLink, and one 400 Gb/s NIC a GPU across nodes
+PARALLEL = [("qwen3-30b-a3b", 8, 400), ("qwen3-30b-a3b", 16, 50), ("qwen3-235b-a22b", 8, 400), ("qwen3-235b-a22b", 64, 50)]
+TFLOPS, MFU = 989, 0.4  # an H100's dense bf16, at the planner's default utilisation
+
+
+def parallel() -> list[str]:
+    """FSDP2's step against expert parallelism's traffic (steptime.expert_traffic), and the simulated step's collectives
+    (rank 0 on fake tensors, balanced routing) beside the planned ones for Qwen3-30B-A3B over 8."""
+    from finetune.outputs.plan import make_plan
+    from finetune.outputs.simulate import simulate
+    from finetune.outputs.steptime import step_time
+
+    lines = []
+    for name, gpus, bandwidth in PARALLEL:
+        for method in ("qlora", "lora"):
+            cfg = shipped(name, method, gpus)
+            t = step_time(cfg, make_plan(cfg, devices=gpus, gpu=True).setup, TFLOPS, MFU, bandwidth * 1e9)
+            instead = (t.comm_bytes - t.experts_gathered + t.all_to_all) / bandwidth / 1e9
+            lines.append(f"| {name} | {method} | {gpus} | {bandwidth} | {t.compute_s:.2f} | {t.comm_bytes / 1e9:.1f} | {t.comm_s:.2f} | "
+                         f"{t.experts_gathered / 1e9:.1f} | {t.all_to_all / 1e9:.1f} | {instead:.2f} |")
+            print(lines[-1], flush=True)
+    cfg = shipped("qwen3-30b-a3b", "qlora", 8)
+    cfg.train.grad_accum = 1  # as `plan --simulate` takes it: one micro-batch a step (more repeat its gathers)
+    sim, planned = simulate(cfg, 8), step_time(cfg, make_plan(cfg, devices=8, gpu=True).setup, 1.0, 1.0, 0.0)
+    return lines + ["", f"`finetune plan --simulate`, qwen3-30b-a3b qlora over 8: collectives {sim.moved / 1e9:.1f} GB a step against "
+                        f"{planned.comm_bytes / 1e9:.1f} GB planned for one micro-batch; peak {sim.total / 2**30:.2f} GiB of tensors ({sim.seconds:.0f} s)"]
+
+
 def main() -> None:
-    args, wanted = steps_and_parts(__doc__, 3, "speed, memory, plan")
+    args, wanted = steps_and_parts(__doc__, 3, "speed, memory, plan, parallel")
     lines = [f"{cpu()}, commit {head_commit()}, {time.strftime('%Y-%m-%d')}"]
     if wanted("speed"):
         lines += ["", f"fp32, LoRA r 16 on attention and experts, 1 x {TOKENS} tokens, forward + backward, {args.steps} steps timed after 1", "",
@@ -174,6 +209,12 @@ def main() -> None:
         lines += ["", "`finetune plan`, configs/qlora.yaml and configs/lora.yaml, 1 x 4096 tokens a micro-batch, checkpointing on, 80 GiB GPUs "
                   "(FSDP2 over more than one), GiB per GPU at the step's peak", "",
                   "| model | GPUs | QLoRA (GiB) | LoRA (GiB) |", "| --- | --- | --- | --- |", *plans()]
+    if wanted("parallel"):
+        lines += ["", f"`finetune plan` step time, the same configs under FSDP2, {TFLOPS} TFLOP/s x MFU {MFU}, a step of grad_accum micro-batches: "
+                  "FSDP2's collectives, of them the experts' gathers, and expert parallelism's all-to-all of the routed tokens in their place "
+                  "(not built: planned only)", "",
+                  "| model | method | GPUs | GB/s | compute (s) | FSDP2 (GB) | FSDP2 (s) | experts' gathers (GB) | all-to-all instead (GB) | "
+                  "with expert parallelism (s) |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |", *parallel()]
     report("moe", lines)
 
 

@@ -243,3 +243,26 @@ def test_packed_rows_and_the_bounds_cache_belong_to_the_thread_that_set_them():
     leave.set()
     worker.join(10)
     assert not attention.in_packed_rows()
+
+
+@pytest.mark.parametrize("sinks", [False, True], ids=["plain", "sinks"])
+def test_attention_that_keeps_no_probabilities_computes_the_same_bits(monkeypatch, sinks):
+    """finetune's textbook attention past KEPT_PROBS (gpt-oss's sink attention on long samples) keeps no probabilities for
+    its backward: it computes them again, a group of heads at a time (here one key/value head's 4 query heads). Output
+    and the gradients of q, k, v and the sinks equal those of the path that keeps them, bit for bit, over two packed
+    samples with grouped-query heads and a sliding window."""
+    generator = torch.Generator().manual_seed(0)
+    query, key, value = (torch.randn(1, heads, 40, 16, generator=generator, requires_grad=True) for heads in (8, 2, 2))
+    sink = torch.randn(8, generator=generator, requires_grad=True) if sinks else None
+    grad = torch.randn(1, 40, 8, 16, generator=generator)
+    results = []
+    for kept in (attention.KEPT_PROBS, 4 * 25 * 26 * 4):  # room for one group's probabilities of the 25-token sample
+        monkeypatch.setattr(attention, "KEPT_PROBS", kept)
+        for t in (query, key, value, sink):
+            if t is not None:
+                t.grad = None
+        out = attention.causal_attention(query, key, value, [(0, 0, 15), (0, 15, 40)], 0.25, window=12, sinks=sink)
+        out.backward(grad)
+        results.append([out.detach(), *(t.grad for t in (query, key, value, sink) if t is not None)])
+    assert attention._head_chunks(8, 4, 25) == [slice(0, 4), slice(4, 8)]
+    assert all(torch.equal(a, b) for a, b in zip(*results)), [(a - b).abs().max() for a, b in zip(*results)]

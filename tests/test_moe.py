@@ -284,7 +284,7 @@ def test_4bit_experts_dequantized_chunk_by_chunk_compute_what_the_whole_stack_do
     for chunk in (rows * cols, 3 * rows * cols, experts.CHUNK):
         monkeypatch.setattr(experts, "CHUNK", chunk)
         mine = x.clone().requires_grad_()
-        out = experts.FrozenGroupedNF4.apply(mine, weight, count, offsets, transposed)
+        out = experts.FrozenGroupedNF4.apply(mine, weight, count, offsets, offsets.tolist(), transposed)
         out.backward(grad)
         assert torch.equal(out, torch.nn.functional.grouped_mm(x, stack if transposed else stack.transpose(-2, -1), offs=offsets)), chunk
         assert torch.equal(mine.grad, expected.grad), chunk

@@ -323,6 +323,11 @@ def _causal_mask(length: int, dtype: torch.dtype, device: torch.device, window: 
     return mask[:length, :length]
 
 
+# Probabilities (fp32) a call keeps for its backward at most; past it (gpt-oss's sink attention on long samples: 64
+# heads x 4,096² are 4.3 GB a layer) the backward computes them again, a few heads at a time.
+KEPT_PROBS = 1 << 28
+
+
 class _CausalAttention(torch.autograd.Function):
     """Textbook attention's numerics (transformers' eager): matmuls in the input dtype, softmax and its
     backward in fp32 from fp32 probabilities. Not flash-attention's rowsum(dO ∘ O) shortcut: with
@@ -331,52 +336,77 @@ class _CausalAttention(torch.autograd.Function):
     gradient norm spike 20x and its run stop.
 
     One function for all samples of the batch, not one per sample: autograd would otherwise hand each
-    sample's gradient back as a zero-filled tensor the size of the whole batch, and add them all up."""
+    sample's gradient back as a zero-filled tensor the size of the whole batch, and add them all up.
+
+    Short samples keep their probabilities for the backward (the faster path on a CPU). Where they would pass
+    KEPT_PROBS, none are kept: forward and backward compute them a few heads at a time (whole groups of a key/value
+    head, KEPT_PROBS a chunk), the backward again from q and k, to the same values, as flash-attention recomputes."""
 
     @staticmethod
     def forward(ctx, query, key, value, spans, scale, dtype, window, sinks):
         batch, heads, length, _ = query.shape
         out = query.new_zeros(batch, length, heads, value.shape[-1], dtype=dtype)  # MLA's value heads are narrower than its query's
+        groups = heads // key.shape[1]
+        kept = sum(heads * (e - s) * (e - s + 1) * 4 for _, s, e in spans) <= KEPT_PROBS
         probs = []
         for b, s, e in spans:
             q, k, v = _sample(query, key, value, b, s, e, dtype)
-            scores = torch.baddbmm(_causal_mask(e - s, dtype, q.device, window), q, k.transpose(1, 2), alpha=scale)
-            if sinks is not None:  # the sink's column, kept in the probabilities: its share of each row is what the keys lose
-                scores = torch.cat([scores, sinks.to(dtype).view(-1, 1, 1).expand(-1, e - s, 1)], dim=-1)
-            probs.append(torch.softmax(scores, dim=-1, dtype=torch.float32))
-            out[b, s:e] = torch.bmm(probs[-1][..., : e - s].to(dtype), v).transpose(0, 1)
+            for h in [slice(0, heads)] if kept else _head_chunks(heads, groups, e - s):
+                p = _probs(q[h], k[h], e - s, scale, dtype, window, None if sinks is None else sinks[h])
+                out[b, s:e, h] = torch.bmm(p[..., : e - s].to(dtype), v[h]).transpose(0, 1)
+                if kept:
+                    probs.append(p)
         ctx.save_for_backward(query, key, value, *probs)
-        ctx.spans, ctx.scale, ctx.dtype, ctx.sinks = spans, scale, dtype, sinks
+        ctx.spans, ctx.scale, ctx.dtype, ctx.window, ctx.sinks = spans, scale, dtype, window, sinks
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         query, key, value, *probs = ctx.saved_tensors
-        groups = query.shape[1] // key.shape[1]
+        heads, groups = query.shape[1], query.shape[1] // key.shape[1]
         grad_query, grad_key, grad_value = torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value)
         grad_sinks = None if ctx.sinks is None else torch.zeros(ctx.sinks.shape, dtype=torch.float32, device=ctx.sinks.device)
-        for (b, s, e), p in zip(ctx.spans, probs):
+        for i, (b, s, e) in enumerate(ctx.spans):
             q, k, v = _sample(query, key, value, b, s, e, ctx.dtype)
-            g = grad_out[b, s:e].transpose(0, 1)
-            # The input-dtype probabilities are cast again, not saved: one len² tensor per sample, not two.
-            grad_v = torch.bmm(p[..., : e - s].to(ctx.dtype).transpose(1, 2), g)
-            grad_probs = torch.bmm(g, v.transpose(1, 2)).float()
-            if grad_sinks is not None:  # the sink's column has no value: no gradient flows into it from the output
-                grad_probs = torch.nn.functional.pad(grad_probs, (0, 1))
-            grad_scores = torch.ops.aten._softmax_backward_data(grad_probs, p, -1, torch.float32)
-            if grad_sinks is not None:
-                grad_sinks += grad_scores[..., -1].sum(-1)
-                grad_scores = grad_scores[..., :-1]
-            grad_scores = grad_scores.to(ctx.dtype)
-            grad_query[b, :, s:e] = torch.bmm(grad_scores, k).mul_(ctx.scale)
-            grad_k = torch.bmm(grad_scores.transpose(1, 2), q).mul_(ctx.scale)
-            # The heads that shared a key/value head add up in the inputs' dtype (fp32 under autocast
-            # with fp32 weights), as autograd would sum them after the cast back.
-            grad_k, grad_v = grad_k.to(key.dtype), grad_v.to(value.dtype)
-            if groups > 1:
-                grad_k, grad_v = (x.unflatten(0, (-1, groups)).sum(1) for x in (grad_k, grad_v))
-            grad_key[b, :, s:e], grad_value[b, :, s:e] = grad_k, grad_v
+            whole = grad_out[b, s:e].transpose(0, 1)
+            for h in [slice(0, heads)] if probs else _head_chunks(heads, groups, e - s):
+                p = probs[i] if probs else _probs(q[h], k[h], e - s, ctx.scale, ctx.dtype, ctx.window, None if ctx.sinks is None else ctx.sinks[h])
+                g = whole[h]
+                # The input-dtype probabilities are cast again, not saved: one len² tensor per sample, not two.
+                grad_v = torch.bmm(p[..., : e - s].to(ctx.dtype).transpose(1, 2), g)
+                grad_probs = torch.bmm(g, v[h].transpose(1, 2)).float()
+                if grad_sinks is not None:  # the sink's column has no value: no gradient flows into it from the output
+                    grad_probs = torch.nn.functional.pad(grad_probs, (0, 1))
+                grad_scores = torch.ops.aten._softmax_backward_data(grad_probs, p, -1, torch.float32)
+                if grad_sinks is not None:
+                    grad_sinks[h] += grad_scores[..., -1].sum(-1)
+                    grad_scores = grad_scores[..., :-1]
+                grad_scores = grad_scores.to(ctx.dtype)
+                grad_query[b, h, s:e] = torch.bmm(grad_scores, k[h]).mul_(ctx.scale)
+                grad_k = torch.bmm(grad_scores.transpose(1, 2), q[h]).mul_(ctx.scale)
+                # The heads that shared a key/value head add up in the inputs' dtype (fp32 under autocast
+                # with fp32 weights), as autograd would sum them after the cast back.
+                grad_k, grad_v = grad_k.to(key.dtype), grad_v.to(value.dtype)
+                if groups > 1:
+                    grad_k, grad_v = (x.unflatten(0, (-1, groups)).sum(1) for x in (grad_k, grad_v))
+                shared = slice(h.start // groups, h.stop // groups)
+                grad_key[b, shared, s:e], grad_value[b, shared, s:e] = grad_k, grad_v
         return grad_query, grad_key, grad_value, None, None, None, None, None if grad_sinks is None else grad_sinks.to(ctx.sinks.dtype)
+
+
+def _probs(q: torch.Tensor, k: torch.Tensor, length: int, scale: float, dtype: torch.dtype, window: int | None,
+           sinks: torch.Tensor | None) -> torch.Tensor:
+    """softmax(q kᵀ · scale + the causal mask) in fp32, with each head's sink as a last column where there are sinks."""
+    scores = torch.baddbmm(_causal_mask(length, dtype, q.device, window), q, k.transpose(1, 2), alpha=scale)
+    if sinks is not None:  # the sink's column, kept in the probabilities: its share of each row is what the keys lose
+        scores = torch.cat([scores, sinks.to(dtype).view(-1, 1, 1).expand(-1, length, 1)], dim=-1)
+    return torch.softmax(scores, dim=-1, dtype=torch.float32)
+
+
+def _head_chunks(heads: int, groups: int, length: int) -> list[slice]:
+    """Slices of the query heads, each whole groups of a key/value head, whose probabilities fit KEPT_PROBS."""
+    step = groups * max(1, KEPT_PROBS // (groups * length * (length + 1) * 4))
+    return [slice(h, min(h + step, heads)) for h in range(0, heads, step)]
 
 
 def _sample(query, key, value, b: int, s: int, e: int, dtype: torch.dtype):

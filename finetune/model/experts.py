@@ -16,6 +16,7 @@ the 4-bit codes stay alive between them. The routers and norms stay as loaded.
 from __future__ import annotations
 
 from contextlib import contextmanager
+from contextvars import ContextVar
 
 import torch
 
@@ -24,6 +25,7 @@ from finetune.model import nf4
 
 IMPLEMENTATION = "finetune_grouped"  # the name registered in transformers' ExpertsInterface
 LORA = "_finetune_lora"  # an experts module's {parameter name: peft wrapper}, kept outside its submodules
+_BALANCED = ContextVar("finetune_balanced_routing", default=False)
 
 
 def named_fused_experts(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
@@ -96,11 +98,15 @@ def grouped_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor
     tokens, top_k, hidden = hidden_states.shape[0], top_k_index.shape[-1], hidden_states.shape[-1]
     expert_ids, order = torch.sort(top_k_index.reshape(-1))
     x = hidden_states[order // top_k]
-    counts = torch.bincount(expert_ids, minlength=self.num_experts)
-    offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
-    up = project(self, "gate_up_proj" if self.has_gate else "up_proj", x, offsets, expert_ids)
+    if _BALANCED.get():
+        ends = [len(expert_ids) * (e + 1) // self.num_experts for e in range(self.num_experts)]
+        offsets = torch.tensor(ends, dtype=torch.int32, device=x.device)
+    else:
+        offsets = torch.cumsum(torch.bincount(expert_ids, minlength=self.num_experts), dim=0, dtype=torch.int32)
+        ends = offsets.tolist() if any(nf4.is_nf4(w) for w in self.parameters(recurse=False)) else None  # one host sync, 4-bit stacks only
+    up = project(self, "gate_up_proj" if self.has_gate else "up_proj", x, offsets, ends, expert_ids)
     up = self._apply_gate(up) if self.has_gate else self.act_fn(up)
-    out = project(self, "down_proj", up, offsets, expert_ids)
+    out = project(self, "down_proj", up, offsets, ends, expert_ids)
     if self.has_post_expert_norm:
         out = self.post_expert_norm(out)
     out = out * top_k_weights.reshape(-1)[order].unsqueeze(-1).to(out.dtype)
@@ -108,12 +114,25 @@ def grouped_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor
     return unsorted.view(tokens, top_k, hidden).sum(dim=1).to(hidden_states.dtype)
 
 
-def project(experts: torch.nn.Module, name: str, x: torch.Tensor, offsets: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
-    """One projection of the routed tokens `x` (sorted by expert, `offsets` ending each expert's rows):
-    the base weight's, its bias, and the LoRA of every active adapter on it."""
+@contextmanager
+def balanced_routing():
+    """Every expert takes an equal share of the routed tokens, whatever the router chose: what `finetune plan --simulate`
+    assumes, its fake tensors holding no values to count them by."""
+    token = _BALANCED.set(True)
+    try:
+        yield
+    finally:
+        _BALANCED.reset(token)
+
+
+def project(experts: torch.nn.Module, name: str, x: torch.Tensor, offsets: torch.Tensor, ends: list[int] | None,
+            expert_ids: torch.Tensor) -> torch.Tensor:
+    """One projection of the routed tokens `x` (sorted by expert, `offsets` ending each expert's rows, `ends` the
+    same as numbers where a 4-bit stack needs them): the base weight's, its bias, and the LoRA of every active
+    adapter on it."""
     weight = getattr(experts, name)
     if nf4.is_nf4(weight):
-        out = FrozenGroupedNF4.apply(x, weight, experts.num_experts, offsets, experts.is_transposed)
+        out = FrozenGroupedNF4.apply(x, weight, experts.num_experts, offsets, ends, experts.is_transposed)
     else:
         out = torch.nn.functional.grouped_mm(x.to(weight.dtype), weight if experts.is_transposed else weight.transpose(-2, -1), offs=offsets)
     if experts.has_bias:
@@ -145,26 +164,25 @@ class FrozenGroupedNF4(torch.autograd.Function):
     dequantized stack nor torchao's 7x peak of it is ever held, and experts no token reached are skipped."""
 
     @staticmethod
-    def forward(ctx, x, weight, experts, offsets, transposed):
-        ctx.weight, ctx.experts, ctx.transposed = weight, experts, transposed
+    def forward(ctx, x, weight, experts, offsets, ends, transposed):
+        ctx.weight, ctx.experts, ctx.ends, ctx.transposed = weight, experts, ends, transposed
         ctx.save_for_backward(offsets)
-        return _chunked(x, weight, experts, offsets, lambda w: w if transposed else w.transpose(-2, -1))
+        return _chunked(x, weight, experts, offsets, ends, lambda w: w if transposed else w.transpose(-2, -1))
 
     @staticmethod
     def backward(ctx, grad):
         (offsets,) = ctx.saved_tensors
-        grad_x = _chunked(grad.contiguous(), ctx.weight, ctx.experts, offsets, lambda w: w.transpose(-2, -1) if ctx.transposed else w)
-        return grad_x, None, None, None, None
+        grad_x = _chunked(grad.contiguous(), ctx.weight, ctx.experts, offsets, ctx.ends, lambda w: w.transpose(-2, -1) if ctx.transposed else w)
+        return grad_x, None, None, None, None, None
 
 
-def _chunked(x: torch.Tensor, weight: torch.Tensor, experts: int, offsets: torch.Tensor, oriented) -> torch.Tensor:
+def _chunked(x: torch.Tensor, weight: torch.Tensor, experts: int, offsets: torch.Tensor, ends: list[int], oriented) -> torch.Tensor:
     """grouped_mm of x's expert groups with `oriented(W_e)`, the stack dequantized chunk by chunk (in x's dtype,
     as torchao's linear_nf4 computes)."""
     rows = weight.shape[0] // experts
     step = max(1, CHUNK // (rows * weight.shape[1]))
     if not slices_evenly(weight, rows * step):
         step = experts  # a tiny stack whose scale groups straddle experts: whole
-    ends = offsets.tolist()
     outs = []
     for first in range(0, experts, step):
         last = min(first + step, experts)

@@ -262,7 +262,28 @@ def layer_activations(shape: Shape, s: Setup) -> float:
     as many values). With experts, each routed copy of a token's input and of its expert's output too
     (the grouped matmuls' input, and what the routing weight multiplies: model/experts.py)."""
     routed = next((l.active for l in shape.linears if l.expert), 0) / shape.layers  # routed copies of a token, per layer
-    return (shape.attention_values + 4 * shape.mlp_width / s.tiled_mlp + 2 * shape.hidden * routed) * s.activation_bytes * s.tokens
+    values = (shape.attention_values + 4 * shape.mlp_width / s.tiled_mlp + 2 * shape.hidden * routed) * s.activation_bytes * s.tokens
+    return values + sink_attention(shape, s)[0]
+
+
+def sink_attention(shape: Shape, s: Setup) -> tuple[float, float]:
+    """Attention with sinks (gpt-oss) runs finetune's textbook kernel (model/attention.py), whose fp32 probabilities are
+    heads x len² a sample: (what a layer keeps of them for its backward, what its backward holds while it computes).
+    Up to KEPT_PROBS a layer keeps them all; past it none, and the backward computes them again a chunk of heads at a
+    time, holding a chunk's scores, probabilities and their gradients (4 of them) at once. One sample a row, of
+    seq_len tokens: the planner's worst case."""
+    if families.text_config(shape.config).get("model_type") not in families.ATTENTION_SINKS:
+        return 0.0, 0.0
+    from finetune.model.attention import KEPT_PROBS
+
+    c = families.text_config(shape.config)
+    heads, length = c["num_attention_heads"], s.seq_len
+    one_head = length * (length + 1) * 4
+    whole = s.micro_batch * heads * one_head
+    if whole <= KEPT_PROBS:
+        return whole, 3 * whole
+    groups = heads // (c.get("num_key_value_heads") or heads)
+    return 0.0, 4 * groups * one_head * max(1, KEPT_PROBS // (groups * one_head))
 
 
 @dataclass(frozen=True)
@@ -289,7 +310,7 @@ def peak_moment(shape: Shape, cfg: RunConfig, s: Setup) -> tuple[str, Moment]:
     intermediates for one chunk at a time, in the backward."""
     full = s.method == "full"
     per_layer, dropped = layer_activations(shape, s), dropped_inputs(shape, cfg, s)
-    mlp_grads = 3 * shape.mlp_width / s.tiled_mlp * s.activation_bytes * s.tokens
+    mlp_grads = 3 * shape.mlp_width / s.tiled_mlp * s.activation_bytes * s.tokens + sink_attention(shape, s)[1]
     if s.checkpointing:
         saved, rebuilt = shape.layers * s.tokens * shape.hidden * residual_bytes(cfg, s), per_layer + dropped + mlp_grads
     else:

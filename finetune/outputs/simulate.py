@@ -16,8 +16,9 @@ The step is a later one, and its micro-batch not the first: the optimizer's stat
 accumulated from an earlier micro-batch, as in every step after the first.
 
 Simulated: distributed.strategy fsdp (FSDP2: the tracker follows its modules), LoRA, DoRA or full, on a
-bf16 or torchao NF4 base (quantized layer by layer as finetune shards it), the SFT loss. Not yet: ZeRO, DDP, sequence
-parallelism and the other objectives' steps, each refused in one line.
+bf16 or torchao NF4 base (quantized layer by layer as finetune shards it), the SFT loss; a mixture of experts with each
+expert taking an equal share of the routed tokens. Not yet: ZeRO, DDP, sequence parallelism and the other objectives'
+steps, each refused in one line.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from finetune.config.errors import UserError
 from finetune.config.schema import RunConfig
-from finetune.model import nf4
+from finetune.model import experts, nf4
 from finetune.model.loading import apply_adapter, load_model
 from finetune.objectives.loss import losses, to_device
 from finetune.parallel.distributed import fsdp_settings, shard_fsdp2, shard_layers
@@ -106,7 +107,7 @@ def simulate(cfg: RunConfig, devices: int, fake: bool = True) -> Simulated:
                 _one_tensor_at_a_time(optimizer)
             _midway(optimizer, trained(model))
             tracker, counted = FSDPMemTracker(model, optimizer), _Collectives()
-            with tracker, counted:
+            with tracker, counted, experts.balanced_routing():  # fake tensors hold no router choices: each expert an equal share
                 losses(model, batch).tokens.backward()
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from finetune.config.schema import RunConfig
-from finetune.outputs.plan import Setup, estimate, trainable_params
+from finetune.outputs.plan import BNB_BLOCK, Setup, estimate, trainable_params
 from finetune.outputs.shape import read_shape
 
 
@@ -20,6 +20,8 @@ class StepTime:
     compute_s: float
     comm_bytes: float  # sent per device per step
     comm_s: float
+    experts_gathered: float = 0.0  # of comm_bytes, the experts' weights gathered (FSDP/ZeRO-3 over a mixture of experts)
+    all_to_all: float = 0.0  # what expert parallelism over the devices would send instead: the routed tokens (not built)
 
     @property
     def overlapped_s(self) -> float:
@@ -59,7 +61,26 @@ def step_time(cfg: RunConfig, s: Setup, tflops: float, mfu: float, bandwidth: fl
         kv_dim = shape.kv_dim
         sp_share = (s.sequence_parallel - 1) / s.sequence_parallel
         sent += sp_share * tokens * (2 * q_dim + 2 * kv_dim) * s.activation_bytes * shape.layers * (2 + (1 if s.checkpointing else 0))
-    return StepTime(flops, tokens, tokens * flops / (tflops * 1e12 * mfu), sent, sent / bandwidth if bandwidth else 0.0)
+    experts_gathered, all_to_all = expert_traffic(shape, cfg, s, tokens) if s.shards_weights and d > 1 else (0.0, 0.0)
+    return StepTime(flops, tokens, tokens * flops / (tflops * 1e12 * mfu), sent, sent / bandwidth if bandwidth else 0.0, experts_gathered, all_to_all)
+
+
+def expert_traffic(shape, cfg: RunConfig, s: Setup, tokens: int) -> tuple[float, float]:
+    """A mixture of experts under FSDP/ZeRO-3: the bytes each device sends gathering the experts' weights in every
+    micro-batch's forward and backward (as held: 4-bit stacks packed with their scales, else the weights' dtype), and
+    what an expert-parallel layout (each device keeping 1/d of the experts whole) would send instead: each routed copy
+    of a token to its expert's device and its output back, in the activations' dtype, in the forward, the backward and
+    the checkpointed forward again, (d-1)/d of them leaving the device under balanced routing."""
+    routed = [layer for layer in shape.linears if layer.expert]
+    if not routed:
+        return 0.0, 0.0
+    share = (s.devices - 1) / s.devices
+    params = sum(layer.params for layer in routed)
+    held = params * (0.5 + 1 / BNB_BLOCK) if s.bits == 4 else params * s.weight_bytes  # 8-bit bases keep the experts as loaded
+    gathered = share * 2 * held * cfg.train.grad_accum
+    copies = routed[0].active  # routed copies of a token over all layers (top-k x the routed layers)
+    passes = 2 + (1 if s.checkpointing else 0)
+    return gathered, share * tokens * copies * shape.hidden * s.activation_bytes * 2 * passes
 
 
 def render_time(t: StepTime, tflops: float, mfu: float, bandwidth: float) -> str:
@@ -67,4 +88,6 @@ def render_time(t: StepTime, tflops: float, mfu: float, bandwidth: float) -> str
             f"compute {t.compute_s:.2f} s; communication {t.comm_bytes / 1e9:.1f} GB per device"
             + (f" at {bandwidth / 1e9:g} GB/s: {t.comm_s:.2f} s" if bandwidth else "")
             + f"; step {t.overlapped_s:.2f} s overlapped ({t.compute_s + t.comm_s:.2f} s if not), "
-            f"{t.tokens / t.overlapped_s:,.0f} tokens/s per device")
+            f"{t.tokens / t.overlapped_s:,.0f} tokens/s per device"
+            + (f"\nexperts: {t.experts_gathered / 1e9:.1f} GB of that communication gathers the experts' weights; expert parallelism "
+               f"(not built) would send {t.all_to_all / 1e9:.1f} GB of routed tokens instead" if t.experts_gathered else ""))
