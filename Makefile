@@ -39,7 +39,7 @@ help:
 	@echo "make docs-check - every figure in README.md and docs/ backed by a results file the doc cites (also in make lint); then the"
 	@echo "                  figures bench/figures.json lists, with the commits on their code since they were measured"
 	@echo "make bench-released - released shapes at full size (Qwen2.5-0.5B, Qwen3-0.6B, Llama-3.2-1B, Gemma-3-1B): plan vs measured peak (~15 min)"
-	@echo "make bench-moe - mixtures of experts: grouped expert LoRA vs HF + peft, plan vs peak (QLoRA experts), plans of released MoEs (~5 min)"
+	@echo "make bench-moe - mixtures of experts: grouped expert LoRA vs HF + peft, plan vs peak (QLoRA experts), plans of released MoEs, FSDP2 vs expert parallelism's traffic (~8 min)"
 	@echo "make bench-scale - FSDP2 steps of 8B-405B shapes at 8-512 GPUs simulated on fake tensors, LoRA/QLoRA/full, beside the plan (~100 min)"
 	@echo "make bench-large - a 1.1B model through every method and strategy: memory vs plan, speed, checkpoints, merge, staged load (~30 min)"
 	@echo "make bench-long - long rows: the longest row at 2 GiB a process in one process, with sequence parallelism over 2 and a tiled MLP; a 16k row tiled and not (~30 min)"
