@@ -272,11 +272,11 @@ def sink_attention(shape: Shape, s: Setup) -> tuple[float, float]:
     Up to KEPT_PROBS a layer keeps them all; past it none, and the backward computes them again a chunk of heads at a
     time, holding a chunk's scores, probabilities and their gradients (4 of them) at once. One sample a row, of
     seq_len tokens: the planner's worst case."""
-    if families.text_config(shape.config).get("model_type") not in families.ATTENTION_SINKS:
+    c = families.text_config(shape.config)
+    if c.get("model_type") not in families.ATTENTION_SINKS:
         return 0.0, 0.0
     from finetune.model.attention import KEPT_PROBS
 
-    c = families.text_config(shape.config)
     heads, length = c["num_attention_heads"], s.seq_len
     one_head = length * (length + 1) * 4
     whole = s.micro_batch * heads * one_head
@@ -310,12 +310,13 @@ def peak_moment(shape: Shape, cfg: RunConfig, s: Setup) -> tuple[str, Moment]:
     intermediates for one chunk at a time, in the backward."""
     full = s.method == "full"
     per_layer, dropped = layer_activations(shape, s), dropped_inputs(shape, cfg, s)
-    mlp_grads = 3 * shape.mlp_width / s.tiled_mlp * s.activation_bytes * s.tokens + sink_attention(shape, s)[1]
+    # what a layer's backward holds beside its saved tensors: the MLP's input gradients, and sink attention's chunk
+    in_backward = 3 * shape.mlp_width / s.tiled_mlp * s.activation_bytes * s.tokens + sink_attention(shape, s)[1]
     if s.checkpointing:
-        saved, rebuilt = shape.layers * s.tokens * shape.hidden * residual_bytes(cfg, s), per_layer + dropped + mlp_grads
+        saved, rebuilt = shape.layers * s.tokens * shape.hidden * residual_bytes(cfg, s), per_layer + dropped + in_backward
     else:
         chunk = 4 * shape.mlp_width / s.tiled_mlp * s.activation_bytes * s.tokens if s.tiled_mlp > 1 else 0.0
-        saved, rebuilt = shape.layers * (per_layer - chunk) + dropped, chunk + mlp_grads
+        saved, rebuilt = shape.layers * (per_layer - chunk) + dropped, chunk + in_backward
     temporaries = dense_temporaries(shape, cfg, s)
     moments = {"the loss": Moment(saved + loss_activations(shape, s))}
     if not s.shards_weights:
