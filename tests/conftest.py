@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from ranks import run_ranks
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -43,8 +44,8 @@ _SHM_BEFORE = set(Path("/dev/shm").glob("deepspeed_*")) if Path("/dev/shm").is_d
 
 
 # A test is `slow` when it starts processes: it, a helper of its module it calls or a fixture it uses
-# runs the CLI in a subprocess, torchrun or accelerate launch. `make test-fast` runs the others.
-LAUNCHES = re.compile(r"\brun_cli\(|\bsubprocess\.|\bPopen\(|torch\.distributed\.run|\"accelerate\", \"launch\"")
+# runs the CLI in a subprocess, torchrun (or its workers: run_ranks) or accelerate launch. `make test-fast` runs the others.
+LAUNCHES = re.compile(r"\brun_cli\(|\brun_ranks\(|\bsubprocess\.|\bPopen\(|torch\.distributed\.run|\"accelerate\", \"launch\"")
 
 
 def _launching(module) -> set[str]:
@@ -148,6 +149,12 @@ def run_cli(*args: str, cwd: Path = REPO, env: dict | None = None, timeout: int 
     )
 
 
+def train_forked(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`finetune train ARGS` in a process of its own as run_cli gives it, forked by ranks.run_ranks (no imports of its
+    own): for runs that a test kills or that kill themselves (FINETUNE_FAULT in `env`)."""
+    return run_ranks(1, "finetune/train.py", *args, cwd=REPO, env={**os.environ, **(env or {})})
+
+
 def finetune_cli(capsys, *args: str):
     """`finetune ARGS` in this process, for what a fresh process proves nothing more about (its output
     and exit code): returncode, stdout, stderr as run_cli gives them. An unexpected exception fails the test."""
@@ -209,11 +216,11 @@ def step_rows(out: Path) -> list[dict]:
 
 def killed_and_resumed(tmp_path: Path, cfg: dict, save_every: int, kill_at: int):
     """`cfg` run in tmp_path/out with a checkpoint every `save_every` steps, SIGKILLed at the start of step `kill_at`
-    (a process of its own), then started again in this process: it must resume from the last checkpoint before the
+    (a process of its own, forked by ranks.run_ranks), then started again in this process: it must resume from the last checkpoint before the
     kill. Returns the second start's result and the run's per-step metrics rows."""
     cfg["train"]["output_dir"] = str(tmp_path / "out")
     config = str(write_config(tmp_path / "resumed.yaml", cfg))
-    killed = run_cli("train", "--config", config, "--save-every", str(save_every), env={"FINETUNE_FAULT": f"kill@{kill_at}"})
+    killed = train_forked("--config", config, "--save-every", str(save_every), env={"FINETUNE_FAULT": f"kill@{kill_at}"})
     assert killed.returncode == -9, killed.stderr[-2000:]
     resumed = finetune_in_process("train", "--config", config, "--save-every", str(save_every))
     last = kill_at // save_every * save_every
@@ -635,21 +642,20 @@ def torchrun(nproc: int, *args: str) -> list[str]:
 
 
 def train_strategy(tmp_path, name, model_dir, method, nproc, strategy="ddp", accelerate_config=None, **sections):
-    """`finetune train` under a strategy: one process (in this one) or several (torchrun, or accelerate
-    launch with one of configs/accelerate); (output folder, per-step losses, summary)."""
+    """`finetune train` under a strategy: one process (in this one) or several (torchrun's workers as ranks.run_ranks
+    starts them, or accelerate launch with one of configs/accelerate); (output folder, per-step losses, summary)."""
     out = tmp_path / name
     cfg = strategy_config(model_dir, out, method, nproc, strategy, **sections)
     config = str(write_config(tmp_path / f"{name}.yaml", cfg))
+    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
     if nproc == 1:
         result = finetune_in_process("train", "--config", config)
-    else:
-        env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
-        launcher = torchrun(nproc)
-        if accelerate_config:
-            launcher = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", f"configs/accelerate/{accelerate_config}.yaml",
-                        "--main_process_port", str(free_port())]
-        result = subprocess.run([*launcher, "finetune/train.py", "--config", config],
-                                cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+    elif accelerate_config:
+        launcher = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", f"configs/accelerate/{accelerate_config}.yaml",
+                    "--main_process_port", str(free_port())]
+        result = subprocess.run([*launcher, "finetune/train.py", "--config", config], cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+    else:  # torchrun's workers, without its agent or their imports (tests/ranks.py)
+        result = run_ranks(nproc, "finetune/train.py", "--config", config, env=env, cwd=REPO)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     if nproc > 1:
         (out / "console.log").write_text(result.stdout + result.stderr)

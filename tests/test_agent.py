@@ -6,12 +6,11 @@ episode alone, bitwise resume after kill -9, 2 processes equal to 1, and the env
 from __future__ import annotations
 
 import json
-import os
 import threading
 
 import pytest
 import torch
-from conftest import DEMO_DATA, REPO, base_config, finetune_in_process, read_jsonl, run_cli, train_strategy, write_config
+from conftest import DEMO_DATA, REPO, base_config, finetune_in_process, read_jsonl, train_forked, train_strategy, write_config
 
 from finetune.config.errors import UserError
 from finetune.config.schema import GRPOConfig
@@ -326,7 +325,7 @@ def test_kill_and_resume_repeats_the_episodes_bitwise(tmp_path, tiny_model_dir, 
         assert [reference[0][k] for k in keys] == [agent_run[1][0][k] for k in keys]  # the first step plays in line
         assert [r["loss"] for r in reference[1:]] != [r["loss"] for r in agent_run[1][1:]]  # the later ones a step off the policy
     cfg = write_config(tmp_path / "run.yaml", config)
-    killed = run_cli("train", "--config", str(cfg), "--save-every", "2", env={**os.environ, "FINETUNE_FAULT": "kill@4"})
+    killed = train_forked("--config", str(cfg), "--save-every", "2", env={"FINETUNE_FAULT": "kill@4"})
     assert killed.returncode == -9, killed.stderr[-2000:]
     resumed = finetune_in_process("train", "--config", str(cfg))
     assert resumed.returncode == 0, resumed.stderr[-3000:]

@@ -8,7 +8,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import base_config, finetune_in_process, run_cli, step_losses, write_config
+from conftest import base_config, finetune_in_process, step_losses, train_forked, write_config
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +25,7 @@ def _run(tmp_path, cfg, *extra, env=None):
     """`finetune train`: in this process, or a fresh one where the injected fault kills it."""
     config = str(write_config(tmp_path / "c.yaml", cfg))
     if env:
-        return run_cli("train", "--config", config, *extra, env=env)
+        return train_forked("--config", config, *extra, env=env)
     return finetune_in_process("train", "--config", config, *extra)
 
 

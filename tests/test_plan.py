@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import REPO, base_config, finetune_cli, run_cli, torchrun, write_config
+from conftest import REPO, base_config, finetune_cli, run_cli, run_ranks, write_config
 from safetensors.torch import load_file
 
 from finetune.config.files import load_config
@@ -322,7 +322,7 @@ if fake or dist.get_rank() == 0:
 
 @pytest.mark.parametrize("method", ["lora", "full", "qlora"])
 def test_the_simulated_step_holds_what_the_real_step_of_2_processes_holds(tmp_path, tiny_model_dir, method):
-    """The same step on real tensors in 2 gloo processes (torchrun), under the same tracker: rank 0's peak
+    """The same step on real tensors in 2 gloo processes (torchrun's workers), under the same tracker: rank 0's peak
     by role within 10% of the fake tensors' (the simulation of 8B-405B rests on this). QLoRA: torchao's
     NF4 base, quantized layer by layer as finetune shards it."""
     import os
@@ -339,8 +339,10 @@ def test_the_simulated_step_holds_what_the_real_step_of_2_processes_holds(tmp_pa
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     peaks = {}
     # Each in a fresh process, as `finetune plan --simulate` runs.
-    for kind, launcher in (("fake", [sys.executable]), ("real", torchrun(2))):
-        job = subprocess.run([*launcher, str(script), json.dumps(raw), kind], cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+    for kind in ("fake", "real"):
+        args = [str(script), json.dumps(raw), kind]
+        job = subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True, timeout=300, env=env) if kind == "fake" else \
+            run_ranks(2, *args, env=env, cwd=REPO)
         assert job.returncode == 0, job.stderr[-3000:]
         peaks[kind] = json.loads(job.stdout.strip().splitlines()[-1])
     simulated, real = peaks["fake"], peaks["real"]

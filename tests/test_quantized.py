@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import base_config, finetune_in_process, read_jsonl, torchrun, write_config
+from conftest import base_config, finetune_in_process, read_jsonl, run_ranks, torchrun, write_config
 
 from finetune.config.schema import validate_config
 from finetune.data.datasets import load_data
@@ -133,7 +133,6 @@ def test_qlora_under_zero3_matches_one_process_and_partitions_the_4bit_base(tmp_
     them): the same per-step losses as one QLoRA process with the same global batch."""
     import json
     import os
-    import subprocess
 
     from conftest import REPO
 
@@ -147,7 +146,7 @@ def test_qlora_under_zero3_matches_one_process_and_partitions_the_4bit_base(tmp_
             result = finetune_in_process("train", "--config", config)
         else:
             env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
-            result = subprocess.run([*torchrun(2), "finetune/train.py", "--config", config], cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+            result = run_ranks(2, "finetune/train.py", "--config", config, cwd=REPO, env=env)
         assert result.returncode == 0, result.stderr[-3000:]
         losses[nproc] = [r["loss"] for r in read_jsonl(out / "metrics.jsonl") if "loss" in r]
     assert losses[2] == pytest.approx(losses[1], rel=1e-4), losses

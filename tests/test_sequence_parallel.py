@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 
 import pytest
-from conftest import DEMO_DATA, REPO, base_config, finetune_in_process, read_jsonl, step_losses, torchrun, train_strategy, write_config
+from conftest import DEMO_DATA, REPO, base_config, finetune_in_process, read_jsonl, run_ranks, step_losses, train_strategy, write_config
 
 pytest.importorskip("deepspeed")
 
@@ -69,8 +68,7 @@ def probed(tmp_path_factory, family_dirs):
     probe.write_text(PROBE)
     cases = {"-".join(case): (str(family_dirs(case[0])), case[1], case[2]) for case in CASES}
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run([*torchrun(2), str(probe), str(REPO),
-                             json.dumps(cases)], cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
+    result = run_ranks(2, str(probe), str(REPO), json.dumps(cases), env=env, cwd=REPO, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
     return json.loads(next(line for line in result.stdout.splitlines() if line.startswith("RESULT "))[7:])
 

@@ -7,14 +7,13 @@ family's picture tokens (finetune/model/tiny.py), and a released-shape Qwen2.5-V
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 
 import numpy as np
 import pytest
 import torch
-from conftest import DEMO_DATA, REPO, finetune_in_process, killed_and_resumed, once, read_jsonl, run_cli, step_rows, train_strategy, write_config
+from conftest import DEMO_DATA, REPO, finetune_in_process, killed_and_resumed, once, read_jsonl, step_rows, train_forked, train_strategy, write_config
 
 from finetune.data.rows import IGNORE
 
@@ -301,7 +300,7 @@ def test_packed_qwen_vl_over_two_processes_equals_one(tmp_path, llava, picture_d
 def test_kill_and_resume_gives_the_same_losses(tmp_path, llava, picture_data, vision_run):
     _, reference = vision_run
     cfg = write_config(tmp_path / "run.yaml", _config(llava("clip"), picture_data, tmp_path / "out"))
-    killed = run_cli("train", "--config", str(cfg), "--save-every", "4", env={**os.environ, "FINETUNE_FAULT": "kill@6"})
+    killed = train_forked("--config", str(cfg), "--save-every", "4", env={"FINETUNE_FAULT": "kill@6"})
     assert killed.returncode == -9, killed.stderr[-2000:]
     resumed = finetune_in_process("train", "--config", str(cfg))
     assert resumed.returncode == 0, resumed.stderr[-3000:]

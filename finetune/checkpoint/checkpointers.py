@@ -112,7 +112,7 @@ class Checkpointer:
 
     def _whole_files(self, state: dict) -> dict:
         """Rank 0's files of the trained state (and what `state` records about them)."""
-        model = self.accelerator.unwrap_model(self.model)
+        model = bare(self.model)
         # torch numbers the optimizer's parameters; their names let a ZeRO run at any count resume from it
         names = {id(p): n for n, p in model.named_parameters()}
         state["optimizer_params"] = [names[id(p)] for group in self.optimizer.param_groups for p in group["params"]]
@@ -178,7 +178,7 @@ class Checkpointer:
         return written
 
     def _restore_whole(self, path: Path, written: dict) -> None:
-        copy_trainable(load_file(path / WEIGHTS), self.accelerator.unwrap_model(self.model), path)
+        copy_trainable(load_file(path / WEIGHTS), bare(self.model), path)
         self.optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
 
     def _restore_dcp(self, path: Path) -> None:
@@ -202,7 +202,7 @@ class Checkpointer:
     def _restore_deepspeed(self, path: Path, written: dict, scratch: Path) -> None:
         """A ZeRO checkpoint into one process or DDP, through DeepSpeed's universal form."""
         with universal(path, scratch, self.accelerator) as folder:
-            _restore_universal(folder / "state" / "zero", self.accelerator.unwrap_model(self.model), self.optimizer, written["step"], path)
+            _restore_universal(folder / "state" / "zero", bare(self.model), self.optimizer, written["step"], path)
 
 
 class DcpCheckpointer(Checkpointer):
@@ -291,6 +291,13 @@ class DeepSpeedCheckpointer(Checkpointer):
             for key, value in state.items():
                 if key != "step":
                     safe_set_full_optimizer_state(param, value, key)
+
+
+def bare(model: torch.nn.Module) -> torch.nn.Module:
+    """The model inside DDP's wrapper, as accelerate's unwrap_model gives it, without the DeepSpeed import that
+    unwrap_model makes wherever DeepSpeed is installed (about a second of every process's start: docs/platform-notes.md).
+    A DeepSpeed engine unwraps itself (`.module`); FSDP2 and per-layer compilation leave the top module as it is."""
+    return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
 
 
 def _sharded_state(model, optimizer, with_optimizer: bool = True) -> dict:

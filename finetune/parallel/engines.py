@@ -33,7 +33,7 @@ from contextlib import nullcontext
 
 import torch
 
-from finetune.checkpoint.checkpointers import Checkpointer, DcpCheckpointer, DeepSpeedCheckpointer
+from finetune.checkpoint.checkpointers import Checkpointer, DcpCheckpointer, DeepSpeedCheckpointer, bare
 from finetune.config.schema import ModelConfig, RunConfig
 from finetune.config.strategy import Strategy
 from finetune.model import nf4
@@ -96,7 +96,7 @@ class Engine:
         return apply
 
     def unwrap(self) -> torch.nn.Module:
-        return self.accelerator.unwrap_model(self.model)
+        return bare(self.model)
 
     def final_state(self) -> dict[str, torch.Tensor] | None:
         """What save_pretrained writes when the model's own state dict would not do (a collective)."""
