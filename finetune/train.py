@@ -61,7 +61,10 @@ def run(cfg: RunConfig) -> RunResult:
         # The run's model and optimizer sit in reference cycles (accelerate's and peft's hooks): freed now,
         # not at the interpreter's next full collection, so a process that trains again (a sweep, a
         # notebook, the GPU tests) starts with the last run's weights off its GPU (docs/platform-notes.md).
-        gc.collect()
+        # Not in a rank of several, which exits next (cli.exit_rank): collecting there can free gloo's
+        # process group while its worker threads wait for the GIL the collection holds, a deadlock.
+        if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+            gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
