@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import itertools
 import json
 import os
 import re
@@ -15,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from ranks import run_ranks
+from ranks import free_port, run_ranks  # noqa: F401  (free_port: the tests import it from here)
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -103,27 +102,6 @@ def pytest_sessionfinish(session, exitstatus):
         return
     for leftover in set(Path("/dev/shm").glob("deepspeed_*")) - _SHM_BEFORE if Path("/dev/shm").is_dir() else ():
         leftover.unlink(missing_ok=True)
-
-
-_PORTS = itertools.count()
-
-
-def free_port() -> int:
-    """A TCP port nothing listens on now, from a range of this pytest-xdist worker's own (20000 + 4000 x its number, below
-    the kernel's ephemeral ports), each handed out once: two workers never get the same port, as the kernel's port 0
-    could give both between one's check and its use."""
-    import socket
-
-    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
-    for _ in range(4000):
-        port = 20000 + 4000 * worker + next(_PORTS) % 4000
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError(f"no free port in worker {worker}'s range")
 
 
 def hub_cached(monkeypatch, root: Path, repo_id: str, folder: Path) -> str:

@@ -9,6 +9,8 @@ a real torchrun (conftest.torchrun)."""
 
 from __future__ import annotations
 
+import functools
+import itertools
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -21,22 +23,31 @@ import time
 from pathlib import Path
 
 PRELOAD = ["finetune", "torch", "torch._dynamo", "transformers", "transformers.modeling_utils", "peft", "accelerate", "deepspeed"]
-_context = None
+_PORTS = itertools.count()
 GRACE = 60  # seconds the other ranks get to end after one failed (train's stop waits at a 30 s barrier)
 
 
+@functools.cache
 def _server():
-    global _context
-    if _context is None:
-        _context = multiprocessing.get_context("forkserver")
-        _context.set_forkserver_preload(PRELOAD)
-    return _context
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(PRELOAD)
+    return context
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_port() -> int:
+    """A TCP port nothing listens on now, from a range of this pytest-xdist worker's own (20000 + 4000 x its number, below
+    the kernel's ephemeral ports), each handed out once: two workers never get the same port, as the kernel's port 0
+    could give both between one's check and its use."""
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+    for _ in range(4000):
+        port = 20000 + 4000 * worker + next(_PORTS) % 4000
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in worker {worker}'s range")
 
 
 def _rank(script: str, args: list[str], env: dict, cwd: str, out: str, err: str) -> None:
@@ -85,7 +96,7 @@ def run_ranks(nproc: int, script: str, *args: str, env: dict | None = None, cwd:
     gives it: the ranks' output together, return code 0 when every rank exited 0, else the first failure's code (-9 for a
     SIGKILL). One rank is `python script args`, without torchrun's variables."""
     env = {**(os.environ if env is None else env)}
-    port = _free_port()
+    port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
         out, err = Path(tmp, "out"), Path(tmp, "err")
         out.touch()

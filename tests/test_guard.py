@@ -151,19 +151,22 @@ def test_time_based_saves(tmp_path, tiny_model_dir):
     assert len(list((out / "checkpoints").glob("step-*"))) == 1 + 29  # the start, then after every step but the last
 
 
+def _env(extra: dict | None) -> dict:
+    """A 2-process run's environment: gloo on the CPU, one thread a rank, `extra` (a fault) on top."""
+    return {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", **(extra or {})}
+
+
 def _torchrun(tmp_path, cfg, name, *flags, env=None):
     config = write_config(tmp_path / f"{name}.yaml", cfg)
-    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.Popen([*torchrun(2), *flags,
-                             "finetune/train.py", "--config", str(config)], cwd=REPO, env=env, text=True,
+                             "finetune/train.py", "--config", str(config)], cwd=REPO, env=_env(env), text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
 def _ranks(tmp_path, cfg, name, env=None):
     """The 2-process run of `cfg` where torchrun's agent has nothing to do (no restart, no signal): ranks.run_ranks."""
     config = write_config(tmp_path / f"{name}.yaml", cfg)
-    return run_ranks(2, "finetune/train.py", "--config", str(config), cwd=REPO,
-                     env={**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", **(env or {})})
+    return run_ranks(2, "finetune/train.py", "--config", str(config), cwd=REPO, env=_env(env))
 
 
 def test_torchrun_restarts_a_killed_rank_and_the_job_resumes_by_itself(tmp_path, tiny_model_dir):
