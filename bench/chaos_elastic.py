@@ -25,6 +25,10 @@ from common import DATA, REPO, report
 
 MICRO, ROWS = 1, 6  # 6 rows a step: 2 accumulated x 3 nodes, 3 x 2, or 6 in one process
 PACE = 1.5  # seconds added to every step: time to kill and start nodes while the job runs
+# A node that is gone leaves the rendezvous once its heartbeats are keep_alive_interval x keep_alive_max_attempt old
+# (torch's default 5 s x 3); the survivors can't start their next round before. 1 s x 5 here: the agents are idle
+# processes on one machine, and each loss costs 5 s of waiting instead of 15.
+RDZV_CONF = "last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=5"
 
 
 def write_config(path: Path, model_dir: Path, out: Path, steps: int, accum: int, strategy: str, save_every: int = 0) -> Path:
@@ -65,7 +69,7 @@ class Node:
 
     def __init__(self, index: int, port: int, config: Path, logs: Path, gate: Gate | None = None):
         cmd = ["bash", "launch/multi_node.sh", "--nnodes", "2:3", "--nproc-per-node", "1", "--rdzv-host", "127.0.0.1", "--rdzv-port", str(port),
-               "--rdzv-id", f"elastic-{port}", "--rdzv-conf", "last_call_timeout=2", "--", "--config", str(config)]
+               "--rdzv-id", f"elastic-{port}", "--rdzv-conf", RDZV_CONF, "--", "--config", str(config)]
         self.log = logs / f"node{index}.log"
         with self.log.open("a") as fh:
             self.process = subprocess.Popen(cmd, cwd=REPO, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True,
