@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -47,6 +48,7 @@ _SHM_BEFORE = set(Path("/dev/shm").glob("deepspeed_*")) if Path("/dev/shm").is_d
 LAUNCHES = re.compile(r"\brun_cli\(|\brun_ranks\(|\bsubprocess\.|\bPopen\(|torch\.distributed\.run|\"accelerate\", \"launch\"")
 
 
+@functools.cache
 def _launching(module) -> set[str]:
     """The names of the module's functions (conftest's too) that start processes, directly or through another."""
     import inspect
@@ -67,14 +69,26 @@ def _launching(module) -> set[str]:
         found |= more
 
 
+# Seconds each test file took in a measured suite (FINETUNE_FILE_SECONDS=1 make test writes it again): xdist hands whole
+# files (--dist loadfile) to whichever worker is free, in collection order, so the longest go first and the last to
+# start are short; xdist's own order (by number of tests) left a 5-minute file to start last while the other worker idled.
+FILE_SECONDS = Path(__file__).with_name("file_seconds.json")
+
+
+def pytest_configure(config):
+    config.option.loadscopereorder = False  # keep the order below
+
+
 def pytest_collection_modifyitems(config, items):
     import inspect
 
-    cache = {}
+    seconds = json.loads(FILE_SECONDS.read_text())
+    items.sort(key=lambda item: -seconds.get(item.nodeid.split("::")[0].removeprefix("tests/"), 10.0))  # stable: files stay whole
+
     for item in items:
         if item.get_closest_marker("slow") or not hasattr(item, "function"):
             continue
-        launching = cache.setdefault(item.module.__name__, _launching(item.module)) if item.module else set()
+        launching = _launching(item.module) if item.module else set()
         text = inspect.getsource(item.function)
         if LAUNCHES.search(text) or launching & set(item.fixturenames) or any(re.search(rf"\b{n}\(", text) for n in launching):
             item.add_marker(pytest.mark.slow)
@@ -93,6 +107,9 @@ def pytest_terminal_summary(terminalreporter):
     if _FILE_SECONDS:
         slowest = sorted(_FILE_SECONDS.items(), key=lambda item: -item[1])[:15]
         terminalreporter.write_line("slowest files: " + ", ".join(f"{name.removeprefix('tests/')} {seconds:.0f} s" for name, seconds in slowest))
+        if os.environ.get("FINETUNE_FILE_SECONDS") == "1":
+            measured = {name.removeprefix("tests/"): round(seconds, 1) for name, seconds in sorted(_FILE_SECONDS.items())}
+            FILE_SECONDS.write_text(json.dumps(measured, indent=1) + "\n")
 
 
 def pytest_sessionfinish(session, exitstatus):
