@@ -13,7 +13,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO, base_config, bench_module, free_port, once, read_jsonl, write_config
+from conftest import REPO, base_config, bench_module, free_port, once, read_jsonl, run_ranks, write_config
 
 pytestmark = pytest.mark.slow
 
@@ -55,12 +55,13 @@ def test_where_no_accumulation_keeps_the_batch_an_elastic_job_waits_for_its_node
     tmp.mkdir(parents=True)
     (tmp / CONFIG_FILE).write_text(json.dumps(cfg))  # YAML reads JSON
     store.complete(tmp, tmp.parent, 4, {"trainer_state.json": json.dumps({"step": 4, "world_size": 3})}, 2)
-    env = {**os.environ, "PYTHON": sys.executable}
-    cmd = lambda: ["bash", "launch/single_node.sh", "--nproc", "2", "--port", str(free_port()), "--", "--config", config]  # noqa: E731
-    refused = subprocess.run(cmd(), cwd=REPO, capture_output=True, text=True, env=env, timeout=300)
+    elastic = {**os.environ, "FINETUNE_ELASTIC": "1:2"}  # one or two nodes of 2, as launch/multi_node.sh --nnodes 1:2 says
+    train = lambda *args, env: run_ranks(2, "finetune/train.py", "--config", config, *args, cwd=REPO, env=env)  # noqa: E731
+    refused = train(env=os.environ)
     assert refused.returncode == 2 and "at 2, micro_batch_size 1 x grad_accum N x 2 cannot make 3" in refused.stderr, refused.stderr[-2000:]
-    waiting = subprocess.Popen(cmd(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               env={**env, "FINETUNE_ELASTIC": "1:2"})  # one or two nodes of 2
+    # The wait, stopped as its agent stops it when a node joins: through the launch script, which passes the 75 on
+    waiting = subprocess.Popen(["bash", "launch/single_node.sh", "--nproc", "2", "--port", str(free_port()), "--", "--config", config], cwd=REPO,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**elastic, "PYTHON": sys.executable})
     lines = iter(waiting.stdout.readline, "")
     assert any("waiting for nodes to join" in line for line in lines)
     waiting.send_signal(signal.SIGTERM)  # as the agents' SIGTERM when a node joins
@@ -68,14 +69,12 @@ def test_where_no_accumulation_keeps_the_batch_an_elastic_job_waits_for_its_node
     assert waiting.wait(timeout=60) == 75
     assert [e["event"] for e in read_jsonl(tmp_path / "out" / "events.jsonl")][-2:] == ["wait", "preempted"]
     # No node joins: the wait ends at distributed.elastic_wait, in one line
-    gave_up = subprocess.run([*cmd(), "--set", "distributed.elastic_wait=3"], cwd=REPO, capture_output=True, text=True, timeout=300,
-                             env={**env, "FINETUNE_ELASTIC": "1:2"})
+    gave_up = train("--set", "distributed.elastic_wait=3", env=elastic)
     assert gave_up.returncode == 2, gave_up.stderr[-2000:]
     assert ("error: distributed.elastic_wait: no node joined within 3 s (" in gave_up.stderr
             and "set distributed.elastic_batch: flexible" in gave_up.stderr), gave_up.stderr[-2000:]
     # A fresh start of that job: 2 rows a step (1 x 1 x 2) cannot be kept at 4 processes, said first
     shutil.rmtree(tmp_path / "out")
-    started = subprocess.run([*cmd(), "--set", "train.max_steps=1"], cwd=REPO, capture_output=True, text=True, timeout=300,
-                             env={**env, "FINETUNE_ELASTIC": "1:2"})
+    started = train("--set", "train.max_steps=1", env=elastic)
     assert started.returncode == 0, started.stderr[-2000:]
     assert "[warning] 2 rows per step (micro_batch_size 1) cannot be kept at 4 of this elastic job's 2-4 processes" in started.stdout

@@ -9,7 +9,7 @@ import pytest
 from conftest import base_config, finetune_cli, write_config
 
 pytest.importorskip("gguf")
-
+from gguf_header import read_header  # noqa: E402  (it imports gguf)
 
 # Released shapes (tests/released.py) with their families' real tokenizers. Llama 3.2's rope scaling is made to act
 # within the check texts (original context 16 for 8192): written as llama.cpp's rope_freqs, or the logits part.
@@ -46,10 +46,7 @@ def test_a_model_round_trips_through_gguf_and_llama_cpp_reads_it_as_transformers
     assert ("in llama.cpp itself" in line) == LLAMA_CPP and "greedy tokens the same" in line, line
     assert not LLAMA_CPP or "the same token ids as transformers on 15 strings" in line, line
     assert float(line.split("logits within max ")[1].split()[0]) < (2e-2 if "a3b" in name else 5e-3 if kind == "f16" else 5e-2), line
-    import gguf
-
-    pre = gguf.GGUFReader(str(out)).fields["tokenizer.ggml.pre"]
-    assert bytes(pre.parts[pre.data[0]]).decode() == ("qwen2" if name.startswith("qwen") else "default" if name.startswith("gemma-3") else "llama-bpe")
+    assert read_header(out)[0]["tokenizer.ggml.pre"] == ("qwen2" if name.startswith("qwen") else "default" if name.startswith("gemma-3") else "llama-bpe")
 
 
 def test_the_tokenizers_split_is_what_llama_cpp_is_told(demo_tokenizer_dir):
@@ -75,15 +72,13 @@ def test_k_quants_come_from_llama_cpps_quantizer_and_are_checked_in_it(tmp_path,
     llama_model_quantize, its layers' weights in the k-quant's blocks, the same token ids as transformers,
     logits within `bound` of the fp32 model (measured 0.23 for q4_k_m, 0.08 for q6_k). Greedy tokens of a random
     model's near-ties are reported, not asserted."""
-    import gguf
-
     out = tmp_path / "model.gguf"
     model = released("llama-3.2-1b", hidden_size=256, intermediate_size=512)
     result = finetune_cli(capsys, "export", "--model", str(model), "--out", str(out), "--type", kind)
     assert result.returncode == 0, result.stderr
     line = next(line for line in result.stdout.splitlines() if "in llama.cpp itself" in line)
     assert "the same token ids as transformers on 15 strings" in line and float(line.split("logits within max ")[1].split()[0]) < bound, line
-    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(out)).tensors}
+    types = read_header(out)[1]
     assert types["blk.0.ffn_gate.weight"] in (block, "Q6_K") and block in set(types.values()), types
     assert sorted(p.name for p in tmp_path.iterdir()) == ["Modelfile", "model.gguf"]
 
@@ -113,10 +108,15 @@ def test_an_adapter_alone_as_a_gguf_lora_file_that_llama_cpp_applies(tmp_path, r
     worst, effect = float(line.split("within max ")[1].split()[0]), float(line.split("moves them by max ")[1].rstrip(")"))
     assert worst < 5e-3 and effect > 100 * worst, line
     assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter.gguf", "c.yaml", "run"]  # the base's GGUF was temporary
-    import gguf
+    fields, types = read_header(tmp_path / "adapter.gguf")
+    assert fields["general.type"] == "adapter" and fields["adapter.lora.alpha"] == 16.0
+    import gguf  # the header as gguf's own reader reads it (no vocabulary here: in a second)
 
-    fields = gguf.GGUFReader(str(tmp_path / "adapter.gguf")).fields
-    assert bytes(fields["general.type"].parts[-1]).decode() == "adapter" and float(fields["adapter.lora.alpha"].parts[-1][0]) == 16.0
+    reader = gguf.GGUFReader(str(tmp_path / "adapter.gguf"))
+    stored = {k: f for k, f in reader.fields.items() if not k.startswith("GGUF.")}  # the reader adds the header's counts as fields
+    assert types == {t.name: t.tensor_type.name for t in reader.tensors} and set(fields) == set(stored)
+    assert all(fields[k] == (bytes(f.parts[-1]).decode() if f.types == [gguf.GGUFValueType.STRING] else f.parts[-1][0])
+               for k, f in stored.items() if len(f.types) == 1), fields
     cfg["adapter"]["method"], cfg["train"]["output_dir"] = "dora", str(tmp_path / "dora")
     assert finetune_cli(capsys, "train", "--config", str(write_config(tmp_path / "d.yaml", cfg))).returncode == 0
     refused = finetune_cli(capsys, "export", "--adapter", str(tmp_path / "dora"), "--lora", "--out", str(tmp_path / "dora.gguf"))
@@ -130,7 +130,6 @@ def test_a_gpt_oss_tuned_on_its_experts_merges_and_llama_cpp_reads_it(tmp_path, 
     into the 3-D expert weights (checked against base + adapter) and exported. llama.cpp reads the interleaved gate/up
     columns split into ffn_gate_exps / ffn_up_exps, the expert biases in f32, the sinks, which layers slide and the
     YaRN rope: logits within 5e-3 of the merged model's (measured 8e-4 in f16; gate and up swapped gives 0.63)."""
-    import gguf
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -151,11 +150,9 @@ def test_a_gpt_oss_tuned_on_its_experts_merges_and_llama_cpp_reads_it(tmp_path, 
     assert result.returncode == 0, result.stderr
     line = next(line for line in result.stdout.splitlines() if "in llama.cpp itself" in line)
     assert "the same token ids as transformers on 15 strings" in line and float(line.split("logits within max ")[1].split()[0]) < 5e-3, line
-    reader = gguf.GGUFReader(str(tmp_path / "tuned.gguf"))
-    types = {t.name: t.tensor_type.name for t in reader.tensors}
+    fields, types = read_header(tmp_path / "tuned.gguf")
     assert types["blk.0.ffn_gate_exps.bias"] == "F32" and types["blk.0.ffn_gate_exps.weight"] == "F16" and "blk.1.attn_sinks.weight" in types
-    pre = reader.fields["tokenizer.ggml.pre"]
-    assert bytes(pre.parts[pre.data[0]]).decode() == "gpt-4o"
+    assert fields["tokenizer.ggml.pre"] == "gpt-4o"
 
 
 def test_bad_exports_say_why_in_one_line_and_leave_nothing(tmp_path, family_dirs, released, capsys):

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, base_config, finetune_in_process, once, read_jsonl, run_cli, run_ranks, step_losses, torchrun, wait_for, write_config
+from conftest import REPO, base_config, finetune_in_process, once, read_jsonl, run_ranks, step_losses, torchrun, train_forked, wait_for, write_config
 
 from finetune.config.schema import GuardConfig
 from finetune.run.guard import DRIFT_STEPS, Guard
@@ -24,11 +24,11 @@ def _cfg(tiny_model_dir, out, steps=40, **sections):
 
 
 def _train(tmp_path, cfg, *extra, env=None, name="c"):
-    """`finetune train`: in this process, or a fresh one where the injected fault kills, signals or hangs it."""
+    """`finetune train`: in this process, or a process of its own where the injected fault kills, signals or hangs it."""
     config = str(write_config(tmp_path / f"{name}.yaml", cfg))
     fault = (env or {}).get("FINETUNE_FAULT")
     if fault and fault.split("@")[0] in ("kill", "term", "hang"):
-        return run_cli("train", "--config", config, *extra, env=env)
+        return train_forked("--config", config, *extra, env=env)
     return finetune_in_process("train", "--config", config, *extra, fault=fault)
 
 

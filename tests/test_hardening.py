@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from conftest import REPO, base_config, finetune_in_process, read_jsonl, run_cli, torchrun, write_config
+from conftest import REPO, base_config, finetune_in_process, read_jsonl, torchrun, write_config
 
 from finetune.checkpoint.locks import LOCK_FILE
 from finetune.checkpoint.store import verify
@@ -38,7 +38,7 @@ def test_a_second_run_on_the_same_output_dir_is_refused(tmp_path, tiny_model_dir
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         _wait_for_rows(out / "metrics.jsonl", first, 2)
-        second = run_cli("train", "--config", str(config), timeout=120)
+        second = finetune_in_process("train", "--config", str(config))
         assert second.returncode == 2 and "Traceback" not in second.stderr
         holder = json.loads((out / LOCK_FILE).read_text())
         assert holder["pid"] == first.pid and holder["host"] == socket.gethostname()
@@ -56,7 +56,7 @@ def test_the_lock_of_a_run_that_died_is_taken_over(tmp_path, tiny_model_dir):
     out = tmp_path / "out"
     out.mkdir()
     (out / LOCK_FILE).write_text(json.dumps({"host": socket.gethostname(), "pid": 999999, "started": "2026-01-01 00:00:00"}))
-    result = run_cli("train", "--config", str(write_config(tmp_path / "c.yaml", _cfg(tiny_model_dir, out, steps=2))))
+    result = finetune_in_process("train", "--config", str(write_config(tmp_path / "c.yaml", _cfg(tiny_model_dir, out, steps=2))))
     assert result.returncode == 0, result.stderr[-2000:]
     assert f"taking over the lock of a run that has ended (pid 999999 on {socket.gethostname()}, started 2026-01-01 00:00:00)" in result.stdout
     assert (out / LOCK_FILE).read_text() == ""  # released at the end
@@ -114,16 +114,16 @@ def test_make_demo_model_keeps_what_the_folder_held(tmp_path):
     out = tmp_path / "model"
     out.mkdir()
     (out / "notes.txt").write_text("keep me")
-    refused = run_cli("make-demo-model", "--out", str(out), "--steps", "2")
+    refused = finetune_in_process("make-demo-model", "--out", str(out), "--steps", "2")
     assert refused.returncode == 2 and "holds files (notes.txt)" in refused.stderr and "--overwrite" in refused.stderr
     assert [p.name for p in out.iterdir()] == ["notes.txt"]
-    built = run_cli("make-demo-model", "--out", str(out), "--steps", "2", "--overwrite")
+    built = finetune_in_process("make-demo-model", "--out", str(out), "--steps", "2", "--overwrite")
     assert built.returncode == 0, built.stderr[-2000:]
     assert (out / "notes.txt").read_text() == "keep me" and (out / "config.json").is_file() and (out / "model.safetensors").is_file()
     assert not (out / LOCK_FILE).exists()
 
 
-def test_an_adapter_loads_from_anywhere(tmp_path, tiny_model_dir):
+def test_an_adapter_loads_from_anywhere(tmp_path, tiny_model_dir, monkeypatch):
     """The config names the base relatively (as users write it); the saved adapter names it by its
     absolute path, so AutoPeftModelForCausalLM loads it from any directory, and the summary says so."""
     import torch
@@ -132,18 +132,15 @@ def test_an_adapter_loads_from_anywhere(tmp_path, tiny_model_dir):
     work = tmp_path / "project"
     shutil.copytree(tiny_model_dir, work / "models" / "base")
     cfg = _cfg("models/base", "runs/out", steps=2)
-    result = run_cli("train", "--config", str(write_config(work / "c.yaml", cfg)), cwd=work)
+    monkeypatch.chdir(work)
+    result = finetune_in_process("train", "--config", str(write_config(work / "c.yaml", cfg)))
     assert result.returncode == 0, result.stderr[-2000:]
     base = str((work / "models" / "base").resolve())
     assert json.loads((work / "runs" / "out" / "adapter_config.json").read_text())["base_model_name_or_path"] == base
     assert json.loads((work / "runs" / "out" / "summary.json").read_text())["base_model"] == base
     assert f"(an adapter for {base})" in result.stdout
-    elsewhere = os.getcwd()
-    try:
-        os.chdir(tmp_path)
-        model = AutoPeftModelForCausalLM.from_pretrained(work / "runs" / "out")
-    finally:
-        os.chdir(elsewhere)
+    monkeypatch.chdir(tmp_path)  # away from the folder the config named the base from
+    model = AutoPeftModelForCausalLM.from_pretrained(work / "runs" / "out")
     with torch.no_grad():
         assert model(input_ids=torch.tensor([[1, 2, 3]])).logits.shape[-1] == model.config.vocab_size
 
