@@ -16,7 +16,7 @@ loaded through finetune's own loader. Per architecture:
                  against 1e-4 of the model's largest)
 
 The families of tests/test_families.py (and GPT-2, OPT, GPT-J, Bloom, Falcon, Qwen3-Next, Qwen3.5, LFM2, Jamba,
-Bamba, GraniteMoE-Hybrid, Mamba, RecurrentGemma) are tested in `make test`; this sweep covers the rest. About 3 minutes on 2 CPU cores.
+Bamba, GraniteMoE-Hybrid, Mamba, RecurrentGemma, Gemma 4) are tested in `make test`; this sweep covers the rest. About 3 minutes on 2 CPU cores.
 
 usage: python bench/families.py [--only gpt2,opt]   (results: bench/results/families.md)
 """
@@ -31,11 +31,14 @@ import torch
 import torch.nn.functional as F
 from common import loss_and_grads, report
 
+VOCAB = 512
 T = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=512)
 KV = dict(T, num_key_value_heads=2)
 GPT = dict(n_embd=64, n_layer=2, n_head=4, n_positions=512, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
 LINEAR_ATTENTION = dict(head_dim=16, linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
                         layer_types=["linear_attention", "full_attention"])
+GEMMA4 = dict(KV, num_hidden_layers=4, head_dim=16, sliding_window=8, layer_types=["sliding_attention", "full_attention"] * 2,
+              hidden_size_per_layer_input=8, vocab_size_per_layer_input=VOCAB, num_kv_shared_layers=2)
 MAMBA2 = dict(mamba_n_heads=8, mamba_d_head=16, mamba_d_state=8, mamba_n_groups=1)
 ARCHS = {  # name: (model_type, config)
     "llama (reference)": ("llama", KV),
@@ -101,13 +104,17 @@ ARCHS = {  # name: (model_type, config)
     "recurrent_gemma": ("recurrent_gemma", dict(KV, block_types=["recurrent", "attention"], lru_width=64, attention_window_size=8)),
     "nemotron_h": ("nemotron_h", dict(KV, hybrid_override_pattern="M*", mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=8, n_groups=1,
                                       head_dim=16)),
+    # Gemma 4's text side: per-layer inputs, the last layers reading earlier layers' keys and values; then with experts beside
+    # the dense MLP, where finetune's path one sample a row, unpacked, already differs from eager attention's by about 4e-5 in the
+    # MLPs' gradients (rounding that the experts amplify, as in Qwen3-Next), packed rows equal to unpacked
+    "gemma4_text": ("gemma4_text", GEMMA4),
+    "gemma4_text (experts)": ("gemma4_text", dict(GEMMA4, enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32)),
     # Kimi Linear: Kimi Delta Attention (gated delta rule with channel-wise gates, short convolutions on q, k and v) beside MLA
     "kimi_linear": ("kimi_linear", dict(T, num_key_value_heads=4, linear_attn_config={"kda_layers": [1], "full_attn_layers": [2], "num_heads": 4,
                                                                                    "head_dim": 16, "short_conv_kernel_size": 4},
                                         kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, num_experts=4,
                                         num_experts_per_token=2, moe_intermediate_size=32)),
 }
-VOCAB = 512
 LENGTHS = (30, 12, 25, 9, 40)  # samples, most longer than the windows above
 
 

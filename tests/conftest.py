@@ -438,6 +438,11 @@ OTHERS = {
                                   n_shared_experts=1, first_k_dense_replace=1, use_qk_norm=True)),  # GLM-4.5: partial rotary, q/k norms
     "gpt-oss": ("gpt_oss", dict(TINY, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW,
                                 layer_types=["sliding_attention", "full_attention"])),  # attention sinks, biased experts stored (E, in, out)
+    # Gemma 4's text side: per-layer inputs (an embedding of each token for each layer), the last layers reading the keys and
+    # values of earlier ones (num_kv_shared_layers), experts beside the dense MLP (26B-A4B's block), alternating windows
+    "gemma4": ("gemma4_text", dict(TINY, num_hidden_layers=4, head_dim=16, sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"] * 2,
+                                   hidden_size_per_layer_input=8, vocab_size_per_layer_input=1024, num_kv_shared_layers=2, enable_moe_block=True,
+                                   num_experts=4, top_k_experts=2, moe_intermediate_size=32)),
 }
 MOE_OTHERS = ["deepseek-v3", "glm4-moe", "gpt-oss"]
 

@@ -48,9 +48,10 @@ SHAPES = {
 }
 
 
-# Released vision-language models and the family tokenizer each is paired with (Qwen2.5-VL's vocabulary, its picture
-# tokens included, is Qwen3's), with the chat template the release ships.
-VISION_SHAPES = {"qwen2.5-vl-7b": "qwen3"}
+# Released vision-language models and the family tokenizer each is paired with (Qwen2.5-VL's and Qwen3-VL's vocabulary, its
+# picture tokens included, is Qwen3's), with the chat template the release ships (Qwen3-VL's: how it renders turns of text and
+# pictures, without its tool and reasoning branches; it has no default system turn).
+VISION_SHAPES = {"qwen2.5-vl-7b": "qwen3", "qwen3-vl-4b": "qwen3"}
 QWEN_VL_TEMPLATE = (
     "{% set pictures = namespace(n=0) %}{% for message in messages %}"
     "{% if loop.first and message['role'] != 'system' %}<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
@@ -62,6 +63,8 @@ QWEN_VL_TEMPLATE = (
     "{% elif 'text' in part %}{{ part['text'] }}{% endif %}{% endfor %}<|im_end|>\n{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+QWEN3_VL_TEMPLATE = QWEN_VL_TEMPLATE.replace(
+    "{% if loop.first and message['role'] != 'system' %}<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}", "")
 
 
 def tokenizer_dir(family: str) -> Path:
@@ -169,18 +172,27 @@ def build(name: str, out: Path, seed: int = 0, tokenizer: str | None = None, **c
 
 
 def build_vision(name: str, out: Path, seed: int = 0) -> Path:
-    """A released vision-language model (Qwen2.5-VL), scaled down (a 2-block tower), with random weights, its family's real
-    tokenizer, the release's chat template and image processor settings, saved as a model folder at `out`."""
+    """A released vision-language model (Qwen2.5-VL, Qwen3-VL), scaled down (a 2-block tower; Qwen3-VL's first block's features
+    handed on by DeepStack), with random weights, its family's real tokenizer, the release's chat template and image processor
+    settings, saved as a model folder at `out`."""
     import torch
-    from transformers import AutoModelForImageTextToText, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForImageTextToText, AutoTokenizer
 
     from finetune.model.tiny import write_qwen_vl_processor
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir(VISION_SHAPES[name]))
-    tokenizer.chat_template = QWEN_VL_TEMPLATE
-    text = scaled(released_config(name))
-    config = model_config(name, vision_config=dict(text["vision_config"], depth=2, hidden_size=32, intermediate_size=64, num_heads=2,
-                                                   fullatt_block_indexes=[1], out_hidden_size=text["hidden_size"]))
+    released = released_config(name)
+    tower = dict(released["vision_config"], depth=2, hidden_size=32, intermediate_size=64, num_heads=2)
+    if "text_config" in released:  # Qwen3-VL: its language model's config nested
+        tokenizer.chat_template = QWEN3_VL_TEMPLATE
+        text = scaled(released["text_config"])
+        config = AutoConfig.for_model(released["model_type"], **{k: v for k, v in dict(
+            released, text_config=text, vision_config=dict(tower, deepstack_visual_indexes=[0], out_hidden_size=text["hidden_size"])).items()
+            if k not in ("architectures", "transformers_version", "model_type")})
+    else:
+        tokenizer.chat_template = QWEN_VL_TEMPLATE
+        text = scaled(released)
+        config = model_config(name, vision_config=dict(tower, fullatt_block_indexes=[1], out_hidden_size=text["hidden_size"]))
     torch.manual_seed(seed)
     AutoModelForImageTextToText.from_config(config, dtype=torch.float32).save_pretrained(out)
     tokenizer.save_pretrained(out)

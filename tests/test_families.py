@@ -92,7 +92,8 @@ def assert_equal_to_each_sample_alone(model, samples) -> None:
 @pytest.mark.parametrize("family, attn", [("gpt2", attention.PACKED_SDPA), ("starcoder", attention.PACKED_SDPA), ("opt", attention.PACKED_SDPA),
                                           ("gptj", "eager"),
                                           ("qwen3-next", "sdpa"), ("qwen3.5", "sdpa"), ("lfm2", attention.PACKED_SDPA), ("jamba", "sdpa"),
-                                          ("bamba", "sdpa"), ("granite-hybrid", attention.PACKED_SDPA), ("mamba", "eager")])
+                                          ("bamba", "sdpa"), ("granite-hybrid", attention.PACKED_SDPA), ("mamba", "eager"),
+                                          ("gemma4", attention.PACKED_SDPA)])
 def test_other_architectures_keep_packed_samples_apart(family_dirs, family, attn):
     """GPT-2 and OPT (learned positions; OPT's own masks ignore where position_ids restart) take
     finetune's packed attention, which keeps samples apart in eval too; so does GPT-BigCode (StarCoder 1), whose
@@ -336,7 +337,7 @@ def test_plan_counts_what_the_model_holds(family_dirs, tmp_path, family):
         assert plan.trainable == sum(p.numel() for p in model.parameters() if p.requires_grad), method
         if method == "full":
             assert plan.total_params == sum(p.numel() for p in model.parameters())
-    assert (plan.active_params < plan.total_params) == (family in [*MOE, *MOE_OTHERS, "jamba", "granite-hybrid"])
+    assert (plan.active_params < plan.total_params) == (family in [*MOE, *MOE_OTHERS, "jamba", "granite-hybrid", "gemma4"])
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -79,6 +80,9 @@ def _config(model_dir, rows, out, **changes) -> dict:
     return cfg
 
 
+LENGTHS = {"gemma4": (160, 320)}  # rows' lengths (one sample a row, packed): Gemma 4's smallest picture is 64 tokens
+
+
 def _split(model_dir, data, tmp_path, packing=False):
     from finetune.config.schema import DataConfig, ModelConfig
     from finetune.data.datasets import load_data
@@ -87,8 +91,8 @@ def _split(model_dir, data, tmp_path, packing=False):
 
     processor = vision.processor_for(ModelConfig(name_or_path=str(model_dir)))
     tokenizer = load_tokenizer(ModelConfig(name_or_path=str(model_dir)), processor)
-    cfg = DataConfig(train=str(data), format="chat", max_seq_len=160 if packing else 96, packing=packing, eval_fraction=0.0,
-                     cache_dir=str(tmp_path / "cache"))
+    length = LENGTHS.get(json.loads((Path(model_dir) / "config.json").read_text())["model_type"], (96, 160))[packing]
+    cfg = DataConfig(train=str(data), format="chat", max_seq_len=length, packing=packing, eval_fraction=0.0, cache_dir=str(tmp_path / "cache"))
     return load_data(cfg, tokenizer, seed=0, processor=processor).train, processor, tokenizer
 
 
@@ -100,7 +104,7 @@ def _batch(model_dir, data, tmp_path, rows=(0, 1, 2)):
 
 
 # pixel_values rows a 56 x 56 picture takes: Idefics3's and SmolVLM2's 2 x 2 crops and the whole, Qwen-VL's 4 x 4 patches
-PIXEL_ROWS = {"idefics3": 5, "smolvlm": 5, "qwen2_vl": 16, "qwen2_5_vl": 16}
+PIXEL_ROWS = {"idefics3": 5, "smolvlm": 5, "qwen2_vl": 16, "qwen2_5_vl": 16, "qwen3_vl": 16, "qwen3_vl_moe": 16, "qwen3_5": 16, "qwen3_5_moe": 16}
 
 
 def _pictures_in(batch, tower: str) -> float:
@@ -118,10 +122,13 @@ def _tuned(model_dir):
 
 
 def _tuned_model(model):
-    """The model with finetune's LoRA, its B not 0 (B = 0 would hide the adapter's gradients in A)."""
+    """The model with finetune's LoRA, its B not 0 (B = 0 would hide the adapter's gradients in A), its linear-attention layers
+    run one packed sample at a time (Qwen3.5), as finetune's loader leaves a model."""
     from finetune.config.schema import AdapterConfig
+    from finetune.model import mixers
     from finetune.model.loading import apply_adapter
 
+    mixers.register(model)
     model = apply_adapter(model, AdapterConfig(r=8, dropout=0.0), False)
     for name, p in model.named_parameters():
         if "lora_B" in name:
@@ -132,7 +139,8 @@ def _tuned_model(model):
 # a picture's token, how many (clip-llama2: the CLIP LLaVA with Llama 2's released tokenizer)
 TOWERS = {"clip": ("<image>", 16), "clip-llama2": ("<image>", 16), "siglip": ("<image>", 16), "gemma3": ("<image_soft_token>", 4),
           "idefics3": ("<image>", 20), "smolvlm": ("<image>", 20), "mllama": ("<|image|>", 1), "qwen2_vl": ("<|image_pad|>", 4),
-          "qwen2_5_vl": ("<|image_pad|>", 4)}
+          "qwen2_5_vl": ("<|image_pad|>", 4), "qwen3_vl": ("<|image_pad|>", 4), "qwen3_vl_moe": ("<|image_pad|>", 4), "qwen3_5": ("<|image_pad|>", 4),
+          "qwen3_5_moe": ("<|image_pad|>", 4), "gemma4": ("<|image|>", 64)}
 
 
 @pytest.mark.parametrize("tower", sorted(TOWERS))
@@ -174,7 +182,7 @@ def test_loss_and_gradients_equal_the_models_own_forward(llava, picture_data, tm
     """Our loss (the fused head on the language model's hidden states, only at trained positions) equals
     the model's own loss with labels (what TRL's SFTTrainer takes), and so do the LoRA gradients."""
     from finetune.model.vision import part_names
-    from finetune.objectives.loss import fusable_parts, losses, to_device
+    from finetune.objectives.loss import fusable_parts, losses, picture_inputs, to_device
 
     model_dir = llava(tower)
     batch, *_ = _batch(model_dir, picture_data, tmp_path)
@@ -187,9 +195,7 @@ def test_loss_and_gradients_equal_the_models_own_forward(llava, picture_data, tm
     (ours / count).backward()
     mine = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad()
-    inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "pixel_values", "pixel_attention_mask", "token_type_ids", "aspect_ratio_ids",
-                                    "aspect_ratio_mask", "cross_attention_mask", "image_grid_thw", "mm_token_type_ids") if k in batch}
-    theirs = model(**inputs, labels=batch["labels"]).loss
+    theirs = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], **picture_inputs(batch), labels=batch["labels"]).loss
     theirs.backward()
     assert abs(ours.item() / count - theirs.item()) < 1e-5
     assert mine.keys() == {n for n, p in model.named_parameters() if p.grad is not None} and mine
@@ -197,7 +203,8 @@ def test_loss_and_gradients_equal_the_models_own_forward(llava, picture_data, tm
         torch.testing.assert_close(grad, dict(model.named_parameters())[name].grad, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("tower", ["clip", "siglip", "idefics3", "smolvlm", "qwen2_vl", "qwen2_5_vl"])
+@pytest.mark.parametrize("tower", ["clip", "siglip", "idefics3", "smolvlm", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5",
+                                   "qwen3_5_moe", "gemma4"])
 def test_packed_picture_rows_equal_one_sample_a_row(llava, picture_data, tmp_path, tower):
     """LLaVA packs: its language model keeps the samples of a packed row apart by their restarting positions,
     the pictures' features go to their tokens in order; loss and LoRA gradients equal the unpacked rows'. Qwen-VL's
@@ -378,25 +385,28 @@ def test_a_family_trains_merges_and_answers_a_picture(tmp_path, llava, picture_d
     assert answers[0] == answers[1] and answers[0]
 
 
-def test_a_released_qwen2_5_vl_folder_plans_trains_merges_and_answers_a_picture(tmp_path, picture_data):
-    """Qwen2.5-VL as released (its config scaled down, Qwen's real tokenizer, the release's chat template and image
-    processor settings), one config through plan, train, merge and generate. Here without torchvision: its processor is
-    built for pictures only, and saves as the family's (docs/vision.md). Only the answer and its end-of-turn train."""
+@pytest.mark.parametrize("name,processor_class", [("qwen2.5-vl-7b", "Qwen2_5_VLProcessor"), ("qwen3-vl-4b", "Qwen3VLProcessor")])
+def test_a_released_qwen_vl_folder_plans_trains_merges_and_answers_a_picture(tmp_path, picture_data, name, processor_class):
+    """Qwen2.5-VL and Qwen3-VL as released (their configs scaled down, Qwen's real tokenizer, the release's chat template and
+    image processor settings; Qwen3-VL with its DeepStack features and tied head), one config through plan, train, merge and
+    generate. Here without torchvision: the processor is built for pictures only, and saves as the family's (docs/vision.md).
+    Only the answer and its end-of-turn train."""
     from released import build_vision
 
     from finetune.config.schema import ModelConfig
     from finetune.data.rows import canonical
     from finetune.model import vision
 
-    model_dir = build_vision("qwen2.5-vl-7b", tmp_path / "model")
+    model_dir = build_vision(name, tmp_path / "model")
     processor = vision.processor_for(ModelConfig(name_or_path=str(model_dir)))
-    assert type(processor).__name__ == "Qwen2_5_VLProcessor" and not hasattr(processor, "video_processor")
+    assert type(processor).__name__ == processor_class and not hasattr(processor, "video_processor")
     split, _, tokenizer = _split(model_dir, picture_data, tmp_path)
     batch = split.batch([0, 1], tokenizer.pad_token_id)
     lines = picture_data.read_text().splitlines()
     answers = [canonical(json.loads(lines[int(split.samples[split.order[r]])]), "chat")[0]["messages"][-1]["content"] for r in (0, 1)]
     assert [tokenizer.decode(row[labels != IGNORE]) for row, labels in zip(batch["input_ids"], batch["labels"])] == [a + "<|im_end|>" for a in answers]
-    assert int((batch["input_ids"] == tokenizer.convert_tokens_to_ids("<|image_pad|>")).sum()) == 2 * 4  # 56 x 56: 4 x 4 patches, merged 2 x 2
+    # 56 x 56 (Qwen3-VL: resized to 64 x 64): 4 x 4 patches, merged 2 x 2
+    assert int((batch["input_ids"] == tokenizer.convert_tokens_to_ids("<|image_pad|>")).sum()) == 2 * 4
     config = write_config(tmp_path / "run.yaml", _config(model_dir, picture_data, tmp_path / "out"))
     planned = finetune_in_process("plan", "--config", str(config))
     assert planned.returncode == 0 and "vision tower + projector" in planned.stdout, planned.stderr[-2000:]
@@ -409,7 +419,32 @@ def test_a_released_qwen2_5_vl_folder_plans_trains_merges_and_answers_a_picture(
     report = json.loads((tmp_path / "merged" / "merge_report.json").read_text())
     assert report["check_pictures"] == 4 and report["passed"] and report["by_shard"]  # its weights under the release's names, as the base's
     saved = json.loads((tmp_path / "merged" / "processor_config.json").read_text())
-    assert saved["processor_class"] == "Qwen2_5_VLProcessor" and (tmp_path / "merged" / "preprocessor_config.json").is_file()
+    assert saved["processor_class"] == processor_class and (tmp_path / "merged" / "preprocessor_config.json").is_file()
+    picture = str(picture_data.parent / "img" / "00001.png")
+    answers = [finetune_in_process("generate", *source, "--image", picture, "--prompt", QUESTION, "--max-new-tokens", "4")
+               for source in (("--model", str(tmp_path / "merged")), ("--adapter", str(tmp_path / "out")))]
+    assert all(a.returncode == 0 for a in answers), answers[0].stderr[-2000:]
+    assert answers[0].stdout == answers[1].stdout and answers[0].stdout.strip()
+
+
+def test_gemma4_packs_trains_merges_and_answers_a_picture(tmp_path, llava, picture_data):
+    """Gemma 4 (per-layer inputs; its processor, which also takes audio, built here for pictures only): packed rows of pictures
+    train, the plan counts its tower at its most soft tokens (70, each pooled from 3 x 3 patches), the merge is checked on
+    pictures, and the merged folder answers a picture as the adapter does."""
+    model_dir = llava("gemma4")
+    cfg = _config(model_dir, picture_data, tmp_path / "out", data={"packing": True, "max_seq_len": 320}, train={"max_steps": 8})
+    config = str(write_config(tmp_path / "run.yaml", cfg))
+    planned = finetune_in_process("plan", "--config", config)
+    assert planned.returncode == 0 and "vision tower activations" in planned.stdout, planned.stderr[-2000:]
+    result = finetune_in_process("train", "--config", config)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "packed rows" in result.stdout
+    losses = [r["loss"] for r in read_jsonl(tmp_path / "out" / "metrics.jsonl") if "loss" in r]
+    assert losses[-1] < losses[0] - 0.5, losses
+    merged = finetune_in_process("merge", "--adapter", str(tmp_path / "out"), "--out", str(tmp_path / "merged"))
+    assert merged.returncode == 0, merged.stderr[-3000:]
+    report = json.loads((tmp_path / "merged" / "merge_report.json").read_text())
+    assert report["check_pictures"] == 4 and report["passed"]
     picture = str(picture_data.parent / "img" / "00001.png")
     answers = [finetune_in_process("generate", *source, "--image", picture, "--prompt", QUESTION, "--max-new-tokens", "4")
                for source in (("--model", str(tmp_path / "merged")), ("--adapter", str(tmp_path / "out")))]
@@ -448,8 +483,13 @@ def test_what_vision_models_do_not_do_yet_is_refused_in_one_line(tmp_path, llava
     other = tmp_path / "paligemma"  # a family not built (PaliGemma): its config is enough to refuse it
     other.mkdir()
     (other / "config.json").write_text(json.dumps({"model_type": "paligemma", "vision_config": {}, "text_config": {}}))
+    both_ways = shutil.copytree(llava("gemma4"), tmp_path / "gemma4")  # its pictures' tokens see each other both ways: not packed
+    config = json.loads((both_ways / "config.json").read_text())
+    config["text_config"]["use_bidirectional_attention"] = "vision"
+    (both_ways / "config.json").write_text(json.dumps(config))
     for change, key in [({"model": {"name_or_path": str(other)}}, "model: paligemma is a vision-language model finetune does not fine-tune yet"),
                         ({"data": {"packing": True}, "model": {"name_or_path": str(llava("gemma3"))}}, "data.packing"),
+                        ({"data": {"packing": True}, "model": {"name_or_path": str(both_ways)}}, "data.packing: gemma4's rows with pictures"),
                         ({"train": {"objective": "kto"}, "data": {"format": "unpaired"}}, "train.objective"),
                         ({"train": {"objective": "dpo"}, "data": {"format": "preference"}, "model": {"name_or_path": str(llava("gemma3"))}},
                          "train.objective"),

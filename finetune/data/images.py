@@ -31,9 +31,9 @@ IMAGE_MARKER = "<image>"  # LLaVA / ShareGPT rows: where each of the row's `imag
 SOURCE_KEYS = ("path", "image", "url", "image_url")  # an image part names its picture under one of these
 # What a batch with pictures gives the model's forward besides its tokens (LLaVA: pixel values; Qwen-VL:
 # also each picture's patch grid and which tokens are a picture's, for its 3-D positions; LLaVA-NeXT: sizes;
-# Gemma 3: which tokens are a picture's, which attend to each other both ways).
+# Gemma 3: which tokens are a picture's, which attend to each other both ways; Gemma 4: each patch's place in its picture).
 MODEL_INPUTS = ("pixel_values", "pixel_attention_mask", "image_grid_thw", "image_sizes", "token_type_ids", "mm_token_type_ids",
-                "aspect_ratio_ids", "aspect_ratio_mask", "cross_attention_mask")
+                "aspect_ratio_ids", "aspect_ratio_mask", "cross_attention_mask", "image_position_ids")
 
 
 def has_images(row: dict) -> bool:

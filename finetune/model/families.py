@@ -40,17 +40,19 @@ def attention_softcap(config: dict) -> float | None:
 
 
 def plain_head(config: dict) -> bool:
-    """Whether the logits are exactly lm_head(final hidden state): no soft-capping or scaling of them."""
+    """Whether the logits are exactly lm_head(final hidden state): no soft-capping or scaling of them. Not where the
+    model cuts its rows to the kept positions itself (Gemma 4's KV-shared layers run only on an integer logits_to_keep's
+    positions, which the fused loss's 1 would make the last one)."""
     c = text_config(config)
     scaled = any(c.get(k) not in (None, 1, 1.0) for k in ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale"))
-    return not scaled and c.get("model_type") in PLAIN_HEAD_MODELS
+    return not scaled and not c.get("num_kv_shared_layers") and c.get("model_type") in PLAIN_HEAD_MODELS
 
 
 # Causal LMs whose forward ends in a bias-free lm_head over the last hidden state (the fused loss checks
 # the head module itself too). Gemma 2's default final soft-capping is caught by plain_head's key check.
 PLAIN_HEAD_MODELS = {"llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3_text", "olmo", "olmo2",
-                     "mixtral", "qwen2_moe", "qwen3_moe", "mllama_text_model", "qwen2_vl_text", "qwen2_5_vl_text",
-                     "gpt_oss", "deepseek_v3", "glm4_moe", "qwen3_next", "qwen3_5_text"}
+                     "mixtral", "qwen2_moe", "qwen3_moe", "mllama_text_model", "qwen2_vl_text", "qwen2_5_vl_text", "qwen3_vl_text", "qwen3_vl_moe_text",
+                     "gpt_oss", "deepseek_v3", "glm4_moe", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "gemma4_text"}
 
 
 # The families whose layers linear_layers() spells out, each tested against the loaded model and the

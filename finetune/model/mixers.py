@@ -14,9 +14,9 @@ models hand their blocks no keywords: their mixers take the model's latest sampl
 not (`UNKEPT`: refused packed with checkpointing). Rows of one sample each, and every forward with a cache
 (generation), run the layers untouched.
 
-Not here: the vision-language forms of these families (their 3-row picture positions do not say where a sample
-starts; the vision path refuses them packed), and families not measured (`unhandled` finds their mixers:
-refused packed).
+A vision-language form (Qwen3.5 with pictures) is handed its positions in the 4-row form (attention.packed_positions),
+whose first row, the text positions, says where each sample starts. Not here: families not measured (`unhandled` finds
+their mixers: refused packed).
 """
 
 from __future__ import annotations

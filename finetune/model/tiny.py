@@ -180,7 +180,9 @@ def build_vision_model(out: Path, tokenizer, tower: str = "clip", language: dict
         return _idefics3(out, tokenizer, language, seed, tower)
     if tower == "mllama":
         return _mllama(out, tokenizer, language, seed)
-    if tower in ("qwen2_vl", "qwen2_5_vl"):
+    if tower == "gemma4":
+        return _gemma4(out, tokenizer, language, seed)
+    if tower in QWEN_VISION:
         return _qwen_vl(out, tokenizer, tower, language, seed)
     tokenizer.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN]})
     tokenizer.chat_template = VISION_TEMPLATE
@@ -284,10 +286,59 @@ def _mllama(out: Path, tokenizer, language: dict | None, seed: int) -> Path:
     return out
 
 
-# Qwen-VL's vision towers, tiny: 14-pixel patches, 2 x 2 of them merged into one token (a 56-pixel picture: 4 tokens).
-QWEN_VISION = {"qwen2_vl": dict(depth=2, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2),
+def _gemma4(out: Path, tokenizer, language: dict | None, seed: int) -> Path:
+    """Gemma 4's way: `<|image|>` in the text, which its processor widens to the picture's soft tokens between a begin and an
+    end token: the picture resized to at most 70 x 9 patches of 16 pixels, pooled 3 x 3 (its smallest setting: 64 tokens for a
+    square picture). Its language model with per-layer inputs, causal over pictures (use_bidirectional_attention unset); its
+    processor also takes audio and videos (without torchvision, built for pictures only, as vision.load_processor does)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForImageTextToText, AutoTokenizer
+    from transformers.models.gemma4.feature_extraction_gemma4 import Gemma4AudioFeatureExtractor
+    from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
+    from transformers.models.gemma4.processing_gemma4 import Gemma4Processor
+
+    from finetune.model import vision
+
+    marks = {"boi_token": "<|image>", "eoi_token": "<image|>", "image_token": "<|image|>", "boa_token": "<|audio>", "eoa_token": "<audio|>",
+             "audio_token": "<|audio|>"}
+    with tempfile.TemporaryDirectory() as tmp:
+        tokenizer.save_pretrained(tmp)
+        tokenizer = AutoTokenizer.from_pretrained(tmp, extra_special_tokens=marks)
+    template = VISION_TEMPLATE.replace(IMAGE_TOKEN, "<|image|>")
+    tokenizer.chat_template = template
+    ids = {name: tokenizer.convert_tokens_to_ids(mark) for name, mark in marks.items()}
+    text = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                head_dim=16, sliding_window=32, layer_types=["sliding_attention", "full_attention"], hidden_size_per_layer_input=8,
+                vocab_size_per_layer_input=len(tokenizer), max_position_embeddings=512, bos_token_id=tokenizer.bos_token_id,
+                eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    config = AutoConfig.for_model("gemma4", text_config={**text, **(language or {})}, audio_config=None,
+                                  vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                                     num_key_value_heads=2, head_dim=16, patch_size=16, pooling_kernel_size=3),
+                                  boi_token_id=ids["boi_token"], eoi_token_id=ids["eoi_token"], image_token_id=ids["image_token"],
+                                  boa_token_id=ids["boa_token"], eoa_token_index=ids["eoa_token"], audio_token_id=ids["audio_token"])
+    torch.manual_seed(seed)
+    AutoModelForImageTextToText.from_config(config).save_pretrained(out)
+    processor = vision.pictures_only_class("gemma4") or Gemma4Processor
+    processor(feature_extractor=Gemma4AudioFeatureExtractor(), image_processor=Gemma4ImageProcessorPil(max_soft_tokens=70), tokenizer=tokenizer,
+              chat_template=template, image_seq_length=70).save_pretrained(out)
+    return out
+
+
+# Qwen-VL's vision towers, tiny: 14-pixel patches (Qwen3-VL's 16), 2 x 2 of them merged into one token (a 56-pixel picture: 4
+# tokens; Qwen3-VL's resized to 64 pixels). Qwen3-VL's tower hands its first layer's features on to the language model's first
+# layer too (DeepStack), its learned position embeddings a 4 x 4 grid.
+QWEN_VISION = {"qwen2_vl": dict(depth=2, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, patch_size=14),
                "qwen2_5_vl": dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, window_size=56,
-                                  fullatt_block_indexes=[1])}
+                                  fullatt_block_indexes=[1], patch_size=14),
+               "qwen3_vl": dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, num_position_embeddings=16,
+                                deepstack_visual_indexes=[0], patch_size=16)}
+QWEN_VISION["qwen3_vl_moe"] = QWEN_VISION["qwen3_vl"]
+QWEN_VISION["qwen3_5"] = QWEN_VISION["qwen3_5_moe"] = {**QWEN_VISION["qwen3_vl"], "deepstack_visual_indexes": []}  # Qwen3.5's tower: no DeepStack
+# The language models beyond Qwen3-VL's, tiny: the MoEs' 4 experts, 2 a token; Qwen3.5's Gated DeltaNet layer before its attention layer
+QWEN3_LANGUAGE = {"qwen3_vl_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1),
+                  "qwen3_5": dict(layer_types=["linear_attention", "full_attention"], linear_num_value_heads=4, linear_num_key_heads=2,
+                                  linear_key_head_dim=16, linear_value_head_dim=16)}
+QWEN3_LANGUAGE["qwen3_5_moe"] = {**QWEN3_LANGUAGE["qwen3_5"], **QWEN3_LANGUAGE["qwen3_vl_moe"], "shared_expert_intermediate_size": 32}
 
 
 QWEN_PICTURE = "<|vision_start|><|image_pad|><|vision_end|>"
@@ -306,7 +357,11 @@ def _qwen_vl(out: Path, tokenizer, family: str, language: dict | None, seed: int
     text = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                 max_position_embeddings=512, rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]}, bos_token_id=tokenizer.bos_token_id,
                 eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    config = AutoConfig.for_model(family, vision_config={**QWEN_VISION[family], "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2},
+    if family.startswith("qwen3"):  # Qwen3-VL, Qwen3.5: rope_parameters, their 3-D sections interleaved by the model
+        text = {**text, "head_dim": 16, "rope_scaling": None, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3],
+                                                                                  "mrope_interleaved": True}}
+        text.update(QWEN3_LANGUAGE.get(family, {}))
+    config = AutoConfig.for_model(family, vision_config={**QWEN_VISION[family], "spatial_merge_size": 2, "temporal_patch_size": 2},
                                   text_config={**text, **(language or {})}, image_token_id=ids["image_pad"], video_token_id=ids["video_pad"],
                                   vision_start_token_id=ids["vision_start"], vision_end_token_id=ids["vision_end"])
     torch.manual_seed(seed)
@@ -316,10 +371,18 @@ def _qwen_vl(out: Path, tokenizer, family: str, language: dict | None, seed: int
     return out
 
 
+QWEN_PROCESSORS = {"qwen2_vl": "Qwen2VLProcessor", "qwen2_5_vl": "Qwen2_5_VLProcessor", "qwen3_vl": "Qwen3VLProcessor", "qwen3_vl_moe": "Qwen3VLProcessor",
+                   "qwen3_5": "Qwen3VLProcessor", "qwen3_5_moe": "Qwen3VLProcessor"}
+
+
 def write_qwen_vl_processor(out: Path, family: str) -> None:
-    """Qwen-VL's image processor settings as its releases ship them (preprocessor_config.json): pixels between 56 x 56 and 3584 x 3584."""
-    images = {"image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen2_5_VLProcessor" if family == "qwen2_5_vl" else "Qwen2VLProcessor",
+    """Qwen-VL's image processor settings as its releases ship them (preprocessor_config.json): pixels between 56 x 56 and 3584 x 3584
+    (Qwen3-VL: its 16-pixel patches, mean and deviation 0.5, and a smallest picture of 64 x 64 here: its releases' is 256 x 256)."""
+    images = {"image_processor_type": "Qwen2VLImageProcessor", "processor_class": QWEN_PROCESSORS[family],
               "do_convert_rgb": True, "do_normalize": True, "do_rescale": True, "do_resize": True, "rescale_factor": 1 / 255, "resample": 3,
               "image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711],
               "min_pixels": 3136, "max_pixels": 12845056, "patch_size": 14, "merge_size": 2, "temporal_patch_size": 2}
+    if family.startswith("qwen3"):
+        images.update(image_mean=[0.5] * 3, image_std=[0.5] * 3, patch_size=16, size={"shortest_edge": 4096, "longest_edge": 16777216})
+        del images["min_pixels"], images["max_pixels"]
     (out / "preprocessor_config.json").write_text(json.dumps(images, indent=2) + "\n")

@@ -21,22 +21,30 @@ from finetune.model.configs import model_config
 # Qwen2.5-VL with their 3-D positions; without torchvision, their processor for pictures only: pictures_only_class); others
 # are refused in one line.
 FAMILIES = {"llava": "LLaVA", "gemma3": "Gemma 3", "qwen2_vl": "Qwen2-VL", "qwen2_5_vl": "Qwen2.5-VL", "idefics3": "Idefics3 / SmolVLM",
-            "smolvlm": "SmolVLM2", "mllama": "Mllama"}
+            "smolvlm": "SmolVLM2", "mllama": "Mllama", "qwen3_vl": "Qwen3-VL", "qwen3_vl_moe": "Qwen3-VL-MoE",
+            "qwen3_5": "Qwen3.5", "qwen3_5_moe": "Qwen3.5-MoE", "gemma4": "Gemma 4"}
 # Those whose packed rows are exact (tests/test_vision.py: packed equals one sample a row): the language model takes
 # restarting positions as a text model does (Qwen-VL: its 3-D positions each sample's own, attention.packed_positions), the
 # pictures' features fill their tokens in order. Gemma 3's picture-wide attention and Mllama's per-row pictures
-# (cross-attended) are not packed.
-PACKABLE = {"llava", "idefics3", "smolvlm", "qwen2_vl", "qwen2_5_vl"}
+# (cross-attended) are not packed; Gemma 4 packs where its pictures' attention is causal (packable).
+PACKABLE = {"llava", "idefics3", "smolvlm", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "gemma4"}
 # Towers FSDP2 shards as units of their own (tests/test_vision.py: Qwen-VL, 2 processes equal 1). LLaVA's stays in the
 # root unit: it reads the tower's hidden states through transformers' output capture, which came back empty from a
 # unit of its own; the other families are not run under FSDP2 here.
 TOWER_UNIT = {"qwen2_vl", "qwen2_5_vl"}
 TOWERS = ("vision_tower", "visual", "vision_model")
-PROJECTORS = ("multi_modal_projector", "visual.merger", "connector")
+PROJECTORS = ("multi_modal_projector", "visual.merger", "connector", "embed_vision")
 
 
 def is_vision(config: dict) -> bool:
     return config.get("vision_config") is not None
+
+
+def packable(config: dict) -> bool:
+    """Whether rows with pictures pack exactly: a PACKABLE family, and not a Gemma 4 whose pictures' tokens see each other both
+    ways in its sliding layers (use_bidirectional_attention: "vision")."""
+    text = config.get("text_config") or {}
+    return config.get("model_type") in PACKABLE and text.get("use_bidirectional_attention") != "vision"
 
 
 def refusal(config: dict) -> str | None:
@@ -89,11 +97,23 @@ def pictures_only_class(model_type: str | None) -> type | None:
     family = getattr(transformers, PROCESSOR_MAPPING_NAMES.get(model_type) or "", None)
     if is_torchvision_available() or family is None or "video_processor" not in family.get_attributes():
         return None
-    return type(family.__name__, (family,), {
+    return type(family.__name__, (family, _without_video()), {
         "__module__": __name__, "__doc__": f"{family.__name__} for pictures only (no torchvision here for its videos).",
         "__init__": _video_optional(family.__init__),
         "get_attributes": classmethod(lambda cls: [a for a in family.get_attributes() if a != "video_processor"]),
         "save_pretrained": _save_with_video_settings})
+
+
+def _without_video() -> type:
+    """A base that sits between the family's class and ProcessorMixin: it drops the video processor a family's __init__ hands on
+    by name (Gemma 4's), which ProcessorMixin would refuse as an attribute the pictures-only class does not have."""
+    from transformers.processing_utils import ProcessorMixin
+
+    def init(self, *args, **kwargs):
+        kwargs.pop("video_processor", None)
+        ProcessorMixin.__init__(self, *args, **kwargs)
+
+    return type("PicturesOnly", (ProcessorMixin,), {"__init__": init, "__module__": __name__})
 
 
 def _video_optional(init):

@@ -91,16 +91,19 @@ def _read_shape(path: Path, version: int) -> Shape:
 
 def vision_shape(model, folder: Path, config: dict) -> VisionShape:
     """The tower and projector counted on the model built on the meta device; a picture's patches from the
-    tower's image size, else the processor's largest picture (Qwen-VL: max_pixels)."""
+    tower's image size, else the processor's largest picture (Qwen-VL: max_pixels; Gemma 4: its most soft tokens, each
+    pooled from k x k patches)."""
     parts = vision.part_names(model)
     seen = {id(p): p.numel() for role in ("tower", "projector") if role in parts for p in model.get_submodule(parts[role]).parameters()}
     v = config["vision_config"]
     patch = v.get("patch_size") or 14
+    saved = next((json.loads(f.read_text()) for f in (folder / "preprocessor_config.json", folder / "processor_config.json") if f.is_file()), {})
+    saved = saved.get("image_processor", saved)
     if v.get("image_size"):
         patches = (v["image_size"] // patch) ** 2
+    elif saved.get("max_soft_tokens"):
+        patches = saved["max_soft_tokens"] * (saved.get("pooling_kernel_size") or v.get("pooling_kernel_size") or 1) ** 2
     else:
-        saved = next((json.loads(f.read_text()) for f in (folder / "preprocessor_config.json", folder / "processor_config.json") if f.is_file()), {})
-        saved = saved.get("image_processor", saved)
         largest = saved.get("max_pixels") or (saved.get("size") or {}).get("longest_edge") or QWEN_VL_MAX_PIXELS
         patches = int(largest // patch**2)
     hidden = v.get("embed_dim") or v["hidden_size"]  # Qwen2-VL: hidden_size is the projector's output, embed_dim the tower's width

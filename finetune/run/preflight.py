@@ -106,14 +106,14 @@ def check_vision(cfg: RunConfig, config: dict) -> None:
         vision.refusal(config),
         cfg.train.objective not in ("sft", "dpo", "orpo", "cpo", "simpo", "grpo") and
         f"train.objective: {cfg.train.objective} on pictures is not built yet; vision-language models train with sft, dpo, orpo, cpo, simpo or grpo",
-        cfg.train.objective != "sft" and config.get("model_type") not in vision.PACKABLE and
+        cfg.train.objective != "sft" and not vision.packable(config) and
         f"train.objective: {cfg.train.objective} lays " + ("a group's completions" if cfg.train.objective == "grpo" else "a pair's two sequences")
         + f" in one row, which {config.get('model_type')}'s pictures cannot share (as packing: {', '.join(sorted(vision.PACKABLE))} can)",
         cfg.train.objective == "grpo" and cfg.grpo.environment and
         "grpo.environment: episodes with a vision-language model are not built yet (single-turn GRPO on prompts with pictures is)",
         cfg.train.objective == "grpo" and cfg.grpo.kv_cache == "static" and
         "grpo.kv_cache: static is not tested with a vision-language model; use dynamic",
-        cfg.data.packing and config.get("model_type") not in vision.PACKABLE and
+        cfg.data.packing and not vision.packable(config) and
         f"data.packing: {config.get('model_type')}'s rows with pictures are not packed (its pictures' attention or its "
         f"cross-attended pictures span a row); set data.packing: false (packed: {', '.join(sorted(vision.PACKABLE))})",
         cfg.distributed.sequence_parallel > 1 and "distributed.sequence_parallel: not with a vision-language model (a picture's tokens would be split)",
