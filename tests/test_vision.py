@@ -140,7 +140,7 @@ def _tuned_model(model):
 TOWERS = {"clip": ("<image>", 16), "clip-llama2": ("<image>", 16), "siglip": ("<image>", 16), "gemma3": ("<image_soft_token>", 4),
           "idefics3": ("<image>", 20), "smolvlm": ("<image>", 20), "mllama": ("<|image|>", 1), "qwen2_vl": ("<|image_pad|>", 4),
           "qwen2_5_vl": ("<|image_pad|>", 4), "qwen3_vl": ("<|image_pad|>", 4), "qwen3_vl_moe": ("<|image_pad|>", 4), "qwen3_5": ("<|image_pad|>", 4),
-          "qwen3_5_moe": ("<|image_pad|>", 4), "gemma4": ("<|image|>", 64)}
+          "qwen3_5_moe": ("<|image_pad|>", 4), "gemma4": ("<|image|>", 64), "llava_onevision": ("<image>", 36), "internvl": ("<IMG_CONTEXT>", 4)}
 
 
 @pytest.mark.parametrize("tower", sorted(TOWERS))
@@ -204,7 +204,7 @@ def test_loss_and_gradients_equal_the_models_own_forward(llava, picture_data, tm
 
 
 @pytest.mark.parametrize("tower", ["clip", "siglip", "idefics3", "smolvlm", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5",
-                                   "qwen3_5_moe", "gemma4"])
+                                   "qwen3_5_moe", "gemma4", "llava_onevision", "internvl"])
 def test_packed_picture_rows_equal_one_sample_a_row(llava, picture_data, tmp_path, tower):
     """LLaVA packs: its language model keeps the samples of a packed row apart by their restarting positions,
     the pictures' features go to their tokens in order; loss and LoRA gradients equal the unpacked rows'. Qwen-VL's

@@ -182,6 +182,10 @@ def build_vision_model(out: Path, tokenizer, tower: str = "clip", language: dict
         return _mllama(out, tokenizer, language, seed)
     if tower == "gemma4":
         return _gemma4(out, tokenizer, language, seed)
+    if tower == "llava_onevision":
+        return _llava_onevision(out, tokenizer, language, seed)
+    if tower == "internvl":
+        return _internvl(out, tokenizer, language, seed)
     if tower in QWEN_VISION:
         return _qwen_vl(out, tokenizer, tower, language, seed)
     tokenizer.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN]})
@@ -283,6 +287,67 @@ def _mllama(out: Path, tokenizer, language: dict | None, seed: int) -> Path:
     MllamaForConditionalGeneration(config).save_pretrained(out)
     images = MllamaImageProcessorPil(size={"height": 56, "width": 56}, max_image_tiles=2)
     MllamaProcessor(image_processor=images, tokenizer=tokenizer, chat_template=template).save_pretrained(out)
+    return out
+
+
+def _llava_onevision(out: Path, tokenizer, language: dict | None, seed: int) -> Path:
+    """LLaVA-OneVision's way: `<image>` widened by its processor to the picture's features at the tower's size and at the best
+    of its grid's resolutions (anyres), each row of the latter ended by a newline feature: a 56-pixel picture, 16 + 16 + 4
+    tokens. A Qwen2 language model; its processor also takes videos (without torchvision, built for pictures only)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForImageTextToText, LlavaOnevisionProcessor
+    from transformers.models.llava_onevision.image_processing_pil_llava_onevision import LlavaOnevisionImageProcessorPil
+
+    from finetune.model import vision
+
+    tokenizer.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN, "<video>"]})
+    tokenizer.chat_template = VISION_TEMPLATE
+    grid = [[56, 56], [56, 112], [112, 56], [112, 112]]
+    text = dict(model_type="qwen2", vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False, bos_token_id=tokenizer.bos_token_id,
+                eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    config = AutoConfig.for_model("llava_onevision", text_config={**text, **(language or {})}, image_grid_pinpoints=grid,
+                                  vision_config=dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                                     num_attention_heads=2, image_size=56, patch_size=14),
+                                  image_token_index=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN), video_token_index=tokenizer.convert_tokens_to_ids("<video>"),
+                                  vision_feature_select_strategy="full", vision_feature_layer=-1, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    AutoModelForImageTextToText.from_config(config).save_pretrained(out)
+    images = LlavaOnevisionImageProcessorPil(size={"height": 56, "width": 56}, image_grid_pinpoints=grid)
+    processor = vision.pictures_only_class("llava_onevision") or LlavaOnevisionProcessor
+    processor(image_processor=images, tokenizer=tokenizer, num_image_tokens=16, vision_feature_select_strategy="full",
+              chat_template=VISION_TEMPLATE).save_pretrained(out)
+    return out
+
+
+def _internvl(out: Path, tokenizer, language: dict | None, seed: int) -> Path:
+    """InternVL's way: `<IMG_CONTEXT>` in the text, which its processor widens to each tile's tokens between `<img>` and
+    `</img>` (a 56-pixel picture: one tile of 4 x 4 patches, shuffled 2 x 2 into 4 tokens). A Qwen2 language model; its
+    processor also takes videos (without torchvision, built for pictures only)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForImageTextToText, AutoTokenizer, InternVLProcessor
+    from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
+
+    from finetune.model import vision
+
+    marks = {"start_image_token": "<img>", "end_image_token": "</img>", "context_image_token": "<IMG_CONTEXT>", "video_token": "<video>"}
+    with tempfile.TemporaryDirectory() as tmp:
+        tokenizer.save_pretrained(tmp)
+        tokenizer = AutoTokenizer.from_pretrained(tmp, extra_special_tokens=marks)
+    template = VISION_TEMPLATE.replace(IMAGE_TOKEN, "<IMG_CONTEXT>")
+    tokenizer.chat_template = template
+    text = dict(model_type="qwen2", vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False, bos_token_id=tokenizer.bos_token_id,
+                eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    config = AutoConfig.for_model("internvl", text_config={**text, **(language or {})}, image_token_id=tokenizer.context_image_token_id,
+                                  image_seq_length=4, downsample_ratio=0.5, tie_word_embeddings=False,
+                                  vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                                     image_size=[56, 56], patch_size=[14, 14]))
+    torch.manual_seed(seed)
+    AutoModelForImageTextToText.from_config(config).save_pretrained(out)
+    processor = vision.pictures_only_class("internvl") or InternVLProcessor
+    processor(image_processor=GotOcr2ImageProcessorPil(size={"height": 56, "width": 56}), tokenizer=tokenizer, image_seq_length=4,
+              chat_template=template).save_pretrained(out)
     return out
 
 

@@ -22,12 +22,13 @@ from finetune.model.configs import model_config
 # are refused in one line.
 FAMILIES = {"llava": "LLaVA", "gemma3": "Gemma 3", "qwen2_vl": "Qwen2-VL", "qwen2_5_vl": "Qwen2.5-VL", "idefics3": "Idefics3 / SmolVLM",
             "smolvlm": "SmolVLM2", "mllama": "Mllama", "qwen3_vl": "Qwen3-VL", "qwen3_vl_moe": "Qwen3-VL-MoE",
-            "qwen3_5": "Qwen3.5", "qwen3_5_moe": "Qwen3.5-MoE", "gemma4": "Gemma 4"}
+            "qwen3_5": "Qwen3.5", "qwen3_5_moe": "Qwen3.5-MoE", "gemma4": "Gemma 4",
+            "llava_onevision": "LLaVA-OneVision", "internvl": "InternVL"}
 # Those whose packed rows are exact (tests/test_vision.py: packed equals one sample a row): the language model takes
 # restarting positions as a text model does (Qwen-VL: its 3-D positions each sample's own, attention.packed_positions), the
 # pictures' features fill their tokens in order. Gemma 3's picture-wide attention and Mllama's per-row pictures
 # (cross-attended) are not packed; Gemma 4 packs where its pictures' attention is causal (packable).
-PACKABLE = {"llava", "idefics3", "smolvlm", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "gemma4"}
+PACKABLE = {"llava", "llava_onevision", "internvl", "idefics3", "smolvlm", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "gemma4"}
 # Towers FSDP2 shards as units of their own (tests/test_vision.py: Qwen-VL, 2 processes equal 1). LLaVA's stays in the
 # root unit: it reads the tower's hidden states through transformers' output capture, which came back empty from a
 # unit of its own; the other families are not run under FSDP2 here.
