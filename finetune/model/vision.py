@@ -28,7 +28,8 @@ FAMILIES = {"llava": "LLaVA", "gemma3": "Gemma 3", "qwen2_vl": "Qwen2-VL", "qwen
 # restarting positions as a text model does (Qwen-VL: its 3-D positions each sample's own, attention.packed_positions), the
 # pictures' features fill their tokens in order. Gemma 3's picture-wide attention and Mllama's per-row pictures
 # (cross-attended) are not packed; Gemma 4 packs where its pictures' attention is causal (packable).
-PACKABLE = {"llava", "llava_onevision", "internvl", "idefics3", "smolvlm", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "gemma4"}
+PACKABLE = {"llava", "llava_onevision", "internvl", "idefics3", "smolvlm", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5",
+            "qwen3_5_moe", "gemma4"}
 # Towers FSDP2 shards as units of their own (tests/test_vision.py: Qwen-VL, 2 processes equal 1). LLaVA's stays in the
 # root unit: it reads the tower's hidden states through transformers' output capture, which came back empty from a
 # unit of its own; the other families are not run under FSDP2 here.
