@@ -127,12 +127,13 @@ tokenizers: install
 	$(PY) tests/released.py
 
 # llama.cpp itself, to read back every GGUF export (llama-cpp-python: no wheel on PyPI for this machine, so its
-# sdist is built once into a wheel kept outside the repo: 4-5.5 min on 2 cores without its multimodal library).
+# sdist is built once into a wheel kept outside the repo: about 5 min on 2 cores, with its multimodal library (mtmd),
+# which reads the projector files of vision-language exports; the folder's name tells it from the wheels built without).
 LLAMA_CPP_VERSION ?= 0.3.36
-WHEELS ?= $(HOME)/.cache/finetune/wheels
+WHEELS ?= $(HOME)/.cache/finetune/wheels-mtmd
 $(VENV)/.llama-cpp: $(VENV)/.installed
 	ls $(WHEELS)/llama_cpp_python-$(LLAMA_CPP_VERSION)-*.whl >/dev/null 2>&1 || \
-	  CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) CMAKE_ARGS="-DGGML_NATIVE=OFF -DLLAMA_CURL=OFF -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF" \
+	  CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) CMAKE_ARGS="-DGGML_NATIVE=OFF -DLLAMA_CURL=OFF -DLLAVA_BUILD=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF" \
 	  $(PIP) wheel -q --no-deps --no-binary llama-cpp-python -w $(WHEELS) llama-cpp-python==$(LLAMA_CPP_VERSION)
 	$(PIP) install -q $(WHEELS)/llama_cpp_python-$(LLAMA_CPP_VERSION)-*.whl
 	touch $@

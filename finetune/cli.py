@@ -407,7 +407,8 @@ def export(args: argparse.Namespace) -> None:
         print(f"wrote {report['out']} (GGUF LoRA, {report['bytes'] / 2**20:.2f} MiB) for a GGUF of {report['base']}")
         return
     report = export(args.model, args.adapter, args.out, args.type)
-    print(f"wrote {report['out']} ({report['type']}, {report['bytes'] / 2**20:.1f} MiB) and a Modelfile beside it")
+    pictures = f", its vision tower and projector in {report['mmproj']} ({report['mmproj_type']})" if "mmproj" in report else ""
+    print(f"wrote {report['out']} ({report['type']}, {report['bytes'] / 2**20:.1f} MiB){pictures} and a Modelfile beside it")
 
 
 def score(args: argparse.Namespace) -> None:

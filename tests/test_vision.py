@@ -55,10 +55,11 @@ def llava(tmp_path_factory):
 
     def get(tower: str):
         def build(folder):
-            if tower == "clip-llama2":  # LLaVA-1.5's own tokenizer family: Llama 2's sentencepiece (npm, tests/released.py)
+            if "-" in tower:  # a released family's tokenizer (npm, tests/released.py): clip-llama2 is LLaVA-1.5's own
                 from released import tokenizer_dir
 
-                build_vision_model(folder / "model", AutoTokenizer.from_pretrained(tokenizer_dir("llama2")), "clip")
+                kind, family = tower.split("-")
+                build_vision_model(folder / "model", AutoTokenizer.from_pretrained(tokenizer_dir(family)), kind)
                 return
             texts = [json.loads(line)["text"] for line in (DEMO_DATA / "corpus.jsonl").read_text().splitlines()[:400]]
             build_tokenizer(texts).save_pretrained(folder / "tok")
@@ -506,13 +507,44 @@ def test_what_vision_models_do_not_do_yet_is_refused_in_one_line(tmp_path, llava
         assert result.returncode == 2 and f"error: {key}" in result.stderr.strip().splitlines()[-1], result.stderr[-1000:]
 
 
-def test_export_and_eval_refuse_a_vision_model_in_one_line(tmp_path, vision_run):
+def test_a_llava_exports_to_gguf_with_a_projector_file_that_llama_cpp_reads(tmp_path, llava, picture_data):
+    """LLaVA with a SigLIP tower and Llama 3's tokenizer (npm), trained 4 steps with LoRA, exported: the language model as GGUF
+    read by llama.cpp itself (its tokens, and its logits within q8_0's bound), the tower and projector as llama.cpp's clip file
+    (mmproj-NAME), which llama.cpp's multimodal library (mtmd, built by make test) loads and encodes a picture with: its
+    embeddings within 1e-3 of the model's own (f32 beside a q8_0 language model), header as llama.cpp's tools read it."""
+    model_dir = llava("siglip-llama3")
+    result = finetune_in_process("train", "--config", str(write_config(tmp_path / "run.yaml", _config(model_dir, picture_data, tmp_path / "out",
+                                                                                                   train={"max_steps": 4}))))
+    assert result.returncode == 0, result.stderr[-2000:]
+    out = tmp_path / "gguf" / "m.gguf"
+    out.parent.mkdir()
+    result = finetune_in_process("export", "--adapter", str(tmp_path / "out"), "--out", str(out), "--type", "q8_0")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert sorted(p.name for p in out.parent.iterdir()) == ["Modelfile", "m.gguf", "mmproj-m.gguf"]
+    said = result.stdout
+    text = next(line for line in said.splitlines() if line.startswith("GGUF (q8_0) in llama.cpp itself"))
+    assert float(text.split("logits within max ")[1].split()[0]) < 5e-2, text  # q8_0's bound in tests/test_export.py
+    line = next(line for line in said.splitlines() if line.startswith("projector file"))
+    assert "(f32) in llama.cpp itself (mtmd)" in line and float(line.split("embeddings within ")[1].split()[0]) < 1e-3, line
+    from gguf import GGUFReader  # the projector file is small: gguf's own reader
+
+    read = GGUFReader(out.parent / "mmproj-m.gguf")
+    fields = {name: field.contents() for name, field in read.fields.items()}
+    assert fields["general.architecture"] == "clip" and fields["clip.projector_type"] == "mlp" and fields["clip.has_vision_encoder"]
+    assert fields["clip.vision.feature_layer"] == [2] and {"mm.0.weight", "mm.2.weight", "v.blk.1.ffn_down.weight"} <= {t.name for t in read.tensors}
+
+
+def test_export_and_eval_refuse_what_they_do_not_write_in_one_line(tmp_path, vision_run, llava):
+    """A CLIP tower's LLaVA (llama.cpp hands its class token on in place of the first patch) and a Qwen2.5-VL are not exported,
+    nor is a vision model evaluated: one line each, exit 2, nothing written."""
     out, _ = vision_run
-    for args, key in [(("export", "--adapter", str(out), "--out", str(tmp_path / "m.gguf")), "--format gguf: llava is a vision-language model"),
+    for args, key in [(("export", "--adapter", str(out), "--out", str(tmp_path / "m.gguf")), "--format gguf: its vision tower is CLIP's"),
+                      (("export", "--model", str(llava("qwen2_5_vl")), "--out", str(tmp_path / "m.gguf")),
+                       "--format gguf: qwen2_5_vl is a vision-language model whose projector file (mmproj) finetune does not write"),
                       (("eval", "--adapter", str(out), "--tasks", "arc_easy"), "finetune eval: llava is a vision-language model")]:
         result = finetune_in_process(*args)
         assert result.returncode == 2 and key in result.stderr.strip().splitlines()[-1], result.stderr[-1000:]
-    assert not (tmp_path / "m.gguf").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize(("name", "published"), [("qwen2.5-vl-7b", 8_292_166_656), ("llava-1.5-7b", 7_063_427_072)])

@@ -1,5 +1,5 @@
 """`finetune export --format gguf`: a model folder (merged, or fully fine-tuned) as one GGUF file for
-llama.cpp and Ollama, verified before it is published.
+llama.cpp and Ollama (a vision-language model: two, finetune/outputs/mmproj.py), verified before it is published.
 
 The file is written by the `gguf` package, the llama.cpp project's own writer on PyPI: its tensor names
 (`get_tensor_name_map`), its metadata keys and its Q8_0 quantization. What the package leaves to
@@ -30,6 +30,7 @@ import torch
 from finetune.config.errors import EXIT_MERGE_CHECK, Stopped, UserError
 from finetune.config.files import read_model_config
 from finetune.model import families
+from finetune.outputs import mmproj
 from finetune.outputs.gguf_vocab import check_in_llama_cpp, quiet_stderr, write_vocabulary
 
 # model_type -> (the gguf package's architecture, query/key rows reordered for llama.cpp's rotary layout)
@@ -55,31 +56,37 @@ def export(model_dir: str | None, adapter: str | None, out: str, kind: str = "f1
     that goes afterwards), written as GGUF at `out`."""
     if importlib.util.find_spec("gguf") is None:
         raise UserError("--format gguf: needs the gguf package (pip install 'finetune-kit[gguf]')")
-    _refuse_pictures(model_dir, adapter)
+    pictures = _pictures(model_dir, adapter, out)
+    write = (lambda folder: mmproj.export_vision(Path(folder), check_out(out), kind, export_gguf, say)) if pictures else \
+        (lambda folder: export_gguf(folder, out, kind, say))
     if adapter is None:
-        return export_gguf(model_dir, out, kind, say)
+        return write(model_dir)
     from finetune.outputs.merge import merge
 
     merged = check_out(out).with_name(f".{Path(out).name}.merged.tmp")  # before the merge's minutes
     try:
         merge(adapter, str(merged), dtype="fp32", say=say)
         say(f"merged {adapter} into its base (checked against base + adapter) for the export")
-        return export_gguf(str(merged), out, kind, say)
+        return write(str(merged))
     finally:
         shutil.rmtree(merged, ignore_errors=True)
 
 
-def _refuse_pictures(model_dir: str | None, adapter: str | None) -> None:
-    """A vision-language model, before any merge: llama.cpp takes it as two files (finetune writes neither yet)."""
+def _pictures(model_dir: str | None, adapter: str | None, out: str) -> bool:
+    """Whether the model (or the adapter's base) is a vision-language model, refused before any merge where its projector
+    file is not written (mmproj.refusal) or would land on a file already there."""
     from finetune.model import vision
     from finetune.model.adapters import find_adapter
 
     folder = Path(model_dir).expanduser() if model_dir else Path(find_adapter(adapter, None).base)
     config = read_model_config(folder, "--model") if (folder / "config.json").is_file() else {}
-    if vision.is_vision(config):
-        raise UserError(f"--format gguf: {config.get('model_type')} is a vision-language model, which llama.cpp reads as two files (the "
-                        "language model, and the vision tower and projector as an mmproj file); finetune does not write them yet. "
-                        "finetune merge writes the folder transformers and vLLM load")
+    if not vision.is_vision(config):
+        return False
+    why = mmproj.refusal(config)
+    if why:
+        raise UserError(f"--format gguf: {why}")
+    mmproj.projector_path(check_out(out))
+    return True
 
 
 def export_gguf(model_dir: str, out: str, kind: str = "f16", say=print) -> dict:

@@ -1,0 +1,249 @@
+"""`finetune export --format gguf` of a vision-language model: two files, as llama.cpp's multimodal tools take them.
+
+The language model is written as export.py writes any text model (from a text-only folder made of the model's language
+model and head, then checked in llama.cpp like any export). The vision tower and its projector go to a second file,
+`mmproj-NAME.gguf` beside it, in llama.cpp's `clip` architecture: the tensor names and metadata keys of the `gguf`
+package (llama.cpp's own), the layout llama.cpp's mtmd library reads for the family's projector type.
+
+The projector file is checked in llama.cpp itself where llama-cpp-python was built with its multimodal library (mtmd):
+a picture's embeddings, as llama.cpp computes them from the file, against the model's own features for the same
+picture. Where that library is missing the file is written unchecked, said in one line.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from finetune.config.errors import EXIT_MERGE_CHECK, Stopped, UserError
+
+# model_type -> llama.cpp's projector type (LLaVA: a tower, two linear layers with a GELU between)
+FAMILIES = {"llava": "mlp"}
+TOLERANCE = {"f32": 1e-3, "f16": 1e-2}  # largest |embedding difference| published, over the largest |embedding|
+# Towers written: SigLIP's. llama.cpp's LLaVA graph (llama-cpp-python 0.3.36) puts a CLIP tower's class token after the
+# patches and hands it on in place of the first patch, so no file of a CLIP tower gives the model's embeddings
+# (docs/platform-notes.md).
+TOWERS = ("siglip_vision_model",)
+
+
+def refusal(config: dict) -> str | None:
+    """Why this vision-language model's projector file is not written, or None."""
+    family = config.get("model_type")
+    if family not in FAMILIES:
+        return (f"{family} is a vision-language model whose projector file (mmproj) finetune does not write; it writes "
+                f"{', '.join(sorted(FAMILIES))} (finetune merge writes the folder transformers and vLLM load)")
+    tower = config["vision_config"].get("model_type")
+    if tower == "clip_vision_model":
+        return ("its vision tower is CLIP's, whose class token llama.cpp's LLaVA graph hands on in place of the first patch (its "
+                "embeddings would not be the model's); the projector file is written for SigLIP towers")
+    if tower not in TOWERS:
+        return f"its vision tower is {tower}; the projector file is written for {', '.join(TOWERS)}"
+    if not isinstance(config.get("vision_feature_layer", -2), int):
+        return "it reads several tower layers (a list in vision_feature_layer); llama.cpp's LLaVA projector reads one"
+    return None
+
+
+def text_folder(model, tokenizer, out: Path) -> Path:
+    """The language model and its head as a text model folder (its config the model's text config), for export.py."""
+    from transformers import AutoModelForCausalLM
+
+    text = AutoModelForCausalLM.from_config(model.config.get_text_config(), dtype=torch.float32)
+    weights = {f"model.{k}": v for k, v in model.model.language_model.state_dict().items()}
+    weights["lm_head.weight"] = model.lm_head.weight
+    text.load_state_dict(weights, strict=True)
+    text.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def write(model, processor, path: Path, kind: str) -> None:
+    """The tower and projector of `model` (LLaVA) as llama.cpp's clip file at `path`."""
+    import gguf
+
+    config, vision = model.config, model.config.vision_config
+    layers = vision.num_hidden_layers
+    dtype = np.float16 if kind == "f16" else np.float32
+    writer = gguf.GGUFWriter(str(path), "clip")
+    writer.add_type(gguf.GGUFType.MMPROJ)
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16 if kind == "f16" else gguf.LlamaFileType.ALL_F32)
+    writer.add_bool(gguf.Keys.Clip.HAS_VISION_ENCODER, True)
+    writer.add_string(gguf.Keys.Clip.PROJECTOR_TYPE, FAMILIES[config.model_type])
+    images = processor.image_processor
+    writer.add_uint32(gguf.Keys.ClipVision.IMAGE_SIZE, vision.image_size)
+    writer.add_uint32(gguf.Keys.ClipVision.PATCH_SIZE, vision.patch_size)
+    writer.add_uint32(gguf.Keys.ClipVision.EMBEDDING_LENGTH, vision.hidden_size)
+    writer.add_uint32(gguf.Keys.ClipVision.FEED_FORWARD_LENGTH, vision.intermediate_size)
+    writer.add_uint32(gguf.Keys.ClipVision.PROJECTION_DIM, config.get_text_config().hidden_size)
+    writer.add_uint32(gguf.Keys.ClipVision.BLOCK_COUNT, layers)
+    writer.add_uint32(gguf.Keys.ClipVision.Attention.HEAD_COUNT, vision.num_attention_heads)
+    writer.add_float32(gguf.Keys.ClipVision.Attention.LAYERNORM_EPS, vision.layer_norm_eps)
+    writer.add_array(gguf.Keys.ClipVision.IMAGE_MEAN, [float(x) for x in images.image_mean])
+    writer.add_array(gguf.Keys.ClipVision.IMAGE_STD, [float(x) for x in images.image_std])
+    writer.add_bool(gguf.Keys.ClipVision.USE_GELU, True)  # SigLIP's tanh GELU (llama.cpp's default is CLIP's quick GELU)
+    # the hidden states LLaVA reads: transformers' index (0: the encoder's input), as llama.cpp counts its feature layers
+    writer.add_array("clip.vision.feature_layer", [config.vision_feature_layer % (layers + 1)])
+    for name, tensor in _tensors(model, layers).items():
+        data = tensor.detach().float().numpy()
+        writer.add_tensor(name, data if data.ndim == 1 else data.astype(dtype))  # norms and biases in f32, as llama.cpp adds them
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def _tensors(model, layers: int) -> dict[str, torch.Tensor]:
+    """The tower's and projector's weights under llama.cpp's clip names (the tower's last layers past the one LLaVA
+    reads are written too: llama.cpp stops at the feature layer, as transformers' LLaVA does; no post-layernorm)."""
+    import gguf
+
+    def name(kind, bid=None) -> str:
+        text = gguf.TENSOR_NAMES[kind]
+        return text.format(bid=bid) if bid is not None else text
+
+    T = gguf.MODEL_TENSOR
+    tower = getattr(model.model.vision_tower, "vision_model", model.model.vision_tower)
+    embeddings = tower.embeddings
+    out = {f"{name(T.V_ENC_EMBD_PATCH)}.weight": embeddings.patch_embedding.weight,
+           f"{name(T.V_ENC_EMBD_POS)}.weight": embeddings.position_embedding.weight}
+    if embeddings.patch_embedding.bias is not None:
+        out[f"{name(T.V_ENC_EMBD_PATCH)}.bias"] = embeddings.patch_embedding.bias
+    parts = {T.V_ENC_ATTN_Q: "self_attn.q_proj", T.V_ENC_ATTN_K: "self_attn.k_proj", T.V_ENC_ATTN_V: "self_attn.v_proj",
+             T.V_ENC_ATTN_O: "self_attn.out_proj", T.V_ENC_INPUT_NORM: "layer_norm1", T.V_ENC_POST_ATTN_NORM: "layer_norm2",
+             T.V_ENC_FFN_UP: "mlp.fc1", T.V_ENC_FFN_DOWN: "mlp.fc2"}
+    for i in range(layers):
+        layer = tower.encoder.layers[i]
+        for kind, module in parts.items():
+            out |= _pair(name(kind, i), layer.get_submodule(module))
+    projector = model.model.multi_modal_projector
+    out |= _pair(name(T.V_MMPROJ, 0), projector.linear_1) | _pair(name(T.V_MMPROJ, 2), projector.linear_2)
+    return out
+
+
+def _pair(prefix: str, module) -> dict[str, torch.Tensor]:
+    return {f"{prefix}.{key}": value for key, value in (("weight", module.weight), ("bias", module.bias)) if value is not None}
+
+
+def has_mtmd() -> bool:
+    """Whether llama-cpp-python was built with llama.cpp's multimodal library (mtmd), which reads projector files."""
+    if importlib.util.find_spec("llama_cpp") is None:
+        return False
+    try:
+        import llama_cpp.mtmd_cpp  # noqa: F401 - loads the library, or fails where it was not built
+    except (OSError, FileNotFoundError, RuntimeError):
+        return False
+    return True
+
+
+@torch.no_grad()
+def check(model, processor, text_gguf: Path, mmproj: Path, picture) -> float:
+    """The largest |difference| between llama.cpp's embeddings of `picture` (a PIL image of the tower's size), from the
+    projector file over the text file, and the model's own features for it, over their largest |value|."""
+    import llama_cpp
+    import llama_cpp.mtmd_cpp as mtmd
+
+    from finetune.outputs.gguf_vocab import quiet_stderr
+
+    pixels = processor.image_processor(images=[picture], return_tensors="pt")["pixel_values"]
+    ours = model.model.get_image_features(pixel_values=pixels, vision_feature_layer=model.config.vision_feature_layer,
+                                          vision_feature_select_strategy=model.config.vision_feature_select_strategy)
+    ours = torch.cat(list(ours.pooler_output if hasattr(ours, "pooler_output") else ours)).float()
+    with quiet_stderr():  # llama.cpp logs every step of loading and encoding
+        params = llama_cpp.llama_model_default_params()
+        text = llama_cpp.llama_model_load_from_file(str(text_gguf).encode(), params)
+        settings = mtmd.mtmd_context_params_default()
+        settings.use_gpu, settings.n_threads, settings.warmup = False, max(1, torch.get_num_threads()), False
+        ctx = mtmd.mtmd_init_from_file(str(mmproj).encode(), text, settings)
+        try:
+            theirs = _embeddings(mtmd, ctx, picture, llama_cpp.llama_model_n_embd(text)) if ctx else None
+        finally:
+            if ctx:
+                mtmd.mtmd_free(ctx)
+            llama_cpp.llama_model_free(text)
+    if theirs is None:
+        raise Stopped(f"GGUF check failed: llama.cpp does not load the projector file {mmproj.name}; nothing written", exit_code=EXIT_MERGE_CHECK)
+    if theirs.shape != ours.shape:
+        raise Stopped(f"GGUF check failed: llama.cpp makes {tuple(theirs.shape)} embeddings of a picture, the model {tuple(ours.shape)}",
+                      exit_code=EXIT_MERGE_CHECK)
+    return (theirs - ours).abs().max().item() / ours.abs().max().item()
+
+
+def _embeddings(mtmd, ctx, picture, width: int) -> torch.Tensor:
+    """llama.cpp's embeddings of one picture: the prompt "<marker>" tokenized into its image chunk, which is encoded."""
+    rgb = np.ascontiguousarray(np.asarray(picture.convert("RGB"), dtype=np.uint8))
+    bitmap = mtmd.mtmd_bitmap_init(picture.width, picture.height, rgb.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)))
+    chunks = mtmd.mtmd_input_chunks_init()
+    try:
+        marker = mtmd.mtmd_default_marker()
+        text = mtmd.mtmd_input_text(text=marker, text_len=len(marker), add_special=False, parse_special=True)
+        bitmaps = (mtmd.mtmd_bitmap_p_ctypes * 1)(bitmap)
+        if mtmd.mtmd_tokenize(ctx, chunks, ctypes.byref(text), bitmaps, 1) != 0:
+            raise Stopped("GGUF check failed: llama.cpp does not tokenize a picture with the projector file", exit_code=EXIT_MERGE_CHECK)
+        image = next(mtmd.mtmd_input_chunks_get(chunks, i) for i in range(mtmd.mtmd_input_chunks_size(chunks))
+                     if mtmd.mtmd_input_chunk_get_type(mtmd.mtmd_input_chunks_get(chunks, i)) == mtmd.MTMD_INPUT_CHUNK_TYPE_IMAGE)
+        if mtmd.mtmd_encode_chunk(ctx, image) != 0:
+            raise Stopped("GGUF check failed: llama.cpp does not encode a picture with the projector file", exit_code=EXIT_MERGE_CHECK)
+        count = mtmd.mtmd_input_chunk_get_n_tokens(image)
+        flat = np.ctypeslib.as_array(mtmd.mtmd_get_output_embd(ctx), shape=(count * width,))
+        return torch.from_numpy(flat.copy()).view(count, width)
+    finally:
+        mtmd.mtmd_input_chunks_free(chunks)
+        mtmd.mtmd_bitmap_free(bitmap)
+
+
+def export_vision(folder: Path, out: Path, kind: str, export_text, say=print) -> dict:
+    """The language model at `out` (export_text: export.export_gguf) and the projector file beside it, both checked; the
+    pair or nothing. The model is one refusal() passes."""
+    from transformers import AutoModelForImageTextToText
+
+    from finetune.config.schema import ModelConfig
+    from finetune.model import vision
+
+    projector = projector_path(out)
+    projector_kind = "f16" if kind == "f16" else "f32"  # llama.cpp's quantizer takes the language model; the tower stays unquantized
+    model = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
+    processor = vision.load_processor(ModelConfig(name_or_path=str(folder)), model.config.model_type)
+    with tempfile.TemporaryDirectory(prefix="finetune-text-") as scratch:
+        report = export_text(str(text_folder(model, processor.tokenizer, Path(scratch) / "text")), str(out), kind, say)
+    tmp = projector.with_name(f".{projector.name}.tmp")
+    published = False
+    try:
+        write(model, processor, tmp, projector_kind)
+        worst = None
+        if has_mtmd():
+            worst = check(model, processor, out, tmp, _picture(model.config.vision_config.image_size))
+            say(f"projector file ({projector_kind}) in llama.cpp itself (mtmd): a picture's embeddings within {worst:.3g} of the model's "
+                "(largest difference over largest value)")
+            if worst > TOLERANCE[projector_kind]:
+                raise Stopped(f"GGUF check failed: the projector file's embeddings differ by up to {worst:.4g} of their largest value "
+                              f"(tolerance {TOLERANCE[projector_kind]:g}); nothing written to {projector}", exit_code=EXIT_MERGE_CHECK)
+        else:
+            say("projector file written unchecked: llama-cpp-python here was built without llama.cpp's multimodal library (mtmd)")
+        tmp.replace(projector)
+        published = True
+    finally:
+        tmp.unlink(missing_ok=True)
+        if not published:  # the language model's file written above goes too
+            out.unlink(missing_ok=True)
+    return {**report, "mmproj": str(projector), "mmproj_type": projector_kind, "mmproj_max": worst}
+
+
+def projector_path(out: Path) -> Path:
+    """Where the projector file of an export to `out` goes: beside it, as llama.cpp's tools name theirs (a new file)."""
+    path = out.with_name(f"mmproj-{out.name}")
+    if path.exists():
+        raise UserError(f"--out: {path} (the projector file) exists; name a new file")
+    return path
+
+
+def _picture(side: int):
+    """A picture of the tower's size with structure in it (two gradients and a checkerboard), for the check."""
+    from PIL import Image
+
+    y, x = np.mgrid[0:side, 0:side]
+    rgb = np.stack([x * 255 // side, y * 255 // side, ((x // 8 + y // 8) % 2) * 255], axis=-1).astype(np.uint8)
+    return Image.fromarray(rgb)
