@@ -9,7 +9,7 @@ TORCH_VERSION  ?= 2.13.0
 TORCH_PIP_ARGS ?=
 export FINETUNE_CACHE ?= $(CURDIR)/.cache/finetune
 
-.PHONY: install tokenizers demo demo-vision demo-dpo demo-grpo demo-agent demo-agent-tools demo-distill test test-fast lint bench bench-grpo bench-rollouts bench-distill bench-compile bench-data bench-families bench-fsdp-load bench-guard bench-host bench-launch bench-load bench-large bench-long bench-released bench-moe bench-hybrid bench-scale bench-vision docs-check bench-xl bench-demos bench-suite chaos-elastic clean help
+.PHONY: install tokenizers demo demo-vision demo-dpo demo-grpo demo-agent demo-agent-tools demo-distill test test-fast lint bench bench-grpo bench-mismatch bench-rollouts bench-distill bench-compile bench-data bench-families bench-fsdp-load bench-guard bench-host bench-launch bench-load bench-large bench-long bench-released bench-moe bench-hybrid bench-scale bench-vision docs-check bench-xl bench-demos bench-suite chaos-elastic clean help
 
 help:
 	@echo "make demo   - install, build the demo model, fine-tune it (LoRA) and show before/after"
@@ -25,6 +25,7 @@ help:
 	@echo "make bench  - finetune vs HF Trainer + peft and TRL SFTTrainer: tokens/s, memory, start-up, loss (~20 min; on a GPU: --device cuda, 1.1B)"
 	@echo "make bench-vision - a vision-language model (LLaVA): samples/s and peak RSS, finetune vs TRL SFTTrainer on the same rows (~3 min)"
 	@echo "make bench-grpo - GRPO steps per second: finetune vs TRL GRPOTrainer on the same model, prompts and sampling, each generation path (~8 min)"
+	@echo "make bench-mismatch - GRPO's sampler against its trainer: the log-probability gap of the sampled tokens, fp32 and bf16 (~1 min)"
 	@echo "make bench-distill - distillation's loss: memory and time of the chunked divergence against both models' logits whole; training steps vs TRL GKDTrainer (~4 min)"
 	@echo "make bench-rollouts - rollout generation paths: tokens/s of generate, a static KV cache, continuous batching (CPU ~1 min; on a GPU: --device cuda --shape 1.1b)"
 	@echo "make bench-compile - model.compile (torch.compile per layer) against eager: start-up, s/step, losses (~15 min)"
@@ -161,6 +162,9 @@ bench: install
 bench-grpo: install
 	$(PY) -c "import trl" 2>/dev/null || $(PIP) install -q -e ".[bench]" "torch==$$($(PY) -c 'import torch; print(torch.__version__)')"
 	$(PY) bench/grpo.py
+
+bench-mismatch: install demo/model/config.json
+	$(PY) bench/mismatch.py
 
 bench-rollouts: install
 	$(PY) bench/rollouts.py

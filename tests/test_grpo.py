@@ -10,7 +10,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from conftest import DEMO_DATA, adapted_lora, base_config, finetune_in_process, killed_and_resumed, read_jsonl, step_rows, write_config
+from conftest import DEMO_DATA, REPO, adapted_lora, base_config, finetune_in_process, killed_and_resumed, read_jsonl, step_rows, write_config
 
 from finetune.config.errors import UserError
 from finetune.config.schema import GRPOConfig
@@ -36,10 +36,11 @@ def _grpo_config(model_dir, out, **sections):
     return cfg
 
 
-def _ours(model, cfg: GRPOConfig, off_policy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _ours(model, cfg: GRPOConfig, off_policy: bool = False, sampler_gap: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Our loss on the completions, laid out as the rollout lays them out (a prompt's completions packed in one row). off_policy:
     the completions' old log-probabilities (a later update of num_iterations > 1) are the policy's moved by up to +-0.4, so some
-    ratios are clipped; returned as TRL lays them out."""
+    ratios are clipped; returned as TRL lays them out. sampler_gap: the sampler's log-probabilities are the policy's moved by up to
+    +-0.5 (a sampler that rounds otherwise); returned as TRL's importance-sampling weights instead, made by TRL's own rule."""
     rows = []
     for p, prompt in enumerate(PROMPTS):
         ids, labels, positions = [], [], []
@@ -61,12 +62,31 @@ def _ours(model, cfg: GRPOConfig, off_policy: bool = False) -> tuple[torch.Tenso
         batch["old_logps"] = old
         per_completion = old[keep].split([len(c) for c in COMPLETIONS])
         trl_old = torch.stack([torch.nn.functional.pad(c, (0, MAX_COMPLETION - len(c))) for c in per_completion])
+    if sampler_gap:
+        with torch.no_grad():
+            policy = objective._logps(model, batch, "cpu")
+        keep = policy != 0
+        sampler = policy[keep] + torch.empty(int(keep.sum())).uniform_(-0.5, 0.5, generator=torch.Generator().manual_seed(1))
+        batch["sampler_logps"] = sampler
+        trl_old = _trl_weights(policy[keep] - sampler, cfg)
     totals = objective.counts(batch)
     return objective.losses(model, to_device(batch, "cpu"), totals).tokens / totals[0], trl_old
 
 
+def _trl_weights(gap: torch.Tensor, cfg: GRPOConfig) -> torch.Tensor:
+    """TRL 1.16's importance-sampling weights (_generate_and_score_completions, vllm_importance_sampling_correction) from the
+    trainer-less-sampler gaps of the completions' tokens, in TRL's (completions, MAX_COMPLETION) layout."""
+    s = cfg.importance_sampling
+    per_completion = gap.split([len(c) for c in COMPLETIONS])
+    diff = torch.stack([torch.nn.functional.pad(c, (0, MAX_COMPLETION - len(c))) for c in per_completion])
+    ratio = torch.exp(diff.sum(-1, keepdim=True) if s.level == "sequence" else diff)
+    return torch.clamp(ratio, max=s.cap) if s.mode == "truncate" else ratio.masked_fill(ratio > s.cap, 0.0)
+
+
 def _trls(model, tokenizer, cfg: GRPOConfig, tmp_path, old: torch.Tensor | None = None) -> torch.Tensor:
-    """TRL's GRPOTrainer._compute_loss on the same completions: prompts left-padded, completions right-padded, as TRL batches them."""
+    """TRL's GRPOTrainer._compute_loss on the same completions: prompts left-padded, completions right-padded, as TRL batches them.
+    old: the old log-probabilities, or (grpo.importance_sampling) the importance-sampling weights, which TRL applies where its
+    sampler is vLLM."""
     from datasets import Dataset
     from trl import GRPOConfig as TRLConfig
     from trl import GRPOTrainer
@@ -85,7 +105,12 @@ def _trls(model, tokenizer, cfg: GRPOConfig, tmp_path, old: torch.Tensor | None 
     completion_ids = torch.tensor([c + [0] * (MAX_COMPLETION - len(c)) for c in COMPLETIONS])
     completion_mask = torch.tensor([[1] * len(c) + [0] * (MAX_COMPLETION - len(c)) for c in COMPLETIONS])
     inputs = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": completion_ids, "completion_mask": completion_mask,
-              "advantages": ADVANTAGES, "num_items_in_batch": completion_mask.sum(), **({} if old is None else {"old_per_token_logps": old})}
+              "advantages": ADVANTAGES, "num_items_in_batch": completion_mask.sum()}
+    if old is not None and cfg.importance_sampling is not None:
+        trainer.use_vllm = trainer.vllm_importance_sampling_correction = True  # its sampler is vLLM: the weights apply
+        inputs["importance_sampling_ratio"] = old
+    elif old is not None:
+        inputs["old_per_token_logps"] = old
     if cfg.beta:
         with torch.no_grad(), model.disable_adapter():
             inputs["ref_per_token_logps"], _, _ = trainer._get_per_token_logps_and_entropies(
@@ -121,6 +146,59 @@ def test_loss_and_gradients_equal_trls(tmp_path, tiny_model_dir, loss_type, rati
     assert abs(expected.item()) > 1e-3  # a loss that says something: the advantages do not cancel
     worst = max((p.grad - g).abs().max().item() for p, g in zip(trained, expected_grads))
     assert worst < 1e-4 * max(g.abs().max().item() for g in expected_grads), worst
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("mode", ["truncate", "mask"])
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
+def test_the_sampler_gap_correction_equals_trls(tmp_path, tiny_model_dir, level, mode, loss_type):
+    """grpo.importance_sampling: the policy's term weighted by exp(trainer - sampler) per token or per completion, capped (truncate)
+    or zeroed (mask) above cap, the KL's term not, equals TRL's vllm_importance_sampling_correction (its weights made by its own
+    rule from the same gaps), loss and LoRA gradients; some weights are over the cap of 1.1."""
+    pytest.importorskip("trl")
+    from transformers import AutoTokenizer
+
+    cfg = GRPOConfig(loss_type=loss_type, beta=0.2, temperature=0.8, max_completion_length=MAX_COMPLETION, epsilon_high=0.28,
+                     importance_sampling={"level": level, "mode": mode, "cap": 1.1})
+    model = adapted_lora(tiny_model_dir)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    ours, weights = _ours(model, cfg, sampler_gap=True)
+    assert ((weights > 0) & (weights < 1)).any() and ((weights == 1.1) | (weights == 0)).any(), weights  # some weigh less, some capped
+    ours.backward()
+    our_grads = [p.grad.clone() for p in trained]
+    model.zero_grad()
+    expected = _trls(model, AutoTokenizer.from_pretrained(tiny_model_dir), cfg, tmp_path, weights)
+    expected.backward()
+    assert abs(ours.item() - expected.item()) < 1e-5, (ours.item(), expected.item())
+    worst = max((g - p.grad).abs().max().item() for p, g in zip(trained, our_grads))
+    assert worst < 1e-4 * max(p.grad.abs().max().item() for p in trained), worst
+
+
+def test_the_sampler_keeps_its_tokens_log_probabilities_and_the_gap_is_logged(tiny_model_dir):
+    """A rollout keeps each completion token's log-probability as the sampler drew it (generate with its KV cache, eval mode, at
+    the temperature): in fp32 here within 1e-4 of the trainer's forward over the packed row; mismatch_kl and mismatch_max log the
+    gap (0 where the two agree), and a gap made larger is logged larger."""
+    from finetune.config.schema import ModelConfig
+    from finetune.data.packing import Prompt
+    from finetune.model.loading import load_tokenizer
+
+    cfg = GRPOConfig(num_generations=3, max_completion_length=5, temperature=0.7, top_k=20)
+    tokenizer = load_tokenizer(ModelConfig(name_or_path=str(tiny_model_dir)))
+    model = adapted_lora(tiny_model_dir)
+    objective = GRPO(cfg, [Reward("r", "reward_r", 1.0, lambda **kw: [0.0] * len(kw["completions"]))], seed=3)
+    prompts = [Prompt(np.array(p), {"prompt": "x"}, i) for i, p in enumerate(PROMPTS)]
+    batches, _ = objective._sampled(model, tokenizer, [prompts], position=0, device="cpu", old_logps=True)
+    batch = batches[0]
+    keep = batch["old_logps"] != 0
+    assert batch["sampler_logps"].shape == (int(keep.sum()),) and (batch["sampler_logps"] < 0).all()
+    gap = batch["old_logps"][keep] - batch["sampler_logps"]
+    assert gap.abs().max() < 1e-4, gap
+    metrics = dict(zip(objective.metrics, objective.losses(model, to_device(batch, "cpu"), objective.counts(batch)).metrics.tolist()))
+    n = len(batch["advantages"])
+    assert metrics["mismatch_max"] / n < 1e-4 and metrics["mismatch_kl"] / n < 1e-8
+    batch["sampler_logps"] = batch["sampler_logps"] - 0.3  # a sampler that puts less on what it drew
+    moved = dict(zip(objective.metrics, objective.losses(model, to_device(batch, "cpu"), objective.counts(batch)).metrics.tolist()))
+    assert abs(moved["mismatch_max"] / n - 0.3) < 1e-3 and abs(moved["mismatch_kl"] / n - (np.exp(0.3) - 1.3)) < 1e-3, moved
 
 
 @pytest.fixture(scope="module")
@@ -302,14 +380,14 @@ def test_a_prompts_completions_are_the_same_in_any_batch(tiny_model_dir):
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     objective = GRPO(GRPOConfig(num_generations=4, max_completion_length=8, temperature=1.0), [], seed=3)
     short, long = Prompt(np.array(PROMPTS[1]), {}, 5), Prompt(np.array(PROMPTS[0] * 3), {}, 9)
-    alone = objective.sample(model, tokenizer, [short], 2, "cpu")[0]
-    beside = objective.sample(model, tokenizer, [long, short], 2, "cpu")
+    alone = objective.sample(model, tokenizer, [short], 2, "cpu")[0][0]
+    beside = objective.sample(model, tokenizer, [long, short], 2, "cpu")[0]
     assert beside[1] == alone and beside[0] != alone
     assert len({tuple(c) for c in alone}) == 4  # four different completions of one prompt
-    assert objective.sample(model, tokenizer, [short], 3, "cpu")[0] != alone  # another step, other draws
+    assert objective.sample(model, tokenizer, [short], 3, "cpu")[0][0] != alone  # another step, other draws
     assert generate(model, tokenizer, [long.ids, short.ids], 8, "cpu")[1] == generate(model, tokenizer, [short.ids], 8, "cpu")[0]
     static = GRPO(GRPOConfig(num_generations=4, max_completion_length=8, temperature=1.0, kv_cache="static"), [], seed=3)
-    assert static.sample(model, tokenizer, [long, short], 2, "cpu") == beside  # fp32 on CPU: the static KV cache samples the same
+    assert static.sample(model, tokenizer, [long, short], 2, "cpu")[0] == beside  # fp32 on CPU: the static KV cache samples the same
 
 
 def test_reward_functions_resolve_and_bad_ones_stop_in_one_line(tmp_path):
@@ -398,7 +476,10 @@ def test_bad_grpo_input_is_one_line_with_exit_2(tmp_path, tiny_model_dir):
              ({"grpo": {"async_rollouts": True}, "distributed": {"strategy": "fsdp"}},
               "grpo.async_rollouts: sampling in the background would gather distributed.strategy fsdp's sharded weights"),
              ({"grpo": {"advantage": "ppo"}}, r"grpo.advantage: .*'mean', 'rloo' or 'reinforce_pp'"),
-             ({"grpo": {"advantage": "reinforce_pp", "async_rollouts": True}}, r"grpo.advantage: reinforce_pp whitens over the whole step")]
+             ({"grpo": {"advantage": "reinforce_pp", "async_rollouts": True}}, r"grpo.advantage: reinforce_pp whitens over the whole step"),
+             ({"grpo": {"importance_sampling": {"mode": "clip"}}}, r"grpo.importance_sampling.mode: .*'truncate' or 'mask'"),
+             ({"grpo": {"importance_sampling": {}, "environment": f"{REPO}/demo/agent/guess.py:GuessNumber"}},
+              r"grpo.importance_sampling: an environment's episodes keep no sampler log-probabilities")]
     for i, (sections, why) in enumerate(cases):
         config = write_config(tmp_path / f"bad{i}.yaml", _grpo_config(tiny_model_dir, tmp_path / f"out{i}", **sections))
         result = finetune_in_process("train", "--config", str(config))

@@ -257,6 +257,14 @@ class PreferenceConfig(_Section):
                                     "preference loss (TRL's cpo_alpha). null: 1.0 for cpo (the paper's), 0 for simpo (plain SimPO).")
 
 
+class ImportanceSamplingConfig(_Section):
+    level: Literal["token", "sequence"] = Field("sequence", description="The weight per token (its own ratio), or per completion (the "
+                                                "product of its tokens' ratios, at every token of it).")
+    mode: Literal["truncate", "mask"] = Field("mask", description="A weight above cap: capped at cap (truncate), or 0 (mask: the token or "
+                                              "completion leaves the loss).")
+    cap: float = Field(3.0, gt=0, description="The largest weight kept (TRL's vllm_importance_sampling_clip_max).")
+
+
 class GRPOConfig(_Section):
     rewards: list[str] | None = Field(None, description="Reward functions, summed (weighted; null: exact_match, or none beside "
                                       "grpo.environment's own reward): exact_match (1 where the "
@@ -309,6 +317,12 @@ class GRPOConfig(_Section):
                                  "line, as does one whose data step was not the one foreseen (a rollback skipped a window). LoRA copies the "
                                  "adapter, full fine-tuning the whole model. Not under fsdp or zero3 (sampling gathers their shards with "
                                  "collectives).")
+    importance_sampling: ImportanceSamplingConfig | None = Field(
+        None, description="Correct the loss for the gap between the sampler's log-probabilities of the sampled tokens (generate with its KV "
+        "cache, kept with each rollout) and the trainer's at the sampling weights: each token's policy loss times exp(trainer - "
+        "sampler), per token or per completion, capped or masked above cap (TRL's vllm_importance_sampling_correction, whose "
+        "defaults level sequence, mode mask, cap 3.0 are these; null: off). The gap is logged either way (mismatch_kl, mismatch_max). "
+        "Single-turn GRPO (not grpo.environment's episodes).")
     environment: str | None = Field(None, description="Agentic GRPO: an environment class, path/to/file.py:Class or module:Class, built from "
                                     "each prompt row; each completion is then an episode of up to max_turns assistant turns, tool calls run "
                                     "and answered, the environment's reward added to the reward functions' (docs/agents.md).")
@@ -581,6 +595,9 @@ class RunConfig(_Section):
                              f"(here train.objective {self.train.objective}, grpo.beta {g.beta:g}); set both, or drop guard.max_kl")
         if g.environment and self.train.objective != "grpo":
             raise ValueError(f"grpo.environment: environments run GRPO episodes; set train.objective: grpo (not {self.train.objective})")
+        if g.environment and g.importance_sampling is not None:
+            raise ValueError("grpo.importance_sampling: an environment's episodes keep no sampler log-probabilities of their turns yet; "
+                             "drop grpo.importance_sampling, or grpo.environment")
         d = self.distill
         if self.train.objective == "distill" and not d.teacher:
             raise ValueError("distill.teacher: train.objective distill needs a teacher model folder (or a finetune run's adapter folder)")

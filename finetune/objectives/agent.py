@@ -108,6 +108,7 @@ class AgentGRPO(GRPO):
     ends: list[int] = field(default_factory=list)  # where a turn ends (loading.end_tokens), set as episodes are played
     extra_metrics: tuple[str, ...] = field(default=("turns", "cut_turns", "tool_calls", "tool_failures", *(f"ended_{e}" for e in ENDED)),
                                            init=False)
+    keeps_sampler_logps = False  # an episode's turns come from several generate calls, between tool answers
 
     # -- episodes ----------------------------------------------------------------------------------
 

@@ -64,6 +64,7 @@ class GRPO(Objective):
     mean_over: tuple[int, ...] = field(init=False)
 
     extra_metrics: tuple[str, ...] = ()  # per-completion numbers a subclass's rows carry (their "extra" column), averaged like the rest
+    keeps_sampler_logps = True  # its rollouts carry the sampler's log-probabilities of their tokens (the agent's episodes do not yet)
     levels = False  # the loss is centred on 0 by the advantages: no start level, no stuck-at-0 check
     rollouts = True
     watched_name = "negative mean reward"
@@ -82,8 +83,9 @@ class GRPO(Objective):
         return self.cfg.async_rollouts
 
     def __post_init__(self):
+        gap = ("mismatch_kl", "mismatch_max", *(("is_capped",) if self.cfg.importance_sampling else ())) if self.keeps_sampler_logps else ()
         self.metrics = ("reward", "reward_std", "zero_std_groups", "completion_length", "kl", "clip_ratio", *(r.metric for r in self.rewards),
-                        *self.extra_metrics)
+                        *self.extra_metrics, *gap)
         self.mean_over = (1,) * len(self.metrics)  # means over the step's completions (counts' second entry)
 
     def eval_line(self, result: dict) -> str:
@@ -109,6 +111,11 @@ class GRPO(Objective):
         lengths = torch.bincount(completion, minlength=n).to(logps.dtype)
         ratio = torch.exp(self._log_ratio(logps - old, completion, lengths))  # one update per generation: 1, with the gradient of log p
         per_token = self._policy_term(ratio, advantage, logps)
+        gap = None
+        if "sampler_logps" in batch:  # the trainer's log-probabilities at the sampling weights less the sampler's
+            gap = old - batch["sampler_logps"].to(logps.dtype)
+            weight, capped = self._importance_weights(gap, completion, n)
+            per_token = per_token * weight  # the policy's term alone, as TRL weighs it (not the KL's)
         kl = torch.zeros_like(logps)
         if self.cfg.beta:
             with torch.no_grad(), adapters_off(model) if self.reference is None else contextlib.nullcontext():
@@ -128,8 +135,32 @@ class GRPO(Objective):
         rewards = batch["rewards"].to(logps.dtype)
         metrics = torch.cat([torch.stack([batch["reward"].sum(), batch["reward_std"].sum(), batch["zero_std"].sum(), lengths.sum(),
                                           per_completion[0].sum(), per_completion[1].sum()]).to(logps.dtype), rewards.sum(0),
-                             *([batch["extra"].to(logps.dtype).sum(0)] if "extra" in batch else [])])
+                             *([batch["extra"].to(logps.dtype).sum(0)] if "extra" in batch else []),
+                             *([self._gap_metrics(gap, capped, completion, lengths)] if gap is not None else [])])
         return Losses(loss, aux, metrics)
+
+    def _importance_weights(self, gap: torch.Tensor, completion: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """grpo.importance_sampling: each token's weight exp(gap), or its completion's exp(sum of gaps) (level sequence),
+        capped or zeroed above cap, and which tokens were (as TRL's vllm_importance_sampling_correction); 1 where it is off."""
+        s = self.cfg.importance_sampling
+        if s is None:
+            return torch.ones_like(gap), None
+        log_weight = gap if s.level == "token" else torch.zeros(n, dtype=gap.dtype, device=gap.device).index_add(0, completion, gap)[completion]
+        weight = torch.exp(log_weight)
+        capped = weight > s.cap
+        weight = weight.clamp(max=s.cap) if s.mode == "truncate" else weight.masked_fill(capped, 0.0)
+        return weight.detach(), capped
+
+    def _gap_metrics(self, gap: torch.Tensor, capped: torch.Tensor | None, completion: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """Per completion, summed over them: the mean over its tokens of KL(sampler || trainer) (k3: exp(gap) - gap - 1, from the
+        sampler's own draws), its largest |gap|, and the share of its tokens capped or masked (importance_sampling only)."""
+        n = len(lengths)
+        gap = gap.detach()
+        rows = [torch.zeros(n, dtype=gap.dtype, device=gap.device).index_add(0, completion, torch.exp(gap) - gap - 1) / lengths.clamp(min=1),
+                torch.zeros(n, dtype=gap.dtype, device=gap.device).index_reduce(0, completion, gap.abs(), "amax", include_self=False)]
+        if capped is not None:
+            rows.append(torch.zeros(n, dtype=gap.dtype, device=gap.device).index_add(0, completion, capped.to(gap.dtype)) / lengths.clamp(min=1))
+        return torch.stack([r.sum() for r in rows])
 
     def _log_ratio(self, log_ratio: torch.Tensor, completion: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """Each token's log policy ratio, or (grpo.ratio sequence: GSPO) its completion's mean of them, at every token."""
@@ -256,22 +287,27 @@ class GRPO(Objective):
         self.held, self.ahead = _unflat(state, ""), _unflat(state, "ahead.")
 
     def groups(self, model, tokenizer, prompts: list[Prompt], position: int, device) -> list[tuple[Row, dict[str, torch.Tensor]]]:
-        """Each prompt's group of completions as a scored training row."""
-        return [self._scored(tokenizer, p, c) for p, c in zip(prompts, self.sample(model, tokenizer, prompts, position, device))]
+        """Each prompt's group of completions as a scored training row, with the sampler's log-probabilities of their tokens."""
+        completions, drawn = self.sample(model, tokenizer, prompts, position, device)
+        return [self._scored(tokenizer, p, c, d) for p, c, d in zip(prompts, completions, drawn)]
 
-    def sample(self, model, tokenizer, prompts: list[Prompt], position: int, device) -> list[list[list[int]]]:
+    def sample(self, model, tokenizer, prompts: list[Prompt], position: int, device) -> tuple[list[list[list[int]]], list[list[torch.Tensor]]]:
         """num_generations completions of each prompt (each cut after its EOS token), all in one `generate`
-        call; completion j of a prompt draws its noise from a seed of (train.seed, data step, the prompt's
-        sample index, j), so it is the same in any batch, process or start of the run."""
+        call, and each token's log-probability as the sampler drew it (at grpo.temperature, before top-k/top-p); completion
+        j of a prompt draws its noise from a seed of (train.seed, data step, the prompt's sample index, j), so it is the same
+        in any batch, process or start of the run."""
         cfg = self.cfg
         seeds = np.concatenate([np.random.SeedSequence([self.seed, position, p.sample]).generate_state(cfg.num_generations, np.uint64)
                                 for p in prompts]).view(np.int64)
         repeated = [p.ids for p in prompts for _ in range(cfg.num_generations)]
-        sampler = self.sampler(torch.as_tensor(seeds, device=device))
+        sampler = self.sampler(torch.as_tensor(seeds, device=device), keep_logps=True)
         shown = [p.pictures for p in prompts for _ in range(cfg.num_generations)]
         completions = generate(model, tokenizer, repeated, cfg.max_completion_length, device, sampler, synced=self.synced, cache=cfg.kv_cache,
                                picture_inputs=self._picture_inputs(shown), never=self.placeholders)
-        return [completions[i : i + cfg.num_generations] for i in range(0, len(completions), cfg.num_generations)]
+        table = sampler.drawn_logps()
+        drawn = [table[i, : len(c)] for i, c in enumerate(completions)]
+        g = cfg.num_generations
+        return [completions[i : i + g] for i in range(0, len(completions), g)], [drawn[i : i + g] for i in range(0, len(drawn), g)]
 
     def _picture_inputs(self, shown: list[list[bytes]]):
         """generate's image inputs for prompts showing these pictures (each prompt's, in order): None for text prompts."""
@@ -279,14 +315,14 @@ class GRPO(Objective):
             return None
         return lambda ids: self.vision([b for pictures in shown for b in pictures], ids)
 
-    def sampler(self, seeds: torch.Tensor) -> GumbelSampler:
-        """A sampler of grpo.temperature, top_k and top_p, a row a seed."""
+    def sampler(self, seeds: torch.Tensor, keep_logps: bool = False) -> GumbelSampler:
+        """A sampler of grpo.temperature, top_k and top_p, a row a seed (keep_logps: it keeps the drawn tokens' log-probabilities)."""
         from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
         cfg = self.cfg
         warpers = [TemperatureLogitsWarper(cfg.temperature), *([TopKLogitsWarper(cfg.top_k)] if cfg.top_k else []),
                    *([TopPLogitsWarper(cfg.top_p)] if cfg.top_p < 1 else [])]
-        return GumbelSampler(seeds, warpers, cfg.top_k)
+        return GumbelSampler(seeds, warpers, cfg.top_k, keep_logps)
 
     def _rewards(self, tokenizer, prompt: Prompt, completions: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """(each function's reward of each completion, their weighted sums)."""
@@ -299,11 +335,13 @@ class GRPO(Objective):
         per_function = torch.tensor(table, dtype=torch.float32)
         return per_function, (per_function * torch.tensor([r.weight for r in self.rewards], dtype=torch.float32)).sum(1)
 
-    def _scored(self, tokenizer, prompt: Prompt, completions: list[list[int]]) -> tuple[Row, dict[str, torch.Tensor]]:
-        """One prompt's completions as a packed row (trained on the completions), with their rewards and advantages."""
+    def _scored(self, tokenizer, prompt: Prompt, completions: list[list[int]], drawn: list[torch.Tensor]) -> tuple[Row, dict[str, torch.Tensor]]:
+        """One prompt's completions as a packed row (trained on the completions), with their rewards and advantages, and the
+        sampler's log-probabilities of their tokens, in the row's order of trained tokens ("sampler_logps")."""
         per_function, reward = self._rewards(tokenizer, prompt, completions)
         sequences = [([*prompt.ids.tolist(), *c], [False] * len(prompt.ids) + [True] * len(c)) for c in completions]
-        return group_row(sequences, per_function, reward, self.cfg)
+        row, columns = group_row(sequences, per_function, reward, self.cfg)
+        return row, {**columns, "sampler_logps": torch.cat(drawn)}
 
     # -- evaluation ------------------------------------------------------------------------------
 

@@ -67,19 +67,30 @@ class GumbelSampler:
     samples each row as a call of its own would, whatever rows share its batch or its process. With a
     top k, the noise is made for the k candidates alone (the same numbers the whole row would get)."""
 
-    def __init__(self, seeds: torch.Tensor, warpers: list, top_k: int = 0):
+    def __init__(self, seeds: torch.Tensor, warpers: list, top_k: int = 0, keep_logps: bool = False):
         self.seeds, self.warpers, self.top_k, self.step = seeds, warpers, top_k, 0  # one sampler per `generate` call: called once a token
+        # keep_logps: each step's log-probability of the token drawn, under the first warper's (the temperature's) distribution
+        self.logps: list[torch.Tensor] | None = [] if keep_logps else None
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        scores = scores.float()
-        for warp in self.warpers:
+        scores = tempered = scores.float()
+        for i, warp in enumerate(self.warpers):
             scores = warp(input_ids, scores)
+            tempered = scores if i == 0 else tempered
         width, step = scores.shape[1], self.step
         self.step += 1
         if not self.top_k or self.top_k >= width:
-            return scores + gumbel(uniforms(self.seeds, step, width))
-        values, index = scores.topk(self.top_k, dim=1)
-        return torch.full_like(scores, -float("inf")).scatter_(1, index, values + gumbel(uniforms(self.seeds, step, width, index)))
+            drawn = scores + gumbel(uniforms(self.seeds, step, width))
+        else:
+            values, index = scores.topk(self.top_k, dim=1)
+            drawn = torch.full_like(scores, -float("inf")).scatter_(1, index, values + gumbel(uniforms(self.seeds, step, width, index)))
+        if self.logps is not None:  # generate's greedy step takes this argmax (the sampler is its last logits processor)
+            self.logps.append(torch.log_softmax(tempered, dim=-1).gather(1, drawn.argmax(1, keepdim=True))[:, 0])
+        return drawn
+
+    def drawn_logps(self) -> torch.Tensor:
+        """keep_logps: (rows, steps), each drawn token's log-probability (fp32, on the host)."""
+        return torch.stack(self.logps, dim=1).cpu() if self.logps else torch.zeros(len(self.seeds), 0)
 
 
 def gumbel(u: torch.Tensor) -> torch.Tensor:
