@@ -20,7 +20,8 @@ LLAMA3_ROPE = {"rope_scaling": {"rope_type": "llama3", "factor": 32.0, "high_fre
 CASES = [("llama-3.2-1b", "f16", LLAMA3_ROPE), ("qwen2.5-0.5b", "f16", {}), ("qwen3-0.6b", "q8_0", {}),
          ("mistral-7b-v0.3", "f16", {"tokenizer": "llama3", "vocab_size": 128256}), ("gemma-2-9b", "f16", {"tokenizer": "llama3", "vocab_size": 128256}),
          ("gemma-3-1b", "f16", {}),  # Gemma-3-4B (linear rope scaling) passes too: 1.3e-3, 44 s here, left out of make test
-         ("qwen3-30b-a3b", "f16", {"num_local_experts": 16, "moe_intermediate_size": 128})]
+         ("qwen3-30b-a3b", "f16", {"num_local_experts": 16, "moe_intermediate_size": 128}),
+         ("mixtral-8x7b", "f16", {"tokenizer": "llama3", "vocab_size": 128256})]
 LLAMA_CPP = importlib.util.find_spec("llama_cpp") is not None
 
 
@@ -33,7 +34,8 @@ def test_a_model_round_trips_through_gguf_and_llama_cpp_reads_it_as_transformers
     merges; which layers slide, their own rope base; 1B's 262,144 rows for its tokenizer's 262,145 tokens: the image
     token left out), Qwen3-MoE (16 experts 128 wide, 8 routed: the fused gate/up weights split into llama.cpp's
     ffn_gate_exps and ffn_up_exps; within 2e-2 in f16: f16 weights move a router's near-ties, where the same file
-    in f32 gave 3.4e-4). Read by llama.cpp itself (where llama-cpp-python is
+    in f32 gave 3.4e-4), Mixtral (8 experts, 2 routed: llama.cpp's llama architecture with experts, its query/key rows
+    reordered as Llama's; Llama 3's tokenizer, as Mistral's above). Read by llama.cpp itself (where llama-cpp-python is
     installed, as make test does; else read back by transformers' GGUF loader): the same token ids as transformers on
     12 hard strings, the special tokens, a text starting with a space and a chat turn, logits within 5e-3 (f16) and
     5e-2 (q8_0) on texts longer than the sliding windows, the same greedy tokens."""

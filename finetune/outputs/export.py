@@ -35,7 +35,8 @@ from finetune.outputs.gguf_vocab import check_in_llama_cpp, quiet_stderr, write_
 
 # model_type -> (the gguf package's architecture, query/key rows reordered for llama.cpp's rotary layout)
 FAMILIES = {"llama": ("LLAMA", True), "mistral": ("LLAMA", True), "qwen2": ("QWEN2", False), "qwen3": ("QWEN3", False),
-            "gemma2": ("GEMMA2", False), "gemma3_text": ("GEMMA3", False), "qwen3_moe": ("QWEN3MOE", False), "gpt_oss": ("GPT_OSS", False)}
+            "gemma2": ("GEMMA2", False), "gemma3_text": ("GEMMA3", False), "qwen3_moe": ("QWEN3MOE", False), "gpt_oss": ("GPT_OSS", False),
+            "mixtral": ("LLAMA", True)}  # llama.cpp's llama architecture with experts, as its converter writes Mixtral
 GEMMAS = ("gemma2", "gemma3_text")  # norms that scale by (1 + weight), heads scaled by query_pre_attn_scalar
 # families not written, and llama.cpp's reason
 NOT_WRITTEN = {"phi3": "llama.cpp's phi3 turns Phi-3-mini-4k's 2,047-token sliding window off, and Phi-3.5/4's longrope would need "
@@ -170,7 +171,7 @@ def _refuse_unwritable(config: dict, folder: Path) -> None:
                         f"{config.get('head_dim')}; llama.cpp scales by the head size (GGUF export takes the two equal, as the Gemma 1B-9B releases)")
     if family == "gemma3_text" and (config.get("attn_logit_softcapping") or config.get("final_logit_softcapping")):
         raise UserError(f"--model: {folder} soft-caps its logits, which llama.cpp's gemma3 architecture does not")
-    window = config.get("sliding_window") if family == "mistral" or config.get("use_sliding_window") else None
+    window = config.get("sliding_window") if family in ("mistral", "mixtral") or config.get("use_sliding_window") else None
     if window and window < config.get("max_position_embeddings", 0):
         raise UserError(f"--model: {folder} attends within a sliding window of {window} tokens, which GGUF's "
                         f"{FAMILIES[family][0].lower()} architecture does not carry (llama.cpp would attend over the whole context)")
@@ -337,6 +338,9 @@ def _metadata(writer, config: dict, name: str, kind: str) -> None:
         writer.add_expert_count(families.num_experts(config))
         writer.add_expert_used_count(config["num_experts_per_tok"])
         writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+    if config.get("model_type") == "mixtral":  # each expert as wide as feed_forward_length
+        writer.add_expert_count(config["num_local_experts"])
+        writer.add_expert_used_count(config["num_experts_per_tok"])
     writer.add_vocab_size(config["vocab_size"])
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16 if kind == "f16" else gguf.LlamaFileType.MOSTLY_Q8_0)
 
