@@ -406,8 +406,10 @@ def test_a_model_named_by_id_meets_the_refusals_a_folder_meets(tmp_path, tiny_mo
     model = hub_cached(monkeypatch, tmp_path / "hub", "acme/tiny-vlm", tmp_path / "vlm")
     case = Case(tmp_path, tiny_model_dir)
     assert main(["validate", "--config", case.config(model={"name_or_path": model})]) == 2
+    from finetune.model.vision import FAMILIES
+
     assert capsys.readouterr().err.strip() == ("error: model: paligemma is a vision-language model finetune does not fine-tune yet; it "
-                                               "fine-tunes LLaVA, Gemma 3, Qwen2-VL, Qwen2.5-VL, Idefics3 / SmolVLM, SmolVLM2, Mllama (docs/vision.md)")
+                                               f"fine-tunes {', '.join(FAMILIES.values())} (docs/vision.md)")
 
 
 def test_a_student_named_by_id_is_checked_against_its_teacher_by_their_configs(tmp_path, tiny_model_dir, monkeypatch):

@@ -264,19 +264,68 @@ def test_4bit_experts_compute_what_their_dequantized_values_do(family_dirs, back
     assert all(torch.allclose(results[0][1][k], g, rtol=0, atol=1e-6 * g.abs().max().item() + 1e-12) for k, g in results[1][1].items())
 
 
+def test_8bit_experts_compute_what_their_dequantized_values_do(family_dirs, tmp_path):
+    """An 8-bit base (bitsandbytes' int8 linear layers) quantizes the experts' fused weights too, as bitsandbytes'
+    LLM.int8 row-wise quantization (int8 codes, an absmax scale a row; the router stays as loaded): each stack is int8
+    codes equal to bitsandbytes' own of the weight, and the grouped path's loss and gradients equal those of the same
+    model with the dequantized values put back; the plan counts the stacks at a byte a weight."""
+    from bitsandbytes.functional import int8_vectorwise_quant
+
+    from finetune.outputs.plan import make_plan
+
+    model_dir = family_dirs("qwen3-moe")
+    cfg = ModelConfig(name_or_path=str(model_dir), quantization=QuantizationConfig(bits=8))
+    model = apply_adapter(load_model(cfg, say=lambda _: None), AdapterConfig(r=4, dropout=0.0), False, say=lambda _: None)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(len(name)))
+    original = {name: p.detach().clone() for name, p in model.named_parameters() if name.endswith("experts.base_layer.base_layer.down_proj")}
+    assert quantize_layers(model, cfg) == 4  # two layers, two stacks each
+    stacks = {name: p for name, p in model.named_parameters() if p.dtype == torch.int8 and ".experts." in name}
+    assert len(stacks) == 4 and not any(".gate." in name for name in stacks)
+    name, weight = next(iter(original.items()))
+    codes, _, _ = int8_vectorwise_quant(weight.reshape(-1, weight.shape[-1]))
+    assert torch.equal(stacks[name], codes)
+    held = sum(p.numel() * p.element_size() for p in model.parameters()) + sum(
+        s.numel() * s.element_size() for m in model.modules() for s in m.__dict__.get("_int8_scales", {}).values())
+    planned = make_plan(validate_config(base_config(model_dir, tmp_path, model={"quantization": {"bits": 8}}, adapter={"r": 4}), "test"))
+    assert planned.rows["weights"] == pytest.approx(held, rel=0.05), (planned.rows["weights"], held)
+    batch = samples_batch(textbook_samples(model.config.vocab_size), packed=True)
+    results = []
+    for dequantized in (False, True):
+        if dequantized:
+            nf4.dequantize_model(model)
+            assert not any(p.dtype == torch.int8 and ".experts." in name for name, p in model.named_parameters())
+        model.zero_grad()
+        value = loss.token_loss_sum(model, batch)
+        value.backward()
+        results.append((value.item(), trained_grads(model)))
+    assert abs(results[0][0] - results[1][0]) < 1e-6 * results[1][0]
+    assert all(torch.allclose(results[0][1][k], g, rtol=0, atol=1e-6 * g.abs().max().item() + 1e-12) for k, g in results[1][1].items())
+
+
+@pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("transposed", [False, True])
-def test_4bit_experts_dequantized_chunk_by_chunk_compute_what_the_whole_stack_does(monkeypatch, transposed):
-    """The 4-bit grouped matmul dequantizes a few experts at a time (experts.CHUNK weights; experts no token
-    reached skipped): output and input gradient equal grouped_mm over the whole dequantized stack, for
-    chunks of one expert, of three, and the whole."""
+def test_quantized_experts_dequantized_chunk_by_chunk_compute_what_the_whole_stack_does(monkeypatch, transposed, bits):
+    """The 4-bit (torchao's NF4) and 8-bit (bitsandbytes' int8 codes, a scale a row) grouped matmul dequantizes a few
+    experts at a time (experts.CHUNK weights; experts no token reached skipped): output and input gradient equal
+    grouped_mm over the whole stack as the library dequantizes it, for chunks of one expert, of three, and the whole."""
+    from bitsandbytes.functional import int8_vectorwise_dequant, int8_vectorwise_quant
     from torchao.quantization import to_nf4
 
     generator = torch.Generator().manual_seed(0)
     count, rows, cols = 16, 128, 256
-    weight = to_nf4(torch.randn(count * rows, cols, generator=generator).to(torch.bfloat16), nf4.BLOCK, nf4.SCALER_BLOCK)
+    values = torch.randn(count * rows, cols, generator=generator).to(torch.bfloat16)
+    if bits == 4:
+        weight, scales = to_nf4(values, nf4.BLOCK, nf4.SCALER_BLOCK), None
+        stack = weight.get_original_weight().view(count, rows, cols).float()
+    else:
+        weight, scales, _ = int8_vectorwise_quant(values)
+        stack = int8_vectorwise_dequant(weight, scales).view(count, rows, cols).float()
+        assert (stack - values.float().view(count, rows, cols)).abs().max() < 0.03  # 8 bits of each row's largest
     tokens = torch.tensor([5, 0, 7, 3, 0, 0, 9, 1, 2, 4, 0, 8, 6, 2, 1, 3])
     offsets = torch.cumsum(tokens, 0).to(torch.int32)
-    stack = weight.get_original_weight().view(count, rows, cols).float()
     x = torch.randn(int(tokens.sum()), rows if transposed else cols, generator=generator)
     grad = torch.randn(x.shape[0], cols if transposed else rows, generator=generator)
     expected = x.clone().requires_grad_()
@@ -284,7 +333,7 @@ def test_4bit_experts_dequantized_chunk_by_chunk_compute_what_the_whole_stack_do
     for chunk in (rows * cols, 3 * rows * cols, experts.CHUNK):
         monkeypatch.setattr(experts, "CHUNK", chunk)
         mine = x.clone().requires_grad_()
-        out = experts.FrozenGroupedNF4.apply(mine, weight, count, offsets, offsets.tolist(), transposed)
+        out = experts.FrozenGrouped.apply(mine, experts.Stack(weight, count, scales), offsets, offsets.tolist(), transposed)
         out.backward(grad)
         assert torch.equal(out, torch.nn.functional.grouped_mm(x, stack if transposed else stack.transpose(-2, -1), offs=offsets)), chunk
         assert torch.equal(mine.grad, expected.grad), chunk

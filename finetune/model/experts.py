@@ -8,9 +8,10 @@ and its gradient another. Here the same peft adapter (its modules, its saved fil
 routed tokens only: x·Aᵀ·Bᵀ per expert as two more grouped matmuls of rank r, beside the base's.
 
 A frozen expert weight can be 4-bit: torchao's NF4, as the linear layers of a torchao base are
-(model/nf4.py). torchao's NF4 tensor is 2-D, so an expert stack (E, d1, d2) is stored as (E·d1, d2), and
+(model/nf4.py), or 8-bit: bitsandbytes' LLM.int8 row-wise quantization (int8 codes, one absmax scale a row),
+as an 8-bit base's linear layers are. Either is stored 2-D, an expert stack (E, d1, d2) as (E·d1, d2), and
 the grouped matmul dequantizes it a few experts at a time, in the forward and again in the backward: only
-the 4-bit codes stay alive between them. The routers and norms stay as loaded.
+the codes stay alive between them. The routers and norms stay as loaded.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from finetune.config.errors import UserError
 from finetune.model import nf4
 
 IMPLEMENTATION = "finetune_grouped"  # the name registered in transformers' ExpertsInterface
+SCALES = "_int8_scales"  # an experts module's {parameter name: per-row scales} of its 8-bit stacks
 LORA = "_finetune_lora"  # an experts module's {parameter name: peft wrapper}, kept outside its submodules
 _BALANCED = ContextVar("finetune_balanced_routing", default=False)
 
@@ -103,7 +105,7 @@ def grouped_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor
         offsets = torch.tensor(ends, dtype=torch.int32, device=x.device)
     else:
         offsets = torch.cumsum(torch.bincount(expert_ids, minlength=self.num_experts), dim=0, dtype=torch.int32)
-        ends = offsets.tolist() if any(nf4.is_nf4(w) for w in self.parameters(recurse=False)) else None  # one host sync, 4-bit stacks only
+        ends = offsets.tolist() if any(quantized(w) for w in self.parameters(recurse=False)) else None  # one host sync, quantized stacks only
     up = project(self, "gate_up_proj" if self.has_gate else "up_proj", x, offsets, ends, expert_ids)
     up = self._apply_gate(up) if self.has_gate else self.act_fn(up)
     out = project(self, "down_proj", up, offsets, ends, expert_ids)
@@ -131,8 +133,8 @@ def project(experts: torch.nn.Module, name: str, x: torch.Tensor, offsets: torch
     same as numbers where a 4-bit stack needs them): the base weight's, its bias, and the LoRA of every active
     adapter on it."""
     weight = getattr(experts, name)
-    if nf4.is_nf4(weight):
-        out = FrozenGroupedNF4.apply(x, weight, experts.num_experts, offsets, ends, experts.is_transposed)
+    if quantized(weight):
+        out = FrozenGrouped.apply(x, Stack.of(experts, name), offsets, ends, experts.is_transposed)
     else:
         out = torch.nn.functional.grouped_mm(x.to(weight.dtype), weight if experts.is_transposed else weight.transpose(-2, -1), offs=offsets)
     if experts.has_bias:
@@ -158,41 +160,67 @@ def lora_delta(wrapper, adapter: str, x: torch.Tensor, offsets: torch.Tensor) ->
 CHUNK = 1 << 25  # expert weights dequantized at a time: torchao's dequantization holds 7x their compute-dtype bytes at its peak
 
 
-class FrozenGroupedNF4(torch.autograd.Function):
-    """x @ W_eᵀ per expert group for a frozen NF4 expert stack stored as (E·d1, d2): dequantized a few experts
-    at a time (CHUNK weights), in the forward and again for the input's gradient, so neither a layer's whole
-    dequantized stack nor torchao's 7x peak of it is ever held, and experts no token reached are skipped."""
+def quantized(weight: torch.Tensor) -> bool:
+    """An expert stack stored quantized (4-bit NF4, or 8-bit codes)."""
+    return nf4.is_nf4(weight) or weight.dtype == torch.int8
+
+
+class Stack:
+    """A quantized expert stack stored (E·d1, d2): `rows(first, last)` dequantizes rows first..last (torchao's NF4, or
+    bitsandbytes' int8 codes times their row scales), `step` experts at a time fit CHUNK (whole double-quantization
+    groups for NF4)."""
+
+    def __init__(self, weight: torch.Tensor, experts: int, scales: torch.Tensor | None = None):
+        self.weight, self.experts, self.scales = weight, experts, scales
+        self.per_expert, self.width = weight.shape[0] // experts, weight.shape[1]
+        step = max(1, CHUNK // (self.per_expert * self.width))
+        if scales is None and not slices_evenly(weight, self.per_expert * step):
+            step = experts  # a tiny NF4 stack whose scale groups straddle experts: whole
+        self.step = step
+
+    @classmethod
+    def of(cls, module: torch.nn.Module, name: str) -> Stack:
+        return cls(getattr(module, name), module.num_experts, module.__dict__.get(SCALES, {}).get(name))
+
+    def rows(self, first: int, last: int) -> torch.Tensor:
+        if self.scales is None:
+            return rows_of(self.weight, first, last)
+        from bitsandbytes.functional import int8_vectorwise_dequant
+
+        return int8_vectorwise_dequant(self.weight[first:last], self.scales[first:last])
+
+
+class FrozenGrouped(torch.autograd.Function):
+    """x @ W_eᵀ per expert group for a frozen quantized expert stack: dequantized a few experts at a time (CHUNK
+    weights), in the forward and again for the input's gradient, so neither a layer's whole dequantized stack nor
+    torchao's 7x peak of it is ever held, and experts no token reached are skipped."""
 
     @staticmethod
-    def forward(ctx, x, weight, experts, offsets, ends, transposed):
-        ctx.weight, ctx.experts, ctx.ends, ctx.transposed = weight, experts, ends, transposed
+    def forward(ctx, x, stack, offsets, ends, transposed):
+        ctx.stack, ctx.ends, ctx.transposed = stack, ends, transposed
         ctx.save_for_backward(offsets)
-        return _chunked(x, weight, experts, offsets, ends, lambda w: w if transposed else w.transpose(-2, -1))
+        return _chunked(x, stack, offsets, ends, lambda w: w if transposed else w.transpose(-2, -1))
 
     @staticmethod
     def backward(ctx, grad):
         (offsets,) = ctx.saved_tensors
-        grad_x = _chunked(grad.contiguous(), ctx.weight, ctx.experts, offsets, ctx.ends, lambda w: w.transpose(-2, -1) if ctx.transposed else w)
-        return grad_x, None, None, None, None, None
+        grad_x = _chunked(grad.contiguous(), ctx.stack, offsets, ctx.ends, lambda w: w.transpose(-2, -1) if ctx.transposed else w)
+        return grad_x, None, None, None, None
 
 
-def _chunked(x: torch.Tensor, weight: torch.Tensor, experts: int, offsets: torch.Tensor, ends: list[int], oriented) -> torch.Tensor:
+def _chunked(x: torch.Tensor, stack: Stack, offsets: torch.Tensor, ends: list[int], oriented) -> torch.Tensor:
     """grouped_mm of x's expert groups with `oriented(W_e)`, the stack dequantized chunk by chunk (in x's dtype,
     as torchao's linear_nf4 computes)."""
-    rows = weight.shape[0] // experts
-    step = max(1, CHUNK // (rows * weight.shape[1]))
-    if not slices_evenly(weight, rows * step):
-        step = experts  # a tiny stack whose scale groups straddle experts: whole
-    outs = []
-    for first in range(0, experts, step):
-        last = min(first + step, experts)
+    rows, outs = stack.per_expert, []
+    for first in range(0, stack.experts, stack.step):
+        last = min(first + stack.step, stack.experts)
         start, stop = (ends[first - 1] if first else 0), ends[last - 1]
         if stop == start:
             continue
-        w = rows_of(weight, first * rows, last * rows).view(last - first, rows, -1).to(x.dtype)
+        w = stack.rows(first * rows, last * rows).view(last - first, rows, -1).to(x.dtype)
         outs.append(torch.nn.functional.grouped_mm(x[start:stop], oriented(w), offs=offsets[first:last] - start))
     if not outs:  # no token routed to any expert (an empty micro-batch)
-        return x.new_zeros(0, oriented(torch.empty(1, rows, weight.shape[1], device="meta")).shape[-1])
+        return x.new_zeros(0, oriented(torch.empty(1, rows, stack.width, device="meta")).shape[-1])
     return torch.cat(outs)
 
 
@@ -217,19 +245,32 @@ def rows_of(weight: torch.Tensor, first: int, last: int) -> torch.Tensor:
     return part.get_original_weight()
 
 
-def quantize(module: torch.nn.Module, dtype: torch.dtype, shards: int = 1) -> int:
-    """Every frozen fused expert weight (E, d1, d2) under `module` as torchao's NF4 of its (E·d1, d2) rows,
-    from the weight cast to `dtype` (the compute dtype), in blocks `shards` processes can split. Only
-    experts that `group` runs: no other forward reads the 2-D form. Returns how many were replaced."""
-    from torchao.quantization import to_nf4
-
+def quantize(module: torch.nn.Module, dtype: torch.dtype, shards: int = 1, bits: int = 4) -> int:
+    """Every frozen fused expert weight (E, d1, d2) under `module` as its (E·d1, d2) rows quantized: 4 bits, torchao's
+    NF4 of the weight cast to `dtype` (the compute dtype), in blocks `shards` processes can split; 8 bits, bitsandbytes'
+    int8 codes with a scale a row of the weight as loaded (its LLM.int8 row-wise quantization, no outliers kept apart).
+    Only experts that `group` runs: no other forward reads the 2-D form. Returns how many were replaced."""
     chosen = [(m, name, w) for m in module.modules() if LORA in m.__dict__ for name, w in m.named_parameters(recurse=False)
-              if w.dim() == 3 and not w.requires_grad and w.numel() % nf4.BLOCK == 0]
-    why = nf4.uneven_rows({f"experts.{name}": w.shape[0] * w.shape[1] for _, name, w in chosen}, shards)
+              if w.dim() == 3 and not w.requires_grad and (bits == 8 or w.numel() % nf4.BLOCK == 0)]
+    why = nf4.uneven_rows({f"experts.{name}": w.shape[0] * w.shape[1] for _, name, w in chosen}, shards) if bits == 4 else None
     if why:
         raise UserError(why)
     for m, name, w in chosen:
-        rows = w.detach().to(dtype).reshape(-1, w.shape[-1])
+        rows = w.detach().to(dtype if bits == 4 else w.dtype).reshape(-1, w.shape[-1])
         m.__dict__.setdefault(nf4.SHAPES, {})[name] = tuple(w.shape)
-        setattr(m, name, torch.nn.Parameter(to_nf4(rows, nf4.BLOCK, nf4.scaler_block(rows.numel(), shards)), requires_grad=False))
+        if bits == 4:
+            from torchao.quantization import to_nf4
+
+            codes = to_nf4(rows, nf4.BLOCK, nf4.scaler_block(rows.numel(), shards))
+        else:
+            from bitsandbytes.functional import int8_vectorwise_quant
+
+            codes, m.__dict__.setdefault(SCALES, {})[name], _ = int8_vectorwise_quant(rows)
+        setattr(m, name, torch.nn.Parameter(codes, requires_grad=False))
     return len(chosen)
+
+
+def dequantized(module: torch.nn.Module, name: str) -> torch.Tensor:
+    """An 8-bit expert stack's weight in its own shape, as the grouped forward computes with it (float32)."""
+    stack = Stack.of(module, name)
+    return stack.rows(0, stack.weight.shape[0]).view(module.__dict__[nf4.SHAPES][name])

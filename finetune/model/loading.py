@@ -371,9 +371,9 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def quantize_layers(model: torch.nn.Module, cfg: ModelConfig, shards: int = 1) -> int:
-    """What torchao quantizes once the adapter is on (nf4.after_adapter): the frozen linear weights of every
-    decoder layer of a torchao base (model/nf4.py), and the frozen expert weights of any 4-bit base
-    (model/experts.py), in blocks `shards` processes can split. Returns how many weights."""
+    """What is quantized once the adapter is on (nf4.after_adapter): the frozen linear weights of every decoder layer
+    of a torchao base (model/nf4.py), and the frozen expert weights of any 4-bit or 8-bit base (model/experts.py), in
+    blocks `shards` processes can split. Returns how many weights."""
     experts.group(model)  # what reads the 4-bit expert stacks
     return sum(quantize_layer(layer, cfg, shards) for layer in decoder_layers(model))
 
@@ -382,7 +382,7 @@ def quantize_layer(layer: torch.nn.Module, cfg: ModelConfig, shards: int = 1) ->
     """quantize_layers for one decoder layer of a model whose experts `experts.group` runs."""
     q = cfg.quantization
     count = nf4.quantize_frozen_linears(layer, DTYPES[q.compute_dtype], q.skip_modules, shards) if nf4.used(cfg) else 0
-    return count + (experts.quantize(layer, DTYPES[q.compute_dtype], shards) if q.bits == 4 else 0)
+    return count + experts.quantize(layer, DTYPES[q.compute_dtype], shards, q.bits)
 
 
 def apply_adapter(model, cfg: AdapterConfig, gradient_checkpointing: bool, say=print):
@@ -563,9 +563,10 @@ def describe(model) -> dict:
             trainable += numel
     info = {"total_params": total, "trainable_params": trainable, "param_bytes": nbytes}
     quantized, kept, dtypes = 0, {}, set()
+    stacks = {id(m) for m in experts.fused_experts(model)}  # a quantized base's, quantized once the adapter is on (nf4.after_adapter)
     for name, module in model.named_modules():
-        if not any(True for _ in module.parameters(recurse=False)) or "lora_" in name or "magnitude" in name:
-            continue  # containers, and the adapter itself
+        if not any(True for _ in module.parameters(recurse=False)) or "lora_" in name or "magnitude" in name or id(module) in stacks:
+            continue  # containers, the adapter itself, and the expert stacks
         if type(module).__name__ in ("Linear4bit", "Linear8bitLt"):
             quantized += 1
         else:
@@ -573,7 +574,7 @@ def describe(model) -> dict:
             kept[short] = kept.get(short, 0) + 1
             dtypes |= {str(p.dtype).removeprefix("torch.") for p in module.parameters(recurse=False)}
     if quantized:
-        info["quantized_linears"] = quantized
+        info["quantized_linears"], info["expert_modules"] = quantized, len(stacks)
         info["unquantized"] = ", ".join(f"{k} x{v}" if v > 1 else k for k, v in sorted(kept.items()))
         info["unquantized_dtype"] = "/".join(sorted(dtypes))  # peft's k-bit preparation upcasts them to float32
     return info

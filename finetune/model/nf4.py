@@ -37,9 +37,9 @@ def used(cfg: ModelConfig) -> bool:
 
 
 def after_adapter(cfg: ModelConfig) -> bool:
-    """Whether torchao quantizes weights once the adapter is on: a torchao base's linear layers, and any
-    4-bit base's fused expert weights, which bitsandbytes leaves as they are (model/experts.py)."""
-    return used(cfg) or (cfg.quantization is not None and cfg.quantization.bits == 4)
+    """Whether weights are quantized once the adapter is on: a torchao base's linear layers, and any quantized base's
+    fused expert weights, which bitsandbytes leaves as they are (model/experts.py: 4-bit NF4, or 8-bit int8 codes)."""
+    return used(cfg) or cfg.quantization is not None
 
 
 def check_available() -> None:
@@ -111,12 +111,18 @@ def packed_bytes(model: torch.nn.Module) -> int:
 
 
 def dequantize_model(model: torch.nn.Module) -> torch.nn.Module:
-    """Every 4-bit weight replaced by its dequantized values, in its own shape (an expert stack, stored
-    2-D, in 3-D again): what merging into the trained-on base takes."""
+    """Every 4-bit weight (and 8-bit expert stack) replaced by its dequantized values, in its own shape (an expert
+    stack, stored 2-D, in 3-D again): what merging into the trained-on base takes."""
+    from finetune.model import experts
+
     for module in model.modules():
         shapes = module.__dict__.get(SHAPES, {})
         for name, param in list(module.named_parameters(recurse=False)):
             if is_nf4(param):
                 value = param.get_original_weight().view(shapes.get(name, param.shape))
-                setattr(module, name, torch.nn.Parameter(value, requires_grad=False))
+            elif name in module.__dict__.get(experts.SCALES, {}):
+                value = experts.dequantized(module, name)
+            else:
+                continue
+            setattr(module, name, torch.nn.Parameter(value, requires_grad=False))
     return model

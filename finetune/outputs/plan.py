@@ -169,15 +169,16 @@ def base_weights(shape: Shape, q: QuantizationConfig | None, s: Setup, torchao: 
     if q is None:
         return (shape.linear_params + shape.other_params) * s.weight_bytes + shape.buffers(s.weight_bytes)
     packed = shape.quantized_params(q.bits)
-    experts = shape.linear_params - packed - sum(l.params for l in shape.linears if l.router)  # 8-bit: the experts, kept as loaded
+    experts = shape.linear_params - packed - sum(l.params for l in shape.linears if l.router)  # 8-bit: the expert stacks, int8 (model/experts)
     kept = shape.linear_params - packed - experts + shape.other_params  # upcast to fp32 by peft's k-bit preparation, or as loaded (torchao)
     kept_bytes = s.weight_bytes if torchao else 4
     if q.bits == 4:
         per_param = 0.5 + (1 / BNB_BLOCK + 4 / (BNB_BLOCK * 256) if q.double_quant else 4 / BNB_BLOCK)
         base = packed * per_param + kept * kept_bytes + quantized_layers(shape, 4) * (NF4_STATE_DOUBLE if q.double_quant else NF4_STATE)
     else:
-        scales = sum(l.fan_out * l.copies for l in shape.quantized(8)) * 4  # one fp32 scale per output row
-        base = packed * 1 + scales + kept * 4 + experts * s.weight_bytes
+        # one fp32 scale per output row, of the linear layers (bitsandbytes) and of the expert stacks (model/experts)
+        scales = sum(l.fan_out * l.copies for l in shape.linears if not l.router) * 4
+        base = packed * 1 + scales + kept * 4 + experts * 1
     return base + shape.buffers(s.weight_bytes)  # the rotary frequencies (and Gemma's embedding scale)
 
 

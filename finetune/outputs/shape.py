@@ -67,8 +67,9 @@ class Shape:
         return self.vocab * self.hidden * (1 if self.tied else 2) + self.norms_and_biases
 
     def quantized(self, bits: int) -> list[Linear]:
-        """The weights a `bits`-bit base quantizes: the linear layers but the routers, and at 4 bits the
-        experts' fused weights too (torchao's NF4: model/experts.py)."""
+        """The weights a `bits`-bit base packs as bitsandbytes or torchao do: the linear layers but the routers, and at
+        4 bits the experts' fused weights too (torchao's NF4: model/experts.py; at 8 bits plan.base_weights counts the
+        experts' int8 stacks itself)."""
         return [layer for layer in self.linears if not layer.router and (bits == 4 or not layer.expert)]
 
     def quantized_params(self, bits: int) -> int:

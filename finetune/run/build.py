@@ -112,7 +112,8 @@ def say_model(state: RunState, model) -> None:
         f"{info['param_bytes'] / 2**20:.1f} MiB of weights"
     )
     if "unquantized" in info:
-        state.say(f"quantized: {info['quantized_linears']} linear layers; kept in {info['unquantized_dtype']}: {info['unquantized']}")
+        stacks = f" and {info['expert_modules']} experts modules' weight stacks (once the adapter is on)" if info["expert_modules"] else ""
+        state.say(f"quantized: {info['quantized_linears']} linear layers{stacks}; kept in {info['unquantized_dtype']}: {info['unquantized']}")
     data_world = state.sequence_parallel.data_world(world)
     shared = f" (of {world}: {state.sequence_parallel.size} share each row)" if state.sequence_parallel.size > 1 else ""
     state.say(
