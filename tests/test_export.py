@@ -163,8 +163,10 @@ def test_bad_exports_say_why_in_one_line_and_leave_nothing(tmp_path, family_dirs
         assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
         return result.stderr
 
+    from finetune.outputs.export import FAMILIES
+
     out = str(tmp_path / "x.gguf")
-    covered = "GGUF export covers gemma2, gemma3_text, gpt_oss, llama, mistral, qwen2, qwen3"
+    covered = f"GGUF export covers {', '.join(sorted(FAMILIES))}"
     assert f"is a phi3 model; {covered}" in refused("--model", str(family_dirs("phi3")), "--out", out)
     assert "query_pre_attn_scalar 8 with heads of 16; llama.cpp scales by the head size" in refused(
         "--model", str(family_dirs("gemma2", query_pre_attn_scalar=8)), "--out", out)

@@ -259,7 +259,7 @@ def _grouped_equals_dequantized(model) -> None:
     results = []
     for dequantized in (False, True):
         if dequantized:
-            nf4.dequantize_model(model)
+            experts.dequantize_model(model)
             assert not any(p.dtype == torch.int8 and ".experts." in name for name, p in model.named_parameters())
             for p in model.parameters():
                 p.data = p.data.float() if p.dtype == torch.bfloat16 else p.data

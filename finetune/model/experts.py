@@ -274,3 +274,20 @@ def dequantized(module: torch.nn.Module, name: str) -> torch.Tensor:
     """An 8-bit expert stack's weight in its own shape, as the grouped forward computes with it (float32)."""
     stack = Stack.of(module, name)
     return stack.rows(0, stack.weight.shape[0]).view(module.__dict__[nf4.SHAPES][name])
+
+
+def dequantize_model(model: torch.nn.Module) -> torch.nn.Module:
+    """Every 4-bit weight (torchao's NF4: a torchao base's linear layers, any 4-bit base's expert stacks) and 8-bit expert
+    stack replaced by its dequantized values, in its own shape (an expert stack, stored 2-D, in 3-D again): what merging
+    into the trained-on base takes."""
+    for module in model.modules():
+        shapes = module.__dict__.get(nf4.SHAPES, {})
+        for name, param in list(module.named_parameters(recurse=False)):
+            if nf4.is_nf4(param):
+                value = param.get_original_weight().view(shapes.get(name, param.shape))
+            elif name in module.__dict__.get(SCALES, {}):
+                value = dequantized(module, name)
+            else:
+                continue
+            setattr(module, name, torch.nn.Parameter(value, requires_grad=False))
+    return model

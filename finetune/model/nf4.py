@@ -108,21 +108,3 @@ def packed_bytes(model: torch.nn.Module) -> int:
             parts = (local.quantized_data, local.quantized_scalers, local.quantization_factor)
             total += sum(part.numel() * part.element_size() for part in parts)
     return total
-
-
-def dequantize_model(model: torch.nn.Module) -> torch.nn.Module:
-    """Every 4-bit weight (and 8-bit expert stack) replaced by its dequantized values, in its own shape (an expert
-    stack, stored 2-D, in 3-D again): what merging into the trained-on base takes."""
-    from finetune.model import experts
-
-    for module in model.modules():
-        shapes = module.__dict__.get(SHAPES, {})
-        for name, param in list(module.named_parameters(recurse=False)):
-            if is_nf4(param):
-                value = param.get_original_weight().view(shapes.get(name, param.shape))
-            elif name in module.__dict__.get(experts.SCALES, {}):
-                value = experts.dequantized(module, name)
-            else:
-                continue
-            setattr(module, name, torch.nn.Parameter(value, requires_grad=False))
-    return model

@@ -25,7 +25,7 @@ import torch
 from finetune.config.errors import EXIT_MERGE_CHECK, Stopped, UserError
 from finetune.config.schema import PRECISIONS, ModelConfig
 from finetune.data import images
-from finetune.model import nf4, vision
+from finetune.model import experts, nf4, vision
 from finetune.model.adapters import Adapter, as_trained, attach, find_adapter, load_base, tokenizer_source
 from finetune.model.configs import override_config
 from finetune.model.loading import DTYPES, auto_class, load_tokenizer, quantize_layers, weight_files
@@ -100,7 +100,7 @@ def merged_model(adapter: Adapter, qlora_base: str):
         base = load_base(adapter, quantized=True).requires_grad_(False)
         if nf4.after_adapter(adapter.run.model):  # torchao's 4-bit weights, as training quantized them
             quantize_layers(base, adapter.run.model)
-            base = nf4.dequantize_model(base)
+            base = experts.dequantize_model(base)
         base = (base if nf4.used(adapter.run.model) else base.dequantize(dtype=torch.float32)).float()
     else:
         base = load_base(adapter, quantized=False)
