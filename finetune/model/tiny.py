@@ -211,16 +211,23 @@ def build_vision_model(out: Path, tokenizer, tower: str = "clip", language: dict
     return out
 
 
+def _with_named_tokens(tokenizer, named: dict[str, str]):
+    """`tokenizer` given special tokens under the names a family's processor reads them by (tokenizer.image_token, ...):
+    transformers takes such names only as it loads a tokenizer."""
+    from transformers import AutoTokenizer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tokenizer.save_pretrained(tmp)
+        return AutoTokenizer.from_pretrained(tmp, extra_special_tokens=named)
+
+
 def _gemma3(out: Path, tokenizer, language: dict | None, seed: int) -> Path:
     """Gemma 3's way: `<start_of_image>` in the text, which its processor widens to the picture's 4 soft
     tokens (2 x 2 pooled from 4 x 4 patches) between a begin and an end token."""
     import torch
-    from transformers import AutoTokenizer, Gemma3Config, Gemma3ForConditionalGeneration, Gemma3ImageProcessor, Gemma3Processor
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3ImageProcessor, Gemma3Processor
 
-    with tempfile.TemporaryDirectory() as tmp:
-        tokenizer.save_pretrained(tmp)
-        tokenizer = AutoTokenizer.from_pretrained(tmp, extra_special_tokens={
-            "boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"})
+    tokenizer = _with_named_tokens(tokenizer, {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"})
     template = VISION_TEMPLATE.replace(IMAGE_TOKEN, "<start_of_image>")
     tokenizer.chat_template = template
     text = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -325,15 +332,13 @@ def _internvl(out: Path, tokenizer, language: dict | None, seed: int) -> Path:
     `</img>` (a 56-pixel picture: one tile of 4 x 4 patches, shuffled 2 x 2 into 4 tokens). A Qwen2 language model; its
     processor also takes videos (without torchvision, built for pictures only)."""
     import torch
-    from transformers import AutoConfig, AutoModelForImageTextToText, AutoTokenizer, InternVLProcessor
+    from transformers import AutoConfig, AutoModelForImageTextToText, InternVLProcessor
     from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
 
     from finetune.model import vision
 
     marks = {"start_image_token": "<img>", "end_image_token": "</img>", "context_image_token": "<IMG_CONTEXT>", "video_token": "<video>"}
-    with tempfile.TemporaryDirectory() as tmp:
-        tokenizer.save_pretrained(tmp)
-        tokenizer = AutoTokenizer.from_pretrained(tmp, extra_special_tokens=marks)
+    tokenizer = _with_named_tokens(tokenizer, marks)
     template = VISION_TEMPLATE.replace(IMAGE_TOKEN, "<IMG_CONTEXT>")
     tokenizer.chat_template = template
     text = dict(model_type="qwen2", vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -357,7 +362,7 @@ def _gemma4(out: Path, tokenizer, language: dict | None, seed: int) -> Path:
     square picture). Its language model with per-layer inputs, causal over pictures (use_bidirectional_attention unset); its
     processor also takes audio and videos (without torchvision, built for pictures only, as vision.load_processor does)."""
     import torch
-    from transformers import AutoConfig, AutoModelForImageTextToText, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForImageTextToText
     from transformers.models.gemma4.feature_extraction_gemma4 import Gemma4AudioFeatureExtractor
     from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
     from transformers.models.gemma4.processing_gemma4 import Gemma4Processor
@@ -366,9 +371,7 @@ def _gemma4(out: Path, tokenizer, language: dict | None, seed: int) -> Path:
 
     marks = {"boi_token": "<|image>", "eoi_token": "<image|>", "image_token": "<|image|>", "boa_token": "<|audio>", "eoa_token": "<audio|>",
              "audio_token": "<|audio|>"}
-    with tempfile.TemporaryDirectory() as tmp:
-        tokenizer.save_pretrained(tmp)
-        tokenizer = AutoTokenizer.from_pretrained(tmp, extra_special_tokens=marks)
+    tokenizer = _with_named_tokens(tokenizer, marks)
     template = VISION_TEMPLATE.replace(IMAGE_TOKEN, "<|image|>")
     tokenizer.chat_template = template
     ids = {name: tokenizer.convert_tokens_to_ids(mark) for name, mark in marks.items()}
