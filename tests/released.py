@@ -166,6 +166,10 @@ def build(name: str, out: Path, seed: int = 0, tokenizer: str | None = None, **c
     config = model_config(name, **changes)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # a release's router score corrections (DeepSeek-V3, GLM-4.5) are trained; a new model's zeros would hide them
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.normal_(0, 0.1)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out

@@ -10,6 +10,7 @@ from conftest import base_config, finetune_cli, write_config
 
 pytest.importorskip("gguf")
 from gguf_header import read_header  # noqa: E402  (it imports gguf)
+from released import released_config  # noqa: E402
 
 # Released shapes (tests/released.py) with their families' real tokenizers. Llama 3.2's rope scaling is made to act
 # within the check texts (original context 16 for 8192): written as llama.cpp's rope_freqs, or the logits part.
@@ -17,15 +18,25 @@ from gguf_header import read_header  # noqa: E402  (it imports gguf)
 # architecture goes with Llama 3's byte-level BPE, as Gemma 2's.
 LLAMA3_ROPE = {"rope_scaling": {"rope_type": "llama3", "factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
                                 "original_max_position_embeddings": 16}}
+LLAMA3 = {"tokenizer": "llama3", "vocab_size": 128256}
+# DeepSeek-V3 made small: heads of 16 + 8 rotary dims over a latent of 32, 16 experts in 8 groups (4 picked from the best 4 groups)
+LATENT = dict(first_k_dense_replace=1, n_routed_experts=16, num_experts_per_tok=4, kv_lora_rank=32, q_lora_rank=48, qk_nope_head_dim=16,
+              qk_rope_head_dim=8, head_dim=8, qk_head_dim=24, v_head_dim=16, moe_intermediate_size=32)
 CASES = [("llama-3.2-1b", "f16", LLAMA3_ROPE), ("qwen2.5-0.5b", "f16", {}), ("qwen3-0.6b", "q8_0", {}),
          ("mistral-7b-v0.3", "f16", {"tokenizer": "llama3", "vocab_size": 128256}), ("gemma-2-9b", "f16", {"tokenizer": "llama3", "vocab_size": 128256}),
          ("gemma-3-1b", "f16", {}),  # Gemma-3-4B (linear rope scaling) passes too: 1.3e-3, 44 s here, left out of make test
          ("qwen3-30b-a3b", "f16", {"num_local_experts": 16, "moe_intermediate_size": 128}),
-         ("mixtral-8x7b", "f16", {"tokenizer": "llama3", "vocab_size": 128256})]
+         ("mixtral-8x7b", "f16", {"tokenizer": "llama3", "vocab_size": 128256}),
+         ("deepseek-v3", "f16", dict(LLAMA3, **LATENT, rope_parameters=dict(released_config("deepseek-v3")["rope_parameters"],
+                                                                            original_max_position_embeddings=16))),
+         ("deepseek-v3", "f16", {**LLAMA3, **LATENT, "q_lora_rank": None, "rope_interleave": False,
+                                 "rope_parameters": {"rope_type": "default", "rope_theta": 5e4}}),
+         ("glm-4.5-air", "f16", dict(LLAMA3, n_routed_experts=16, num_experts_per_tok=4, moe_intermediate_size=32, head_dim=16, use_qk_norm=True,
+                                     pad_token_id=None, eos_token_id=128009))]
 LLAMA_CPP = importlib.util.find_spec("llama_cpp") is not None
 
 
-@pytest.mark.parametrize("name,kind,changes", CASES, ids=[f"{n}-{k}" for n, k, _ in CASES])
+@pytest.mark.parametrize("name,kind,changes", CASES, ids=[f"{n}-{k}" + ("-moonlight" if c.get("q_lora_rank", 1) is None else "") for n, k, c in CASES])
 def test_a_model_round_trips_through_gguf_and_llama_cpp_reads_it_as_transformers(tmp_path, released, name, kind, changes, capsys):
     """Llama 3.2 (tied head: no output tensor, llama.cpp ties it; 128k vocabulary split as llama-bpe; llama3 rope
     scaling), Qwen 2.5 and 3 (151,669 tokens for 151,936 rows: placeholders fill the rest; digits split one by one:
@@ -35,7 +46,11 @@ def test_a_model_round_trips_through_gguf_and_llama_cpp_reads_it_as_transformers
     token left out), Qwen3-MoE (16 experts 128 wide, 8 routed: the fused gate/up weights split into llama.cpp's
     ffn_gate_exps and ffn_up_exps; within 2e-2 in f16: f16 weights move a router's near-ties, where the same file
     in f32 gave 3.4e-4), Mixtral (8 experts, 2 routed: llama.cpp's llama architecture with experts, its query/key rows
-    reordered as Llama's; Llama 3's tokenizer, as Mistral's above). Read by llama.cpp itself (where llama-cpp-python is
+    reordered as Llama's; Llama 3's tokenizer, as Mistral's above), DeepSeek-V3 (latent attention split into llama.cpp's
+    k_b/v_b, yarn as released acting within the texts, 16 experts in 8 groups, the router's score correction drawn
+    random) and its Moonlight shape (one q_proj, rotary dims not interleaved: their rows reordered into pairs; without
+    that, 7.8e-3), GLM-4.5 (partial rotary, q/k norms, biases): llama.cpp's deepseek2 and glm4moe, within 6e-4 in f16.
+    Read by llama.cpp itself (where llama-cpp-python is
     installed, as make test does; else read back by transformers' GGUF loader): the same token ids as transformers on
     12 hard strings, the special tokens, a text starting with a space and a chat turn, logits within 5e-3 (f16) and
     5e-2 (q8_0) on texts longer than the sliding windows, the same greedy tokens."""
@@ -184,3 +199,18 @@ def test_bad_exports_say_why_in_one_line_and_leave_nothing(tmp_path, family_dirs
         assert "made by llama.cpp's own quantizer; pip install llama-cpp-python" in without
 
     assert sorted(p.name for p in tmp_path.iterdir()) == ["taken.gguf"]
+
+
+def test_a_lora_on_deepseeks_latent_key_value_weight_is_refused_as_a_gguf_lora_file(tmp_path):
+    """llama.cpp's deepseek2 holds kv_b_proj split per head (k_b transposed, v_b): a LoRA file cannot follow it."""
+    import gguf
+    import torch
+
+    from finetune.config.errors import UserError
+    from finetune.outputs.export import _lora_tensors
+
+    writer = gguf.GGUFWriter(str(tmp_path / "a.gguf"), "deepseek2")
+    stem = "base_model.model.model.layers.0.self_attn.kv_b_proj"
+    weights = {f"{stem}.lora_A.weight": torch.zeros(4, 16), f"{stem}.lora_B.weight": torch.zeros(64, 4)}
+    with pytest.raises(UserError, match=r"^--adapter: its LoRA on model.layers.0.self_attn.kv_b_proj cannot go in a GGUF LoRA file"):
+        _lora_tensors(writer, weights, {"num_hidden_layers": 1, "num_attention_heads": 2}, gguf.MODEL_ARCH.DEEPSEEK2, False)

@@ -36,7 +36,10 @@ from finetune.outputs.gguf_vocab import check_in_llama_cpp, quiet_stderr, write_
 # model_type -> (the gguf package's architecture, query/key rows reordered for llama.cpp's rotary layout)
 FAMILIES = {"llama": ("LLAMA", True), "mistral": ("LLAMA", True), "qwen2": ("QWEN2", False), "qwen3": ("QWEN3", False),
             "gemma2": ("GEMMA2", False), "gemma3_text": ("GEMMA3", False), "qwen3_moe": ("QWEN3MOE", False), "gpt_oss": ("GPT_OSS", False),
-            "mixtral": ("LLAMA", True)}  # llama.cpp's llama architecture with experts, as its converter writes Mixtral
+            "mixtral": ("LLAMA", True),  # llama.cpp's llama architecture with experts, as its converter writes Mixtral
+            "deepseek_v3": ("DEEPSEEK2", False), "glm4_moe": ("GLM4_MOE", False)}
+# families transformers' GGUF reader does not read back: checked in llama.cpp itself or not written
+LLAMA_CPP_ONLY = ("deepseek_v3", "glm4_moe")
 GEMMAS = ("gemma2", "gemma3_text")  # norms that scale by (1 + weight), heads scaled by query_pre_attn_scalar
 # families not written, and llama.cpp's reason
 NOT_WRITTEN = {"phi3": "llama.cpp's phi3 turns Phi-3-mini-4k's 2,047-token sliding window off, and Phi-3.5/4's longrope would need "
@@ -181,9 +184,12 @@ def _refuse_unwritable(config: dict, folder: Path) -> None:
     if family == "gpt_oss" and (config.get("swiglu_alpha"), config.get("swiglu_limit")) != (1.702, 7.0):
         raise UserError(f"--model: {folder}'s experts gate with alpha {config.get('swiglu_alpha')} and limit {config.get('swiglu_limit')}; "
                         "llama.cpp's gpt-oss architecture has the releases' 1.702 and 7.0 built in")
+    if family in LLAMA_CPP_ONLY and importlib.util.find_spec("llama_cpp") is None:
+        raise UserError(f"--model: {folder} is a {family} model, which only llama.cpp itself reads back to check the file; "
+                        "pip install llama-cpp-python (make install does)")
     scaling = _rope(config).get("rope_type", "default")
-    if scaling not in ("default", "llama3", "linear") and not (scaling == "yarn" and family == "gpt_oss"):
-        raise UserError(f"--model: {folder} scales rope as {scaling}; GGUF export writes llama3 and linear scaling (and gpt-oss's yarn)")
+    if scaling not in ("default", "llama3", "linear") and not (scaling == "yarn" and family in ("gpt_oss", "deepseek_v3")):
+        raise UserError(f"--model: {folder} scales rope as {scaling}; GGUF export writes llama3 and linear scaling (and gpt-oss's and DeepSeek-V3's yarn)")
 
 
 def export_lora(adapter_path: str, out: str, say=print) -> dict:
@@ -241,6 +247,9 @@ def _lora_tensors(writer, weights: dict, config: dict, arch, permuted: bool) -> 
     heads, kv = config["num_attention_heads"], config.get("num_key_value_heads") or config["num_attention_heads"]
     for key in sorted(k for k in weights if ".lora_A." in k):
         layer = key.removeprefix("base_model.model.").replace(".lora_A.weight", ".weight")
+        if layer.endswith("kv_b_proj.weight"):
+            raise UserError(f"--adapter: its LoRA on {layer.removesuffix('.weight')} cannot go in a GGUF LoRA file: llama.cpp's deepseek2 splits that "
+                            "weight per head into k_b (transposed) and v_b; export the merged model instead (without --lora)")
         name = names.get_name(layer, try_suffixes=(".weight",))
         if name is None:
             raise UserError(f"--adapter: no GGUF name for the adapted layer {layer}")
@@ -306,10 +315,13 @@ def _metadata(writer, config: dict, name: str, kind: str) -> None:
     writer.add_block_count(config["num_hidden_layers"])
     writer.add_feed_forward_length(config["intermediate_size"])
     writer.add_head_count(heads)
-    writer.add_head_count_kv(config.get("num_key_value_heads") or heads)
-    writer.add_rope_dimension_count(head_dim)
-    writer.add_key_length(head_dim)
-    writer.add_value_length(head_dim)
+    if config.get("model_type") == "deepseek_v3":
+        _latent_attention(writer, config)
+    else:
+        writer.add_head_count_kv(config.get("num_key_value_heads") or heads)
+        writer.add_rope_dimension_count(int(head_dim * _rope(config).get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))))
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
     rope = _rope(config)
     writer.add_rope_freq_base(float(rope["rope_theta"]))
     if rope["rope_type"] == "linear":  # llama3's scaling goes in as the rope_freqs tensor
@@ -341,8 +353,44 @@ def _metadata(writer, config: dict, name: str, kind: str) -> None:
     if config.get("model_type") == "mixtral":  # each expert as wide as feed_forward_length
         writer.add_expert_count(config["num_local_experts"])
         writer.add_expert_used_count(config["num_experts_per_tok"])
+    if config.get("model_type") in ("deepseek_v3", "glm4_moe"):
+        _routed_experts(writer, config)
     writer.add_vocab_size(config["vocab_size"])
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16 if kind == "f16" else gguf.LlamaFileType.MOSTLY_Q8_0)
+
+
+def _latent_attention(writer, config: dict) -> None:
+    """DeepSeek's multi-head latent attention as llama.cpp runs it: one shared key/value head (MQA) over the latent and
+    the rotary part, keys of kv_lora_rank + rope dims, values of kv_lora_rank; each head's own sizes as the _mla keys."""
+    writer.add_head_count_kv(1)
+    writer.add_q_lora_rank(config.get("q_lora_rank") or 0)  # none: one q_proj (Moonlight), not two
+    writer.add_kv_lora_rank(config["kv_lora_rank"])
+    writer.add_rope_dimension_count(config["qk_rope_head_dim"])
+    writer.add_key_length(config["kv_lora_rank"] + config["qk_rope_head_dim"])
+    writer.add_value_length(config["kv_lora_rank"])
+    writer.add_key_length_mla(config["qk_nope_head_dim"] + config["qk_rope_head_dim"])
+    writer.add_value_length_mla(config["v_head_dim"])
+    rope = _rope(config)
+    if rope["rope_type"] == "yarn" and rope.get("mscale_all_dim"):  # the softmax scale's mscale², as llama.cpp's converter writes it
+        writer.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
+
+
+def _routed_experts(writer, config: dict) -> None:
+    """DeepSeek-V3's and GLM-4.5's experts: dense leading layers, shared experts, sigmoid scores with a correction bias,
+    picked within the best groups, weights normalized and scaled."""
+    import gguf
+
+    writer.add_leading_dense_block_count(config["first_k_dense_replace"])
+    writer.add_expert_count(config["n_routed_experts"])
+    writer.add_expert_used_count(config["num_experts_per_tok"])
+    writer.add_expert_shared_count(config["n_shared_experts"])
+    writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+    writer.add_expert_weights_scale(float(config["routed_scaling_factor"]))
+    writer.add_expert_weights_norm(bool(config["norm_topk_prob"]))
+    writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    if (config.get("n_group") or 1) > 1:
+        writer.add_expert_group_count(config["n_group"])
+        writer.add_expert_group_used_count(config["topk_group"])
 
 
 def _yarn(writer, rope: dict) -> None:
@@ -377,7 +425,8 @@ def _tensors(writer, model, config: dict, arch, permuted: bool, kind: str) -> No
 
     names = gguf.get_tensor_name_map(arch, config["num_hidden_layers"])
     heads, kv = config["num_attention_heads"], config.get("num_key_value_heads") or config["num_attention_heads"]
-    for name, tensor in _split_experts(model.state_dict(), interleaved=config.get("model_type") == "gpt_oss").items():
+    state = _split_experts(model.state_dict(), interleaved=config.get("model_type") == "gpt_oss")
+    for name, tensor in (_latent_heads(state, config) if config.get("model_type") == "deepseek_v3" else state).items():
         if name == "lm_head.weight" and config.get("tie_word_embeddings"):
             continue  # llama.cpp ties the output to token_embd when output.weight is missing
         target = names.get_name(name, try_suffixes=(".weight", ".bias"))
@@ -402,7 +451,7 @@ def _split_experts(state: dict, interleaved: bool = False) -> dict:
     """transformers' fused expert weights as GGUF holds them: gate_up_proj (E, 2m, h) as gate_proj and up_proj
     (E, m, h) each (llama.cpp's ffn_gate_exps and ffn_up_exps); down_proj (E, h, m) as it is; each named as a weight.
     gpt-oss stores them (E, in, out) with gate and up columns interleaved, and biases beside them (its sinks too are
-    named as weights)."""
+    named as weights). DeepSeek-V3's and GLM-4.5's routers' score corrections are named as biases."""
     out = {}
     for name, tensor in state.items():
         if interleaved and name.endswith(("experts.gate_up_proj", "experts.down_proj")):
@@ -413,10 +462,30 @@ def _split_experts(state: dict, interleaved: bool = False) -> dict:
             suffix = ".bias" if name.endswith("_bias") else ".weight"
             stem = name.removesuffix("_bias").removesuffix("gate_up_proj")
             out[f"{stem}gate_proj{suffix}"], out[f"{stem}up_proj{suffix}"] = gate, up
-        elif name.endswith("experts.down_proj_bias"):
-            out[name.replace("down_proj_bias", "down_proj.bias")] = tensor
+        elif name.endswith(("experts.down_proj_bias", "gate.e_score_correction_bias")):  # the router's correction: exp_probs_b
+            out[name.removesuffix("_bias") + ".bias"] = tensor
         else:
             out[name + (".weight" if name.endswith(("experts.down_proj", "self_attn.sinks")) else "")] = tensor
+    return out
+
+
+def _latent_heads(state: dict, config: dict) -> dict:
+    """MLA's weights as llama.cpp's deepseek2 reads them: kv_b_proj split per head into the key part, transposed (k_b:
+    queries absorbed into the latent), and the value part (v_b). Where the
+    rotary dims are not interleaved pairs (rope_interleave false), their rows reordered into pairs, as Llama's."""
+    heads, nope, rope = config["num_attention_heads"], config["qk_nope_head_dim"], config["qk_rope_head_dim"]
+    out = {}
+    for name, tensor in state.items():
+        if name.endswith("self_attn.kv_b_proj.weight"):
+            per_head = tensor.unflatten(0, (heads, -1))  # (heads, nope + v, kv_lora_rank)
+            out[name.replace("kv_b_proj", "k_b_proj")] = per_head[:, :nope].transpose(1, 2).contiguous()
+            out[name.replace("kv_b_proj", "v_b_proj")] = per_head[:, nope:].contiguous()
+            continue
+        if not config.get("rope_interleave", True) and name.endswith(("q_b_proj.weight", "q_proj.weight", "kv_a_proj_with_mqa.weight")):
+            rows = tensor.unflatten(0, (heads, -1)).clone() if "q_" in name else tensor.clone()[None]
+            rows[:, -rope:] = torch.from_numpy(_rotary_rows(rows[:, -rope:].flatten(0, 1).numpy(), len(rows))).unflatten(0, (len(rows), -1))
+            tensor = rows.flatten(0, 1)
+        out[name] = tensor
     return out
 
 
