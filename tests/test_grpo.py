@@ -479,7 +479,9 @@ def test_bad_grpo_input_is_one_line_with_exit_2(tmp_path, tiny_model_dir):
              ({"grpo": {"advantage": "reinforce_pp", "async_rollouts": True}}, r"grpo.advantage: reinforce_pp whitens over the whole step"),
              ({"grpo": {"importance_sampling": {"mode": "clip"}}}, r"grpo.importance_sampling.mode: .*'truncate' or 'mask'"),
              ({"grpo": {"importance_sampling": {}, "environment": f"{REPO}/demo/agent/guess.py:GuessNumber"}},
-              r"grpo.importance_sampling: an environment's episodes keep no sampler log-probabilities")]
+              r"grpo.importance_sampling: an environment's episodes keep no sampler log-probabilities"),
+             ({"grpo": {"router_replay": True}}, r"^error: grpo.router_replay: llama is a dense model: no router to replay; set router_replay: false$"),
+             ({"grpo": {"router_replay": True, "async_rollouts": True}}, r"grpo.router_replay: the background sampler's copy of the policy")]
     for i, (sections, why) in enumerate(cases):
         config = write_config(tmp_path / f"bad{i}.yaml", _grpo_config(tiny_model_dir, tmp_path / f"out{i}", **sections))
         result = finetune_in_process("train", "--config", str(config))
@@ -543,3 +545,97 @@ def test_bf16_weights_with_bf16_autocast_sample_and_evaluate(tmp_path, tiny_mode
     assert result.returncode == 0, result.stderr[-3000:]
     rows = read_jsonl(tmp_path / "out" / "metrics.jsonl")
     assert len([r for r in rows if "loss" in r]) == 2 and any("eval_reward" in r for r in rows)
+
+
+# -- router replay (grpo.router_replay) ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2-moe", "qwen3-moe", "qwen3-next", "deepseek-v3", "glm4-moe", "gpt-oss"])
+def test_replaying_a_routers_own_choices_changes_nothing_and_other_choices_are_taken(family_dirs, family):
+    """Each family's rule for the gate weights (softmax renormalized or not, softmax of the chosen logits, sigmoid scaled):
+    replaying the experts a forward chose gives its logits again; replaying others moves them, the choices counted as
+    differing, and the router still gets a gradient."""
+    from transformers import AutoModelForCausalLM
+
+    from finetune.model import routing
+    from finetune.model.experts import named_fused_experts
+
+    model = AutoModelForCausalLM.from_pretrained(family_dirs(family, **({"mlp_only_layers": None} if family == "qwen3-next" else {}))).float()
+    assert routing.install(model) == len(named_fused_experts(model)) > 0
+    ids = torch.randint(3, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), routing.recording(model, rows=2) as taken:
+        own = model(input_ids=ids).logits
+        chosen = taken()
+    experts = int(chosen.max()) + 1
+    routing.replay(model, chosen.flatten(0, 1))
+    with torch.no_grad():
+        assert (model(input_ids=ids).logits - own).abs().max() < 1e-6
+    assert routing.differing(model) == 0
+    routing.replay(model, ((chosen + 1) % experts).flatten(0, 1))  # every token to the next experts along
+    logits = model(input_ids=ids).logits
+    assert (logits - own).abs().max() > 1e-3 and routing.differing(model) > 0.9  # a later layer's own choice may land on the replayed one
+    logits.float().square().mean().backward()
+    assert all(r.weight.grad is not None and r.weight.grad.abs().sum() > 0 for r in routing.routers(model))
+    routing.replay(model, None)
+    with torch.no_grad():
+        assert (model(input_ids=ids).logits - own).abs().max() == 0
+
+
+def test_router_replay_trains_each_token_on_the_experts_the_sampler_ran_it_through(family_dirs, demo_tokenizer_dir):
+    """The rollout records the experts of every token as generate ran it (prompt's forward, then a token a step); a training
+    forward over the packed rows routes the same tokens to the same experts (checked with replay off). With routers whose
+    experts nearly tie (rows 1e-7 apart), the KV-cached sampler and the training forward choose otherwise for some tokens:
+    without replay the log-probabilities of sampled tokens move by over 1e-4; replayed, the gap falls to the dense model's
+    (under 2e-6 in fp32), and routing_mismatch logs the share of choices the trainer would have made otherwise."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from finetune.data.packing import Prompt
+    from finetune.model import routing
+    from finetune.objectives.objective import answers, token_logps
+
+    model = AutoModelForCausalLM.from_pretrained(family_dirs("qwen3-moe", num_experts=8)).float().eval()
+    tokenizer = AutoTokenizer.from_pretrained(demo_tokenizer_dir)
+    routing.install(model)
+    objective = GRPO(GRPOConfig(num_generations=4, max_completion_length=12, router_replay=True),
+                     [Reward("r", "reward_r", 1.0, lambda **kw: [float(len(c)) for c in kw["completions"]])], seed=3)
+    prompts = [Prompt(np.array(p), {"prompt": "x"}, i) for i, p in enumerate([[5, 9, 17, 23, 40, 41, 42], [31, 8, 12]])]
+
+    def sampled() -> dict:
+        batch = objective._sampled(model, tokenizer, [prompts], position=0, device="cpu", old_logps=False)[0][0]
+        assert batch["routing"].shape == (int(batch["routing_rows"].sum()), 2, 2) and batch["routing"].dtype == torch.int16
+        return batch
+
+    def metrics(batch: dict) -> dict:
+        values = objective.losses(model, to_device(batch, "cpu"), objective.counts(batch)).metrics.tolist()
+        return {k: v / len(batch["advantages"]) for k, v in zip(objective.metrics, values)}
+
+    batch = sampled()
+    with torch.no_grad(), routing.recording(model, rows=len(batch["input_ids"])) as taken:
+        token_logps(model, batch, answers(batch, pairs=False)[0])
+        trained = taken().flatten(0, 1)
+    real = (torch.arange(batch["input_ids"].shape[1])[None] < batch["routing_rows"][:, None]).flatten()
+    ran = batch["routing"][:, 0, 0] != routing.FREE
+    assert ran.sum() == len(ran) - 8  # each completion's last token, drawn and never run
+    assert torch.equal(trained[real][ran].sort(-1).values, batch["routing"][ran].long().sort(-1).values)
+    assert metrics(batch)["routing_mismatch"] == 0
+    with torch.no_grad():
+        for router in routing.routers(model):
+            router.weight.copy_(router.weight[:1] + 1e-7 * torch.randn(router.weight.shape, generator=torch.Generator().manual_seed(0)))
+    batch = sampled()
+    replayed = metrics(batch)
+    free = metrics({k: v for k, v in batch.items() if not k.startswith("routing")})
+    assert replayed["routing_mismatch"] > 0.01 and replayed["mismatch_max"] < 2e-6 < 1e-4 < free["mismatch_max"], (replayed, free)
+
+
+def test_a_moe_grpo_run_with_router_replay_logs_how_often_the_trainer_would_have_routed_otherwise(tmp_path, family_dirs, parity_reward):
+    """Through a real run (num_iterations 2: the held rollouts' old log-probabilities replayed too): router replay said at the
+    start, routing_mismatch logged each step (refused on a dense model in one line: test_bad_grpo_input_is_one_line_with_exit_2)."""
+    cfg = _grpo_config(family_dirs("qwen3-moe"), tmp_path / "out", data={"eval": None}, train={"max_steps": 2},
+                       grpo={"rewards": [parity_reward], "router_replay": True, "num_iterations": 2})
+    result = finetune_in_process("train", "--config", str(write_config(tmp_path / "c.yaml", cfg)))
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "router replay: 2 routers send each trained token to the experts it was sampled with" in result.stdout
+    rows = step_rows(tmp_path / "out")
+    # The first update trains on the weights that sampled (fp32: the same routes); the second, one update later, on moved weights
+    # whose router would send a share of the tokens elsewhere: replay keeps them on the experts that made them.
+    assert len(rows) == 2 and rows[0]["routing_mismatch"] == 0 < rows[1]["routing_mismatch"], [r.get("routing_mismatch") for r in rows]

@@ -323,6 +323,11 @@ class GRPOConfig(_Section):
         "sampler), per token or per completion, capped or masked above cap (TRL's vllm_importance_sampling_correction, whose "
         "defaults level sequence, mode mask, cap 3.0 are these; null: off). The gap is logged either way (mismatch_kl, mismatch_max). "
         "Single-turn GRPO (not grpo.environment's episodes).")
+    router_replay: bool = Field(False, description="Mixture-of-experts policies: record the experts each token was routed to while "
+                                "the sampler ran it, and route the training forwards' tokens to the same experts (their gate weights from "
+                                "the trainer's own router logits, so the router still learns), as Megatron-LM's and verl's router replay. "
+                                "Logged: routing_mismatch, the share of (token, layer) choices the trainer's router would have made "
+                                "otherwise. Refused on a dense model; single-turn GRPO, sampled in line with the dynamic KV cache.")
     environment: str | None = Field(None, description="Agentic GRPO: an environment class, path/to/file.py:Class or module:Class, built from "
                                     "each prompt row; each completion is then an episode of up to max_turns assistant turns, tool calls run "
                                     "and answered, the environment's reward added to the reward functions' (docs/agents.md).")
@@ -595,6 +600,11 @@ class RunConfig(_Section):
                              f"(here train.objective {self.train.objective}, grpo.beta {g.beta:g}); set both, or drop guard.max_kl")
         if g.environment and self.train.objective != "grpo":
             raise ValueError(f"grpo.environment: environments run GRPO episodes; set train.objective: grpo (not {self.train.objective})")
+        if g.router_replay and (g.environment or g.async_rollouts or g.kv_cache == "static" or self.train.objective != "grpo"):
+            why = ("an environment's episodes come from several generate calls" if g.environment else "the background sampler's copy of "
+                   "the policy keeps its own routes" if g.async_rollouts else "the static cache compiles the decoding step it records in"
+                   if g.kv_cache == "static" else f"it replays GRPO's sampling, not train.objective {self.train.objective}'s")
+            raise ValueError(f"grpo.router_replay: {why}; set router_replay: false (or drop what it cannot run with)")
         if g.environment and g.importance_sampling is not None:
             raise ValueError("grpo.importance_sampling: an environment's episodes keep no sampler log-probabilities of their turns yet; "
                              "drop grpo.importance_sampling, or grpo.environment")

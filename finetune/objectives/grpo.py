@@ -39,6 +39,7 @@ from finetune.config.schema import GRPOConfig
 from finetune.data.encoding import prompt_text
 from finetune.data.packing import Prompt, Row, Split, collate
 from finetune.data.rows import IGNORE
+from finetune.model import routing
 from finetune.objectives.evaluate import batches_per_rank
 from finetune.objectives.loss import Losses, to_device
 from finetune.objectives.objective import Objective, adapters_off, answers, token_logps
@@ -85,7 +86,7 @@ class GRPO(Objective):
     def __post_init__(self):
         gap = ("mismatch_kl", "mismatch_max", *(("is_capped",) if self.cfg.importance_sampling else ())) if self.keeps_sampler_logps else ()
         self.metrics = ("reward", "reward_std", "zero_std_groups", "completion_length", "kl", "clip_ratio", *(r.metric for r in self.rewards),
-                        *self.extra_metrics, *gap)
+                        *self.extra_metrics, *gap, *(("routing_mismatch",) if self.cfg.router_replay else ()))
         self.mean_over = (1,) * len(self.metrics)  # means over the step's completions (counts' second entry)
 
     def eval_line(self, result: dict) -> str:
@@ -104,7 +105,9 @@ class GRPO(Objective):
 
     def losses(self, model, batch: dict[str, torch.Tensor], totals: list[float], router: bool = False) -> Losses:
         keep, completion, _ = answers(batch, pairs=False)
+        replayed = self._replay(model, batch)
         logps, aux = token_logps(model, batch, keep, router, self.cfg.temperature)
+        routes_differ = routing.differing(model).to(logps.dtype).reshape(1) if replayed else None  # before the reference's forward
         advantage = batch["advantages"].to(logps.dtype)[completion]
         old = batch["old_logps"][keep].to(logps.dtype) if "old_logps" in batch else logps.detach()
         n = len(batch["advantages"])
@@ -136,8 +139,23 @@ class GRPO(Objective):
         metrics = torch.cat([torch.stack([batch["reward"].sum(), batch["reward_std"].sum(), batch["zero_std"].sum(), lengths.sum(),
                                           per_completion[0].sum(), per_completion[1].sum()]).to(logps.dtype), rewards.sum(0),
                              *([batch["extra"].to(logps.dtype).sum(0)] if "extra" in batch else []),
-                             *([self._gap_metrics(gap, capped, completion, lengths)] if gap is not None else [])])
+                             *([self._gap_metrics(gap, capped, completion, lengths)] if gap is not None else []),
+                             *([routes_differ * n] if replayed else [])])
         return Losses(loss, aux, metrics)
+
+    def _replay(self, model, batch: dict[str, torch.Tensor]) -> bool:
+        """grpo.router_replay: the batch's forwards (and their recomputation in the backward) route each token as the sampler did."""
+        if "routing" not in batch:
+            if self.cfg.router_replay:  # rows the sampler did not record (held from before): the routers' own choices
+                routing.replay(model, None)
+            return False
+        rows, width = batch["input_ids"].shape
+        recorded = batch["routing"]
+        real = torch.arange(width, device=recorded.device)[None] < batch["routing_rows"].to(recorded.device)[:, None]  # right-padded rows
+        choices = torch.full((rows, width, *recorded.shape[1:]), routing.FREE, dtype=recorded.dtype, device=recorded.device)
+        choices[real] = recorded
+        routing.replay(model, choices.flatten(0, 1))
+        return True
 
     def _importance_weights(self, gap: torch.Tensor, completion: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """grpo.importance_sampling: each token's weight exp(gap), or its completion's exp(sum of gaps) (level sequence),
@@ -271,6 +289,7 @@ class GRPO(Objective):
         (0 elsewhere): the later updates' ratio is to these. In the training forward's mode, as TRL computes them."""
         moved = to_device(batch, device)
         keep, _, _ = answers(moved, pairs=False)  # as `losses` picks them
+        self._replay(model, batch)
         logps, _ = token_logps(model, moved, keep, temperature=self.cfg.temperature)
         old = torch.zeros(keep.shape, dtype=torch.float32, device=keep.device)
         old[keep] = logps.float()
@@ -287,27 +306,30 @@ class GRPO(Objective):
         self.held, self.ahead = _unflat(state, ""), _unflat(state, "ahead.")
 
     def groups(self, model, tokenizer, prompts: list[Prompt], position: int, device) -> list[tuple[Row, dict[str, torch.Tensor]]]:
-        """Each prompt's group of completions as a scored training row, with the sampler's log-probabilities of their tokens."""
-        completions, drawn = self.sample(model, tokenizer, prompts, position, device)
-        return [self._scored(tokenizer, p, c, d) for p, c, d in zip(prompts, completions, drawn)]
+        """Each prompt's group of completions as a scored training row, with what the sampler saw of their tokens."""
+        completions, seen = self.sample(model, tokenizer, prompts, position, device)
+        return [self._scored(tokenizer, p, c, s) for p, c, s in zip(prompts, completions, seen)]
 
-    def sample(self, model, tokenizer, prompts: list[Prompt], position: int, device) -> tuple[list[list[list[int]]], list[list[torch.Tensor]]]:
-        """num_generations completions of each prompt (each cut after its EOS token), all in one `generate`
-        call, and each token's log-probability as the sampler drew it (at grpo.temperature, before top-k/top-p); completion
-        j of a prompt draws its noise from a seed of (train.seed, data step, the prompt's sample index, j), so it is the same
-        in any batch, process or start of the run."""
+    def sample(self, model, tokenizer, prompts: list[Prompt], position: int, device) -> tuple[list[list[list[int]]], list[list[dict]]]:
+        """num_generations completions of each prompt (each cut after its EOS token), all in one `generate` call, and what
+        the sampler saw of each: its tokens' log-probabilities as drawn (at grpo.temperature, before top-k/top-p;
+        "sampler_logps") and, with grpo.router_replay, the experts each token of prompt and completion was routed to
+        ("routing"). Completion j of a prompt draws its noise from a seed of (train.seed, data step, the prompt's sample
+        index, j), so it is the same in any batch, process or start of the run."""
         cfg = self.cfg
         seeds = np.concatenate([np.random.SeedSequence([self.seed, position, p.sample]).generate_state(cfg.num_generations, np.uint64)
                                 for p in prompts]).view(np.int64)
         repeated = [p.ids for p in prompts for _ in range(cfg.num_generations)]
         sampler = self.sampler(torch.as_tensor(seeds, device=device), keep_logps=True)
         shown = [p.pictures for p in prompts for _ in range(cfg.num_generations)]
-        completions = generate(model, tokenizer, repeated, cfg.max_completion_length, device, sampler, synced=self.synced, cache=cfg.kv_cache,
-                               picture_inputs=self._picture_inputs(shown), never=self.placeholders)
+        with routing.recording(model, len(repeated)) if cfg.router_replay else contextlib.nullcontext() as taken:
+            completions = generate(model, tokenizer, repeated, cfg.max_completion_length, device, sampler, synced=self.synced,
+                                   cache=cfg.kv_cache, picture_inputs=self._picture_inputs(shown), never=self.placeholders)
+            routes = routing.per_sequence(taken(), [len(p) for p in repeated], [len(c) for c in completions]) if taken else None
         table = sampler.drawn_logps()
-        drawn = [table[i, : len(c)] for i, c in enumerate(completions)]
+        seen = [{"sampler_logps": table[i, : len(c)], **({"routing": routes[i]} if routes else {})} for i, c in enumerate(completions)]
         g = cfg.num_generations
-        return [completions[i : i + g] for i in range(0, len(completions), g)], [drawn[i : i + g] for i in range(0, len(drawn), g)]
+        return [completions[i : i + g] for i in range(0, len(completions), g)], [seen[i : i + g] for i in range(0, len(seen), g)]
 
     def _picture_inputs(self, shown: list[list[bytes]]):
         """generate's image inputs for prompts showing these pictures (each prompt's, in order): None for text prompts."""
@@ -335,13 +357,17 @@ class GRPO(Objective):
         per_function = torch.tensor(table, dtype=torch.float32)
         return per_function, (per_function * torch.tensor([r.weight for r in self.rewards], dtype=torch.float32)).sum(1)
 
-    def _scored(self, tokenizer, prompt: Prompt, completions: list[list[int]], drawn: list[torch.Tensor]) -> tuple[Row, dict[str, torch.Tensor]]:
-        """One prompt's completions as a packed row (trained on the completions), with their rewards and advantages, and the
-        sampler's log-probabilities of their tokens, in the row's order of trained tokens ("sampler_logps")."""
+    def _scored(self, tokenizer, prompt: Prompt, completions: list[list[int]], seen: list[dict]) -> tuple[Row, dict[str, torch.Tensor]]:
+        """One prompt's completions as a packed row (trained on the completions), with their rewards and advantages, and what
+        the sampler saw (`sample`), in the row's order: its log-probabilities of the trained tokens, the experts of every token
+        (and the row's length, "routing_rows", to place them in the padded batch)."""
         per_function, reward = self._rewards(tokenizer, prompt, completions)
         sequences = [([*prompt.ids.tolist(), *c], [False] * len(prompt.ids) + [True] * len(c)) for c in completions]
         row, columns = group_row(sequences, per_function, reward, self.cfg)
-        return row, {**columns, "sampler_logps": torch.cat(drawn)}
+        columns.update({key: torch.cat([s[key] for s in seen]) for key in seen[0]})
+        if "routing" in columns:
+            columns["routing_rows"] = torch.tensor([len(row.input_ids)])
+        return row, columns
 
     # -- evaluation ------------------------------------------------------------------------------
 
@@ -356,6 +382,7 @@ class GRPO(Objective):
         """The mean reward of greedy completions of this rank's share of the eval prompts, reduced over ranks."""
         was_training = model.training
         model.eval()
+        routing.replay(model, None)  # greedy completions route as the model does
         world, rank = accelerator.num_processes, accelerator.process_index
         mine = list(range(rank, len(rows), world))
         if max_batches:

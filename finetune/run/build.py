@@ -13,7 +13,7 @@ from finetune.config.schema import MUTATED_INITS, RunConfig, looks_local
 from finetune.config.strategy import Strategy
 from finetune.data.chat import choose_template
 from finetune.data.datasets import load_data, plan_steps, summary_lines
-from finetune.model import families, vision
+from finetune.model import families, routing, vision
 from finetune.model.loading import apply_adapter, compile_layers, describe, load_tokenizer, loftq_init
 from finetune.model.mixers import packed_samples_meet
 from finetune.model.stage import staged_model
@@ -72,6 +72,11 @@ def load_model(state: RunState) -> None:
     model.name_or_path = model.config.name_or_path = state.base
     state.router_coef = families.router_aux_loss_coef(model.config.to_dict()) if t.router_aux_loss_coef is None else t.router_aux_loss_coef
     sequence_parallel.check_model(state.sequence_parallel.size, model, state.router_coef)
+    if cfg.train.objective == "grpo" and cfg.grpo.router_replay:
+        why = routing.unreplayable(model)
+        if why:
+            raise UserError(f"grpo.router_replay: {why}; set router_replay: false")
+        state.say(f"router replay: {routing.install(model)} routers send each trained token to the experts it was sampled with")
     model = apply_adapter(model, cfg.adapter, t.gradient_checkpointing, say=state.say)
     if cfg.model.tiled_mlp > 1:
         count = sequence_parallel.tile_mlps(model, cfg.model.tiled_mlp)
