@@ -457,6 +457,11 @@ BAD = {
     "missing": (lambda row: {**row, "images": ["img/nope.png"]}, "image {}/img/nope.png: cannot be read (No such file or directory)"),
     "corrupt": (lambda row: {**row, "images": ["img/corrupt.png"]}, "image {}/img/corrupt.png: not a picture"),
     "count": (lambda row: {**row, "images": row["images"] * 2}, "1 image place(s) in the messages (<image> or image parts) but 2 image(s) in 'images'"),
+    # a video to the picture-only path: as a content part (TRL), or LLaMA-Factory's videos field
+    "video-part": (lambda row: {"messages": [{"role": "user", "content": [{"type": "video", "path": "img/clip.mp4"}, {"type": "text", "text": "What?"}]},
+                                             {"role": "assistant", "content": "a circle"}]},
+                   "messages[0].content: only text and image parts can be trained on (got video)"),
+    "videos": (lambda row: {**row, "videos": ["img/clip.mp4"]}, "field 'videos': finetune trains vision-language models on pictures, not videos"),
 }
 
 

@@ -44,6 +44,8 @@ def gather(row: dict) -> tuple[dict, str | None]:
     """A chat row (messages already in place) with its pictures moved to `images` and each message that
     shows one given as parts; (row, why it cannot be used)."""
     images = list(row.get("images") or [])
+    if row.get("videos"):  # LLaMA-Factory's and TRL's field: silently dropped, its <video> marker would train as text
+        return row, "field 'videos': finetune trains vision-language models on pictures, not videos; drop the row's videos"
     if not isinstance(row.get("images", []), list):
         return row, "field 'images' must be a list of paths or image bytes"
     messages, parted = [], False
