@@ -261,35 +261,40 @@ def test_rollouts_sampled_ahead_are_the_policys_as_it_was_when_they_began(tiny_m
             if p.requires_grad:
                 p.add_(0.3)
     ahead, ahead_tokens = objective.rollout(model, tokenizer, prompts, 5, "cpu")
-    assert ahead_tokens == tokens and objective.ahead is None
+    assert ahead_tokens == tokens and objective.ahead == []
     for key in ("input_ids", "labels", "position_ids", "rewards", "advantages"):
         assert torch.equal(ahead[0][key], expected[0][key]), key
     assert torch.equal(ahead[0]["old_logps"], expected_old) and (expected_old != 0).sum() > 10
     assert (GRPO(cfg, [], seed=3)._logps(model, expected[0], "cpu") - expected_old).abs().max() > 0.1  # the moved model's are not
     objective.sample_ahead(model, tokenizer, prompts, 5, "cpu", contextlib.nullcontext)  # begun after the move: its copy is refreshed
-    again = objective.joined_ahead()[1][0]
+    again = objective.joined_ahead()[0][1][0]
     assert torch.equal(again["old_logps"], GRPO(cfg, [], seed=3)._logps(model, again, "cpu"))
     in_line, _ = objective.rollout(model, tokenizer, prompts, 6, "cpu")  # another data step: sampled in line, what was ahead dropped
-    assert "old_logps" not in in_line[0] and objective.ahead is None
+    assert "old_logps" not in in_line[0] and objective.ahead == []
 
 
-def test_async_rollouts_run_resumed_after_kill_9_trains_the_same(tmp_path, tiny_model_dir, parity_reward):
-    """The first step samples in line (as a synchronous run's), the later ones train on completions sampled a step before
-    (their ratio moved off 1); a checkpoint holds what was sampled ahead, so a run killed after it resumes bitwise."""
+@pytest.mark.parametrize("depth", [1, 2])
+def test_async_rollouts_run_resumed_after_kill_9_trains_the_same(tmp_path, tiny_model_dir, parity_reward, depth):
+    """The first step samples in line (as a synchronous run's), the later ones train on completions sampled up to `depth` steps
+    before (their ratio moved off 1); a checkpoint holds every rollout sampled ahead, so a run killed after it resumes bitwise.
+    Two steps ahead, step 2's completions come from the policy of step 0, not step 1's as one step ahead: its ratio, and loss, differ."""
     sections = {"data": {"eval": None}, "grpo": {"rewards": [parity_reward], "beta": 0.1}}
-    cfg = _grpo_config(tiny_model_dir, tmp_path / "reference", **{**sections, "grpo": {**sections["grpo"], "async_rollouts": True}})
-    synchronous = _grpo_config(tiny_model_dir, tmp_path / "synchronous", **sections)
-    for config in (cfg, synchronous):
+    runs = {name: _grpo_config(tiny_model_dir, tmp_path / name, **{**sections, "grpo": {**sections["grpo"], "async_rollouts": k}})
+            for name, k in (("reference", depth), ("one-ahead", 1), ("synchronous", 0)) if name != "one-ahead" or depth > 1}
+    for config in runs.values():
         assert finetune_in_process("train", "--config", str(write_config(tmp_path / "run.yaml", config))).returncode == 0
     keys = ("loss", "grad_norm", "reward", "completion_length", "kl", "clip_ratio")
-    expected = [[r[k] for k in keys] for r in step_rows(tmp_path / "reference")]
-    in_line = [[r[k] for k in keys] for r in step_rows(tmp_path / "synchronous")]
+    expected, in_line = ([[r[k] for k in keys] for r in step_rows(tmp_path / name)] for name in ("reference", "synchronous"))
     assert expected[0] == in_line[0] and all(e[0] != s[0] for e, s in zip(expected[1:], in_line[1:]))
-    _, steps = killed_and_resumed(tmp_path, cfg, save_every=2, kill_at=3)
+    if depth > 1:
+        one_ahead = [[r[k] for k in keys] for r in step_rows(tmp_path / "one-ahead")]
+        assert expected[:2] == one_ahead[:2] and expected[2][0] != one_ahead[2][0]
+    _, steps = killed_and_resumed(tmp_path, runs["reference"], save_every=2, kill_at=3)
     from safetensors.torch import load_file
 
     saved = load_file(tmp_path / "out" / "checkpoints" / "step-000002" / "state-rank0.safetensors")
-    assert int(saved["ahead.position"]) == 2 and "batches" not in saved  # step 3's rollouts, sampled during step 2; none held
+    # steps 3 (and 4)'s rollouts, sampled during the steps before; none held
+    assert [int(saved[f"{p}position"]) for p in ("ahead.", "ahead1.") if f"{p}position" in saved] == [2, 3][:depth] and "batches" not in saved
     assert [[r[k] for k in keys] for r in steps] == expected  # bitwise
 
 

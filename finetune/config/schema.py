@@ -311,12 +311,13 @@ class GRPOConfig(_Section):
                                                    "(on CUDA transformers compiles the decoding step: 2.3-3.3x dynamic's tokens/s for a 1.1B "
                                                    "model on an H200, bench/rollouts.py; not yet run through a GRPO run on a GPU). In bf16 the "
                                                    "two sample other completions, each repeatably.")
-    async_rollouts: bool = Field(False, description="Sample each data step's completions in a background thread while the step before "
-                                 "trains, by a copy of the policy as that step began (one update off-policy: the ratio to the log-probabilities "
-                                 "they were sampled with is clipped by epsilon, the importance-sampling correction). The first step samples in "
-                                 "line, as does one whose data step was not the one foreseen (a rollback skipped a window). LoRA copies the "
-                                 "adapter, full fine-tuning the whole model. Not under fsdp or zero3 (sampling gathers their shards with "
-                                 "collectives).")
+    async_rollouts: int = Field(0, ge=0, description="Sample the next k data steps' completions in a background thread while a step "
+                                "trains (true: k = 1; 0 or false: in line), each by a copy of the policy as the step that began it (up to k "
+                                "updates off-policy, a bounded staleness: the ratio to the log-probabilities they were sampled with is clipped "
+                                "by epsilon, the importance-sampling correction). The first step samples in line, as does one whose data step "
+                                "was not the one foreseen (a rollback skipped a window). LoRA copies the adapter, full fine-tuning the whole "
+                                "model: one copy per sampling not yet finished, up to k. Not under fsdp or zero3 (sampling gathers their shards "
+                                "with collectives).")
     importance_sampling: ImportanceSamplingConfig | None = Field(
         None, description="Correct the loss for the gap between the sampler's log-probabilities of the sampled tokens (generate with its KV "
         "cache, kept with each rollout) and the trainer's at the sampling weights: each token's policy loss times exp(trainer - "

@@ -17,12 +17,12 @@ are held for mu optimizer steps (`held`, saved per rank in every checkpoint, so 
 them trains on the same completions), with the log-probabilities the policy gave their tokens when it
 sampled them (`old_logps`): from the second update on, the ratio moves and the clipping bounds it.
 
-With grpo.async_rollouts, the next data step's rollouts are sampled in a background thread while a step
-trains (`sample_ahead`), by a copy of the policy as the step began, with their log-probabilities under
-that copy: the next step trains one update off the sampling policy, its ratio clipped as above (the
-importance-sampling correction). The copy shares the frozen weights (LoRA: only the adapter is copied).
-Pending rollouts are saved in the checkpoint beside the held ones, so a resumed run trains on what the
-uninterrupted one sampled.
+With grpo.async_rollouts k, the next k data steps' rollouts are sampled in a background thread while a step
+trains (`sample_ahead`), each by a copy of the policy as the step that started it began, with their
+log-probabilities under that copy: a step trains up to k updates off the sampling policy, its ratio clipped
+as above (the importance-sampling correction). A copy shares the frozen weights (LoRA: only the adapter is
+copied); one is kept for each sampling not yet finished. Pending rollouts are saved in the checkpoint beside
+the held ones, so a resumed run trains on what the uninterrupted one sampled.
 """
 
 from __future__ import annotations
@@ -58,8 +58,9 @@ class GRPO(Objective):
     vision: object = None  # a vision-language model's (pictures, input_ids) -> image inputs (data.Split.vision): prompts with pictures
     placeholders: tuple[int, ...] = ()  # ...and its picture placeholder tokens, never sampled (images.placeholders)
     held: tuple[int, list[dict], int] | None = None  # num_iterations > 1: (data step, its training micro-batches, their tokens)
-    ahead: tuple[int, list[dict], int] | Future | None = None  # async_rollouts: the next data step's, as `held` (a Future while sampled)
-    policy_copy: torch.nn.Module | None = field(default=None, repr=False)  # async_rollouts: what samples them
+    ahead: list[tuple[int, tuple[int, list[dict], int] | Future]] = field(default_factory=list)  # async_rollouts: the coming data
+    # steps' (position, rollouts as `held`, or a Future while sampled), in order
+    policy_copies: list[list] = field(default_factory=list, repr=False)  # async_rollouts: [copy of the policy, the Future sampling with it]
     worker: ThreadPoolExecutor | None = field(default=None, repr=False)
     metrics: tuple[str, ...] = field(init=False)
     mean_over: tuple[int, ...] = field(init=False)
@@ -80,8 +81,12 @@ class GRPO(Objective):
         """grpo.num_iterations updates train on each data step's rollouts."""
         return position // self.cfg.num_iterations
 
-    def samples_ahead(self) -> bool:
-        return self.cfg.async_rollouts
+    def samples_ahead(self) -> int:
+        return int(self.cfg.async_rollouts)
+
+    def sampling(self, position: int) -> bool:
+        """Whether data step `position`'s rollouts are sampled ahead (begun or done)."""
+        return any(p == position for p, _ in self.ahead)
 
     def __post_init__(self):
         gap = ("mismatch_kl", "mismatch_max", *(("is_capped",) if self.cfg.importance_sampling else ())) if self.keeps_sampler_logps else ()
@@ -209,9 +214,9 @@ class GRPO(Objective):
         rollback that skipped a window)."""
         if self.held is not None and self.held[0] == position:
             return self.held[1], self.held[2]
-        ahead = self.joined_ahead()
-        self.ahead = None
-        if ahead is not None and ahead[0] == position:
+        ahead = next((self._joined(entry) for p, entry in self.ahead if p == position), None)
+        self.ahead = [(p, entry) for p, entry in self.ahead if p > position]  # what a rollback left behind goes
+        if ahead is not None:
             _, batches, tokens = ahead
         else:
             batches, tokens = self._sampled(model, tokenizer, prompts, position, device, old_logps=self.cfg.num_iterations > 1)
@@ -247,11 +252,11 @@ class GRPO(Objective):
         return batches, tokens
 
     def sample_ahead(self, model, tokenizer, prompts: list[list[Prompt]], position: int, device, autocast) -> None:
-        """grpo.async_rollouts: start sampling data step `position`'s rollouts in the background, by a copy of the
-        policy as it is now, with their log-probabilities under it; `rollout` takes them at that step. autocast:
-        the training forward's (a thread's autocast state is its own)."""
-        self.joined_ahead()  # one thread at a time: the copy is refreshed below
-        policy = self._copy_of(model)
+        """grpo.async_rollouts: start sampling data step `position`'s rollouts in the background (after those begun
+        before), by a copy of the policy as it is now, with their log-probabilities under it; `rollout` takes them at
+        that step. autocast: the training forward's (a thread's autocast state is its own)."""
+        slot = self._free_copy(model)
+        policy = slot[0]
         stream = torch.cuda.Stream(device) if torch.device(device).type == "cuda" else None
         if stream is not None:  # the copy's weights are written on the current stream: the side stream starts after them
             stream.wait_stream(torch.cuda.current_stream(device))
@@ -263,26 +268,33 @@ class GRPO(Objective):
             return position, batches, tokens
 
         self.worker = self.worker or ThreadPoolExecutor(1, thread_name_prefix="rollouts")
-        self.ahead = self.worker.submit(work)
+        slot[1] = self.worker.submit(work)
+        self.ahead.append((position, slot[1]))
 
-    def joined_ahead(self) -> tuple[int, list[dict], int] | None:
-        """The rollouts sampled ahead, waiting for their thread (its error raised here)."""
-        if isinstance(self.ahead, Future):
-            self.ahead = self.ahead.result()
-        return self.ahead
+    def joined_ahead(self) -> list[tuple[int, list[dict], int]]:
+        """The rollouts sampled ahead, in order, waiting for their thread (its error raised here)."""
+        self.ahead = [(p, self._joined(entry)) for p, entry in self.ahead]
+        return [entry for _, entry in self.ahead]
+
+    @staticmethod
+    def _joined(entry: tuple[int, list[dict], int] | Future) -> tuple[int, list[dict], int]:
+        return entry.result() if isinstance(entry, Future) else entry
 
     @torch.no_grad()
-    def _copy_of(self, model) -> torch.nn.Module:
-        """The policy's copy that samples ahead, its trained weights set to the model's: the frozen ones are shared
-        (read only, by both threads), the rest copied once and refreshed in place."""
-        if self.policy_copy is None:
-            self.policy_copy = copy.deepcopy(model, memo={id(p): p for p in model.parameters() if not p.requires_grad})
-            for p in self.policy_copy.parameters():
+    def _free_copy(self, model) -> list:
+        """A copy of the policy no sampling is using, its trained weights set to the model's: the frozen ones are shared
+        (read only, by both threads), the rest copied once per copy and refreshed in place. [copy, None]."""
+        slot = next((s for s in self.policy_copies if s[1] is None or s[1].done()), None)
+        if slot is None:
+            slot = [copy.deepcopy(model, memo={id(p): p for p in model.parameters() if not p.requires_grad}), None]
+            for p in slot[0].parameters():
                 p.grad = None
-        for mine, theirs in zip(self.policy_copy.parameters(), model.parameters(), strict=True):
+            self.policy_copies.append(slot)
+        for mine, theirs in zip(slot[0].parameters(), model.parameters(), strict=True):
             if theirs.requires_grad:
                 mine.copy_(theirs)
-        return self.policy_copy
+        slot[1] = None
+        return slot
 
     def _logps(self, model, batch: dict[str, torch.Tensor], device) -> torch.Tensor:
         """The policy's log-probability of each trained token as it samples them, where the batch's labels are
@@ -297,13 +309,17 @@ class GRPO(Objective):
 
     def held_state(self) -> dict[str, torch.Tensor]:
         """The held rollouts and those sampled ahead, as flat tensors (a checkpoint's per-rank file); {} when none are."""
-        return {**_flat(self.held, ""), **_flat(self.joined_ahead(), "ahead.")}
+        ahead = self.joined_ahead()
+        return {**_flat(self.held, ""), **{k: v for j, entry in enumerate(ahead) for k, v in _flat(entry, _ahead_prefix(j)).items()}}
 
     def load_held(self, state: dict[str, torch.Tensor]) -> None:
         """Hold the rollouts a checkpoint saved (none if it saved none: the next step samples). A thread still
         sampling from the weights before a rollback is waited for, and its rollouts dropped."""
         self.joined_ahead()
-        self.held, self.ahead = _unflat(state, ""), _unflat(state, "ahead.")
+        self.held = _unflat(state, "")
+        self.ahead = []
+        while (entry := _unflat(state, _ahead_prefix(len(self.ahead)))) is not None:
+            self.ahead.append((entry[0], entry))
 
     def groups(self, model, tokenizer, prompts: list[Prompt], position: int, device) -> list[tuple[Row, dict[str, torch.Tensor]]]:
         """Each prompt's group of completions as a scored training row, with what the sampler saw of their tokens."""
@@ -405,6 +421,10 @@ class GRPO(Objective):
         reward = float(total[0]) / n
         return {"eval_loss": -reward, "eval_reward": reward, "eval_prompts": int(total[1]),
                 **{f"eval_{r.metric}": float(v) / n for r, v in zip(self.rewards, total[2:])}}
+
+
+def _ahead_prefix(j: int) -> str:
+    return "ahead." if j == 0 else f"ahead{j}."  # the first as a one-step-ahead run saved it
 
 
 def _flat(held: tuple[int, list[dict], int] | None, prefix: str) -> dict[str, torch.Tensor]:

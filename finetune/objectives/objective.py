@@ -45,8 +45,12 @@ class Objective:
         """The data step whose rows optimizer step `position` trains on (one each, unless updates share a data step)."""
         return position
 
-    def samples_ahead(self) -> bool:
-        """Whether the next data step's rollouts are sampled while a step trains (`sample_ahead` starts them)."""
+    def samples_ahead(self) -> int:
+        """How many of the coming data steps' rollouts are sampled while a step trains (`sample_ahead` starts them)."""
+        return 0
+
+    def sampling(self, position: int) -> bool:
+        """Whether data step `position`'s rollouts are being sampled ahead, or were."""
         return False
 
     def held_state(self) -> dict[str, torch.Tensor]:

@@ -141,8 +141,8 @@ def estimate(shape: Shape, cfg: RunConfig, s: Setup) -> tuple[dict[str, float], 
         rows["fp32 master weights (DeepSpeed)"] = n_train * 4 / s.devices
     if cfg.needs_reference:  # a frozen copy of the base, held as the policy is (adapters: the base with them off)
         rows["reference model"] = base / s.devices if s.shards_weights else base
-    if cfg.train.objective == "grpo" and cfg.grpo.async_rollouts:  # the trained weights' copy that samples ahead (frozen ones shared)
-        rows["async rollouts' policy copy"] = n_train * param_bytes
+    if cfg.train.objective == "grpo" and cfg.grpo.async_rollouts:  # the trained weights' copies that sample ahead (frozen ones shared)
+        rows["async rollouts' policy copy"] = n_train * param_bytes * cfg.grpo.async_rollouts
     if cfg.train.objective == "distill" and cfg.distill.teacher:
         rows["distill teacher weights"], rows["distill teacher outputs"] = teacher_rows(cfg, s)
     if peak.temporaries:

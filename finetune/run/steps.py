@@ -37,17 +37,27 @@ def step_batches(state: RunState, position: int) -> tuple[int, list[dict], list[
 
 
 def sample_ahead(state: RunState, position: int) -> None:
-    """The objective's next data step's rollouts (grpo.async_rollouts), sampled in the background while this step trains."""
-    step = state.progress.step + 1
-    if not state.objective.samples_ahead() or step >= state.schedule.total_steps:
-        return
-    following = state.objective.reading_position(data_step(step, skipped(state)))
-    if following == position:  # num_iterations > 1: the next update trains on the same rollouts
-        return
+    """The objective's coming data steps' rollouts (grpo.async_rollouts k: the next k), sampled in the background while
+    this step trains; each begun once, by the policy as it is when it begins."""
     accelerator, sp = state.accelerator, state.sequence_parallel
-    _, prompts, _ = batches_at(state.data, state.cfg, state.schedule, following, sp.data_rank(accelerator.process_index),
-                               sp.data_world(accelerator.num_processes), state.tokenizer.pad_token_id)
-    state.objective.sample_ahead(state.engine.unwrap(), state.tokenizer, prompts, following, accelerator.device, accelerator.autocast)
+    for following in upcoming(state, position, state.objective.samples_ahead()):
+        if state.objective.sampling(following):
+            continue
+        _, prompts, _ = batches_at(state.data, state.cfg, state.schedule, following, sp.data_rank(accelerator.process_index),
+                                   sp.data_world(accelerator.num_processes), state.tokenizer.pad_token_id)
+        state.objective.sample_ahead(state.engine.unwrap(), state.tokenizer, prompts, following, accelerator.device, accelerator.autocast)
+
+
+def upcoming(state: RunState, position: int, depth: int) -> list[int]:
+    """The next `depth` data steps the run reads after `position`, in order (fewer near the end; num_iterations' updates of
+    one data step read it once)."""
+    found, step = [], state.progress.step + 1
+    while len(found) < depth and step < state.schedule.total_steps:
+        following = state.objective.reading_position(data_step(step, skipped(state)))
+        if following != position and following not in found:
+            found.append(following)
+        step += 1
+    return found
 
 
 def trained_samples(state: RunState, position: int) -> list[int]:
