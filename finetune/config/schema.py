@@ -344,7 +344,8 @@ class GRPOConfig(_Section):
 
 class DistillConfig(_Section):
     teacher: str | None = Field(None, description="train.objective distill: the teacher, a model folder, or an adapter folder (a finetune "
-                                "run's output: merged into its base). Its tokenizer must be the student's, id by id.")
+                                "run's output: merged into its base). Its tokenizer must be the student's, id by id, unless "
+                                "distill.cross_tokenizer.")
     divergence: Literal["forward_kl", "reverse_kl", "jsd"] = Field("forward_kl", description="What is minimised on each trained token: "
                                                                  "forward_kl KL(teacher || student), reverse_kl KL(student || teacher), "
                                                                  "or jsd, the generalised Jensen-Shannon divergence of weight beta (TRL's "
@@ -365,6 +366,11 @@ class DistillConfig(_Section):
                                  "sample's prompt (greedy, up to distill.max_new_tokens), once per node, cached beside the tokenized data; "
                                  "its answers replace the data's (a chat's first answer, later turns dropped). ce_weight 1 then trains "
                                  "on them alone; below 1 the divergence is taken on them too. Eval keeps the data's answers.")
+    cross_tokenizer: bool = Field(False, description="A teacher whose tokenizer differs from the student's (another family): each "
+                                  "sample's text is tokenized by both, split into spans where their tokens end at the same character, "
+                                  "and at each span's first trained token the two next-token distributions are compared sorted (ULD's "
+                                  "distance, as TRL's GOLD; no map between the vocabularies), in place of distill.divergence. Off- and "
+                                  "on-policy (lmbda); not with top_k, sequence_level or pictures.")
     teacher_quantization: QuantizationConfig | None = Field(None, description="Load the teacher quantized (as model.quantization: "
                                                             "4-bit NF4/FP4 or 8-bit through bitsandbytes; backend torchao, 4-bit NF4, "
                                                             "the one FSDP2 shards). Not under zero3.")
@@ -620,6 +626,10 @@ class RunConfig(_Section):
         if d.sequence_level and "completion" in formats:
             raise ValueError("distill.sequence_level: the teacher answers each sample's prompt; data.format completion has none "
                              "(use chat or alpaca rows)")
+        if d.cross_tokenizer and (d.top_k or d.sequence_level or d.divergence != "forward_kl"):
+            what = "distill.top_k" if d.top_k else "distill.sequence_level" if d.sequence_level else f"distill.divergence {d.divergence}"
+            raise ValueError(f"distill.cross_tokenizer: compares the two models' sorted distributions (ULD), so {what} does not apply; "
+                             "drop it, or distill.cross_tokenizer")
         if d.top_k and d.divergence != "forward_kl":
             raise ValueError(f"distill.top_k: the teacher's top k tokens bound forward_kl only ({d.divergence} weighs the student's "
                              "probabilities outside them too); set distill.divergence: forward_kl or distill.top_k: 0")

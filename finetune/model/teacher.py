@@ -18,11 +18,11 @@ from finetune.model.loading import load_model, quantize_layers
 
 
 def teacher_source(folder: str, student: ModelConfig, tokenizer, sharded: str | None = None,
-                   quantization: QuantizationConfig | None = None) -> tuple[ModelConfig, str | None]:
+                   quantization: QuantizationConfig | None = None, across: bool = False) -> tuple[ModelConfig, str | None]:
     """(the teacher's base as a model config, the adapter folder to merge into it or None). The student's
     dtype and attention; `quantization` (distill.teacher_quantization), not the student's; no overrides or
     compilation of the student's. `sharded`: the strategy that loads weights sharded, if the run's does (no
-    rank then holds what an adapter would merge into)."""
+    rank then holds what an adapter would merge into). `across` (distill.cross_tokenizer): its vocabulary is not checked."""
     path = Path(folder).expanduser()
     adapter = None
     if (path / "adapter_config.json").is_file():
@@ -39,9 +39,26 @@ def teacher_source(folder: str, student: ModelConfig, tokenizer, sharded: str | 
         raise UserError(f"distill.teacher: {path} is neither a model folder (config.json) nor an adapter folder (adapter_config.json)")
     cfg = student.model_copy(update={"name_or_path": base, "revision": None, "quantization": quantization, "config_overrides": {}, "compile": False,
                                      "tiled_mlp": 1, "ramdisk": False})
-    check_vocabulary(path if (path / "tokenizer_config.json").is_file() or (path / "tokenizer.json").is_file() else Path(base), tokenizer,
-                     student, cfg)
+    if not across:
+        check_vocabulary(tokenizer_folder(path, base), tokenizer, student, cfg)
     return cfg, adapter
+
+
+def tokenizer_folder(path: Path, base: str) -> Path:
+    """Where a teacher's tokenizer is: its own folder (an adapter's, if it saved one), else its base's."""
+    return path if (path / "tokenizer_config.json").is_file() or (path / "tokenizer.json").is_file() else Path(base)
+
+
+def teacher_tokenizer(folder: str, teacher: ModelConfig):
+    """distill.cross_tokenizer: the teacher's own tokenizer (a fast one: the alignment reads its character offsets)."""
+    from transformers import AutoTokenizer
+
+    path = Path(folder).expanduser()
+    theirs = AutoTokenizer.from_pretrained(str(tokenizer_folder(path, teacher.name_or_path)), trust_remote_code=teacher.trust_remote_code)
+    if not theirs.is_fast:
+        raise UserError(f"distill.cross_tokenizer: {folder}'s tokenizer has no fast (tokenizers) version; the spans are found from its "
+                        "character offsets")
+    return theirs
 
 
 def check_vocabulary(folder: Path, tokenizer, student: ModelConfig, teacher: ModelConfig) -> None:
@@ -57,7 +74,8 @@ def check_vocabulary(folder: Path, tokenizer, student: ModelConfig, teacher: Mod
     for i in range(max(len(ours), len(other))):
         if ours.get(i) != other.get(i):
             raise UserError(f"distill.teacher: {folder}'s tokenizer differs from the student's at id {i} ({other.get(i)!r} there, "
-                            f"{ours.get(i)!r} here); distillation compares the two models' next-token probabilities id by id")
+                            f"{ours.get(i)!r} here); distillation compares the two models' next-token probabilities id by id "
+                            "(another family's teacher: set distill.cross_tokenizer: true)")
     widths = [logits_width(c, key) for c, key in ((student, "model.name_or_path"), (teacher, "distill.teacher"))]
     if widths[0] != widths[1]:
         raise UserError(f"distill.teacher: its model has {widths[1]} logits per token, the student {widths[0]}; "

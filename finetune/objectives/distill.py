@@ -33,7 +33,8 @@ from finetune.data.packing import Row, collate
 from finetune.data.rows import IGNORE
 from finetune.data.tokenized import Answers
 from finetune.model.teacher import teacher_key, whole_teacher
-from finetune.objectives.loss import Losses, chunk_rows, chunked_head, forward_kept, fusable_parts, trained_tokens
+from finetune.objectives.cross_tokenizer import teacher_batch, uld
+from finetune.objectives.loss import Losses, chunk_rows, chunked_head, forward_kept, fusable_parts, next_token_targets, to_device, trained_tokens
 from finetune.objectives.objective import Objective
 from finetune.objectives.sampling import GumbelSampler, generate
 
@@ -44,6 +45,7 @@ class Distill(Objective):
     seed: int = 0
     synced: bool = False  # the weights are sharded over the processes (fsdp, zero3): every rank decodes as many tokens as the longest
     teacher: torch.nn.Module | None = None  # frozen, held as the strategy holds weights (engines.reference)
+    tokenizers: tuple | None = None  # distill.cross_tokenizer: (the student's tokenizer, the teacher's)
 
     # Means over trained tokens: the divergence to the teacher, the cross-entropy on the trained tokens, the share of tokens
     # where the student's most likely next token is the teacher's, and the share the student sampled (on-policy steps).
@@ -58,6 +60,8 @@ class Distill(Objective):
                 f"{result['eval_ce']:.4f}, top-1 agreement with the teacher {result['eval_agreement']:.1%})")
 
     def losses(self, model, batch: dict[str, torch.Tensor], totals: list[float], router: bool = False) -> Losses:
+        if self.tokenizers is not None:
+            return self._across_tokenizers(model, batch, router)
         fuse = fusable_parts(model) is not None and fusable_parts(self.teacher) is not None
         student = forward_kept(model, batch, router, fuse)
         with torch.no_grad():
@@ -70,6 +74,31 @@ class Distill(Objective):
             total, metrics = logits_divergence(student.logits, teacher.logits, student.targets, cfg)
         sampled = len(student.targets) if "sampled" in batch else 0
         return Losses(total, student.aux, torch.cat([metrics, metrics.new_tensor([sampled])]))
+
+    def _across_tokenizers(self, model, batch: dict[str, torch.Tensor], router: bool) -> Losses:
+        """distill.cross_tokenizer: ULD's distance at each aligned span's first token (cross_tokenizer.py), a span weighing
+        as many as its trained tokens, and the cross-entropy on the student's trained tokens."""
+        mine, theirs = self.tokenizers
+        student = forward_kept(model, batch, router, fuse=False)
+        keep, _ = next_token_targets(batch)
+        pad = theirs.pad_token_id if theirs.pad_token_id is not None else (theirs.eos_token_id or 0)
+        teacher_rows, pairs = teacher_batch(mine, theirs, {k: v.cpu() for k, v in batch.items() if k in ("input_ids", "labels", "position_ids")}, pad)
+        at, where, weight = (torch.tensor([p[i] for p in pairs], dtype=torch.long) for i in range(3))
+        keep_teacher = torch.zeros(teacher_rows["input_ids"].numel(), dtype=torch.bool)
+        keep_teacher[where] = True
+        teacher_rows = {**teacher_rows, "keep": keep_teacher.view_as(teacher_rows["input_ids"]), "targets": torch.zeros(len(pairs), dtype=torch.long)}
+        with torch.no_grad():
+            teacher = forward_kept(self.teacher, to_device(teacher_rows, student.logits.device), fuse=False)
+        rows = (keep.flatten().cumsum(0) - 1)[at.to(keep.device)]  # each span's row among the student's kept logits
+        chosen = student.logits[rows]
+        weight = weight.to(chosen.device, torch.float32)
+        divergence = (uld(chosen, teacher.logits, self.cfg.temperature) * weight).sum()
+        ce = F.cross_entropy(student.logits.float(), student.targets, reduction="sum")
+        total = (1 - self.cfg.ce_weight) * divergence + self.cfg.ce_weight * ce
+        same = [mine.decode([a]) == theirs.decode([b]) for a, b in zip(chosen.argmax(-1).tolist(), teacher.logits.argmax(-1).tolist())]
+        agree = (torch.tensor(same, dtype=torch.float32, device=weight.device) * weight).sum()
+        sampled = len(student.targets) if "sampled" in batch else 0
+        return Losses(total, student.aux, torch.stack([divergence.detach(), ce.detach(), agree, agree.new_tensor(float(sampled))]))
 
     # -- on-policy steps ---------------------------------------------------------------------------
 

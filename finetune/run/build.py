@@ -17,7 +17,7 @@ from finetune.model import families, routing, vision
 from finetune.model.loading import apply_adapter, compile_layers, describe, load_tokenizer, loftq_init
 from finetune.model.mixers import packed_samples_meet
 from finetune.model.stage import staged_model
-from finetune.model.teacher import teacher_source
+from finetune.model.teacher import teacher_source, teacher_tokenizer
 from finetune.objectives.distill import teacher_answers
 from finetune.objectives.evaluate import exact_match
 from finetune.objectives.registry import objective_for
@@ -41,7 +41,9 @@ def load_inputs(cfg: RunConfig, accelerator, preemption) -> RunState:
     # Distillation: the teacher's vocabulary checked against the student's before any data or weights load
     strategy = Strategy.of(cfg.distributed.strategy, world)
     teacher = (teacher_source(cfg.distill.teacher, model_cfg, tokenizer, strategy.name if strategy.shards_weights else None,
-                              cfg.distill.teacher_quantization) if cfg.train.objective == "distill" else None)
+                              cfg.distill.teacher_quantization, cfg.distill.cross_tokenizer) if cfg.train.objective == "distill" else None)
+    if cfg.distill.cross_tokenizer and processor is not None:
+        raise UserError("distill.cross_tokenizer: not with a vision-language model (the teacher would read the text without the pictures)")
     if cfg.distill.sequence_level and processor is not None:
         raise UserError("distill.sequence_level: not with a vision-language model (its teacher would answer without the pictures)")
     answers = teacher_answers(*teacher, cfg.distill, tokenizer, accelerator.device, each) if cfg.distill.sequence_level and teacher else None
@@ -138,10 +140,13 @@ def load_frozen_models(state: RunState) -> None:
     if state.teacher is not None:
         teacher_cfg, adapter = state.teacher
         state.objective.teacher = state.engine.reference(teacher_cfg, state.say, adapter)
+        if cfg.distill.cross_tokenizer:
+            state.objective.tokenizers = (state.tokenizer, teacher_tokenizer(cfg.distill.teacher, teacher_cfg))
         q = cfg.distill.teacher_quantization
         state.say(f"distill: the teacher is {cfg.distill.teacher}" + (f" (merged into {teacher_cfg.name_or_path})" if adapter else "")
                 + (f" (in {q.bits} bits" + (f", {q.quant_type})" if q.bits == 4 else ")") if q else "")
-                + f", frozen, held as the student is; {cfg.distill.divergence} at temperature {cfg.distill.temperature:g}")
+                + f", frozen, held as the student is; {'ULD across tokenizers' if cfg.distill.cross_tokenizer else cfg.distill.divergence} "
+                f"at temperature {cfg.distill.temperature:g}")
 
 
 def check_packed_rows(state: RunState) -> None:
