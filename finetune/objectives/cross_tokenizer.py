@@ -31,18 +31,27 @@ class Span:
 
 def student_ends(tokenizer, ids: list[int]) -> tuple[str, list[int | None]]:
     """The sample's text, and where each of its tokens ends in it (None inside a character a token only began: a byte-level
-    token with part of a multi-byte character)."""
+    token with part of a multi-byte character). Where the text tokenizes back to the same ids (rows read from text), from
+    the tokenizer's character offsets; else (a sampled answer split otherwise) from decoding each prefix."""
     text = _decode(tokenizer, ids)
+    again = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    if again["input_ids"] == list(ids):
+        return text, token_ends(again["offset_mapping"])
     prefixes = tokenizer.batch_decode([ids[: i + 1] for i in range(len(ids))], skip_special_tokens=False, clean_up_tokenization_spaces=False)
     return text, [len(p) if text.startswith(p) and not p.endswith("\ufffd") else None for p in prefixes]
+
+
+def token_ends(offsets: list[tuple[int, int]]) -> list[int | None]:
+    """Each token's end in the text, None where the next token starts before it (a character split between tokens)."""
+    return [end if j + 1 == len(offsets) or offsets[j + 1][0] >= end else None for j, (_, end) in enumerate(offsets)]
 
 
 def align(student_tokenizer, teacher_tokenizer, ids: list[int]) -> tuple[list[int], list[Span]]:
     """The teacher's tokens of the student sample's text, and the spans where the two tokenizations meet."""
     text, mine = student_ends(student_tokenizer, ids)
     encoded = teacher_tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    theirs, offsets = encoded["input_ids"], encoded["offset_mapping"]
-    their_ends = {end: j for j, (_, end) in enumerate(offsets) if j + 1 == len(offsets) or offsets[j + 1][0] >= end}
+    theirs = encoded["input_ids"]
+    their_ends = {end: j for j, end in enumerate(token_ends(encoded["offset_mapping"])) if end is not None}
     spans, a, c, start = [], 0, 0, 0
     for i, end in enumerate(mine):
         if end is None or end not in their_ends or end <= start:
