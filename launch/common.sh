@@ -22,20 +22,32 @@ setup_cpu_if_needed() {
 # own exit 1; the workers leave their documented code (75 preempted, 3 diverged, 4 hung, 2 bad input)
 # in FINETUNE_EXIT_FILE, and that is what this script exits with, so a scheduler can requeue on 75.
 # Signals sent to this script (TERM, INT, USR1) go on to the launcher, which passes them to the workers.
+# AGENT_GRACE (seconds; 0: off): once a worker has left its code, the launcher gets this long to end. A node
+# cut off from the rendezvous host keeps torchrun's agent waiting on the host's store long after its workers
+# ended (measured: over 400 s); past the grace it is stopped, and the script ends with the workers' code.
 run_or_print() {
     echo "launch: $*" >&2
     if [ "${DRY_RUN:-0}" = "1" ]; then return 0; fi
     FINETUNE_EXIT_FILE="$(mktemp "${TMPDIR:-/tmp}/finetune-exit.XXXXXX")"
     export FINETUNE_EXIT_FILE
     "$@" &
-    local child=$! rc=0
+    local child=$! rc=0 grace="${AGENT_GRACE:-0}" waited=0
     trap 'kill -TERM "$child" 2>/dev/null' TERM INT
     trap 'kill -USR1 "$child" 2>/dev/null' USR1
-    while :; do
-        rc=0
-        wait "$child" || rc=$?
-        kill -0 "$child" 2>/dev/null || break  # wait returned for a signal: the launcher still runs
+    while kill -0 "$child" 2>/dev/null; do
+        if [ "$grace" != 0 ] && [ -s "$FINETUNE_EXIT_FILE" ]; then
+            waited=$((waited + 1))
+            if [ "$waited" -gt "$grace" ]; then
+                echo "launch: a worker ended with code $(head -n 1 "$FINETUNE_EXIT_FILE") and torchrun's agent had not ended $grace s later" \
+                     "(the rendezvous host out of reach?); stopping it" >&2
+                pkill -KILL -P "$child" 2>/dev/null; kill -KILL "$child" 2>/dev/null
+                break
+            fi
+        fi
+        sleep 1 & wait $! 2>/dev/null || true  # a signal to this script ends the sleep, not the loop (set -e)
     done
+    rc=0
+    wait "$child" 2>/dev/null || rc=$?
     if [ "$rc" != 0 ] && [ -s "$FINETUNE_EXIT_FILE" ]; then
         rc="$(head -n 1 "$FINETUNE_EXIT_FILE")"
     fi

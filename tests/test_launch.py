@@ -100,7 +100,7 @@ def test_a_preempted_job_ends_with_75_through_the_launch_script(tmp_path, tiny_m
     wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 5, job, "5 logged steps")
     job.send_signal(signal.SIGTERM)
     _, stderr = job.communicate(timeout=120)
-    assert job.returncode == 75, stderr[-3000:]
+    assert job.returncode == 75, (job.returncode, stderr[-3000:])
     assert stderr.count("error: preempted at step") == 2
     assert len(list((tmp_path / "out" / "checkpoints").glob("step-*"))) == 2  # the start's and the preemption's
 

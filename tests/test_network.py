@@ -59,9 +59,9 @@ def nodes():
             _ip("netns", "del", name)
 
 
-def _launch(namespace: str, out_dir: Path, *options: str, config: Path | None = None, timeout: float = 300) -> subprocess.Popen:
+def _launch(namespace: str, out_dir: Path, *options: str, config: Path | None = None, extra: tuple[str, ...] = ()) -> subprocess.Popen:
     log = (out_dir / f"{namespace}.log").open("w")
-    args = ["--", "--config", str(config)] if config else ["--", "--config", "configs/demo.yaml"]
+    args = ["--", "--config", str(config) if config else "configs/demo.yaml", *extra]
     return subprocess.Popen(["ip", "netns", "exec", namespace, "bash", "launch/multi_node.sh", "--nproc-per-node", "1", *options, *args],
                             cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHON": sys.executable})
 
@@ -161,3 +161,49 @@ def test_a_rendezvous_on_loopback_keeps_torchruns_choices_and_a_loopback_hostnam
         network.choose(name, nodes=2)
     assert network.choose(name, nodes=1) == network.Choice(None, None, None)
     assert network.choose(name, iface="lo", nodes=2) == network.Choice("127.0.0.1", "lo", None)  # torchrun's hostname test picks the host
+
+
+def test_a_node_cut_off_mid_run_stops_within_its_timeouts_and_the_run_resumes_once_the_link_is_back(tmp_path, tiny_model_dir, nodes):
+    """A partition: node 1's link taken down mid-step, its processes alive. Both nodes' steps hang in the collective; each
+    worker's watchdog (watchdog.min_seconds 15) ends it with code 4, and node 1's torchrun agent, left waiting on the
+    rendezvous host's store, is stopped after --agent-grace (10 s): both nodes end with code 4 within twice their timeouts,
+    nothing left running, the checkpoints before the cut intact. With the link back, the same command on both nodes resumes
+    from the newest checkpoint and trains to the end."""
+    import time
+
+    cfg = base_config(tiny_model_dir, tmp_path / "run", train={"max_steps": 100000, "micro_batch_size": 1, "grad_accum": 2},
+                      data={"eval": None}, checkpoint={"save_every": 10})
+    cfg["watchdog"] = {"min_seconds": 15, "factor": 5}
+    config = write_config(tmp_path / "run.yaml", cfg)
+    (host, host_address, _), (other, _, link) = nodes
+    options = ["--nnodes", "2", "--rdzv-host", host_address, "--rdzv-port", "29621", "--rdzv-id", "cut", "--agent-grace", "10"]
+    jobs = [_launch(name, tmp_path, *options, config=config) for name in (host, other)]
+    metrics, deadline = tmp_path / "run" / "metrics.jsonl", time.monotonic() + 300
+    while not (metrics.exists() and len(read_jsonl(metrics)) > 25) and time.monotonic() < deadline and all(j.poll() is None for j in jobs):
+        time.sleep(0.5)
+    try:
+        assert all(j.poll() is None for j in jobs), [(tmp_path / f"{n}.log").read_text()[-2000:] for n in (host, other)]
+        cut = time.monotonic()
+        assert _ip("-n", other, "link", "set", link, "down").returncode == 0
+        ended = {}
+        while len(ended) < 2 and time.monotonic() - cut < 200:
+            ended.update({name: (job.returncode, time.monotonic() - cut) for name, job in zip((host, other), jobs)
+                          if name not in ended and job.poll() is not None})
+            time.sleep(0.2)
+    finally:
+        for job in jobs:
+            if job.poll() is None:
+                job.kill()
+        _ip("-n", other, "link", "set", link, "up")
+    logs = {name: (tmp_path / f"{name}.log").read_text() for name in (host, other)}
+    assert ended[host][0] == ended[other][0] == 4 and ended[host][1] < 2 * 15 and ended[other][1] < 2 * (15 + 10), (ended, logs[other][-3000:])
+    assert "watchdog: step" in logs[host] and "over the 15 s limit" in logs[other]
+    assert "launch: a worker ended with code 4 and torchrun's agent had not ended 10 s later" in logs[other]
+    assert not _left_in(host) and not _left_in(other)
+    saved = sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("step-*"))
+    assert saved and int(saved[-1].split("-")[1]) >= 20, saved
+    last = int(saved[-1].split("-")[1])
+    resumed = [_launch(name, tmp_path, *options, config=config, extra=["--set", f"train.max_steps={last + 4}"]) for name in (host, other)]
+    assert [job.wait(timeout=300) for job in resumed] == [0, 0], [(tmp_path / f"{n}.log").read_text()[-2000:] for n in (host, other)]
+    steps = [r["step"] for r in read_jsonl(metrics) if "loss" in r]
+    assert steps[-4:] == [last + 1, last + 2, last + 3, last + 4], steps[-8:]
