@@ -398,7 +398,8 @@ class GRPO(Objective):
         """The mean reward of greedy completions of this rank's share of the eval prompts, reduced over ranks."""
         was_training = model.training
         model.eval()
-        routing.replay(model, None)  # greedy completions route as the model does
+        if self.cfg.router_replay:
+            routing.replay(model, None)  # greedy completions route as the model does
         world, rank = accelerator.num_processes, accelerator.process_index
         mine = list(range(rank, len(rows), world))
         if max_batches:
