@@ -171,12 +171,13 @@ def train_step(state: RunState) -> StepOutcome:
     engine applies it. One all-reduce and host sync: every rank takes the same decision."""
     cfg, engine, accelerator, step = state.cfg, state.engine, state.accelerator, state.progress.step
     rank, world, device = accelerator.process_index, accelerator.num_processes, accelerator.device
+    averaged = state.row_share.averaged_over(world)  # the processes the gradients are averaged over
     faults.inject(step, rank, engine.checkpointer.wait, lambda: state.preemption.signal is not None)
     position = data_step(step, skipped(state))
     epoch, micro_batches, totals, global_real = step_batches(state, position)
     # The loss is a mean over every trained token (or pair) of the step, across micro-batches and ranks:
-    # each micro-batch contributes its sum divided by the global count (times world size, because DDP
-    # averages gradients over ranks).
+    # each micro-batch contributes its sum divided by the global count (times the processes the
+    # gradients are averaged over: DDP, FSDP and ZeRO average them).
     objective = state.objective
     loss_sum, router_sum = torch.zeros((), device=device), torch.zeros((), device=device)
     metric_sums = torch.zeros(len(objective.metrics), device=device)
@@ -185,7 +186,7 @@ def train_step(state: RunState) -> StepOutcome:
             with saved_on_cpu(cfg.train.offload_activations):
                 parts = objective.losses(engine.model, batch, totals, router=state.router_coef > 0)
             loss = parts.tokens * faults.loss_factor(position, rank)
-            scaled = loss * (world / max(totals[0], 1))
+            scaled = loss * (averaged / max(totals[0], 1))
             if parts.router is not None:  # MoE load balancing: its mean over the step's forwards, as the model weighs it
                 scaled = scaled + parts.router * (state.router_coef / len(micro_batches))
                 router_sum += parts.router.detach()
@@ -197,8 +198,9 @@ def train_step(state: RunState) -> StepOutcome:
     # every rank) joins them after the sum: the step's one host sync.
     minutes = cfg.checkpoint.save_every_minutes
     due = minutes > 0 and time.monotonic() - state.last_save > 60 * minutes
-    local = torch.stack([loss_sum.float(), loss_sum.new_tensor(float(state.preemption.signal is not None)), loss_sum.new_tensor(float(due)),
-                         router_sum.float(), *metric_sums])
+    counted = float(state.row_share.counts)  # a row shared whole (tensor parallel) is summed once
+    local = torch.stack([loss_sum.float() * counted, loss_sum.new_tensor(float(state.preemption.signal is not None)), loss_sum.new_tensor(float(due)),
+                         router_sum.float() * counted, *(metric_sums * counted)])
     norm = engine.clip(state.guard.state.max_grad_norm or cfg.train.max_grad_norm or float("inf"))
     norm = torch.as_tensor(norm, dtype=torch.float32, device=device).reshape(1)
     total_loss, preempted, time_due, router_loss, *metric_totals, grad_norm = torch.cat([accelerator.reduce(local, "sum"), norm]).tolist()

@@ -469,6 +469,10 @@ class DistributedConfig(_Section):
     sequence_parallel: int = Field(1, ge=1, description="Split every row's tokens over this many processes (DeepSpeed's Ulysses attention: "
                                    "an all-to-all over the heads around each attention); the data is spread over world / N groups. It must "
                                    "divide the process count and the model's attention and key/value heads; sft only.")
+    tensor_parallel: int = Field(1, ge=1, description="Split each decoder layer's weights over this many processes (transformers' own "
+                                 "tensor-parallel plan of the family on torch's DTensor: attention heads and MLP columns), FSDP2 sharding "
+                                 "over the rest on a 2-D mesh; those processes see the same rows. fsdp, sft, LoRA or full fine-tuning "
+                                 "of a 16/32-bit dense model; it must divide the process count and the model's heads.")
     elastic_batch: Literal["fixed", "flexible"] = Field(
         "fixed", description="A run resumed at another process count (an elastic job that lost or regained a node) keeps its global batch: "
         "train.grad_accum is re-derived so that micro x accum x processes is the checkpoint's. fixed: where no accumulation gives that batch, "
@@ -476,6 +480,11 @@ class DistributedConfig(_Section):
         "with the nearest batch, said in events.jsonl (the steps then cover other samples than an unchanged run's).")
     elastic_wait: float = Field(1800.0, gt=0, description="Seconds an elastic job that cannot keep its global batch at its size waits for "
                                 "nodes to join (distributed.elastic_batch: fixed); past it the run stops in one line (exit 2).")
+
+    @property
+    def row_group(self) -> int:
+        """The processes that share each row: sequence_parallel's (a slice each) or tensor_parallel's (a share of the weights each)."""
+        return self.sequence_parallel * self.tensor_parallel
 
 
 def _teacher_quantization_refused(q: QuantizationConfig, strategy: str) -> str | None:
@@ -487,6 +496,21 @@ def _teacher_quantization_refused(q: QuantizationConfig, strategy: str) -> str |
     if q.chosen_backend == "torchao" and (q.bits != 4 or q.quant_type != "nf4"):
         return "backend torchao with bits 8 or fp4 (it has 4-bit NF4)"
     return None
+
+
+def _tensor_parallel_refusal(cfg) -> None:
+    """What distributed.tensor_parallel does not run with (a ValueError naming it)."""
+    d, q = cfg.distributed, cfg.model.quantization
+    why = ("distributed.strategy fsdp (FSDP2 shards over the data-parallel side of the mesh)" if d.strategy != "fsdp"
+           else "sequence_parallel 1 (the two meshes are not composed yet)" if d.sequence_parallel > 1
+           else f"train.objective sft (not {cfg.train.objective})" if cfg.train.objective != "sft"
+           else "adapter.method lora or full" if cfg.adapter.method not in ("lora", "full")
+           else "a 16/32-bit base (the plan shards plain weights, not quantized ones)" if q is not None
+           else "no distributed.fsdp_shard_size (HSDP's replicas are another mesh dimension)" if d.fsdp_shard_size
+           else "distributed.fsdp_cpu_offload false" if d.fsdp_cpu_offload
+           else "adapter.modules_to_save empty" if cfg.adapter.modules_to_save else None)
+    if why:
+        raise ValueError(f"distributed.tensor_parallel: {d.tensor_parallel} runs with {why}; set it to 1, or change that")
 
 
 class RunConfig(_Section):
@@ -555,6 +579,8 @@ class RunConfig(_Section):
         if self.distributed.sequence_parallel > 1 and self.train.objective != "sft":
             raise ValueError(f"distributed.sequence_parallel: splits the rows of sft runs only, not {self.train.objective}'s pairs; set it to 1")
         strategy = asked.name
+        if self.distributed.tensor_parallel > 1:
+            _tensor_parallel_refusal(self)
         if asked.shards_weights and self.eval.generate_samples:
             raise ValueError(f"eval.generate_samples: not available with distributed.strategy {strategy} (the parameters are sharded); set it to 0")
         if asked.shards_states and self.train.mixed_precision in ("fp16", "fp8"):

@@ -26,15 +26,15 @@ def batches_per_rank(rows: int, world: int, batch_size: int, max_batches: int | 
 def eval_loss(model, rows: Split, batch_size: int, pad_id: int, accelerator, max_batches: int | None, objective=None, sp=None,
               tokenizer=None) -> dict:
     """The objective's mean loss (per token: with perplexity; per pair: with its metrics) over this
-    rank's share of the eval rows, reduced over ranks. `sp`: the processes that share each row (their
-    slices of it, as in training). GRPO: the mean reward of greedy completions of the eval prompts
+    rank's share of the eval rows, reduced over ranks. `sp`: the processes that share each row (as in
+    training: their slices of it, or the whole row counted once). GRPO: the mean reward of greedy completions of the eval prompts
     (eval_loss is its negative)."""
     from finetune.objectives.objective import SFT
-    from finetune.parallel.sequence_parallel import SequenceParallel
+    from finetune.parallel.sequence_parallel import RowShare
 
     if hasattr(objective, "evaluate"):
         return objective.evaluate(getattr(model, "module", model), tokenizer, rows, batch_size, accelerator, max_batches)
-    objective, sp = objective or SFT(), sp or SequenceParallel()
+    objective, sp = objective or SFT(), sp or RowShare()
     was_training = model.training
     model.eval()
     world = sp.data_world(accelerator.num_processes)
@@ -52,7 +52,7 @@ def eval_loss(model, rows: Split, batch_size: int, pad_id: int, accelerator, max
         with accelerator.autocast():
             parts = objective.losses(model, batch, counts)
         metrics = parts.metrics.double().cpu() if parts.metrics is not None else torch.zeros(len(objective.metrics), dtype=torch.float64)
-        here = torch.cat([parts.tokens.double().cpu().reshape(1), metrics, torch.tensor(counts, dtype=torch.float64)])
+        here = torch.cat([parts.tokens.double().cpu().reshape(1), metrics, torch.tensor(counts, dtype=torch.float64)]) * sp.counts
         sums = here if sums is None else sums + here
     sums = accelerator.reduce(sums.to(accelerator.device), "sum").cpu()
     loss_sum, metric_sums, counts = sums[0], sums[1 : 1 + len(objective.metrics)], sums[1 + len(objective.metrics) :]

@@ -51,6 +51,7 @@ class Setup:
     devices: int
     fsdp_cpu_offload: bool = False  # distributed.fsdp_cpu_offload
     sequence_parallel: int = 1  # distributed.sequence_parallel: processes sharing each row
+    tensor_parallel: int = 1  # distributed.tensor_parallel: processes splitting each layer (of `devices`)
     tiled_mlp: int = 1  # model.tiled_mlp: chunks each MLP runs over
 
     @property
@@ -87,6 +88,7 @@ def setup_from_config(cfg: RunConfig, devices: int, strategy: str | None = None)
         checkpointing=cfg.train.gradient_checkpointing, devices=devices,
         strategy=Strategy.of(strategy or cfg.distributed.strategy, devices).name,  # one process runs unsharded
         fsdp_cpu_offload=cfg.distributed.fsdp_cpu_offload, sequence_parallel=cfg.distributed.sequence_parallel, tiled_mlp=cfg.model.tiled_mlp,
+        tensor_parallel=cfg.distributed.tensor_parallel,
     )
 
 
@@ -404,7 +406,7 @@ def refusal(cfg: RunConfig, s: Setup) -> str | None:
 
     raw = cfg.model_dump()
     raw["distributed"].update(strategy=s.strategy if s.devices > 1 else raw["distributed"]["strategy"], fsdp_cpu_offload=s.fsdp_cpu_offload,
-                              sequence_parallel=s.sequence_parallel)
+                              sequence_parallel=s.sequence_parallel, tensor_parallel=s.tensor_parallel)
     raw["train"].update(optimizer=s.optimizer, micro_batch_size=s.micro_batch, gradient_checkpointing=s.checkpointing)
     raw["model"]["tiled_mlp"] = s.tiled_mlp
     try:
@@ -418,9 +420,10 @@ def make_plan(cfg: RunConfig, devices: int = 1, strategy: str | None = None, gpu
     """strategy: as distributed.strategy names it (default: the config's). On GPUs, ZeRO-3 offload and
     FSDP's CPU offload keep the sharded weights, gradients and optimizer states in CPU RAM (`host`); the
     device holds what is gathered for compute, the activations and the temporaries."""
-    shape = read_shape(cfg.model.name_or_path)
+    whole = read_shape(cfg.model.name_or_path)
     setup = setup or setup_from_config(cfg, devices, strategy)
-    rows, moment = estimate(shape, cfg, setup)
+    shape, per_split = split_shape(whole, setup.tensor_parallel), replace(setup, devices=setup.devices // setup.tensor_parallel)
+    rows, moment = estimate(shape, cfg, per_split)
     host = {}
     if gpu and setup.offloads:
         host = {name: rows.pop(name) for name in ("weights", "gradients", "optimizer states", "fp32 master weights (DeepSpeed)") if name in rows}
@@ -430,9 +433,25 @@ def make_plan(cfg: RunConfig, devices: int = 1, strategy: str | None = None, gpu
         rows["process runtime (CPU)"] = CPU_RUNTIME
         if heap_holes(shape, cfg, setup):
             rows["freed but held by the heap (CPU)"] = heap_holes(shape, cfg, setup)
-    pictures = shape.vision.params if shape.vision else 0
-    return Plan(rows, sum(rows.values()), setup, trainable_params(shape, cfg), shape.linear_params + shape.other_params + pictures,
-                shape.active_params + pictures, shape.linear_params - shape.quantized_params(setup.bits or 16), host, moment=moment)
+    pictures = whole.vision.params if whole.vision else 0
+    return Plan(rows, sum(rows.values()), setup, trainable_params(whole, cfg), whole.linear_params + whole.other_params + pictures,
+                whole.active_params + pictures, whole.linear_params - whole.quantized_params(setup.bits or 16), host, moment=moment)
+
+
+def split_shape(shape: Shape, size: int) -> Shape:
+    """What one of `size` tensor-parallel processes holds of each layer (parallel/tensor_parallel.py): column-wise layers
+    a 1/size share of their outputs, row-wise ones of their inputs (an adapter's matrices follow), the MLP's width and the
+    attention's heads split; norms, embeddings and the head whole. The plan then shards that over the other devices."""
+    if size == 1:
+        return shape
+    from finetune.parallel.tensor_parallel import styles
+
+    style = styles(shape.config)
+    linears = tuple(replace(l, fan_out=l.fan_out // size) if style.get(l.name.rsplit(".", 1)[-1]) == "colwise" else
+                    replace(l, fan_in=l.fan_in // size) if style.get(l.name.rsplit(".", 1)[-1]) == "rowwise" else l for l in shape.linears)
+    split_attention = 2 * shape.hidden + 2 * shape.kv_dim  # the query, key, value and attention output a layer keeps
+    return replace(shape, linears=linears, mlp_width=shape.mlp_width // size, kv_dim=shape.kv_dim // size,
+                   attention_values=shape.attention_values - split_attention + split_attention // size)
 
 
 def checked_plan(cfg: RunConfig, devices: int = 1, strategy: str | None = None, gpu: bool = False, setup: Setup | None = None) -> Plan:
@@ -536,6 +555,7 @@ def render(plan: Plan, budget: float, where: str, alts: list[tuple[str, Plan]]) 
         f"micro-batch {s.micro_batch} x {s.seq_len} tokens, activations in {8 * s.activation_bytes}-bit, "
         f"checkpointing {'on' if s.checkpointing else 'off'}, strategy {s.strategy} over {s.devices} device(s)"
         + (f", each row over {s.sequence_parallel} of them (sequence parallel)" if s.sequence_parallel > 1 else "")
+        + (f", each layer split over {s.tensor_parallel} of them (tensor parallel)" if s.tensor_parallel > 1 else "")
         + (f", MLPs tiled x{s.tiled_mlp}" if s.tiled_mlp > 1 else ""),
         "",
         f"per device, at the step's peak ({plan.moment}):",

@@ -72,6 +72,8 @@ def refusal(cfg: RunConfig, devices: int) -> str | None:
         return "a bitsandbytes base is not simulated (FSDP quantizes with torchao: model.quantization.backend auto or torchao)"
     if cfg.distributed.sequence_parallel > 1:
         return "sequence parallelism is not simulated yet"
+    if cfg.distributed.tensor_parallel > 1:
+        return "tensor parallelism is not simulated yet (the plan counts each process's split of the layers by the family's plan)"
     if cfg.train.objective != "sft":  # the plan counts their extra models; the step here would be SFT's
         return (f"simulates SFT's step only; train.objective {cfg.train.objective}'s step (its "
                 + {"grpo": "sampling, reference and group rows", "distill": "teacher's forward and divergence",

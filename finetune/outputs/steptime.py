@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from finetune.config.schema import RunConfig
-from finetune.outputs.plan import BNB_BLOCK, Setup, estimate, trainable_params
+from finetune.outputs.plan import BNB_BLOCK, Setup, estimate, split_shape, trainable_params
 from finetune.outputs.shape import read_shape
 
 
@@ -37,9 +37,13 @@ def step_time(cfg: RunConfig, s: Setup, tflops: float, mfu: float, bandwidth: fl
     forward and again in its backward, and reduce-scatter the trained gradients once a step; DDP and
     ZeRO-2 all-reduce (twice the bytes) the trained gradients once a step. Not counted: FSDP2 pads each
     weight's first dimension to a multiple of the processes, which at hundreds of them makes LoRA's
-    r-row A matrices gathered as hundreds of rows (the simulation sent 4-9% more at 512 GPUs)."""
-    shape = read_shape(cfg.model.name_or_path)
-    full, d = s.method == "full", s.devices
+    r-row A matrices gathered as hundreds of rows (the simulation sent 4-9% more at 512 GPUs). Tensor parallelism over
+    t of the devices: each computes and gathers its split of the layers (plan.split_shape) over the devices / t that
+    shard it, and all-reduces the residual stream twice a layer in the forward, the backward and the recompute."""
+    t = s.tensor_parallel
+    shape = split_shape(read_shape(cfg.model.name_or_path), t)
+    full, s = s.method == "full", replace(s, devices=s.devices // t)
+    d = s.devices
     matmul = sum(l.fan_in * l.fan_out * l.active for l in shape.linears) + shape.vocab * shape.hidden  # the lm_head too
     per_weight = 2 + 2 + (2 if full else 0) + (2 if s.checkpointing else 0)
     q_dim = next((l.fan_out for l in shape.linears if l.name.rsplit(".", 1)[-1] == "q_proj"), shape.hidden)
@@ -61,8 +65,11 @@ def step_time(cfg: RunConfig, s: Setup, tflops: float, mfu: float, bandwidth: fl
         kv_dim = shape.kv_dim
         sp_share = (s.sequence_parallel - 1) / s.sequence_parallel
         sent += sp_share * tokens * (2 * q_dim + 2 * kv_dim) * s.activation_bytes * shape.layers * (2 + (1 if s.checkpointing else 0))
+    if t > 1:
+        sent += 2 * (t - 1) / t * tokens * shape.hidden * s.activation_bytes * 2 * shape.layers * (2 + (1 if s.checkpointing else 0))
     experts_gathered, all_to_all = expert_traffic(shape, cfg, s, tokens) if s.shards_weights and d > 1 else (0.0, 0.0)
-    return StepTime(flops, tokens, tokens * flops / (tflops * 1e12 * mfu), sent, sent / bandwidth if bandwidth else 0.0, experts_gathered, all_to_all)
+    # a tensor-parallel group computes its rows together: each device's share of the tokens is 1/t of them
+    return StepTime(flops, tokens // t, tokens * flops / (tflops * 1e12 * mfu), sent, sent / bandwidth if bandwidth else 0.0, experts_gathered, all_to_all)
 
 
 def expert_traffic(shape, cfg: RunConfig, s: Setup, tokens: int) -> tuple[float, float]:

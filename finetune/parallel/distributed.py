@@ -44,6 +44,8 @@ def streaming_refusal(cfg: RunConfig, folder: Path) -> str | None:
         return "DoRA's magnitudes are computed from the loaded weights"
     if cfg.adapter.modules_to_save:
         return "adapter.modules_to_save copies loaded weights"
+    if cfg.distributed.tensor_parallel > 1:
+        return "distributed.tensor_parallel (streaming by layers is built for a 1-D mesh)"
     files = weight_files(folder) if folder.is_dir() else {}
     if not files:
         return f"{folder} holds no safetensors files"
@@ -77,7 +79,8 @@ def shard_fsdp2(model: torch.nn.Module, cfg: RunConfig, device: torch.device, wo
     beforehand (`finetune plan --simulate` makes its mesh outside its fake tensors)."""
     import torch.distributed as dist
 
-    kwargs = settings or fsdp_settings(cfg, device.type, world)
+    kwargs = dict(settings or fsdp_settings(cfg, device.type, world))
+    tp_mesh = kwargs.pop("tensor_parallel", None)
     rank0 = dist.get_rank() == 0
     if stream_from is None:
         full = model.state_dict() if rank0 and not nf4.used(cfg.model) else {}  # keeps rank 0's full weights alive until sent
@@ -86,6 +89,10 @@ def shard_fsdp2(model: torch.nn.Module, cfg: RunConfig, device: torch.device, wo
     if nf4.used(cfg.model):
         read = _reader(model, stream_from, full) if stream_from is not None and rank0 else None
         return _shard_nf4(model, cfg, device, kwargs, read)
+    if tp_mesh is not None:  # the layers split over their group first: FSDP2 then shards those parts over the rest
+        from finetune.parallel import tensor_parallel
+
+        tensor_parallel.parallelize(model, tp_mesh)
     shard_layers(model, kwargs)
     if not rank0:
         model.to_empty(device=device)  # room for this rank's shards, filled from rank 0 next
@@ -100,22 +107,30 @@ def shard_fsdp2(model: torch.nn.Module, cfg: RunConfig, device: torch.device, wo
 
 
 def fsdp_settings(cfg: RunConfig, device_type: str, world: int) -> dict:
-    """`fully_shard`'s arguments for this config: the device mesh, mixed precision, offload, resharding."""
+    """`fully_shard`'s arguments for this config: the device mesh, mixed precision, offload, resharding; with
+    distributed.tensor_parallel, also `tensor_parallel`: the mesh each layer is split over (not fully_shard's)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
-    shard = cfg.distributed.fsdp_shard_size or world
+    shard, tp = cfg.distributed.fsdp_shard_size or world, cfg.distributed.tensor_parallel
     if world % shard:
         raise UserError(f"distributed.fsdp_shard_size: {shard} does not divide the {world} processes")
-    # 1-D mesh: full shard. 2-D (replicate, shard): HSDP, gradients all-reduced across the replicas.
-    mesh = init_device_mesh(device_type, (world,)) if shard == world else \
-        init_device_mesh(device_type, (world // shard, shard), mesh_dim_names=("replicate", "shard"))
+    # 1-D mesh: full shard. 2-D (replicate, shard): HSDP, gradients all-reduced across the replicas. 2-D (shard,
+    # tensor_parallel): FSDP2 over the first dimension, each layer split over the second (consecutive ranks).
+    split = {}
+    if tp > 1:
+        grid = init_device_mesh(device_type, (world // tp, tp), mesh_dim_names=("shard", "tensor_parallel"))
+        mesh, split = grid["shard"], {"tensor_parallel": grid["tensor_parallel"]}
+    elif shard == world:
+        mesh = init_device_mesh(device_type, (world,))
+    else:
+        mesh = init_device_mesh(device_type, (world // shard, shard), mesh_dim_names=("replicate", "shard"))
     mp = cfg.train.mixed_precision
     low = DTYPES[PRECISIONS[mp]] if mp in ("bf16", "fp16") else None
     # Compute in low precision, reduce gradients in fp32: the usual FSDP mixed-precision recipe.
     policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32) if low else MixedPrecisionPolicy()
     offload = CPUOffloadPolicy() if cfg.distributed.fsdp_cpu_offload else OffloadPolicy()
-    return dict(mesh=mesh, mp_policy=policy, offload_policy=offload, reshard_after_forward=cfg.distributed.fsdp_reshard_after_forward)
+    return dict(mesh=mesh, mp_policy=policy, offload_policy=offload, reshard_after_forward=cfg.distributed.fsdp_reshard_after_forward, **split)
 
 
 def shard_layers(model: torch.nn.Module, settings: dict) -> None:
@@ -240,6 +255,24 @@ def _reader(model: torch.nn.Module, folder: Path, adapter: dict[str, torch.Tenso
 def _stored_key(name: str) -> str:
     """The file's name for a state-dict entry of the model as trained (peft's wrapping taken off)."""
     return name.removeprefix("base_model.model.").replace(".base_layer.", ".")
+
+
+def clip_sharded(params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+    """torch's clip_grad_norm_ for FSDP2's gradients, whose DTensors may lie on two meshes (tensor parallelism: the
+    split layers' on the 2-D mesh, the rest on its FSDP side), which one norm cannot mix: each mesh's norm, then
+    theirs. Returns the norm before clipping, on the device (no host sync)."""
+    from torch.distributed.tensor import DTensor
+
+    by_mesh: dict[object, list[torch.Tensor]] = {}
+    for p in params:
+        if p.grad is not None:
+            by_mesh.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p.grad)
+    norms = [torch.nn.utils.get_total_norm(grads) for grads in by_mesh.values()]
+    total = torch.linalg.vector_norm(torch.stack([n.full_tensor() if isinstance(n, DTensor) else n for n in norms]))
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for grads in by_mesh.values():
+        torch._foreach_mul_([g.to_local() if isinstance(g, DTensor) else g for g in grads], coef)
+    return total
 
 
 def full_state_dict(model: torch.nn.Module, trainable_only: bool) -> dict[str, torch.Tensor]:

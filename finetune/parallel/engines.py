@@ -39,7 +39,7 @@ from finetune.config.strategy import Strategy
 from finetune.model import nf4
 from finetune.model.loading import load_model, quantize_layers
 from finetune.model.teacher import frozen, merged
-from finetune.parallel.distributed import full_state_dict, gathered_trainable_state, init_deepspeed, shard_fsdp2, stream_source, zero3_loading
+from finetune.parallel.distributed import clip_sharded, full_state_dict, gathered_trainable_state, init_deepspeed, shard_fsdp2, stream_source, zero3_loading
 from finetune.parallel.optim import build_optimizer, build_scheduler, loraplus_params
 
 
@@ -134,7 +134,7 @@ class FSDP(Engine):
         return nullcontext()
 
     def clip(self, max_norm: float) -> torch.Tensor:
-        return torch.nn.utils.clip_grad_norm_(self.params, max_norm).full_tensor()
+        return clip_sharded(self.params, max_norm)
 
     def final_state(self) -> dict[str, torch.Tensor]:
         return full_state_dict(self.model, self.cfg.adapter.method != "full")

@@ -29,13 +29,25 @@ from finetune.model import families
 
 
 @dataclass(frozen=True)
-class SequenceParallel:
-    """This process's place: `size` processes (consecutive ranks) share each row, this one holding
-    slice `rank`; `group` is their process group. size 1: every process holds whole rows."""
+class RowShare:
+    """The processes that share each row: `size` consecutive ranks, this one `rank` among them. cut: each holds
+    slice `rank` of the row (sequence parallelism; `group` is their process group); else each holds the whole
+    row and a share of the weights (tensor parallelism), the row counted once. size 1: every process holds
+    whole rows of its own."""
 
     size: int = 1
     rank: int = 0
     group: object = None
+    cut: bool = True
+
+    @property
+    def counts(self) -> bool:
+        """Whether this process's losses and counts enter the sums over processes (a whole row, once)."""
+        return self.cut or self.rank == 0
+
+    def averaged_over(self, world: int) -> int:
+        """The processes the gradients are averaged over: all of them, or one per tensor-parallel group."""
+        return world if self.cut else world // self.size
 
     def data_rank(self, rank: int) -> int:
         """Which share of the data this process reads: the same for the processes that share rows."""
@@ -48,7 +60,7 @@ class SequenceParallel:
         """This process's slice of a host micro-batch (padded to a multiple of `size` with an untrained
         segment), with what its loss needs from the whole row: `keep` (positions whose next token is
         trained), `targets` (those next tokens) and `full_position_ids` (where samples start)."""
-        if self.size == 1:
+        if self.size == 1 or not self.cut:
             return batch
         ids, labels, positions = batch["input_ids"], batch["labels"], batch["position_ids"]
         extra = -ids.shape[1] % self.size
@@ -66,16 +78,16 @@ class SequenceParallel:
                 "targets": following[:, cut][keep], "full_position_ids": full}
 
 
-def setup(size: int, rank: int, world: int) -> SequenceParallel:
+def setup(size: int, rank: int, world: int) -> RowShare:
     """The process groups of `size` consecutive ranks (every rank creates every group, as torch asks)."""
     if size == 1:
-        return SequenceParallel()
+        return RowShare()
     check_world(size, world)
     import deepspeed
 
     deepspeed.init_distributed(dist_backend=torch.distributed.get_backend())  # deepspeed.comm over the process group accelerate made
     groups = [torch.distributed.new_group(list(range(first, first + size))) for first in range(0, world, size)]
-    return SequenceParallel(size, rank % size, groups[rank // size])
+    return RowShare(size, rank % size, groups[rank // size])
 
 
 def check_world(size: int, world: int) -> None:

@@ -21,7 +21,7 @@ from finetune.model.teacher import teacher_source, teacher_tokenizer
 from finetune.objectives.distill import teacher_answers
 from finetune.objectives.evaluate import exact_match
 from finetune.objectives.registry import objective_for
-from finetune.parallel import runtime, sequence_parallel
+from finetune.parallel import runtime, sequence_parallel, tensor_parallel
 from finetune.parallel.engines import engine_for
 from finetune.run.state import INITIAL_ADAPTER, RunState
 from finetune.run.supervise import stop_if_preempted
@@ -50,9 +50,10 @@ def load_inputs(cfg: RunConfig, accelerator, preemption) -> RunState:
     data = load_data(cfg.data, tokenizer, cfg.train.seed, eval_examples=cfg.eval.generate_samples if main else 0, say=each, processor=processor,
                      answers=answers)
     stop_if_preempted(preemption.signal is not None, preemption.name, Path(cfg.train.output_dir), main, "while the data loaded")
-    sp = sequence_parallel.setup(cfg.distributed.sequence_parallel, rank, world)
+    d = cfg.distributed
+    sp = tensor_parallel.row_share(d.tensor_parallel, rank, world) if d.tensor_parallel > 1 else sequence_parallel.setup(d.sequence_parallel, rank, world)
     state = RunState(cfg, accelerator, preemption, model_cfg, tokenizer, data, plan_steps(cfg, len(data.train), sp.data_world(world)),
-                   processor=processor, sequence_parallel=sp, teacher=teacher)
+                   processor=processor, row_share=sp, teacher=teacher)
     state.objective = objective_for(cfg, locate=data.train.locate, world=world, processor=processor)
     for line in summary_lines(data, cfg.data.max_seq_len):
         state.say(line)
@@ -73,7 +74,8 @@ def load_model(state: RunState) -> None:
     state.base = str(Path(cfg.model.name_or_path).expanduser().resolve()) if looks_local(cfg.model.name_or_path) else cfg.model.name_or_path
     model.name_or_path = model.config.name_or_path = state.base
     state.router_coef = families.router_aux_loss_coef(model.config.to_dict()) if t.router_aux_loss_coef is None else t.router_aux_loss_coef
-    sequence_parallel.check_model(state.sequence_parallel.size, model, state.router_coef)
+    sequence_parallel.check_model(cfg.distributed.sequence_parallel, model, state.router_coef)
+    tensor_parallel.check_model(cfg.distributed.tensor_parallel, model)
     if cfg.train.objective == "grpo" and cfg.grpo.router_replay:
         why = routing.unreplayable(model)
         if why:
@@ -121,8 +123,8 @@ def say_model(state: RunState, model) -> None:
     if "unquantized" in info:
         stacks = f" and {info['expert_modules']} experts modules' weight stacks (once the adapter is on)" if info["expert_modules"] else ""
         state.say(f"quantized: {info['quantized_linears']} linear layers{stacks}; kept in {info['unquantized_dtype']}: {info['unquantized']}")
-    data_world = state.sequence_parallel.data_world(world)
-    shared = f" (of {world}: {state.sequence_parallel.size} share each row)" if state.sequence_parallel.size > 1 else ""
+    data_world, sp = state.row_share.data_world(world), state.row_share
+    shared = f" (of {world}: {sp.size} share each row" + ("" if sp.cut else ", each holding a share of the weights") + ")" if sp.size > 1 else ""
     state.say(
         f"batch: {t.micro_batch_size} micro x {t.grad_accum} accum x {data_world} process(es){shared} = "
         f"{t.micro_batch_size * t.grad_accum * data_world} rows per step; {state.schedule.total_steps} steps "

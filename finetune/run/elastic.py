@@ -46,14 +46,14 @@ def batch_for_world(cfg: RunConfig, path: Path | None, world: int) -> tuple[RunC
     import yaml
 
     configured = [cfg.train.micro_batch_size, cfg.train.grad_accum]
-    share = cfg.train.micro_batch_size * (world // cfg.distributed.sequence_parallel)  # rows per micro-batch over all processes
+    share = cfg.train.micro_batch_size * (world // cfg.distributed.row_group)  # rows per micro-batch over all processes
     ours = {"rows": share * cfg.train.grad_accum, "configured": configured}
-    if path is None or world % cfg.distributed.sequence_parallel:  # the latter: sequence_parallel.setup refuses it
+    if path is None or world % cfg.distributed.row_group:  # the latter: the row share's setup refuses it
         return cfg, None, ours
     state = store.trainer_state(path)
     saved_world, batch = state.get("world_size", world), state.get("batch")
     if batch is None:  # a checkpoint from before batches were recorded: its config's, as it ran
-        t, sp = (yaml.safe_load((path / CONFIG_FILE).read_text()) or {}).get("train", {}), cfg.distributed.sequence_parallel
+        t, sp = (yaml.safe_load((path / CONFIG_FILE).read_text()) or {}).get("train", {}), cfg.distributed.row_group
         defaults = TrainConfig.model_fields  # the schema's defaults, as that run took them
         micro, accum = t.get("micro_batch_size", defaults["micro_batch_size"].default), t.get("grad_accum", defaults["grad_accum"].default)
         batch = {"rows": micro * accum * (saved_world // sp), "configured": [micro, accum]}
@@ -65,7 +65,7 @@ def batch_for_world(cfg: RunConfig, path: Path | None, world: int) -> tuple[RunC
         return cfg, None, batch
     where = f"{path} was written by {saved_world} process(es) at {rows} rows per step; at {world}"
     if not exact and cfg.distributed.elastic_batch == "fixed":
-        raise BatchUnreachable(f"{where}, micro_batch_size {cfg.train.micro_batch_size} x grad_accum N x {world // cfg.distributed.sequence_parallel} "
+        raise BatchUnreachable(f"{where}, micro_batch_size {cfg.train.micro_batch_size} x grad_accum N x {world // cfg.distributed.row_group} "
                                f"cannot make {rows}: resume at a process count that can, or set distributed.elastic_batch: flexible")
     kept = f"{rows} rows per step kept" if exact else f"{share * accum} rows per step instead of {rows} (distributed.elastic_batch: flexible)"
     resized = cfg.model_copy(update={"train": cfg.train.model_copy(update={"grad_accum": accum})})
@@ -84,7 +84,7 @@ def batch_at_this_size(cfg: RunConfig, start: Start, accelerator, preemption) ->
             raise
         wait_for_nodes(f"{err}; waiting for nodes to join (the launcher starts the run again at the new size)", preemption, out, main,
                        cfg.distributed.elastic_wait)
-    sp, micro = cfg.distributed.sequence_parallel, cfg.train.micro_batch_size
+    sp, micro = cfg.distributed.row_group, cfg.train.micro_batch_size
     bad = [w for w in sizes if w % sp or batch["rows"] % (micro * (w // sp))]
     if bad and start.path is None and main and cfg.distributed.elastic_batch == "fixed":
         message = (f"{batch['rows']} rows per step (micro_batch_size {micro}) cannot be kept at {', '.join(map(str, bad))} of this elastic job's "

@@ -14,7 +14,7 @@ from finetune.data.datasets import Datasets, Schedule
 from finetune.objectives.evaluate import eval_loss
 from finetune.objectives.objective import SFT, Objective
 from finetune.parallel.engines import Engine
-from finetune.parallel.sequence_parallel import SequenceParallel
+from finetune.parallel.sequence_parallel import RowShare
 from finetune.run.guard import Guard, Verdict
 from finetune.run.metrics import RunLog
 from finetune.run.supervise import Watchdog
@@ -41,7 +41,7 @@ class RunState:
     schedule: Schedule
     processor: object = None  # a vision-language model's (AutoProcessor): pictures to pixels; saved beside the adapter
     engine: Engine = None  # model, optimizer, scheduler and checkpoint layout of the strategy
-    sequence_parallel: SequenceParallel = field(default_factory=SequenceParallel)  # the processes that share each row, if any
+    row_share: RowShare = field(default_factory=RowShare)  # the processes that share each row (sequence or tensor parallel), if any
     base: str = ""  # the base model as the saved adapter names it
     teacher: tuple[ModelConfig, str | None] | None = None  # distillation: the teacher's base and the adapter merged into it
     objective: Objective = field(default_factory=SFT)  # what a step minimises (train.objective)
@@ -104,7 +104,7 @@ def evaluate(state: RunState, step: int) -> dict | None:
         return None
     cfg = state.cfg
     result = eval_loss(state.engine.model, state.data.eval, cfg.train.micro_batch_size, state.tokenizer.pad_token_id, state.accelerator, cfg.eval.max_batches,
-                       state.objective, state.sequence_parallel, state.tokenizer)
+                       state.objective, state.row_share, state.tokenizer)
     state.log.write({"step": step, **result})
     state.log.print(f"step {step}: {state.objective.eval_line(result)}")
     return result

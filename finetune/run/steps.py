@@ -16,7 +16,7 @@ from finetune.run.state import RunState, skipped
 def step_batches(state: RunState, position: int) -> tuple[int, list[dict], list[float], float]:
     """The micro-batches of data step `position` for this rank, on its device, with the objective's
     counts (and the real tokens) summed over the step's micro-batches and every rank."""
-    accelerator, sp, pad = state.accelerator, state.sequence_parallel, state.tokenizer.pad_token_id
+    accelerator, sp, pad = state.accelerator, state.row_share, state.tokenizer.pad_token_id
     position = state.objective.reading_position(position)
     epoch, micro_batches, real_tokens = batches_at(state.data, state.cfg, state.schedule, position, sp.data_rank(accelerator.process_index),
                                                    sp.data_world(accelerator.num_processes), pad)
@@ -29,6 +29,7 @@ def step_batches(state: RunState, position: int) -> tuple[int, list[dict], list[
     micro_batches = [sp.shard(b, pad) for b in micro_batches]  # this process's slice of each row (sequence parallelism)
     real_tokens = 0 if sp.rank else real_tokens  # a row's tokens, counted once among the processes sharing it
     local = [*map(sum, zip(*(state.objective.counts(b) for b in micro_batches))), real_tokens]  # counted on the host
+    local = local if sp.counts else [0] * len(local)  # a whole row shared (tensor parallel): counted by the group's first
     micro_batches = [to_device(b, accelerator.device) for b in micro_batches]
     if accelerator.num_processes == 1:
         return epoch, micro_batches, local[:-1], local[-1]
@@ -39,7 +40,7 @@ def step_batches(state: RunState, position: int) -> tuple[int, list[dict], list[
 def sample_ahead(state: RunState, position: int) -> None:
     """The objective's coming data steps' rollouts (grpo.async_rollouts k: the next k), sampled in the background while
     this step trains; each begun once, by the policy as it is when it begins."""
-    accelerator, sp = state.accelerator, state.sequence_parallel
+    accelerator, sp = state.accelerator, state.row_share
     for following in upcoming(state, position, state.objective.samples_ahead()):
         if state.objective.sampling(following):
             continue
@@ -62,7 +63,7 @@ def upcoming(state: RunState, position: int, depth: int) -> list[int]:
 
 def trained_samples(state: RunState, position: int) -> list[int]:
     """logging.sample_ids: the samples of data step `position` on every rank (those sharing a row name it once), sorted."""
-    sp, accelerator = state.sequence_parallel, state.accelerator
+    sp, accelerator = state.row_share, state.accelerator
     mine = [] if sp.rank else step_samples(state.data, state.cfg, state.schedule, state.objective.reading_position(position),
                                             sp.data_rank(accelerator.process_index), sp.data_world(accelerator.num_processes))
     from accelerate.utils import gather_object
