@@ -9,7 +9,7 @@ TORCH_VERSION  ?= 2.13.0
 TORCH_PIP_ARGS ?=
 export FINETUNE_CACHE ?= $(CURDIR)/.cache/finetune
 
-.PHONY: install tokenizers demo demo-vision demo-dpo demo-grpo demo-agent demo-agent-tools demo-distill test test-fast lint bench bench-grpo bench-mismatch bench-rollouts bench-distill bench-compile bench-data bench-families bench-fsdp-load bench-guard bench-host bench-launch bench-load bench-large bench-long bench-released bench-moe bench-hybrid bench-scale bench-vision docs-check bench-xl bench-demos bench-suite chaos-elastic clean help
+.PHONY: install tokenizers demo demo-vision demo-dpo demo-grpo demo-agent demo-agent-tools demo-distill test test-fast lint bench bench-grpo bench-mismatch bench-rollouts bench-distill bench-compile bench-data bench-families bench-fsdp-load bench-guard bench-host bench-launch bench-load bench-large bench-long bench-released bench-moe bench-hybrid bench-scale bench-vision docs-check bench-xl bench-demos bench-suite chaos-elastic chaos-network clean help
 
 help:
 	@echo "make demo   - install, build the demo model, fine-tune it (LoRA) and show before/after"
@@ -33,6 +33,7 @@ help:
 	@echo "make bench-families - 40 architectures beyond the tested ones, and the vision-language families: packed samples kept apart (exact) or refused (~3 min)"
 	@echo "make bench-hybrid - hybrid linear-attention models (Qwen3.5, LFM2) packed exactly against padded: real tok/s, loss and gradients (~4 min)"
 	@echo "make chaos-elastic - elastic jobs of 3 loopback nodes under random node losses (mid-save too) and returns: each must end with an uninterrupted run's numbers (~10 min)"
+	@echo "make chaos-network - two network-namespace nodes, a link cut mid-run: fixed jobs (watchdog, collective timeout) and an elastic one, each node's detection time and end, then the link back (root, ~8 min)"
 	@echo "make bench-guard - the divergence guard's false alarms on flat runs and its verdicts on the recorded ones (~1 min, no training)"
 	@echo "make bench-host - the GPU path's host overhead, measured on CPU: operators, host syncs and Python per step vs HF Trainer (~4 min)"
 	@echo "make bench-launch - what a process's start costs: a 2-process run under torchrun against the suite's forked ranks, and each import (~2 min)"
@@ -197,6 +198,9 @@ bench-vision: install
 
 chaos-elastic: install
 	$(PY) bench/chaos_elastic.py
+
+chaos-network: install
+	$(PY) bench/chaos_network.py
 
 bench-guard: install
 	$(PY) bench/guard.py

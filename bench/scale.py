@@ -9,7 +9,8 @@ runs in a fresh process, as the command does; results are kept in bench/results/
 each with the commit it ran at (a rerun skips those there; delete the file to run all again), and the
 table is bench/results/scale.md.
 
-usage: python bench/scale.py [--only MODEL]   (about 100 minutes of simulation on a 2-core CPU for all 39; 405B QLoRA 9-12 min each)
+usage: python bench/scale.py [--only MODEL]   (about 100 minutes of simulation on a 2-core CPU for all 39; 405B QLoRA 9-12 min each;
+the tensor-parallel rows (SPLIT) about 20 minutes more)
 """
 
 from __future__ import annotations
@@ -44,39 +45,45 @@ PUBLISHED = [("Answer.AI, FSDP + QLoRA: fits two 24 GB cards (gradient checkpoin
 OFFLOADED = ("weights (this rank's shards)", "gradients (shards)", "optimizer states")
 
 
-def config(model: str, method: str, seq: int = 4096, r: int = 16):
+# Tensor parallel x FSDP2 on a 2-D mesh (distributed.tensor_parallel): (model, method, GPUs, processes splitting each layer)
+SPLIT = [("llama-3.1-8b", "lora", 8, 2), ("llama-2-70b", "lora", 64, 8), ("llama-2-70b", "full", 64, 8), ("llama-3.1-405b", "lora", 512, 8),
+         ("llama-3.1-405b", "full", 512, 8)]
+
+
+def config(model: str, method: str, seq: int = 4096, r: int = 16, split: int = 1):
     raw = {"model": {"name_or_path": str(REPO / "docs" / "examples" / model), "dtype": "bfloat16"},
            "data": {"train": "unused.jsonl", "max_seq_len": seq},
            "adapter": {"method": "full" if method == "full" else "lora", "r": r, "alpha": 2 * r, "dropout": 0.05, "target_modules": "all-linear"},
            "train": {"micro_batch_size": 1, "grad_accum": 1, "gradient_checkpointing": True, "optimizer": "adamw", "mixed_precision": "bf16"},
-           "distributed": {"strategy": "fsdp"}}
+           "distributed": {"strategy": "fsdp", "tensor_parallel": split}}
     if method == "qlora":
         raw["model"]["quantization"] = {"bits": 4}  # backend auto: torchao under fsdp
     return validate_config(raw, "bench-scale", check_paths=False)
 
 
-def simulate_one(model: str, method: str, world: int, seq: int = 4096, r: int = 16) -> dict:
+def simulate_one(model: str, method: str, world: int, seq: int = 4096, r: int = 16, split: int = 1) -> dict:
     """In this process: one simulated step, as JSON-ready numbers."""
     from finetune.config.errors import UserError
     from finetune.outputs.simulate import simulate
 
     try:
-        sim = simulate(config(model, method, seq, r), world)
+        sim = simulate(config(model, method, seq, r, split), world)
     except UserError as err:  # what training would refuse in one line, at the same point of its setup
         return {"refused": str(err)}
     return {"peak": sim.peak, "total": sim.total, "moved": sim.moved, "seconds": sim.seconds,
             "collectives": {name: calls for name, (calls, _) in sim.collectives.items()}}
 
 
-def row(model: str, method: str, world: int, sim: dict) -> str:
+def row(model: str, method: str, world: int, sim: dict, split: int = 1) -> str:
+    where = f"{world}" if split == 1 else f"{world} ({world // split} x {split})"
     if "refused" in sim:
-        return f"| {MODELS[model]} | {method} | {world} | refused by finetune train, and by the simulation: {sim['refused']} ||||||"
-    cfg = config(model, method)
+        return f"| {MODELS[model]} | {method} | {where} | refused by finetune train, and by the simulation: {sim['refused']} ||||||"
+    cfg = config(model, method, split=split)
     plan = make_plan(cfg, devices=world, gpu=True)
     tensors = plan.total - sum(plan.rows.get(name, 0.0) for name in NOT_TENSORS)
     comm = step_time(cfg, plan.setup, 1.0, 1.0, 0.0).comm_bytes
     top = sorted(sim["peak"].items(), key=lambda item: -item[1])[:3]
-    return (f"| {MODELS[model]} | {method} | {world} | {tensors / GiB:.2f} ({plan.moment}) | {sim['total'] / GiB:.2f} | "
+    return (f"| {MODELS[model]} | {method} | {where} | {tensors / GiB:.2f} ({plan.moment}) | {sim['total'] / GiB:.2f} | "
             f"{(tensors - sim['total']) / sim['total']:+.0%} | " + ", ".join(f"{role} {size / GiB:.2f}" for role, size in top)
             + f" | {comm / 1e9:.3g} / {sim['moved'] / 1e9:.3g} | {sim['seconds']:.0f} s |")
 
@@ -92,6 +99,7 @@ def main() -> None:
     done = json.loads(RESULTS.read_text()) if RESULTS.exists() else {"runs": {}}
     wanted = [(model, method, world) for method in METHODS for model in ([args.only] if args.only else MODELS) for world in WORLDS]
     wanted += [(model, "qlora", 2, seq, r) for _, model, seq, r in PUBLISHED if not args.only or model == args.only]
+    wanted += [(model, method, world, 4096, 16, split) for model, method, world, split in SPLIT if not args.only or model == args.only]
     for job in wanted:
         key = " ".join(map(str, job))
         if key not in done["runs"]:
@@ -120,6 +128,11 @@ def table() -> list[str]:
             host = sum(sim["peak"].get(role, 0.0) for role in OFFLOADED)
             lines.append(f"| {said} | {(sim['total'] - host) / GiB:.2f} GiB ({seq} tokens, r {r}) | {plan.total / GiB:.2f} GiB with its 1 GiB CUDA reserve "
                          f"| {host / GiB:.2f} GiB |")
+    split = [row(model, method, world, runs[f"{model} {method} {world} 4096 16 {tp}"], tp) for model, method, world, tp in SPLIT
+             if f"{model} {method} {world} 4096 16 {tp}" in runs]
+    if split:
+        lines += ["", "Tensor parallel x FSDP2 (distributed.tensor_parallel: each layer split over the second number of GPUs, FSDP2 over the "
+                  "first), the same settings:", "", *lines[:2], *split]
     when = sorted({f"{sim['commit']} on {sim['date']}, {sim['cpu']}" for sim in runs.values()})
     return lines + ["", f"Simulated at {'; '.join(when)}: `make bench-scale` (bench/scale.py)."]
 

@@ -14,7 +14,7 @@ import sys
 import warnings
 from typing import NoReturn
 
-from finetune.config.errors import EXIT_MERGE_CHECK, Stopped, UserError, record_exit
+from finetune.config.errors import EXIT_MERGE_CHECK, Stopped, UserError, clear_recorded_exit, record_exit
 from finetune.config.schema import DEFAULT_RAMDISK, ModelConfig, validate_config
 from finetune.config.strategy import NAMES as STRATEGIES
 
@@ -457,6 +457,8 @@ COMMANDS = {"train": train, "validate": validate, "data": data, "plan": plan, "s
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "train":
+        clear_recorded_exit()
     quiet_libraries()
     try:
         COMMANDS[args.command](args)

@@ -77,7 +77,10 @@ def _run(cfg: RunConfig) -> RunResult:
         # Adapter inputs stay uncast for the whole loop (set once: it walks every module); lifted before
         # the evaluation and generation after it, which run outside autocast.
         with adapter_input_casting_off(state.engine.model, state.accelerator.mixed_precision):
-            train_loop(state)
+            try:
+                train_loop(state)
+            except RuntimeError as err:
+                raise runtime.timed_out(err, state.cfg.distributed.collective_timeout, state.log, state.progress.step) or err
         return finish(state)
     finally:
         state.watchdog.close()

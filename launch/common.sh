@@ -24,7 +24,8 @@ setup_cpu_if_needed() {
 # Signals sent to this script (TERM, INT, USR1) go on to the launcher, which passes them to the workers.
 # AGENT_GRACE (seconds; 0: off): once a worker has left its code, the launcher gets this long to end. A node
 # cut off from the rendezvous host keeps torchrun's agent waiting on the host's store long after its workers
-# ended (measured: over 400 s); past the grace it is stopped, and the script ends with the workers' code.
+# ended (measured: over 400 s); past the grace it is stopped, and the script ends with the workers' code. A worker the
+# agent starts again clears the file as it starts (errors.clear_recorded_exit): the grace counts from a code no restart followed.
 run_or_print() {
     echo "launch: $*" >&2
     if [ "${DRY_RUN:-0}" = "1" ]; then return 0; fi
@@ -35,7 +36,9 @@ run_or_print() {
     trap 'kill -TERM "$child" 2>/dev/null' TERM INT
     trap 'kill -USR1 "$child" 2>/dev/null' USR1
     while kill -0 "$child" 2>/dev/null; do
-        if [ "$grace" != 0 ] && [ -s "$FINETUNE_EXIT_FILE" ]; then
+        if [ ! -s "$FINETUNE_EXIT_FILE" ]; then
+            waited=0  # no code, or a restarted worker cleared an earlier attempt's: the grace counts again from the next
+        elif [ "$grace" != 0 ]; then
             waited=$((waited + 1))
             if [ "$waited" -gt "$grace" ]; then
                 echo "launch: a worker ended with code $(head -n 1 "$FINETUNE_EXIT_FILE") and torchrun's agent had not ended $grace s later" \

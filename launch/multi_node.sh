@@ -31,10 +31,12 @@ the larger size. The rendezvous host must stay up (it holds the rendezvous). doc
                           sockets (GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME) (env IFACE)
   --connect-timeout S     seconds to wait for the rendezvous host, and a worker for rank 0's
                           store, before stopping in one line (env CONNECT_TIMEOUT, default 120)
-  --agent-grace S         a fixed-size job: seconds torchrun's agent may run on once a worker has
-                          ended with its code (a hung step, watchdog.min_seconds), before it is
-                          stopped; a node cut off from the rendezvous host otherwise waits on it for
-                          many minutes (env AGENT_GRACE, default 60; 0: never stopped)
+  --agent-grace S         seconds torchrun's agent may run on once a worker has ended with its
+                          code (a hung step, watchdog.min_seconds) and no restarted worker has
+                          taken over, before it is stopped; a node cut off from the rendezvous host
+                          otherwise waits on it for many minutes (env AGENT_GRACE; default 60 for a
+                          fixed size, 0 (never stopped) with an elastic range or --max-restarts
+                          unless given: there it must exceed the rendezvous' time to re-form)
   --dry-run               print the command, run nothing
 
 Addresses: where the hostname resolves to loopback (containers, many cloud images) or to another
@@ -52,7 +54,7 @@ USAGE
 
 nnodes="${NNODES:-1}" nper="" host="${MASTER_ADDR:-127.0.0.1}" port="${MASTER_PORT:-29500}"
 rdzv_id="${RDZV_ID:-finetune}" restarts="${MAX_RESTARTS:-}" rdzv_conf=""
-local_addr="${LOCAL_ADDR:-}" iface="${IFACE:-}" connect_timeout="${CONNECT_TIMEOUT:-120}" agent_grace="${AGENT_GRACE:-60}"
+local_addr="${LOCAL_ADDR:-}" iface="${IFACE:-}" connect_timeout="${CONNECT_TIMEOUT:-120}" agent_grace="${AGENT_GRACE:-60}" grace_given="${AGENT_GRACE:+1}"
 while [ $# -gt 0 ]; do
     case "$1" in
         --nnodes) nnodes="$2"; shift 2 ;;
@@ -65,7 +67,7 @@ while [ $# -gt 0 ]; do
         --local-addr) local_addr="$2"; shift 2 ;;
         --iface) iface="$2"; shift 2 ;;
         --connect-timeout) connect_timeout="$2"; shift 2 ;;
-        --agent-grace) agent_grace="$2"; shift 2 ;;
+        --agent-grace) agent_grace="$2"; grace_given=1; shift 2 ;;
         --dry-run) DRY_RUN=1; shift ;;
         -h|--help) usage; exit 0 ;;
         --) shift; break ;;
@@ -99,7 +101,8 @@ case "$nnodes" in
     *:*) export FINETUNE_ELASTIC="$nnodes"; restarts="${restarts:-100}" ;;
     *) [ "${DRY_RUN:-0}" = "1" ] || PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -m finetune validate "$@" > /dev/null ;;
 esac
-[ "${restarts:-0}" = "0" ] || export AGENT_GRACE=0  # the agent starts the workers again after a failure: no grace
+# The agent starts the workers again after a failure, after re-forming the rendezvous: a grace only where asked for
+[ "${restarts:-0}" = "0" ] || [ -n "$grace_given" ] || export AGENT_GRACE=0
 # Each start of the workers gets a fresh store of its own (hosted by its rank 0) instead of the agent's,
 # where a start after a node joined would find the earlier start's addresses under the same keys.
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1

@@ -352,6 +352,25 @@ def test_sigterm_before_the_loop_exits_75_with_an_event(tmp_path, tiny_model_dir
     assert [e["event"] for e in _events(out)] == ["preempted"] and not (out / "checkpoints").exists()
 
 
+def test_a_collective_past_its_timeout_ends_the_run_in_one_line_with_the_hang_code(tmp_path):
+    """distributed.collective_timeout: gloo's words for a collective that gave up become the run's one line (exit 4, a hang
+    event), any other error stays as it was. bench/chaos_network.py measures it on a cut link (docs/running.md)."""
+    from accelerate import Accelerator
+
+    from finetune.config.errors import EXIT_HUNG
+    from finetune.parallel import runtime
+    from finetune.run.metrics import RunLog
+
+    log = RunLog(tmp_path, 10, Accelerator(cpu=True), enabled=True, progress_bar=False)
+    gloo = RuntimeError("[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 15000ms for recv operation to complete")
+    hung = runtime.timed_out(gloo, 15, log, 26)
+    assert hung is not None and hung.exit_code == EXIT_HUNG == 4
+    assert str(hung).startswith("a collective waited over distributed.collective_timeout (15 s) for another process at step 27 (a stuck "
+                                "peer or a lost link: [../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 15000ms")
+    assert [e["event"] for e in read_jsonl(tmp_path / "events.jsonl")] == ["hang"]
+    assert runtime.timed_out(RuntimeError("CUDA error: an illegal memory access was encountered"), 15, log, 26) is None
+
+
 def test_a_hang_on_another_rank_reaches_the_events(tmp_path, tiny_model_dir):
     """Rank 1 hangs at step 6: its watchdog writes the event to a file of its own, the job restarts,
     and the new main process folds it into events.jsonl."""

@@ -8,67 +8,42 @@ Making namespaces needs root (CI runs as root); elsewhere these tests skip with 
 
 from __future__ import annotations
 
-import os
-import shutil
 import socket
 import subprocess
-import sys
-import uuid
 from pathlib import Path
 
+import netns
 import pytest
-from conftest import REPO, base_config, finetune_in_process, read_jsonl, write_config
+from conftest import base_config, finetune_in_process, read_jsonl, write_config
 
 from finetune.config.errors import UserError
 from finetune.parallel import network
 
 
-def _ip(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
-
-
 @pytest.fixture(scope="module")
 def nodes():
-    """Two namespaces joined by a veth pair, with their addresses; /etc/netns/NAME/hosts (which `ip netns exec` shows
-    as /etc/hosts inside) maps the hostname to 127.0.1.1. Removed at the end, with the files this made."""
-    if os.geteuid() != 0 or shutil.which("ip") is None:
-        pytest.skip("network namespaces need root and iproute2 (CI has both)")
-    tag, subnet = uuid.uuid4().hex[:6], 77
-    names, links = [f"ft{tag}a", f"ft{tag}b"], [f"v{tag}a", f"v{tag}b"]
-    addresses = [f"10.{subnet}.0.1", f"10.{subnet}.0.2"]
-    made = _ip("netns", "add", names[0])
-    if made.returncode != 0:
-        pytest.skip(f"this machine refuses network namespaces: {made.stderr.strip()}")
-    steps = [("netns", "add", names[1]), ("link", "add", links[0], "type", "veth", "peer", "name", links[1])]
-    for name, link, address in zip(names, links, addresses):
-        steps += [("link", "set", link, "netns", name), ("-n", name, "addr", "add", f"{address}/24", "dev", link),
-                  ("-n", name, "link", "set", link, "up"), ("-n", name, "link", "set", "lo", "up")]
-    hosts = [Path("/etc/netns") / name for name in names]
+    """Two namespaces joined by a veth pair (tests/netns.py), as (namespace, address, link)."""
+    why = netns.refusal()
+    if why:
+        pytest.skip(why)
     try:
-        for step in steps:
-            result = _ip(*step)
-            assert result.returncode == 0, (step, result.stderr)
-        for folder in hosts:
-            folder.mkdir(parents=True)
-            (folder / "hosts").write_text(f"127.0.0.1 localhost\n127.0.1.1 {socket.gethostname()}\n")
-        yield list(zip(names, addresses, links))
-    finally:
-        for folder in hosts:
-            shutil.rmtree(folder, ignore_errors=True)
-        for name in names:
-            _ip("netns", "del", name)
+        with netns.nodes() as made:
+            yield [(n.namespace, n.address, n.link) for n in made]
+    except RuntimeError as err:
+        pytest.skip(str(err))
+
+
+def _ip(*args: str) -> subprocess.CompletedProcess:
+    return netns.ip(*args)
 
 
 def _launch(namespace: str, out_dir: Path, *options: str, config: Path | None = None, extra: tuple[str, ...] = ()) -> subprocess.Popen:
-    log = (out_dir / f"{namespace}.log").open("w")
-    args = ["--", "--config", str(config) if config else "configs/demo.yaml", *extra]
-    return subprocess.Popen(["ip", "netns", "exec", namespace, "bash", "launch/multi_node.sh", "--nproc-per-node", "1", *options, *args],
-                            cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHON": sys.executable})
+    return netns.launch(netns.Node(namespace, "", ""), out_dir / f"{namespace}.log", *options, config=config, extra=extra)
 
 
 def _left_in(namespace: str) -> list[str]:
     """The processes still running in the namespace."""
-    return _ip("netns", "pids", namespace).stdout.split()
+    return netns.left_in(netns.Node(namespace, "", ""))
 
 
 def test_the_hostname_resolves_to_loopback_inside_each_node(nodes):

@@ -2,7 +2,8 @@
 
   2   bad input (config, data, paths): UserError
   3   the loss-divergence guard gave up after its rollbacks: Stopped
-  4   the hang watchdog found a step stuck far longer than the recent ones (stacks are in the log)
+  4   the hang watchdog found a step stuck far longer than the recent ones (stacks are in the log), or a
+      collective waited past distributed.collective_timeout for another process: Hung
   5   finetune merge: the saved model's logits are not those of base+adapter (nothing was written)
   75  preempted (SIGTERM/SIGUSR1): a checkpoint was saved first; start the same command to resume
 """
@@ -36,6 +37,18 @@ def record_exit(code: int) -> None:
                   f"report 1 (torchrun's) instead of {code}", file=sys.stderr, flush=True)
 
 
+def clear_recorded_exit() -> None:
+    """A worker torchrun started again (an elastic job re-formed, or --max-restarts): the code an earlier attempt left is
+    not this attempt's, so the launch script's grace (launch/common.sh) counts only from a code no restart followed.
+    The node's first local worker clears it, as it starts."""
+    path = os.environ.get(EXIT_FILE_VAR)
+    if path and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 and os.environ.get("LOCAL_RANK", "0") == "0":
+        try:
+            Path(path).write_text("")
+        except OSError:
+            pass  # the script then keeps the earlier code, as before
+
+
 class UserError(Exception):
     """Bad input from the user (config, data, paths). The message names the file/key and what was expected."""
 
@@ -49,6 +62,12 @@ def make_folder(path: Path, setting: str) -> Path:
     except OSError as err:
         raise UserError(f"{setting}: cannot create {path} ({err.strerror})") from None
     return path
+
+
+class Hung(UserError):
+    """Another process stopped answering (a stuck peer, a lost link): this one ends at once, without waiting for it."""
+
+    exit_code = EXIT_HUNG
 
 
 class Stopped(UserError):

@@ -473,6 +473,9 @@ class DistributedConfig(_Section):
                                  "tensor-parallel plan of the family on torch's DTensor: attention heads and MLP columns), FSDP2 sharding "
                                  "over the rest on a 2-D mesh; those processes see the same rows. fsdp, sft, LoRA or full fine-tuning "
                                  "of a 16/32-bit dense model; it must divide the process count and the model's heads.")
+    collective_timeout: float = Field(1800.0, gt=0, description="Seconds a collective (gloo's or NCCL's) waits for the other processes "
+                                      "before it fails the run (torch's process-group timeout). A stuck step usually meets the hang "
+                                      "watchdog first (watchdog.min_seconds); keep this above it, and above the longest save or eval.")
     elastic_batch: Literal["fixed", "flexible"] = Field(
         "fixed", description="A run resumed at another process count (an elastic job that lost or regained a node) keeps its global batch: "
         "train.grad_accum is re-derived so that micro x accum x processes is the checkpoint's. fixed: where no accumulation gives that batch, "

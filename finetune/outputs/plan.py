@@ -330,6 +330,11 @@ def peak_moment(shape: Shape, cfg: RunConfig, s: Setup) -> tuple[str, Moment]:
     # first layer computes (a 4-bit base's layer: only until its weights are dequantized), and a layer's
     # beside its per-parameter copies (ZeRO-3 prefetches instead).
     moments["the first layer's forward"] = Moment(per_layer, 2 * root + layer)
+    # The forward's end: every layer's saved tensors kept, the root gathered again (with its all-gather buffer) for the head, whose
+    # logits it makes (under FSDP the loss takes them whole). Tensor parallelism leaves the root whole and its layers
+    # small: Llama-3.1-405B's step over 64 x 8 peaks here (bench/results/scale.md).
+    if s.run_as.name == "fsdp":
+        moments["the head's forward"] = Moment(saved + s.tokens * shape.vocab * s.activation_bytes, 2 * root)
     # Full fine-tuning: the lm_head's gradient, unsharded until the root's reduce-scatter at the backward's
     # end, and the layer's, in the weights' dtype and cast to fp32 for its reduce-scatter (3 layers' worth).
     grads = shape.vocab * shape.hidden * s.weight_bytes + 3 * layer if full else 0.0

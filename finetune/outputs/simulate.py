@@ -17,7 +17,8 @@ accumulated from an earlier micro-batch, as in every step after the first.
 
 Simulated: distributed.strategy fsdp (FSDP2: the tracker follows its modules), LoRA, DoRA or full, on a
 bf16 or torchao NF4 base (quantized layer by layer as finetune shards it), the SFT loss; a mixture of experts with each
-expert taking an equal share of the routed tokens. Not yet: ZeRO, DDP, sequence parallelism and the other objectives'
+expert taking an equal share of the routed tokens; tensor parallelism's split layers on the 2-D mesh. Not yet: ZeRO, DDP,
+sequence parallelism and the other objectives'
 steps, each refused in one line.
 """
 
@@ -37,6 +38,7 @@ from finetune.config.schema import RunConfig
 from finetune.model import experts, nf4
 from finetune.model.loading import apply_adapter, load_model
 from finetune.objectives.loss import losses, to_device
+from finetune.parallel import tensor_parallel
 from finetune.parallel.distributed import fsdp_settings, shard_fsdp2, shard_layers
 from finetune.parallel.engines import trained
 from finetune.parallel.optim import build_optimizer
@@ -56,13 +58,13 @@ class Simulated:
     devices: int
     peak: dict[str, float]  # bytes rank 0 holds at its peak, by role (ROLES' words)
     total: float
-    collectives: dict[str, tuple[int, float]]  # collective -> (calls, bytes of the whole tensor: gathered, or reduced before scattering)
+    collectives: dict[str, tuple[int, float]]  # collective -> (calls, bytes this rank sends in them)
     seconds: float
 
     @property
     def moved(self) -> float:
-        """Bytes each rank sends (ring collectives: (d-1)/d of each whole tensor), as the planner counts them."""
-        return (self.devices - 1) / self.devices * sum(size for _, size in self.collectives.values())
+        """Bytes each rank sends, as the planner counts them."""
+        return sum(size for _, size in self.collectives.values())
 
 
 def refusal(cfg: RunConfig, devices: int) -> str | None:
@@ -72,8 +74,6 @@ def refusal(cfg: RunConfig, devices: int) -> str | None:
         return "a bitsandbytes base is not simulated (FSDP quantizes with torchao: model.quantization.backend auto or torchao)"
     if cfg.distributed.sequence_parallel > 1:
         return "sequence parallelism is not simulated yet"
-    if cfg.distributed.tensor_parallel > 1:
-        return "tensor parallelism is not simulated yet (the plan counts each process's split of the layers by the family's plan)"
     if cfg.train.objective != "sft":  # the plan counts their extra models; the step here would be SFT's
         return (f"simulates SFT's step only; train.objective {cfg.train.objective}'s step (its "
                 + {"grpo": "sampling, reference and group rows", "distill": "teacher's forward and divergence",
@@ -95,20 +95,24 @@ def simulate(cfg: RunConfig, devices: int, fake: bool = True) -> Simulated:
         # torchao's NF4 reads its storages' addresses, which fake tensors do not have (nor need here)
         warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
         settings = fsdp_settings(cfg, "cpu", devices)  # the mesh reads its tensor back: made before the fake mode
+        split = settings.pop("tensor_parallel", None)
         model = load_model(cfg.model, skeleton="meta", say=lambda _: None)
         model = apply_adapter(model, cfg.adapter, cfg.train.gradient_checkpointing, say=lambda _: None)
         batch = _batch(cfg, model.config.vocab_size)
+        if split is not None:  # on the meta device, before the fake mode: FSDP2 makes the 2-D mesh's DTensor specs, which read it back
+            tensor_parallel.parallelize(model, split)
+            shard_layers(model, settings)
         with _EveryTokenTrained(allow_non_fake_inputs=True) if fake else contextlib.nullcontext():
             model.to_empty(device="cpu")  # rank 0's model as loaded
             if nf4.used(cfg.model):  # each layer quantized, then sharded, as in training
                 model = shard_fsdp2(model, cfg, torch.device("cpu"), devices, settings=settings)
-            else:  # sharded as in training; sending rank 0's values (data-dependent: not under fake tensors) left out
+            elif split is None:  # sharded as in training; sending rank 0's values (data-dependent: not under fake tensors) left out
                 shard_layers(model, settings)
             optimizer = build_optimizer(trained(model), cfg.train)
             if fake:
                 _one_tensor_at_a_time(optimizer)
             _midway(optimizer, trained(model))
-            tracker, counted = FSDPMemTracker(model, optimizer), _Collectives()
+            tracker, counted = FSDPMemTracker(model, optimizer), _Collectives(settings["mesh"].size(), split.size() if split else 1)
             with tracker, counted, experts.balanced_routing():  # fake tensors hold no router choices: each expert an equal share
                 losses(model, batch).tokens.backward()
                 optimizer.step()
@@ -172,21 +176,27 @@ class _EveryTokenTrained(FakeTensorMode):
 
 
 class _Collectives(TorchDispatchMode):
-    """Each c10d collective called, with the bytes of its whole tensor (an all-gather's output, a
-    reduce-scatter's input, an all-reduce's tensor)."""
+    """Each collective called, with the bytes this rank sends in it (ring collectives): FSDP2's c10d ones over the
+    `shards` processes sharding the weights ((n-1)/n of an all-gather's output or a reduce-scatter's input); DTensor's
+    functional all-reduces over the `split` processes of tensor parallelism (2 (n-1)/n of the tensor)."""
 
-    def __init__(self):
+    def __init__(self, shards: int, split: int = 1):
         super().__init__()
         self.calls: dict[str, tuple[int, float]] = {}
+        self.shards, self.split = shards, split
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
         if func.namespace == "c10d" and ("gather" in name or "scatter" in name or "reduce" in name):
             whole = args[1] if "reduce_scatter" in name else args[0]
-            whole = whole[0] if isinstance(whole, (list, tuple)) else whole
-            calls, size = self.calls.get(name, (0, 0.0))
-            self.calls[name] = (calls + 1, size + whole.numel() * whole.element_size())
+            self._count(name, whole[0] if isinstance(whole, (list, tuple)) else whole, (self.shards - 1) / self.shards)
+        elif func.namespace == "_c10d_functional" and name == "all_reduce":
+            self._count("tensor_parallel_all_reduce", args[0], 2 * (self.split - 1) / self.split)
         return func(*args, **(kwargs or {}))
+
+    def _count(self, name: str, whole: torch.Tensor, share: float) -> None:
+        calls, size = self.calls.get(name, (0, 0.0))
+        self.calls[name] = (calls + 1, size + share * whole.numel() * whole.element_size())
 
 
 def render(sim: Simulated, plan, planned_bytes: float) -> str:

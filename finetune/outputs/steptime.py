@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 from finetune.config.schema import RunConfig
 from finetune.outputs.plan import BNB_BLOCK, Setup, estimate, split_shape, trainable_params
 from finetune.outputs.shape import read_shape
+from finetune.parallel.tensor_parallel import styles
 
 
 @dataclass(frozen=True)
@@ -39,7 +40,8 @@ def step_time(cfg: RunConfig, s: Setup, tflops: float, mfu: float, bandwidth: fl
     weight's first dimension to a multiple of the processes, which at hundreds of them makes LoRA's
     r-row A matrices gathered as hundreds of rows (the simulation sent 4-9% more at 512 GPUs). Tensor parallelism over
     t of the devices: each computes and gathers its split of the layers (plan.split_shape) over the devices / t that
-    shard it, and all-reduces the residual stream twice a layer in the forward, the backward and the recompute."""
+    shard it, and all-reduces the residual stream: each row-wise layer's output in the forward (and the recompute),
+    each column-wise layer's input gradient in the backward (q, k and v one each: the simulation counts them apart)."""
     t = s.tensor_parallel
     shape = split_shape(read_shape(cfg.model.name_or_path), t)
     full, s = s.method == "full", replace(s, devices=s.devices // t)
@@ -65,8 +67,10 @@ def step_time(cfg: RunConfig, s: Setup, tflops: float, mfu: float, bandwidth: fl
         kv_dim = shape.kv_dim
         sp_share = (s.sequence_parallel - 1) / s.sequence_parallel
         sent += sp_share * tokens * (2 * q_dim + 2 * kv_dim) * s.activation_bytes * shape.layers * (2 + (1 if s.checkpointing else 0))
-    if t > 1:
-        sent += 2 * (t - 1) / t * tokens * shape.hidden * s.activation_bytes * 2 * shape.layers * (2 + (1 if s.checkpointing else 0))
+    if t > 1:  # a row-wise layer's output summed in the forward (and the recompute), a column-wise one's input gradient in the backward
+        style = list(styles(shape.config).values())
+        per_layer = style.count("rowwise") * (2 if s.checkpointing else 1) + style.count("colwise")
+        sent += 2 * (t - 1) / t * tokens * shape.hidden * s.activation_bytes * per_layer * shape.layers
     experts_gathered, all_to_all = expert_traffic(shape, cfg, s, tokens) if s.shards_weights and d > 1 else (0.0, 0.0)
     # a tensor-parallel group computes its rows together: each device's share of the tokens is 1/t of them
     return StepTime(flops, tokens // t, tokens * flops / (tflops * 1e12 * mfu), sent, sent / bandwidth if bandwidth else 0.0, experts_gathered, all_to_all)

@@ -19,6 +19,7 @@ from finetune.config.schema import PRECISIONS, RunConfig
 from finetune.config.strategy import Strategy
 from finetune.model import experts, nf4, vision
 from finetune.model.loading import DTYPES, decoder_layers, quantize_layer
+from finetune.parallel import tensor_parallel
 
 
 def stream_source(cfg: RunConfig, say) -> Path | None:
@@ -90,8 +91,6 @@ def shard_fsdp2(model: torch.nn.Module, cfg: RunConfig, device: torch.device, wo
         read = _reader(model, stream_from, full) if stream_from is not None and rank0 else None
         return _shard_nf4(model, cfg, device, kwargs, read)
     if tp_mesh is not None:  # the layers split over their group first: FSDP2 then shards those parts over the rest
-        from finetune.parallel import tensor_parallel
-
         tensor_parallel.parallelize(model, tp_mesh)
     shard_layers(model, kwargs)
     if not rank0:

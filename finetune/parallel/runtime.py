@@ -4,6 +4,7 @@ restart and at the end, the CPU heap, and resident memory. No training happens h
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import importlib.util
 import os
 import sys
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from finetune.config.errors import UserError
+from finetune.config.errors import Hung, UserError
 from finetune.config.schema import RunConfig
 from finetune.config.strategy import NAMES
 from finetune.parallel import network
@@ -45,7 +46,9 @@ def make_accelerator(cfg: RunConfig):
 
     if not engine_class(cfg, int(os.environ.get("WORLD_SIZE", "1")))[0].autocast:  # launchers set WORLD_SIZE
         mp = "no"
-    handlers = []
+    from accelerate.utils import InitProcessGroupKwargs
+
+    handlers = [InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=cfg.distributed.collective_timeout))]
     if mp == "fp8" and importlib.util.find_spec("torchao"):
         from accelerate.utils import AORecipeKwargs
         from torchao.float8 import Float8LinearConfig
@@ -60,6 +63,18 @@ def make_accelerator(cfg: RunConfig):
         handlers.append(AORecipeKwargs(config=rowwise))
     return Accelerator(mixed_precision=mp, cpu=not cuda, log_with=list(cfg.logging.report_to) or None, project_dir=cfg.train.output_dir,
                        kwargs_handlers=handlers)
+
+
+def timed_out(err: RuntimeError, seconds: float, log, step: int) -> Hung | None:
+    """A collective that waited past distributed.collective_timeout (gloo's "Timed out waiting", NCCL's "timeout") as the
+    run's one line (exit 4, the event written), or None for any other error."""
+    text = str(err)
+    if "timed out" not in text.lower() and "timeout" not in text.lower():
+        return None
+    message = (f"a collective waited over distributed.collective_timeout ({seconds:g} s) for another process at step {step + 1} (a stuck "
+               f"peer or a lost link: {text.strip().splitlines()[-1][:160]}); the checkpoints saved are intact, the same command resumes")
+    log.event("hang", step, f"rank {os.environ.get('RANK', '0')}: {message}", any_rank=True)
+    return Hung(message)
 
 
 def launcher_strategy(cfg: RunConfig) -> str | None:
