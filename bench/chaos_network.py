@@ -11,16 +11,19 @@ checkpoint (verified against its manifest), and what happened once the link came
                              with 4; node 1 started again once the link is back is taken in, and every step is trained once
 
     python bench/chaos_network.py [--cases fixed-watchdog,fixed-timeout,elastic]   (root; about 8 minutes)
+
+Each node's log and the runs' folders stay in $FINETUNE_CACHE/chaos-network (default .cache/finetune) until the next run.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
 import sys
 import time
 from pathlib import Path
-from tempfile import TemporaryDirectory
 
 from common import DATA, REPO, build_model, cpu, head_commit, report
 
@@ -30,6 +33,7 @@ import netns  # noqa: E402
 sys.path.insert(0, str(REPO))
 from finetune.checkpoint.store import verify  # noqa: E402
 
+WORK = Path(os.environ.get("FINETUNE_CACHE", REPO / ".cache" / "finetune")) / "chaos-network"
 WATCH, TIMEOUT, GRACE = 15, 15, 10  # watchdog.min_seconds; distributed.collective_timeout; --agent-grace of the fixed cases
 CASES = {
     "fixed-watchdog": ("2", {"watchdog": {"min_seconds": WATCH, "factor": 5}}, ["--agent-grace", str(GRACE)]),
@@ -53,6 +57,11 @@ def rows(out: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
+def events_of(out: Path) -> list[dict]:
+    path = out / "events.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
 def run_case(name: str, tmp: Path, model: Path, pair: list, port: int) -> list[str]:
     nnodes, sections, options = CASES[name]
     elastic = ":" in nnodes
@@ -66,7 +75,7 @@ def run_case(name: str, tmp: Path, model: Path, pair: list, port: int) -> list[s
         time.sleep(0.5)
     if any(j.poll() is not None for j in jobs) or time.monotonic() >= deadline:
         sys.exit(f"{name}: the job did not reach step 25 with both nodes: {(tmp / f'{name}-0.log').read_text()[-2000:]}")
-    cut_at, ended = time.monotonic(), {}
+    cut_at, cut_wall, ended = time.monotonic(), time.time(), {}
     netns.cut(pair[1])
     waiting = [1] if elastic else [0, 1]  # an elastic job's node 0 goes on
     while any(i not in ended for i in waiting) and time.monotonic() - cut_at < 300:
@@ -77,13 +86,14 @@ def run_case(name: str, tmp: Path, model: Path, pair: list, port: int) -> list[s
     saved = sorted((out / "checkpoints").glob("step-*"))
     good = saved and verify(saved[-1]) is None
     if elastic:
+        resized = [e["time"] - cut_wall for e in events_of(out) if e["event"] == "resize" and e["time"] > cut_wall]
+        node0 = f"went on alone {resized[0]:.1f} s after the cut (a resize)" if resized else "did NOT go on alone"
         back = netns.launch(pair[1], tmp / f"{name}-1-again.log", *launch, config=cfg, env=pace)
         codes = [jobs[0].wait(timeout=900), back.wait(timeout=300)]
         steps = [r["step"] for r in rows(out) if "loss" in r]
-        events = [json.loads(line)["event"] for line in (out / "events.jsonl").read_text().splitlines()] if (out / "events.jsonl").exists() else []
-        after = (f"node 1 started again, taken in: both end with {codes}; {events.count('resize')} resizes; "
+        resizes = sum(e["event"] == "resize" for e in events_of(out))
+        after = (f"node 1 started again, taken in: both end with {codes}; {resizes} resizes; "
                  f"{len(set(steps))} of 400 steps, {'each once' if sorted(set(steps)) == list(range(1, 401)) else 'NOT each once'}")
-        node0 = "went on alone"
     else:
         last = int(saved[-1].name.split("-")[1])
         resumed = [netns.launch(node, tmp / f"{name}-{i}-resumed.log", *launch, config=cfg, extra=("--set", f"train.max_steps={last + 4}"))
@@ -107,8 +117,10 @@ def main() -> None:
              f"--agent-grace {GRACE} (elastic: 60); LoRA on a 2-layer, 128-wide Llama, node 1's link cut after step 25", "",
              "| case | nodes | node 0 after the cut | node 1 after the cut | processes left | newest checkpoint | after the link came back |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
-    with TemporaryDirectory() as folder, netns.nodes() as pair:
-        tmp = Path(folder)
+    tmp = WORK  # kept after the run: each node's log and the runs' folders, for what the table does not say
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    with netns.nodes() as pair:
         build_model(tmp / "model", layers=2, hidden=128)
         for i, name in enumerate(args.cases.split(",")):
             lines += run_case(name, tmp, tmp / "model", pair, 29640 + 2 * i)

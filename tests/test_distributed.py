@@ -240,4 +240,3 @@ def test_a_tied_head_trains_sharded_or_split_as_one_process(released, trained, n
 
         with safe_open(out / "model.safetensors", "pt") as f:  # trained as one tensor: the head, if saved apart, equals the embeddings
             assert "lm_head.weight" not in f.keys() or torch.equal(f.get_tensor("lm_head.weight"), f.get_tensor("model.embed_tokens.weight"))
-

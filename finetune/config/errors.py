@@ -38,11 +38,12 @@ def record_exit(code: int) -> None:
 
 
 def clear_recorded_exit() -> None:
-    """A worker torchrun started again (an elastic job re-formed, or --max-restarts): the code an earlier attempt left is
-    not this attempt's, so the launch script's grace (launch/common.sh) counts only from a code no restart followed.
-    The node's first local worker clears it, as it starts."""
+    """Workers torchrun starts (again: an elastic job re-formed after a failure or around a node that joined, whose
+    SIGTERM left 75; --max-restarts): the code an earlier start left is not this start's, so the launch script's grace
+    (launch/common.sh) counts only from a code no start followed. The node's first local worker clears it as it starts
+    (torchrun's restart count does not move on a membership change: every start clears)."""
     path = os.environ.get(EXIT_FILE_VAR)
-    if path and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 and os.environ.get("LOCAL_RANK", "0") == "0":
+    if path and os.environ.get("LOCAL_RANK", "0") == "0":
         try:
             Path(path).write_text("")
         except OSError:

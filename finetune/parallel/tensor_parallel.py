@@ -40,21 +40,18 @@ def check_world(size: int, world: int) -> None:
         raise UserError(f"distributed.tensor_parallel: {size} does not divide the {world} processes started; start a multiple of {size}")
 
 
-def plan_of(config) -> dict[str, str]:
-    """The family's tensor-parallel plan (module pattern -> style), from its transformers config class."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    return dict(getattr(text, "base_model_tp_plan", None) or {})
+def plan_of(config: dict) -> dict[str, str]:
+    """The family's tensor-parallel plan (module pattern -> style), as transformers ships it on the family's config
+    class (empty for a family without one); `config`: its config.json (a model's config.to_dict())."""
+    from transformers import CONFIG_MAPPING
+
+    kind = (config.get("text_config") or config).get("model_type", "")
+    return dict((CONFIG_MAPPING[kind].base_model_tp_plan if kind in CONFIG_MAPPING else None) or {})
 
 
 def styles(config: dict) -> dict[str, str]:
-    """A config.json's plan by layer name (q_proj -> colwise), for the planner: the family's config class's, as
-    transformers ships it (empty for a family without one)."""
-    from transformers import CONFIG_MAPPING
-
-    text = config.get("text_config") or config
-    kind = text.get("model_type", "")
-    plan = (CONFIG_MAPPING[kind].base_model_tp_plan if kind in CONFIG_MAPPING else None) or {}
-    return {pattern.rsplit(".", 1)[-1]: style for pattern, style in plan.items()}
+    """The plan by layer name (q_proj -> colwise), for the planner."""
+    return {pattern.rsplit(".", 1)[-1]: style for pattern, style in plan_of(config).items()}
 
 
 def check_model(size: int, model) -> None:
@@ -64,7 +61,7 @@ def check_model(size: int, model) -> None:
     config = model.config
     if hasattr(config, "vision_config") and getattr(config, "vision_config", None) is not None:
         raise UserError("distributed.tensor_parallel: not with a vision-language model (its tower has no plan here); set it to 1")
-    plan = plan_of(config)
+    plan = plan_of(config.to_dict())
     if not plan:
         raise UserError(f"distributed.tensor_parallel: transformers ships no tensor-parallel plan for {config.model_type}; set it to 1")
     other = sorted({style for style in plan.values() if style not in SUPPORTED})
@@ -79,13 +76,12 @@ def check_model(size: int, model) -> None:
         raise UserError(f"distributed.tensor_parallel: {size} does not divide the model's {' and '.join(odd)}; choose a divisor")
 
 
-def parallelize(model: torch.nn.Module, mesh) -> int:
+def parallelize(model: torch.nn.Module, mesh) -> None:
     """Split the (peft-wrapped) model's layers over the 1-D tensor-parallel `mesh` by the family's plan, in
-    place; the weights may be on the meta device (filled after). Returns how many layers were split."""
+    place; the weights may be on the meta device (filled after)."""
     from transformers.distributed.tensor_parallel import ALL_PARALLEL_STYLES
 
-    patterns = [(re.compile(r"(?:.*\.)?" + re.escape(pattern).replace(r"\*", r"\d+")), style) for pattern, style in plan_of(model.config).items()]
-    count = 0
+    patterns = [(re.compile(r"(?:.*\.)?" + re.escape(pattern).replace(r"\*", r"\d+")), style) for pattern, style in plan_of(model.config.to_dict()).items()]
     for name, module in list(model.named_modules()):
         style = next((s for pattern, s in patterns if pattern.fullmatch(name)), None)
         if style is None or name.endswith(("base_layer", "lora_A", "lora_B")):
@@ -99,8 +95,6 @@ def parallelize(model: torch.nn.Module, mesh) -> int:
             for param in [n for n, p in part.named_parameters(recurse=False) if p is not None]:
                 ALL_PARALLEL_STYLES[style].shard_param(part, param, mesh)
             ALL_PARALLEL_STYLES[style].install_forward(part, mesh)
-        count += 1
-    return count
 
 
 def _sum_gradients(module: torch.nn.Module, group) -> None:
