@@ -58,11 +58,15 @@ def cpu_name() -> str:
     return platform.machine()
 
 
-def head_commit() -> str:
-    """The short hash of the commit a result is measured at."""
+def head_commit(marked: bool = True) -> str:
+    """The short hash of the commit a result is measured at, marked where the code measured is not that commit's
+    (changes to tracked files other than results, not yet committed); marked=False: a clean clone of it is measured."""
     import subprocess
 
-    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+    changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".", ":!bench/results", ":!bench/owed-figures.txt"],
+                             cwd=REPO, capture_output=True, text=True).stdout.strip()
+    return f"{head} with uncommitted changes" if changed and marked else head
 
 
 def cpu() -> str:

@@ -26,7 +26,7 @@ RESULTS = REPO / "bench" / "results"
 
 def run(target: str) -> tuple[str, str]:
     """A clean clone's `make TARGET` output, with its wall time in `time`'s words; and the commit."""
-    commit = head_commit()
+    commit = head_commit(marked=False)  # the clone holds the commit, whatever the working tree
     clone = Path(tempfile.mkdtemp(prefix="finetune-suite-")) / "repo"
     subprocess.run(["git", "clone", "-q", str(REPO), str(clone)], check=True)
     start = time.perf_counter()
