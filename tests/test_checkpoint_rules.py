@@ -144,7 +144,7 @@ def test_a_resume_at_another_process_count_keeps_the_global_batch_or_says_why_it
     # Sequence parallelism: the data world (processes / N) sets the batch. Written by 4 processes in 2 pairs (2 x 3 x 2 = 12 rows),
     # resumed by one pair (accumulation 6) or by 6 processes in 3 pairs (accumulation 2); 3 processes cannot form pairs: one line
     from finetune.config.errors import UserError
-    from finetune.parallel import sequence_parallel
+    from finetune.run.preflight import check_group
 
     sp = config(distributed={"sequence_parallel": 2})
     (path / CONFIG_FILE).write_text(to_yaml(sp))
@@ -153,4 +153,4 @@ def test_a_resume_at_another_process_count_keeps_the_global_batch_or_says_why_it
     assert resized.train.grad_accum == 6 and message.endswith("at 2: train.grad_accum 6, 12 rows per step kept")
     assert batch_for_world(sp, path, 6)[0].train.grad_accum == 2
     with pytest.raises(UserError, match="sequence_parallel: 2 does not divide the 3 processes started; start a multiple of 2"):
-        sequence_parallel.check_world(2, 3)
+        check_group("sequence_parallel", 2, 3)

@@ -368,7 +368,12 @@ def test_a_collective_past_its_timeout_ends_the_run_in_one_line_with_the_hang_co
     assert str(hung).startswith("a collective waited over distributed.collective_timeout (15 s) for another process at step 27 (a stuck "
                                 "peer or a lost link: [../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 15000ms")
     assert [e["event"] for e in read_jsonl(tmp_path / "events.jsonl")] == ["hang"]
-    assert runtime.timed_out(RuntimeError("CUDA error: an illegal memory access was encountered"), 15, log, 26) is None
+    nccl = RuntimeError("[Rank 1] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=808, OpType=ALLREDUCE, NumelIn=9801523, "
+                        "NumelOut=9801523, Timeout(ms)=600000) ran for 600020 milliseconds before timing out.")
+    assert runtime.timed_out(nccl, 600, log, 26) is not None
+    for other in ("CUDA error: an illegal memory access was encountered", "DataLoader worker (pid 123) timed out after 30 seconds",
+                  "The client socket has timed out after 60s while trying to connect to (10.0.0.1, 29500)."):
+        assert runtime.timed_out(RuntimeError(other), 15, log, 26) is None
 
 
 def test_a_hang_on_another_rank_reaches_the_events(tmp_path, tiny_model_dir):

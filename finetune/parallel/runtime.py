@@ -7,6 +7,7 @@ import dataclasses
 import datetime
 import importlib.util
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -65,11 +66,16 @@ def make_accelerator(cfg: RunConfig):
                        kwargs_handlers=handlers)
 
 
+COLLECTIVE_TIMEOUT = re.compile(r"Timed out waiting \d+ ?ms for \w+ operation|collective operation timeout|before timing out")
+
+
 def timed_out(err: RuntimeError, seconds: float, log, step: int) -> Hung | None:
-    """A collective that waited past distributed.collective_timeout (gloo's "Timed out waiting", NCCL's "timeout") as the
-    run's one line (exit 4, the event written), or None for any other error."""
+    """A collective that waited past distributed.collective_timeout as the run's one line (exit 4, the event written), or
+    None for any other error (a DataLoader's or a socket's timeout among them). The words are the backends' own: gloo's
+    "Timed out waiting 15000ms for recv operation", NCCL's watchdog "caught collective operation timeout ... ran for N
+    milliseconds before timing out"."""
     text = str(err)
-    if "timed out" not in text.lower() and "timeout" not in text.lower():
+    if not COLLECTIVE_TIMEOUT.search(text):
         return None
     message = (f"a collective waited over distributed.collective_timeout ({seconds:g} s) for another process at step {step + 1} (a stuck "
                f"peer or a lost link: {text.strip().splitlines()[-1][:160]}); the checkpoints saved are intact, the same command resumes")

@@ -29,15 +29,10 @@ SUPPORTED = ("colwise", "rowwise", "replicated_with_grad_allreduce")
 ADAPTER_SIDE = {"colwise": "lora_B", "rowwise": "lora_A"}  # the adapter matrix split as the layer is
 
 
-def row_share(size: int, rank: int, world: int) -> RowShare:
-    """The processes that share each row: `size` consecutive ranks, one tensor-parallel group."""
-    check_world(size, world)
+def row_share(size: int, rank: int) -> RowShare:
+    """The processes that share each row: `size` consecutive ranks, one tensor-parallel group (preflight checked that
+    `size` divides the world)."""
     return RowShare(size, rank % size, cut=False)
-
-
-def check_world(size: int, world: int) -> None:
-    if world % size:
-        raise UserError(f"distributed.tensor_parallel: {size} does not divide the {world} processes started; start a multiple of {size}")
 
 
 def plan_of(config: dict) -> dict[str, str]:

@@ -51,7 +51,7 @@ def load_inputs(cfg: RunConfig, accelerator, preemption) -> RunState:
                      answers=answers)
     stop_if_preempted(preemption.signal is not None, preemption.name, Path(cfg.train.output_dir), main, "while the data loaded")
     d = cfg.distributed
-    sp = tensor_parallel.row_share(d.tensor_parallel, rank, world) if d.tensor_parallel > 1 else sequence_parallel.setup(d.sequence_parallel, rank, world)
+    sp = tensor_parallel.row_share(d.tensor_parallel, rank) if d.tensor_parallel > 1 else sequence_parallel.setup(d.sequence_parallel, rank, world)
     state = RunState(cfg, accelerator, preemption, model_cfg, tokenizer, data, plan_steps(cfg, len(data.train), sp.data_world(world)),
                    processor=processor, row_share=sp, teacher=teacher)
     state.objective = objective_for(cfg, locate=data.train.locate, world=world, processor=processor)

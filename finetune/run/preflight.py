@@ -80,10 +80,8 @@ def check_long_context(cfg: RunConfig, launched: bool, config: dict | None = Non
     from finetune.parallel import sequence_parallel
 
     size, world = cfg.distributed.sequence_parallel, int(os.environ.get("WORLD_SIZE", "1"))
-    if launched and cfg.distributed.tensor_parallel > 1:
-        from finetune.parallel import tensor_parallel
-
-        tensor_parallel.check_world(cfg.distributed.tensor_parallel, world)
+    for key in ("tensor_parallel", "sequence_parallel") if launched else ():
+        check_group(key, getattr(cfg.distributed, key), world)
     if cfg.model.tiled_mlp > 1:
         if importlib.util.find_spec("deepspeed") is None:
             raise UserError("model.tiled_mlp: runs DeepSpeed's TiledMLP; pip install 'finetune-kit[deepspeed]'")
@@ -93,8 +91,12 @@ def check_long_context(cfg: RunConfig, launched: bool, config: dict | None = Non
     if size == 1:
         return
     sequence_parallel.check(size, model_json(cfg) if config is None else config)
-    if launched:
-        sequence_parallel.check_world(size, world)
+
+
+def check_group(key: str, size: int, world: int) -> None:
+    """distributed.KEY's groups of `size` consecutive processes must tile the `world` started."""
+    if world % size:
+        raise UserError(f"distributed.{key}: {size} does not divide the {world} processes started; start a multiple of {size}")
 
 
 def check_vision(cfg: RunConfig, config: dict) -> None:
