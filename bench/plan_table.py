@@ -56,7 +56,7 @@ def table() -> list[str]:
         t = step_time(cfg, plan.setup, tflops, mfu, bandwidth * 1e9)
         comm = f", collectives {t.comm_s:.1f} s" if devices > 1 else ""
         lines.append(f"| {name} | {hardware} | {gib('weights')} | {gib('gradients')} | {gib('optimizer states')} | "
-                     f"{plan.rows['activations'] / GiB:.1f} / {long.rows['activations'] / GiB:.1f} | {plan.total / GiB:.1f} | "
+                     f"{plan.activations / GiB:.1f} / {long.activations / GiB:.1f} | {plan.total / GiB:.1f} | "
                      f"{'yes' if plan.total <= memory * GiB else 'no'} ({memory} GiB){'; train refuses it' if plan.refused else ''} | "
                      f"{sum(plan.host.values()) / GiB:.1f} | "
                      f"{t.overlapped_s:.1f} s at MFU {mfu:g} (compute {t.compute_s:.1f} s{comm}) |")

@@ -134,7 +134,39 @@ def table() -> list[str]:
         lines += ["", "Tensor parallel x FSDP2 (distributed.tensor_parallel: each layer split over the second number of GPUs, FSDP2 over the "
                   "first), the same settings:", "", *lines[:2], *split]
     when = sorted({f"{sim['commit']} on {sim['date']}, {sim['cpu']}" for sim in runs.values()})
-    return lines + ["", f"Simulated at {'; '.join(when)}: `make bench-scale` (bench/scale.py)."]
+    return lines + ["", f"Simulated at {'; '.join(when)}: `make bench-scale` (bench/scale.py).", "", *zero_table()]
+
+
+# ZeRO is not simulated (DeepSpeed's engine does not run on fake tensors): its model states are checked against DeepSpeed's own
+# estimator instead, full fine-tuning in bf16 with AdamW (what the estimator assumes), no offload, 8 GPUs a node
+ZERO = [(model, stage, world) for model in ("llama-3.1-8b", "llama-2-70b") for stage in ("zero2", "zero3") for world in (8, 64)]
+
+
+def zero_table() -> list[str]:
+    """The plan's model states (weights, gradients, optimizer states, fp32 master weights, and the step's fp32 gradients) at
+    DeepSpeed's optimizer step beside DeepSpeed's estimate_zero{2,3}_model_states_mem_needs, per GPU."""
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+    from finetune.outputs.plan import deepspeed_step
+    from finetune.outputs.shape import read_shape
+
+    lines = ["ZeRO, checked against DeepSpeed's own estimator (not simulated), full fine-tuning, bf16, AdamW, 4,096-token rows: GiB per GPU",
+             "", "| model | strategy | GPUs | DeepSpeed's estimate of the model states | plan: the same states at DeepSpeed's step | plan vs "
+             "DeepSpeed | plan: the step's peak (its moment) |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    for model, stage, world in ZERO:
+        cfg = config(model, "full")
+        cfg.distributed.strategy = stage
+        plan, shape = make_plan(cfg, devices=world, gpu=True), read_shape(cfg.model.name_or_path)
+        states = sum(plan.rows.get(row, 0.0) for row in ("weights", "gradients", "optimizer states", "fp32 master weights (DeepSpeed)"))
+        states += deepspeed_step(shape, cfg, plan.setup)
+        total, layer = shape.linear_params + shape.other_params, shape.linear_params // shape.layers
+        nodes = {"num_gpus_per_node": min(world, 8), "num_nodes": max(1, world // 8), "cpu_offload": False}
+        theirs = (estimate_zero2_model_states_mem_needs(total, **nodes) if stage == "zero2"
+                  else estimate_zero3_model_states_mem_needs(total, layer, cpu_offload_params=False, **nodes))[1]
+        lines.append(f"| {MODELS[model]} | {stage} | {world} | {theirs / GiB:.2f} | {states / GiB:.2f} | {(states - theirs) / theirs:+.0%} "
+                     f"| {plan.total / GiB:.2f} ({plan.moment}) |")
+    return lines
 
 
 def run(job: tuple) -> dict:

@@ -138,6 +138,23 @@ def test_deepspeed_keeps_fp32_optimizer_states_of_16_bit_weights():
     assert round(8_030_261_248 * 4 / 8 / GiB, 2) == 3.74
 
 
+def test_zero2s_step_holds_the_model_states_deepspeeds_own_estimator_counts():
+    """ZeRO is not simulated: DeepSpeed's estimator is the check (bench/scale.py's ZeRO table). Its ZeRO-2 formula, 2 bytes of
+    weights a parameter and 18 / N of sharded states, is the plan's at DeepSpeed's optimizer step, where the step's fp32 copy of
+    the gradient partition joins the 16-bit one; ZeRO-3 makes that copy one sub-group (a layer) at a time."""
+    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+    cfg = load_config(REPO / "docs/examples/plan-7b-full.yaml", check_model=False, overrides=["model.dtype=bfloat16"])
+    zero2 = make_plan(cfg, devices=8, strategy="zero2", gpu=True)
+    assert zero2.moment == "the optimizer's step" and zero2.rows["activations"] == 0 and zero2.activations > 0
+    states = sum(zero2.rows[row] for row in ("weights", "gradients", "optimizer states", "fp32 master weights (DeepSpeed)",
+                                             "fp32 gradients (DeepSpeed step)"))
+    assert states - BUFFERS == estimate_zero2_model_states_mem_needs(N, num_gpus_per_node=8, cpu_offload=False)[1]
+    zero3 = make_plan(cfg, devices=8, strategy="zero3", gpu=True)
+    assert zero3.moment == "the last layer's backward"  # its step holds one layer's fp32 gradients: less than the backward
+    assert "fp32 gradients (DeepSpeed step)" not in zero3.rows
+
+
 def test_a_distillation_teacher_is_planned_as_the_strategy_holds_it():
     """Llama 3.1 8B teaching Llama 3.2 1B: its bf16 weights whole on one GPU and an eighth of them on each of 8 under
     FSDP (the published parameter count), and its final hidden states at the student's tokens (or its fp32 logits

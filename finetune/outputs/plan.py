@@ -114,8 +114,9 @@ def trainable_params(shape: Shape, cfg: RunConfig) -> int:
     return sum((r * (l.fan_in + l.fan_out) + (l.fan_out if dora else 0)) * l.copies for l in adapted(shape, cfg))
 
 
-def estimate(shape: Shape, cfg: RunConfig, s: Setup) -> tuple[dict[str, float], str]:
-    """Bytes per device, by row, at the step's peak, and that moment (see peak_moment)."""
+def estimate(shape: Shape, cfg: RunConfig, s: Setup) -> tuple[dict[str, float], str, float]:
+    """Bytes per device, by row, at the step's peak, that moment (see step_moments), and its activations (where it holds
+    none, DeepSpeed's optimizer step, those of the largest moment that holds some)."""
     n_train = trainable_params(shape, cfg)
     full = s.method == "full"
     # Weights. A quantized base keeps its non-linear parts in fp32 (bitsandbytes' path: peft's
@@ -134,7 +135,8 @@ def estimate(shape: Shape, cfg: RunConfig, s: Setup) -> tuple[dict[str, float], 
     if s.shards_states:
         grads, optimizer = grads / s.devices, optimizer / s.devices
     weights = base + adapter
-    moment, peak = peak_moment(shape, cfg, s)
+    moments = step_moments(shape, cfg, s)
+    moment, peak = max(moments.items(), key=lambda item: item[1].total)
     rows = {"weights": weights, "gradients": grads, "optimizer states": optimizer, "activations": peak.activations}
     if s.shards_weights:
         rows["weights"] = weights / s.devices
@@ -149,9 +151,12 @@ def estimate(shape: Shape, cfg: RunConfig, s: Setup) -> tuple[dict[str, float], 
         rows["distill teacher weights"], rows["distill teacher outputs"] = teacher_rows(cfg, s)
     if peak.temporaries:
         rows["dense weight temporaries"] = peak.temporaries
+    if peak.fp32_gradients:
+        rows["fp32 gradients (DeepSpeed step)"] = peak.fp32_gradients
     if shape.vision is not None:
         rows["vision tower + projector"], rows["vision tower activations"] = vision_rows(shape.vision, cfg, s)
-    return rows, moment
+    held = peak if peak.activations else max((m for m in moments.values() if m.activations), key=lambda m: m.total, default=peak)
+    return rows, moment, held.activations
 
 
 def vision_rows(v: VisionShape, cfg: RunConfig, s: Setup) -> tuple[float, float]:
@@ -294,15 +299,16 @@ class Moment:
     activations: float  # what the forward saved for the backward, and what this moment adds to it
     gathered: float = 0.0  # weights (and full fine-tuning's gradients) held unsharded: FSDP/ZeRO-3
     temporaries: float = 0.0  # dense weight temporaries of the layer computing (dense_temporaries)
+    fp32_gradients: float = 0.0  # DeepSpeed's step: its fp32 copy of the gradient partition (deepspeed_step)
 
     @property
     def total(self) -> float:
-        return self.activations + self.gathered + self.temporaries
+        return self.activations + self.gathered + self.temporaries + self.fp32_gradients
 
 
-def peak_moment(shape: Shape, cfg: RunConfig, s: Setup) -> tuple[str, Moment]:
-    """The moment of the step that holds the most beyond the weights, gradients and optimizer states, and
-    what it holds then. Moments, not rows added up: the loss's logits are gone before the backward
+def step_moments(shape: Shape, cfg: RunConfig, s: Setup) -> dict[str, Moment]:
+    """The moments of the step that may hold the most beyond the weights, gradients and optimizer states, and
+    what each holds then (the plan's peak is the largest). Moments, not rows added up: the loss's logits are gone before the backward
     rebuilds a layer, and FSDP2 reshards the root (embeddings, lm_head) after the forward, so no weight
     is gathered while the loss runs. Measured against `finetune plan --simulate` (docs/planning.md).
 
@@ -322,9 +328,11 @@ def peak_moment(shape: Shape, cfg: RunConfig, s: Setup) -> tuple[str, Moment]:
         saved, rebuilt = shape.layers * (per_layer - chunk) + dropped, chunk + in_backward
     temporaries = dense_temporaries(shape, cfg, s)
     moments = {"the loss": Moment(saved + loss_activations(shape, s))}
+    if s.run_as.deepspeed and not s.offloads:
+        moments["the optimizer's step"] = Moment(0.0, fp32_gradients=deepspeed_step(shape, cfg, s))
     if not s.shards_weights:
         moments["a layer's backward"] = Moment(saved + rebuilt, temporaries=temporaries)
-        return max(moments.items(), key=lambda item: item[1].total)
+        return moments
     root, layer = gathered_weights(shape, cfg, s)
     # FSDP2 keeps the last all-gather's output until the next one is copied out: the root's while the
     # first layer computes (a 4-bit base's layer: only until its weights are dequantized), and a layer's
@@ -339,7 +347,17 @@ def peak_moment(shape: Shape, cfg: RunConfig, s: Setup) -> tuple[str, Moment]:
     # end, and the layer's, in the weights' dtype and cast to fp32 for its reduce-scatter (3 layers' worth).
     grads = shape.vocab * shape.hidden * s.weight_bytes + 3 * layer if full else 0.0
     moments["the last layer's backward"] = Moment(saved + rebuilt, root + 2 * layer + grads, temporaries)
-    return max(moments.items(), key=lambda item: item[1].total)
+    return moments
+
+
+def deepspeed_step(shape: Shape, cfg: RunConfig, s: Setup) -> float:
+    """DeepSpeed's optimizer step casts the gradient partition to fp32 beside the 16-bit one it reduced (what its own
+    estimator counts as 4 bytes of fp32 gradients a parameter): ZeRO-2 the whole partition at once, ZeRO-3 one sub-group at
+    a time, which finetune sizes to the largest decoder layer (parallel/distributed.deepspeed_config)."""
+    partition = trainable_params(shape, cfg) / s.devices
+    if s.run_as.zero_stage == 3:
+        partition = min(partition, shape.linear_params / shape.layers)
+    return partition * 4
 
 
 def gathered_weights(shape: Shape, cfg: RunConfig, s: Setup) -> tuple[float, float]:
@@ -402,7 +420,8 @@ class Plan:
     unquantized_experts: int  # router (and at 8 bits expert) weights a quantized base keeps unquantized
     host: dict[str, float] = field(default_factory=dict)  # offloaded to CPU RAM, per process
     refused: str | None = None  # what `finetune train` would refuse in this setup (the schema's own checks)
-    moment: str = ""  # when in the step the rows are held together (peak_moment)
+    moment: str = ""  # when in the step the rows are held together (step_moments)
+    activations: float = 0.0  # the peak moment's activations, or (it holds none: DeepSpeed's step) the largest moment's that holds some
 
 
 def refusal(cfg: RunConfig, s: Setup) -> str | None:
@@ -428,7 +447,7 @@ def make_plan(cfg: RunConfig, devices: int = 1, strategy: str | None = None, gpu
     whole = read_shape(cfg.model.name_or_path)
     setup = setup or setup_from_config(cfg, devices, strategy)
     shape, per_split = split_shape(whole, setup.tensor_parallel), replace(setup, devices=setup.devices // setup.tensor_parallel)
-    rows, moment = estimate(shape, cfg, per_split)
+    rows, moment, activations = estimate(shape, cfg, per_split)
     host = {}
     if gpu and setup.offloads:
         host = {name: rows.pop(name) for name in ("weights", "gradients", "optimizer states", "fp32 master weights (DeepSpeed)") if name in rows}
@@ -440,7 +459,8 @@ def make_plan(cfg: RunConfig, devices: int = 1, strategy: str | None = None, gpu
             rows["freed but held by the heap (CPU)"] = heap_holes(shape, cfg, setup)
     pictures = whole.vision.params if whole.vision else 0
     return Plan(rows, sum(rows.values()), setup, trainable_params(whole, cfg), whole.linear_params + whole.other_params + pictures,
-                whole.active_params + pictures, whole.linear_params - whole.quantized_params(setup.bits or 16), host, moment=moment)
+                whole.active_params + pictures, whole.linear_params - whole.quantized_params(setup.bits or 16), host, moment=moment,
+                activations=activations)
 
 
 def split_shape(shape: Shape, size: int) -> Shape:
@@ -513,7 +533,7 @@ def render_rows(cfg: RunConfig, plan: Plan, budget: float, gpu: bool) -> str:
     tiled = s if s.tiled_mlp > 1 else replace(s, tiled_mlp=4)
     other = make_plan(cfg, gpu=gpu, setup=replace(s, tiled_mlp=1) if s.tiled_mlp > 1 else tiled)
     pair = (plan, other) if s.tiled_mlp > 1 else (other, plan)
-    lines = [f"activations per device: {pair[1].rows['activations'] / GiB:.2f} GiB untiled, {pair[0].rows['activations'] / GiB:.2f} GiB "
+    lines = [f"activations per device: {pair[1].activations / GiB:.2f} GiB untiled, {pair[0].activations / GiB:.2f} GiB "
              f"with the MLP tiled x{tiled.tiled_mlp}"]
     longest = [f"{longest_row(cfg, s, budget, gpu):,} tokens as planned"]
     if s.tiled_mlp == 1:
