@@ -10,7 +10,7 @@ each with the commit it ran at (a rerun skips those there; delete the file to ru
 table is bench/results/scale.md.
 
 usage: python bench/scale.py [--only MODEL]   (about 100 minutes of simulation on a 2-core CPU for all 39; 405B QLoRA 9-12 min each;
-the tensor-parallel rows (SPLIT) about 20 minutes more)
+the tensor-parallel rows (SPLIT) about 20 minutes more, the DPO rows (PREFERENCE) about 10)
 """
 
 from __future__ import annotations
@@ -50,35 +50,40 @@ SPLIT = [("llama-3.1-8b", "lora", 8, 2), ("llama-2-70b", "lora", 64, 8), ("llama
          ("llama-3.1-405b", "full", 512, 8)]
 
 
-def config(model: str, method: str, seq: int = 4096, r: int = 16, split: int = 1):
+# DPO (one pair a row): its reference's forward, the adapter switched off or (full fine-tuning) a frozen copy: (model, method, GPUs)
+PREFERENCE = [("llama-3.1-8b", "lora", 8), ("llama-3.1-8b", "full", 8), ("llama-2-70b", "lora", 64), ("llama-2-70b", "full", 64)]
+
+
+def config(model: str, method: str, seq: int = 4096, r: int = 16, split: int = 1, objective: str = "sft"):
     raw = {"model": {"name_or_path": str(REPO / "docs" / "examples" / model), "dtype": "bfloat16"},
-           "data": {"train": "unused.jsonl", "max_seq_len": seq},
+           "data": {"train": "unused.jsonl", "max_seq_len": seq, "format": "preference" if objective != "sft" else "alpaca"},
            "adapter": {"method": "full" if method == "full" else "lora", "r": r, "alpha": 2 * r, "dropout": 0.05, "target_modules": "all-linear"},
-           "train": {"micro_batch_size": 1, "grad_accum": 1, "gradient_checkpointing": True, "optimizer": "adamw", "mixed_precision": "bf16"},
+           "train": {"micro_batch_size": 1, "grad_accum": 1, "gradient_checkpointing": True, "optimizer": "adamw", "mixed_precision": "bf16",
+                     "objective": objective},
            "distributed": {"strategy": "fsdp", "tensor_parallel": split}}
     if method == "qlora":
         raw["model"]["quantization"] = {"bits": 4}  # backend auto: torchao under fsdp
     return validate_config(raw, "bench-scale", check_paths=False)
 
 
-def simulate_one(model: str, method: str, world: int, seq: int = 4096, r: int = 16, split: int = 1) -> dict:
+def simulate_one(model: str, method: str, world: int, seq: int = 4096, r: int = 16, split: int = 1, objective: str = "sft") -> dict:
     """In this process: one simulated step, as JSON-ready numbers."""
     from finetune.config.errors import UserError
     from finetune.outputs.simulate import simulate
 
     try:
-        sim = simulate(config(model, method, seq, r, split), world)
+        sim = simulate(config(model, method, seq, r, split, objective), world)
     except UserError as err:  # what training would refuse in one line, at the same point of its setup
         return {"refused": str(err)}
     return {"peak": sim.peak, "total": sim.total, "moved": sim.moved, "seconds": sim.seconds,
             "collectives": {name: calls for name, (calls, _) in sim.collectives.items()}}
 
 
-def row(model: str, method: str, world: int, sim: dict, split: int = 1) -> str:
+def row(model: str, method: str, world: int, sim: dict, split: int = 1, objective: str = "sft") -> str:
     where = f"{world}" if split == 1 else f"{world} ({world // split} x {split})"
     if "refused" in sim:
         return f"| {MODELS[model]} | {method} | {where} | refused by finetune train, and by the simulation: {sim['refused']} ||||||"
-    cfg = config(model, method, split=split)
+    cfg = config(model, method, split=split, objective=objective)
     plan = make_plan(cfg, devices=world, gpu=True)
     tensors = plan.total - sum(plan.rows.get(name, 0.0) for name in NOT_TENSORS)
     comm = step_time(cfg, plan.setup, 1.0, 1.0, 0.0).comm_bytes
@@ -94,12 +99,13 @@ def main() -> None:
     parser.add_argument("--one", nargs="+", help=argparse.SUPPRESS)  # a worker: MODEL METHOD WORLD [SEQ R], one simulation
     args = parser.parse_args()
     if args.one:
-        print(json.dumps(simulate_one(args.one[0], args.one[1], *map(int, args.one[2:]))))
+        print(json.dumps(simulate_one(args.one[0], args.one[1], *map(int, args.one[2:6]), *args.one[6:])))
         return
     done = json.loads(RESULTS.read_text()) if RESULTS.exists() else {"runs": {}}
     wanted = [(model, method, world) for method in METHODS for model in ([args.only] if args.only else MODELS) for world in WORLDS]
     wanted += [(model, "qlora", 2, seq, r) for _, model, seq, r in PUBLISHED if not args.only or model == args.only]
     wanted += [(model, method, world, 4096, 16, split) for model, method, world, split in SPLIT if not args.only or model == args.only]
+    wanted += [(model, method, world, 4096, 16, 1, "dpo") for model, method, world in PREFERENCE if not args.only or model == args.only]
     for job in wanted:
         key = " ".join(map(str, job))
         if key not in done["runs"]:
@@ -133,6 +139,11 @@ def table() -> list[str]:
     if split:
         lines += ["", "Tensor parallel x FSDP2 (distributed.tensor_parallel: each layer split over the second number of GPUs, FSDP2 over the "
                   "first), the same settings:", "", *lines[:2], *split]
+    dpo = [row(model, method, world, runs[f"{model} {method} {world} 4096 16 1 dpo"], objective="dpo") for model, method, world in PREFERENCE
+           if f"{model} {method} {world} 4096 16 1 dpo" in runs]
+    if dpo:
+        lines += ["", "DPO (train.objective dpo, one pair a row; the reference: LoRA's base with the adapter switched off, full fine-tuning's "
+                  "frozen copy sharded as the policy), the same settings:", "", *lines[:2], *dpo]
     when = sorted({f"{sim['commit']} on {sim['date']}, {sim['cpu']}" for sim in runs.values()})
     return lines + ["", f"Simulated at {'; '.join(when)}: `make bench-scale` (bench/scale.py).", "", *zero_table()]
 

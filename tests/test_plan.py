@@ -316,11 +316,12 @@ def test_simulate_refuses_what_it_does_not_simulate_in_one_line(capsys, tiny_mod
                           "--simulate")
     assert result.returncode == 2 and result.stderr.strip() == ("error: --simulate: simulates distributed.strategy fsdp over 2 or more devices "
                                                                "(--strategy fsdp --gpus N)"), result.stderr
-    for config, what in (("dpo", "two sequences a pair and reference"), ("grpo", "sampling, reference and group rows")):
+    for config, what in (("kto", "mismatched pairs and reference"), ("grpo", "sampling, reference and group rows")):
         result = finetune_cli(capsys, "plan", "--config", config, "--model", str(tiny_model_dir), "--seq-len", "128", "--gpus", "2",
                               "--strategy", "fsdp", "--set", "eval.generate_samples=0", "--simulate")
-        assert result.returncode == 2 and result.stderr.strip() == (f"error: --simulate: simulates SFT's step only; train.objective {config}'s "
-                                                                   f"step (its {what}) is not simulated yet"), result.stderr
+        assert result.returncode == 2 and result.stderr.strip() == (f"error: --simulate: simulates SFT's and the preference pairs' steps "
+                                                                   f"(dpo, orpo, cpo, simpo); train.objective {config}'s step (its {what}) is "
+                                                                   "not simulated yet"), result.stderr
 
 
 SIMULATED_RUN = """
@@ -337,20 +338,23 @@ if fake or dist.get_rank() == 0:
 """
 
 
-@pytest.mark.parametrize("method", ["lora", "full", "qlora"])
+@pytest.mark.parametrize("method", ["lora", "full", "qlora", "dpo"])
 def test_the_simulated_step_holds_what_the_real_step_of_2_processes_holds(tmp_path, tiny_model_dir, method):
     """The same step on real tensors in 2 gloo processes (torchrun's workers), under the same tracker: rank 0's peak
     by role within 10% of the fake tensors' (the simulation of 8B-405B rests on this). QLoRA: torchao's
-    NF4 base, quantized layer by layer as finetune shards it."""
+    NF4 base, quantized layer by layer as finetune shards it. DPO with LoRA: a pair a row, the reference the adapter
+    switched off (the objective reads its pairs from the batch's data, on real tensors in the fake step too)."""
     import os
     import subprocess
     import sys
 
     raw = {"model": {"name_or_path": str(tiny_model_dir)}, "data": {"train": "unused.jsonl", "max_seq_len": 256},
-           "adapter": {"method": "lora" if method == "qlora" else method},
+           "adapter": {"method": "full" if method == "full" else "lora"},
            "train": {"output_dir": str(tmp_path / "out"), "micro_batch_size": 2, "gradient_checkpointing": True}, "distributed": {"strategy": "fsdp"}}
     if method == "qlora":
         raw["model"]["quantization"] = {"bits": 4}
+    if method == "dpo":
+        raw["train"]["objective"], raw["data"]["format"] = "dpo", "preference"
     script = tmp_path / "step.py"
     script.write_text(SIMULATED_RUN)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
@@ -368,12 +372,13 @@ def test_the_simulated_step_holds_what_the_real_step_of_2_processes_holds(tmp_pa
     assert not apart, (apart, real, simulated)
 
 
-@pytest.mark.parametrize("model, devices, method, moment, split", [
-    ("llama-3.1-8b", 8, "lora", "the loss", 1), ("llama-3.1-70b", 64, "lora", "the first layer's forward", 1),
-    ("llama-3.1-70b", 64, "qlora", "the last layer's backward", 1), ("llama-3.1-8b", 8, "full", "the last layer's backward", 1),
-    ("qwen3-30b-a3b", 8, "qlora", "the loss", 1), ("gpt-oss-20b", 8, "lora", "the loss", 1), ("qwen3.5-27b", 8, "lora", "the head's forward", 1),
-    ("llama-3.1-70b", 64, "lora", "the head's forward", 8), ("qwen3-8b", 8, "full", "the loss", 2)])
-def test_the_plan_is_within_10_percent_of_the_simulated_step(tmp_path, model, devices, method, moment, split):
+@pytest.mark.parametrize("model, devices, method, moment, split, objective", [
+    ("llama-3.1-8b", 8, "lora", "the loss", 1, "sft"), ("llama-3.1-70b", 64, "lora", "the first layer's forward", 1, "sft"),
+    ("llama-3.1-70b", 64, "qlora", "the last layer's backward", 1, "sft"), ("llama-3.1-8b", 8, "full", "the last layer's backward", 1, "sft"),
+    ("qwen3-30b-a3b", 8, "qlora", "the loss", 1, "sft"), ("gpt-oss-20b", 8, "lora", "the loss", 1, "sft"),
+    ("qwen3.5-27b", 8, "lora", "the head's forward", 1, "sft"), ("llama-3.1-70b", 64, "lora", "the head's forward", 8, "sft"),
+    ("qwen3-8b", 8, "full", "the loss", 2, "sft"), ("llama-3.1-8b", 8, "lora", "the loss", 1, "dpo"), ("llama-3.1-8b", 8, "full", "the loss", 1, "dpo")])
+def test_the_plan_is_within_10_percent_of_the_simulated_step(tmp_path, model, devices, method, moment, split, objective):
     """Released widths (Llama-3.1-8B's and 70B's, Qwen3-30B-A3B's 128 experts, gpt-oss-20b's sink attention, Qwen3.5-27B's
     language model: a Gated DeltaNet layer and an attention layer, 248k vocabulary; two layers to run in seconds) at one
     4k-token row, bf16, checkpointing, AdamW: the plan's tensors within 10% of the simulated
@@ -382,7 +387,9 @@ def test_the_plan_is_within_10_percent_of_the_simulated_step(tmp_path, model, de
     plan; the head's forward, the root gathered twice beside its logits, was once missing: the 248k vocabulary's and Llama-3.1-405B's
     split over 64 x 8 peak there). The experts take equal shares of the tokens in the simulation (it has no router values). Tensor parallel
     (split > 1: Llama-3.1-70B split over 8 of 64, Qwen3-8B's per-head norms over 2 of 8): each process's split of the
-    layers and the all-reduces each split layer adds."""
+    layers and the all-reduces each split layer adds. DPO (one pair a row): its reference's forward beside the policy's
+    kept log-probabilities (the plan once counted SFT's fused loss there: 11% under), the adapter switched off, or under
+    full fine-tuning a frozen copy sharded as the policy, and that forward's gathers."""
     from finetune.outputs.plan import setup_from_config
     from finetune.outputs.shape import read_shape
     from finetune.outputs.simulate import NOT_TENSORS, simulate
@@ -396,10 +403,12 @@ def test_the_plan_is_within_10_percent_of_the_simulated_step(tmp_path, model, de
                                                                                            if "layer_types" in shape else {})}))
     raw = {"model": {"name_or_path": str(tmp_path), "dtype": "bfloat16"}, "data": {"train": "unused.jsonl", "max_seq_len": 4096},
            "adapter": {"method": "full" if method == "full" else "lora", "dropout": 0.0},
-           "train": {"micro_batch_size": 1, "gradient_checkpointing": True, "optimizer": "adamw", "mixed_precision": "bf16"},
+           "train": {"micro_batch_size": 1, "gradient_checkpointing": True, "optimizer": "adamw", "mixed_precision": "bf16", "objective": objective},
            "distributed": {"strategy": "fsdp", "tensor_parallel": split}}
     if method == "qlora":
         raw["model"]["quantization"] = {"bits": 4}
+    if objective != "sft":
+        raw["data"]["format"] = "preference"
     cfg = validate_config(raw, "sim", check_paths=False)
     plan = make_plan(cfg, devices=devices, gpu=True)
     tensors = plan.total - sum(plan.rows.get(row, 0.0) for row in NOT_TENSORS)

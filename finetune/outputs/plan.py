@@ -327,7 +327,7 @@ def step_moments(shape: Shape, cfg: RunConfig, s: Setup) -> dict[str, Moment]:
         chunk = 4 * shape.mlp_width / s.tiled_mlp * s.activation_bytes * s.tokens if s.tiled_mlp > 1 else 0.0
         saved, rebuilt = shape.layers * (per_layer - chunk) + dropped, chunk + in_backward
     temporaries = dense_temporaries(shape, cfg, s)
-    moments = {"the loss": Moment(saved + loss_activations(shape, s))}
+    moments = {"the loss": Moment(saved + loss_activations(shape, cfg, s))}
     if s.run_as.deepspeed and not s.offloads:
         moments["the optimizer's step"] = Moment(0.0, fp32_gradients=deepspeed_step(shape, cfg, s))
     if not s.shards_weights:
@@ -383,13 +383,17 @@ def residual_bytes(cfg: RunConfig, s: Setup) -> int:
     return 4 if s.bits and not torchao_base(cfg, s) else s.weight_bytes
 
 
-def loss_activations(shape: Shape, s: Setup) -> float:
-    """The loss's share. Where the fused loss runs (a plain lm_head, unsharded: loss.fusable_parts) the
+def loss_activations(shape: Shape, cfg: RunConfig, s: Setup) -> float:
+    """The loss's share. Where the fused loss runs (SFT, a plain lm_head, unsharded: loss.fusable_parts) the
     logits exist a chunk at a time: it holds the trained tokens' final hidden states and their
     gradient, and a chunk's logits, log-softmax and gradient in fp32. Otherwise 12 bytes per vocabulary
     entry at the log-softmax's backward: its saved fp32 output, the gradient coming in and the one going
-    out (the forward held less: the model's logits, an fp32 copy and the log-softmax). Every token is
-    counted as trained."""
+    out (the forward held less: the model's logits, an fp32 copy and the log-softmax). A preference objective
+    takes its answers' log-probabilities so (objective.token_logps); DPO's and KTO's reference forward then makes
+    its own logits, fp32 copy and log-softmax beside the policy's kept log-softmax: 14 bytes (the simulation of
+    Llama-3.1-8B's DPO step). Every token is counted as trained."""
+    if cfg.train.objective in ("dpo", "orpo", "cpo", "simpo", "kto"):
+        return s.tokens * shape.vocab * (14 if cfg.train.objective in ("dpo", "kto") else 12)
     if families.plain_head(shape.config) and not s.shards_weights:
         from finetune.objectives.loss import CHUNK_ELEMENTS
 

@@ -9,17 +9,20 @@ weights. torch's `FSDPMemTracker` (what torchtitan's memory estimator uses) reco
 at its peak, by role, and the collectives it calls are counted as they pass.
 
 The simulated batch is the planner's worst case: micro_batch_size rows of max_seq_len tokens, one sample
-a row, every token trained. One micro-batch a step: memory is the same with more, and the collectives of
-grad_accum micro-batches repeat the gathers of one.
+a row, every token trained (a preference objective: one pair a row, each answer after a one-token prompt). One
+micro-batch a step: memory is the same with more, and the collectives of grad_accum micro-batches repeat the
+gathers of one.
 
 The step is a later one, and its micro-batch not the first: the optimizer's states exist, and gradients
 accumulated from an earlier micro-batch, as in every step after the first.
 
 Simulated: distributed.strategy fsdp (FSDP2: the tracker follows its modules), LoRA, DoRA or full, on a
-bf16 or torchao NF4 base (quantized layer by layer as finetune shards it), the SFT loss; a mixture of experts with each
-expert taking an equal share of the routed tokens; tensor parallelism's split layers on the 2-D mesh. Not yet: ZeRO, DDP,
-sequence parallelism and the other objectives'
-steps, each refused in one line.
+bf16 or torchao NF4 base (quantized layer by layer as finetune shards it); the SFT loss, and the preference pairs'
+(DPO with its reference: the adapter switched off, or under full fine-tuning a frozen copy sharded as the policy; ORPO,
+CPO, SimPO); a mixture of experts with each expert taking an equal share of the routed tokens; tensor parallelism's split
+layers on the 2-D mesh. Not simulated, each refused in one line: ZeRO (DeepSpeed's engine does not run on fake tensors:
+bench/scale.py checks the plan against DeepSpeed's own estimator), DDP (nor does its reducer), sequence parallelism,
+and KTO's, the reward model's, GRPO's and distillation's steps.
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ from dataclasses import dataclass
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils import _pytree as pytree
+from torch.utils._mode_utils import no_dispatch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from finetune.config.errors import UserError
@@ -51,6 +56,7 @@ ROLES = {"SHARDED_PARAM": "weights (this rank's shards)", "UNSHARDED_PARAM": "we
 
 
 NOT_TENSORS = ("CUDA context + allocator slack", "process runtime (CPU)")  # the plan's rows that no tensor fills
+PAIRS = ("dpo", "orpo", "cpo", "simpo")  # the preference objectives whose step is simulated (objectives.objective.Preference)
 
 
 @dataclass
@@ -74,10 +80,10 @@ def refusal(cfg: RunConfig, devices: int) -> str | None:
         return "a bitsandbytes base is not simulated (FSDP quantizes with torchao: model.quantization.backend auto or torchao)"
     if cfg.distributed.sequence_parallel > 1:
         return "sequence parallelism is not simulated yet"
-    if cfg.train.objective != "sft":  # the plan counts their extra models; the step here would be SFT's
-        return (f"simulates SFT's step only; train.objective {cfg.train.objective}'s step (its "
-                + {"grpo": "sampling, reference and group rows", "distill": "teacher's forward and divergence",
-                   "reward": "score head"}.get(cfg.train.objective, "two sequences a pair and reference") + ") is not simulated yet")
+    if cfg.train.objective not in ("sft", *PAIRS):  # the plan counts their extra models; the step here would not be theirs
+        return (f"simulates SFT's and the preference pairs' steps ({', '.join(PAIRS)}); train.objective {cfg.train.objective}'s step (its "
+                + {"grpo": "sampling, reference and group rows", "distill": "teacher's forward and divergence", "reward": "score head",
+                   "kto": "mismatched pairs and reference"}[cfg.train.objective] + ") is not simulated yet")
     return None
 
 
@@ -98,23 +104,34 @@ def simulate(cfg: RunConfig, devices: int, fake: bool = True) -> Simulated:
         split = settings.pop("tensor_parallel", None)
         model = load_model(cfg.model, skeleton="meta", say=lambda _: None)
         model = apply_adapter(model, cfg.adapter, cfg.train.gradient_checkpointing, say=lambda _: None)
-        batch = _batch(cfg, model.config.vocab_size)
+        batch = (_pairs if cfg.train.objective in PAIRS else _batch)(cfg, model.config.vocab_size)
+        reference = _reference(cfg) if cfg.needs_reference else None
+        step = _step_loss(cfg, batch, reference)  # its counts read the batch's data: before the fake mode
         if split is not None:  # on the meta device, before the fake mode: FSDP2 makes the 2-D mesh's DTensor specs, which read it back
             tensor_parallel.parallelize(model, split)
             shard_layers(model, settings)
-        with _EveryTokenTrained(allow_non_fake_inputs=True) if fake else contextlib.nullcontext():
+        with _TrainedPositions(int(batch["keep"].sum()), allow_non_fake_inputs=True) if fake else contextlib.nullcontext():
             model.to_empty(device="cpu")  # rank 0's model as loaded
             if nf4.used(cfg.model):  # each layer quantized, then sharded, as in training
                 model = shard_fsdp2(model, cfg, torch.device("cpu"), devices, settings=settings)
             elif split is None:  # sharded as in training; sending rank 0's values (data-dependent: not under fake tensors) left out
                 shard_layers(model, settings)
+            if reference is not None:  # DPO's frozen copy under full fine-tuning, sharded as the policy (engines.FSDP.reference)
+                reference.to_empty(device="cpu")
+                shard_layers(reference, settings)
             optimizer = build_optimizer(trained(model), cfg.train)
             if fake:
                 _one_tensor_at_a_time(optimizer)
             _midway(optimizer, trained(model))
             tracker, counted = FSDPMemTracker(model, optimizer), _Collectives(settings["mesh"].size(), split.size() if split else 1)
+            if reference is not None:  # its shards, made before the tracker, among this rank's (FSDPMemTracker's track_external does nothing)
+                from torch.distributed._tools.fsdp2_mem_tracker import _FSDPRefType
+
+                for param in reference.parameters():
+                    tracker._update_and_maybe_create_winfos(param._local_tensor, _FSDPRefType.SHARDED_PARAM)
             with tracker, counted, experts.balanced_routing():  # fake tensors hold no router choices: each expert an equal share
-                losses(model, batch).tokens.backward()
+                _forward_again(model, tracker)  # inside: the tracker puts FSDP's own hooks first as it starts
+                step(model).backward()
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
             peak = next(iter(tracker.get_tracker_snapshot("peak").values()))
@@ -149,6 +166,46 @@ def _batch(cfg: RunConfig, vocab: int) -> dict[str, torch.Tensor]:
     return to_device(batch, "cpu")
 
 
+def _pairs(cfg: RunConfig, vocab: int) -> dict[str, torch.Tensor]:
+    """micro_batch_size rows of max_seq_len tokens, each a preference pair (packing.Split's layout: prompt + chosen answer,
+    then prompt + rejected answer, positions restarting), every answer token trained after a one-token prompt."""
+    rows, half = cfg.train.micro_batch_size, cfg.data.max_seq_len // 2
+    ids = torch.randint(0, vocab, (rows, 2 * half))
+    labels = ids.clone()
+    labels[:, [0, half]] = -100  # each sequence's prompt
+    return to_device({"input_ids": ids, "labels": labels, "position_ids": torch.arange(half).repeat(rows, 2)}, "cpu")
+
+
+def _reference(cfg: RunConfig) -> torch.nn.Module:
+    from finetune.model.teacher import frozen
+
+    return frozen(load_model(cfg.model, skeleton="meta", say=lambda _: None))
+
+
+def _step_loss(cfg: RunConfig, batch: dict[str, torch.Tensor], reference: torch.nn.Module | None):
+    """The micro-batch's loss as the loop computes it: SFT's, or the preference objective's over the batch's pairs."""
+    if cfg.train.objective not in PAIRS:
+        return lambda model: losses(model, batch).tokens
+    from finetune.objectives.objective import Preference
+
+    objective = Preference(cfg.train.objective, cfg.preference, reference)
+    totals = objective.counts(batch)
+    return lambda model: objective.losses(model, batch, totals).tokens
+
+
+def _forward_again(model: torch.nn.Module, tracker) -> None:
+    """DPO's reference with an adapter is the policy's own model called again (adapters off), which FSDPMemTracker takes
+    for the next step's forward and refuses: its per-module stats are cleared first (the step's peak is kept apart)."""
+    calls = []
+
+    def again(module, args):
+        if calls:
+            tracker.reset_mod_stats()
+        calls.append(1)
+
+    model.register_forward_pre_hook(again, prepend=True)
+
+
 @contextlib.contextmanager
 def _fake_group(devices: int):
     import torch.distributed as dist
@@ -163,14 +220,24 @@ def _fake_group(devices: int):
         dist.destroy_process_group()
 
 
-class _EveryTokenTrained(FakeTensorMode):
-    """Fake tensors whose `nonzero` answers every element (no data to count): the loss selects the trained
-    positions with a mask, and the simulated batch trains every token, so that is its true size."""
+class _TrainedPositions(FakeTensorMode):
+    """Fake tensors whose `nonzero` answers `count` elements (no data to count): the loss and the head select the
+    trained positions with the batch's mask (made on real tensors, then faked), so that is its true size. An op on the
+    batch's real tensors alone runs for real: the objectives read their pairs from the batch's data (where each answer
+    starts), which fake tensors do not have."""
+
+    def __init__(self, count: int, **kwargs):
+        super().__init__(**kwargs)
+        self.count = count
 
     def _dispatch_impl(self, func, types, args, kwargs):
+        tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        if tensors and all(type(t) is torch.Tensor and t.device.type != "meta" for t in tensors):  # plain, real ones (no DTensor)
+            with no_dispatch():
+                return func(*args, **kwargs)
         if func is torch.ops.aten.nonzero.default:
             mask = args[0]
-            return super()._dispatch_impl(torch.ops.aten.empty.memory_format, types, ((mask.numel(), mask.dim()),),
+            return super()._dispatch_impl(torch.ops.aten.empty.memory_format, types, ((min(self.count, mask.numel()), mask.dim()),),
                                           {"dtype": torch.long, "device": mask.device})
         return super()._dispatch_impl(func, types, args, kwargs)
 

@@ -41,15 +41,18 @@ def step_time(cfg: RunConfig, s: Setup, tflops: float, mfu: float, bandwidth: fl
     r-row A matrices gathered as hundreds of rows (the simulation sent 4-9% more at 512 GPUs). Tensor parallelism over
     t of the devices: each computes and gathers its split of the layers (plan.split_shape) over the devices / t that
     shard it, and all-reduces the residual stream: each row-wise layer's output in the forward (and the recompute),
-    each column-wise layer's input gradient in the backward (q, k and v one each: the simulation counts them apart)."""
+    each column-wise layer's input gradient in the backward (q, k and v one each: the simulation counts them apart).
+    DPO's reference takes one more forward of each micro-batch without gradients (the adapter off, or the frozen copy),
+    KTO's three (its reference, and the policy and reference on the mismatched pairs): as many more gathers under FSDP/ZeRO-3."""
     t = s.tensor_parallel
     shape = split_shape(read_shape(cfg.model.name_or_path), t)
     full, s = s.method == "full", replace(s, devices=s.devices // t)
     d = s.devices
     matmul = sum(l.fan_in * l.fan_out * l.active for l in shape.linears) + shape.vocab * shape.hidden  # the lm_head too
-    per_weight = 2 + 2 + (2 if full else 0) + (2 if s.checkpointing else 0)
+    frozen_forwards = {"dpo": 1, "kto": 3}.get(cfg.train.objective, 0)
+    per_weight = 2 + 2 + (2 if full else 0) + (2 if s.checkpointing else 0) + 2 * frozen_forwards
     q_dim = next((l.fan_out for l in shape.linears if l.name.rsplit(".", 1)[-1] == "q_proj"), shape.hidden)
-    attention = shape.layers * 2 * s.seq_len * q_dim * (1 + 2 + (1 if s.checkpointing else 0))
+    attention = shape.layers * 2 * s.seq_len * q_dim * (1 + 2 + (1 if s.checkpointing else 0) + frozen_forwards)
     flops = per_weight * matmul + attention
     tokens = s.tokens * cfg.train.grad_accum
     weight_bytes = estimate(shape, cfg, replace(s, strategy="none", devices=1))[0]["weights"]  # the whole model as held, gathered
@@ -60,7 +63,7 @@ def step_time(cfg: RunConfig, s: Setup, tflops: float, mfu: float, bandwidth: fl
     if d == 1:
         sent = 0.0
     elif s.shards_weights:
-        sent = share * (2 * weight_bytes * cfg.train.grad_accum + grads)
+        sent = share * ((2 + frozen_forwards) * weight_bytes * cfg.train.grad_accum + grads)
     else:
         sent = share * 2 * grads
     if s.sequence_parallel > 1:  # Ulysses: q, k, v and the output through an all-to-all per layer, forward and backward (and the recompute)
