@@ -157,7 +157,7 @@ def test_zero2s_step_holds_the_model_states_deepspeeds_own_estimator_counts():
 
 def test_a_distillation_teacher_is_planned_as_the_strategy_holds_it():
     """Llama 3.1 8B teaching Llama 3.2 1B: its bf16 weights whole on one GPU and an eighth of them on each of 8 under
-    FSDP (the published parameter count), and its final hidden states at the student's tokens (or its fp32 logits
+    FSDP (the published parameter count), and its final hidden states at the student's tokens (or its bf16 logits
     where the head is sharded); in 4 bits where distill.teacher_quantization asks."""
     llama = load_config(REPO / "configs/presets/llama3-8b.yaml", check_model=False,
                         overrides=[f"model.name_or_path={REPO / 'docs/examples/llama-3.2-1b'}", "train.objective=distill",
@@ -166,7 +166,7 @@ def test_a_distillation_teacher_is_planned_as_the_strategy_holds_it():
     assert one.rows["distill teacher weights"] == 8_030_261_248 * 2 + 2 * 64 * 4 and eight.rows["distill teacher weights"] == one.rows[
         "distill teacher weights"] / 8
     tokens = one.setup.micro_batch * one.setup.seq_len
-    assert one.rows["distill teacher outputs"] == tokens * 4096 * 2 and eight.rows["distill teacher outputs"] == tokens * 128256 * 4
+    assert one.rows["distill teacher outputs"] == tokens * 4096 * 2 and eight.rows["distill teacher outputs"] == tokens * 128256 * 2
     assert "distill teacher weights" not in make_plan(load_config(REPO / "configs/presets/llama3-8b.yaml", check_model=False,
                                                                   overrides=[f"model.name_or_path={REPO / 'docs/examples/llama-3.1-8b'}"])).rows
     # distill.teacher_quantization: its 224 linear layers in NF4 (bitsandbytes' blocks of 64, scales double-quantized), the
@@ -319,9 +319,9 @@ def test_simulate_refuses_what_it_does_not_simulate_in_one_line(capsys, tiny_mod
     for config, what in (("kto", "mismatched pairs and reference"), ("grpo", "sampling, reference and group rows")):
         result = finetune_cli(capsys, "plan", "--config", config, "--model", str(tiny_model_dir), "--seq-len", "128", "--gpus", "2",
                               "--strategy", "fsdp", "--set", "eval.generate_samples=0", "--simulate")
-        assert result.returncode == 2 and result.stderr.strip() == (f"error: --simulate: simulates SFT's and the preference pairs' steps "
-                                                                   f"(dpo, orpo, cpo, simpo); train.objective {config}'s step (its {what}) is "
-                                                                   "not simulated yet"), result.stderr
+        assert result.returncode == 2 and result.stderr.strip() == (f"error: --simulate: simulates SFT's, distillation's and the preference pairs' "
+                                                                   f"steps (dpo, orpo, cpo, simpo); train.objective {config}'s step (its {what}) "
+                                                                   "is not simulated yet"), result.stderr
 
 
 SIMULATED_RUN = """
@@ -377,7 +377,8 @@ def test_the_simulated_step_holds_what_the_real_step_of_2_processes_holds(tmp_pa
     ("llama-3.1-70b", 64, "qlora", "the last layer's backward", 1, "sft"), ("llama-3.1-8b", 8, "full", "the last layer's backward", 1, "sft"),
     ("qwen3-30b-a3b", 8, "qlora", "the loss", 1, "sft"), ("gpt-oss-20b", 8, "lora", "the loss", 1, "sft"),
     ("qwen3.5-27b", 8, "lora", "the head's forward", 1, "sft"), ("llama-3.1-70b", 64, "lora", "the head's forward", 8, "sft"),
-    ("qwen3-8b", 8, "full", "the loss", 2, "sft"), ("llama-3.1-8b", 8, "lora", "the loss", 1, "dpo"), ("llama-3.1-8b", 8, "full", "the loss", 1, "dpo")])
+    ("qwen3-8b", 8, "full", "the loss", 2, "sft"), ("llama-3.1-8b", 8, "lora", "the loss", 1, "dpo"), ("llama-3.1-8b", 8, "full", "the loss", 1, "dpo"),
+    ("llama-3.2-1b", 8, "full", "the loss", 1, "distill")])
 def test_the_plan_is_within_10_percent_of_the_simulated_step(tmp_path, model, devices, method, moment, split, objective):
     """Released widths (Llama-3.1-8B's and 70B's, Qwen3-30B-A3B's 128 experts, gpt-oss-20b's sink attention, Qwen3.5-27B's
     language model: a Gated DeltaNet layer and an attention layer, 248k vocabulary; two layers to run in seconds) at one
@@ -389,7 +390,8 @@ def test_the_plan_is_within_10_percent_of_the_simulated_step(tmp_path, model, de
     (split > 1: Llama-3.1-70B split over 8 of 64, Qwen3-8B's per-head norms over 2 of 8): each process's split of the
     layers and the all-reduces each split layer adds. DPO (one pair a row): its reference's forward beside the policy's
     kept log-probabilities (the plan once counted SFT's fused loss there: 11% under), the adapter switched off, or under
-    full fine-tuning a frozen copy sharded as the policy, and that forward's gathers."""
+    full fine-tuning a frozen copy sharded as the policy, and that forward's gathers. Distillation: Llama-3.2-1B's widths
+    taught by Llama-3.1-8B's, the teacher sharded as the student, its forward's outputs beside the student's."""
     from finetune.outputs.plan import setup_from_config
     from finetune.outputs.shape import read_shape
     from finetune.outputs.simulate import NOT_TENSORS, simulate
@@ -407,8 +409,13 @@ def test_the_plan_is_within_10_percent_of_the_simulated_step(tmp_path, model, de
            "distributed": {"strategy": "fsdp", "tensor_parallel": split}}
     if method == "qlora":
         raw["model"]["quantization"] = {"bits": 4}
-    if objective != "sft":
+    if objective == "dpo":
         raw["data"]["format"] = "preference"
+    if objective == "distill":
+        teacher = json.loads((REPO / "docs" / "examples" / "llama-3.1-8b" / "config.json").read_text())
+        (tmp_path / "teacher").mkdir()
+        (tmp_path / "teacher" / "config.json").write_text(json.dumps({**teacher, "num_hidden_layers": 2}))
+        raw["distill"] = {"teacher": str(tmp_path / "teacher")}
     cfg = validate_config(raw, "sim", check_paths=False)
     plan = make_plan(cfg, devices=devices, gpu=True)
     tensors = plan.total - sum(plan.rows.get(row, 0.0) for row in NOT_TENSORS)

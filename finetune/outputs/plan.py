@@ -193,16 +193,23 @@ def teacher_rows(cfg: RunConfig, s: Setup) -> tuple[float, float]:
     """Distillation's frozen teacher: (its weights, in the student's dtype or distill.teacher_quantization's, sharded as
     the student's are; what its forward leaves for the loss). Without gradients its forward holds one layer's values at a time (as
     wide as the student's in the worst case: counted within the student's activations' peak), and leaves its
-    final hidden states at the trained tokens, or (a sharded or biased head) its logits there in fp32."""
-    folder = Path(cfg.distill.teacher).expanduser()
-    if (folder / "adapter_config.json").is_file():  # merged into its base as it loads: the base's shape
-        folder = Path(json.loads((folder / "adapter_config.json").read_text()).get("base_model_name_or_path", folder))
-    teacher, q = read_shape(str(folder)), cfg.distill.teacher_quantization
+    final hidden states at the trained tokens, or (a sharded or biased head) its logits there, in the activations' dtype
+    (the divergence takes them to fp32 a chunk at a time: the simulated step of Llama-3.2-1B taught by Llama-3.1-8B's
+    widths held 14 bytes a vocabulary entry at the loss, the student's 12 and these 2)."""
+    teacher, q = teacher_shape(cfg), cfg.distill.teacher_quantization
     weights = base_weights(teacher, q, s, q is not None and q.backend_for(s.strategy) == "torchao")
     if s.shards_weights:
         weights /= s.devices
     fused = families.plain_head(teacher.config) and not s.shards_weights
-    return weights, s.tokens * (teacher.hidden * s.activation_bytes if fused else teacher.vocab * 4)
+    return weights, s.tokens * (teacher.hidden if fused else teacher.vocab) * s.activation_bytes
+
+
+def teacher_shape(cfg: RunConfig) -> Shape:
+    """distill.teacher's shape: an adapter's base's (merged into it as it loads)."""
+    folder = Path(cfg.distill.teacher).expanduser()
+    if (folder / "adapter_config.json").is_file():
+        folder = Path(json.loads((folder / "adapter_config.json").read_text()).get("base_model_name_or_path", folder))
+    return read_shape(str(folder))
 
 
 def quantized_layers(shape: Shape, bits: int) -> int:

@@ -19,10 +19,11 @@ accumulated from an earlier micro-batch, as in every step after the first.
 Simulated: distributed.strategy fsdp (FSDP2: the tracker follows its modules), LoRA, DoRA or full, on a
 bf16 or torchao NF4 base (quantized layer by layer as finetune shards it); the SFT loss, and the preference pairs'
 (DPO with its reference: the adapter switched off, or under full fine-tuning a frozen copy sharded as the policy; ORPO,
-CPO, SimPO); a mixture of experts with each expert taking an equal share of the routed tokens; tensor parallelism's split
+CPO, SimPO), and distillation's (the teacher sharded as the policy, its forward and the divergence); a mixture of experts with each expert taking an equal share of the routed tokens; tensor parallelism's split
 layers on the 2-D mesh. Not simulated, each refused in one line: ZeRO (DeepSpeed's engine does not run on fake tensors:
 bench/scale.py checks the plan against DeepSpeed's own estimator), DDP (nor does its reducer), sequence parallelism,
-and KTO's, the reward model's, GRPO's and distillation's steps.
+KTO's, the reward model's and GRPO's steps, and distillation's on-policy, sequence-level, cross-tokenizer or quantized-teacher
+variants.
 """
 
 from __future__ import annotations
@@ -80,10 +81,14 @@ def refusal(cfg: RunConfig, devices: int) -> str | None:
         return "a bitsandbytes base is not simulated (FSDP quantizes with torchao: model.quantization.backend auto or torchao)"
     if cfg.distributed.sequence_parallel > 1:
         return "sequence parallelism is not simulated yet"
-    if cfg.train.objective not in ("sft", *PAIRS):  # the plan counts their extra models; the step here would not be theirs
-        return (f"simulates SFT's and the preference pairs' steps ({', '.join(PAIRS)}); train.objective {cfg.train.objective}'s step (its "
-                + {"grpo": "sampling, reference and group rows", "distill": "teacher's forward and divergence", "reward": "score head",
-                   "kto": "mismatched pairs and reference"}[cfg.train.objective] + ") is not simulated yet")
+    if cfg.train.objective not in ("sft", "distill", *PAIRS):  # the plan counts their extra models; the step here would not be theirs
+        return (f"simulates SFT's, distillation's and the preference pairs' steps ({', '.join(PAIRS)}); train.objective "
+                f"{cfg.train.objective}'s step (its " + {"grpo": "sampling, reference and group rows", "reward": "score head",
+                                                          "kto": "mismatched pairs and reference"}[cfg.train.objective] + ") is not simulated yet")
+    d = cfg.distill
+    if cfg.train.objective == "distill" and (d.lmbda or d.sequence_level or d.cross_tokenizer or d.teacher_quantization):
+        return ("simulates distillation on the data's answers by a teacher of the student's tokenizer, loaded unquantized; not "
+                "distill.lmbda, sequence_level, cross_tokenizer or teacher_quantization")
     return None
 
 
@@ -105,29 +110,29 @@ def simulate(cfg: RunConfig, devices: int, fake: bool = True) -> Simulated:
         model = load_model(cfg.model, skeleton="meta", say=lambda _: None)
         model = apply_adapter(model, cfg.adapter, cfg.train.gradient_checkpointing, say=lambda _: None)
         batch = (_pairs if cfg.train.objective in PAIRS else _batch)(cfg, model.config.vocab_size)
-        reference = _reference(cfg) if cfg.needs_reference else None
-        step = _step_loss(cfg, batch, reference)  # its counts read the batch's data: before the fake mode
+        beside = _frozen(cfg)
+        step = _step_loss(cfg, batch, beside)  # its counts read the batch's data: before the fake mode
         if split is not None:  # on the meta device, before the fake mode: FSDP2 makes the 2-D mesh's DTensor specs, which read it back
             tensor_parallel.parallelize(model, split)
             shard_layers(model, settings)
         with _TrainedPositions(int(batch["keep"].sum()), allow_non_fake_inputs=True) if fake else contextlib.nullcontext():
-            model.to_empty(device="cpu")  # rank 0's model as loaded
+            _to_empty(model)  # rank 0's model as loaded
             if nf4.used(cfg.model):  # each layer quantized, then sharded, as in training
                 model = shard_fsdp2(model, cfg, torch.device("cpu"), devices, settings=settings)
             elif split is None:  # sharded as in training; sending rank 0's values (data-dependent: not under fake tensors) left out
                 shard_layers(model, settings)
-            if reference is not None:  # DPO's frozen copy under full fine-tuning, sharded as the policy (engines.FSDP.reference)
-                reference.to_empty(device="cpu")
-                shard_layers(reference, settings)
+            if beside is not None:  # DPO's frozen copy or the teacher, sharded as the policy (engines.FSDP.reference)
+                _to_empty(beside)
+                shard_layers(beside, settings)
             optimizer = build_optimizer(trained(model), cfg.train)
             if fake:
                 _one_tensor_at_a_time(optimizer)
             _midway(optimizer, trained(model))
             tracker, counted = FSDPMemTracker(model, optimizer), _Collectives(settings["mesh"].size(), split.size() if split else 1)
-            if reference is not None:  # its shards, made before the tracker, among this rank's (FSDPMemTracker's track_external does nothing)
+            if beside is not None:  # its shards, made before the tracker, among this rank's (FSDPMemTracker's track_external does nothing)
                 from torch.distributed._tools.fsdp2_mem_tracker import _FSDPRefType
 
-                for param in reference.parameters():
+                for param in beside.parameters():
                     tracker._update_and_maybe_create_winfos(param._local_tensor, _FSDPRefType.SHARDED_PARAM)
             with tracker, counted, experts.balanced_routing():  # fake tensors hold no router choices: each expert an equal share
                 _forward_again(model, tracker)  # inside: the tracker puts FSDP's own hooks first as it starts
@@ -137,6 +142,13 @@ def simulate(cfg: RunConfig, devices: int, fake: bool = True) -> Simulated:
             peak = next(iter(tracker.get_tracker_snapshot("peak").values()))
     by_role = {ROLES[str(role).rsplit(".", 1)[-1]]: float(size) for role, size in peak.items() if role != "Total" and size}
     return Simulated(devices, by_role, float(peak["Total"]), counted.calls, time.perf_counter() - started)
+
+
+def _to_empty(model: torch.nn.Module) -> None:
+    """Room for the model's tensors on the CPU (fake ones, under the fake mode), a tied head tied again: `to_empty` makes a
+    parameter of its own for each module's (the simulation once gathered and reduced Llama-3.2-1B's embedding twice)."""
+    model.to_empty(device="cpu")
+    model.tie_weights()
 
 
 def _midway(optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter]) -> None:
@@ -176,19 +188,31 @@ def _pairs(cfg: RunConfig, vocab: int) -> dict[str, torch.Tensor]:
     return to_device({"input_ids": ids, "labels": labels, "position_ids": torch.arange(half).repeat(rows, 2)}, "cpu")
 
 
-def _reference(cfg: RunConfig) -> torch.nn.Module:
-    from finetune.model.teacher import frozen
+def _frozen(cfg: RunConfig) -> torch.nn.Module | None:
+    """The frozen model beside the policy, on the meta device: DPO's reference under full fine-tuning (a copy of the base),
+    distillation's teacher (read as training reads it: model/teacher.teacher_source); None where there is none."""
+    from finetune.model.teacher import frozen, teacher_source
 
-    return frozen(load_model(cfg.model, skeleton="meta", say=lambda _: None))
+    if cfg.needs_reference:
+        return frozen(load_model(cfg.model, skeleton="meta", say=lambda _: None))
+    if cfg.train.objective == "distill":
+        teacher, _ = teacher_source(cfg.distill.teacher, cfg.model, None, sharded="fsdp", across=True)  # no tokenizer read: not compared
+        return frozen(load_model(teacher, skeleton="meta", say=lambda _: None))
+    return None
 
 
-def _step_loss(cfg: RunConfig, batch: dict[str, torch.Tensor], reference: torch.nn.Module | None):
-    """The micro-batch's loss as the loop computes it: SFT's, or the preference objective's over the batch's pairs."""
-    if cfg.train.objective not in PAIRS:
-        return lambda model: losses(model, batch).tokens
-    from finetune.objectives.objective import Preference
+def _step_loss(cfg: RunConfig, batch: dict[str, torch.Tensor], frozen: torch.nn.Module | None):
+    """The micro-batch's loss as the loop computes it: SFT's, distillation's against the teacher, or the preference
+    objective's over the batch's pairs (`frozen`: the reference or the teacher, if any)."""
+    from finetune.objectives.distill import Distill
+    from finetune.objectives.objective import SFT, Preference
 
-    objective = Preference(cfg.train.objective, cfg.preference, reference)
+    if cfg.train.objective == "distill":
+        objective = Distill(cfg.distill, cfg.train.seed, synced=True, teacher=frozen)
+    elif cfg.train.objective in PAIRS:
+        objective = Preference(cfg.train.objective, cfg.preference, frozen)
+    else:
+        objective = SFT()
     totals = objective.counts(batch)
     return lambda model: objective.losses(model, batch, totals).tokens
 

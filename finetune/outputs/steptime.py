@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from finetune.config.schema import RunConfig
-from finetune.outputs.plan import BNB_BLOCK, Setup, estimate, split_shape, trainable_params
+from finetune.outputs.plan import BNB_BLOCK, Setup, estimate, split_shape, teacher_rows, teacher_shape, trainable_params
 from finetune.outputs.shape import read_shape
 from finetune.parallel.tensor_parallel import styles
 
@@ -43,7 +43,8 @@ def step_time(cfg: RunConfig, s: Setup, tflops: float, mfu: float, bandwidth: fl
     shard it, and all-reduces the residual stream: each row-wise layer's output in the forward (and the recompute),
     each column-wise layer's input gradient in the backward (q, k and v one each: the simulation counts them apart).
     DPO's reference takes one more forward of each micro-batch without gradients (the adapter off, or the frozen copy),
-    KTO's three (its reference, and the policy and reference on the mismatched pairs): as many more gathers under FSDP/ZeRO-3."""
+    KTO's three (its reference, and the policy and reference on the mismatched pairs): as many more gathers under FSDP/ZeRO-3.
+    Distillation's teacher one forward of its own, its weights gathered for it."""
     t = s.tensor_parallel
     shape = split_shape(read_shape(cfg.model.name_or_path), t)
     full, s = s.method == "full", replace(s, devices=s.devices // t)
@@ -56,6 +57,12 @@ def step_time(cfg: RunConfig, s: Setup, tflops: float, mfu: float, bandwidth: fl
     flops = per_weight * matmul + attention
     tokens = s.tokens * cfg.train.grad_accum
     weight_bytes = estimate(shape, cfg, replace(s, strategy="none", devices=1))[0]["weights"]  # the whole model as held, gathered
+    teacher_bytes = 0.0
+    if cfg.train.objective == "distill" and cfg.distill.teacher:  # its forward, and its weights as held, gathered for it
+        teacher = teacher_shape(cfg)
+        flops += 2 * (sum(l.fan_in * l.fan_out * l.active for l in teacher.linears) + teacher.vocab * teacher.hidden) \
+            + teacher.layers * 2 * s.seq_len * teacher.hidden
+        teacher_bytes = teacher_rows(cfg, replace(s, strategy="none", devices=1))[0]
     # Adapters train in fp32; FSDP reduce-scatters full fine-tuning's 16-bit gradients in fp32 too (its
     # MixedPrecisionPolicy's reduce_dtype: the simulated 70B step sent 483 GB at 8 GPUs, not 362)
     grads = trainable_params(shape, cfg) * (4 if not full or s.run_as.name == "fsdp" else s.weight_bytes)
@@ -63,7 +70,7 @@ def step_time(cfg: RunConfig, s: Setup, tflops: float, mfu: float, bandwidth: fl
     if d == 1:
         sent = 0.0
     elif s.shards_weights:
-        sent = share * ((2 + frozen_forwards) * weight_bytes * cfg.train.grad_accum + grads)
+        sent = share * (((2 + frozen_forwards) * weight_bytes + teacher_bytes) * cfg.train.grad_accum + grads)
     else:
         sent = share * 2 * grads
     if s.sequence_parallel > 1:  # Ulysses: q, k, v and the output through an all-to-all per layer, forward and backward (and the recompute)
