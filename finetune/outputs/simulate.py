@@ -19,11 +19,11 @@ accumulated from an earlier micro-batch, as in every step after the first.
 Simulated: distributed.strategy fsdp (FSDP2: the tracker follows its modules), LoRA, DoRA or full, on a
 bf16 or torchao NF4 base (quantized layer by layer as finetune shards it); the SFT loss, and the preference pairs'
 (DPO with its reference: the adapter switched off, or under full fine-tuning a frozen copy sharded as the policy; ORPO,
-CPO, SimPO), and distillation's (the teacher sharded as the policy, its forward and the divergence); a mixture of experts with each expert taking an equal share of the routed tokens; tensor parallelism's split
-layers on the 2-D mesh. Not simulated, each refused in one line: ZeRO (DeepSpeed's engine does not run on fake tensors:
-bench/scale.py checks the plan against DeepSpeed's own estimator), DDP (nor does its reducer), sequence parallelism,
-KTO's, the reward model's and GRPO's steps, and distillation's on-policy, sequence-level, cross-tokenizer or quantized-teacher
-variants.
+CPO, SimPO), and distillation's (the teacher sharded as the policy, its forward and the divergence); a mixture of
+experts with each expert taking an equal share of the routed tokens; tensor parallelism's split layers on the 2-D mesh.
+Not simulated, each refused in one line: ZeRO (DeepSpeed's engine does not run on fake tensors: bench/scale.py checks
+the plan against DeepSpeed's own estimator), DDP (nor does its reducer), sequence parallelism, KTO's, the reward
+model's and GRPO's steps, and distillation's on-policy, sequence-level, cross-tokenizer or quantized-teacher variants.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from finetune.config.errors import UserError
 from finetune.config.schema import RunConfig
 from finetune.model import experts, nf4
 from finetune.model.loading import apply_adapter, load_model
-from finetune.objectives.loss import losses, to_device
+from finetune.objectives.loss import to_device
 from finetune.parallel import tensor_parallel
 from finetune.parallel.distributed import fsdp_settings, shard_fsdp2, shard_layers
 from finetune.parallel.engines import trained
