@@ -9,7 +9,7 @@ TORCH_VERSION  ?= 2.13.0
 TORCH_PIP_ARGS ?=
 export FINETUNE_CACHE ?= $(CURDIR)/.cache/finetune
 
-.PHONY: install tokenizers demo demo-vision demo-dpo demo-grpo demo-agent demo-agent-tools demo-distill test test-fast lint bench bench-grpo bench-mismatch bench-rollouts bench-distill bench-compile bench-data bench-families bench-fsdp-load bench-guard bench-host bench-launch bench-load bench-large bench-long bench-released bench-moe bench-hybrid bench-scale bench-vision docs-check bench-xl bench-demos bench-suite chaos-elastic chaos-network clean help
+.PHONY: install tokenizers demo demo-vision demo-dpo demo-grpo demo-agent demo-agent-tools demo-distill test test-fast lint bench bench-grpo bench-mismatch bench-rollouts bench-distill bench-compile bench-data bench-families bench-fsdp-load bench-guard bench-host bench-launch bench-ddp-buckets bench-load bench-large bench-long bench-released bench-moe bench-hybrid bench-scale bench-vision docs-check bench-xl bench-demos bench-suite chaos-elastic chaos-network clean help
 
 help:
 	@echo "make demo   - install, build the demo model, fine-tune it (LoRA) and show before/after"
@@ -37,6 +37,7 @@ help:
 	@echo "make bench-guard - the divergence guard's false alarms on flat runs and its verdicts on the recorded ones (~1 min, no training)"
 	@echo "make bench-host - the GPU path's host overhead, measured on CPU: operators, host syncs and Python per step vs HF Trainer (~4 min)"
 	@echo "make bench-launch - what a process's start costs: a 2-process run under torchrun against the suite's forked ranks, and each import (~2 min)"
+	@echo "make bench-ddp-buckets - what DDP's gradient buckets hold: peak RSS with and without gradient_as_bucket_view, 2 gloo processes (<1 min)"
 	@echo "make bench-fsdp-load - RAM used loading a 0.8 GB model in 1 process vs 2 (ddp, fsdp)"
 	@echo "make bench-load - load times of a 0.9 GB model: disk cold/warm, staged in RAM, vs a plain read"
 	@echo "make docs-check - every figure in README.md and docs/ backed by a results file the doc cites (also in make lint); then the"
@@ -210,6 +211,9 @@ bench-host: install
 
 bench-launch: install
 	$(PY) bench/launch.py
+
+bench-ddp-buckets: install
+	$(PY) bench/ddp_buckets.py
 
 bench-fsdp-load: install
 	$(PY) bench/fsdp_load.py

@@ -155,6 +155,15 @@ def test_zero2s_step_holds_the_model_states_deepspeeds_own_estimator_counts():
     assert "fp32 gradients (DeepSpeed step)" not in zero3.rows
 
 
+def test_ddp_holds_a_bucket_copy_of_every_trained_gradient():
+    """DDP's reducer keeps its all-reduce buckets beside the gradients from the wrap on (bench/results/ddp-buckets.md: 448
+    MiB more peak RSS for 512 MiB of fp32 gradients than with gradient_as_bucket_view): the plan counts them under DDP only."""
+    cfg = load_config(REPO / "docs/examples/plan-7b-full.yaml", check_model=False, overrides=["model.dtype=bfloat16"])
+    ddp, one = make_plan(cfg, devices=2, strategy="ddp", gpu=True), make_plan(cfg, devices=1, strategy="ddp", gpu=True)
+    assert ddp.rows["gradient buckets (DDP)"] == N * 2 == ddp.rows["gradients"]
+    assert "gradient buckets (DDP)" not in one.rows and ddp.total - one.total == N * 2
+
+
 def test_a_distillation_teacher_is_planned_as_the_strategy_holds_it():
     """Llama 3.1 8B teaching Llama 3.2 1B: its bf16 weights whole on one GPU and an eighth of them on each of 8 under
     FSDP (the published parameter count), and its final hidden states at the student's tokens (or its bf16 logits

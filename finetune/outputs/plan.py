@@ -143,6 +143,8 @@ def estimate(shape: Shape, cfg: RunConfig, s: Setup) -> tuple[dict[str, float], 
         rows["gathered for compute"] = peak.gathered
     if s.run_as.deepspeed:  # DeepSpeed's optimizer keeps an fp32 copy of its partition, even of fp32 weights
         rows["fp32 master weights (DeepSpeed)"] = n_train * 4 / s.devices
+    if s.run_as.name == "ddp" and s.devices > 1:  # its reducer's buckets: a copy of every trained gradient (docs/platform-notes.md)
+        rows["gradient buckets (DDP)"] = n_train * param_bytes
     if cfg.needs_reference:  # a frozen copy of the base, held as the policy is (adapters: the base with them off)
         rows["reference model"] = base / s.devices if s.shards_weights else base
     if cfg.train.objective == "grpo" and cfg.grpo.async_rollouts:  # the trained weights' copies that sample ahead (frozen ones shared)
