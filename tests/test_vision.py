@@ -539,6 +539,23 @@ def test_a_llava_exports_to_gguf_with_a_projector_file_that_llama_cpp_reads(tmp_
     assert fields["clip.vision.feature_layer"] == [2] and {"mm.0.weight", "mm.2.weight", "v.blk.1.ffn_down.weight"} <= {t.name for t in read.tensors}
 
 
+def test_a_gemma3_exports_to_gguf_with_a_projector_file_that_llama_cpp_reads(tmp_path, llava):
+    """Gemma 3 with its released tokenizer (npm), exported in f16: the language model read by llama.cpp itself, the tower
+    and projector as llama.cpp's gemma3 clip file (the tower's post-layernorm, the patches pooled 2 x 2 where the releases
+    pool 4 x 4, the soft-embedding norm's 1 + weight), whose embeddings of a picture in llama.cpp's mtmd are the model's."""
+    out = tmp_path / "m.gguf"
+    result = finetune_in_process("export", "--model", str(llava("gemma3-gemma3")), "--out", str(out), "--type", "f16")
+    assert result.returncode == 0, result.stderr[-2000:]
+    line = next(line for line in result.stdout.splitlines() if line.startswith("projector file"))
+    assert "(f16) in llama.cpp itself (mtmd)" in line and float(line.split("embeddings within ")[1].split()[0]) < 1e-2, line
+    from gguf import GGUFReader
+
+    read = GGUFReader(tmp_path / "mmproj-m.gguf")
+    fields = {name: field.contents() for name, field in read.fields.items()}
+    assert fields["clip.projector_type"] == "gemma3" and fields["clip.vision.projector.scale_factor"] == 2
+    assert {"mm.input_projection.weight", "mm.soft_emb_norm.weight", "v.post_ln.weight"} <= {t.name for t in read.tensors}
+
+
 def test_export_and_eval_refuse_what_they_do_not_write_in_one_line(tmp_path, vision_run, llava):
     """A CLIP tower's LLaVA (llama.cpp hands its class token on in place of the first patch) and a Qwen2.5-VL are not exported,
     nor is a vision model evaluated: one line each, exit 2, nothing written."""

@@ -231,14 +231,17 @@ def _gemma3(out: Path, tokenizer, language: dict | None, seed: int) -> Path:
     template = VISION_TEMPLATE.replace(IMAGE_TOKEN, "<start_of_image>")
     tokenizer.chat_template = template
     text = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                head_dim=16, sliding_window=32, max_position_embeddings=512, bos_token_id=tokenizer.bos_token_id,
+                head_dim=16, query_pre_attn_scalar=16, sliding_window=32, max_position_embeddings=512, bos_token_id=tokenizer.bos_token_id,
                 eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     config = Gemma3Config(text_config={**text, **(language or {})}, mm_tokens_per_image=4,
                           vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=56,
                                              patch_size=14),
                           boi_token_index=tokenizer.boi_token_id, eoi_token_index=tokenizer.eoi_token_id, image_token_index=tokenizer.image_token_id)
     torch.manual_seed(seed)
-    Gemma3ForConditionalGeneration(config).save_pretrained(out)
+    model = Gemma3ForConditionalGeneration(config)
+    # transformers starts the projection at zeros: every picture would reach the language model as nothing
+    torch.nn.init.normal_(model.model.multi_modal_projector.mm_input_projection_weight, std=config.vision_config.hidden_size ** -0.5)
+    model.save_pretrained(out)
     Gemma3Processor(image_processor=Gemma3ImageProcessor(size={"height": 56, "width": 56}), tokenizer=tokenizer, chat_template=template,
                     image_seq_length=4).save_pretrained(out)
     return out

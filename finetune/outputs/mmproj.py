@@ -22,8 +22,10 @@ import torch
 
 from finetune.config.errors import EXIT_MERGE_CHECK, Stopped, UserError
 
-# model_type -> llama.cpp's projector type (LLaVA: a tower, two linear layers with a GELU between)
-FAMILIES = {"llava": "mlp"}
+# model_type -> llama.cpp's projector type (LLaVA: a tower, two linear layers with a GELU between; Gemma 3: the tower's last
+# layer normed, its patches average-pooled to mm_tokens_per_image, an RMS norm and one matrix)
+FAMILIES = {"llava": "mlp", "gemma3": "gemma3"}
+GEMMA3_POOLING = 4  # llama.cpp's pooling of Gemma 3's patches when the file names none (64 x 64 patches into 16 x 16 tokens)
 TOLERANCE = {"f32": 1e-3, "f16": 1e-2}  # largest |embedding difference| published, over the largest |embedding|
 # Towers written: SigLIP's. llama.cpp's LLaVA graph (llama-cpp-python 0.3.36) puts a CLIP tower's class token after the
 # patches and hands it on in place of the first patch, so no file of a CLIP tower gives the model's embeddings
@@ -43,7 +45,7 @@ def refusal(config: dict) -> str | None:
                 "embeddings would not be the model's); the projector file is written for SigLIP towers")
     if tower not in TOWERS:
         return f"its vision tower is {tower}; the projector file is written for {', '.join(TOWERS)}"
-    if not isinstance(config.get("vision_feature_layer", -2), int):
+    if family == "llava" and not isinstance(config.get("vision_feature_layer", -2), int):
         return "it reads several tower layers (a list in vision_feature_layer); llama.cpp's LLaVA projector reads one"
     return None
 
@@ -62,7 +64,7 @@ def text_folder(model, tokenizer, out: Path) -> Path:
 
 
 def write(model, processor, path: Path, kind: str) -> None:
-    """The tower and projector of `model` (LLaVA) as llama.cpp's clip file at `path`."""
+    """The tower and projector of `model` (LLaVA, Gemma 3) as llama.cpp's clip file at `path`."""
     import gguf
 
     config, vision = model.config, model.config.vision_config
@@ -85,11 +87,17 @@ def write(model, processor, path: Path, kind: str) -> None:
     writer.add_array(gguf.Keys.ClipVision.IMAGE_MEAN, [float(x) for x in images.image_mean])
     writer.add_array(gguf.Keys.ClipVision.IMAGE_STD, [float(x) for x in images.image_std])
     writer.add_bool(gguf.Keys.ClipVision.USE_GELU, True)  # SigLIP's tanh GELU (llama.cpp's default is CLIP's quick GELU)
-    # the hidden states LLaVA reads: transformers' index (0: the encoder's input), as llama.cpp counts its feature layers
-    writer.add_array("clip.vision.feature_layer", [config.vision_feature_layer % (layers + 1)])
+    if config.model_type == "llava":
+        # the hidden states LLaVA reads: transformers' index (0: the encoder's input), as llama.cpp counts its feature layers
+        writer.add_array("clip.vision.feature_layer", [config.vision_feature_layer % (layers + 1)])
+    else:  # Gemma 3: each side's patches pooled by this factor into the side of mm_tokens_per_image
+        pooling = vision.image_size // vision.patch_size // round(config.mm_tokens_per_image ** 0.5)
+        if pooling != GEMMA3_POOLING:
+            writer.add_uint32(gguf.Keys.ClipVision.Projector.SCALE_FACTOR, pooling)
     for name, tensor in _tensors(model, layers).items():
         data = tensor.detach().float().numpy()
-        writer.add_tensor(name, data if data.ndim == 1 else data.astype(dtype))  # norms and biases in f32, as llama.cpp adds them
+        # norms, biases and position embeddings in f32: llama.cpp's CPU kernels add no f16 to f32 (an f16 file aborted there)
+        writer.add_tensor(name, data if data.ndim == 1 or ".position_embd." in name else data.astype(dtype))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -97,8 +105,9 @@ def write(model, processor, path: Path, kind: str) -> None:
 
 
 def _tensors(model, layers: int) -> dict[str, torch.Tensor]:
-    """The tower's and projector's weights under llama.cpp's clip names (the tower's last layers past the one LLaVA
-    reads are written too: llama.cpp stops at the feature layer, as transformers' LLaVA does; no post-layernorm)."""
+    """The tower's and projector's weights under llama.cpp's clip names (LLaVA: the tower's last layers past the one it
+    reads are written too, llama.cpp stops at the feature layer as transformers' LLaVA does, no post-layernorm; Gemma 3
+    reads the last layer through the post-layernorm)."""
     import gguf
 
     def name(kind, bid=None) -> str:
@@ -120,6 +129,11 @@ def _tensors(model, layers: int) -> dict[str, torch.Tensor]:
         for kind, module in parts.items():
             out |= _pair(name(kind, i), layer.get_submodule(module))
     projector = model.model.multi_modal_projector
+    if model.config.model_type == "gemma3":
+        out |= _pair(name(T.V_POST_NORM), tower.post_layernorm)
+        # Gemma's RMS norm scales by 1 + its weight, llama.cpp's by the weight
+        return out | {f"{name(T.V_MM_INP_PROJ)}.weight": projector.mm_input_projection_weight,
+                      f"{name(T.V_MM_SOFT_EMB_NORM)}.weight": projector.mm_soft_emb_norm.weight + 1}
     out |= _pair(name(T.V_MMPROJ, 0), projector.linear_1) | _pair(name(T.V_MMPROJ, 2), projector.linear_2)
     return out
 
@@ -149,8 +163,9 @@ def check(model, processor, text_gguf: Path, mmproj: Path, picture) -> float:
     from finetune.outputs.gguf_vocab import quiet_stderr
 
     pixels = processor.image_processor(images=[picture], return_tensors="pt")["pixel_values"]
-    ours = model.model.get_image_features(pixel_values=pixels, vision_feature_layer=model.config.vision_feature_layer,
-                                          vision_feature_select_strategy=model.config.vision_feature_select_strategy)
+    chosen = {} if model.config.model_type == "gemma3" else {"vision_feature_layer": model.config.vision_feature_layer,
+                                                             "vision_feature_select_strategy": model.config.vision_feature_select_strategy}
+    ours = model.model.get_image_features(pixel_values=pixels, **chosen)
     ours = torch.cat(list(ours.pooler_output if hasattr(ours, "pooler_output") else ours)).float()
     with quiet_stderr():  # llama.cpp logs every step of loading and encoding
         params = llama_cpp.llama_model_default_params()
