@@ -347,12 +347,13 @@ if fake or dist.get_rank() == 0:
 """
 
 
-@pytest.mark.parametrize("method", ["lora", "full", "qlora", "dpo"])
+@pytest.mark.parametrize("method", ["full", "qlora", "dpo"])
 def test_the_simulated_step_holds_what_the_real_step_of_2_processes_holds(tmp_path, tiny_model_dir, method):
     """The same step on real tensors in 2 gloo processes (torchrun's workers), under the same tracker: rank 0's peak
     by role within 10% of the fake tensors' (the simulation of 8B-405B rests on this). QLoRA: torchao's
-    NF4 base, quantized layer by layer as finetune shards it. DPO with LoRA: a pair a row, the reference the adapter
-    switched off (the objective reads its pairs from the batch's data, on real tensors in the fake step too)."""
+    NF4 base, quantized layer by layer as finetune shards it. LoRA through DPO's step: a pair a row, the reference the
+    adapter switched off (the objective reads its pairs from the batch's data, on real tensors in the fake step too), which
+    holds all SFT's LoRA step holds and the reference's forward."""
     import os
     import subprocess
     import sys

@@ -96,7 +96,7 @@ def write(model, processor, path: Path, kind: str) -> None:
             writer.add_uint32(gguf.Keys.ClipVision.Projector.SCALE_FACTOR, pooling)
     for name, tensor in _tensors(model, layers).items():
         data = tensor.detach().float().numpy()
-        # norms, biases and position embeddings in f32: llama.cpp's CPU kernels add no f16 to f32 (an f16 file aborted there)
+        # norms, biases and position embeddings in f32: llama.cpp's CPU kernels add no f16 to f32 (Gemma 3's f16 file aborted there)
         writer.add_tensor(name, data if data.ndim == 1 or ".position_embd." in name else data.astype(dtype))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
