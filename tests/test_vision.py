@@ -554,6 +554,42 @@ def test_a_gemma3_exports_to_gguf_with_a_projector_file_that_llama_cpp_reads(tmp
     fields = {name: field.contents() for name, field in read.fields.items()}
     assert fields["clip.projector_type"] == "gemma3" and fields["clip.vision.projector.scale_factor"] == 2
     assert {"mm.input_projection.weight", "mm.soft_emb_norm.weight", "v.post_ln.weight"} <= {t.name for t in read.tensors}
+    # The same file with its position embedding in f16 makes llama.cpp abort (a GGML assertion ends its process): the
+    # check, which runs llama.cpp in a child process, says so in one line and this process lives on.
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    from finetune.config.errors import EXIT_MERGE_CHECK, Stopped
+    from finetune.config.schema import ModelConfig
+    from finetune.model import vision
+    from finetune.outputs import mmproj
+
+    _with_f16_positions(read, tmp_path / "bad.gguf")
+    model = AutoModelForImageTextToText.from_pretrained(llava("gemma3-gemma3"), dtype=torch.float32).eval()
+    processor = vision.load_processor(ModelConfig(name_or_path=str(llava("gemma3-gemma3"))), "gemma3")
+    with pytest.raises(Stopped, match=r"^GGUF check failed: llama.cpp stopped on the projector file bad.gguf \(binary-ops.cpp:\d+: "
+                                      r"binary_op: unsupported types") as stopped:
+        mmproj.check(model, processor, out, tmp_path / "bad.gguf", mmproj._picture(56))
+    assert stopped.value.exit_code == EXIT_MERGE_CHECK
+
+
+def _with_f16_positions(read, path):
+    """A copy of the projector file `read` (gguf's reader) with its position embedding in f16."""
+    import numpy as np
+    from gguf import GGUFValueType, GGUFWriter
+
+    writer = GGUFWriter(str(path), "clip")
+    for name, field in read.fields.items():
+        if not name.startswith("GGUF.") and name != "general.architecture":
+            kind = field.types[0]
+            writer.add_key_value(name, field.contents(), kind, sub_type=field.types[-1] if kind == GGUFValueType.ARRAY else None)
+    for tensor in read.tensors:
+        data = np.array(tensor.data)
+        writer.add_tensor(tensor.name, data.astype(np.float16) if ".position_embd." in tensor.name else data)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
 
 
 def test_export_and_eval_refuse_what_they_do_not_write_in_one_line(tmp_path, vision_run, llava):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import importlib.util
+import re
 import tempfile
 from pathlib import Path
 
@@ -156,38 +157,65 @@ def has_mtmd() -> bool:
 @torch.no_grad()
 def check(model, processor, text_gguf: Path, mmproj: Path, picture) -> float:
     """The largest |difference| between llama.cpp's embeddings of `picture` (a PIL image of the tower's size), from the
-    projector file over the text file, and the model's own features for it, over their largest |value|."""
-    import llama_cpp
-    import llama_cpp.mtmd_cpp as mtmd
-
-    from finetune.outputs.gguf_vocab import quiet_stderr
-
+    projector file over the text file, and the model's own features for it, over their largest |value|. llama.cpp runs in
+    a child process: where it aborts on a file (a GGML assertion ends its process), the export ends in one line and
+    removes what it wrote, instead of dying with it."""
     pixels = processor.image_processor(images=[picture], return_tensors="pt")["pixel_values"]
     chosen = {} if model.config.model_type == "gemma3" else {"vision_feature_layer": model.config.vision_feature_layer,
                                                              "vision_feature_select_strategy": model.config.vision_feature_select_strategy}
     ours = model.model.get_image_features(pixel_values=pixels, **chosen)
     ours = torch.cat(list(ours.pooler_output if hasattr(ours, "pooler_output") else ours)).float()
-    with quiet_stderr():  # llama.cpp logs every step of loading and encoding
-        params = llama_cpp.llama_model_default_params()
-        text = llama_cpp.llama_model_load_from_file(str(text_gguf).encode(), params)
-        settings = mtmd.mtmd_context_params_default()
-        settings.use_gpu, settings.n_threads, settings.warmup = False, max(1, torch.get_num_threads()), False
-        ctx = mtmd.mtmd_init_from_file(str(mmproj).encode(), text, settings)
-        try:
-            theirs = _embeddings(mtmd, ctx, picture, llama_cpp.llama_model_n_embd(text)) if ctx else None
-        finally:
-            if ctx:
-                mtmd.mtmd_free(ctx)
-            llama_cpp.llama_model_free(text)
-    if theirs is None:
-        raise Stopped(f"GGUF check failed: llama.cpp does not load the projector file {mmproj.name}; nothing written", exit_code=EXIT_MERGE_CHECK)
+    theirs = _llama_cpp_embeddings(text_gguf, mmproj, picture)
     if theirs.shape != ours.shape:
         raise Stopped(f"GGUF check failed: llama.cpp makes {tuple(theirs.shape)} embeddings of a picture, the model {tuple(ours.shape)}",
                       exit_code=EXIT_MERGE_CHECK)
     return (theirs - ours).abs().max().item() / ours.abs().max().item()
 
 
-def _embeddings(mtmd, ctx, picture, width: int) -> torch.Tensor:
+def _llama_cpp_embeddings(text_gguf: Path, mmproj: Path, picture) -> torch.Tensor:
+    """llama.cpp's embeddings of `picture`, computed by `python -m finetune.outputs.mmproj` in a process of its own."""
+    import subprocess
+    import sys
+
+    with tempfile.TemporaryDirectory(prefix="finetune-mtmd-") as scratch:
+        image, out = Path(scratch) / "picture.png", Path(scratch) / "embeddings.npy"
+        picture.save(image)
+        done = subprocess.run([sys.executable, "-m", "finetune.outputs.mmproj", str(text_gguf), str(mmproj), str(image), str(out)],
+                              capture_output=True, text=True)
+        if done.returncode or not out.exists():
+            said = [line for line in done.stderr.splitlines() if "GGML_ASSERT" in line or "unsupported" in line or "error" in line.lower()]
+            why = re.sub(r"^\S*/", "", said[-1].strip())[:200] if said else f"exit {done.returncode}"  # no build path
+            raise Stopped(f"GGUF check failed: llama.cpp stopped on the projector file {mmproj.name} ({why}); nothing written",
+                          exit_code=EXIT_MERGE_CHECK)
+        return torch.from_numpy(np.load(out))
+
+
+def _embeddings_here(text_gguf: str, mmproj: str, image: str, out: str) -> int:
+    """The child's work: llama.cpp's embeddings of the picture at `image`, saved to `out` (.npy); 1 where llama.cpp does not
+    load the projector file."""
+    import sys
+
+    import llama_cpp
+    import llama_cpp.mtmd_cpp as mtmd
+    from PIL import Image
+
+    text = llama_cpp.llama_model_load_from_file(text_gguf.encode(), llama_cpp.llama_model_default_params())
+    settings = mtmd.mtmd_context_params_default()
+    settings.use_gpu, settings.n_threads, settings.warmup = False, max(1, torch.get_num_threads()), False
+    ctx = mtmd.mtmd_init_from_file(mmproj.encode(), text, settings)
+    try:
+        if not ctx:
+            print(f"error: llama.cpp does not load the projector file {Path(mmproj).name}", file=sys.stderr)
+            return 1
+        np.save(out, _embeddings(mtmd, ctx, Image.open(image), llama_cpp.llama_model_n_embd(text)))
+        return 0
+    finally:
+        if ctx:
+            mtmd.mtmd_free(ctx)
+        llama_cpp.llama_model_free(text)
+
+
+def _embeddings(mtmd, ctx, picture, width: int) -> np.ndarray:
     """llama.cpp's embeddings of one picture: the prompt "<marker>" tokenized into its image chunk, which is encoded."""
     rgb = np.ascontiguousarray(np.asarray(picture.convert("RGB"), dtype=np.uint8))
     bitmap = mtmd.mtmd_bitmap_init(picture.width, picture.height, rgb.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)))
@@ -197,14 +225,14 @@ def _embeddings(mtmd, ctx, picture, width: int) -> torch.Tensor:
         text = mtmd.mtmd_input_text(text=marker, text_len=len(marker), add_special=False, parse_special=True)
         bitmaps = (mtmd.mtmd_bitmap_p_ctypes * 1)(bitmap)
         if mtmd.mtmd_tokenize(ctx, chunks, ctypes.byref(text), bitmaps, 1) != 0:
-            raise Stopped("GGUF check failed: llama.cpp does not tokenize a picture with the projector file", exit_code=EXIT_MERGE_CHECK)
+            raise RuntimeError("error: llama.cpp does not tokenize a picture with the projector file")
         image = next(mtmd.mtmd_input_chunks_get(chunks, i) for i in range(mtmd.mtmd_input_chunks_size(chunks))
                      if mtmd.mtmd_input_chunk_get_type(mtmd.mtmd_input_chunks_get(chunks, i)) == mtmd.MTMD_INPUT_CHUNK_TYPE_IMAGE)
         if mtmd.mtmd_encode_chunk(ctx, image) != 0:
-            raise Stopped("GGUF check failed: llama.cpp does not encode a picture with the projector file", exit_code=EXIT_MERGE_CHECK)
+            raise RuntimeError("error: llama.cpp does not encode a picture with the projector file")
         count = mtmd.mtmd_input_chunk_get_n_tokens(image)
         flat = np.ctypeslib.as_array(mtmd.mtmd_get_output_embd(ctx), shape=(count * width,))
-        return torch.from_numpy(flat.copy()).view(count, width)
+        return flat.copy().reshape(count, width)
     finally:
         mtmd.mtmd_input_chunks_free(chunks)
         mtmd.mtmd_bitmap_free(bitmap)
@@ -262,3 +290,9 @@ def _picture(side: int):
     y, x = np.mgrid[0:side, 0:side]
     rgb = np.stack([x * 255 // side, y * 255 // side, ((x // 8 + y // 8) % 2) * 255], axis=-1).astype(np.uint8)
     return Image.fromarray(rgb)
+
+
+if __name__ == "__main__":  # _llama_cpp_embeddings' child: TEXT_GGUF MMPROJ PICTURE OUT
+    import sys
+
+    sys.exit(_embeddings_here(*sys.argv[1:5]))
