@@ -18,8 +18,10 @@ from conftest import REPO, base_config, bench_module, free_port, once, read_json
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize("strategy,losses", [("ddp", [(2, False)]), ("fsdp", [(1, True)]), ("zero3", [(2, False), (1, False)])],
-                         ids=["ddp-one-loss", "fsdp-lost-mid-save", "zero3-two-losses"])
+# Each case loses one node, a different one or at a different moment: two losses in one run took a minute more and
+# proved no more than two runs (bench/chaos_elastic.py loses several at random moments).
+@pytest.mark.parametrize("strategy,losses", [("ddp", [(1, False)]), ("fsdp", [(1, True)]), ("zero3", [(2, False)])],
+                         ids=["ddp-node-1", "fsdp-lost-mid-save", "zero3-node-2"])
 def test_lost_nodes_and_their_return_leave_the_run_as_if_nothing_happened(tmp_path, tmp_path_factory, tiny_model_dir, strategy, losses):
     chaos = bench_module("chaos_elastic")
     steps = 12
@@ -38,7 +40,7 @@ def test_lost_nodes_and_their_return_leave_the_run_as_if_nothing_happened(tmp_pa
     resizes = job.resizes()
     assert len(resizes) == 2 * len(losses), resizes
     for shrink, grow in zip(resizes[::2], resizes[1::2]):
-        assert "at 6 rows per step; at 2: train.grad_accum 3, 6 rows per step kept" in shrink  # written at 3 or at 2 (a second loss)
+        assert "at 6 rows per step; at 2: train.grad_accum 3, 6 rows per step kept" in shrink
         assert "written by 2 process(es) at 6 rows per step; at 3: train.grad_accum 2, 6 rows per step kept" in grow
     assert chaos.compare(out, reference) == {"steps": steps, "each step once": True, "same samples": True,
                                              "max loss diff": pytest.approx(0, abs=1e-5)}

@@ -382,17 +382,20 @@ def test_the_simulated_step_holds_what_the_real_step_of_2_processes_holds(tmp_pa
     assert not apart, (apart, real, simulated)
 
 
-@pytest.mark.parametrize("model, devices, method, moment, split, objective", [
-    ("llama-3.1-8b", 8, "lora", "the loss", 1, "sft"), ("llama-3.1-70b", 64, "lora", "the first layer's forward", 1, "sft"),
-    ("llama-3.1-70b", 64, "qlora", "the last layer's backward", 1, "sft"), ("llama-3.1-8b", 8, "full", "the last layer's backward", 1, "sft"),
-    ("qwen3-30b-a3b", 8, "qlora", "the loss", 1, "sft"), ("gpt-oss-20b", 8, "lora", "the loss", 1, "sft"),
-    ("qwen3.5-27b", 8, "lora", "the head's forward", 1, "sft"), ("llama-3.1-70b", 64, "lora", "the head's forward", 8, "sft"),
-    ("qwen3-8b", 8, "full", "the loss", 2, "sft"), ("llama-3.1-8b", 8, "lora", "the loss", 1, "dpo"), ("llama-3.1-8b", 8, "full", "the loss", 1, "dpo"),
-    ("llama-3.2-1b", 8, "full", "the loss", 1, "distill")])
-def test_the_plan_is_within_10_percent_of_the_simulated_step(tmp_path, model, devices, method, moment, split, objective):
+@pytest.mark.parametrize("model, devices, method, moment, split, objective, checkpointing", [
+    ("llama-3.1-8b", 8, "lora", "the loss", 1, "sft", True), ("llama-3.1-70b", 64, "lora", "the first layer's forward", 1, "sft", True),
+    ("llama-3.1-70b", 64, "qlora", "the last layer's backward", 1, "sft", True), ("llama-3.1-8b", 8, "full", "the last layer's backward", 1, "sft", True),
+    ("qwen3-30b-a3b", 8, "qlora", "the loss", 1, "sft", True), ("gpt-oss-20b", 8, "lora", "the loss", 1, "sft", True),
+    ("qwen3.5-27b", 8, "lora", "the head's forward", 1, "sft", True),
+    ("qwen3.5-27b", 8, "lora", "the head's forward", 1, "sft", False), ("llama-3.1-70b", 64, "lora", "the head's forward", 8, "sft", True),
+    ("qwen3-8b", 8, "full", "the loss", 2, "sft", True), ("llama-3.1-8b", 8, "lora", "the loss", 1, "dpo", True),
+    ("llama-3.1-8b", 8, "full", "the loss", 1, "dpo", True),
+    ("llama-3.2-1b", 8, "full", "the loss", 1, "distill", True)])
+def test_the_plan_is_within_10_percent_of_the_simulated_step(tmp_path, model, devices, method, moment, split, objective, checkpointing):
     """Released widths (Llama-3.1-8B's and 70B's, Qwen3-30B-A3B's 128 experts, gpt-oss-20b's sink attention, Qwen3.5-27B's
     language model: a Gated DeltaNet layer and an attention layer, 248k vocabulary; two layers to run in seconds) at one
-    4k-token row, bf16, checkpointing, AdamW: the plan's tensors within 10% of the simulated
+    4k-token row, bf16, checkpointing (Qwen3.5 without it too: its Gated DeltaNet layer keeps 2.4x an attention layer's
+    values, most in fp32, which the plan once counted as an attention layer's: 15% under), AdamW: the plan's tensors within 10% of the simulated
     peak, each of its moments the peak of one case (the plan once added them up and stood 30-35% above the simulation;
     gpt-oss's attention once kept 4 GiB of probabilities a layer that the plan did not count: the simulation held 2x the
     plan; the head's forward, the root gathered twice beside its logits, was once missing: the 248k vocabulary's and Llama-3.1-405B's
@@ -415,7 +418,7 @@ def test_the_plan_is_within_10_percent_of_the_simulated_step(tmp_path, model, de
                                                                                            if "layer_types" in shape else {})}))
     raw = {"model": {"name_or_path": str(tmp_path), "dtype": "bfloat16"}, "data": {"train": "unused.jsonl", "max_seq_len": 4096},
            "adapter": {"method": "full" if method == "full" else "lora", "dropout": 0.0},
-           "train": {"micro_batch_size": 1, "gradient_checkpointing": True, "optimizer": "adamw", "mixed_precision": "bf16", "objective": objective},
+           "train": {"micro_batch_size": 1, "gradient_checkpointing": checkpointing, "optimizer": "adamw", "mixed_precision": "bf16", "objective": objective},
            "distributed": {"strategy": "fsdp", "tensor_parallel": split}}
     if method == "qlora":
         raw["model"]["quantization"] = {"bits": 4}

@@ -141,6 +141,38 @@ def saved_attention_values(config: dict) -> int:
     return 2 * h * norms + 2 * q + 2 * kv + (q + kv if kind in ("qwen3", "qwen3_moe", "gemma3_text") else 0)
 
 
+# Qwen3-Next's and Qwen3.5's layers: Gated DeltaNet (linear attention) in most, gated attention in the others, both
+# with norms that compute in fp32 (weight + 1).
+GATED_DELTANET = {"qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"}
+DELTA_CHUNK = 64  # transformers' PyTorch delta rule (torch_chunk_gated_delta_rule) runs the row in chunks of 64 tokens
+
+
+def saved_hybrid_values(config: dict) -> tuple[float, float] | None:
+    """(values in the activations' dtype, fp32 values) a Gated DeltaNet hybrid's layer keeps per token for its backward
+    outside the MLP, averaged over its layers; None for other families. Read tensor by tensor from `plan --simulate`
+    (FSDPMemTracker, LoRA, bf16) at Qwen3.5-27B's widths, 2,048 tokens: a DeltaNet layer kept 722,700 bytes a token with
+    its MLP, this 697,472; a gated attention layer 295,400, this 294,912 (docs/platform-notes.md). The delta rule computes
+    in fp32 whatever the model's dtype: its chunked queries, keys and values, each chunk's 64 x 64 matrices and the
+    recurrent state at each chunk's start (heads x key x value dims). The attention layer's query projection also
+    makes the output gate (3 more query-wide values), and its q/k norms keep their fp32 inputs."""
+    c = text_config(config)
+    if c.get("model_type") not in GATED_DELTANET:
+        return None
+    h, heads = c["hidden_size"], c["num_attention_heads"]
+    head_dim = c.get("head_dim") or h // heads
+    q, kv = heads * head_dim, (c.get("num_key_value_heads") or heads) * head_dim
+    v_heads, dk, dv = c["linear_num_value_heads"], c["linear_key_head_dim"], c["linear_value_head_dim"]
+    conv = 2 * c["linear_num_key_heads"] * dk + v_heads * dv  # the short convolution's channels: queries, keys, values
+    # each norm's fp32 input and its output (the projections' input), then the mixer's own
+    delta = (2 * h + 2 * conv + 2 * v_heads * dv,
+             2 * h + v_heads * (6 * dk + 7 * dv + 5 * DELTA_CHUNK + dk * dv / DELTA_CHUNK + 6))
+    attention = (2 * h + 5 * q + 2 * kv, 2 * h + q + kv)
+    kinds = c.get("layer_types") or ["full_attention" if (i + 1) % c.get("full_attention_interval", 4) == 0 else "linear_attention"
+                                     for i in range(c["num_hidden_layers"])]
+    linear = sum(kind == "linear_attention" for kind in kinds) / len(kinds)
+    return tuple(linear * d + (1 - linear) * a for d, a in zip(delta, attention))
+
+
 def small_params(config: dict) -> int:
     """Norm weights and biases of the decoder: few, never quantized, but counted so that totals match
     the published ones (Gemma 2/3 have four norms a layer, Qwen3 and Gemma 3 norm queries and keys,

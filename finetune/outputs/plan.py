@@ -280,7 +280,7 @@ def layer_activations(shape: Shape, s: Setup) -> float:
     (the grouped matmuls' input, and what the routing weight multiplies: model/experts.py)."""
     routed = next((l.active for l in shape.linears if l.expert), 0) / shape.layers  # routed copies of a token, per layer
     values = (shape.attention_values + 4 * shape.mlp_width / s.tiled_mlp + 2 * shape.hidden * routed) * s.activation_bytes * s.tokens
-    return values + sink_attention(shape, s)[0]
+    return values + shape.fp32_values * 4 * s.tokens + sink_attention(shape, s)[0]
 
 
 def sink_attention(shape: Shape, s: Setup) -> tuple[float, float]:
@@ -346,7 +346,9 @@ def step_moments(shape: Shape, cfg: RunConfig, s: Setup) -> dict[str, Moment]:
     # FSDP2 keeps the last all-gather's output until the next one is copied out: the root's while the
     # first layer computes (a 4-bit base's layer: only until its weights are dequantized), and a layer's
     # beside its per-parameter copies (ZeRO-3 prefetches instead).
-    moments["the first layer's forward"] = Moment(per_layer, 2 * root + layer)
+    # Checkpointed, that forward keeps nothing for a backward: a delta rule's fp32 intermediates go chunk by chunk.
+    forward = per_layer - shape.fp32_values * 4 * s.tokens if s.checkpointing else per_layer
+    moments["the first layer's forward"] = Moment(forward, 2 * root + layer)
     # The forward's end: every layer's saved tensors kept, the root gathered again (with its all-gather buffer) for the head, whose
     # logits it makes (under FSDP the loss takes them whole). Tensor parallelism leaves the root whole and its layers
     # small: Llama-3.1-405B's step over 64 x 8 peaks here (bench/results/scale.md).

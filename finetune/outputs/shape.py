@@ -41,13 +41,14 @@ class Shape:
     layers: int
     kv_dim: int
     mlp_width: int  # the MLP's intermediate width a token passes through, averaged over layers (MoE: its experts' and the shared one's)
-    attention_values: int  # what a layer keeps per token for its backward outside the MLP (families.saved_attention_values)
+    attention_values: float  # what a layer keeps per token for its backward outside the MLP (families.saved_attention_values)
     tied: bool
     linears: tuple[Linear, ...]  # every linear layer and expert weight of the decoder (families.linear_layers)
     norms_and_biases: int
     config: dict  # the config.json read (families.buffer_bytes needs the weights' dtype, known only with the run's config)
     meta_buffers: int | None = None  # buffer bytes of the model built on the meta device (architectures outside the table)
     vision: VisionShape | None = None  # a vision-language model's tower and projector
+    fp32_values: float = 0.0  # what a layer keeps per token in fp32 whatever the activations' dtype (families.saved_hybrid_values)
 
     def buffers(self, weight_bytes: int) -> int:
         return self.meta_buffers if self.meta_buffers is not None else families.buffer_bytes(self.config, weight_bytes)
@@ -181,8 +182,9 @@ def skeleton_shape(folder: Path) -> Shape:
     language = [p for name, p in model.named_parameters() if not name.startswith(pictures)]
     other = sum(p.numel() for p in language) - sum(layer.params for layer in linears) - vocab * hidden * (1 if tied else 2)
     kv_dim = (getattr(config, "num_key_value_heads", None) or heads) * (hidden // heads) if heads else 0
-    return Shape(vocab=vocab, hidden=hidden, layers=config.num_hidden_layers, kv_dim=kv_dim,
-                 mlp_width=width, attention_values=6 * hidden + 2 * kv_dim, tied=tied, linears=tuple(linears), norms_and_biases=other,
+    values, fp32_values = families.saved_hybrid_values(config.to_dict()) or (6 * hidden + 2 * kv_dim, 0.0)
+    return Shape(vocab=vocab, hidden=hidden, layers=config.num_hidden_layers, kv_dim=kv_dim, fp32_values=fp32_values,
+                 mlp_width=width, attention_values=values, tied=tied, linears=tuple(linears), norms_and_biases=other,
                  config=config.to_dict(),
                  meta_buffers=sum(b.numel() * b.element_size() for b in model.buffers()),
                  vision=vision_shape(model, folder, model.config.to_dict()) if pictures else None)
