@@ -283,6 +283,15 @@ def layer_activations(shape: Shape, s: Setup) -> float:
     return values + shape.fp32_values * 4 * s.tokens + sink_attention(shape, s)[0]
 
 
+def adapter_outputs(shape: Shape, cfg: RunConfig, s: Setup) -> float:
+    """peft's LoRA adds its B matrix's output, scaled, to the base layer's: two more outputs of the widest adapted layer
+    while it computes, kept for no backward (Llama-3.1-70B's widths over 64, checkpointed: the simulated first layer's
+    forward held 0.40 GiB beyond the layer's saved values; these are 0.44)."""
+    if s.method == "full":
+        return 0.0
+    return 2 * max((l.fan_out for l in adapted(shape, cfg) if not l.expert), default=0) * s.activation_bytes * s.tokens
+
+
 def sink_attention(shape: Shape, s: Setup) -> tuple[float, float]:
     """Attention with sinks (gpt-oss) runs finetune's textbook kernel (model/attention.py), whose fp32 probabilities are
     heads x len² a sample: (what a layer keeps of them for its backward, what its backward holds while it computes).
@@ -344,11 +353,14 @@ def step_moments(shape: Shape, cfg: RunConfig, s: Setup) -> dict[str, Moment]:
         return moments
     root, layer = gathered_weights(shape, cfg, s)
     # FSDP2 keeps the last all-gather's output until the next one is copied out: the root's while the
-    # first layer computes (a 4-bit base's layer: only until its weights are dequantized), and a layer's
-    # beside its per-parameter copies (ZeRO-3 prefetches instead).
-    # Checkpointed, that forward keeps nothing for a backward: a delta rule's fp32 intermediates go chunk by chunk.
-    forward = per_layer - shape.fp32_values * 4 * s.tokens if s.checkpointing else per_layer
-    moments["the first layer's forward"] = Moment(forward, 2 * root + layer)
+    # first layer computes (a 4-bit base's layer: only until its weights are dequantized, which comes first), and a
+    # layer's beside its per-parameter copies (ZeRO-3 prefetches instead). Checkpointed, that forward keeps nothing for a
+    # backward: a delta rule's fp32 intermediates go chunk by chunk.
+    forward = (per_layer - shape.fp32_values * 4 * s.tokens if s.checkpointing else per_layer) + adapter_outputs(shape, cfg, s)
+    if torchao_base(cfg, s) and forward < root:  # held while the 4-bit layer gathers, or while it computes
+        moments["the first layer's forward"] = Moment(0.0, 2 * root + layer)
+    else:
+        moments["the first layer's forward"] = Moment(forward, (1 if torchao_base(cfg, s) else 2) * root + layer)
     # The forward's end: every layer's saved tensors kept, the root gathered again (with its all-gather buffer) for the head, whose
     # logits it makes (under FSDP the loss takes them whole). Tensor parallelism leaves the root whole and its layers
     # small: Llama-3.1-405B's step over 64 x 8 peaks here (bench/results/scale.md).
@@ -358,6 +370,8 @@ def step_moments(shape: Shape, cfg: RunConfig, s: Setup) -> dict[str, Moment]:
     # end, and the layer's, in the weights' dtype and cast to fp32 for its reduce-scatter (3 layers' worth).
     grads = shape.vocab * shape.hidden * s.weight_bytes + 3 * layer if full else 0.0
     moments["the last layer's backward"] = Moment(saved + rebuilt, root + 2 * layer + grads, temporaries)
+    if full and s.run_as.name == "fsdp":  # then the root's: one of its matrices' gradients still held, and all of them in fp32
+        moments["the root's reduce-scatter"] = Moment(0.0, shape.vocab * shape.hidden * s.weight_bytes + 2 * root)
     return moments
 
 

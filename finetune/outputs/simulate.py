@@ -57,6 +57,13 @@ ROLES = {"SHARDED_PARAM": "weights (this rank's shards)", "UNSHARDED_PARAM": "we
 
 
 NOT_TENSORS = ("CUDA context + allocator slack", "process runtime (CPU)")  # the plan's rows that no tensor fills
+# The plan's rows and the tracker's roles that hold the same tensors (the plan counts full fine-tuning's unsharded
+# gradients, and their fp32 copies for the reduce-scatter, with what is gathered)
+BY_ROLE = {"weights": (("weights", "reference model", "distill teacher weights"), ("weights (this rank's shards)", "buffers")),
+           "gathered": (("gathered for compute",), ("weights gathered for compute", "all-gather buffers", "gradients before reduce-scatter",
+                                                   "reduce-scatter buffers")),
+           "gradients": (("gradients",), ("gradients (shards)",)), "optimizer states": (("optimizer states",), ("optimizer states",)),
+           "activations": (("activations", "dense weight temporaries", "distill teacher outputs"), ("activations", "temporaries", "inputs"))}
 PAIRS = ("dpo", "orpo", "cpo", "simpo")  # the preference objectives whose step is simulated (objectives.objective.Preference)
 
 
@@ -291,17 +298,26 @@ class _Collectives(TorchDispatchMode):
 
 
 def render(sim: Simulated, plan, planned_bytes: float) -> str:
-    """The simulated peak by role beside the plan's total, and the collectives beside the plan's formula.
+    """The simulated peak by role beside the plan's total and roles, and the collectives beside the plan's formula.
     `plan`: outputs.plan's Plan for the same setup; `planned_bytes`: its step_time's bytes each device moves."""
     unit, scale = ("GiB", 2**30) if sim.total >= 2**30 else ("MiB", 2**20)
     rows = [f"| {role:<32} | {size / scale:9.2f} |" for role, size in sorted(sim.peak.items(), key=lambda item: -item[1])]
     tensors = plan.total - sum(plan.rows.get(row, 0.0) for row in NOT_TENSORS)
     lines = [f"simulated: rank 0 of {sim.devices} processes, one step on fake tensors ({sim.seconds:.0f} s here)", "",
              f"| {'at its peak':<32} | {unit:>9} |", f"| {'-' * 32} | {'-' * 9} |", *rows, f"| {'total':<32} | {sim.total / scale:9.2f} |", "",
-             f"plan: {tensors / scale:.2f} {unit} of tensors per device; simulated {sim.total / scale:.2f} {unit} ({_apart(sim.total, tensors)})",
+             f"plan: {tensors / scale:.2f} {unit} of tensors per device at {plan.moment}; simulated {sim.total / scale:.2f} {unit} "
+             f"({_apart(sim.total, tensors)})",
+             "by role, planned / simulated: " + "; ".join(f"{role} {ours / scale:.2f} / {theirs / scale:.2f}" for role, (ours, theirs) in
+                                                         by_role(sim, plan).items()),
              f"collectives per device and step (one micro-batch): simulated {sim.moved / 1e9:.3g} GB, planned {planned_bytes / 1e9:.3g} GB "
              f"({_apart(sim.moved, planned_bytes)}); " + ", ".join(f"{name.strip('_')} x{calls}" for name, (calls, _) in sorted(sim.collectives.items()))]
     return "\n".join(lines)
+
+
+def by_role(sim: Simulated, plan) -> dict[str, tuple[float, float]]:
+    """(planned, simulated) bytes of each role at the peak (BY_ROLE's words)."""
+    return {role: (sum(plan.rows.get(row, 0.0) for row in ours), sum(sim.peak.get(row, 0.0) for row in theirs))
+            for role, (ours, theirs) in BY_ROLE.items()}
 
 
 def _apart(simulated: float, planned: float) -> str:
