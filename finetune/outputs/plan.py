@@ -365,10 +365,10 @@ def step_moments(shape: Shape, cfg: RunConfig, s: Setup) -> dict[str, Moment]:
     # logits it makes (under FSDP the loss takes them whole). Tensor parallelism leaves the root whole and its layers
     # small: Llama-3.1-405B's step over 64 x 8 peaks here (bench/results/scale.md).
     if s.run_as.name == "fsdp":
-        moments["the head's forward"] = Moment(saved + s.tokens * shape.vocab * s.activation_bytes, 2 * root)
+        moments["the head's forward"] = Moment(saved + s.tokens * head_width(shape, cfg) * s.activation_bytes, 2 * root)
     # Full fine-tuning: the lm_head's gradient, unsharded until the root's reduce-scatter at the backward's
     # end, and the layer's, in the weights' dtype and cast to fp32 for its reduce-scatter (3 layers' worth).
-    grads = shape.vocab * shape.hidden * s.weight_bytes + 3 * layer if full else 0.0
+    grads = head_width(shape, cfg) * shape.hidden * s.weight_bytes + 3 * layer if full else 0.0
     moments["the last layer's backward"] = Moment(saved + rebuilt, root + 2 * layer + grads, temporaries)
     if full and s.run_as.name == "fsdp":  # then the root's: one of its matrices' gradients still held, and all of them in fp32
         moments["the root's reduce-scatter"] = Moment(0.0, shape.vocab * shape.hidden * s.weight_bytes + 2 * root)
@@ -408,6 +408,18 @@ def residual_bytes(cfg: RunConfig, s: Setup) -> int:
     return 4 if s.bits and not torchao_base(cfg, s) else s.weight_bytes
 
 
+def run_shape(cfg: RunConfig) -> Shape:
+    """The model's shape as the run holds it: a reward model has no lm_head (its score head, one output a token:
+    head_width, is too small to count)."""
+    shape = read_shape(cfg.model.name_or_path)
+    return replace(shape, tied=True) if cfg.train.objective == "reward" else shape
+
+
+def head_width(shape: Shape, cfg: RunConfig) -> int:
+    """The head's outputs a token: the vocabulary's logits, or a reward model's one score."""
+    return 1 if cfg.train.objective == "reward" else shape.vocab
+
+
 def loss_activations(shape: Shape, cfg: RunConfig, s: Setup) -> float:
     """The loss's share. Where the fused loss runs (SFT, a plain lm_head, unsharded: loss.fusable_parts) the
     logits exist a chunk at a time: it holds the trained tokens' final hidden states and their
@@ -419,6 +431,8 @@ def loss_activations(shape: Shape, cfg: RunConfig, s: Setup) -> float:
     Llama-3.1-8B's DPO step). Every token is counted as trained."""
     if cfg.train.objective in ("dpo", "orpo", "cpo", "simpo", "kto"):
         return s.tokens * shape.vocab * (14 if cfg.train.objective in ("dpo", "kto") else 12)
+    if cfg.train.objective == "reward":  # the final hidden states the score head keeps, and their gradient
+        return 2 * s.tokens * shape.hidden * s.activation_bytes
     if families.plain_head(shape.config) and not s.shards_weights:
         from finetune.objectives.loss import CHUNK_ELEMENTS
 
@@ -473,7 +487,7 @@ def make_plan(cfg: RunConfig, devices: int = 1, strategy: str | None = None, gpu
     """strategy: as distributed.strategy names it (default: the config's). On GPUs, ZeRO-3 offload and
     FSDP's CPU offload keep the sharded weights, gradients and optimizer states in CPU RAM (`host`); the
     device holds what is gathered for compute, the activations and the temporaries."""
-    whole = read_shape(cfg.model.name_or_path)
+    whole = run_shape(cfg)
     setup = setup or setup_from_config(cfg, devices, strategy)
     shape, per_split = split_shape(whole, setup.tensor_parallel), replace(setup, devices=setup.devices // setup.tensor_parallel)
     rows, moment, activations = estimate(shape, cfg, per_split)

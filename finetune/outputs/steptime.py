@@ -6,8 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from finetune.config.schema import RunConfig
-from finetune.outputs.plan import BNB_BLOCK, Setup, estimate, split_shape, teacher_rows, teacher_shape, trainable_params
-from finetune.outputs.shape import read_shape
+from finetune.outputs.plan import BNB_BLOCK, Setup, estimate, head_width, run_shape, split_shape, teacher_rows, teacher_shape, trainable_params
 from finetune.parallel.tensor_parallel import styles
 
 
@@ -46,10 +45,10 @@ def step_time(cfg: RunConfig, s: Setup, tflops: float, mfu: float, bandwidth: fl
     KTO's three (its reference, and the policy and reference on the mismatched pairs): as many more gathers under FSDP/ZeRO-3.
     Distillation's teacher one forward of its own, its weights gathered for it."""
     t = s.tensor_parallel
-    shape = split_shape(read_shape(cfg.model.name_or_path), t)
+    shape = split_shape(run_shape(cfg), t)
     full, s = s.method == "full", replace(s, devices=s.devices // t)
     d = s.devices
-    matmul = sum(l.fan_in * l.fan_out * l.active for l in shape.linears) + shape.vocab * shape.hidden  # the lm_head too
+    matmul = sum(l.fan_in * l.fan_out * l.active for l in shape.linears) + head_width(shape, cfg) * shape.hidden  # the head too
     frozen_forwards = {"dpo": 1, "kto": 3}.get(cfg.train.objective, 0)
     per_weight = 2 + 2 + (2 if full else 0) + (2 if s.checkpointing else 0) + 2 * frozen_forwards
     q_dim = next((l.fan_out for l in shape.linears if l.name.rsplit(".", 1)[-1] == "q_proj"), shape.hidden)
