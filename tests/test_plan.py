@@ -325,12 +325,11 @@ def test_simulate_refuses_what_it_does_not_simulate_in_one_line(capsys, tiny_mod
                           "--simulate")
     assert result.returncode == 2 and result.stderr.strip() == ("error: --simulate: simulates distributed.strategy fsdp over 2 or more devices "
                                                                "(--strategy fsdp --gpus N)"), result.stderr
-    for config, what in (("kto", "mismatched pairs and reference"), ("grpo", "sampling, reference and group rows")):
-        result = finetune_cli(capsys, "plan", "--config", config, "--model", str(tiny_model_dir), "--seq-len", "128", "--gpus", "2",
-                              "--strategy", "fsdp", "--set", "eval.generate_samples=0", "--simulate")
-        assert result.returncode == 2 and result.stderr.strip() == (f"error: --simulate: simulates SFT's, distillation's and the preference pairs' "
-                                                                   f"steps (dpo, orpo, cpo, simpo); train.objective {config}'s step (its {what}) "
-                                                                   "is not simulated yet"), result.stderr
+    result = finetune_cli(capsys, "plan", "--config", "grpo", "--model", str(tiny_model_dir), "--seq-len", "128", "--gpus", "2",
+                          "--strategy", "fsdp", "--set", "eval.generate_samples=0", "--simulate")
+    assert result.returncode == 2 and result.stderr.strip() == ("error: --simulate: simulates SFT's, distillation's, KTO's and the preference "
+                                                               "pairs' steps (dpo, orpo, cpo, simpo); train.objective grpo's step (its sampling, "
+                                                               "reference and group rows) is not simulated yet"), result.stderr
 
 
 SIMULATED_RUN = """
@@ -389,7 +388,7 @@ def test_the_simulated_step_holds_what_the_real_step_of_2_processes_holds(tmp_pa
     ("qwen3.5-27b", 8, "lora", "the head's forward", 1, "sft", True),
     ("qwen3.5-27b", 8, "lora", "the head's forward", 1, "sft", False), ("llama-3.1-70b", 64, "lora", "the head's forward", 8, "sft", True),
     ("qwen3-8b", 8, "full", "the loss", 2, "sft", True), ("llama-3.1-8b", 8, "lora", "the loss", 1, "dpo", True),
-    ("llama-3.1-8b", 8, "full", "the loss", 1, "dpo", True),
+    ("llama-3.1-8b", 8, "full", "the loss", 1, "dpo", True), ("llama-3.1-8b", 8, "full", "the loss", 1, "kto", True),
     ("llama-3.2-1b", 8, "full", "the loss", 1, "distill", True)])
 def test_the_plan_is_within_10_percent_of_the_simulated_step(tmp_path, model, devices, method, moment, split, objective, checkpointing):
     """Released widths (Llama-3.1-8B's and 70B's, Qwen3-30B-A3B's 128 experts, gpt-oss-20b's sink attention, Qwen3.5-27B's
@@ -403,7 +402,8 @@ def test_the_plan_is_within_10_percent_of_the_simulated_step(tmp_path, model, de
     (split > 1: Llama-3.1-70B split over 8 of 64, Qwen3-8B's per-head norms over 2 of 8): each process's split of the
     layers and the all-reduces each split layer adds. DPO (one pair a row): its reference's forward beside the policy's
     kept log-probabilities (the plan once counted SFT's fused loss there: 11% under), the adapter switched off, or under
-    full fine-tuning a frozen copy sharded as the policy, and that forward's gathers. Distillation: Llama-3.2-1B's widths
+    full fine-tuning a frozen copy sharded as the policy, and that forward's gathers; KTO (one example a row) its three
+    forwards without gradients (the reference's, and policy and reference on the mismatched pairs). Distillation: Llama-3.2-1B's widths
     taught by Llama-3.1-8B's, the teacher sharded as the student, its forward's outputs beside the student's."""
     from finetune.outputs.plan import setup_from_config
     from finetune.outputs.shape import read_shape
@@ -422,8 +422,8 @@ def test_the_plan_is_within_10_percent_of_the_simulated_step(tmp_path, model, de
            "distributed": {"strategy": "fsdp", "tensor_parallel": split}}
     if method == "qlora":
         raw["model"]["quantization"] = {"bits": 4}
-    if objective == "dpo":
-        raw["data"]["format"] = "preference"
+    if objective in ("dpo", "kto"):
+        raw["data"]["format"] = "preference" if objective == "dpo" else "unpaired"
     if objective == "distill":
         teacher = json.loads((REPO / "docs" / "examples" / "llama-3.1-8b" / "config.json").read_text())
         (tmp_path / "teacher").mkdir()

@@ -88,10 +88,10 @@ def refusal(cfg: RunConfig, devices: int) -> str | None:
         return "a bitsandbytes base is not simulated (FSDP quantizes with torchao: model.quantization.backend auto or torchao)"
     if cfg.distributed.sequence_parallel > 1:
         return "sequence parallelism is not simulated yet"
-    if cfg.train.objective not in ("sft", "distill", *PAIRS):  # the plan counts their extra models; the step here would not be theirs
-        return (f"simulates SFT's, distillation's and the preference pairs' steps ({', '.join(PAIRS)}); train.objective "
-                f"{cfg.train.objective}'s step (its " + {"grpo": "sampling, reference and group rows", "reward": "score head",
-                                                          "kto": "mismatched pairs and reference"}[cfg.train.objective] + ") is not simulated yet")
+    if cfg.train.objective not in ("sft", "distill", "kto", *PAIRS):  # the plan counts their extra models; the step here would not be theirs
+        return (f"simulates SFT's, distillation's, KTO's and the preference pairs' steps ({', '.join(PAIRS)}); train.objective "
+                f"{cfg.train.objective}'s step (its " + {"grpo": "sampling, reference and group rows", "reward": "score head"}[cfg.train.objective]
+                + ") is not simulated yet")
     d = cfg.distill
     if cfg.train.objective == "distill" and (d.lmbda or d.sequence_level or d.cross_tokenizer or d.teacher_quantization):
         return ("simulates distillation on the data's answers by a teacher of the student's tokenizer, loaded unquantized; not "
@@ -116,7 +116,7 @@ def simulate(cfg: RunConfig, devices: int, fake: bool = True) -> Simulated:
         split = settings.pop("tensor_parallel", None)
         model = load_model(cfg.model, skeleton="meta", say=lambda _: None)
         model = apply_adapter(model, cfg.adapter, cfg.train.gradient_checkpointing, say=lambda _: None)
-        batch = (_pairs if cfg.train.objective in PAIRS else _batch)(cfg, model.config.vocab_size)
+        batch = (_pairs if cfg.train.objective in PAIRS else _unpaired if cfg.train.objective == "kto" else _batch)(cfg, model.config.vocab_size)
         beside = _frozen(cfg)
         step = _step_loss(cfg, batch, beside)  # its counts read the batch's data: before the fake mode
         if split is not None:  # on the meta device, before the fake mode: FSDP2 makes the 2-D mesh's DTensor specs, which read it back
@@ -195,6 +195,20 @@ def _pairs(cfg: RunConfig, vocab: int) -> dict[str, torch.Tensor]:
     return to_device({"input_ids": ids, "labels": labels, "position_ids": torch.arange(half).repeat(rows, 2)}, "cpu")
 
 
+def _unpaired(cfg: RunConfig, vocab: int) -> dict[str, torch.Tensor]:
+    """KTO's micro-batch (packing.Unpaired's layout): micro_batch_size rows of max_seq_len tokens, one example each, every
+    completion token trained after a one-token prompt, desirable and not in turn; the mismatched pairs its reference point
+    is taken on as long."""
+    rows, length = cfg.train.micro_batch_size, cfg.data.max_seq_len
+    batch = {}
+    for prefix in ("", "kl_"):
+        ids = torch.randint(0, vocab, (rows, length))
+        labels = ids.clone()
+        labels[:, 0] = -100
+        batch.update({f"{prefix}input_ids": ids, f"{prefix}labels": labels, f"{prefix}position_ids": torch.arange(length).repeat(rows, 1)})
+    return to_device({**batch, "desirable": torch.arange(rows) % 2 == 0}, "cpu")
+
+
 def _frozen(cfg: RunConfig) -> torch.nn.Module | None:
     """The frozen model beside the policy, on the meta device: DPO's reference under full fine-tuning (a copy of the base),
     distillation's teacher (read as training reads it: model/teacher.teacher_source); None where there is none."""
@@ -209,13 +223,15 @@ def _frozen(cfg: RunConfig) -> torch.nn.Module | None:
 
 
 def _step_loss(cfg: RunConfig, batch: dict[str, torch.Tensor], frozen: torch.nn.Module | None):
-    """The micro-batch's loss as the loop computes it: SFT's, distillation's against the teacher, or the preference
+    """The micro-batch's loss as the loop computes it: SFT's, distillation's against the teacher, KTO's, or the preference
     objective's over the batch's pairs (`frozen`: the reference or the teacher, if any)."""
     from finetune.objectives.distill import Distill
-    from finetune.objectives.objective import SFT, Preference
+    from finetune.objectives.objective import KTO, SFT, Preference
 
     if cfg.train.objective == "distill":
         objective = Distill(cfg.distill, cfg.train.seed, synced=True, teacher=frozen)
+    elif cfg.train.objective == "kto":
+        objective = KTO(cfg.preference, frozen)
     elif cfg.train.objective in PAIRS:
         objective = Preference(cfg.train.objective, cfg.preference, frozen)
     else:
