@@ -45,6 +45,22 @@ def _reward_lora(model_dir):
     return model
 
 
+def test_the_plan_holds_the_score_head_where_the_lm_head_was(tmp_path, tiny_model_dir):
+    """A reward model holds a one-output score head, trained whole beside the adapter, where the language model holds its
+    lm_head: the plan once counted the lm_head's weights for it (at Llama-3-8B's widths, 1 GiB the run never holds)."""
+    from finetune.model.loading import apply_adapter, load_model
+    from finetune.outputs.plan import make_plan
+
+    cfg = validate_config(_reward_config(tiny_model_dir, tmp_path / "out"), "test")
+    lm = validate_config(base_config(tiny_model_dir, tmp_path / "out"), "test")
+    model = apply_adapter(load_model(cfg.model, say=lambda _: None, head="score"), cfg.adapter, gradient_checkpointing=False, say=lambda _: None)
+    held = sum(p.numel() * p.element_size() for p in model.parameters()) + sum(b.numel() * b.element_size() for b in model.buffers())
+    hidden, vocab = model.config.hidden_size, model.config.vocab_size
+    plan = make_plan(cfg)
+    assert held == pytest.approx(plan.rows["weights"], abs=2 * hidden * 4)  # the score head, and peft's trained copy of it
+    assert make_plan(lm).rows["weights"] - plan.rows["weights"] == vocab * hidden * 4  # the lm_head, fp32
+
+
 @pytest.mark.parametrize("center", [None, 0.01])
 def test_loss_and_gradients_equal_trls(tmp_path, tiny_model_dir, center):
     pytest.importorskip("trl")

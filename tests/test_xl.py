@@ -63,22 +63,6 @@ def test_the_plan_counts_every_byte_the_loaded_model_holds(wide_model_dir, tmp_p
     assert held_bytes(model) == make_plan(cfg).rows["weights"]
 
 
-def test_a_reward_models_plan_has_its_score_head_where_the_lm_head_was(wide_model_dir, tmp_path):
-    """A reward model (train.objective reward) holds a one-output score head, trained whole beside the adapter, where the
-    language model holds its lm_head: the plan once counted the lm_head's weights for it (at Llama-3-8B's widths, 1 GiB
-    that the run never holds)."""
-    from finetune.model.loading import apply_adapter, load_model
-
-    raw = wide_config(wide_model_dir, tmp_path / "out")
-    lm = validate_config(raw, "test")
-    raw["train"]["objective"], raw["data"]["format"] = "reward", "preference"
-    cfg = validate_config(raw, "test")
-    model = apply_adapter(load_model(cfg.model, say=lambda _: None, head="score"), cfg.adapter, gradient_checkpointing=True, say=lambda _: None)
-    plan, hidden, vocab = make_plan(cfg), model.config.hidden_size, model.config.vocab_size
-    assert held_bytes(model) == pytest.approx(plan.rows["weights"], abs=2 * hidden * 4)  # the score head, and peft's trained copy of it
-    assert make_plan(lm).rows["weights"] - plan.rows["weights"] == vocab * hidden * 2  # the lm_head, bf16
-
-
 LOAD = """
 import json, sys
 from finetune.config.files import load_config
