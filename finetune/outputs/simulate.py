@@ -59,11 +59,12 @@ ROLES = {"SHARDED_PARAM": "weights (this rank's shards)", "UNSHARDED_PARAM": "we
 NOT_TENSORS = ("CUDA context + allocator slack", "process runtime (CPU)")  # the plan's rows that no tensor fills
 # The plan's rows and the tracker's roles that hold the same tensors (the plan counts full fine-tuning's unsharded
 # gradients, and their fp32 copies for the reduce-scatter, with what is gathered)
-BY_ROLE = {"weights": (("weights", "reference model", "distill teacher weights"), ("weights (this rank's shards)", "buffers")),
+BY_ROLE = {"weights": (("weights", "reference model", "distill teacher weights", "vision tower + projector"), ("weights (this rank's shards)", "buffers")),
            "gathered": (("gathered for compute",), ("weights gathered for compute", "all-gather buffers", "gradients before reduce-scatter",
                                                    "reduce-scatter buffers")),
            "gradients": (("gradients",), ("gradients (shards)",)), "optimizer states": (("optimizer states",), ("optimizer states",)),
-           "activations": (("activations", "dense weight temporaries", "distill teacher outputs"), ("activations", "temporaries", "inputs"))}
+           "activations": (("activations", "dense weight temporaries", "distill teacher outputs", "vision tower activations"),
+                           ("activations", "temporaries", "inputs"))}
 PAIRS = ("dpo", "orpo", "cpo", "simpo")  # the preference objectives whose step is simulated (objectives.objective.Preference)
 
 
