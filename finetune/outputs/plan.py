@@ -357,10 +357,10 @@ def step_moments(shape: Shape, cfg: RunConfig, s: Setup) -> dict[str, Moment]:
     # layer's beside its per-parameter copies (ZeRO-3 prefetches instead). Checkpointed, that forward keeps nothing for a
     # backward: a delta rule's fp32 intermediates go chunk by chunk.
     forward = (per_layer - shape.fp32_values * 4 * s.tokens if s.checkpointing else per_layer) + adapter_outputs(shape, cfg, s)
-    if torchao_base(cfg, s) and forward < root:  # held while the 4-bit layer gathers, or while it computes
-        moments["the first layer's forward"] = Moment(0.0, 2 * root + layer)
-    else:
-        moments["the first layer's forward"] = Moment(forward, (1 if torchao_base(cfg, s) else 2) * root + layer)
+    if not torchao_base(cfg, s):
+        moments["the first layer's forward"] = Moment(forward, 2 * root + layer)
+    else:  # held while the 4-bit layer gathers, or while it computes
+        moments["the first layer's forward"] = Moment(0.0, 2 * root + layer) if forward < root else Moment(forward, root + layer)
     # The forward's end: every layer's saved tensors kept, the root gathered again (with its all-gather buffer) for the head, whose
     # logits it makes (under FSDP the loss takes them whole). Tensor parallelism leaves the root whole and its layers
     # small: Llama-3.1-405B's step over 64 x 8 peaks here (bench/results/scale.md).

@@ -89,10 +89,9 @@ def refusal(cfg: RunConfig, devices: int) -> str | None:
         return "a bitsandbytes base is not simulated (FSDP quantizes with torchao: model.quantization.backend auto or torchao)"
     if cfg.distributed.sequence_parallel > 1:
         return "sequence parallelism is not simulated yet"
-    if cfg.train.objective not in ("sft", "distill", "kto", *PAIRS):  # the plan counts their extra models; the step here would not be theirs
+    if cfg.train.objective == "grpo":  # the plan counts its extra models; the step here would not be its (a reward model trains without FSDP)
         return (f"simulates SFT's, distillation's, KTO's and the preference pairs' steps ({', '.join(PAIRS)}); train.objective "
-                f"{cfg.train.objective}'s step (its " + {"grpo": "sampling, reference and group rows", "reward": "score head"}[cfg.train.objective]
-                + ") is not simulated yet")
+                "grpo's step (its sampling, reference and group rows) is not simulated yet")
     d = cfg.distill
     if cfg.train.objective == "distill" and (d.lmbda or d.sequence_level or d.cross_tokenizer or d.teacher_quantization):
         return ("simulates distillation on the data's answers by a teacher of the student's tokenizer, loaded unquantized; not "
