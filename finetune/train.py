@@ -126,9 +126,9 @@ def train_loop(state: RunState) -> None:
     state.started = window_start = time.perf_counter()
     window_tokens = 0
     while state.progress.step < total:
-        state.watchdog.start_step(state.progress.step)
+        state.watchdog.start(state.progress.step)
         done = train_step(state)
-        state.watchdog.end_step()
+        state.watchdog.end()
         if done.verdict.action in ("rollback", "stop"):
             state.progress = roll_back(state, state.progress.step, done.verdict)
             log.advance(state.progress.step - log.position())

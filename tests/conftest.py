@@ -172,7 +172,7 @@ def finetune_in_process(*args: str, fault: str | None = None):
 
     out, err, saved = io.StringIO(), io.StringIO(), faults.FAULT
     faults.FAULT = faults.parse(fault)
-    assert faults.FAULT is None or faults.FAULT.kind not in ("kill", "term", "hang", "kill-staging", "kill-saving"), fault
+    assert faults.FAULT is None or faults.FAULT.kind not in ("kill", "term", "hang", "kill-staging", "kill-saving", "hang-saving"), fault
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             try:

@@ -27,7 +27,7 @@ def _train(tmp_path, cfg, *extra, env=None, name="c"):
     """`finetune train`: in this process, or a process of its own where the injected fault kills, signals or hangs it."""
     config = str(write_config(tmp_path / f"{name}.yaml", cfg))
     fault = (env or {}).get("FINETUNE_FAULT")
-    if fault and fault.split("@")[0] in ("kill", "term", "hang"):
+    if fault and fault.split("@")[0] in ("kill", "term", "hang", "hang-saving"):
         return train_forked("--config", config, *extra, env=env)
     return finetune_in_process("train", "--config", config, *extra, fault=fault)
 
@@ -113,6 +113,17 @@ def test_a_hung_step_is_caught_by_the_watchdog_with_stacks(tmp_path, tiny_model_
     assert "watchdog: step 16 has run" in result.stderr
     assert "Thread" in result.stderr and "faults.py" in result.stderr  # every thread's stack, down to the stuck line
     assert [e["event"] for e in _events(out)] == ["hang"]
+
+
+def test_a_save_that_hangs_is_caught_by_the_watchdog_and_the_checkpoints_before_it_stay(tmp_path, tiny_model_dir):
+    """A save waits at barriers as a step waits at collectives (a peer lost mid-save): it is timed as a step is."""
+    out = tmp_path / "out"
+    cfg = _cfg(tiny_model_dir, out, steps=20, watchdog={"min_seconds": 3}, checkpoint={"save_every": 5, "async_save": False})
+    result = _train(tmp_path, cfg, env={"FINETUNE_FAULT": "hang-saving@10"})
+    assert result.returncode == 4, result.stderr[-3000:]
+    assert "watchdog: the checkpoint save after step 10 has run" in result.stderr and "faults.py" in result.stderr
+    assert [e["event"] for e in _events(out)] == ["hang"]
+    assert sorted(p.name for p in (out / "checkpoints").glob("step-*")) == ["step-000000", "step-000005"]
 
 
 def test_a_restart_loop_without_progress_stops(tmp_path, tiny_model_dir):

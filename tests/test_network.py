@@ -172,7 +172,7 @@ def test_a_node_cut_off_mid_run_stops_within_its_timeouts_and_the_run_resumes_on
         _ip("-n", other, "link", "set", link, "up")
     logs = {name: (tmp_path / f"{name}.log").read_text() for name in (host, other)}
     assert ended[host][0] == ended[other][0] == 4 and ended[host][1] < 2 * 15 and ended[other][1] < 2 * (15 + 10), (ended, logs[other][-3000:])
-    assert "watchdog: step" in logs[host] and "over the 15 s limit" in logs[other]
+    assert "over the 15 s limit" in logs[host] and "over the 15 s limit" in logs[other]  # a step's or a save's (the cut may come in one)
     assert "launch: a worker ended with code 4 and torchrun's agent had not ended 10 s later" in logs[other]
     assert not _left_in(host) and not _left_in(other)
     saved = sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("step-*"))

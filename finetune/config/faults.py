@@ -10,6 +10,7 @@ raises once 2 optimizer steps are done, before the third. Kinds:
   kill-staging@N   SIGKILL itself once N chunks of a ramdisk staging copy are written (a half copy)
   kill-saving@STEP SIGKILL itself once the first file of the checkpoint of step STEP is written
                    (in the background writer when saves are asynchronous)
+  hang-saving@STEP sleep there instead (a save that never ends)
 A fault fires in the first attempt only: after torchrun restarts the workers
 (TORCHELASTIC_RESTART_COUNT > 0) the run goes on cleanly. Unset, it costs one comparison per step.
 FINETUNE_STEP_SECONDS=S makes every step of every attempt last S seconds longer (bench/chaos_elastic.py kills nodes
@@ -26,7 +27,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-KINDS = ("raise", "kill", "term", "hang", "nan", "spike", "kill-staging", "kill-saving")
+KINDS = ("raise", "kill", "term", "hang", "nan", "spike", "kill-staging", "kill-saving", "hang-saving")
 
 
 @dataclass(frozen=True)
@@ -103,5 +104,7 @@ def inject_staging(chunks_written: int) -> None:
 
 
 def inject_saving(step: int) -> None:
-    if FAULT is not None and FAULT.kind == "kill-saving" and FAULT.first <= step <= FAULT.last:
+    if FAULT is not None and FAULT.kind in ("kill-saving", "hang-saving") and FAULT.first <= step <= FAULT.last:
+        if FAULT.kind == "hang-saving":
+            time.sleep(3600)
         os.kill(os.getpid(), signal.SIGKILL)

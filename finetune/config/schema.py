@@ -451,9 +451,9 @@ class GuardConfig(_Section):
 
 
 class WatchdogConfig(_Section):
-    factor: float = Field(20.0, gt=1, description="A step taking this many times the median recent step is hung.")
-    min_seconds: float = Field(600.0, gt=0, description="...and at least this many seconds (first steps, evals and saves are not timed).")
-    enabled: bool = Field(True, description="Dump every thread's stack and exit with code 4 when a step hangs (a stuck collective, a dead peer).")
+    factor: float = Field(20.0, gt=1, description="A step or checkpoint save taking this many times the median recent step is hung.")
+    min_seconds: float = Field(600.0, gt=0, description="...and at least this many seconds (evals are not timed: distributed.collective_timeout bounds them).")
+    enabled: bool = Field(True, description="Dump every thread's stack and exit with code 4 when a step or save hangs (a stuck collective, a dead peer).")
 
 
 class DistributedConfig(_Section):

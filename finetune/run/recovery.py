@@ -81,8 +81,12 @@ def save(state: RunState) -> None:
     engine, step = state.engine, state.progress.step
     progress = dataclasses.replace(state.progress, guard=state.guard.state_dict(), good=state.guard.is_healthy(step))
     began = time.perf_counter()
-    saved = engine.checkpointer.save(state.out, progress.state_dict(), to_yaml(state.cfg), state.cfg.checkpoint.keep_last, state.background,
-                                     state.objective.held_state())
+    state.watchdog.start(step, "save")  # its barriers hang on a lost peer as a step's collectives do
+    try:
+        saved = engine.checkpointer.save(state.out, progress.state_dict(), to_yaml(state.cfg), state.cfg.checkpoint.keep_last, state.background,
+                                         state.objective.held_state())
+    finally:
+        state.watchdog.end()
     if saved:  # the seconds training waited (bench/large.py compares them with and without background writes)
         state.log.print(f"step {step}: checkpoint {'being written in the background to' if state.background else 'saved to'} {saved} "
                       f"(training paused {time.perf_counter() - began:.2f} s)")

@@ -1,10 +1,11 @@
 """What watches a run from the side: the hang watchdog and the preemption signals.
 
-Watchdog: a daemon thread times each optimizer step. A step running longer than `factor` times the
-median of the recent ones (and at least `min_seconds`) is hung (a stuck collective, a dead peer):
-every thread's stack goes to stderr and the process exits with code 4, so an elastic agent or Slurm
-restarts the job instead of it idling until the wall-clock limit. Evals and saves happen between
-steps and are not timed.
+Watchdog: a daemon thread times each optimizer step and each checkpoint save. One running longer than
+`factor` times the median recent step (and at least `min_seconds`) is hung (a stuck collective, a dead
+peer): every thread's stack goes to stderr and the process exits with code 4, so an elastic agent or
+Slurm restarts the job instead of it idling until the wall-clock limit. A save waits at barriers as a
+step does at its collectives, so a peer lost while one is in flight hangs it the same way. Evals are
+not timed (their length is the eval split's, not a step's): distributed.collective_timeout bounds them.
 
 Preemption: SIGTERM (what Slurm, Kubernetes and torchrun send first) and SIGUSR1 (Slurm's
 `--signal`) only set a flag; the loop sees it at the end of the step, saves a checkpoint and exits
@@ -37,17 +38,18 @@ class Watchdog:
         self.durations: deque[float] = deque(maxlen=20)
         self.step: int | None = None
         self.started: float | None = None
+        self.what = "step"  # or "save": what is being timed
         self.poll_s = poll_s
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="finetune-watchdog", daemon=True) if cfg.enabled else None
         if self._thread is not None:
             self._thread.start()
 
-    def start_step(self, step: int) -> None:
-        self.step, self.started = step, time.monotonic()
+    def start(self, step: int, what: str = "step") -> None:
+        self.step, self.what, self.started = step, what, time.monotonic()
 
-    def end_step(self) -> None:
-        if self.started is not None:
+    def end(self) -> None:
+        if self.started is not None and self.what == "step":  # the limit follows the steps only
             self.durations.append(time.monotonic() - self.started)
         self.started = None
 
@@ -71,7 +73,8 @@ class Watchdog:
                 continue
             elapsed, limit = time.monotonic() - started, self.limit()
             if elapsed > limit:
-                message = (f"watchdog: step {self.step + 1} has run {elapsed:.0f} s, over the {limit:.0f} s limit "
+                what = f"step {self.step + 1}" if self.what == "step" else f"the checkpoint save after step {self.step}"
+                message = (f"watchdog: {what} has run {elapsed:.0f} s, over the {limit:.0f} s limit "
                            f"(max of watchdog.min_seconds and {self.cfg.factor:g} x the median recent step); "
                            f"stacks of every thread follow, then exit code {EXIT_HUNG}")
                 print(message, file=sys.stderr, flush=True)
