@@ -19,9 +19,9 @@ pytestmark = pytest.mark.slow
 
 
 # Each case loses one node, a different one or at a different moment: two losses in one run took a minute more and
-# proved no more than two runs (bench/chaos_elastic.py loses several at random moments).
-@pytest.mark.parametrize("strategy,losses", [("ddp", [(1, False)]), ("fsdp", [(1, True)]), ("zero3", [(2, False)])],
-                         ids=["ddp-node-1", "fsdp-lost-mid-save", "zero3-node-2"])
+# proved no more than two runs (bench/chaos_elastic.py loses several at random moments). DDP (replicated checkpoints,
+# the simplest to reshard) is left to make chaos-elastic: a case costs 75 s of the suite.
+@pytest.mark.parametrize("strategy,losses", [("fsdp", [(1, True)]), ("zero3", [(2, False)])], ids=["fsdp-lost-mid-save", "zero3-node-2"])
 def test_lost_nodes_and_their_return_leave_the_run_as_if_nothing_happened(tmp_path, tmp_path_factory, tiny_model_dir, strategy, losses):
     chaos = bench_module("chaos_elastic")
     steps = 12
