@@ -113,13 +113,16 @@ def _output_commands(sub) -> None:
                        "folder or a checkpoint), through its Python API: registered task names whose data is reachable, or task YAML "
                        "files in the harness's format (their local data files taken relative to the file). Prompts go through the "
                        "tokenizer's chat template where it has one. Prints the table and writes it as JSON to --out, by default "
-                       "harness_eval.json in the current folder (harness_eval-2.json, ... if taken). The demo's task: demo/eval/word_kind.yaml.")
+                       "harness_eval.json in the current folder (harness_eval-2.json, ... if taken). A vision-language model runs through the "
+                       "harness's hf-multimodal model (generate_until tasks). The demos' tasks: demo/eval/word_kind.yaml, "
+                       "demo/eval/picture_shape.yaml.")
     _model_or_adapter(p, "an adapter folder or checkpoint; its base is loaded as in training")
     p.add_argument("--base", metavar="PATH_OR_ID", help="with --adapter: another base than the one it names")
     p.add_argument("--tasks", required=True, help="comma-separated task names or task YAML files")
     p.add_argument("--limit", type=_number(int, 1, "at least 1"), help="at most this many samples per task")
     p.add_argument("--batch-size", type=_number(int, 1, "at least 1"), default=8, help="samples per forward (default 8)")
     p.add_argument("--out", metavar="FILE", help="write the results here (a new file) instead of beside the model")
+    p.add_argument("--log-samples", action="store_true", help="also write each sample's target and the model's answer into the results file")
 
     p = sub.add_parser("score", help="score rows with a reward model (train.objective: reward)",
                        description="Score each {prompt, completion} row of a JSONL/JSON/Parquet/CSV file (text, or chat messages with the "
@@ -424,7 +427,8 @@ def score(args: argparse.Namespace) -> None:
 def eval_tasks(args: argparse.Namespace) -> None:
     from finetune.outputs.harness import evaluate
 
-    evaluate(args.model, args.adapter, [t.strip() for t in args.tasks.split(",") if t.strip()], args.base, args.limit, args.batch_size, args.out)
+    evaluate(args.model, args.adapter, [t.strip() for t in args.tasks.split(",") if t.strip()], args.base, args.limit, args.batch_size, args.out,
+             samples=args.log_samples)
 
 
 def configs(args: argparse.Namespace) -> None:

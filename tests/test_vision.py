@@ -592,17 +592,59 @@ def _with_f16_positions(read, path):
     writer.close()
 
 
-def test_export_and_eval_refuse_what_they_do_not_write_in_one_line(tmp_path, vision_run, llava):
-    """A CLIP tower's LLaVA (llama.cpp hands its class token on in place of the first patch) and a Qwen2.5-VL are not exported,
-    nor is a vision model evaluated: one line each, exit 2, nothing written."""
+def test_export_refuses_what_it_does_not_write_in_one_line(tmp_path, vision_run, llava):
+    """A CLIP tower's LLaVA (llama.cpp hands its class token on in place of the first patch) and a Qwen2.5-VL are not exported:
+    one line each, exit 2, nothing written."""
     out, _ = vision_run
     for args, key in [(("export", "--adapter", str(out), "--out", str(tmp_path / "m.gguf")), "--format gguf: its vision tower is CLIP's"),
                       (("export", "--model", str(llava("qwen2_5_vl")), "--out", str(tmp_path / "m.gguf")),
-                       "--format gguf: qwen2_5_vl is a vision-language model whose projector file (mmproj) finetune does not write"),
-                      (("eval", "--adapter", str(out), "--tasks", "arc_easy"), "finetune eval: llava is a vision-language model")]:
+                       "--format gguf: qwen2_5_vl is a vision-language model whose projector file (mmproj) finetune does not write")]:
         result = finetune_in_process(*args)
         assert result.returncode == 2 and key in result.stderr.strip().splitlines()[-1], result.stderr[-1000:]
     assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_eval_asks_the_harness_about_pictures_and_it_answers_as_generate_does(tmp_path, vision_run, picture_data, tiny_model_dir):
+    """finetune eval on the LoRA run, the shipped task file (demo/eval/picture_shape.yaml) over rows that name their pictures as
+    training rows do: lm-evaluation-harness's hf-multimodal model with finetune's processor gives, for each picture, the answer
+    `finetune generate --image` gives (greedy; with the harness's own encoding, a second BOS before the template's, 2 of 6
+    differed). A log-likelihood task, pictures to a text model and a picture that does not read: one line each, exit 2."""
+    from finetune.outputs.generate import answer_picture, load, processor_of
+
+    out, _ = vision_run
+    (tmp_path / "vision" / "data").mkdir(parents=True)
+    (tmp_path / "vision" / "data" / "img").symlink_to(picture_data.parent / "img")
+    pictures = sorted(p.name for p in (picture_data.parent / "img").iterdir())[:6]
+    rows = [{"images": [f"img/{name}"], "messages": [{"role": "user", "content": f"<image>\n{QUESTION}"}, {"role": "assistant", "content": "circle"}]}
+            for name in pictures]
+    (tmp_path / "vision" / "data" / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "eval").mkdir()
+    task = tmp_path / "eval" / "picture_shape.yaml"
+    task.write_text((REPO / "demo" / "eval" / "picture_shape.yaml").read_text())
+    result = finetune_in_process("eval", "--adapter", str(out), "--tasks", str(task), "--batch-size", "4", "--out", str(tmp_path / "r.json"),
+                                 "--log-samples")
+    assert result.returncode == 0, result.stderr[-3000:]
+    record = json.loads((tmp_path / "r.json").read_text())
+    answers = {s["doc_id"]: s["answer"][0] for s in record["samples"]["finetune_picture_shape"]}
+    model, _ = load(None, str(out))
+    processor = processor_of(None, str(out))
+    ours = {i: answer_picture(model, processor, f"\n{QUESTION}", str(picture_data.parent / "img" / name), max_new_tokens=8, stream=False)
+            for i, name in enumerate(pictures)}
+    assert answers == {i: a.split("\n")[0] for i, a in ours.items()}
+    assert record["results"]["finetune_picture_shape"]["exact_match"] == sum(a == "circle" for a in answers.values()) / 6
+
+    def refused(*args) -> str:
+        result = finetune_in_process("eval", *args, "--out", str(tmp_path / "bad.json"))
+        assert result.returncode == 2 and not (tmp_path / "bad.json").exists(), result.stderr[-2000:]
+        return result.stderr.strip().splitlines()[-1]
+
+    choice = tmp_path / "eval" / "choice.yaml"
+    choice.write_text(task.read_text().replace("output_type: generate_until", "output_type: multiple_choice"))
+    assert "is output_type multiple_choice; a vision-language model runs through lm-evaluation-harness's hf-multimodal" in refused(
+        "--adapter", str(out), "--tasks", str(choice))
+    assert "finetune_picture_shape shows pictures (doc_to_image); llama is a text model" in refused("--model", str(tiny_model_dir), "--tasks", str(task))
+    (tmp_path / "vision" / "data" / "eval.jsonl").write_text(json.dumps({**rows[0], "images": ["img/gone.png"]}) + "\n")
+    assert f"--tasks: {task}: image " in (line := refused("--adapter", str(out), "--tasks", str(task))) and "gone.png: cannot be read" in line
 
 
 @pytest.mark.parametrize(("name", "published"), [("qwen2.5-vl-7b", 8_292_166_656), ("llava-1.5-7b", 7_063_427_072)])

@@ -8,6 +8,11 @@ file's folder. The demo ships one (demo/eval/word_kind.yaml). Prompts go through
 template where it has one, as finetune trains chat and alpaca rows. The results table is printed and
 written as JSON to --out, by default harness_eval.json in the current folder (the model's folder may be
 shared or read-only: it is not written to).
+
+A vision-language model runs through the harness's own multimodal model (hf-multimodal), which generates
+(tasks of output_type generate_until), with the processor finetune trained it with. A task YAML's
+`doc_to_image: FIELD` may name its rows' pictures as finetune's training rows do (paths relative to the
+data file, or bytes); the vision demo's task: demo/eval/picture_shape.yaml.
 """
 
 from __future__ import annotations
@@ -18,13 +23,15 @@ import json
 from pathlib import Path
 
 from finetune.config.errors import UserError
+from finetune.model.configs import first_line
 
 RESULTS = "harness_eval.json"
 
 
 def evaluate(model_dir: str | None, adapter_dir: str | None, tasks: list[str], base: str | None = None, limit: int | None = None,
-             batch_size: int = 8, out: str | None = None, say=print) -> dict:
-    """Run the tasks; returns {task: {metric: value}} and writes it (with the harness's settings) as JSON."""
+             batch_size: int = 8, out: str | None = None, say=print, samples: bool = False) -> dict:
+    """Run the tasks; returns {task: {metric: value}} and writes it (with the harness's settings and, with `samples`, each
+    sample's target and answer) as JSON."""
     if importlib.util.find_spec("lm_eval") is None:
         raise UserError("finetune eval: needs lm-evaluation-harness (pip install 'finetune-kit[eval]')")
     specs = [_task(name) for name in tasks]
@@ -32,19 +39,20 @@ def evaluate(model_dir: str | None, adapter_dir: str | None, tasks: list[str], b
     if out and target.exists():
         raise UserError(f"--out: {target} exists; name a new file")
     from lm_eval import simple_evaluate
-    from lm_eval.models.huggingface import HFLM
 
-    from finetune.outputs.generate import load
+    from finetune.outputs.generate import load, processor_of
 
     model, tokenizer = load(model_dir, adapter_dir, base)
-    if model.config.to_dict().get("vision_config") is not None:
-        raise UserError(f"finetune eval: {model.config.model_type} is a vision-language model; its tasks run through lm-evaluation-harness's "
-                        "hf-multimodal model, which finetune eval does not drive yet (finetune generate --image tries it on a picture)")
+    processor = processor_of(model_dir, adapter_dir, base)
+    _check_tasks(specs, processor, model.config.model_type)
     if hasattr(model, "merge_and_unload") and not getattr(model, "is_loaded_in_4bit", False):
         model = model.merge_and_unload()  # the harness takes a transformers model; merged in memory, as trained
-    harness = HFLM(pretrained=model, tokenizer=tokenizer, device=str(next(model.parameters()).device), batch_size=batch_size)
     chat = bool(tokenizer.chat_template)
-    found = simple_evaluate(model=harness, tasks=specs, limit=limit, apply_chat_template=chat, log_samples=False)
+    harness = _harness(model, tokenizer, processor, batch_size, chat)
+    try:
+        found = simple_evaluate(model=harness, tasks=specs, limit=limit, apply_chat_template=chat, log_samples=samples)
+    except NotImplementedError as err:  # a registered task scored by log-likelihood, which hf-multimodal does not compute
+        raise UserError(f"finetune eval: {first_line(err)}") from None
     table = {task: {key.split(",")[0]: value for key, value in metrics.items() if isinstance(value, (int, float)) and "stderr" not in key}
              for task, metrics in found["results"].items()}
     for task, metrics in table.items():
@@ -52,9 +60,56 @@ def evaluate(model_dir: str | None, adapter_dir: str | None, tasks: list[str], b
             + f" on {metrics.get('sample_len', '?')} samples")
     record = {"model": model_dir, "adapter": adapter_dir, "tasks": tasks, "chat_template": chat, "limit": limit, "results": table,
               "lm_eval": importlib.metadata.version("lm_eval")}
-    target.write_text(json.dumps(record, indent=2) + "\n")
+    if samples:
+        record["samples"] = {task: [{"doc_id": s["doc_id"], "target": s["target"], "answer": s["filtered_resps"]} for s in logged]
+                             for task, logged in found["samples"].items()}
+    target.write_text(json.dumps(record, indent=2, default=str) + "\n")
     say(f"written to {target}")
     return table
+
+
+def _check_tasks(specs: list, processor, model_type: str) -> None:
+    """Task files the model cannot run, refused before any sample: pictures to a text model, a task a vision-language
+    model would have to score by log-likelihood."""
+    for spec in (s for s in specs if isinstance(s, dict)):
+        if processor is None and spec.get("doc_to_image"):
+            raise UserError(f"--tasks: {spec['task']} shows pictures (doc_to_image); {model_type} is a text model")
+        if processor is not None and spec.get("output_type", "generate_until") != "generate_until":
+            raise UserError(f"--tasks: {spec['task']} is output_type {spec['output_type']}; a vision-language model runs through "
+                            "lm-evaluation-harness's hf-multimodal model, which scores generate_until tasks only")
+
+
+def _harness(model, tokenizer, processor, batch_size: int, chat: bool):
+    """The harness's model over ours: HFLM, or for a vision-language model its hf-multimodal model with our processor."""
+    device = str(next(model.parameters()).device)
+    if processor is None:
+        from lm_eval.models.huggingface import HFLM
+
+        return HFLM(pretrained=model, tokenizer=tokenizer, device=device, batch_size=batch_size)
+    from lm_eval.models.hf_vlms import HFMultimodalLM
+
+    class Multimodal(HFMultimodalLM):
+        def _create_tokenizer(self, pretrained, tokenizer, **kwargs) -> None:  # the harness would load one by the model's name
+            self.processor, self.tokenizer = processor, processor.tokenizer
+
+    harness = Multimodal(pretrained=model, device=device, batch_size=batch_size)
+    if chat:
+        harness.processor = _Rendered(processor)
+    return harness
+
+
+class _Rendered:
+    """The processor, called on text its chat template rendered: the harness calls it with the tokenizer's defaults, which
+    add a BOS before the one the template wrote (tokens the model never trained on)."""
+
+    def __init__(self, processor):
+        self._processor = processor
+
+    def __call__(self, *args, **kwargs):
+        return self._processor(*args, add_special_tokens=False, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._processor, name)
 
 
 def _free_name(path: Path) -> Path:
@@ -88,4 +143,24 @@ def _task(name: str):
         if missing:
             raise UserError(f"--tasks: {name}: data file not found: {missing[0]} (data_files are taken relative to the task file)")
         spec["dataset_kwargs"]["data_files"] = {split: str(f) for split, f in resolved.items()}
+        if isinstance(spec.get("doc_to_image"), str):
+            split = spec.get("test_split") if spec.get("test_split") in resolved else next(iter(resolved))
+            spec["doc_to_image"] = _pictures(name, spec["doc_to_image"], resolved[split])
     return spec
+
+
+def _pictures(task: str, field: str, data_file: Path):
+    """doc_to_image for rows that hold their pictures as finetune's training rows do: paths (relative to the data file)
+    or bytes, read and checked as training reads them."""
+    from finetune.data import images
+
+    def read(doc: dict) -> list:
+        given = doc.get(field)
+        given = given if isinstance(given, list) else [given]
+        row, problem = images.located({"images": given}, data_file)
+        data, problem = images.read(row["images"]) if problem is None else ([], problem)
+        if problem:
+            raise UserError(f"--tasks: {task}: {problem}")
+        return images.decoded(data)
+
+    return read
