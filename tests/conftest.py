@@ -296,15 +296,19 @@ def demo_model_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def demo_run(tmp_path_factory, demo_model_dir):
     """The shipped demo config, 60 steps from the demo model (tensorboard on): (its output folder, the
-    command's result)."""
-    out = tmp_path_factory.mktemp("demo-run") / "out"
-    result = finetune_in_process(
-        "train", "--config", "configs/demo.yaml", "--model", str(demo_model_dir), "--output-dir", str(out),
-        "--max-steps", "60", "--set", "eval.on_start=true", "--set", "eval.every=0", "--set", "eval.generate_samples=0",
-        "--set", "logging.report_to=[tensorboard]",
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    return out, result
+    command's result). Run once for the session (test_train and test_harness read it, often on two workers)."""
+
+    def build(folder):
+        result = finetune_in_process(
+            "train", "--config", "configs/demo.yaml", "--model", str(demo_model_dir), "--output-dir", str(folder / "out"),
+            "--max-steps", "60", "--set", "eval.on_start=true", "--set", "eval.every=0", "--set", "eval.generate_samples=0",
+            "--set", "logging.report_to=[tensorboard]",
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+        (folder / "result.json").write_text(json.dumps(vars(result)))
+
+    folder = once(tmp_path_factory, "demo-run", build)
+    return folder / "out", types.SimpleNamespace(**json.loads((folder / "result.json").read_text()))
 
 
 @pytest.fixture(scope="session")
