@@ -17,13 +17,15 @@ The step is a later one, and its micro-batch not the first: the optimizer's stat
 accumulated from an earlier micro-batch, as in every step after the first.
 
 Simulated: distributed.strategy fsdp (FSDP2: the tracker follows its modules), LoRA, DoRA or full, on a
-bf16 or torchao NF4 base (quantized layer by layer as finetune shards it); the SFT loss, and the preference pairs'
+bf16 or torchao NF4 base (quantized layer by layer as finetune shards it); the SFT loss, the preference pairs'
 (DPO with its reference: the adapter switched off, or under full fine-tuning a frozen copy sharded as the policy; ORPO,
-CPO, SimPO), and distillation's (the teacher sharded as the policy, its forward and the divergence); a mixture of
-experts with each expert taking an equal share of the routed tokens; tensor parallelism's split layers on the 2-D mesh.
+CPO, SimPO), KTO's (one example a row, the reference's and the mismatched pairs' forwards without gradients), and
+distillation's (the teacher sharded as the policy, its forward and the divergence); a mixture of experts with each
+expert taking an equal share of the routed tokens; tensor parallelism's split layers on the 2-D mesh.
 Not simulated, each refused in one line: ZeRO (DeepSpeed's engine does not run on fake tensors: bench/scale.py checks
-the plan against DeepSpeed's own estimator), DDP (nor does its reducer), sequence parallelism, KTO's, the reward
-model's and GRPO's steps, and distillation's on-policy, sequence-level, cross-tokenizer or quantized-teacher variants.
+the plan against DeepSpeed's own estimator), DDP (nor does its reducer), sequence parallelism, GRPO's step, and
+distillation's on-policy, sequence-level, cross-tokenizer or quantized-teacher variants. (A reward model trains
+without FSDP: there is no sharded step of it to simulate.)
 """
 
 from __future__ import annotations
