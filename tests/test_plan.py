@@ -325,11 +325,10 @@ def test_simulate_refuses_what_it_does_not_simulate_in_one_line(capsys, tiny_mod
                           "--simulate")
     assert result.returncode == 2 and result.stderr.strip() == ("error: --simulate: simulates distributed.strategy fsdp over 2 or more devices "
                                                                "(--strategy fsdp --gpus N)"), result.stderr
-    result = finetune_cli(capsys, "plan", "--config", "grpo", "--model", str(tiny_model_dir), "--seq-len", "128", "--gpus", "2",
+    result = finetune_cli(capsys, "plan", "--config", "agent", "--model", str(tiny_model_dir), "--seq-len", "128", "--gpus", "2",
                           "--strategy", "fsdp", "--set", "eval.generate_samples=0", "--simulate")
-    assert result.returncode == 2 and result.stderr.strip() == ("error: --simulate: simulates SFT's, distillation's, KTO's and the preference "
-                                                               "pairs' steps (dpo, orpo, cpo, simpo); train.objective grpo's step (its sampling, "
-                                                               "reference and group rows) is not simulated yet"), result.stderr
+    assert result.returncode == 2 and result.stderr.strip() == ("error: --simulate: simulates GRPO's single-turn step; an environment's "
+                                                               "episodes (grpo.environment) are not simulated"), result.stderr
 
 
 SIMULATED_RUN = """
@@ -346,13 +345,13 @@ if fake or dist.get_rank() == 0:
 """
 
 
-@pytest.mark.parametrize("method", ["full", "qlora", "dpo"])
+@pytest.mark.parametrize("method", ["full", "qlora", "dpo", "grpo"])
 def test_the_simulated_step_holds_what_the_real_step_of_2_processes_holds(tmp_path, tiny_model_dir, method):
     """The same step on real tensors in 2 gloo processes (torchrun's workers), under the same tracker: rank 0's peak
     by role within 10% of the fake tensors' (the simulation of 8B-405B rests on this). QLoRA: torchao's
     NF4 base, quantized layer by layer as finetune shards it. LoRA through DPO's step: a pair a row, the reference the
     adapter switched off (the objective reads its pairs from the batch's data, on real tensors in the fake step too), which
-    holds all SFT's LoRA step holds and the reference's forward."""
+    holds all SFT's LoRA step holds and the reference's forward. GRPO's: its group rows, the KL term's reference forward."""
     import os
     import subprocess
     import sys
@@ -362,8 +361,11 @@ def test_the_simulated_step_holds_what_the_real_step_of_2_processes_holds(tmp_pa
            "train": {"output_dir": str(tmp_path / "out"), "micro_batch_size": 2, "gradient_checkpointing": True}, "distributed": {"strategy": "fsdp"}}
     if method == "qlora":
         raw["model"]["quantization"] = {"bits": 4}
-    if method == "dpo":
-        raw["train"]["objective"], raw["data"]["format"] = "dpo", "preference"
+    if method in ("dpo", "grpo"):
+        raw["train"]["objective"], raw["data"]["format"] = method, "preference" if method == "dpo" else "prompt"
+        raw["data"]["max_seq_len"] = 256 if method == "dpo" else 32
+    if method == "grpo":
+        raw["grpo"] = {"num_generations": 4, "max_completion_length": 32, "rewards": ["length"]}
     script = tmp_path / "step.py"
     script.write_text(SIMULATED_RUN)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
@@ -389,7 +391,7 @@ def test_the_simulated_step_holds_what_the_real_step_of_2_processes_holds(tmp_pa
     ("qwen3.5-27b", 8, "lora", "the loss", 1, "sft", False), ("llama-3.1-70b", 64, "lora", "the head's forward", 8, "sft", True),
     ("qwen3-8b", 8, "full", "the loss", 2, "sft", True), ("llama-3.1-8b", 8, "lora", "the loss", 1, "dpo", True),
     ("llama-3.1-8b", 8, "full", "the loss", 1, "dpo", True), ("llama-3.1-8b", 8, "full", "the loss", 1, "kto", True),
-    ("llama-3.2-1b", 8, "full", "the loss", 1, "distill", True)])
+    ("llama-3.2-1b", 8, "full", "the loss", 1, "distill", True), ("llama-3.1-8b", 8, "lora", "the reference's forward", 1, "grpo", True)])
 def test_the_plan_is_within_10_percent_of_the_simulated_step(tmp_path, model, devices, method, moment, split, objective, checkpointing):
     """Released widths (Llama-3.1-8B's and 70B's, Qwen3-30B-A3B's 128 experts, gpt-oss-20b's sink attention, Qwen3.5-27B's
     language model: a Gated DeltaNet layer and an attention layer, 248k vocabulary; two layers to run in seconds) at one
@@ -404,7 +406,10 @@ def test_the_plan_is_within_10_percent_of_the_simulated_step(tmp_path, model, de
     kept log-probabilities (the plan once counted SFT's fused loss there: 11% under), the adapter switched off, or under
     full fine-tuning a frozen copy sharded as the policy, and that forward's gathers; KTO (one example a row) its three
     forwards without gradients (the reference's, and policy and reference on the mismatched pairs). Distillation: Llama-3.2-1B's widths
-    taught by Llama-3.1-8B's, the teacher sharded as the student, its forward's outputs beside the student's."""
+    taught by Llama-3.1-8B's, the teacher sharded as the student, its forward's outputs beside the student's. GRPO (LoRA,
+    a KL term): its group rows, and a moment the plan once lacked: the reference's forward after the policy's, the policy's
+    fp32 log-softmax kept beside the reference's layers gathered (the plan had planned a row of max_seq_len tokens, not
+    the group's, and counted the loss as SFT's)."""
     from finetune.outputs.plan import setup_from_config
     from finetune.outputs.shape import read_shape
     from finetune.outputs.simulate import NOT_TENSORS, by_role, simulate
@@ -424,6 +429,9 @@ def test_the_plan_is_within_10_percent_of_the_simulated_step(tmp_path, model, de
         raw["model"]["quantization"] = {"bits": 4}
     if objective in ("dpo", "kto"):
         raw["data"]["format"] = "preference" if objective == "dpo" else "unpaired"
+    if objective == "grpo":  # a row: 4 sequences of a 512-token prompt and a 512-token completion, the KL term's reference forward
+        raw["data"].update(format="prompt", max_seq_len=512)
+        raw["grpo"] = {"num_generations": 4, "max_completion_length": 512, "beta": 0.04, "rewards": ["length"]}
     if objective == "distill":
         teacher = json.loads((REPO / "docs" / "examples" / "llama-3.1-8b" / "config.json").read_text())
         (tmp_path / "teacher").mkdir()

@@ -83,13 +83,41 @@ def setup_from_config(cfg: RunConfig, devices: int, strategy: str | None = None)
     weight_bytes = DTYPE_BYTES.get(cfg.model.dtype, 2)  # auto: as stored, most often in 16 bits
     return Setup(
         method=cfg.adapter.method, bits=q.bits if q else None, weight_bytes=weight_bytes, optimizer=cfg.train.optimizer,
-        micro_batch=cfg.train.micro_batch_size, seq_len=cfg.data.max_seq_len,
+        micro_batch=cfg.train.micro_batch_size, seq_len=row_tokens(cfg),
         activation_bytes=2 if mp in ("bf16", "fp16", "fp8") or (weight_bytes == 2 and not (q and q.compute_dtype == "float32")) else 4,
         checkpointing=cfg.train.gradient_checkpointing, devices=devices,
         strategy=Strategy.of(strategy or cfg.distributed.strategy, devices).name,  # one process runs unsharded
         fsdp_cpu_offload=cfg.distributed.fsdp_cpu_offload, sequence_parallel=cfg.distributed.sequence_parallel, tiled_mlp=cfg.model.tiled_mlp,
         tensor_parallel=cfg.distributed.tensor_parallel,
     )
+
+
+def row_tokens(cfg: RunConfig) -> int:
+    """A micro-batch row's tokens at most: data.max_seq_len, or GRPO's group row: num_generations sequences each of a prompt
+    (max_seq_len: the longest) and its completion (an environment's episode: max_episode_tokens in all)."""
+    g = cfg.grpo
+    if cfg.train.objective != "grpo":
+        return cfg.data.max_seq_len
+    return g.num_generations * (g.max_episode_tokens if g.environment else cfg.data.max_seq_len + g.max_completion_length)
+
+
+def completion_tokens(cfg: RunConfig, s: Setup) -> float:
+    """GRPO: a micro-batch's trained tokens one device holds, every completion at its longest (an episode's assistant
+    turns: max_turns of them)."""
+    g = cfg.grpo
+    longest = min(g.max_turns * g.max_completion_length, g.max_episode_tokens) if g.environment else g.max_completion_length
+    return s.micro_batch * g.num_generations * longest / s.sequence_parallel
+
+
+def reference_forward(cfg: RunConfig) -> bool:
+    """Whether the step runs a reference's forward after the policy's: DPO's and KTO's, GRPO's with a KL term."""
+    return cfg.train.objective in ("dpo", "kto") or cfg.train.objective == "grpo" and bool(cfg.grpo.beta)
+
+
+def sampling_cache(shape: Shape, s: Setup) -> float:
+    """GRPO's sampling: the key/value cache of a micro-batch's group rows, every layer's keys and values at every token
+    (a linear-attention layer's state is counted as if it were attention's)."""
+    return s.tokens * shape.layers * 2 * shape.kv_dim * s.activation_bytes
 
 
 def adapted(shape: Shape, cfg: RunConfig) -> list[Linear]:
@@ -346,6 +374,9 @@ def step_moments(shape: Shape, cfg: RunConfig, s: Setup) -> dict[str, Moment]:
         saved, rebuilt = shape.layers * (per_layer - chunk) + dropped, chunk + in_backward
     temporaries = dense_temporaries(shape, cfg, s)
     moments = {"the loss": Moment(saved + loss_activations(shape, cfg, s))}
+    if cfg.train.objective == "grpo":  # before the step's forward: nothing saved yet, each layer gathered in turn
+        root, layer = gathered_weights(shape, cfg, s) if s.shards_weights else (0.0, 0.0)
+        moments["GRPO's sampling"] = Moment(sampling_cache(shape, s), 2 * root + layer)
     if s.run_as.deepspeed and not s.offloads:
         moments["the optimizer's step"] = Moment(0.0, fp32_gradients=deepspeed_step(shape, cfg, s))
     if not s.shards_weights:
@@ -361,6 +392,11 @@ def step_moments(shape: Shape, cfg: RunConfig, s: Setup) -> dict[str, Moment]:
         moments["the first layer's forward"] = Moment(forward, 2 * root + layer)
     else:  # held while the 4-bit layer gathers, or while it computes
         moments["the first layer's forward"] = Moment(0.0, 2 * root + layer) if forward < root else Moment(forward, root + layer)
+    if reference_forward(cfg):  # the policy's forward done: its saved tensors and kept fp32 log-softmax beside the reference's
+        # first layer, gathered with the next (GRPO's Llama-3.1-8B LoRA step over 8, simulated: 2 roots and 2 layers)
+        kept = (completion_tokens(cfg, s) if cfg.train.objective == "grpo" else s.tokens) * shape.vocab * 4
+        transient = shape.mlp_width * s.tokens * s.activation_bytes  # a layer's forward without gradients keeps nothing
+        moments["the reference's forward"] = Moment(saved + kept + transient, 2 * root + 2 * layer)
     # The forward's end: every layer's saved tensors kept, the root gathered again (with its all-gather buffer) for the head, whose
     # logits it makes (under FSDP the loss takes them whole). Tensor parallelism leaves the root whole and its layers
     # small: Llama-3.1-405B's step over 64 x 8 peaks here (bench/results/scale.md).
@@ -428,7 +464,10 @@ def loss_activations(shape: Shape, cfg: RunConfig, s: Setup) -> float:
     out (the forward held less: the model's logits, an fp32 copy and the log-softmax). A preference objective
     takes its answers' log-probabilities so (objective.token_logps); DPO's and KTO's reference forward then makes
     its own logits, fp32 copy and log-softmax beside the policy's kept log-softmax: 14 bytes (the simulation of
-    Llama-3.1-8B's DPO step). Every token is counted as trained."""
+    Llama-3.1-8B's DPO step). GRPO takes its completions' so, its KL term's reference forward as DPO's. Every token is
+    counted as trained (GRPO's: every completion token)."""
+    if cfg.train.objective == "grpo":
+        return completion_tokens(cfg, s) * shape.vocab * (14 if cfg.grpo.beta else 12)
     if cfg.train.objective in ("dpo", "orpo", "cpo", "simpo", "kto"):
         return s.tokens * shape.vocab * (14 if cfg.train.objective in ("dpo", "kto") else 12)
     if cfg.train.objective == "reward":  # the final hidden states the score head keeps, and their gradient

@@ -19,13 +19,15 @@ accumulated from an earlier micro-batch, as in every step after the first.
 Simulated: distributed.strategy fsdp (FSDP2: the tracker follows its modules), LoRA, DoRA or full, on a
 bf16 or torchao NF4 base (quantized layer by layer as finetune shards it); the SFT loss, the preference pairs'
 (DPO with its reference: the adapter switched off, or under full fine-tuning a frozen copy sharded as the policy; ORPO,
-CPO, SimPO), KTO's (one example a row, the reference's and the mismatched pairs' forwards without gradients), and
+CPO, SimPO), KTO's (one example a row, the reference's and the mismatched pairs' forwards without gradients), GRPO's
+training step (its group rows of the longest prompts and completions; the KL term's reference forward), and
 distillation's (the teacher sharded as the policy, its forward and the divergence); a mixture of experts with each
 expert taking an equal share of the routed tokens; tensor parallelism's split layers on the 2-D mesh.
 Not simulated, each refused in one line: ZeRO (DeepSpeed's engine does not run on fake tensors: bench/scale.py checks
-the plan against DeepSpeed's own estimator), DDP (nor does its reducer), sequence parallelism, GRPO's step, and
-distillation's on-policy, sequence-level, cross-tokenizer or quantized-teacher variants. (A reward model trains
-without FSDP: there is no sharded step of it to simulate.)
+the plan against DeepSpeed's own estimator), DDP (nor does its reducer), sequence parallelism, GRPO's environment
+episodes, and distillation's on-policy, sequence-level, cross-tokenizer or quantized-teacher variants. GRPO's sampling
+(its key/value cache, a moment of the plan's) is not simulated: the step is. (A reward model trains without FSDP:
+there is no sharded step of it to simulate.)
 """
 
 from __future__ import annotations
@@ -91,9 +93,8 @@ def refusal(cfg: RunConfig, devices: int) -> str | None:
         return "a bitsandbytes base is not simulated (FSDP quantizes with torchao: model.quantization.backend auto or torchao)"
     if cfg.distributed.sequence_parallel > 1:
         return "sequence parallelism is not simulated yet"
-    if cfg.train.objective == "grpo":  # the plan counts its extra models; the step here would not be its (a reward model trains without FSDP)
-        return (f"simulates SFT's, distillation's, KTO's and the preference pairs' steps ({', '.join(PAIRS)}); train.objective "
-                "grpo's step (its sampling, reference and group rows) is not simulated yet")
+    if cfg.train.objective == "grpo" and cfg.grpo.environment:
+        return "simulates GRPO's single-turn step; an environment's episodes (grpo.environment) are not simulated"
     d = cfg.distill
     if cfg.train.objective == "distill" and (d.lmbda or d.sequence_level or d.cross_tokenizer or d.teacher_quantization):
         return ("simulates distillation on the data's answers by a teacher of the student's tokenizer, loaded unquantized; not "
@@ -118,7 +119,7 @@ def simulate(cfg: RunConfig, devices: int, fake: bool = True) -> Simulated:
         split = settings.pop("tensor_parallel", None)
         model = load_model(cfg.model, skeleton="meta", say=lambda _: None)
         model = apply_adapter(model, cfg.adapter, cfg.train.gradient_checkpointing, say=lambda _: None)
-        batch = (_pairs if cfg.train.objective in PAIRS else _unpaired if cfg.train.objective == "kto" else _batch)(cfg, model.config.vocab_size)
+        batch = {"kto": _unpaired, "grpo": _groups}.get(cfg.train.objective, _pairs if cfg.train.objective in PAIRS else _batch)(cfg, model.config.vocab_size)
         beside = _frozen(cfg)
         step = _step_loss(cfg, batch, beside)  # its counts read the batch's data: before the fake mode
         if split is not None:  # on the meta device, before the fake mode: FSDP2 makes the 2-D mesh's DTensor specs, which read it back
@@ -211,6 +212,20 @@ def _unpaired(cfg: RunConfig, vocab: int) -> dict[str, torch.Tensor]:
     return to_device({**batch, "desirable": torch.arange(rows) % 2 == 0}, "cpu")
 
 
+def _groups(cfg: RunConfig, vocab: int) -> dict[str, torch.Tensor]:
+    """GRPO's training micro-batch (grpo.group_row's layout): micro_batch_size rows, each a prompt's num_generations sequences
+    of the longest prompt (max_seq_len) and completion (max_completion_length), positions restarting, every completion token
+    trained; each completion's advantage and reward columns."""
+    g, rows, prompt = cfg.grpo, cfg.train.micro_batch_size, cfg.data.max_seq_len
+    length, n = prompt + g.max_completion_length, cfg.train.micro_batch_size * g.num_generations
+    ids = torch.randint(0, vocab, (rows, g.num_generations * length))
+    labels = ids.clone()
+    labels.view(rows, g.num_generations, length)[:, :, :prompt] = -100
+    columns = {"advantages": torch.randn(n), "rewards": torch.zeros(n, 0), "reward": torch.zeros(n), "reward_std": torch.ones(n),
+               "zero_std": torch.zeros(n)}
+    return to_device({"input_ids": ids, "labels": labels, "position_ids": torch.arange(length).repeat(rows, g.num_generations), **columns}, "cpu")
+
+
 def _frozen(cfg: RunConfig) -> torch.nn.Module | None:
     """The frozen model beside the policy, on the meta device: DPO's reference under full fine-tuning (a copy of the base),
     distillation's teacher (read as training reads it: model/teacher.teacher_source); None where there is none."""
@@ -225,12 +240,15 @@ def _frozen(cfg: RunConfig) -> torch.nn.Module | None:
 
 
 def _step_loss(cfg: RunConfig, batch: dict[str, torch.Tensor], frozen: torch.nn.Module | None):
-    """The micro-batch's loss as the loop computes it: SFT's, distillation's against the teacher, KTO's, or the preference
-    objective's over the batch's pairs (`frozen`: the reference or the teacher, if any)."""
+    """The micro-batch's loss as the loop computes it: SFT's, distillation's against the teacher, KTO's, GRPO's over its group
+    rows, or the preference objective's over the batch's pairs (`frozen`: the reference or the teacher, if any)."""
     from finetune.objectives.distill import Distill
+    from finetune.objectives.grpo import GRPO
     from finetune.objectives.objective import KTO, SFT, Preference
 
-    if cfg.train.objective == "distill":
+    if cfg.train.objective == "grpo":
+        objective = GRPO(cfg.grpo, [], cfg.train.seed, reference=frozen)
+    elif cfg.train.objective == "distill":
         objective = Distill(cfg.distill, cfg.train.seed, synced=True, teacher=frozen)
     elif cfg.train.objective == "kto":
         objective = KTO(cfg.preference, frozen)

@@ -42,17 +42,19 @@ def step_time(cfg: RunConfig, s: Setup, tflops: float, mfu: float, bandwidth: fl
     shard it, and all-reduces the residual stream: each row-wise layer's output in the forward (and the recompute),
     each column-wise layer's input gradient in the backward (q, k and v one each: the simulation counts them apart).
     DPO's reference takes one more forward of each micro-batch without gradients (the adapter off, or the frozen copy),
-    KTO's three (its reference, and the policy and reference on the mismatched pairs): as many more gathers under FSDP/ZeRO-3.
+    KTO's three (its reference, and the policy and reference on the mismatched pairs), GRPO's one with a KL term (grpo.beta):
+    as many more gathers under FSDP/ZeRO-3. GRPO's sampling is not timed.
     Distillation's teacher one forward of its own, its weights gathered for it."""
     t = s.tensor_parallel
     shape = split_shape(run_shape(cfg), t)
     full, s = s.method == "full", replace(s, devices=s.devices // t)
     d = s.devices
     matmul = sum(l.fan_in * l.fan_out * l.active for l in shape.linears) + head_width(shape, cfg) * shape.hidden  # the head too
-    frozen_forwards = {"dpo": 1, "kto": 3}.get(cfg.train.objective, 0)
+    frozen_forwards = {"dpo": 1, "kto": 3, "grpo": 1 if cfg.grpo.beta else 0}.get(cfg.train.objective, 0)
     per_weight = 2 + 2 + (2 if full else 0) + (2 if s.checkpointing else 0) + 2 * frozen_forwards
     q_dim = next((l.fan_out for l in shape.linears if l.name.rsplit(".", 1)[-1] == "q_proj"), shape.hidden)
-    attention = shape.layers * 2 * s.seq_len * q_dim * (1 + 2 + (1 if s.checkpointing else 0) + frozen_forwards)
+    span = s.seq_len / cfg.grpo.num_generations if cfg.train.objective == "grpo" else s.seq_len  # GRPO's sequences attend within themselves
+    attention = shape.layers * 2 * span * q_dim * (1 + 2 + (1 if s.checkpointing else 0) + frozen_forwards)
     flops = per_weight * matmul + attention
     tokens = s.tokens * cfg.train.grad_accum
     weight_bytes = estimate(shape, cfg, replace(s, strategy="none", devices=1))[0]["weights"]  # the whole model as held, gathered
