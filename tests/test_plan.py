@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import REPO, base_config, finetune_cli, run_cli, run_ranks, write_config
+from conftest import DEMO_DATA, REPO, base_config, finetune_cli, run_cli, run_ranks, write_config
 from safetensors.torch import load_file
 
 from finetune.config.files import load_config
@@ -76,6 +76,9 @@ MEASURED = {
     "lora+checkpointing": {"train": {"gradient_checkpointing": True}},
     "qlora": {"model": {"quantization": {"bits": 4, "compute_dtype": "float32"}}},
     "qlora+checkpointing": {"model": {"quantization": {"bits": 4, "compute_dtype": "float32"}}, "train": {"gradient_checkpointing": True}},
+    # a row: a prompt's group of 4 (the demo's prompts: 30 tokens) and 64-token completions; the plan once took it for 32 tokens
+    "grpo": {"train": {"objective": "grpo"}, "data": {"train": str(DEMO_DATA / "prompts-train.jsonl"), "format": "prompt", "max_seq_len": 32},
+             "grpo": {"rewards": ["exact_match"], "num_generations": 4, "max_completion_length": 64, "beta": 0.04}, "eval": {"generate_samples": 0}},
 }
 
 
