@@ -348,13 +348,14 @@ if fake or dist.get_rank() == 0:
 """
 
 
-@pytest.mark.parametrize("method", ["full", "qlora", "dpo", "grpo"])
+@pytest.mark.parametrize("method", ["full", "qlora", "grpo"])
 def test_the_simulated_step_holds_what_the_real_step_of_2_processes_holds(tmp_path, tiny_model_dir, method):
     """The same step on real tensors in 2 gloo processes (torchrun's workers), under the same tracker: rank 0's peak
     by role within 10% of the fake tensors' (the simulation of 8B-405B rests on this). QLoRA: torchao's
-    NF4 base, quantized layer by layer as finetune shards it. LoRA through DPO's step: a pair a row, the reference the
-    adapter switched off (the objective reads its pairs from the batch's data, on real tensors in the fake step too), which
-    holds all SFT's LoRA step holds and the reference's forward. GRPO's: its group rows, the KL term's reference forward."""
+    NF4 base, quantized layer by layer as finetune shards it. LoRA through GRPO's step: a prompt's group a row, the KL
+    term's reference the adapter switched off after the policy's forward (the objective reads where each completion
+    starts from the batch's data, on real tensors in the fake step too, as DPO's reads its pairs), which holds all SFT's
+    LoRA step holds and the reference's forward. (DPO's step, the same parts, was here until GRPO's took its place.)"""
     import os
     import subprocess
     import sys
@@ -364,11 +365,9 @@ def test_the_simulated_step_holds_what_the_real_step_of_2_processes_holds(tmp_pa
            "train": {"output_dir": str(tmp_path / "out"), "micro_batch_size": 2, "gradient_checkpointing": True}, "distributed": {"strategy": "fsdp"}}
     if method == "qlora":
         raw["model"]["quantization"] = {"bits": 4}
-    if method in ("dpo", "grpo"):
-        raw["train"]["objective"], raw["data"]["format"] = method, "preference" if method == "dpo" else "prompt"
-        raw["data"]["max_seq_len"] = 256 if method == "dpo" else 32
     if method == "grpo":
-        raw["grpo"] = {"num_generations": 4, "max_completion_length": 32, "rewards": ["length"]}
+        raw["train"]["objective"], raw["data"]["format"], raw["data"]["max_seq_len"] = "grpo", "prompt", 32
+        raw["grpo"] = {"num_generations": 4, "max_completion_length": 32, "rewards": ["length"], "beta": 0.04}
     script = tmp_path / "step.py"
     script.write_text(SIMULATED_RUN)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
