@@ -532,12 +532,16 @@ class RunConfig(_Section):
     watchdog: WatchdogConfig = Field(default_factory=WatchdogConfig)
 
     @property
+    def runs_reference(self) -> bool:
+        """Whether each step runs a reference's forward after the policy's: DPO, KTO and GRPO with a KL term (beta)."""
+        return self.train.objective in ("dpo", "kto") or self.train.objective == "grpo" and bool(self.grpo.beta)
+
+    @property
     def needs_reference(self) -> bool:
-        """Whether the run holds a frozen copy of the base beside the policy: DPO, KTO and GRPO with a KL term (beta) under
-        full fine-tuning. With an adapter the reference is the base with the adapter off: no second model. The recipe
+        """Whether the run holds a frozen copy of the base beside the policy: a reference (runs_reference) under full
+        fine-tuning. With an adapter the reference is the base with the adapter off: no second model. The recipe
         builds it and the planner counts it from this one rule."""
-        kl = self.train.objective in ("dpo", "kto") or self.train.objective == "grpo" and bool(self.grpo.beta)
-        return kl and self.adapter.method == "full"
+        return self.runs_reference and self.adapter.method == "full"
 
     @field_validator("data")
     @classmethod

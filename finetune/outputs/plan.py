@@ -109,11 +109,6 @@ def completion_tokens(cfg: RunConfig, s: Setup) -> float:
     return s.micro_batch * g.num_generations * longest / s.sequence_parallel
 
 
-def reference_forward(cfg: RunConfig) -> bool:
-    """Whether the step runs a reference's forward after the policy's: DPO's and KTO's, GRPO's with a KL term."""
-    return cfg.train.objective in ("dpo", "kto") or cfg.train.objective == "grpo" and bool(cfg.grpo.beta)
-
-
 def sampling_cache(shape: Shape, s: Setup) -> float:
     """GRPO's sampling: the key/value cache of a micro-batch's group rows, every layer's keys and values at every token
     (a linear-attention layer's state is counted as if it were attention's)."""
@@ -392,7 +387,7 @@ def step_moments(shape: Shape, cfg: RunConfig, s: Setup) -> dict[str, Moment]:
         moments["the first layer's forward"] = Moment(forward, 2 * root + layer)
     else:  # held while the 4-bit layer gathers, or while it computes
         moments["the first layer's forward"] = Moment(0.0, 2 * root + layer) if forward < root else Moment(forward, root + layer)
-    if reference_forward(cfg):  # the policy's forward done: its saved tensors and kept fp32 log-softmax beside the reference's
+    if cfg.runs_reference:  # the policy's forward done: its saved tensors and kept fp32 log-softmax beside the reference's
         # first layer, gathered with the next (GRPO's Llama-3.1-8B LoRA step over 8, simulated: 2 roots and 2 layers)
         kept = (completion_tokens(cfg, s) if cfg.train.objective == "grpo" else s.tokens) * shape.vocab * 4
         transient = shape.mlp_width * s.tokens * s.activation_bytes  # a layer's forward without gradients keeps nothing
@@ -467,7 +462,7 @@ def loss_activations(shape: Shape, cfg: RunConfig, s: Setup) -> float:
     Llama-3.1-8B's DPO step). GRPO takes its completions' so, its KL term's reference forward as DPO's. Every token is
     counted as trained (GRPO's: every completion token)."""
     if cfg.train.objective == "grpo":
-        return completion_tokens(cfg, s) * shape.vocab * (14 if cfg.grpo.beta else 12)
+        return completion_tokens(cfg, s) * shape.vocab * (14 if cfg.runs_reference else 12)
     if cfg.train.objective in ("dpo", "orpo", "cpo", "simpo", "kto"):
         return s.tokens * shape.vocab * (14 if cfg.train.objective in ("dpo", "kto") else 12)
     if cfg.train.objective == "reward":  # the final hidden states the score head keeps, and their gradient

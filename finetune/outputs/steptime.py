@@ -50,7 +50,7 @@ def step_time(cfg: RunConfig, s: Setup, tflops: float, mfu: float, bandwidth: fl
     full, s = s.method == "full", replace(s, devices=s.devices // t)
     d = s.devices
     matmul = sum(l.fan_in * l.fan_out * l.active for l in shape.linears) + head_width(shape, cfg) * shape.hidden  # the head too
-    frozen_forwards = {"dpo": 1, "kto": 3, "grpo": 1 if cfg.grpo.beta else 0}.get(cfg.train.objective, 0)
+    frozen_forwards = (3 if cfg.train.objective == "kto" else 1) if cfg.runs_reference else 0
     per_weight = 2 + 2 + (2 if full else 0) + (2 if s.checkpointing else 0) + 2 * frozen_forwards
     q_dim = next((l.fan_out for l in shape.linears if l.name.rsplit(".", 1)[-1] == "q_proj"), shape.hidden)
     span = s.seq_len / cfg.grpo.num_generations if cfg.train.objective == "grpo" else s.seq_len  # GRPO's sequences attend within themselves
