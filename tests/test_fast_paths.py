@@ -157,6 +157,37 @@ def test_causal_attention_in_bf16_is_as_close_to_exact_as_eager_attention(sink):
     assert out.dtype == torch.bfloat16 and all(x.grad.dtype == torch.float32 for x in fp32)
 
 
+def test_sinks_through_sdpa_in_bf16_are_as_close_to_exact_as_eager_attention():
+    """gpt-oss's sinks through torch's sdpa (attention._with_sink_key: a sink key, widened heads, grouped-query heads kept
+    grouped): against gpt-oss's eager attention in float64, output and the q/k/v and sink gradients in bf16 no further
+    off than its eager attention in bf16, sinks large enough to take most of each row's weight."""
+    generator = torch.Generator().manual_seed(0)
+    heads, kv_heads, length, dim = 8, 2, 300, 64
+    inputs = [torch.randn(1, n, length, dim, generator=generator, dtype=torch.float64) * 2 for n in (heads, kv_heads, kv_heads)]
+    inputs.append(torch.randn(heads, generator=generator, dtype=torch.float64) * 2 + 4)
+    grad_out = torch.randn(1, length, heads, dim, generator=generator, dtype=torch.float64)
+
+    def eager(q, k, v, sinks):  # transformers' gpt-oss eager_attention_forward, its masks causal
+        k, v = (x.repeat_interleave(heads // kv_heads, 1) for x in (k, v))
+        scores = (q @ k.transpose(2, 3) * dim**-0.5).masked_fill(torch.ones(length, length, dtype=torch.bool).triu(1), float("-inf"))
+        scores = torch.cat([scores, sinks.view(1, -1, 1, 1).expand(1, -1, length, 1)], -1)
+        return (torch.softmax(scores, -1, dtype=scores.dtype)[..., :-1] @ v).transpose(1, 2)
+
+    def sdpa(q, k, v, sinks):
+        return attention._with_sink_key(q, k, v, attention._sink_mask(length, None, q.dtype, q.device), dim**-0.5, sinks)
+
+    def run(fn, dtype):
+        leaves = [x.detach().to(dtype).requires_grad_() for x in inputs]
+        out = fn(*leaves)
+        out.backward(grad_out.to(dtype))
+        return [out.detach().double(), *(x.grad.double() for x in leaves)]
+
+    exact = run(eager, torch.float64)
+    assert all(torch.allclose(a, b, rtol=1e-10, atol=1e-10) for a, b in zip(run(sdpa, torch.float64), exact))
+    ours, theirs = ([((a - e).norm() / e.norm()).item() for a, e in zip(run(fn, torch.bfloat16), exact)] for fn in (sdpa, eager))
+    assert all(o <= 1.1 * t for o, t in zip(ours, theirs)), (ours, theirs)
+
+
 def test_grouped_query_gradients_add_up_in_the_inputs_dtype():
     """fp32 inputs under bf16 autocast (fp32 weights: RoPE hands attention fp32 queries and keys),
     grouped-query: the key/value gradients of the heads that share them are added in fp32, exactly as

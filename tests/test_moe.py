@@ -366,6 +366,26 @@ def test_4bit_experts_under_fsdp2_match_one_process(tmp_path, family_dirs):
     assert held[0] == held[1] and abs(2 * held[0] - single["nf4_bytes_per_rank"][0]) < 0.01 * single["nf4_bytes_per_rank"][0], (held, single)
 
 
+@pytest.mark.parametrize("path", ["cpu-sdpa", "gpu-sdpa"])
+def test_gpt_oss_sink_attention_through_sdpa_packs_exactly(family_dirs, monkeypatch, path):
+    """gpt-oss's sinks through torch's sdpa (a sink key with a column of its own): on a CPU for samples over SHORT_SAMPLE
+    tokens (here over 6: the 6-token samples stay on finetune's kernel, beside the 7- and 8-token ones), on a GPU for
+    every row in one call over its block mask (that branch's Python on CPU tensors). Packed rows give eager attention's
+    loss and gradients (the sinks' too) on each sample alone, sinks drawn large, sliding and full layers."""
+    if path == "gpu-sdpa":
+        monkeypatch.setattr(attention, "accelerator_path", lambda tensor: True)
+        monkeypatch.setattr(loss, "accelerator_path", lambda tensor: True)
+    else:
+        monkeypatch.setattr(attention, "SHORT_SAMPLE", 6)
+    model = load_model(ModelConfig(name_or_path=str(family_dirs("gpt-oss"))), say=lambda _: None).train()  # full: the sinks train
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("sinks"):
+                p.normal_(0, 1.0, generator=torch.Generator().manual_seed(0))
+    assert any(name.endswith("sinks") and p.requires_grad for name, p in model.named_parameters())
+    assert_equal_to_each_sample_alone(model, textbook_samples(model.config.vocab_size))
+
+
 def test_gpt_oss_generates_as_its_own_eager_attention(family_dirs):
     """gpt-oss under finetune's packed attention with sinks: outside packed rows (generation with a KV cache,
     a plain forward) its own eager attention runs, with eager's masks: the same logits and greedy tokens."""

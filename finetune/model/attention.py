@@ -149,15 +149,20 @@ def mask_placeholder(device: torch.device | str) -> torch.Tensor:
     return placeholder
 
 
-def _block_mask(position_ids: torch.Tensor, bounds: list[list[int]], window: int | None) -> torch.Tensor:
-    """(B, 1, L, L), True where a query may see a key: the same sample, causal, within the window (transformers' packed mask)."""
-    key = ("finetune_block_mask", window)
+def _block_mask(position_ids: torch.Tensor, bounds: list[list[int]], window: int | None, sink: torch.dtype | None = None) -> torch.Tensor:
+    """(B, 1, L, L), True where a query may see a key: the same sample, causal, within the window (transformers' packed mask).
+    sink: sdpa's additive form in that dtype instead, (B, 1, L, 1 + L), with a first key every query sees (_with_sink_key's).
+    Made once a forward: every layer shares it."""
+    key = ("finetune_block_mask", window, sink)
     cached = getattr(position_ids, "finetune_masks", {})
     if key not in cached:
         length = position_ids.shape[-1]
         sample = torch.tensor([[i for i, (s, e) in enumerate(zip(row, row[1:])) for _ in range(e - s)] for row in bounds]).to(position_ids.device)
         allowed = _allowed(length, window, position_ids.device)
-        cached[key] = ((sample[:, :, None] == sample[:, None, :]) & allowed)[:, None]
+        mask = ((sample[:, :, None] == sample[:, None, :]) & allowed)[:, None]
+        if sink is not None:
+            mask = torch.zeros(*mask.shape[:-1], 1 + length, dtype=sink, device=mask.device).masked_fill_(~F.pad(mask, (1, 0), value=True), float("-inf"))
+        cached[key] = mask
         position_ids.finetune_masks = cached
     return cached[key]
 
@@ -195,11 +200,10 @@ def packed_sdpa_forward(module, query, key, value, attention_mask, dropout: floa
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     if position_ids.shape[0] != query.shape[0]:
         position_ids = position_ids.expand(query.shape[0], -1)
-    if sinks is not None:  # every sample through finetune's kernel, the only one here that takes sinks
+    if sinks is not None:
         if dropout:
             raise NotImplementedError(f"{PACKED_SDPA}: attention dropout with sinks")
-        spans = [(b, s, e) for b, row in enumerate(sample_bounds(position_ids)) for s, e in zip(row, row[1:])]
-        return causal_attention(query, key, value, spans, scale, window, sinks), None
+        return _attention_with_sinks(query, key, value, position_ids, scale, window, sinks), None
     if accelerator_path(query):
         dtype = _varlen_dtype(query, value, dropout)
         if dtype is None:
@@ -242,6 +246,57 @@ def _split_sdpa(query, key, value, bounds: list[list[int]], window: int | None, 
                                                        scale=scale, enable_gqa=gqa)[0])
         rows.append(torch.cat(outs, 1).transpose(0, 1))
     return torch.stack(rows)
+
+
+def _attention_with_sinks(query, key, value, position_ids: torch.Tensor, scale: float, window: int | None, sinks: torch.Tensor) -> torch.Tensor:
+    """gpt-oss's attention over packed rows: on a CPU, samples up to SHORT_SAMPLE tokens through finetune's kernel (which
+    takes sinks, keeping its probabilities), longer ones through torch's sdpa one at a time; on an accelerator each row in
+    one sdpa call over its block mask (the flash kernels' varlen calls cannot keep the sink in a sliding window's view)."""
+    bounds, device = sample_bounds(position_ids), query.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else query.dtype  # what sdpa computes in
+    if accelerator_path(query):
+        return _with_sink_key(query, key, value, _block_mask(position_ids, bounds, window, sink=dtype), scale, sinks)
+    spans = [(b, s, e) for b, row in enumerate(bounds) for s, e in zip(row, row[1:])]
+    short = [span for span in spans if span[2] - span[1] <= SHORT_SAMPLE]
+    if short:
+        out = causal_attention(query, key, value, short, scale, window, sinks)
+    else:  # sdpa's results written in place: no empty call of finetune's kernel, whose backward makes zero gradients
+        out = query.new_zeros(query.shape[0], query.shape[2], query.shape[1], value.shape[-1], dtype=dtype)
+    masks = getattr(position_ids, "finetune_masks", {})  # made once a forward (every layer shares them), not kept past it
+    for b, s, e in (span for span in spans if span[2] - span[1] > SHORT_SAMPLE):
+        made = ("finetune_sink_mask", e - s, window, dtype)
+        mask = masks[made] = masks[made] if made in masks else _sink_mask(e - s, window, dtype, query.device)
+        out[b, s:e] = _with_sink_key(query[b : b + 1, :, s:e], key[b : b + 1, :, s:e], value[b : b + 1, :, s:e], mask, scale, sinks)[0]
+    position_ids.finetune_masks = masks
+    return out
+
+
+def _sink_mask(length: int, window: int | None, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """sdpa's additive mask for one sample with _with_sink_key's sink key first: (length, 1 + length)."""
+    allowed = _allowed(length, window, device, sink=True)
+    return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, float("-inf"))
+
+
+def _with_sink_key(query, key, value, allowed: torch.Tensor, scale: float, sinks: torch.Tensor) -> torch.Tensor:
+    """Attention with a sink logit per query head through torch's sdpa, which has no sinks: a key put before the others,
+    with no value behind it, whose score is that logit for every query. Each head dimension gains one column: the query's
+    holds its head's sink, the sink key's 1/scale, every other key's 0; so the sink key's score is the sink, the others'
+    unchanged, and the sink's gradient is its query column's. The sink key is the same for every key/value head, so
+    grouped-query heads stay grouped. Padded to a multiple of 8 columns (the fused kernels' rule); `allowed` (…, L, 1 + L):
+    sdpa's additive mask, 0 where a query may look (the sink's column) and -inf elsewhere.
+    query (B, H, L, D), key/value (B, H_kv, L, D) -> (B, L, H, D); exact to fp32 rounding against eager attention's sinks."""
+    batch, heads, length, dim = query.shape
+    width = -(-(dim + 1) // 8) * 8
+    # Each widened tensor made once and filled in place (autograd copies the gradient slices back): no chain of copies.
+    wide_query = query.new_zeros(batch, heads, length, width)
+    wide_query[..., :dim] = query
+    wide_query[..., dim] = sinks.to(query.dtype).view(1, heads, 1)
+    wide_key, wide_value = (x.new_zeros(batch, x.shape[1], 1 + length, width) for x in (key, value))
+    wide_key[:, :, 0, dim] = 1 / scale
+    wide_key[:, :, 1:, :dim] = key
+    wide_value[:, :, 1:, : value.shape[-1]] = value
+    out = F.scaled_dot_product_attention(wide_query, wide_key, wide_value, attn_mask=allowed, scale=scale, enable_gqa=key.shape[1] != heads)
+    return out[..., : value.shape[-1]].transpose(1, 2)
 
 
 def _varlen_dtype(query: torch.Tensor, value: torch.Tensor, dropout: float) -> torch.dtype | None:
@@ -302,10 +357,15 @@ def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
         return _CausalAttention.apply(query, key, value, spans, scale, dtype, window, sinks)
 
 
-def _allowed(length: int, window: int | None, device: torch.device) -> torch.Tensor:
-    """True where query i may see key j: j <= i, and i - j < window when there is a window."""
-    ones = torch.ones(length, length, dtype=torch.bool, device=device)
-    return ones.tril() if window is None else ones.tril() & ~ones.tril(-window)
+def _allowed(length: int, window: int | None, device: torch.device, sink: bool = False) -> torch.Tensor:
+    """True where query i may see key j: j <= i, and i - j < window when there is a window. sink: a first column of
+    True before the keys (_with_sink_key's sink key), (length, 1 + length)."""
+    first = int(sink)  # the keys' first column
+    ones = torch.ones(length, length + first, dtype=torch.bool, device=device)
+    allowed = ones.tril(first) if window is None else ones.tril(first) & ~ones.tril(first - window)
+    if sink:
+        allowed[:, 0] = True
+    return allowed
 
 
 _masks: dict[tuple, torch.Tensor] = {}

@@ -53,6 +53,7 @@ class Setup:
     sequence_parallel: int = 1  # distributed.sequence_parallel: processes sharing each row
     tensor_parallel: int = 1  # distributed.tensor_parallel: processes splitting each layer (of `devices`)
     tiled_mlp: int = 1  # model.tiled_mlp: chunks each MLP runs over
+    accelerator: bool = False  # planned for GPUs (make_plan's gpu): the attention kernels chosen there
 
     @property
     def tokens(self) -> float:
@@ -316,22 +317,33 @@ def adapter_outputs(shape: Shape, cfg: RunConfig, s: Setup) -> float:
 
 
 def sink_attention(shape: Shape, s: Setup) -> tuple[float, float]:
-    """Attention with sinks (gpt-oss) runs finetune's textbook kernel (model/attention.py), whose fp32 probabilities are
-    heads x len² a sample: (what a layer keeps of them for its backward, what its backward holds while it computes).
-    Up to KEPT_PROBS a layer keeps them all; past it none, and the backward computes them again a chunk of heads at a
-    time, holding a chunk's scores, probabilities and their gradients (4 of them) at once. One sample a row, of
-    seq_len tokens: the planner's worst case."""
+    """Attention with sinks (gpt-oss), per device: (what a layer keeps for its backward beyond the plain attention's
+    values, what its backward holds while it computes). One sample a row, of seq_len tokens: the planner's worst case.
+
+    Through torch's sdpa (a GPU's rows, a CPU's samples over SHORT_SAMPLE tokens: model/attention.py's _with_sink_key) a
+    layer keeps its query, keys, values and output widened by the sink's column and padded to a multiple of 8; its
+    backward holds their gradients, and the forward's additive mask of len x (1 + len), made once for every layer (a
+    GPU's a row, a CPU's a sample length).
+    Through finetune's textbook kernel (a CPU's shorter samples) its fp32 probabilities, heads x len² a sample: up to
+    KEPT_PROBS a layer keeps them all; past it none, and the backward computes them again a chunk of heads at a time,
+    holding a chunk's scores, probabilities and their gradients (4 of them) at once."""
     c = families.text_config(shape.config)
     if c.get("model_type") not in families.ATTENTION_SINKS:
         return 0.0, 0.0
-    from finetune.model.attention import KEPT_PROBS
+    from finetune.model.attention import KEPT_PROBS, SHORT_SAMPLE
 
     heads, length = c["num_attention_heads"], s.seq_len
+    kv_heads, dim = c.get("num_key_value_heads") or heads, c.get("head_dim") or c["hidden_size"] // heads
+    if s.accelerator or length > SHORT_SAMPLE:
+        width = -(-(dim + 1) // 8) * 8
+        widened = (2 * heads + 2 * kv_heads) * s.tokens * s.activation_bytes
+        mask = (s.micro_batch if s.accelerator else 1) * length * (length + 1) * s.activation_bytes
+        return widened * (width - dim), (heads + 2 * kv_heads) * width * s.tokens * s.activation_bytes + mask
     one_head = length * (length + 1) * 4
     whole = s.micro_batch * heads * one_head
     if whole <= KEPT_PROBS:
         return whole, 3 * whole
-    groups = heads // (c.get("num_key_value_heads") or heads)
+    groups = heads // kv_heads
     return 0.0, 4 * groups * one_head * max(1, KEPT_PROBS // (groups * one_head))
 
 
@@ -525,7 +537,7 @@ def make_plan(cfg: RunConfig, devices: int = 1, strategy: str | None = None, gpu
     device holds what is gathered for compute, the activations and the temporaries."""
     whole = run_shape(cfg)
     setup = setup or setup_from_config(cfg, devices, strategy)
-    shape, per_split = split_shape(whole, setup.tensor_parallel), replace(setup, devices=setup.devices // setup.tensor_parallel)
+    shape, per_split = split_shape(whole, setup.tensor_parallel), replace(setup, devices=setup.devices // setup.tensor_parallel, accelerator=gpu)
     rows, moment, activations = estimate(shape, cfg, per_split)
     host = {}
     if gpu and setup.offloads:
