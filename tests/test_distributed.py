@@ -218,10 +218,12 @@ SP2 = {"train": {"micro_batch_size": 4}, "distributed": {"sequence_parallel": 2}
 NF4 = {"model": {"quantization": {"bits": 4, "backend": "torchao"}}}  # FSDP + QLoRA: torchao's NF4 base in one process too
 
 
-@pytest.mark.parametrize("name,method,strategy,sections", [("llama-3.2-1b", "lora", "fsdp", {}), ("qwen3-0.6b", "full", "fsdp", {}),
+# Llama 3.2's LoRA under FSDP2 is its QLoRA case's path (the tie streamed into rank 0's skeleton) with a 16-bit base, and
+# Gemma 3's LoRA case's: left out of the suite (30 s).
+@pytest.mark.parametrize("name,method,strategy,sections", [("qwen3-0.6b", "full", "fsdp", {}),
                                                            ("gemma-3-1b", "lora", "fsdp", {}), ("qwen3-0.6b", "full", "zero3", {}),
                                                            ("qwen3-0.6b", "lora", "ddp", SP2), ("llama-3.2-1b", "lora", "fsdp", NF4)],
-                         ids=["llama-3.2-1b-lora-fsdp", "qwen3-0.6b-full-fsdp", "gemma-3-1b-lora-fsdp", "qwen3-0.6b-full-zero3", "qwen3-0.6b-lora-sp2",
+                         ids=["qwen3-0.6b-full-fsdp", "gemma-3-1b-lora-fsdp", "qwen3-0.6b-full-zero3", "qwen3-0.6b-lora-sp2",
                               "llama-3.2-1b-qlora-fsdp"])
 def test_a_tied_head_trains_sharded_or_split_as_one_process(released, trained, name, method, strategy, sections):
     """Llama 3.2 1B/3B, Qwen 2.5 0.5-3B, Qwen3 0.6-4B and Gemma tie their head to the embeddings: the skeleton rank 0

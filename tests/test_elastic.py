@@ -18,10 +18,10 @@ from conftest import REPO, base_config, bench_module, free_port, once, read_json
 pytestmark = pytest.mark.slow
 
 
-# Each case loses one node, a different one or at a different moment: two losses in one run took a minute more and
-# proved no more than two runs (bench/chaos_elastic.py loses several at random moments). DDP (replicated checkpoints,
-# the simplest to reshard) is left to make chaos-elastic: a case costs 75 s of the suite.
-@pytest.mark.parametrize("strategy,losses", [("fsdp", [(1, True)]), ("zero3", [(2, False)])], ids=["fsdp-lost-mid-save", "zero3-node-2"])
+# One case: a node lost mid-save under FSDP2 (sharded checkpoints, the hardest to reshard). Two losses in one run took
+# a minute more and proved no more than two runs; DDP's and ZeRO-3's losses are left to make chaos-elastic
+# (bench/chaos_elastic.py loses nodes of each at random moments): a case costs 75-95 s of the suite.
+@pytest.mark.parametrize("strategy,losses", [("fsdp", [(1, True)])], ids=["fsdp-lost-mid-save"])
 def test_lost_nodes_and_their_return_leave_the_run_as_if_nothing_happened(tmp_path, tmp_path_factory, tiny_model_dir, strategy, losses):
     chaos = bench_module("chaos_elastic")
     steps = 12
