@@ -9,7 +9,7 @@ TORCH_VERSION  ?= 2.13.0
 TORCH_PIP_ARGS ?=
 export FINETUNE_CACHE ?= $(CURDIR)/.cache/finetune
 
-.PHONY: install tokenizers demo demo-vision demo-dpo demo-grpo demo-agent demo-agent-tools demo-distill test test-fast lint bench bench-grpo bench-mismatch bench-rollouts bench-distill bench-compile bench-data bench-families bench-fsdp-load bench-guard bench-host bench-launch bench-ddp-buckets bench-load bench-large bench-long bench-released bench-moe bench-hybrid bench-scale bench-vision docs-check bench-xl bench-demos bench-suite chaos-elastic chaos-network clean help
+.PHONY: install tokenizers demo demo-vision demo-dpo demo-grpo demo-agent demo-agent-tools demo-distill test test-fast lint bench bench-grpo bench-mismatch bench-rollouts bench-distill bench-compile bench-data bench-families bench-fsdp-load bench-guard bench-host bench-launch bench-ddp-buckets bench-load bench-large bench-long bench-released bench-moe bench-attention bench-hybrid bench-scale bench-vision docs-check bench-xl bench-demos bench-suite chaos-elastic chaos-network clean help
 
 help:
 	@echo "make demo   - install, build the demo model, fine-tune it (LoRA) and show before/after"
@@ -43,6 +43,7 @@ help:
 	@echo "make docs-check - every figure in README.md and docs/ backed by a results file the doc cites (also in make lint); then the"
 	@echo "                  figures bench/figures.json lists, with the commits on their code since they were measured"
 	@echo "make bench-released - released shapes at full size (Qwen2.5-0.5B, Qwen3-0.6B, Llama-3.2-1B, Gemma-3-1B): plan vs measured peak (~15 min)"
+	@echo "make bench-attention - a packed sample's CPU attention kernels: finetune's against torch's sdpa by length and dtype, and gpt-oss's sinks at 4k tokens both ways (~3 min)"
 	@echo "make bench-moe - mixtures of experts: grouped expert LoRA vs HF + peft, plan vs peak (QLoRA experts), plans of released MoEs, FSDP2 vs expert parallelism's traffic (~8 min)"
 	@echo "make bench-scale - FSDP2 steps of 8B-405B shapes at 8-512 GPUs simulated on fake tensors, LoRA/QLoRA/full, beside the plan (~100 min)"
 	@echo "make bench-large - a 1.1B model through every method and strategy: memory vs plan, speed, checkpoints, merge, staged load (~30 min)"
@@ -233,6 +234,9 @@ bench-released: install tokenizers
 
 bench-moe: install
 	$(PY) bench/moe.py
+
+bench-attention: install
+	$(PY) bench/attention.py
 
 bench-hybrid: install
 	$(PY) bench/hybrid.py
