@@ -94,7 +94,7 @@ def sinks() -> list[str]:
         done = subprocess.run([sys.executable, __file__, "--sink-child", path], capture_output=True, text=True, check=True,
                               env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=REPO)
         result = json.loads(done.stdout.strip().splitlines()[-1])
-        lines.append(f"| {path} | {result['seconds']:.2f} | {result['peak_growth_mib']:,.0f} |")
+        lines.append(f"| {path} | {result['seconds']:.2f} s | {result['peak_growth_mib']:,.0f} MiB |")
         print(lines[-1], flush=True)
     return lines
 
@@ -114,7 +114,7 @@ def main() -> None:
                   *kernels()]
     if wanted("sinks"):
         lines += ["", "gpt-oss-20b's attention with sinks: one sample of 4,096 tokens, bf16, 64 query heads and 8 key/value heads of 64, "
-                  "forward and backward", "", "| path | seconds | peak RSS growth (MiB) |", "| --- | --- | --- |", *sinks()]
+                  "forward and backward", "", "| path | time | peak RSS growth |", "| --- | --- | --- |", *sinks()]
     report("attention", lines)
 
 
