@@ -161,7 +161,7 @@ def _block_mask(position_ids: torch.Tensor, bounds: list[list[int]], window: int
         allowed = _allowed(length, window, position_ids.device)
         mask = ((sample[:, :, None] == sample[:, None, :]) & allowed)[:, None]
         if sink is not None:
-            mask = torch.zeros(*mask.shape[:-1], 1 + length, dtype=sink, device=mask.device).masked_fill_(~F.pad(mask, (1, 0), value=True), float("-inf"))
+            mask = _additive(F.pad(mask, (1, 0), value=True), sink)
         cached[key] = mask
         position_ids.finetune_masks = cached
     return cached[key]
@@ -252,18 +252,18 @@ def _attention_with_sinks(query, key, value, position_ids: torch.Tensor, scale: 
     """gpt-oss's attention over packed rows: on a CPU, samples up to SHORT_SAMPLE tokens through finetune's kernel (which
     takes sinks, keeping its probabilities), longer ones through torch's sdpa one at a time; on an accelerator each row in
     one sdpa call over its block mask (the flash kernels' varlen calls cannot keep the sink in a sliding window's view)."""
-    bounds, device = sample_bounds(position_ids), query.device.type
-    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else query.dtype  # what sdpa computes in
+    bounds, dtype = sample_bounds(position_ids), _compute_dtype(query)
     if accelerator_path(query):
         return _with_sink_key(query, key, value, _block_mask(position_ids, bounds, window, sink=dtype), scale, sinks)
     spans = [(b, s, e) for b, row in enumerate(bounds) for s, e in zip(row, row[1:])]
     short = [span for span in spans if span[2] - span[1] <= SHORT_SAMPLE]
+    long = [span for span in spans if span[2] - span[1] > SHORT_SAMPLE]
     if short:
         out = causal_attention(query, key, value, short, scale, window, sinks)
     else:  # sdpa's results written in place: no empty call of finetune's kernel, whose backward makes zero gradients
         out = query.new_zeros(query.shape[0], query.shape[2], query.shape[1], value.shape[-1], dtype=dtype)
     masks = getattr(position_ids, "finetune_masks", {})  # made once a forward (every layer shares them), not kept past it
-    for b, s, e in (span for span in spans if span[2] - span[1] > SHORT_SAMPLE):
+    for b, s, e in long:
         made = ("finetune_sink_mask", e - s, window, dtype)
         mask = masks[made] = masks[made] if made in masks else _sink_mask(e - s, window, dtype, query.device)
         out[b, s:e] = _with_sink_key(query[b : b + 1, :, s:e], key[b : b + 1, :, s:e], value[b : b + 1, :, s:e], mask, scale, sinks)[0]
@@ -273,8 +273,12 @@ def _attention_with_sinks(query, key, value, position_ids: torch.Tensor, scale: 
 
 def _sink_mask(length: int, window: int | None, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """sdpa's additive mask for one sample with _with_sink_key's sink key first: (length, 1 + length)."""
-    allowed = _allowed(length, window, device, sink=True)
-    return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, float("-inf"))
+    return _additive(_allowed(length, window, device, sink=True), dtype)
+
+
+def sink_width(dim: int) -> int:
+    """_with_sink_key's head width: the head's columns and the sink's, padded to a multiple of 8 (the fused kernels' rule)."""
+    return -(-(dim + 1) // 8) * 8
 
 
 def _with_sink_key(query, key, value, allowed: torch.Tensor, scale: float, sinks: torch.Tensor) -> torch.Tensor:
@@ -286,7 +290,7 @@ def _with_sink_key(query, key, value, allowed: torch.Tensor, scale: float, sinks
     sdpa's additive mask, 0 where a query may look (the sink's column) and -inf elsewhere.
     query (B, H, L, D), key/value (B, H_kv, L, D) -> (B, L, H, D); exact to fp32 rounding against eager attention's sinks."""
     batch, heads, length, dim = query.shape
-    width = -(-(dim + 1) // 8) * 8
+    width = sink_width(dim)
     # Each widened tensor made once and filled in place (autograd copies the gradient slices back): no chain of copies.
     wide_query = query.new_zeros(batch, heads, length, width)
     wide_query[..., :dim] = query
@@ -303,8 +307,7 @@ def _varlen_dtype(query: torch.Tensor, value: torch.Tensor, dropout: float) -> t
     """The dtype torch's varlen kernel would compute in (sdpa's: autocast's if on), or None where it cannot
     run: torch without `varlen_attn(window_size=...)` (before 2.11), fp32, dropout, or head sizes
     flash-attention does not take (over 256, not a multiple of 8, or value heads of another size: MLA's)."""
-    device = query.device.type
-    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else query.dtype
+    dtype = _compute_dtype(query)
     if dropout or dtype not in (torch.float16, torch.bfloat16) or query.shape[-1] > 256 or query.shape[-1] % 8 or _varlen() is None \
             or value.shape[-1] != query.shape[-1]:
         return None
@@ -351,10 +354,20 @@ def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     sinks (H,): a logit per head in every query's softmax with no value behind it (gpt-oss), as its eager attention.
 
     Computes in the dtype sdpa would (autocast's, if on), the softmax in fp32."""
-    device = query.device.type
-    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else query.dtype
+    device, dtype = query.device.type, _compute_dtype(query)
     with torch.autocast(device, enabled=False):
         return _CausalAttention.apply(query, key, value, spans, scale, dtype, window, sinks)
+
+
+def _compute_dtype(tensor: torch.Tensor) -> torch.dtype:
+    """The dtype sdpa and finetune's kernel compute `tensor` in: autocast's, if on."""
+    device = tensor.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else tensor.dtype
+
+
+def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """sdpa's additive form of a mask: 0 where `allowed`, -inf elsewhere."""
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
 
 
 def _allowed(length: int, window: int | None, device: torch.device, sink: bool = False) -> torch.Tensor:
@@ -379,7 +392,7 @@ def _causal_mask(length: int, dtype: torch.dtype, device: torch.device, window: 
     key = (dtype, device, window, torch._guards.detect_fake_mode())
     mask = _masks.get(key)  # read once: another thread may put a longer one in its place meanwhile
     if mask is None or mask.shape[0] < length:
-        mask = _masks[key] = torch.zeros(length, length, dtype=dtype, device=device).masked_fill_(~_allowed(length, window, device), float("-inf"))
+        mask = _masks[key] = _additive(_allowed(length, window, device), dtype)
     return mask[:length, :length]
 
 

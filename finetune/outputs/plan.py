@@ -330,12 +330,12 @@ def sink_attention(shape: Shape, s: Setup) -> tuple[float, float]:
     c = families.text_config(shape.config)
     if c.get("model_type") not in families.ATTENTION_SINKS:
         return 0.0, 0.0
-    from finetune.model.attention import KEPT_PROBS, SHORT_SAMPLE
+    from finetune.model.attention import KEPT_PROBS, SHORT_SAMPLE, sink_width
 
     heads, length = c["num_attention_heads"], s.seq_len
     kv_heads, dim = c.get("num_key_value_heads") or heads, c.get("head_dim") or c["hidden_size"] // heads
     if s.accelerator or length > SHORT_SAMPLE:
-        width = -(-(dim + 1) // 8) * 8
+        width = sink_width(dim)
         widened = (2 * heads + 2 * kv_heads) * s.tokens * s.activation_bytes
         mask = (s.micro_batch if s.accelerator else 1) * length * (length + 1) * s.activation_bytes
         return widened * (width - dim), (heads + 2 * kv_heads) * width * s.tokens * s.activation_bytes + mask
