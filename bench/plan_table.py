@@ -18,7 +18,7 @@ from common import REPO, report
 
 sys.path.insert(0, str(REPO))
 from finetune.config.files import load_config
-from finetune.outputs.plan import GiB, checked_plan
+from finetune.outputs.plan import GiB, checked_plan, make_plan
 from finetune.outputs.steptime import step_time
 
 # name, preset, model config, overrides, devices, strategy, GPU memory (GiB), peak TFLOP/s, MFU, bandwidth (GB/s), the hardware
@@ -63,9 +63,36 @@ def table() -> list[str]:
     return lines
 
 
+ROWS = ["weights", "gradients", "optimizer states", "activations", "dense weight temporaries"]
+
+
+def worked_examples() -> list[str]:
+    """docs/planning.md's worked examples, by row, on one GPU."""
+    lines = ["| config | " + " | ".join(ROWS) + " | total |", "| --- |" + " --- |" * (len(ROWS) + 1)]
+    for name in ("plan-7b-full.yaml", "plan-7b-qlora.yaml"):
+        plan = make_plan(load_config(REPO / "docs" / "examples" / name, check_model=False, check_paths=False), gpu=True)
+        lines.append(f"| {name} | " + " | ".join(f"{plan.rows.get(row, 0) / GiB:.2f} GiB" for row in ROWS) + f" | {plan.total / GiB:.2f} GiB |")
+    return lines
+
+
+def presets() -> list[str]:
+    """docs/models.md's presets planned on one 80 GiB GPU, each on the shape it names."""
+    lines = ["| preset | model | parameters (active) | total |", "| --- | --- | --- | --- |"]
+    for path in sorted((REPO / "configs" / "presets").glob("*.yaml")):
+        shape = path.read_text().split("--model ", 1)[1].split()[0]
+        cfg = load_config(path, check_model=False, check_paths=False)
+        hub, cfg.model.name_or_path = cfg.model.name_or_path, str(REPO / shape)
+        plan = make_plan(cfg, gpu=True)
+        active = f" ({plan.active_params:,})" if plan.active_params < plan.total_params else ""
+        lines.append(f"| {path.stem} | {hub} | {plan.total_params:,}{active} | {plan.total / GiB:.2f} GiB, 1 GPU |")
+    return lines
+
+
 def main() -> None:
     lines = table() + ["", "Sizes in GiB per GPU. Commands: `finetune plan --config configs/presets/PRESET.yaml --model docs/examples/MODEL "
-              "--gpus N --strategy S --gpu-mem M --tflops T --mfu 0.4 --bandwidth B` with the overrides in bench/plan_table.py."]
+              "--gpus N --strategy S --gpu-mem M --tflops T --mfu 0.4 --bandwidth B` with the overrides in bench/plan_table.py.", "",
+              "The worked examples (`finetune plan --config docs/examples/CONFIG --gpu-mem 80GiB`), one GPU:", "", *worked_examples(), "",
+              "The presets (`finetune plan --config configs/presets/PRESET.yaml --model MODEL --gpu-mem 80GiB`), one GPU:", "", *presets()]
     report("plan", lines)
 
 

@@ -274,9 +274,15 @@ def train(args: argparse.Namespace) -> None:
     from finetune.run.supervise import watch_preemption
 
     watch_preemption()  # before the heavy imports: a SIGTERM during start-up still ends with 75
+    from finetune.run.preflight import finished_job
     from finetune.train import run
 
-    run(resolve_config(args))
+    cfg = resolve_config(args)
+    done = finished_job(cfg)
+    if done:
+        print(f"done: {done}")
+        return
+    run(cfg)
 
 
 def validate(args: argparse.Namespace) -> None:

@@ -89,3 +89,9 @@ def launch(node: Node, log: Path, *options: str, config: Path | None = None, ext
 def left_in(node: Node) -> list[str]:
     """The processes still running in the node."""
     return ip("netns", "pids", node.namespace).stdout.split()
+
+
+def kill_left(namespace: str) -> None:
+    """SIGKILL whatever still runs in the namespace: a failed test's processes would otherwise fail the next ones."""
+    for pid in ip("netns", "pids", namespace).stdout.split():
+        subprocess.run(["kill", "-9", pid], capture_output=True)

@@ -246,6 +246,28 @@ def test_a_finished_run_is_not_trained_over_by_accident(plain_run, monkeypatch, 
                         "(train refuses this folder)"]
 
 
+def test_a_worker_torchrun_starts_again_after_its_job_finished_ends_with_nothing_to_do(tmp_path, tiny_model_dir, monkeypatch, capsys):
+    """A node joining an elastic job in the moment between the last save and the workers' exit: torchrun starts the workers
+    again on the finished run (seen in CI: refused with exit 2, restarted up to --max-restarts while the other node's rank
+    waited for rank 0). The same job's workers (rendezvous id and config, grad_accum aside) end with 0 and say so; another
+    job id, another config or no torchrun meet the refusal, as before; nothing in the folder changes."""
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-1")
+    out = _train(tmp_path, tiny_model_dir, "run", train={"max_steps": 2}, data={"eval": None})
+    config = str(out / "finetune_config.yaml")
+    files = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    capsys.readouterr()
+    assert main(["train", "--config", config]) == 0
+    assert capsys.readouterr().out.strip() == f"done: {out} holds this job's finished run (rendezvous id job-1, summary.json): nothing left to do"
+    assert main(["train", "--config", config, "--set", "train.grad_accum=4"]) == 0  # what an elastic resize re-derives
+    assert main(["train", "--config", config, "--set", "train.max_steps=3"]) == 2
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-2")
+    assert main(["train", "--config", config]) == 2
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID")
+    assert main(["train", "--config", config]) == 2
+    assert "holds a finished run" in capsys.readouterr().err
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == files
+
+
 @pytest.mark.parametrize("name", ["lora", "dora", "full", "demo", "qlora-fsdp"])
 def test_shipped_configs_validate_after_make_demo(plain_run, name, tmp_path, monkeypatch, capsys):
     """The README's order, `make demo` then `make test`, in a copy of the repo: the shipped configs

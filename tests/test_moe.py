@@ -77,6 +77,45 @@ def test_grouped_expert_lora_equals_peft_on_the_librarys_eager_experts(family_di
             assert (my_grads[name] - grad).abs().max() <= 1e-4 * grad.abs().max() + 1e-9, (packed, name)
 
 
+@pytest.mark.parametrize("r", [4, 8])
+def test_expert_lora_under_bf16_autocast_keeps_no_fp32_copy_of_the_routed_tokens(family_dirs, r):
+    """A layer's experts, bf16 (a 4-bit base's unquantized parts as loaded), under bf16 autocast as accelerate runs them: their fp32
+    LoRA computes in bf16 as the dense layers' does there, so the backward keeps no fp32 copy of the routed tokens (tokens x top_k
+    x hidden: 256 MiB a layer at Qwen3-30B-A3B's widths and 4,096 tokens); output and LoRA gradients within bf16's rounding of
+    the fp32 layer's on the same routing, r 4 included (grouped_mm takes bf16 rows of 8 values or more)."""
+    import copy
+
+    model = _adapted(family_dirs("qwen3-moe"), r=r)
+    exact = model.base_model.model.model.layers[0].mlp.experts
+    ours = copy.deepcopy(exact)
+    for p in ours.parameters():
+        if not p.requires_grad:
+            p.data = p.data.to(torch.bfloat16)
+    gen = torch.Generator().manual_seed(0)
+    tokens, top_k, hidden = 48, model.config.num_experts_per_tok, model.config.hidden_size
+    x = torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16)
+    chosen = torch.rand(tokens, model.config.num_experts, generator=gen).topk(top_k).indices
+    weights, grad = torch.rand(tokens, top_k, generator=gen).softmax(-1), torch.randn(tokens, hidden, generator=gen)
+    saved = []
+
+    def keep(t):
+        saved.append((t.dtype, tuple(t.shape)))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t), torch.autocast("cpu", torch.bfloat16):
+        out = ours(x, chosen, weights)
+    (out.float() * grad).sum().backward()
+    reference = exact(x.float(), chosen, weights)
+    (reference * grad).sum().backward()
+    assert (torch.bfloat16, (tokens * top_k, hidden)) in saved and (torch.float32, (tokens * top_k, hidden)) not in saved
+    assert (out.float() - reference).norm() < 2e-2 * reference.norm()
+    trained = {n: p for n, p in exact.named_parameters() if p.requires_grad}
+    assert len(trained) == 4  # lora_A and lora_B of gate_up_proj and down_proj
+    for name, p in ours.named_parameters():
+        if p.requires_grad:
+            assert p.grad.dtype == torch.float32 and (p.grad - trained[name].grad).norm() < 3e-2 * trained[name].grad.norm(), name
+
+
 @pytest.mark.parametrize("family", ["deepseek-v3", "glm4-moe", "gpt-oss"])
 @pytest.mark.parametrize("method", ["lora", "full"])
 def test_latent_attention_partial_rotary_and_sink_moes_pack_exactly(family_dirs, family, method):

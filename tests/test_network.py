@@ -33,6 +33,15 @@ def nodes():
         pytest.skip(str(err))
 
 
+@pytest.fixture(autouse=True)
+def _nothing_left_running(request):
+    """A test that fails with processes still running (a hung launch) leaves none to the next test."""
+    yield
+    if "nodes" in request.fixturenames:
+        for namespace, _, _ in request.getfixturevalue("nodes"):
+            netns.kill_left(namespace)
+
+
 def _ip(*args: str) -> subprocess.CompletedProcess:
     return netns.ip(*args)
 

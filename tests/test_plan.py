@@ -44,16 +44,16 @@ def test_7b_qlora_matches_the_hand_computed_figures():
     assert plan.trainable == lora == 39_976_960
     nf4_double_quant = 0.5 + 1 / 64 + 4 / (64 * 256)  # 4-bit values + 8-bit absmax per 64 + fp32 per 256 blocks
     state = 32 * 7 * (16 + 256 + 1) * 4  # per 4-bit layer: the NF4 code, the scales' code and offset (fp32)
-    assert plan.rows["weights"] == pytest.approx(N_LINEAR * nf4_double_quant + N_OTHER * 4 + lora * 4 + state + BUFFERS, rel=1e-12)
+    assert plan.rows["weights"] == pytest.approx(N_LINEAR * nf4_double_quant + N_OTHER * 2 + lora * 4 + state + BUFFERS, rel=1e-12)
     assert plan.rows["gradients"] == lora * 4
     assert plan.rows["optimizer states"] == lora * 2  # 8-bit AdamW: two 1-byte moments
-    # activations as full fine-tuning's (bitsandbytes' base, prepared by peft, keeps the residual stream in fp32), plus
+    # activations as full fine-tuning's, the residual stream in bf16 (model.dtype, the unquantized parts as loaded), plus
     # LoRA dropout's (0.05 by default): one rebuilt layer's dropped inputs of its seven adapted layers (bf16) and their 1-byte masks
     tokens, layer = 2048, (6 * 4096 + 2 * 4096 + 4 * 11008) * 2 * 2048
     dropped = (4 * 4096 + 2 * 4096 + 11008) * tokens * (2 + 1)
-    assert plan.rows["activations"] == 32 * tokens * 4096 * 4 + layer + 3 * 11008 * 2 * tokens + dropped
+    assert plan.rows["activations"] == 32 * tokens * 4096 * 2 + layer + 3 * 11008 * 2 * tokens + dropped
     gpu = make_plan(load_config(REPO / "docs/examples/plan-7b-qlora.yaml", check_model=False), gpu=True)
-    assert round(gpu.total / GiB, 2) == 7.34  # docs/planning.md's worked example
+    assert round(gpu.total / GiB, 2) == 6.35  # docs/planning.md's worked example
 
 
 @pytest.fixture(scope="module")
@@ -182,12 +182,12 @@ def test_a_distillation_teacher_is_planned_as_the_strategy_holds_it():
     assert "distill teacher weights" not in make_plan(load_config(REPO / "configs/presets/llama3-8b.yaml", check_model=False,
                                                                   overrides=[f"model.name_or_path={REPO / 'docs/examples/llama-3.1-8b'}"])).rows
     # distill.teacher_quantization: its 224 linear layers in NF4 (bitsandbytes' blocks of 64, scales double-quantized), the
-    # embeddings and norms in fp32 (peft's k-bit preparation)
+    # embeddings and norms as loaded, in the preset's bf16
     four = make_plan(load_config(REPO / "configs/presets/llama3-8b.yaml", check_model=False, overrides=[
         f"model.name_or_path={REPO / 'docs/examples/llama-3.2-1b'}", "train.objective=distill", f"distill.teacher={REPO / 'docs/examples/llama-3.1-8b'}",
         "distill.teacher_quantization={bits: 4}"]), gpu=True)
     kept = 2 * 128256 * 4096 + 4096 * (2 * 32 + 1)
-    assert four.rows["distill teacher weights"] == (8_030_261_248 - kept) * (0.5 + 1 / 64 + 4 / (64 * 256)) + kept * 4 + 224 * (16 + 256 + 1) * 4 + 2 * 64 * 4
+    assert four.rows["distill teacher weights"] == (8_030_261_248 - kept) * (0.5 + 1 / 64 + 4 / (64 * 256)) + kept * 2 + 224 * (16 + 256 + 1) * 4 + 2 * 64 * 4
 
 
 def test_plan_says_what_train_would_refuse_and_offers_only_what_runs(capsys):
@@ -277,8 +277,8 @@ def test_plan_reads_the_model_alone_from_any_folder(tmp_path, monkeypatch, capsy
 
 
 def test_zero3_gathers_a_quantized_base_as_it_is_held():
-    """peft keeps a 4-bit base's embeddings and lm_head in fp32, and the layers stay packed: ZeRO-3
-    gathers those (at 8B the 16-bit root the plan assumed was 2.1 GB short of what a rank held)."""
+    """ZeRO-3 gathers a 4-bit base as it is held: the layers packed, the embeddings, norms and lm_head in model.dtype (bf16
+    here; when peft's k-bit preparation upcast them, at 8B a rank held 2.1 GB more than a 16-bit root)."""
     from dataclasses import replace as with_
 
     from finetune.outputs.plan import gathered_weights
@@ -287,7 +287,7 @@ def test_zero3_gathers_a_quantized_base_as_it_is_held():
     cfg = load_config(REPO / "docs/examples/plan-7b-qlora.yaml", check_model=False)
     plan = make_plan(cfg, devices=2, strategy="zero3")
     shape = read_shape(str(REPO / "docs/examples/llama-2-7b"))
-    root, packed = shape.other_params * 4, shape.quantized_params(4) * 0.5 / shape.layers
+    root, packed = shape.other_params * 2, shape.quantized_params(4) * 0.5 / shape.layers
     assert plan.setup.bits == 4 and plan.moment == "the last layer's backward"
     assert plan.rows["gathered for compute"] == pytest.approx(root + 2 * packed, rel=1e-3)
     assert gathered_weights(shape, cfg, with_(plan.setup, bits=None)) == (shape.other_params * 2, shape.linear_params / 32 * 2)

@@ -713,7 +713,7 @@ def test_openai_image_url_parts_and_parquet_bytes_read_as_paths_do(tmp_path, pic
 @pytest.mark.parametrize("tower", ["clip", "qwen2_5_vl", "idefics3"])
 def test_qlora_quantizes_the_language_model_and_keeps_the_tower(tmp_path, llava, picture_data, tower):
     """bitsandbytes' 4-bit base: the language model's 14 linear layers (2 x 7) quantized, the tower and projector kept in
-    fp32 (LLaVA, Qwen2.5-VL, whose merger is inside its tower, and Idefics3); 8 steps train."""
+    model.dtype, bf16 (LLaVA, Qwen2.5-VL, whose merger is inside its tower, and Idefics3); 8 steps train."""
     import bitsandbytes as bnb
 
     from finetune.config.schema import ModelConfig
@@ -725,7 +725,7 @@ def test_qlora_quantizes_the_language_model_and_keeps_the_tower(tmp_path, llava,
     quantized = [n for n, m in model.named_modules() if isinstance(m, bnb.nn.Linear4bit)]
     assert len(quantized) == 14 and all(n.startswith(parts["language"] + ".") for n in quantized)
     kept = [p for role in ("tower", "projector") for p in model.get_submodule(parts[role]).parameters()]
-    assert kept and all(p.dtype == torch.float32 for p in kept)
+    assert kept and all(p.dtype == torch.bfloat16 for p in kept)
     cfg = _config(llava(tower), picture_data, tmp_path / "out", model={"dtype": "bfloat16", "quantization": {"bits": 4}},
                   train={"mixed_precision": "bf16", "max_steps": 8})
     result = finetune_in_process("train", "--config", str(write_config(tmp_path / "q.yaml", cfg)))

@@ -152,3 +152,15 @@ def read_json_object(path: Path, what: str) -> dict:
 
 def to_yaml(cfg: RunConfig) -> str:
     return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+
+
+def job_key(cfg: RunConfig) -> str | None:
+    """A torchrun job's identity: its rendezvous id and its config, but for train.grad_accum (an elastic resize re-derives it).
+    summary.json keeps it, so a worker torchrun starts again after the job finished knows it (preflight.finished_job)."""
+    job = os.environ.get("TORCHELASTIC_RUN_ID")
+    if not job:
+        return None
+    import hashlib
+
+    config = to_yaml(cfg.model_copy(update={"train": cfg.train.model_copy(update={"grad_accum": 1})}))
+    return hashlib.sha256(f"{job}\n{config}".encode()).hexdigest()

@@ -62,21 +62,6 @@ def group(model: torch.nn.Module) -> int:
     return len(experts)
 
 
-@contextmanager
-def held_out(model: torch.nn.Module):
-    """The fused expert weights taken off their modules for the duration, and frozen as it freezes the rest:
-    peft's k-bit preparation upcasts every 16-bit weight to fp32, which for frozen experts (quantized later,
-    or kept at 8 bits) is memory for nothing."""
-    held = [(m, name, w) for m in fused_experts(model) for name, w in m.named_parameters(recurse=False) if w.dim() == 3]
-    for m, name, _ in held:
-        del m._parameters[name]
-    try:
-        yield
-    finally:
-        for m, name, w in held:
-            m._parameters[name] = w.requires_grad_(False)
-
-
 _WRAPPERS: dict[type, type] = {}
 
 
@@ -148,16 +133,22 @@ def project(experts: torch.nn.Module, name: str, x: torch.Tensor, offsets: torch
 
 def lora_delta(wrapper, adapter: str, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """scaling · (x·A_eᵀ)·B_eᵀ for each routed token's expert e, in peft's layout: lora_A (E·r, in) holds
-    A_e in rows e·r..(e+1)·r, lora_B (out, r·E) holds B_e in columns e, e+E, e+2E, ..."""
+    A_e in rows e·r..(e+1)·r, lora_B (out, r·E) holds B_e in columns e, e+E, e+2E, ...
+    Under autocast in the autocast's dtype, as the dense layers' LoRA computes there (loading.adapter_input_casting_off;
+    torch's autocast leaves grouped_mm alone): the adapter's weights cast, not a copy of every routed token in fp32."""
     a, b = wrapper.lora_A[adapter].weight, wrapper.lora_B[adapter].weight
-    experts = wrapper.num_experts
-    a = a.view(experts, -1, a.shape[-1]).transpose(-2, -1).contiguous()  # (E, in, r)
-    b = (b.view(b.shape[0], -1, experts).permute(2, 1, 0) * wrapper.scaling[adapter]).contiguous()  # (E, r, out), scaled here: r·out, not tokens·out
-    low = torch.nn.functional.grouped_mm(x.to(a.dtype), a, offs=offsets)
+    device, experts = x.device.type, wrapper.num_experts
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else a.dtype
+    a = a.view(experts, -1, a.shape[-1]).transpose(-2, -1).to(dtype).contiguous()  # (E, in, r)
+    b = (b.view(b.shape[0], -1, experts).permute(2, 1, 0) * wrapper.scaling[adapter]).to(dtype).contiguous()  # (E, r, out), scaled here: r·out, not tokens·out
+    pad = -a.shape[-1] % (16 // a.element_size())  # grouped_mm takes strides of whole 16 bytes: r 4 in bf16 gets 4 zeros
+    if pad:
+        a, b = torch.nn.functional.pad(a, (0, pad)), torch.nn.functional.pad(b, (0, 0, 0, pad))
+    low = torch.nn.functional.grouped_mm(x.to(dtype), a, offs=offsets)
     return torch.nn.functional.grouped_mm(low, b, offs=offsets)
 
 
-CHUNK = 1 << 25  # expert weights dequantized at a time: torchao's dequantization holds 7x their compute-dtype bytes at its peak
+CHUNK = 1 << 24  # expert weights dequantized at a time (224 MiB at torchao's peak in bf16: 7x their compute-dtype bytes)
 
 
 def quantized(weight: torch.Tensor) -> bool:

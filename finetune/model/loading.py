@@ -235,16 +235,12 @@ def load_model(cfg: ModelConfig, device: torch.device | str = "cpu", skeleton: s
         why = "its weights have other shapes than its config.json says" if "mismatched_sizes" in str(err) else first_line(err)
         raise UserError(f"model.name_or_path: cannot load '{cfg.name_or_path}': {why}") from None
     if cfg.quantization is not None and not nf4.used(cfg):
-        from peft import prepare_model_for_kbit_training
-
-        # Freezes the base and upcasts the unquantized parts (norms, embeddings, lm_head) to fp32, as
-        # peft recommends for stable k-bit training. Checkpointing is set up in apply_adapter.
-        cpu = torch.device(device).type == "cpu"  # "cpu:0" in a multi-process run
-        if cpu:
+        # The base frozen, its unquantized parts (embeddings, norms, lm_head, expert stacks) left in model.dtype. peft's
+        # prepare_model_for_kbit_training would upcast 16-bit ones to fp32, and with the norms the residual stream: twice
+        # their memory (axolotl casts embeddings and lm_head back). Checkpointing is set up in apply_adapter.
+        model.requires_grad_(False)
+        if torch.device(device).type == "cpu":  # "cpu:0" in a multi-process run
             _own_unquantized_weights(model)
-        with experts.held_out(model):  # frozen expert stacks stay as loaded (4-bit ones are quantized after the adapter)
-            model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
-        if cpu:
             _keep_one_cpu_4bit_path(model)
     model.config.use_cache = False  # no KV cache while training; generation turns it on per call
     mixers.register(model)  # packed samples start each SSM, linear-attention or convolution layer afresh
@@ -354,14 +350,11 @@ def _keep_one_cpu_4bit_path(model) -> None:
 def _own_unquantized_weights(model) -> None:
     """On CPU the parts left unquantized (embeddings, norms, lm_head) can still be views of the
     safetensors file's memory map, which then keeps the whole file resident: the full-precision
-    weights that were just quantized. Own copies of those few tensors let the mapping go. Called
-    before peft's k-bit preparation, it copies only the fp32 ones: that upcasts the 16-bit ones into
-    new tensors anyway (copying those too, after it, held a second fp32 lm_head: +2 GB at the load's
-    peak for a 128k vocabulary)."""
+    weights that were just quantized. Own copies of those few tensors let the mapping go."""
     import bitsandbytes as bnb
 
     for param in model.parameters():
-        if param.dtype == torch.float32 and not isinstance(param, (bnb.nn.Params4bit, bnb.nn.Int8Params)) and not hasattr(param, "ds_id"):
+        if param.is_floating_point() and not isinstance(param, (bnb.nn.Params4bit, bnb.nn.Int8Params)) and not hasattr(param, "ds_id"):
             param.data = param.data.clone()  # ZeRO-3 owns its shards (ds_id)
 
 

@@ -15,6 +15,7 @@ from finetune.checkpoint import store
 from finetune.checkpoint.checkpointers import last_good
 from finetune.checkpoint.resume import clear_starts
 from finetune.config.errors import EXIT_DIVERGED, Stopped
+from finetune.config.files import job_key
 from finetune.config.schema import MUTATED_INITS, SUMMARY_FILE
 from finetune.model import nf4
 from finetune.objectives.evaluate import eval_loss, exact_match_after
@@ -93,7 +94,7 @@ def summarize(state: RunState) -> dict:
     cfg, last = state.cfg, state.last
     final_eval = evaluate(state, state.schedule.total_steps)
     summary = {"steps": state.schedule.total_steps, **{f"train_{name}": last.get(name) for name in state.objective.final}, "tokens": state.progress.tokens,
-               "elapsed_s": time.perf_counter() - state.started}
+               "elapsed_s": time.perf_counter() - state.started, "job": job_key(cfg)}
     if "router_aux_loss" in last:
         summary["router_aux_loss"] = last["router_aux_loss"]
     if state.processor is not None:  # a vision-language model: which of its parts trained (the model card says it)

@@ -143,9 +143,7 @@ def estimate(shape: Shape, cfg: RunConfig, s: Setup) -> tuple[dict[str, float], 
     none, DeepSpeed's optimizer step, those of the largest moment that holds some)."""
     n_train = trainable_params(shape, cfg)
     full = s.method == "full"
-    # Weights. A quantized base keeps its non-linear parts in fp32 (bitsandbytes' path: peft's
-    # prepare_model_for_kbit_training), or as loaded (torchao's).
-    base = base_weights(shape, cfg.model.quantization, s, torchao_base(cfg, s))
+    base = base_weights(shape, cfg.model.quantization, s)
     adapter = 0 if full else n_train * 4  # peft keeps adapter weights in fp32
     param_bytes = s.weight_bytes if full else 4
     grads = n_train * param_bytes
@@ -192,26 +190,24 @@ def vision_rows(v: VisionShape, cfg: RunConfig, s: Setup) -> tuple[float, float]
     layers = v.layers if cfg.adapter.vision != "frozen" else 1
     trained = v.params * (s.weight_bytes + 4 + 8) if cfg.adapter.vision == "full" else 0  # gradients and AdamW's two fp32 states
     patches = v.patches_of(cfg.model.processor)
-    kept = 4 if s.bits else s.weight_bytes  # a quantized base's unquantized parts: fp32 (peft's k-bit preparation)
-    return v.params * kept + trained, s.micro_batch * patches * (6 * v.hidden + 4 * v.intermediate) * s.activation_bytes * layers
+    return v.params * s.weight_bytes + trained, s.micro_batch * patches * (6 * v.hidden + 4 * v.intermediate) * s.activation_bytes * layers
 
 
-def base_weights(shape: Shape, q: QuantizationConfig | None, s: Setup, torchao: bool) -> float:
-    """A frozen base's weights, quantized by `q` (bitsandbytes': the rest upcast to fp32 by peft's k-bit preparation;
-    torchao's: the rest as loaded) or in the model's dtype, with its buffers."""
+def base_weights(shape: Shape, q: QuantizationConfig | None, s: Setup) -> float:
+    """A frozen base's weights, quantized by `q` (the rest in the model's dtype: model/loading.py leaves it as loaded) or
+    all in the model's dtype, with its buffers."""
     if q is None:
         return (shape.linear_params + shape.other_params) * s.weight_bytes + shape.buffers(s.weight_bytes)
     packed = shape.quantized_params(q.bits)
     experts = shape.linear_params - packed - sum(l.params for l in shape.linears if l.router)  # 8-bit: the expert stacks, int8 (model/experts)
-    kept = shape.linear_params - packed - experts + shape.other_params  # upcast to fp32 by peft's k-bit preparation, or as loaded (torchao)
-    kept_bytes = s.weight_bytes if torchao else 4
+    kept = shape.linear_params - packed - experts + shape.other_params
     if q.bits == 4:
         per_param = 0.5 + (1 / BNB_BLOCK + 4 / (BNB_BLOCK * 256) if q.double_quant else 4 / BNB_BLOCK)
-        base = packed * per_param + kept * kept_bytes + quantized_layers(shape, 4) * (NF4_STATE_DOUBLE if q.double_quant else NF4_STATE)
+        base = packed * per_param + kept * s.weight_bytes + quantized_layers(shape, 4) * (NF4_STATE_DOUBLE if q.double_quant else NF4_STATE)
     else:
         # one fp32 scale per output row, of the linear layers (bitsandbytes) and of the expert stacks (model/experts)
         scales = sum(l.fan_out * l.copies for l in shape.linears if not l.router) * 4
-        base = packed * 1 + scales + kept * 4 + experts * 1
+        base = packed * 1 + scales + kept * s.weight_bytes + experts * 1
     return base + shape.buffers(s.weight_bytes)  # the rotary frequencies (and Gemma's embedding scale)
 
 
@@ -223,7 +219,7 @@ def teacher_rows(cfg: RunConfig, s: Setup) -> tuple[float, float]:
     (the divergence takes them to fp32 a chunk at a time: the simulated step of Llama-3.2-1B taught by Llama-3.1-8B's
     widths held 14 bytes a vocabulary entry at the loss, the student's 12 and these 2)."""
     teacher, q = teacher_shape(cfg), cfg.distill.teacher_quantization
-    weights = base_weights(teacher, q, s, q is not None and q.backend_for(s.strategy) == "torchao")
+    weights = base_weights(teacher, q, s)
     if s.shards_weights:
         weights /= s.devices
     fused = families.plain_head(teacher.config) and not s.shards_weights
@@ -375,7 +371,7 @@ def step_moments(shape: Shape, cfg: RunConfig, s: Setup) -> dict[str, Moment]:
     # what a layer's backward holds beside its saved tensors: the MLP's input gradients, and sink attention's chunk
     in_backward = 3 * shape.mlp_width / s.tiled_mlp * s.activation_bytes * s.tokens + sink_attention(shape, s)[1]
     if s.checkpointing:
-        saved, rebuilt = shape.layers * s.tokens * shape.hidden * residual_bytes(cfg, s), per_layer + dropped + in_backward
+        saved, rebuilt = shape.layers * s.tokens * shape.hidden * s.weight_bytes, per_layer + dropped + in_backward
     else:
         chunk = 4 * shape.mlp_width / s.tiled_mlp * s.activation_bytes * s.tokens if s.tiled_mlp > 1 else 0.0
         saved, rebuilt = shape.layers * (per_layer - chunk) + dropped, chunk + in_backward
@@ -430,12 +426,10 @@ def deepspeed_step(shape: Shape, cfg: RunConfig, s: Setup) -> float:
 
 def gathered_weights(shape: Shape, cfg: RunConfig, s: Setup) -> tuple[float, float]:
     """FSDP/ZeRO-3: the root's weights (embeddings, lm_head, norms) and one decoder layer's, gathered as
-    they are held: a quantized base's linear weights packed (4 or 8 bits), the rest in fp32 (peft's
-    k-bit preparation) or as loaded (torchao)."""
+    they are held: a quantized base's linear weights packed (4 or 8 bits), the rest as loaded."""
     if s.bits:
-        kept = s.weight_bytes if torchao_base(cfg, s) else 4
         packed = shape.quantized_params(s.bits)
-        return shape.other_params * kept, (packed * (0.5 if s.bits == 4 else 1) + (shape.linear_params - packed) * kept) / shape.layers
+        return shape.other_params * s.weight_bytes, (packed * (0.5 if s.bits == 4 else 1) + (shape.linear_params - packed) * s.weight_bytes) / shape.layers
     return shape.other_params * s.weight_bytes, shape.linear_params / shape.layers * s.weight_bytes
 
 
@@ -443,12 +437,6 @@ def torchao_base(cfg: RunConfig, s: Setup) -> bool:
     """A 4-bit base quantized by torchao, not bitsandbytes (model.quantization.backend; auto: torchao under FSDP)."""
     q = cfg.model.quantization
     return q is not None and q.backend_for(s.strategy if s.strategy != "none" else cfg.distributed.strategy) == "torchao"
-
-
-def residual_bytes(cfg: RunConfig, s: Setup) -> int:
-    """The residual stream's bytes a value, which each checkpoint keeps: the weights' dtype, fp32 where
-    bitsandbytes' base was prepared by peft (it upcasts the norms, so the stream leaves them in fp32)."""
-    return 4 if s.bits and not torchao_base(cfg, s) else s.weight_bytes
 
 
 def run_shape(cfg: RunConfig) -> Shape:

@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 
 from finetune.config.errors import UserError
+from finetune.config.files import job_key
 from finetune.config.schema import CONFIG_FILE, SUMMARY_FILE, RunConfig, looks_local
 
 
@@ -222,6 +223,23 @@ def check_output_dir(out: Path) -> None:
     if names and not names & {CONFIG_FILE, LOCK_FILE, store.CHECKPOINTS}:  # a run's, or checkpoints brought here to resume from
         raise UserError(f"train.output_dir: {out} holds files that are not a finetune run's ({', '.join(sorted(names)[:3])}); "
                         "choose an empty or new folder")
+
+
+def finished_job(cfg: RunConfig) -> str | None:
+    """What to say, if this worker's job has finished already: torchrun starts its workers again when a node joins an
+    elastic job, and a join in the moment between the last save and the workers' exit starts them on a finished run. There
+    `train` ends at once with code 0 on every rank that sees the folder, where a refusal (exit 2) would be restarted
+    again and again, and the other nodes' workers would wait for rank 0 until their timeout."""
+    import json
+
+    out, key = Path(cfg.train.output_dir), job_key(cfg)
+    if key is None or cfg.checkpoint.resume not in ("auto", "never"):
+        return None
+    try:
+        done = json.loads((out / SUMMARY_FILE).read_text()).get("job") == key
+    except (OSError, ValueError, AttributeError):  # none yet, or not a summary of ours
+        return None
+    return f"{out} holds this job's finished run (rendezvous id {os.environ['TORCHELASTIC_RUN_ID']}, {SUMMARY_FILE}): nothing left to do" if done else None
 
 
 def finished_run(out: Path, resume: str) -> str | None:
