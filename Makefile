@@ -145,7 +145,7 @@ $(VENV)/.llama-cpp: $(VENV)/.installed
 # Two workers, one thread each (tests/conftest.py): a tiny model's step is Python on one core, and
 # a test that waits on processes leaves the other core idle.
 test: install lint tokenizers $(VENV)/.llama-cpp $(VENV)/.deepspeed-ops
-	$(PY) -m pytest -q -n 2 --dist loadfile --durations=20 tests
+	$(PY) -m pytest -q -n 2 --dist loadfile --durations=50 tests
 
 # Everything but the tests that start processes (tests/conftest.py marks those slow).
 test-fast: install lint tokenizers $(VENV)/.llama-cpp
