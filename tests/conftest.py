@@ -18,6 +18,10 @@ import yaml
 from ranks import free_port, run_ranks  # noqa: F401  (free_port: the tests import it from here)
 
 REPO = Path(__file__).resolve().parent.parent
+# finetune's CPU attention kernel on every CPU (model/attention.SDPA_FIRST), in this process and those it launches: the
+# suite's numbers do not depend on the CPU kind. test_fast_paths checks the choice itself;
+# FINETUNE_CPU_ATTENTION=sdpa make test runs the suite through torch's kernel instead.
+os.environ.setdefault("FINETUNE_CPU_ATTENTION", "finetune")
 
 
 def bench_module(name: str) -> types.ModuleType:

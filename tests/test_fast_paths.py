@@ -3,10 +3,12 @@ only, and attention run per packed sample all give the losses and gradients of t
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import documented_varlen, gpu_branch_on_cpu, loss_and_grads, packed_batch
+from conftest import REPO, documented_varlen, gpu_branch_on_cpu, loss_and_grads, packed_batch
 from transformers import AutoModelForCausalLM
 
 from finetune.data.rows import IGNORE
@@ -66,12 +68,37 @@ def test_trained_token_loss_equals_full_logits_loss(tiny_model_dir, monkeypatch,
     assert abs(kept[0] - plain[0]) < 1e-4 * plain[0]
 
 
-@pytest.mark.parametrize("short_sample", [attention.SHORT_SAMPLE, 0], ids=["causal_attention", "torch-sdpa"])
-def test_packed_sdpa_equals_masked_attention_in_training(tiny_model_dir, monkeypatch, short_sample):
+def test_the_cpu_kernel_choice_follows_what_was_measured_on_each_cpu(monkeypatch):
+    """finetune's kernel for samples up to SHORT_SAMPLE where SDPA_FIRST is off (the AMD EPYC SHORT_SAMPLE was measured on);
+    on (an Intel Xeon with AMX: bench/results/attention.md), torch's sdpa for every fp32 sample and past 256 tokens in
+    bf16, but for heads scaled otherwise than by 1/sqrt(head size) (Gemma 4's, scale 1: torch's fp32 flash drifts there) or
+    values narrower than the keys (DeepSeek's latent attention: no flash kernel). FINETUNE_CPU_ATTENTION
+    chooses in a process of its own."""
+    import subprocess
+    import sys
+
+    monkeypatch.setattr(attention, "SDPA_FIRST", False)
+    assert attention.short_sample(torch.float32, 64, 64, 1 / 8) == attention.short_sample(torch.bfloat16, 64, 64, 1 / 8) == attention.SHORT_SAMPLE
+    monkeypatch.setattr(attention, "SDPA_FIRST", True)
+    assert attention.short_sample(torch.float32, 64, 64, 1 / 8) == 0 and attention.short_sample(torch.bfloat16, 256, 256, 1 / 16) == 256
+    assert attention.short_sample(torch.float32, 512, 512, 1.0) == attention.short_sample(torch.float32, 256, 256, 1.0) == attention.SHORT_SAMPLE
+    assert attention.short_sample(torch.float32, 96, 64, 96**-0.5) == attention.SHORT_SAMPLE  # DeepSeek's latent attention: no flash kernel
+    for chosen, first in (("sdpa", "True"), ("finetune", "False")):
+        out = subprocess.run([sys.executable, "-c", "from finetune.model import attention; print(attention.SDPA_FIRST)"], capture_output=True,
+                             text=True, env={**os.environ, "FINETUNE_CPU_ATTENTION": chosen}, cwd=REPO, timeout=120)
+        assert out.stdout.strip().splitlines()[-1] == first, out.stderr[-2000:]
+
+
+@pytest.mark.parametrize("short_sample, sdpa_first", [(attention.SHORT_SAMPLE, False), (0, False), (attention.SHORT_SAMPLE, True)],
+                         ids=["causal_attention", "torch-sdpa", "sdpa-first"])
+def test_packed_sdpa_equals_masked_attention_in_training(tiny_model_dir, monkeypatch, short_sample, sdpa_first):
     """Per-sample attention (GQA model, padded second row), by our kernel or torch's, == eager attention
     over the block-diagonal mask: logits and gradients; in eval too, and outside packed_rows() (generation)
-    it is plain sdpa."""
+    it is plain sdpa. sdpa-first: a CPU where torch's kernel is the faster (attention.SDPA_FIRST) sends fp32 samples to it."""
     monkeypatch.setattr(attention, "SHORT_SAMPLE", short_sample)
+    monkeypatch.setattr(attention, "SDPA_FIRST", sdpa_first)
+    ours, kernel = [], attention.causal_attention
+    monkeypatch.setattr(attention, "causal_attention", lambda *a, **k: ours.append(a) or kernel(*a, **k))
     batch = packed_batch(tiny_model_dir)
     assert [len(b) for b in sample_bounds(batch["position_ids"])] == [5, 4]  # 4 samples | 2 samples + pad
     results = {}
@@ -87,6 +114,7 @@ def test_packed_sdpa_equals_masked_attention_in_training(tiny_model_dir, monkeyp
     assert torch.allclose(packed_logits, eager_logits, atol=1e-5), (packed_logits - eager_logits).abs().max()
     for name, grad in eager_grads.items():
         assert torch.allclose(packed_grads[name], grad, atol=1e-5), name
+    assert bool(ours) == (short_sample > 0 and not sdpa_first)
     model.eval()
     with torch.no_grad(), attention.packed_rows():
         evaluated = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits

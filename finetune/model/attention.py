@@ -6,9 +6,10 @@ keeps the CPU kernels off their causal fast path. Here each sample runs as its o
 Σ len² / 2 work, the way flash-attention's varlen kernels treat packed rows on GPUs.
 
 On CPU, samples up to SHORT_SAMPLE tokens take `causal_attention` instead of torch's CPU flash
-kernel, whose backward ran at ~25 GFLOP/s here on ~200-token samples: batched matmuls at the bf16
+kernel, whose backward ran at ~25 GFLOP/s on ~200-token samples on an AMD EPYC: batched matmuls at the bf16
 matmul rate around an fp32 softmax, 1.6x faster fwd+bwd on such samples, for heads x len² fp32
-probabilities saved per sample (the reason for the length cap).
+probabilities saved per sample (the reason for the length cap). On an Intel Xeon with AMX torch's kernel is the
+faster one (`short_sample`).
 
 Sliding-window layers (Mistral, Qwen2, Phi-3, Gemma 2/3) pass `sliding_window`: each query then sees
 itself and the `sliding_window - 1` keys before it, as transformers' masks define it. Logit soft-capping
@@ -38,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import os
 import sys
 import threading
 
@@ -47,6 +49,33 @@ import torch.nn.functional as F
 PACKED_SDPA = "sdpa_packed"
 PACKED_SINKS = "packed_sinks"  # the same, for attention with sinks (register)
 SHORT_SAMPLE = 1024  # tokens: above it the saved probabilities outweigh the speed (and torch's kernel does better)
+
+
+def _has_amx() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("flags") and " amx_tile" in line for line in f)
+    except OSError:
+        return False
+
+
+# Intel Xeons with AMX (bench/results/attention.md): torch's sdpa took 0.27-0.60 of finetune's kernel's time in fp32 at
+# every length measured, and less in bf16 past ~256 tokens; on the AMD EPYC that SHORT_SAMPLE was measured on, finetune's
+# kernel was the faster. Other CPUs keep it. FINETUNE_CPU_ATTENTION=finetune or sdpa chooses (tests/conftest.py: finetune,
+# so that the suite computes alike on every CPU, its launched processes included).
+_CHOSEN = os.environ.get("FINETUNE_CPU_ATTENTION", "auto")
+SDPA_FIRST = _CHOSEN == "sdpa" or (_CHOSEN == "auto" and _has_amx())
+
+
+def short_sample(dtype: torch.dtype, head_dim: int, value_dim: int, scale: float) -> int:
+    """The longest sample finetune's kernel takes on this CPU (longer ones: torch's sdpa), for query/key heads of `head_dim`
+    and value heads of `value_dim` computed in `dtype`, their scores scaled by `scale`. Heads scaled otherwise than by
+    1/sqrt(head_dim) keep finetune's kernel (Gemma 4's q/k-normed heads, scale 1: torch's fp32 CPU flash drifts there,
+    docs/platform-notes.md), and so do values narrower than the keys (DeepSeek's latent attention), which torch's flash
+    kernel does not take: its math kernel is no faster than finetune's."""
+    if not SDPA_FIRST or value_dim != head_dim or abs(scale * head_dim**0.5 - 1) > 1e-6:
+        return SHORT_SAMPLE
+    return min(SHORT_SAMPLE, 256 if dtype in (torch.bfloat16, torch.float16) else 0)
 
 
 # Per thread (the async rollouts sample in a thread of their own while the step trains): `last` (position_ids, its version,
@@ -214,9 +243,10 @@ def packed_sdpa_forward(module, query, key, value, attention_mask, dropout: floa
     bounds = sample_bounds(position_ids)
     spans = [(b, s, e) for b, row in enumerate(bounds) for s, e in zip(row, row[1:])]
     ours = query.device.type == "cpu" and dropout == 0.0
+    limit = short_sample(_compute_dtype(query), query.shape[-1], value.shape[-1], scale)
     short, long = [], []
     for span in spans:
-        (short if ours and span[2] - span[1] <= SHORT_SAMPLE else long).append(span)
+        (short if ours and span[2] - span[1] <= limit else long).append(span)
     if not short:
         return _split_sdpa(query, key, value, bounds, window, scale, dropout, gqa), None
     # Each sample's output goes straight to its place in the (B, L, H, D) result: no concatenation
@@ -249,15 +279,15 @@ def _split_sdpa(query, key, value, bounds: list[list[int]], window: int | None, 
 
 
 def _attention_with_sinks(query, key, value, position_ids: torch.Tensor, scale: float, window: int | None, sinks: torch.Tensor) -> torch.Tensor:
-    """gpt-oss's attention over packed rows: on a CPU, samples up to SHORT_SAMPLE tokens through finetune's kernel (which
+    """gpt-oss's attention over packed rows: on a CPU, samples up to short_sample() tokens through finetune's kernel (which
     takes sinks, keeping its probabilities), longer ones through torch's sdpa one at a time; on an accelerator each row in
     one sdpa call over its block mask (the flash kernels' varlen calls cannot keep the sink in a sliding window's view)."""
     bounds, dtype = sample_bounds(position_ids), _compute_dtype(query)
     if accelerator_path(query):
         return _with_sink_key(query, key, value, _block_mask(position_ids, bounds, window, sink=dtype), scale, sinks)
-    spans = [(b, s, e) for b, row in enumerate(bounds) for s, e in zip(row, row[1:])]
-    short = [span for span in spans if span[2] - span[1] <= SHORT_SAMPLE]
-    long = [span for span in spans if span[2] - span[1] > SHORT_SAMPLE]
+    spans, limit = [(b, s, e) for b, row in enumerate(bounds) for s, e in zip(row, row[1:])], short_sample(dtype, query.shape[-1], value.shape[-1], scale)
+    short = [span for span in spans if span[2] - span[1] <= limit]
+    long = [span for span in spans if span[2] - span[1] > limit]
     if short:
         out = causal_attention(query, key, value, short, scale, window, sinks)
     else:  # sdpa's results written in place: no empty call of finetune's kernel, whose backward makes zero gradients

@@ -316,7 +316,7 @@ def sink_attention(shape: Shape, s: Setup) -> tuple[float, float]:
     """Attention with sinks (gpt-oss), per device: (what a layer keeps for its backward beyond the plain attention's
     values, what its backward holds while it computes). One sample a row, of seq_len tokens: the planner's worst case.
 
-    Through torch's sdpa (a GPU's rows, a CPU's samples over SHORT_SAMPLE tokens: model/attention.py's _with_sink_key) a
+    Through torch's sdpa (a GPU's rows, a CPU's samples over short_sample() tokens: model/attention.py's _with_sink_key) a
     layer keeps its query, keys, values and output widened by the sink's column and padded to a multiple of 8; its
     backward holds their gradients, and the forward's additive mask of len x (1 + len), made once for every layer (a
     GPU's a row, a CPU's a sample length).
@@ -326,11 +326,13 @@ def sink_attention(shape: Shape, s: Setup) -> tuple[float, float]:
     c = families.text_config(shape.config)
     if c.get("model_type") not in families.ATTENTION_SINKS:
         return 0.0, 0.0
-    from finetune.model.attention import KEPT_PROBS, SHORT_SAMPLE, sink_width
+    import torch
+
+    from finetune.model.attention import KEPT_PROBS, short_sample, sink_width
 
     heads, length = c["num_attention_heads"], s.seq_len
     kv_heads, dim = c.get("num_key_value_heads") or heads, c.get("head_dim") or c["hidden_size"] // heads
-    if s.accelerator or length > SHORT_SAMPLE:
+    if s.accelerator or length > short_sample(torch.bfloat16 if s.activation_bytes == 2 else torch.float32, dim, dim, dim**-0.5):
         width = sink_width(dim)
         widened = (2 * heads + 2 * kv_heads) * s.tokens * s.activation_bytes
         mask = (s.micro_batch if s.accelerator else 1) * length * (length + 1) * s.activation_bytes
