@@ -71,18 +71,17 @@ def test_trained_token_loss_equals_full_logits_loss(tiny_model_dir, monkeypatch,
 def test_the_cpu_kernel_choice_follows_what_was_measured_on_each_cpu(monkeypatch):
     """finetune's kernel for samples up to SHORT_SAMPLE where SDPA_FIRST is off (the AMD EPYC SHORT_SAMPLE was measured on);
     on (an Intel Xeon with AMX: bench/results/attention.md), torch's sdpa for every fp32 sample and past 256 tokens in
-    bf16, but for heads scaled otherwise than by 1/sqrt(head size) (Gemma 4's, scale 1: torch's fp32 flash drifts there) or
-    values narrower than the keys (DeepSeek's latent attention: no flash kernel). FINETUNE_CPU_ATTENTION
+    bf16, but for heads scaled otherwise than by 1/sqrt(head size) (Gemma 4's, scale 1: torch's fp32 flash drifts there).
+    FINETUNE_CPU_ATTENTION
     chooses in a process of its own."""
     import subprocess
     import sys
 
     monkeypatch.setattr(attention, "SDPA_FIRST", False)
-    assert attention.short_sample(torch.float32, 64, 64, 1 / 8) == attention.short_sample(torch.bfloat16, 64, 64, 1 / 8) == attention.SHORT_SAMPLE
+    assert attention.short_sample(torch.float32, 64, 1 / 8) == attention.short_sample(torch.bfloat16, 64, 1 / 8) == attention.SHORT_SAMPLE
     monkeypatch.setattr(attention, "SDPA_FIRST", True)
-    assert attention.short_sample(torch.float32, 64, 64, 1 / 8) == 0 and attention.short_sample(torch.bfloat16, 256, 256, 1 / 16) == 256
-    assert attention.short_sample(torch.float32, 512, 512, 1.0) == attention.short_sample(torch.float32, 256, 256, 1.0) == attention.SHORT_SAMPLE
-    assert attention.short_sample(torch.float32, 96, 64, 96**-0.5) == attention.SHORT_SAMPLE  # DeepSeek's latent attention: no flash kernel
+    assert attention.short_sample(torch.float32, 64, 1 / 8) == 0 and attention.short_sample(torch.bfloat16, 256, 1 / 16) == 256
+    assert attention.short_sample(torch.float32, 512, 1.0) == attention.short_sample(torch.float32, 256, 1.0) == attention.SHORT_SAMPLE
     for chosen, first in (("sdpa", "True"), ("finetune", "False")):
         out = subprocess.run([sys.executable, "-c", "from finetune.model import attention; print(attention.SDPA_FIRST)"], capture_output=True,
                              text=True, env={**os.environ, "FINETUNE_CPU_ATTENTION": chosen}, cwd=REPO, timeout=120)

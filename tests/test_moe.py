@@ -118,11 +118,13 @@ def test_expert_lora_under_bf16_autocast_keeps_no_fp32_copy_of_the_routed_tokens
 
 @pytest.mark.parametrize("family", ["deepseek-v3", "glm4-moe", "gpt-oss"])
 @pytest.mark.parametrize("method", ["lora", "full"])
-def test_latent_attention_partial_rotary_and_sink_moes_pack_exactly(family_dirs, family, method):
+def test_latent_attention_partial_rotary_and_sink_moes_pack_exactly(family_dirs, monkeypatch, family, method):
     """DeepSeek-V3 (latent attention: a decoupled rope part, value heads narrower than the query's), GLM-4.5
     (partial rotary, q/k norms) and gpt-oss (a sink logit per head, sliding and full layers in turn; its sinks
     drawn large and trained in full fine-tuning): finetune's packed rows give the losses and gradients of the
-    library's eager attention over each sample alone, and the start's leak check sees nothing move."""
+    library's eager attention over each sample alone, and the start's leak check sees nothing move; through finetune's
+    CPU kernel, and through torch's where a CPU sends every fp32 sample there (attention.SDPA_FIRST: DeepSeek's values
+    padded to the keys' width for its flash kernel, gpt-oss's sinks as a key of their own)."""
     if method == "lora":
         model = _adapted(family_dirs(family))
     else:
@@ -132,7 +134,11 @@ def test_latent_attention_partial_rotary_and_sink_moes_pack_exactly(family_dirs,
             if name.endswith("sinks"):
                 p.normal_(0, 1.0, generator=torch.Generator().manual_seed(0))
     assert attention.leak(model, model.config.vocab_size, "cpu") < 1e-5
-    assert_equal_to_each_sample_alone(model, textbook_samples(model.config.vocab_size))
+    ours = model.config._attn_implementation
+    for first in (False, True):
+        monkeypatch.setattr(attention, "SDPA_FIRST", first)
+        model.set_attn_implementation(ours)  # the reference's eager attention set aside
+        assert_equal_to_each_sample_alone(model, textbook_samples(model.config.vocab_size))
 
 
 def test_the_router_takes_no_adapter_and_dropout_stays_on_the_dense_layers(family_dirs):

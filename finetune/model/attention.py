@@ -67,13 +67,11 @@ _CHOSEN = os.environ.get("FINETUNE_CPU_ATTENTION", "auto")
 SDPA_FIRST = _CHOSEN == "sdpa" or (_CHOSEN == "auto" and _has_amx())
 
 
-def short_sample(dtype: torch.dtype, head_dim: int, value_dim: int, scale: float) -> int:
-    """The longest sample finetune's kernel takes on this CPU (longer ones: torch's sdpa), for query/key heads of `head_dim`
-    and value heads of `value_dim` computed in `dtype`, their scores scaled by `scale`. Heads scaled otherwise than by
-    1/sqrt(head_dim) keep finetune's kernel (Gemma 4's q/k-normed heads, scale 1: torch's fp32 CPU flash drifts there,
-    docs/platform-notes.md), and so do values narrower than the keys (DeepSeek's latent attention), which torch's flash
-    kernel does not take: its math kernel is no faster than finetune's."""
-    if not SDPA_FIRST or value_dim != head_dim or abs(scale * head_dim**0.5 - 1) > 1e-6:
+def short_sample(dtype: torch.dtype, head_dim: int, scale: float) -> int:
+    """The longest sample finetune's kernel takes on this CPU (longer ones: torch's sdpa), for heads of `head_dim` computed
+    in `dtype`, their scores scaled by `scale`. Heads scaled otherwise than by 1/sqrt(head_dim) keep finetune's kernel
+    (Gemma 4's q/k-normed heads, scale 1: torch's fp32 CPU flash drifts there, docs/platform-notes.md)."""
+    if not SDPA_FIRST or abs(scale * head_dim**0.5 - 1) > 1e-6:
         return SHORT_SAMPLE
     return min(SHORT_SAMPLE, 256 if dtype in (torch.bfloat16, torch.float16) else 0)
 
@@ -243,20 +241,23 @@ def packed_sdpa_forward(module, query, key, value, attention_mask, dropout: floa
     bounds = sample_bounds(position_ids)
     spans = [(b, s, e) for b, row in enumerate(bounds) for s, e in zip(row, row[1:])]
     ours = query.device.type == "cpu" and dropout == 0.0
-    limit = short_sample(_compute_dtype(query), query.shape[-1], value.shape[-1], scale)
+    limit = short_sample(_compute_dtype(query), query.shape[-1], scale)
     short, long = [], []
     for span in spans:
         (short if ours and span[2] - span[1] <= limit else long).append(span)
+    # Values narrower than the keys (DeepSeek's latent attention) padded with zeros for torch's kernel: its flash kernel takes
+    # equal widths only (else its math kernel runs), and the zero columns add nothing to the kept ones.
+    width, padded = value.shape[-1], F.pad(value, (0, query.shape[-1] - value.shape[-1])) if long and value.shape[-1] < query.shape[-1] else value
     if not short:
-        return _split_sdpa(query, key, value, bounds, window, scale, dropout, gqa), None
+        return _split_sdpa(query, key, padded, bounds, window, scale, dropout, gqa)[..., :width], None
     # Each sample's output goes straight to its place in the (B, L, H, D) result: no concatenation
     # and transposed copy of the whole output per layer.
     out = causal_attention(query, key, value, short, scale, window)
     for b, s, e in long:
         banded = window is not None and window < e - s
         mask = _allowed(e - s, window, query.device) if banded else None
-        out[b, s:e] = F.scaled_dot_product_attention(query[b : b + 1, :, s:e], key[b : b + 1, :, s:e], value[b : b + 1, :, s:e], attn_mask=mask,
-                                                     dropout_p=dropout, is_causal=not banded, scale=scale, enable_gqa=gqa)[0].transpose(0, 1)
+        out[b, s:e] = F.scaled_dot_product_attention(query[b : b + 1, :, s:e], key[b : b + 1, :, s:e], padded[b : b + 1, :, s:e], attn_mask=mask,
+                                                     dropout_p=dropout, is_causal=not banded, scale=scale, enable_gqa=gqa)[0, ..., :width].transpose(0, 1)
     return out, None
 
 
@@ -285,7 +286,7 @@ def _attention_with_sinks(query, key, value, position_ids: torch.Tensor, scale: 
     bounds, dtype = sample_bounds(position_ids), _compute_dtype(query)
     if accelerator_path(query):
         return _with_sink_key(query, key, value, _block_mask(position_ids, bounds, window, sink=dtype), scale, sinks)
-    spans, limit = [(b, s, e) for b, row in enumerate(bounds) for s, e in zip(row, row[1:])], short_sample(dtype, query.shape[-1], value.shape[-1], scale)
+    spans, limit = [(b, s, e) for b, row in enumerate(bounds) for s, e in zip(row, row[1:])], short_sample(dtype, query.shape[-1], scale)
     short = [span for span in spans if span[2] - span[1] <= limit]
     long = [span for span in spans if span[2] - span[1] > limit]
     if short:

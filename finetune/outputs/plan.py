@@ -332,7 +332,7 @@ def sink_attention(shape: Shape, s: Setup) -> tuple[float, float]:
 
     heads, length = c["num_attention_heads"], s.seq_len
     kv_heads, dim = c.get("num_key_value_heads") or heads, c.get("head_dim") or c["hidden_size"] // heads
-    if s.accelerator or length > short_sample(torch.bfloat16 if s.activation_bytes == 2 else torch.float32, dim, dim, dim**-0.5):
+    if s.accelerator or length > short_sample(torch.bfloat16 if s.activation_bytes == 2 else torch.float32, dim, dim**-0.5):
         width = sink_width(dim)
         widened = (2 * heads + 2 * kv_heads) * s.tokens * s.activation_bytes
         mask = (s.micro_batch if s.accelerator else 1) * length * (length + 1) * s.activation_bytes
