@@ -241,13 +241,15 @@ def packed_sdpa_forward(module, query, key, value, attention_mask, dropout: floa
     bounds = sample_bounds(position_ids)
     spans = [(b, s, e) for b, row in enumerate(bounds) for s, e in zip(row, row[1:])]
     ours = query.device.type == "cpu" and dropout == 0.0
-    limit = short_sample(_compute_dtype(query), query.shape[-1], scale)
+    limit = short_sample(compute_dtype(query), query.shape[-1], scale)
     short, long = [], []
     for span in spans:
         (short if ours and span[2] - span[1] <= limit else long).append(span)
     # Values narrower than the keys (DeepSeek's latent attention) padded with zeros for torch's kernel: its flash kernel takes
     # equal widths only (else its math kernel runs), and the zero columns add nothing to the kept ones.
-    width, padded = value.shape[-1], F.pad(value, (0, query.shape[-1] - value.shape[-1])) if long and value.shape[-1] < query.shape[-1] else value
+    width, padded = value.shape[-1], value
+    if long and width < query.shape[-1]:
+        padded = F.pad(value, (0, query.shape[-1] - width))
     if not short:
         return _split_sdpa(query, key, padded, bounds, window, scale, dropout, gqa)[..., :width], None
     # Each sample's output goes straight to its place in the (B, L, H, D) result: no concatenation
@@ -283,7 +285,7 @@ def _attention_with_sinks(query, key, value, position_ids: torch.Tensor, scale: 
     """gpt-oss's attention over packed rows: on a CPU, samples up to short_sample() tokens through finetune's kernel (which
     takes sinks, keeping its probabilities), longer ones through torch's sdpa one at a time; on an accelerator each row in
     one sdpa call over its block mask (the flash kernels' varlen calls cannot keep the sink in a sliding window's view)."""
-    bounds, dtype = sample_bounds(position_ids), _compute_dtype(query)
+    bounds, dtype = sample_bounds(position_ids), compute_dtype(query)
     if accelerator_path(query):
         return _with_sink_key(query, key, value, _block_mask(position_ids, bounds, window, sink=dtype), scale, sinks)
     spans, limit = [(b, s, e) for b, row in enumerate(bounds) for s, e in zip(row, row[1:])], short_sample(dtype, query.shape[-1], scale)
@@ -338,7 +340,7 @@ def _varlen_dtype(query: torch.Tensor, value: torch.Tensor, dropout: float) -> t
     """The dtype torch's varlen kernel would compute in (sdpa's: autocast's if on), or None where it cannot
     run: torch without `varlen_attn(window_size=...)` (before 2.11), fp32, dropout, or head sizes
     flash-attention does not take (over 256, not a multiple of 8, or value heads of another size: MLA's)."""
-    dtype = _compute_dtype(query)
+    dtype = compute_dtype(query)
     if dropout or dtype not in (torch.float16, torch.bfloat16) or query.shape[-1] > 256 or query.shape[-1] % 8 or _varlen() is None \
             or value.shape[-1] != query.shape[-1]:
         return None
@@ -385,13 +387,13 @@ def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     sinks (H,): a logit per head in every query's softmax with no value behind it (gpt-oss), as its eager attention.
 
     Computes in the dtype sdpa would (autocast's, if on), the softmax in fp32."""
-    device, dtype = query.device.type, _compute_dtype(query)
+    device, dtype = query.device.type, compute_dtype(query)
     with torch.autocast(device, enabled=False):
         return _CausalAttention.apply(query, key, value, spans, scale, dtype, window, sinks)
 
 
-def _compute_dtype(tensor: torch.Tensor) -> torch.dtype:
-    """The dtype sdpa and finetune's kernel compute `tensor` in: autocast's, if on."""
+def compute_dtype(tensor: torch.Tensor) -> torch.dtype:
+    """The dtype `tensor` is computed in where autocast may be on (sdpa, finetune's kernel, the experts' grouped LoRA): autocast's, if on."""
     device = tensor.device.type
     return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else tensor.dtype
 

@@ -23,6 +23,7 @@ import torch
 
 from finetune.config.errors import UserError
 from finetune.model import nf4
+from finetune.model.attention import compute_dtype
 
 IMPLEMENTATION = "finetune_grouped"  # the name registered in transformers' ExpertsInterface
 SCALES = "_int8_scales"  # an experts module's {parameter name: per-row scales} of its 8-bit stacks
@@ -137,8 +138,7 @@ def lora_delta(wrapper, adapter: str, x: torch.Tensor, offsets: torch.Tensor) ->
     Under autocast in the autocast's dtype, as the dense layers' LoRA computes there (loading.adapter_input_casting_off;
     torch's autocast leaves grouped_mm alone): the adapter's weights cast, not a copy of every routed token in fp32."""
     a, b = wrapper.lora_A[adapter].weight, wrapper.lora_B[adapter].weight
-    device, experts = x.device.type, wrapper.num_experts
-    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else a.dtype
+    experts, dtype = wrapper.num_experts, compute_dtype(a)
     a = a.view(experts, -1, a.shape[-1]).transpose(-2, -1).to(dtype).contiguous()  # (E, in, r)
     b = (b.view(b.shape[0], -1, experts).permute(2, 1, 0) * wrapper.scaling[adapter]).to(dtype).contiguous()  # (E, r, out), scaled here: r·out, not tokens·out
     pad = -a.shape[-1] % (16 // a.element_size())  # grouped_mm takes strides of whole 16 bytes: r 4 in bf16 gets 4 zeros
