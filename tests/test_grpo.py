@@ -395,6 +395,34 @@ def test_a_prompts_completions_are_the_same_in_any_batch(tiny_model_dir):
     assert static.sample(model, tokenizer, [long, short], 2, "cpu")[0] == beside  # fp32 on CPU: the static KV cache samples the same
 
 
+SHARED_PREFILL_FAMILIES = ["llama3", "mistral", "gemma2", "gemma3", "qwen3-moe", "gpt-oss", "deepseek-v3", "gemma4", "qwen3.5", "lfm2", "jamba"]
+
+
+@pytest.mark.parametrize("family", SHARED_PREFILL_FAMILIES)
+def test_a_prompt_read_once_for_its_group_samples_what_reading_it_each_time_does(family_dirs, family):
+    """generate reads a prompt given several times (a GRPO group) once, and copies its KV cache (and a hybrid model's
+    recurrent and convolution states) to each of its rows (sampling.shared_prefill). Two prompts of unequal lengths
+    (left-padded, the long one past the sliding window), 3 completions each, sampled at temperature 1: the same tokens and
+    the same sampler log-probabilities (1e-5) as the prompts read row by row, in every family whose cache it copies."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from finetune.objectives.sampling import generate, shared_prefill
+
+    folder = family_dirs(family)
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(folder).eval(), AutoTokenizer.from_pretrained(folder)
+    objective = GRPO(GRPOConfig(num_generations=3, max_completion_length=6, temperature=1.0), [], seed=3)
+    prompts = [np.array(PROMPTS[0] * 3)] * 3 + [np.array(PROMPTS[1])] * 3
+    results = []
+    for share in (True, False):
+        sampler = objective.sampler(torch.arange(6) * 7919, keep_logps=True)
+        results.append((generate(model, tokenizer, prompts, 6, "cpu", sampler, share=share), sampler.drawn_logps()))
+    (shared, shared_logps), (each, each_logps) = results
+    assert shared == each and len({tuple(c) for c in each}) > 2, (shared, each)
+    torch.testing.assert_close(shared_logps, each_logps, rtol=0, atol=1e-5)
+    ids = torch.as_tensor(np.stack([prompts[0], prompts[3][:1].repeat(len(prompts[0]))]))
+    assert shared_prefill(model, ids, torch.ones_like(ids), "cpu") is None  # no prompt repeats: generate reads them all itself
+
+
 def test_reward_functions_resolve_and_bad_ones_stop_in_one_line(tmp_path):
     (tmp_path / "my_rewards.py").write_text(
         "def shorter(completions, **kw):\n    return [-float(len(c)) for c in completions]\n"

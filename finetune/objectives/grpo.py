@@ -339,8 +339,8 @@ class GRPO(Objective):
         sampler = self.sampler(torch.as_tensor(seeds, device=device), keep_logps=True)
         shown = [p.pictures for p in prompts for _ in range(cfg.num_generations)]
         with routing.recording(model, len(repeated)) if cfg.router_replay else contextlib.nullcontext() as taken:
-            completions = generate(model, tokenizer, repeated, cfg.max_completion_length, device, sampler, synced=self.synced,
-                                   cache=cfg.kv_cache, picture_inputs=self._picture_inputs(shown), never=self.placeholders)
+            completions = generate(model, tokenizer, repeated, cfg.max_completion_length, device, sampler, synced=self.synced, cache=cfg.kv_cache,
+                                   picture_inputs=self._picture_inputs(shown), never=self.placeholders, share=not cfg.router_replay)  # replay: routes a row
             routes = routing.per_sequence(taken(), [len(p) for p in repeated], [len(c) for c in completions]) if taken else None
         table = sampler.drawn_logps()
         seen = [{"sampler_logps": table[i, : len(c)], **({"routing": routes[i]} if routes else {})} for i, c in enumerate(completions)]

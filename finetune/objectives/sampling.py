@@ -14,12 +14,14 @@ from finetune.model.loading import end_tokens
 
 
 def generate(model, tokenizer, prompts: list[np.ndarray], max_new_tokens: int, device, sampler=None, synced: bool = False,
-             cache: str = "dynamic", picture_inputs=None, never: tuple[int, ...] = ()) -> list[list[int]]:
+             cache: str = "dynamic", picture_inputs=None, never: tuple[int, ...] = (), share: bool = True) -> list[list[int]]:
     """One completion of each prompt (cut after its first end token: loading.end_tokens) from one `generate` call, the prompts
     left-padded: greedy, or sampled by `sampler` (a GumbelSampler). `synced`: the weights are sharded, and
     every rank runs as many forwards as the rank with the longest completion (transformers' synced_gpus).
     cache: grpo.kv_cache (static: transformers' static KV cache, its decoding step compiled on CUDA).
-    picture_inputs: the padded ids -> the prompts' image inputs (a vision-language model's), or None; `never`: tokens not sampled."""
+    picture_inputs: the padded ids -> the prompts' image inputs (a vision-language model's), or None; `never`: tokens not sampled.
+    share: a prompt given several times (GRPO's group) is read once (shared_prefill), where the cache is dynamic and the
+    prompts are text."""
     from transformers import GenerationConfig, LogitsProcessorList
 
     width = max(len(p) for p in prompts)
@@ -34,13 +36,33 @@ def generate(model, tokenizer, prompts: list[np.ndarray], max_new_tokens: int, d
                                 suppress_tokens=list(never) or None)
     shown = {k: v.to(device) for k, v in picture_inputs(ids).items()} if picture_inputs is not None else {}
     with root_gathered(model):
-        out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), **shown, generation_config=settings,
+        read = shared_prefill(model, ids, mask, device) if share and cache == "dynamic" and not shown else None
+        out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), **shown, generation_config=settings, past_key_values=read,
                              logits_processor=LogitsProcessorList([] if sampler is None else [sampler]), synced_gpus=synced)
     completions = []
     for seq in out[:, width:].tolist():
         end = next((i for i, token in enumerate(seq) if token in ends), None)
         completions.append(seq if end is None else seq[: end + 1])
     return completions
+
+
+@torch.no_grad()
+def shared_prefill(model, ids: torch.Tensor, mask: torch.Tensor, device):
+    """The KV cache of every left-padded prompt but its last token, computed once for each distinct prompt and copied to
+    each row that repeats it (transformers' Cache.reorder_cache), for `generate` to go on from: GRPO's num_generations
+    copies of a prompt read it once, as a serving engine's prefix cache would. None where no prompt repeats, or where
+    the prompts are one token long. Positions as generate derives them from the mask (_prepare_position_ids_for_generation)."""
+    if ids.shape[1] < 2:
+        return None
+    distinct, rows = np.unique(torch.cat([ids, mask], 1).numpy(), axis=0, return_inverse=True)
+    if len(distinct) == len(ids):
+        return None
+    head, head_mask = (torch.as_tensor(part[:, :-1]) for part in np.split(distinct, 2, axis=1))
+    positions = (head_mask.cumsum(-1) - 1).masked_fill_(head_mask == 0, 0)
+    reads = model.get_base_model() if hasattr(model, "get_base_model") else model  # what generate calls: under FSDP2 not the PEFT root
+    out = reads(input_ids=head.to(device), attention_mask=head_mask.to(device), position_ids=positions.to(device), use_cache=True, logits_to_keep=1)
+    out.past_key_values.reorder_cache(torch.as_tensor(rows.reshape(-1), device=device))
+    return out.past_key_values
 
 
 @contextlib.contextmanager
