@@ -6,7 +6,9 @@ temperature 1. A random model rarely samples its EOS, so nearly every completion
 
 Paths:
   generate        finetune today: one left-padded `generate` call, the dynamic KV cache, the Gumbel sampler
-                  (each completion's noise from its own seed: batch-independent, resumable)
+                  (each completion's noise from its own seed: batch-independent, resumable), each prompt read once for
+                  its `--generations` copies (sampling.shared_prefill)
+  generate-each   the same, every copy of a prompt read (as before shared_prefill; as TRL's generate path reads them)
   generate-hf     the same call with transformers' own sampling (the Gumbel sampler's cost)
   static          the Gumbel sampler through a static KV cache (`cache_implementation="static"`; on CUDA
                   transformers compiles the decoding step: its first call, timed apart, pays the compile)
@@ -55,8 +57,8 @@ def paths(model, prompts: list[list[int]], generations: int, new_tokens: int, de
     repeated = [np.array(p) for p in prompts for _ in range(generations)]
     seeds = torch.arange(len(repeated), device=device, dtype=torch.int64) + 12345
 
-    def ours():
-        return generate(model, Tokens, repeated, new_tokens, device, GumbelSampler(seeds, [TemperatureLogitsWarper(1.0)]))
+    def ours(share: bool = True):
+        return generate(model, Tokens, repeated, new_tokens, device, GumbelSampler(seeds, [TemperatureLogitsWarper(1.0)]), share=share)
 
     def hf_sampling():
         width = max(len(p) for p in repeated)
@@ -80,7 +82,7 @@ def paths(model, prompts: list[list[int]], generations: int, new_tokens: int, de
         out = model.generate_batch(inputs=[p.tolist() for p in repeated], generation_config=settings)
         return [o.generated_tokens for o in out.values()]
 
-    return {"generate": ours, "generate-hf": hf_sampling, "static": static, "continuous": continuous}
+    return {"generate": ours, "generate-each": lambda: ours(share=False), "generate-hf": hf_sampling, "static": static, "continuous": continuous}
 
 
 def measure(job, device: str) -> tuple[float, float, list]:

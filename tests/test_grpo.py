@@ -421,6 +421,9 @@ def test_a_prompt_read_once_for_its_group_samples_what_reading_it_each_time_does
     torch.testing.assert_close(shared_logps, each_logps, rtol=0, atol=1e-5)
     ids = torch.as_tensor(np.stack([prompts[0], prompts[3][:1].repeat(len(prompts[0]))]))
     assert shared_prefill(model, ids, torch.ones_like(ids), "cpu") is None  # no prompt repeats: generate reads them all itself
+    if family == "llama3":  # a generation_config.json naming a cache of its own (Gemma's releases: "hybrid"): generate makes it, reading each copy
+        model.generation_config.cache_implementation = "static"
+        assert generate(model, tokenizer, prompts, 6, "cpu", objective.sampler(torch.arange(6) * 7919)) == each
 
 
 def test_reward_functions_resolve_and_bad_ones_stop_in_one_line(tmp_path):

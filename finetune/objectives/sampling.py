@@ -20,8 +20,8 @@ def generate(model, tokenizer, prompts: list[np.ndarray], max_new_tokens: int, d
     every rank runs as many forwards as the rank with the longest completion (transformers' synced_gpus).
     cache: grpo.kv_cache (static: transformers' static KV cache, its decoding step compiled on CUDA).
     picture_inputs: the padded ids -> the prompts' image inputs (a vision-language model's), or None; `never`: tokens not sampled.
-    share: a prompt given several times (GRPO's group) is read once (shared_prefill), where the cache is dynamic and the
-    prompts are text."""
+    share: a prompt given several times (GRPO's group) is read once (shared_prefill), where the cache is dynamic (and the
+    model's generation_config names no cache of its own) and the prompts are text."""
     from transformers import GenerationConfig, LogitsProcessorList
 
     width = max(len(p) for p in prompts)
@@ -36,7 +36,8 @@ def generate(model, tokenizer, prompts: list[np.ndarray], max_new_tokens: int, d
                                 suppress_tokens=list(never) or None)
     shown = {k: v.to(device) for k, v in picture_inputs(ids).items()} if picture_inputs is not None else {}
     with root_gathered(model):
-        read = shared_prefill(model, ids, mask, device) if share and cache == "dynamic" and not shown else None
+        own = getattr(model.generation_config, "cache_implementation", None)  # a released generation_config.json's (Gemma's "hybrid")
+        read = shared_prefill(model, ids, mask, device) if share and cache == "dynamic" and own is None and not shown else None
         out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), **shown, generation_config=settings, past_key_values=read,
                              logits_processor=LogitsProcessorList([] if sampler is None else [sampler]), synced_gpus=synced)
     completions = []
