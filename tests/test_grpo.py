@@ -426,6 +426,60 @@ def test_a_prompt_read_once_for_its_group_samples_what_reading_it_each_time_does
         assert generate(model, tokenizer, prompts, 6, "cpu", objective.sampler(torch.arange(6) * 7919)) == each
 
 
+SHARED_PROMPT_FAMILIES = ["llama3", "mistral", "gemma3", "qwen3-moe", "deepseek-v3", "glm4-moe", "gemma4"]
+
+
+@pytest.mark.parametrize("kernel", ["finetune", "sdpa", "gpu-block-mask"])
+@pytest.mark.parametrize("family", SHARED_PROMPT_FAMILIES)
+def test_a_groups_prompt_written_once_trains_as_a_copy_for_each_completion(monkeypatch, family_dirs, family, kernel):
+    """grpo.shared_prompts: a group's row holds its prompt once, each completion after a copy of its last token, reading the
+    prompt's keys and values (attention.sample_prefixes). Two prompts (one past the sliding window) of 3 completions of
+    unequal lengths, the length reward, beta 0.2, LoRA with B drawn: the loss and every LoRA gradient equal the row of a
+    copy a completion (1e-6 / 1e-5), through finetune's CPU kernel, torch's sdpa a sample at a time, and the GPU's
+    block mask (its Python on CPU tensors); and the row is shorter."""
+    from transformers import AutoTokenizer
+
+    from finetune.config.schema import AdapterConfig, ModelConfig
+    from finetune.data.packing import Prompt
+    from finetune.model import attention
+    from finetune.model.loading import apply_adapter, load_model
+
+    if kernel == "sdpa":
+        monkeypatch.setattr(attention, "short_sample", lambda *a: 0)
+    elif kernel == "gpu-block-mask":
+        monkeypatch.setattr(attention, "accelerator_path", lambda tensor: True)
+    folder = family_dirs(family)
+    torch.manual_seed(0)
+    model = apply_adapter(load_model(ModelConfig(name_or_path=str(folder)), say=lambda _: None), AdapterConfig(r=4, alpha=8, dropout=0.0),
+                          gradient_checkpointing=False, say=lambda _: None).train()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.02)
+    cfg = GRPOConfig(num_generations=3, max_completion_length=6, beta=0.2, loss_type="grpo", rewards=["length"])
+    objective = GRPO(cfg, load_rewards(cfg), seed=0)
+    assert objective.reads_shared_prompts(model)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    prompts = [Prompt(np.array(PROMPTS[0] * 3), {"prompt": "a"}, 0), Prompt(np.array(PROMPTS[1]), {"prompt": "b"}, 1)]
+    completions = [[[40, 41, 42, 2], [43, 44], [45, 46, 47, 48, 49, 50]], [[51], [52, 53, 54], [55, 56]]]
+    trained = [p for p in model.parameters() if p.requires_grad]
+    results = []
+    for shared in (True, False):
+        rows, columns = zip(*(objective._scored(tokenizer, p, c, [{}] * 3, shared) for p, c in zip(prompts, completions)))
+        batch = {**collate(list(rows), 0), **{k: torch.cat([c[k] for c in columns]) for k in columns[0]}}
+        model.zero_grad()
+        totals = objective.counts(batch)
+        loss = objective.losses(model, to_device(batch, "cpu"), totals).tokens / totals[0]
+        loss.backward()
+        results.append((loss.detach(), [p.grad.clone() for p in trained], batch["input_ids"].shape[1]))
+    (loss, grads, width), (copied_loss, copied_grads, copied_width) = results
+    largest = max(c.abs().max().item() for c in copied_grads)
+    assert width < copied_width and largest > 1e-4
+    torch.testing.assert_close(loss, copied_loss, rtol=0, atol=1e-6)
+    worst = max((g - c).abs().max().item() for g, c in zip(grads, copied_grads))
+    assert worst <= 1e-5 * largest, (worst, largest)
+
+
 def test_reward_functions_resolve_and_bad_ones_stop_in_one_line(tmp_path):
     (tmp_path / "my_rewards.py").write_text(
         "def shorter(completions, **kw):\n    return [-float(len(c)) for c in completions]\n"

@@ -324,6 +324,10 @@ class GRPOConfig(_Section):
         "sampler), per token or per completion, capped or masked above cap (TRL's vllm_importance_sampling_correction, whose "
         "defaults level sequence, mode mask, cap 3.0 are these; null: off). The gap is logged either way (mismatch_kl, mismatch_max). "
         "Single-turn GRPO (not grpo.environment's episodes).")
+    shared_prompts: bool = Field(True, description="Write each group's prompt once in its training row, every completion reading it "
+                                 "(attention.sample_prefixes): the prompt's tokens computed once a step, not num_generations times. "
+                                 "Where a model cannot read a shared prompt (attention with sinks, linear-attention or state-space layers, "
+                                 "eager attention), with router_replay, pictures or an environment's episodes: a copy of it a completion.")
     router_replay: bool = Field(False, description="Mixture-of-experts policies: record the experts each token was routed to while "
                                 "the sampler ran it, and route the training forwards' tokens to the same experts (their gate weights from "
                                 "the trainer's own router logits, so the router still learns), as Megatron-LM's and verl's router replay. "

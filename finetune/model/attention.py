@@ -105,20 +105,41 @@ def in_packed_rows() -> bool:
 
 
 def sample_bounds(position_ids: torch.Tensor) -> list[list[int]]:
-    """Per row, the offsets where a sample starts, plus the row length at the end. Training batches
-    carry them from the host (`with_bounds`); any other device tensor costs a host sync per forward."""
+    """Per row, the offsets where a sample starts (its positions restart: at 0, or at p > 0 for a sample that shares
+    a prompt, see sample_prefixes), plus the row length at the end. Training batches carry them from the host
+    (`with_bounds`); any other device tensor costs a host sync per forward."""
+    return _segments(position_ids)[0]
+
+
+def sample_prefixes(position_ids: torch.Tensor) -> list[dict[int, tuple[int, int]]]:
+    """Per row, {a sample's start: (its prefix's start, length)} for each sample whose positions begin at p > 0 after one
+    that began at 0: it reads that sample's first p tokens as its own first p (GRPO's group rows, the prompt written
+    once for all its completions: grpo.group_row). Empty for rows of samples that each begin at 0."""
+    return _segments(position_ids)[1]
+
+
+def _segments(position_ids: torch.Tensor) -> tuple[list[list[int]], list[dict[int, tuple[int, int]]]]:
     known = getattr(position_ids, "sample_bounds", None)
     if known is not None:
-        return known
+        return known, getattr(position_ids, "sample_prefixes", [{} for _ in known])
     last = getattr(_state, "last", None)
     if last is not None and last[0] is position_ids and last[1] == position_ids._version:
         return last[2]
     length = position_ids.shape[-1]
-    starts = (position_ids == 0).nonzero().tolist()
+    restart = torch.ones_like(position_ids, dtype=torch.bool)
+    restart[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
+    rows, cols = restart.nonzero(as_tuple=True)
+    firsts = position_ids[rows, cols]
     bounds: list[list[int]] = [[] for _ in range(position_ids.shape[0])]
-    for row, col in starts:
+    prefixes: list[dict[int, tuple[int, int]]] = [{} for _ in bounds]
+    prompt = {}  # row -> the start of its last sample that began at 0
+    for row, col, first in zip(rows.tolist(), cols.tolist(), firsts.tolist()):
         bounds[row].append(col)
-    result = [([0] if not b or b[0] != 0 else []) + b + [length] for b in bounds]
+        if first == 0:
+            prompt[row] = col
+        elif row in prompt and col > 0:
+            prefixes[row][col] = (prompt[row], first)
+    result = ([b + [length] for b in bounds], prefixes)
     _state.last = (position_ids, position_ids._version, result)
     return result
 
@@ -183,10 +204,19 @@ def _block_mask(position_ids: torch.Tensor, bounds: list[list[int]], window: int
     key = ("finetune_block_mask", window, sink)
     cached = getattr(position_ids, "finetune_masks", {})
     if key not in cached:
-        length = position_ids.shape[-1]
-        sample = torch.tensor([[i for i, (s, e) in enumerate(zip(row, row[1:])) for _ in range(e - s)] for row in bounds]).to(position_ids.device)
-        allowed = _allowed(length, window, position_ids.device)
-        mask = ((sample[:, :, None] == sample[:, None, :]) & allowed)[:, None]
+        length, device = position_ids.shape[-1], position_ids.device
+        sample = torch.tensor([[i for i, (s, e) in enumerate(zip(row, row[1:])) for _ in range(e - s)] for row in bounds]).to(device)
+        mask = (sample[:, :, None] == sample[:, None, :]) & _allowed(length, window, device)
+        prefixes = sample_prefixes(position_ids)
+        if any(prefixes):  # a sample that shares a prefix also sees it: each query its prefix's columns, within the window by position
+            edges = [[prefix.get(s, (0, 0)) for s, e in zip(row, row[1:]) for _ in range(e - s)] for row, prefix in zip(bounds, prefixes)]
+            first, count = torch.tensor(edges, device=device).unbind(-1)
+            columns = torch.arange(length, device=device)
+            seen = (columns >= first[:, :, None]) & (columns < (first + count)[:, :, None])
+            if window is not None:
+                seen &= (position_ids[:, :, None] - position_ids[:, None, :]) < window
+            mask |= seen
+        mask = mask[:, None]
         if sink is not None:
             mask = _additive(F.pad(mask, (1, 0), value=True), sink)
         cached[key] = mask
@@ -195,8 +225,8 @@ def _block_mask(position_ids: torch.Tensor, bounds: list[list[int]], window: int
 
 
 def with_bounds(position_ids: torch.Tensor, host: torch.Tensor) -> torch.Tensor:
-    """`position_ids` (on the device) with the sample bounds of its host copy attached, computed there."""
-    position_ids.sample_bounds = sample_bounds(host)
+    """`position_ids` (on the device) with the sample bounds and prefixes of its host copy attached, computed there."""
+    position_ids.sample_bounds, position_ids.sample_prefixes = _segments(host)
     return position_ids
 
 
@@ -231,15 +261,18 @@ def packed_sdpa_forward(module, query, key, value, attention_mask, dropout: floa
         if dropout:
             raise NotImplementedError(f"{PACKED_SDPA}: attention dropout with sinks")
         return _attention_with_sinks(query, key, value, position_ids, scale, window, sinks), None
+    prefixes = sample_prefixes(position_ids)
     if accelerator_path(query):
         dtype = _varlen_dtype(query, value, dropout)
-        if dtype is None:
-            if placeholder:
+        # Shared prompts (sample_prefixes) take the block mask: how torch's varlen kernel aligns a sample's causal mask
+        # when it reads more keys than it has queries is not yet checked on a GPU.
+        if dtype is None or any(prefixes):
+            if placeholder or any(prefixes):
                 attention_mask = _block_mask(position_ids, sample_bounds(position_ids), window)
             return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
         return varlen_attention(query, key, value, sample_bounds(position_ids), scale, dtype, window), None
     bounds = sample_bounds(position_ids)
-    spans = [(b, s, e) for b, row in enumerate(bounds) for s, e in zip(row, row[1:])]
+    spans = [(b, s, e, *prefixes[b].get(s, ())) for b, row in enumerate(bounds) for s, e in zip(row, row[1:])]
     ours = query.device.type == "cpu" and dropout == 0.0
     limit = short_sample(compute_dtype(query), query.shape[-1], scale)
     short, long = [], []
@@ -250,16 +283,23 @@ def packed_sdpa_forward(module, query, key, value, attention_mask, dropout: floa
     width, padded = value.shape[-1], value
     if long and width < query.shape[-1]:
         padded = F.pad(value, (0, query.shape[-1] - width))
-    if not short:
+    if not short and not any(prefixes):
         return _split_sdpa(query, key, padded, bounds, window, scale, dropout, gqa)[..., :width], None
     # Each sample's output goes straight to its place in the (B, L, H, D) result: no concatenation
     # and transposed copy of the whole output per layer.
-    out = causal_attention(query, key, value, short, scale, window)
-    for b, s, e in long:
-        banded = window is not None and window < e - s
-        mask = _allowed(e - s, window, query.device) if banded else None
-        out[b, s:e] = F.scaled_dot_product_attention(query[b : b + 1, :, s:e], key[b : b + 1, :, s:e], padded[b : b + 1, :, s:e], attn_mask=mask,
-                                                     dropout_p=dropout, is_causal=not banded, scale=scale, enable_gqa=gqa)[0, ..., :width].transpose(0, 1)
+    if short:
+        out = causal_attention(query, key, value, short, scale, window)
+    else:
+        out = query.new_zeros(query.shape[0], query.shape[2], query.shape[1], width, dtype=compute_dtype(query))
+    for span in long:
+        b, s, e = span[:3]
+        read = _read(span)  # a shared prefix's keys first (sample_prefixes): the queries are the causal mask's last rows
+        keys, values = ((x[b : b + 1, :, s:e] if read == e - s else torch.cat([x[b : b + 1, :, span[3] : span[3] + span[4]], x[b : b + 1, :, s:e]], 2))
+                        for x in (key, padded))
+        banded = read > e - s or (window is not None and window < e - s)
+        mask = _allowed(read, window, query.device)[read - (e - s) :] if banded else None
+        out[b, s:e] = F.scaled_dot_product_attention(query[b : b + 1, :, s:e], keys, values, attn_mask=mask, dropout_p=dropout, is_causal=not banded,
+                                                     scale=scale, enable_gqa=gqa)[0, ..., :width].transpose(0, 1)
     return out, None
 
 
@@ -286,6 +326,8 @@ def _attention_with_sinks(query, key, value, position_ids: torch.Tensor, scale: 
     takes sinks, keeping its probabilities), longer ones through torch's sdpa one at a time; on an accelerator each row in
     one sdpa call over its block mask (the flash kernels' varlen calls cannot keep the sink in a sliding window's view)."""
     bounds, dtype = sample_bounds(position_ids), compute_dtype(query)
+    if any(sample_prefixes(position_ids)):
+        raise NotImplementedError(f"{PACKED_SINKS}: samples sharing a prefix (grpo.group_row writes them only where attention has no sinks)")
     if accelerator_path(query):
         return _with_sink_key(query, key, value, _block_mask(position_ids, bounds, window, sink=dtype), scale, sinks)
     spans, limit = [(b, s, e) for b, row in enumerate(bounds) for s, e in zip(row, row[1:])], short_sample(dtype, query.shape[-1], scale)
@@ -453,13 +495,14 @@ class _CausalAttention(torch.autograd.Function):
         batch, heads, length, _ = query.shape
         out = query.new_zeros(batch, length, heads, value.shape[-1], dtype=dtype)  # MLA's value heads are narrower than its query's
         groups = heads // key.shape[1]
-        kept = sum(heads * (e - s) * (e - s + 1) * 4 for _, s, e in spans) <= KEPT_PROBS
+        kept = sum(heads * (span[2] - span[1]) * (_read(span) + 1) * 4 for span in spans) <= KEPT_PROBS
         probs = []
-        for b, s, e in spans:
-            q, k, v = _sample(query, key, value, b, s, e, dtype)
-            for h in [slice(0, heads)] if kept else _head_chunks(heads, groups, e - s):
+        for span in spans:
+            (b, s, e), read = span[:3], _read(span)
+            q, k, v = _sample(query, key, value, span, dtype)
+            for h in [slice(0, heads)] if kept else _head_chunks(heads, groups, e - s, read):
                 p = _probs(q[h], k[h], e - s, scale, dtype, window, None if sinks is None else sinks[h])
-                out[b, s:e, h] = torch.bmm(p[..., : e - s].to(dtype), v[h]).transpose(0, 1)
+                out[b, s:e, h] = torch.bmm(p[..., :read].to(dtype), v[h]).transpose(0, 1)
                 if kept:
                     probs.append(p)
         ctx.save_for_backward(query, key, value, *probs)
@@ -472,14 +515,15 @@ class _CausalAttention(torch.autograd.Function):
         heads, groups = query.shape[1], query.shape[1] // key.shape[1]
         grad_query, grad_key, grad_value = torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value)
         grad_sinks = None if ctx.sinks is None else torch.zeros(ctx.sinks.shape, dtype=torch.float32, device=ctx.sinks.device)
-        for i, (b, s, e) in enumerate(ctx.spans):
-            q, k, v = _sample(query, key, value, b, s, e, ctx.dtype)
+        for i, span in enumerate(ctx.spans):
+            (b, s, e), read = span[:3], _read(span)
+            q, k, v = _sample(query, key, value, span, ctx.dtype)
             whole = grad_out[b, s:e].transpose(0, 1)
-            for h in [slice(0, heads)] if probs else _head_chunks(heads, groups, e - s):
+            for h in [slice(0, heads)] if probs else _head_chunks(heads, groups, e - s, read):
                 p = probs[i] if probs else _probs(q[h], k[h], e - s, ctx.scale, ctx.dtype, ctx.window, None if ctx.sinks is None else ctx.sinks[h])
                 g = whole[h]
                 # The input-dtype probabilities are cast again, not saved: one len² tensor per sample, not two.
-                grad_v = torch.bmm(p[..., : e - s].to(ctx.dtype).transpose(1, 2), g)
+                grad_v = torch.bmm(p[..., :read].to(ctx.dtype).transpose(1, 2), g)
                 grad_probs = torch.bmm(g, v[h].transpose(1, 2)).float()
                 if grad_sinks is not None:  # the sink's column has no value: no gradient flows into it from the output
                     grad_probs = torch.nn.functional.pad(grad_probs, (0, 1))
@@ -496,28 +540,46 @@ class _CausalAttention(torch.autograd.Function):
                 if groups > 1:
                     grad_k, grad_v = (x.unflatten(0, (-1, groups)).sum(1) for x in (grad_k, grad_v))
                 shared = slice(h.start // groups, h.stop // groups)
-                grad_key[b, shared, s:e], grad_value[b, shared, s:e] = grad_k, grad_v
+                if len(span) > 3:  # the prefix's keys and values, read by every sample of its group: their gradients add up
+                    first, prefix = span[3], span[4]
+                    grad_key[b, shared, first : first + prefix] += grad_k[:, :prefix]
+                    grad_value[b, shared, first : first + prefix] += grad_v[:, :prefix]
+                    grad_k, grad_v = grad_k[:, prefix:], grad_v[:, prefix:]
+                grad_key[b, shared, s:e] += grad_k
+                grad_value[b, shared, s:e] += grad_v
         return grad_query, grad_key, grad_value, None, None, None, None, None if grad_sinks is None else grad_sinks.to(ctx.sinks.dtype)
 
 
 def _probs(q: torch.Tensor, k: torch.Tensor, length: int, scale: float, dtype: torch.dtype, window: int | None,
            sinks: torch.Tensor | None) -> torch.Tensor:
     """softmax(q kᵀ · scale + the causal mask) in fp32, with each head's sink as a last column where there are sinks."""
-    scores = torch.baddbmm(_causal_mask(length, dtype, q.device, window), q, k.transpose(1, 2), alpha=scale)
+    read = k.shape[1]  # a sample that shares a prefix reads it first: its queries are the last rows of the causal mask
+    scores = torch.baddbmm(_causal_mask(read, dtype, q.device, window)[read - length :], q, k.transpose(1, 2), alpha=scale)
     if sinks is not None:  # the sink's column, kept in the probabilities: its share of each row is what the keys lose
         scores = torch.cat([scores, sinks.to(dtype).view(-1, 1, 1).expand(-1, length, 1)], dim=-1)
     return torch.softmax(scores, dim=-1, dtype=torch.float32)
 
 
-def _head_chunks(heads: int, groups: int, length: int) -> list[slice]:
-    """Slices of the query heads, each whole groups of a key/value head, whose probabilities fit KEPT_PROBS."""
-    step = groups * max(1, KEPT_PROBS // (groups * length * (length + 1) * 4))
+def _head_chunks(heads: int, groups: int, length: int, read: int | None = None) -> list[slice]:
+    """Slices of the query heads, each whole groups of a key/value head, whose probabilities (length queries x `read`
+    keys, length if not given) fit KEPT_PROBS."""
+    step = groups * max(1, KEPT_PROBS // (groups * length * ((read or length) + 1) * 4))
     return [slice(h, min(h + step, heads)) for h in range(0, heads, step)]
 
 
-def _sample(query, key, value, b: int, s: int, e: int, dtype: torch.dtype):
-    """One sample's q, k, v in the compute dtype; grouped-query keys and values repeated per query head."""
+def _read(span: tuple[int, ...]) -> int:
+    """The keys a sample (row, start, end[, prefix start, prefix length]) reads: its prefix's and its own."""
+    return span[2] - span[1] + (span[4] if len(span) > 3 else 0)
+
+
+def _sample(query, key, value, span: tuple[int, ...], dtype: torch.dtype):
+    """One sample's q, k, v in the compute dtype, its prefix's keys and values first where it shares one (sample_prefixes);
+    grouped-query keys and values repeated per query head."""
+    b, s, e = span[:3]
     q, k, v = query[b, :, s:e], key[b, :, s:e], value[b, :, s:e]
+    if len(span) > 3:
+        first, prefix = span[3], span[4]
+        k, v = (torch.cat([x[b, :, first : first + prefix], own], 1) for x, own in ((key, k), (value, v)))
     groups = q.shape[0] // k.shape[0]
     if groups > 1:
         k, v = k.repeat_interleave(groups, 0), v.repeat_interleave(groups, 0)

@@ -39,7 +39,8 @@ from finetune.config.schema import GRPOConfig
 from finetune.data.encoding import prompt_text
 from finetune.data.packing import Prompt, Row, Split, collate
 from finetune.data.rows import IGNORE
-from finetune.model import routing
+from finetune.model import mixers, routing
+from finetune.model.attention import PACKED_SDPA, attention_of, base_model
 from finetune.objectives.evaluate import batches_per_rank
 from finetune.objectives.loss import Losses, to_device
 from finetune.objectives.objective import Objective, adapters_off, answers, token_logps
@@ -324,7 +325,14 @@ class GRPO(Objective):
     def groups(self, model, tokenizer, prompts: list[Prompt], position: int, device) -> list[tuple[Row, dict[str, torch.Tensor]]]:
         """Each prompt's group of completions as a scored training row, with what the sampler saw of their tokens."""
         completions, seen = self.sample(model, tokenizer, prompts, position, device)
-        return [self._scored(tokenizer, p, c, s) for p, c, s in zip(prompts, completions, seen)]
+        shared = self.reads_shared_prompts(model)
+        return [self._scored(tokenizer, p, c, s, shared) for p, c, s in zip(prompts, completions, seen)]
+
+    def reads_shared_prompts(self, model) -> bool:
+        """Whether a group's row holds its prompt once (grpo.shared_prompts): where the model's attention is finetune's packed
+        attention without sinks, no layer carries a state along the row, and no expert routes or pictures are kept per copy."""
+        return (self.cfg.shared_prompts and not self.cfg.router_replay and self.vision is None and attention_of(model) == PACKED_SDPA
+                and not mixers.mixers(base_model(model)))
 
     def sample(self, model, tokenizer, prompts: list[Prompt], position: int, device) -> tuple[list[list[list[int]]], list[list[dict]]]:
         """num_generations completions of each prompt (each cut after its EOS token), all in one `generate` call, and what
@@ -373,13 +381,19 @@ class GRPO(Objective):
         per_function = torch.tensor(table, dtype=torch.float32)
         return per_function, (per_function * torch.tensor([r.weight for r in self.rewards], dtype=torch.float32)).sum(1)
 
-    def _scored(self, tokenizer, prompt: Prompt, completions: list[list[int]], seen: list[dict]) -> tuple[Row, dict[str, torch.Tensor]]:
+    def _scored(self, tokenizer, prompt: Prompt, completions: list[list[int]], seen: list[dict],
+                shared: bool = False) -> tuple[Row, dict[str, torch.Tensor]]:
         """One prompt's completions as a packed row (trained on the completions), with their rewards and advantages, and what
         the sampler saw (`sample`), in the row's order: its log-probabilities of the trained tokens, the experts of every token
         (and the row's length, "routing_rows", to place them in the padded batch)."""
         per_function, reward = self._rewards(tokenizer, prompt, completions)
-        sequences = [([*prompt.ids.tolist(), *c], [False] * len(prompt.ids) + [True] * len(c)) for c in completions]
-        row, columns = group_row(sequences, per_function, reward, self.cfg)
+        ids = prompt.ids.tolist()
+        if shared and len(ids) > 1:  # the prompt but its last token once; each completion after that token
+            sequences = [(ids[:-1], [False] * (len(ids) - 1))] + [([ids[-1], *c], [False] + [True] * len(c)) for c in completions]
+            firsts = [0] + [len(ids) - 1] * len(completions)
+        else:
+            sequences, firsts = [([*ids, *c], [False] * len(ids) + [True] * len(c)) for c in completions], None
+        row, columns = group_row(sequences, per_function, reward, self.cfg, firsts=firsts)
         columns.update({key: torch.cat([s[key] for s in seen]) for key in seen[0]})
         if "routing" in columns:
             columns["routing_rows"] = torch.tensor([len(row.input_ids)])
@@ -462,11 +476,12 @@ def whitened_over_the_step(batches: list[dict[str, torch.Tensor]], device) -> No
 
 
 def group_row(sequences: list[tuple[list[int], list[bool]]], per_function: torch.Tensor, reward: torch.Tensor,
-              cfg: GRPOConfig, extra: torch.Tensor | None = None) -> tuple[Row, dict[str, torch.Tensor]]:
+              cfg: GRPOConfig, extra: torch.Tensor | None = None, firsts: list[int] | None = None) -> tuple[Row, dict[str, torch.Tensor]]:
     """A group's sequences (token ids, whether each is the policy's own and trained) packed into one row, positions
-    restarting at each, with their rewards and the advantages: each reward less the group's mean, or the mean of the
-    others (grpo.advantage rloo), over the group's standard deviation where grpo.scale_rewards is group. extra: more
-    per-sequence metrics, summed into the step's."""
+    restarting at each (at `firsts`' where given: a sequence restarting at p > 0 reads the first p tokens of the one before
+    that began at 0, attention.sample_prefixes), with their rewards and the advantages: each reward less the group's mean,
+    or the mean of the others (grpo.advantage rloo), over the group's standard deviation where grpo.scale_rewards is
+    group. extra: more per-sequence metrics, summed into the step's."""
     std = reward.std().expand_as(reward)  # unbiased, as TRL's nanstd
     advantages = reward - reward.mean()
     if cfg.advantage == "rloo":  # r - (sum - r) / (n - 1) = n / (n - 1) x (r - mean)
@@ -474,10 +489,10 @@ def group_row(sequences: list[tuple[list[int], list[bool]]], per_function: torch
     if cfg.scale_rewards == "group" and cfg.advantage != "reinforce_pp":  # reinforce_pp: whitened over the step instead
         advantages = advantages / (std + 1e-4)
     ids, labels, positions = [], [], []
-    for sequence, trained in sequences:
+    for (sequence, trained), first in zip(sequences, firsts or [0] * len(sequences)):
         ids += sequence
         labels += [token if keep else IGNORE for token, keep in zip(sequence, trained)]
-        positions += range(len(sequence))
+        positions += range(first, first + len(sequence))
     zero = torch.isclose(std, torch.zeros_like(std)).float()
     columns = {"advantages": advantages, "rewards": per_function, "reward": reward, "reward_std": std, "zero_std": zero}
     if extra is not None:

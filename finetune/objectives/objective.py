@@ -264,8 +264,11 @@ def chosen_sequences(batch: dict[str, torch.Tensor], keep: torch.Tensor, answer:
 
 
 def sequence_index(positions: torch.Tensor) -> torch.Tensor:
-    """Each position's sequence of the batch, numbered 0, 1, ... in row order (positions restart at each)."""
-    return ((positions == 0).flatten().cumsum(0) - 1).view_as(positions)
+    """Each position's sequence of the batch, numbered 0, 1, ... in row order: positions restart at each (at 0, or, for a
+    completion reading its group's prompt written once, at the prompt's last token: grpo.group_row)."""
+    restart = torch.ones_like(positions, dtype=torch.bool)
+    restart[:, 1:] = positions[:, 1:] != positions[:, :-1] + 1
+    return (restart.flatten().cumsum(0) - 1).view_as(positions)
 
 
 def token_logps(model, batch: dict[str, torch.Tensor], where: torch.Tensor, router: bool = False,
