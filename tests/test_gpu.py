@@ -185,6 +185,28 @@ def test_the_cpu_stand_in_for_varlen_is_the_real_kernel(kv_heads, window):
     assert worst < 2e-2  # bf16 output: ~3 significant digits of values near 1; a wrong cut or window is O(1)
 
 
+@pytest.mark.parametrize("window", [None, 5])
+def test_the_varlen_kernel_aligns_a_sample_reading_more_keys_than_queries_at_the_keys_end(window):
+    """What GRPO's shared prompts need before they take the varlen kernel on GPUs (grpo.reads_shared_prompts keeps them on
+    the CPU until then): a sample of 4 queries reading 7 keys (a 3-token prompt, then its own 4) sees the prompt and its
+    own earlier tokens, the causal mask and the window aligned to the keys' end, as sdpa over that mask computes it."""
+    from finetune.model import attention
+
+    varlen_attn = attention._varlen()
+    if varlen_attn is None:
+        pytest.skip(f"torch {torch.__version__} has no varlen_attn(window_size=...)")
+    torch.manual_seed(0)
+    q = torch.randn(4, 8, 64, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(7, 8, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    cu_q, cu_k = (torch.tensor([0, n], dtype=torch.int32, device="cuda") for n in (4, 7))
+    got = varlen_attn(q, k, v, cu_q, cu_k, 4, 7, scale=0.125, window_size=(-1 if window is None else window - 1, 0))
+    allowed = attention._allowed(7, window, q.device)[3:]
+    want = torch.nn.functional.scaled_dot_product_attention(*(x.float().transpose(0, 1) for x in (q, k, v)), attn_mask=allowed, scale=0.125)
+    worst = (got.float() - want.transpose(0, 1)).abs().max().item()
+    print(f"varlen kernel, 4 queries reading 7 keys (window {window}) against sdpa over the end-aligned mask: {worst:.1e}")
+    assert worst < 2e-2
+
+
 @pytest.mark.parametrize("path", ["varlen", "sdpa-mask"])
 def test_packed_rows_on_cuda_never_attend_across_samples(tiny_model_dir, monkeypatch, path):
     """A packed row's logits (training mode) == each sample run alone, in bf16."""

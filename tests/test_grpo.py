@@ -480,6 +480,24 @@ def test_a_groups_prompt_written_once_trains_as_a_copy_for_each_completion(monke
     assert worst <= 1e-5 * largest, (worst, largest)
 
 
+def test_a_copy_of_the_prompt_a_completion_where_a_shared_one_cannot_be_read(monkeypatch, family_dirs):
+    """grpo.shared_prompts holds where finetune's packed attention reads the rows; attention with sinks (gpt-oss), layers that
+    carry a state along the row (Qwen3.5's linear attention), eager attention (Gemma 2), router replay, the setting off, and
+    a model on an accelerator (until the varlen kernel's alignment is checked there) keep a copy a completion."""
+    from finetune.config.schema import ModelConfig
+    from finetune.model.loading import load_model
+    from finetune.objectives import grpo
+
+    def reads(family: str, **settings) -> bool:
+        model = load_model(ModelConfig(name_or_path=str(family_dirs(family))), say=lambda _: None)
+        return GRPO(GRPOConfig(**settings), [], seed=0).reads_shared_prompts(model)
+
+    assert reads("llama3") and not reads("llama3", shared_prompts=False) and not reads("llama3", router_replay=True)
+    assert not any(reads(family) for family in ("gpt-oss", "qwen3.5", "gemma2"))
+    monkeypatch.setattr(grpo, "accelerator_path", lambda tensor: True)
+    assert not reads("llama3")
+
+
 def test_reward_functions_resolve_and_bad_ones_stop_in_one_line(tmp_path):
     (tmp_path / "my_rewards.py").write_text(
         "def shorter(completions, **kw):\n    return [-float(len(c)) for c in completions]\n"

@@ -327,7 +327,8 @@ class GRPOConfig(_Section):
     shared_prompts: bool = Field(True, description="Write each group's prompt once in its training row, every completion reading it "
                                  "(attention.sample_prefixes): the prompt's tokens computed once a step, not num_generations times. "
                                  "Where a model cannot read a shared prompt (attention with sinks, linear-attention or state-space layers, "
-                                 "eager attention), with router_replay, pictures or an environment's episodes: a copy of it a completion.")
+                                 "eager attention), with router_replay, pictures or an environment's episodes, and on GPUs until "
+                                 "the varlen kernel's handling of such rows is checked there: a copy of it a completion.")
     router_replay: bool = Field(False, description="Mixture-of-experts policies: record the experts each token was routed to while "
                                 "the sampler ran it, and route the training forwards' tokens to the same experts (their gate weights from "
                                 "the trainer's own router logits, so the router still learns), as Megatron-LM's and verl's router replay. "

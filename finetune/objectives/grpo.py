@@ -40,7 +40,7 @@ from finetune.data.encoding import prompt_text
 from finetune.data.packing import Prompt, Row, Split, collate
 from finetune.data.rows import IGNORE
 from finetune.model import mixers, routing
-from finetune.model.attention import PACKED_SDPA, attention_of, base_model
+from finetune.model.attention import PACKED_SDPA, accelerator_path, attention_of, base_model
 from finetune.objectives.evaluate import batches_per_rank
 from finetune.objectives.loss import Losses, to_device
 from finetune.objectives.objective import Objective, adapters_off, answers, token_logps
@@ -330,9 +330,11 @@ class GRPO(Objective):
 
     def reads_shared_prompts(self, model) -> bool:
         """Whether a group's row holds its prompt once (grpo.shared_prompts): where the model's attention is finetune's packed
-        attention without sinks, no layer carries a state along the row, and no expert routes or pictures are kept per copy."""
+        attention without sinks, no layer carries a state along the row, no expert routes or pictures are kept per copy,
+        and the model is on the CPU. On an accelerator such rows would take the block mask (attention over the whole row),
+        not the varlen kernel: tests/test_gpu.py's check of how that kernel aligns them waits for a GPU."""
         return (self.cfg.shared_prompts and not self.cfg.router_replay and self.vision is None and attention_of(model) == PACKED_SDPA
-                and not mixers.mixers(base_model(model)))
+                and not mixers.mixers(base_model(model)) and not accelerator_path(next(model.parameters())))
 
     def sample(self, model, tokenizer, prompts: list[Prompt], position: int, device) -> tuple[list[list[list[int]]], list[list[dict]]]:
         """num_generations completions of each prompt (each cut after its EOS token), all in one `generate` call, and what
