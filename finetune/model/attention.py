@@ -118,6 +118,13 @@ def sample_prefixes(position_ids: torch.Tensor) -> list[dict[int, tuple[int, int
     return _segments(position_ids)[1]
 
 
+def restarts(position_ids: torch.Tensor) -> torch.Tensor:
+    """True where a sample starts: each row's first token, and every position that does not follow the one before."""
+    restart = torch.ones_like(position_ids, dtype=torch.bool)
+    restart[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
+    return restart
+
+
 def _segments(position_ids: torch.Tensor) -> tuple[list[list[int]], list[dict[int, tuple[int, int]]]]:
     known = getattr(position_ids, "sample_bounds", None)
     if known is not None:
@@ -126,9 +133,7 @@ def _segments(position_ids: torch.Tensor) -> tuple[list[list[int]], list[dict[in
     if last is not None and last[0] is position_ids and last[1] == position_ids._version:
         return last[2]
     length = position_ids.shape[-1]
-    restart = torch.ones_like(position_ids, dtype=torch.bool)
-    restart[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
-    rows, cols = restart.nonzero(as_tuple=True)
+    rows, cols = restarts(position_ids).nonzero(as_tuple=True)
     firsts = position_ids[rows, cols]
     bounds: list[list[int]] = [[] for _ in range(position_ids.shape[0])]
     prefixes: list[dict[int, tuple[int, int]]] = [{} for _ in bounds]
@@ -294,8 +299,7 @@ def packed_sdpa_forward(module, query, key, value, attention_mask, dropout: floa
     for span in long:
         b, s, e = span[:3]
         read = _read(span)  # a shared prefix's keys first (sample_prefixes): the queries are the causal mask's last rows
-        keys, values = ((x[b : b + 1, :, s:e] if read == e - s else torch.cat([x[b : b + 1, :, span[3] : span[3] + span[4]], x[b : b + 1, :, s:e]], 2))
-                        for x in (key, padded))
+        keys, values = (_read_rows(x, span)[None] for x in (key, padded))
         banded = read > e - s or (window is not None and window < e - s)
         mask = _allowed(read, window, query.device)[read - (e - s) :] if banded else None
         out[b, s:e] = F.scaled_dot_product_attention(query[b : b + 1, :, s:e], keys, values, attn_mask=mask, dropout_p=dropout, is_causal=not banded,
@@ -572,14 +576,20 @@ def _read(span: tuple[int, ...]) -> int:
     return span[2] - span[1] + (span[4] if len(span) > 3 else 0)
 
 
-def _sample(query, key, value, span: tuple[int, ...], dtype: torch.dtype):
-    """One sample's q, k, v in the compute dtype, its prefix's keys and values first where it shares one (sample_prefixes);
-    grouped-query keys and values repeated per query head."""
+def _read_rows(x: torch.Tensor, span: tuple[int, ...]) -> torch.Tensor:
+    """The keys (or values) of x (B, H, L, D) a sample reads, (H, _read(span), D): its prefix's first where it shares one
+    (sample_prefixes), then its own."""
     b, s, e = span[:3]
-    q, k, v = query[b, :, s:e], key[b, :, s:e], value[b, :, s:e]
-    if len(span) > 3:
-        first, prefix = span[3], span[4]
-        k, v = (torch.cat([x[b, :, first : first + prefix], own], 1) for x, own in ((key, k), (value, v)))
+    if len(span) == 3:
+        return x[b, :, s:e]
+    return torch.cat([x[b, :, span[3] : span[3] + span[4]], x[b, :, s:e]], 1)
+
+
+def _sample(query, key, value, span: tuple[int, ...], dtype: torch.dtype):
+    """One sample's q, and the k, v it reads (_read_rows), in the compute dtype; grouped-query keys and values repeated
+    per query head."""
+    b, s, e = span[:3]
+    q, k, v = query[b, :, s:e], _read_rows(key, span), _read_rows(value, span)
     groups = q.shape[0] // k.shape[0]
     if groups > 1:
         k, v = k.repeat_interleave(groups, 0), v.repeat_interleave(groups, 0)

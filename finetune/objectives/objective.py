@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from finetune.config.schema import PreferenceConfig
-from finetune.model.attention import packed_positions
+from finetune.model.attention import packed_positions, restarts
 from finetune.objectives.loss import Losses, losses, picture_inputs, trained_mask, trained_tokens
 
 
@@ -266,9 +266,7 @@ def chosen_sequences(batch: dict[str, torch.Tensor], keep: torch.Tensor, answer:
 def sequence_index(positions: torch.Tensor) -> torch.Tensor:
     """Each position's sequence of the batch, numbered 0, 1, ... in row order: positions restart at each (at 0, or, for a
     completion reading its group's prompt written once, at the prompt's last token: grpo.group_row)."""
-    restart = torch.ones_like(positions, dtype=torch.bool)
-    restart[:, 1:] = positions[:, 1:] != positions[:, :-1] + 1
-    return (restart.flatten().cumsum(0) - 1).view_as(positions)
+    return (restarts(positions).flatten().cumsum(0) - 1).view_as(positions)
 
 
 def token_logps(model, batch: dict[str, torch.Tensor], where: torch.Tensor, router: bool = False,

@@ -10,6 +10,7 @@ import contextlib
 import numpy as np
 import torch
 
+from finetune.model.attention import base_model
 from finetune.model.loading import end_tokens
 
 
@@ -60,8 +61,8 @@ def shared_prefill(model, ids: torch.Tensor, mask: torch.Tensor, device):
         return None
     head, head_mask = (torch.as_tensor(part[:, :-1]) for part in np.split(distinct, 2, axis=1))
     positions = (head_mask.cumsum(-1) - 1).masked_fill_(head_mask == 0, 0)
-    reads = model.get_base_model() if hasattr(model, "get_base_model") else model  # what generate calls: under FSDP2 not the PEFT root
-    out = reads(input_ids=head.to(device), attention_mask=head_mask.to(device), position_ids=positions.to(device), use_cache=True, logits_to_keep=1)
+    out = base_model(model)(  # what generate calls: under FSDP2 not the PEFT root, whose forward would reshard it
+        input_ids=head.to(device), attention_mask=head_mask.to(device), position_ids=positions.to(device), use_cache=True, logits_to_keep=1)
     out.past_key_values.reorder_cache(torch.as_tensor(rows.reshape(-1), device=device))
     return out.past_key_values
 
