@@ -13,12 +13,16 @@ finetune's load and adapter (model/experts.py: the LoRA on the routed tokens onl
 values: the first losses must agree.
 
 memory: `finetune train` on the qwen3-moe shape (LoRA in fp32; QLoRA with torchao's NF4 on the linear layers and
-the experts), 1 x 1024 tokens, 3 steps, a process each; measured = peak anonymous RSS - anonymous RSS before the
-model loaded (bench/large.py's sampling); planned = `finetune plan`'s total for the same config.
+the experts), 1 x 1024 tokens, 3 steps, a process each, glibc's heap set to hand large blocks back
+(MALLOC_MMAP_THRESHOLD_, as tests/test_plan.py measures); measured = peak anonymous RSS - anonymous RSS before the model
+loaded (bench/large.py's sampling), the load included; planned = `finetune plan`'s total for the same config, or what
+it plans while the base loads where that is more (the 4-bit run: its experts are quantized once the adapter is on).
 
 plan: `finetune plan` for the released shapes (docs/examples/NAME/config.json), configs/qlora.yaml and configs/lora.yaml
 as shipped (LoRA r 16 on every linear layer and the experts; QLoRA: 4-bit NF4 linear layers and experts) with one row of
 4,096 tokens a micro-batch and activation checkpointing, on 80 GiB GPUs: one GPU, or FSDP2 over 8 and 64 (torchao's NF4 and AdamW, which it shards).
+On one GPU bitsandbytes places the expert stacks there as stored and they are quantized once the adapter is on: what the GPU
+holds while the base loads is its own column (FSDP2 loads layer by layer: -).
 
 parallel: the same configs' step time under FSDP2 (`finetune plan --bandwidth --tflops`) against what expert parallelism
 (not built) would send in place of the experts' gathers, and `finetune plan --simulate` of Qwen3-30B-A3B over 8.
@@ -36,7 +40,7 @@ import time
 from pathlib import Path
 
 from common import DATA, REPO, cpu, head_commit, report, steps_and_parts
-from large import planned, train
+from large import train
 
 CACHE = Path(os.environ.get("FINETUNE_CACHE", REPO / ".cache" / "finetune")) / "bench-moe"
 TOKENS = 1024
@@ -122,9 +126,13 @@ def memory(run: str, steps: int) -> str:
     result = train(work, run, 1, cfg, env={"MALLOC_MMAP_THRESHOLD_": "131072"})
     if result["code"] != 0:
         return f"| qwen3-moe {run} | exit {result['code']}: {result['console'].strip().splitlines()[-1][:120]} | | |"
+    from finetune.config.schema import validate_config
+    from finetune.outputs.plan import make_plan
+
     measured = result["anon"][0] - result["summary"]["anonymous_before_model_mib"]
-    plan = planned(cfg, 1, "none")
-    return f"| qwen3-moe {run} | {plan:,.0f} | {measured:,.0f} | {plan / measured:.2f} |"
+    plan = make_plan(validate_config(cfg, "bench"), devices=1, strategy="none")
+    peak, moment = max((plan.total, "the step"), (plan.loading, "loading"))
+    return f"| qwen3-moe {run} | {peak / 2**20:,.0f} ({moment}) | {measured:,.0f} | {peak / 2**20 / measured:.2f} |"
 
 
 PLANS = [("qwen3-30b-a3b", 1), ("gpt-oss-20b", 1), ("glm-4.5-air", 1), ("gpt-oss-120b", 1), ("qwen3-235b-a22b", 8), ("qwen3-235b-a22b", 64),
@@ -156,8 +164,10 @@ def plans() -> list[str]:
 
     lines = []
     for name, gpus in PLANS:
-        totals = [make_plan(shipped(name, method, gpus), devices=gpus, gpu=True).total for method in ("qlora", "lora")]
-        lines.append(f"| {name} | {gpus} | " + " | ".join(f"{t / GiB:.2f}" + ("" if t <= 80 * GiB else " (does not fit)") for t in totals) + " |")
+        qlora, lora = (make_plan(shipped(name, method, gpus), devices=gpus, gpu=True) for method in ("qlora", "lora"))
+        figures = [qlora.total, qlora.loading, lora.total]
+        lines.append(f"| {name} | {gpus} | " + " | ".join((f"{t / GiB:.2f}" + ("" if t <= 80 * GiB else " (does not fit)")) if t else "-"
+                                                          for t in figures) + " |")
     return lines
 
 
@@ -208,7 +218,7 @@ def main() -> None:
     if wanted("plan"):
         lines += ["", "`finetune plan`, configs/qlora.yaml and configs/lora.yaml, 1 x 4096 tokens a micro-batch, checkpointing on, 80 GiB GPUs "
                   "(FSDP2 over more than one), GiB per GPU at the step's peak", "",
-                  "| model | GPUs | QLoRA (GiB) | LoRA (GiB) |", "| --- | --- | --- | --- |", *plans()]
+                  "| model | GPUs | QLoRA (GiB) | QLoRA while loading (GiB) | LoRA (GiB) |", "| --- | --- | --- | --- | --- |", *plans()]
     if wanted("parallel"):
         lines += ["", f"`finetune plan` step time, the same configs under FSDP2, {TFLOPS} TFLOP/s x MFU {MFU}, a step of grad_accum micro-batches: "
                   "FSDP2's collectives, of them the experts' gathers, and expert parallelism's all-to-all of the routed tokens in their place "

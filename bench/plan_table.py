@@ -76,15 +76,19 @@ def worked_examples() -> list[str]:
 
 
 def presets() -> list[str]:
-    """docs/models.md's presets planned on one 80 GiB GPU, each on the shape it names."""
+    """docs/models.md's presets planned on 80 GiB GPUs as each one's own `finetune plan` line says: on the shape it names,
+    over the GPUs and strategy it names (one GPU where it names none)."""
     lines = ["| preset | model | parameters (active) | total |", "| --- | --- | --- | --- |"]
     for path in sorted((REPO / "configs" / "presets").glob("*.yaml")):
-        shape = path.read_text().split("--model ", 1)[1].split()[0]
+        words = path.read_text().split("finetune plan ", 1)[1].splitlines()[0].split()
+        option = {key: words[words.index(key) + 1] for key in ("--model", "--gpus", "--strategy") if key in words}
         cfg = load_config(path, check_model=False, check_paths=False)
-        hub, cfg.model.name_or_path = cfg.model.name_or_path, str(REPO / shape)
-        plan = make_plan(cfg, gpu=True)
+        hub, cfg.model.name_or_path = cfg.model.name_or_path, str(REPO / option["--model"])
+        gpus = int(option.get("--gpus", 1))
+        plan = make_plan(cfg, devices=gpus, strategy=option.get("--strategy"), gpu=True)
         active = f" ({plan.active_params:,})" if plan.active_params < plan.total_params else ""
-        lines.append(f"| {path.stem} | {hub} | {plan.total_params:,}{active} | {plan.total / GiB:.2f} GiB, 1 GPU |")
+        spread = f" each of {gpus} GPUs (`--gpus {gpus} --strategy {option['--strategy']}`)" if gpus > 1 else ", 1 GPU"
+        lines.append(f"| {path.stem} | {hub} | {plan.total_params:,}{active} | {plan.total / GiB:.2f} GiB{spread} |")
     return lines
 
 
@@ -92,7 +96,8 @@ def main() -> None:
     lines = table() + ["", "Sizes in GiB per GPU. Commands: `finetune plan --config configs/presets/PRESET.yaml --model docs/examples/MODEL "
               "--gpus N --strategy S --gpu-mem M --tflops T --mfu 0.4 --bandwidth B` with the overrides in bench/plan_table.py.", "",
               "The worked examples (`finetune plan --config docs/examples/CONFIG --gpu-mem 80GiB`), one GPU:", "", *worked_examples(), "",
-              "The presets (`finetune plan --config configs/presets/PRESET.yaml --model MODEL --gpu-mem 80GiB`), one GPU:", "", *presets()]
+              "The presets (each one's own `finetune plan` line: `--config configs/presets/PRESET.yaml --model MODEL --gpu-mem 80GiB`, "
+              "with `--gpus N --strategy S` where it names them):", "", *presets()]
     report("plan", lines)
 
 

@@ -78,11 +78,13 @@ def test_grouped_expert_lora_equals_peft_on_the_librarys_eager_experts(family_di
 
 
 @pytest.mark.parametrize("r", [4, 8])
-def test_expert_lora_under_bf16_autocast_keeps_no_fp32_copy_of_the_routed_tokens(family_dirs, r):
+def test_expert_lora_under_bf16_autocast_keeps_no_routed_copy_of_the_tokens_hidden_wide(family_dirs, r):
     """A layer's experts, bf16 (a 4-bit base's unquantized parts as loaded), under bf16 autocast as accelerate runs them: their fp32
-    LoRA computes in bf16 as the dense layers' does there, so the backward keeps no fp32 copy of the routed tokens (tokens x top_k
-    x hidden: 256 MiB a layer at Qwen3-30B-A3B's widths and 4,096 tokens); output and LoRA gradients within bf16's rounding of
-    the fp32 layer's on the same routing, r 4 included (grouped_mm takes bf16 rows of 8 values or more)."""
+    LoRA computes in bf16 as the dense layers' does there, and the backward keeps the layer's input once in bf16, the down
+    projection's input with the routing weight folded in, and no tensor of tokens x top_k x hidden in any dtype (256 MiB a
+    layer in bf16 at Qwen3-30B-A3B's widths and 4,096 tokens: the routed copies of the input, or the experts' outputs);
+    output and LoRA gradients within bf16's rounding of the fp32 layer's on the same routing, r 4 included (grouped_mm takes
+    bf16 rows of 8 values or more)."""
     import copy
 
     model = _adapted(family_dirs("qwen3-moe"), r=r)
@@ -107,7 +109,9 @@ def test_expert_lora_under_bf16_autocast_keeps_no_fp32_copy_of_the_routed_tokens
     (out.float() * grad).sum().backward()
     reference = exact(x.float(), chosen, weights)
     (reference * grad).sum().backward()
-    assert (torch.bfloat16, (tokens * top_k, hidden)) in saved and (torch.float32, (tokens * top_k, hidden)) not in saved
+    width = model.config.moe_intermediate_size
+    assert not any(shape == (tokens * top_k, hidden) for _, shape in saved), saved
+    assert (torch.bfloat16, (tokens, hidden)) in saved and (torch.bfloat16, (tokens * top_k, width)) in saved, saved
     assert (out.float() - reference).norm() < 2e-2 * reference.norm()
     trained = {n: p for n, p in exact.named_parameters() if p.requires_grad}
     assert len(trained) == 4  # lora_A and lora_B of gate_up_proj and down_proj

@@ -231,6 +231,24 @@ def test_plan_command_says_what_would_fit(capsys):
     assert result.returncode == 0 and "GFLOP per token" in result.stdout and "at 400 GB/s" in result.stdout, result.stderr
 
 
+def test_a_base_whose_experts_are_quantized_after_loading_is_planned_while_it_loads(capsys):
+    """configs/qlora.yaml on Qwen3-30B-A3B's shape: bitsandbytes places the expert stacks on the GPU as stored (bf16) and they
+    are quantized once the adapter is on, so loading holds more than the step (28.99B expert weights: 54 GiB in bf16), and the
+    verdict follows it; torchao loads and quantizes on the host; FSDP loads layer by layer."""
+    import re
+
+    args = ["plan", "--config", "configs/qlora.yaml", "--model", "docs/examples/qwen3-30b-a3b", "--seq-len", "4096", "--set", "train.micro_batch_size=1"]
+    out = finetune_cli(capsys, *args, "--gpu-mem", "40GiB").stdout
+    total = float(re.search(r"\| total\s+\|\s+([\d.]+) \|", out).group(1))
+    loading = float(re.search(r"loading: ([\d.]+) GiB per device", out).group(1))
+    assert total < 24 and 54 < loading < 80 and "-> does NOT fit" in out, out
+    out = finetune_cli(capsys, *args, "--gpu-mem", "40GiB", "--set", "model.quantization.backend=torchao").stdout
+    assert re.search(r"loading: [\d.]+ GiB of CPU RAM", out) and "-> fits" in out, out
+    fsdp = ["--gpus", "8", "--strategy", "fsdp", "--set", "model.quantization.backend=torchao", "--set", "train.optimizer=adamw"]
+    out = finetune_cli(capsys, *args, "--gpu-mem", "40GiB", *fsdp).stdout
+    assert "loading:" not in out and "-> fits" in out, out
+
+
 def test_plan_of_long_rows_splits_them_over_devices_and_tiles_the_mlp(capsys):
     """Llama-2-7B LoRA at 4k tokens a row, checkpointed, over 8 GPUs: each row over 8 of them divides
     the activations by 8 (all but the loss's fixed chunk scale with the tokens a device holds); a tiled MLP keeps a

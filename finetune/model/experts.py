@@ -83,23 +83,56 @@ def grouped_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor
     """transformers' grouped experts forward (its grouped_mm_experts_forward: tokens sorted by expert, one
     grouped matmul per projection, the routing weights applied, summed per token), with each projection's
     LoRA and 4-bit weights as `project` computes them."""
-    tokens, top_k, hidden = hidden_states.shape[0], top_k_index.shape[-1], hidden_states.shape[-1]
+    tokens, top_k = hidden_states.shape[0], top_k_index.shape[-1]
     expert_ids, order = torch.sort(top_k_index.reshape(-1))
-    x = hidden_states[order // top_k]
+    rows = order // top_k
     if _BALANCED.get():
         ends = [len(expert_ids) * (e + 1) // self.num_experts for e in range(self.num_experts)]
-        offsets = torch.tensor(ends, dtype=torch.int32, device=x.device)
+        offsets = torch.tensor(ends, dtype=torch.int32, device=hidden_states.device)
     else:
         offsets = torch.cumsum(torch.bincount(expert_ids, minlength=self.num_experts), dim=0, dtype=torch.int32)
         ends = offsets.tolist() if any(quantized(w) for w in self.parameters(recurse=False)) else None  # one host sync, quantized stacks only
-    up = project(self, "gate_up_proj" if self.has_gate else "up_proj", x, offsets, ends, expert_ids)
+    # the routed copies of the tokens live only while their projection computes (passed, not named here)
+    up = project(self, "gate_up_proj" if self.has_gate else "up_proj", hidden_states[rows], offsets, ends, expert_ids, (_gather, (hidden_states, rows)))
     up = self._apply_gate(up) if self.has_gate else self.act_fn(up)
-    out = project(self, "down_proj", up, offsets, ends, expert_ids)
+    weights = top_k_weights.reshape(-1)[order].unsqueeze(-1)
+    if folds_routing(self):  # w·(W u) = W (w·u): the down projection's input is scaled, not its hidden-wide output
+        weights = weights.to(up.dtype)
+        out = project(self, "down_proj", up * weights, offsets, ends, expert_ids, (torch.mul, (up, weights)))
+    else:
+        out = project(self, "down_proj", up, offsets, ends, expert_ids)
     if self.has_post_expert_norm:
         out = self.post_expert_norm(out)
-    out = out * top_k_weights.reshape(-1)[order].unsqueeze(-1).to(out.dtype)
-    unsorted = torch.empty_like(out).index_copy_(0, order, out)
-    return unsorted.view(tokens, top_k, hidden).sum(dim=1).to(hidden_states.dtype)
+    if not folds_routing(self):
+        out = out * weights.to(out.dtype)
+    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(len(order), device=order.device))
+    return Combined.apply(out, inverse, rows, tokens).to(hidden_states.dtype)
+
+
+class Combined(torch.autograd.Function):
+    """Each token's routed outputs summed in a fixed order (transformers' deterministic sum: `out` is sorted by expert, out[i]
+    token rows[i]'s). The backward hands each routed copy its token's gradient with one gather, where autograd's own
+    (of a gather and a sum) builds two tensors of the routed copies' size, and keeps `out` for neither."""
+
+    @staticmethod
+    def forward(ctx, out, inverse, rows, tokens):
+        ctx.save_for_backward(rows)
+        return out[inverse].view(tokens, -1, out.shape[-1]).sum(dim=1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (rows,) = ctx.saved_tensors
+        return grad.index_select(0, rows), None, None, None
+
+
+def _gather(hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    return hidden[rows]
+
+
+def folds_routing(experts: torch.nn.Module) -> bool:
+    """Whether the routing weight can multiply the down projection's input instead of its output: the projection is
+    linear in it (no bias after it, no norm)."""
+    return not experts.has_bias and not experts.has_post_expert_norm
 
 
 @contextmanager
@@ -114,10 +147,10 @@ def balanced_routing():
 
 
 def project(experts: torch.nn.Module, name: str, x: torch.Tensor, offsets: torch.Tensor, ends: list[int] | None,
-            expert_ids: torch.Tensor) -> torch.Tensor:
+            expert_ids: torch.Tensor, source: tuple | None = None) -> torch.Tensor:
     """One projection of the routed tokens `x` (sorted by expert, `offsets` ending each expert's rows, `ends` the
     same as numbers where a 4-bit stack needs them): the base weight's, its bias, and the LoRA of every active
-    adapter on it."""
+    adapter on it. source: (build, inputs) with x = build(*inputs), for the LoRA to rebuild x in its backward."""
     weight = getattr(experts, name)
     if quantized(weight):
         out = FrozenGrouped.apply(x, Stack.of(experts, name), offsets, ends, experts.is_transposed)
@@ -128,11 +161,12 @@ def project(experts: torch.nn.Module, name: str, x: torch.Tensor, offsets: torch
     wrapper = experts.__dict__.get(LORA, {}).get(name)
     if wrapper is not None and not wrapper.disable_adapters and not wrapper.merged:
         for adapter in (a for a in wrapper.active_adapters if a in wrapper.lora_A):
-            out = out + lora_delta(wrapper, adapter, x, offsets).to(out.dtype)
+            out = out.add_(lora_delta(wrapper, adapter, x, offsets, source).to(out.dtype))  # in place: no backward keeps `out`
     return out
 
 
-def lora_delta(wrapper, adapter: str, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+def lora_delta(wrapper, adapter: str, x: torch.Tensor, offsets: torch.Tensor,
+               source: tuple | None = None) -> torch.Tensor:
     """scaling · (x·A_eᵀ)·B_eᵀ for each routed token's expert e, in peft's layout: lora_A (E·r, in) holds
     A_e in rows e·r..(e+1)·r, lora_B (out, r·E) holds B_e in columns e, e+E, e+2E, ...
     Under autocast in the autocast's dtype, as the dense layers' LoRA computes there (loading.adapter_input_casting_off;
@@ -144,11 +178,37 @@ def lora_delta(wrapper, adapter: str, x: torch.Tensor, offsets: torch.Tensor) ->
     pad = -a.shape[-1] % (16 // a.element_size())  # grouped_mm takes strides of whole 16 bytes: r 4 in bf16 gets 4 zeros
     if pad:
         a, b = torch.nn.functional.pad(a, (0, pad)), torch.nn.functional.pad(b, (0, 0, 0, pad))
-    low = torch.nn.functional.grouped_mm(x.to(dtype), a, offs=offsets)
+    if source is None:
+        low = torch.nn.functional.grouped_mm(x.to(dtype), a, offs=offsets)
+    else:
+        build, inputs = source
+        low = RebuiltLow.apply(x.to(dtype), a, offsets, lambda *t: build(*t).to(dtype), *inputs)
     return torch.nn.functional.grouped_mm(low, b, offs=offsets)
 
 
-CHUNK = 1 << 24  # expert weights dequantized at a time (224 MiB at torchao's peak in bf16: 7x their compute-dtype bytes)
+class RebuiltLow(torch.autograd.Function):
+    """x·A_e per expert group (grouped_mm), keeping for the backward, instead of x, the tensors x = build(*inputs) is made of
+    and the layer keeps anyway: its input and the row index (x: the routed copies, top_k of each token), or the gated
+    product and the routing weights (x: their product). x is made again there for A's gradient."""
+
+    @staticmethod
+    def forward(ctx, x, a, offsets, build, *inputs):
+        ctx.build = build
+        ctx.save_for_backward(a, offsets, *inputs)
+        return torch.nn.functional.grouped_mm(x, a, offs=offsets)
+
+    @staticmethod
+    def backward(ctx, grad):
+        a, offsets, *inputs = ctx.saved_tensors
+        grad, grad_x, grad_a = grad.contiguous(), None, None
+        if ctx.needs_input_grad[0]:
+            grad_x = torch.nn.functional.grouped_mm(grad, a.transpose(-2, -1), offs=offsets)
+        if ctx.needs_input_grad[1]:
+            grad_a = torch.nn.functional.grouped_mm(ctx.build(*inputs).transpose(0, 1), grad, offs=offsets)
+        return (grad_x, grad_a, None, None, *(None for _ in inputs))
+
+
+CHUNK = 1 << 24  # expert weights dequantized at a time (64 MiB in bf16 with rows_of's index beside them)
 
 
 def quantized(weight: torch.Tensor) -> bool:
@@ -183,8 +243,8 @@ class Stack:
 
 class FrozenGrouped(torch.autograd.Function):
     """x @ W_eᵀ per expert group for a frozen quantized expert stack: dequantized a few experts at a time (CHUNK
-    weights), in the forward and again for the input's gradient, so neither a layer's whole dequantized stack nor
-    torchao's 7x peak of it is ever held, and experts no token reached are skipped."""
+    weights), in the forward and again for the input's gradient, so a layer's whole dequantized stack is never held, and
+    experts no token reached are skipped."""
 
     @staticmethod
     def forward(ctx, x, stack, offsets, ends, transposed):
@@ -201,18 +261,19 @@ class FrozenGrouped(torch.autograd.Function):
 
 def _chunked(x: torch.Tensor, stack: Stack, offsets: torch.Tensor, ends: list[int], oriented) -> torch.Tensor:
     """grouped_mm of x's expert groups with `oriented(W_e)`, the stack dequantized chunk by chunk (in x's dtype,
-    as torchao's linear_nf4 computes)."""
-    rows, outs = stack.per_expert, []
+    as torchao's linear_nf4 computes), each chunk's weights freed before the next chunk's are made and its products
+    written into the one output."""
+    rows = stack.per_expert
+    out = x.new_empty(x.shape[0], oriented(torch.empty(1, rows, stack.width, device="meta")).shape[-1])
     for first in range(0, stack.experts, stack.step):
         last = min(first + stack.step, stack.experts)
         start, stop = (ends[first - 1] if first else 0), ends[last - 1]
         if stop == start:
             continue
         w = stack.rows(first * rows, last * rows).view(last - first, rows, -1).to(x.dtype)
-        outs.append(torch.nn.functional.grouped_mm(x[start:stop], oriented(w), offs=offsets[first:last] - start))
-    if not outs:  # no token routed to any expert (an empty micro-batch)
-        return x.new_zeros(0, oriented(torch.empty(1, rows, stack.width, device="meta")).shape[-1])
-    return torch.cat(outs)
+        out[start:stop] = torch.nn.functional.grouped_mm(x[start:stop], oriented(w), offs=offsets[first:last] - start)
+        del w
+    return out
 
 
 def slices_evenly(weight: torch.Tensor, rows: int) -> bool:
@@ -221,19 +282,17 @@ def slices_evenly(weight: torch.Tensor, rows: int) -> bool:
 
 
 def rows_of(weight: torch.Tensor, first: int, last: int) -> torch.Tensor:
-    """Rows first..last of an NF4 weight, dequantized by torchao (get_original_weight) from a view of its codes
-    and scales: torchao slices an NF4Tensor only whole."""
-    if first == 0 and last == weight.shape[0]:
-        return weight.get_original_weight()
-    from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import NF4Tensor, SubclassTensorArgs
-
-    width = weight.shape[1]
+    """Rows first..last of an NF4 weight, the values torchao's get_original_weight gives (bit for bit: the same table values
+    times the same scalers, tested), holding less while it makes them: each byte's two codes looked up at once in a table
+    of the 256 code pairs (an int32 index, 2 bytes a weight) and scaled in place, where torchao takes an int64 index for each
+    code and scales copies (7x the output's bytes in bf16; this: 2 bytes a weight beside the output)."""
+    width, group = weight.shape[1], weight.scaler_block_size
     lo, hi = first * width // weight.block_size, last * width // weight.block_size  # blocks
-    group = weight.scaler_block_size
-    meta = SubclassTensorArgs(torch.Size([last - first, width]), (width, 1), 0, weight.dtype, weight.device, False)
-    part = NF4Tensor(meta, weight.block_size, hi - lo, group, weight.quantized_scalers[lo:hi], weight.quantization_factor[lo // group:hi // group],
-                     weight.scaler_mean, weight.quantized_data[first * width // 2:last * width // 2], weight.nf4)
-    return part.get_original_weight()
+    scalers = weight.dequantize_scalers(weight.quantized_scalers[lo:hi], weight.quantization_factor[lo // group:hi // group], group)
+    pairs = torch.stack([weight.nf4.repeat_interleave(16), weight.nf4.repeat(16)], dim=-1)  # byte b: (nf4[b >> 4], nf4[b & 15])
+    codes = weight.quantized_data[first * width // 2:last * width // 2]
+    values = pairs.index_select(0, codes.int()).view(-1, weight.block_size)
+    return values.mul_(scalers.unsqueeze(-1)).view(last - first, width)
 
 
 def quantize(module: torch.nn.Module, dtype: torch.dtype, shards: int = 1, bits: int = 4) -> int:

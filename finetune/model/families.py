@@ -66,6 +66,11 @@ SPELLED_OUT = {"llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "p
 ATTENTION_SINKS = {"gpt_oss"}
 
 
+# Experts with a bias or a norm after their down projection (transformers' use_experts_implementation with has_bias or
+# has_post_expert_norm): the routing weight scales their outputs, not the down projection's inputs (model/experts.py).
+UNFOLDED_ROUTING = {"gpt_oss", "openai_privacy_filter", "muse_spark"}
+
+
 def num_experts(config: dict) -> int:
     c = text_config(config)
     return int(c.get("num_local_experts") or c.get("num_experts") or c.get("n_routed_experts") or 0)

@@ -253,9 +253,11 @@ def dense_temporaries(shape: Shape, cfg: RunConfig, s: Setup) -> float:
     if s.bits:  # set from cfg.model.quantization (the QLoRA alternative sets both)
         compute = DTYPE_BYTES[cfg.model.quantization.compute_dtype]
         size = max(l.fan_in * l.fan_out for l in layers if not l.expert) * (7 * compute if torchao_base(cfg, s) else compute + 4)
-        if s.bits == 4 and any(l.expert for l in shape.linears):  # a chunk of a layer's expert stack, dequantized (model/experts.py)
+        if s.bits == 4 and any(l.expert for l in shape.linears):  # a chunk of a layer's expert stack, dequantized (model/experts.py
+            # rows_of: beside it its int32 code-pair index, 2 bytes a weight, or its cast to the routed tokens' dtype)
             stack = max(l.fan_in * l.fan_out for l in shape.linears if l.expert) * max(1, families.num_experts(shape.config))
-            size = max(size, min(stack, experts.CHUNK) * 7 * compute)
+            beside = max(2, s.activation_bytes if s.activation_bytes != compute else 0)
+            size = max(size, min(stack, experts.CHUNK) * (compute + beside))
     if s.method == "dora":
         size = max(size, max((l.fan_in ** 2 + 3 * l.fan_in * l.fan_out) * 4 for l in layers))
     return size
@@ -296,11 +298,17 @@ def layer_activations(shape: Shape, s: Setup) -> float:
     activation and product; i is the MLP width a token passes through, with experts the routed ones' and
     the shared one's), its MLP's share for one chunk where the MLP is tiled. Sequence parallelism: a
     device holds 1/N of each row's tokens (and, inside attention, the whole row for 1/N of the heads:
-    as many values). With experts, each routed copy of a token's input and of its expert's output too
-    (the grouped matmuls' input, and what the routing weight multiplies: model/experts.py)."""
-    routed = next((l.active for l in shape.linears if l.expert), 0) / shape.layers  # routed copies of a token, per layer
-    values = (shape.attention_values + 4 * shape.mlp_width / s.tiled_mlp + 2 * shape.hidden * routed) * s.activation_bytes * s.tokens
-    return values + shape.fp32_values * 4 * s.tokens + sink_attention(shape, s)[0]
+    as many values). With experts (model/experts.py) the routed copies of a token are not kept (their LoRA makes them
+    again in the backward), but where the routing weight scales each expert's output (UNFOLDED_ROUTING) that output is."""
+    values = shape.attention_values + 4 * shape.mlp_width / s.tiled_mlp + routed_outputs(shape)
+    return values * s.activation_bytes * s.tokens + shape.fp32_values * 4 * s.tokens + sink_attention(shape, s)[0]
+
+
+def routed_outputs(shape: Shape) -> float:
+    """The experts' outputs a MoE layer keeps a token, for the routing weights' gradient: where they scale the outputs."""
+    if families.text_config(shape.config).get("model_type") not in families.UNFOLDED_ROUTING:
+        return 0.0
+    return shape.hidden * next((l.active for l in shape.linears if l.expert), 0) / shape.layers  # routed copies a layer
 
 
 def adapter_outputs(shape: Shape, cfg: RunConfig, s: Setup) -> float:
@@ -503,6 +511,8 @@ class Plan:
     refused: str | None = None  # what `finetune train` would refuse in this setup (the schema's own checks)
     moment: str = ""  # when in the step the rows are held together (step_moments)
     activations: float = 0.0  # the peak moment's activations, or (it holds none: DeepSpeed's step) the largest moment's that holds some
+    loading: float = 0.0  # what a process holds while its base loads, where that is more than the base (load_peak), or 0
+    loads_on_host: bool = False  # that load is in CPU RAM, not on the GPU (a torchao base: quantized on the host, then moved)
 
 
 def refusal(cfg: RunConfig, s: Setup) -> str | None:
@@ -539,9 +549,36 @@ def make_plan(cfg: RunConfig, devices: int = 1, strategy: str | None = None, gpu
         if heap_holes(shape, cfg, setup):
             rows["freed but held by the heap (CPU)"] = heap_holes(shape, cfg, setup)
     pictures = whole.vision.params if whole.vision else 0
+    loading, on_host = load_peak(shape, cfg, per_split)
+    if loading and gpu and not on_host:
+        loading += GPU_RESERVE
     return Plan(rows, sum(rows.values()), setup, trainable_params(whole, cfg), whole.linear_params + whole.other_params + pictures,
                 whole.active_params + pictures, whole.linear_params - whole.quantized_params(setup.bits or 16), host, moment=moment,
-                activations=activations)
+                activations=activations, loading=loading, loads_on_host=on_host and gpu)
+
+
+def load_peak(shape: Shape, cfg: RunConfig, s: Setup) -> tuple[float, bool]:
+    """(What a process holds while a quantized base loads, on the host or not), where weights are quantized once the
+    adapter is on (nf4.after_adapter) rather than as transformers loads them: a 4-bit or 8-bit base's expert stacks, which
+    bitsandbytes places on the device in the model's dtype (model/experts.py), and a torchao base's linear layers too,
+    loaded on the host (it quantizes there; accelerate then moves the 4-bit model). Until the last layer is quantized the
+    base holds them as loaded, with the adapter, and quantizing the largest of them holds its copy in the compute dtype and
+    torchao's to_nf4 (3.7x that copy's bytes, measured in bf16 and fp32; docs/platform-notes.md). No training has run yet:
+    a CPU process has not grown by CPU_RUNTIME. Sharded loads (FSDP, ZeRO-3) go layer by layer: (0, False)."""
+    q = cfg.model.quantization
+    if q is None or s.shards_weights:
+        return 0.0, False
+    torchao = torchao_base(cfg, s)
+    late = [l for l in shape.linears if not l.router and (l.expert or (torchao and l in shape.quantized(q.bits)))]
+    if not late:
+        return 0.0, False
+    late_params = sum(l.params for l in late)
+    quantized_bytes = 0.5 + (1 / BNB_BLOCK + 4 / (BNB_BLOCK * 256) if q.double_quant else 4 / BNB_BLOCK) if q.bits == 4 else 1
+    compute = DTYPE_BYTES[q.compute_dtype]
+    largest = max(l.fan_in * l.fan_out * (max(1, families.num_experts(shape.config)) if l.expert else 1) for l in late)
+    quantizing = largest * compute * (3.7 + (1 if compute != s.weight_bytes else 0))
+    base = base_weights(shape, q, s) + late_params * (s.weight_bytes - quantized_bytes)
+    return base + trainable_params(shape, cfg) * 4 + quantizing, torchao
 
 
 def split_shape(shape: Shape, size: int) -> Shape:
@@ -677,7 +714,11 @@ def render(plan: Plan, budget: float, where: str, alts: list[tuple[str, Plan]]) 
     if s.bits and plan.unquantized_experts:
         lines.append(f"note: {plan.unquantized_experts:,} router" + (" parameters stay unquantized" if s.bits == 4 else
                      " and expert parameters stay unquantized (8-bit quantizes linear layers; a 4-bit base its experts too)"))
-    fits = plan.total <= budget
+    if plan.loading > (0 if plan.loads_on_host else plan.total):
+        where_loaded = "of CPU RAM (torchao quantizes on the host, then the 4-bit model moves to the GPU)" if plan.loads_on_host else "per device"
+        lines.append(f"loading: {plan.loading / GiB:.2f} GiB {where_loaded} while the base loads: what is quantized once the "
+                     "adapter is on (expert stacks; a torchao base's linear layers) is held as loaded until then")
+    fits = max(plan.total, 0 if plan.loads_on_host else plan.loading) <= budget
     if plan.refused:
         lines += ["", f"{where}: {budget / GiB:.1f} GiB per device -> finetune train refuses this setup: {plan.refused}"]
         good = [f"  - {label}: {p.total / GiB:.2f} GiB" for label, p in alts if p.total <= budget]

@@ -13,7 +13,7 @@ from finetune.config.schema import MUTATED_INITS, RunConfig, looks_local
 from finetune.config.strategy import Strategy
 from finetune.data.chat import choose_template
 from finetune.data.datasets import load_data, plan_steps, summary_lines
-from finetune.model import families, routing, vision
+from finetune.model import families, nf4, routing, vision
 from finetune.model.loading import apply_adapter, compile_layers, describe, load_tokenizer, loftq_init
 from finetune.model.mixers import packed_samples_meet
 from finetune.model.stage import staged_model
@@ -65,7 +65,7 @@ def load_model(state: RunState) -> None:
     processes with the optimizer built on what each holds; the objective's frozen models beside it."""
     cfg, t = state.cfg, state.cfg.train
     state.engine = engine_for(cfg, state.accelerator)
-    if state.engine.gathers:
+    if state.engine.gathers or nf4.after_adapter(cfg.model):  # gathered layers; or weights cast and quantized one by one after loading
         runtime.map_large_blocks()
     state.rss_before_model, state.anonymous_before_model = runtime.current_rss(), runtime.current_anonymous()
     model = state.engine.load(state.model_cfg, state.say)
