@@ -348,6 +348,8 @@ def test_simulate_refuses_what_it_does_not_simulate_in_one_line(capsys, tiny_mod
                                                                "or more devices (--strategy ddp|fsdp --gpus N); not DeepSpeed's ZeRO"), result.stderr
     result = finetune_cli(capsys, "plan", "--config", "qlora", "--model", str(tiny_model_dir), "--seq-len", "128", "--simulate")
     assert result.returncode == 2 and "a bitsandbytes base is not simulated" in result.stderr, result.stderr
+    result = finetune_cli(capsys, "plan", "--config", "reward", "--model", str(tiny_model_dir), "--seq-len", "128", "--strategy", "none", "--simulate")
+    assert result.returncode == 2 and "a reward model's step (its score head) is not simulated" in result.stderr, result.stderr
     result = finetune_cli(capsys, "plan", "--config", "agent", "--model", str(tiny_model_dir), "--seq-len", "128", "--gpus", "2",
                           "--strategy", "fsdp", "--set", "eval.generate_samples=0", "--simulate")
     assert result.returncode == 2 and result.stderr.strip() == ("error: --simulate: simulates GRPO's single-turn step; an environment's "

@@ -253,8 +253,9 @@ def dense_temporaries(shape: Shape, cfg: RunConfig, s: Setup) -> float:
     if s.bits:  # set from cfg.model.quantization (the QLoRA alternative sets both)
         compute = DTYPE_BYTES[cfg.model.quantization.compute_dtype]
         size = max(l.fan_in * l.fan_out for l in layers if not l.expert) * (7 * compute if torchao_base(cfg, s) else compute + 4)
-        if s.bits == 4 and any(l.expert for l in shape.linears):  # a chunk of a layer's expert stack, dequantized (model/experts.py
-            # rows_of: beside it its int32 code-pair index, 2 bytes a weight, or its cast to the routed tokens' dtype)
+        if s.bits == 4 and any(l.expert for l in shape.linears):
+            # a chunk of a layer's expert stack dequantized (model/experts.py rows_of), beside it its int32 code-pair index
+            # (2 bytes a weight) or its cast to the routed tokens' dtype
             stack = max(l.fan_in * l.fan_out for l in shape.linears if l.expert) * max(1, families.num_experts(shape.config))
             beside = max(2, s.activation_bytes if s.activation_bytes != compute else 0)
             size = max(size, min(stack, experts.CHUNK) * (compute + beside))
@@ -304,18 +305,22 @@ def layer_activations(shape: Shape, s: Setup) -> float:
     return values * s.activation_bytes * s.tokens + shape.fp32_values * 4 * s.tokens + sink_attention(shape, s)[0]
 
 
+def routed_copies(shape: Shape) -> float:
+    """How many experts a token is routed to in a layer (0 without experts)."""
+    return next((l.active for l in shape.linears if l.expert), 0) / shape.layers
+
+
 def routed_outputs(shape: Shape) -> float:
     """The experts' outputs a MoE layer keeps a token, for the routing weights' gradient: where they scale the outputs."""
-    if families.text_config(shape.config).get("model_type") not in families.UNFOLDED_ROUTING:
-        return 0.0
-    return shape.hidden * next((l.active for l in shape.linears if l.expert), 0) / shape.layers  # routed copies a layer
+    unfolded = families.text_config(shape.config).get("model_type") in families.UNFOLDED_ROUTING
+    return shape.hidden * routed_copies(shape) if unfolded else 0.0
 
 
 def routed_gradients(shape: Shape) -> float:
     """What a MoE layer's backward holds a token beside its saved values (model/experts.py): the gradient of each routed copy's
     output, and of each routed copy's input before each token's copies are summed, hidden-wide both (the one-process
     simulation of Qwen3-30B-A3B's widths: 0.85 GiB of activations at a layer's backward, where the plan without them said 0.63)."""
-    return 2 * shape.hidden * next((l.active for l in shape.linears if l.expert), 0) / shape.layers
+    return 2 * shape.hidden * routed_copies(shape)
 
 
 def adapter_outputs(shape: Shape, cfg: RunConfig, s: Setup) -> float:

@@ -29,7 +29,7 @@ Not simulated, each refused in one line: ZeRO (DeepSpeed's engine does not run o
 the plan against DeepSpeed's own estimator), a bitsandbytes base (its kernels take no fake tensors), sequence
 parallelism, GRPO's environment episodes, and distillation's on-policy, sequence-level, cross-tokenizer or
 quantized-teacher variants. GRPO's sampling (its key/value cache, a moment of the plan's) is not simulated: the step is.
-(A reward model trains without FSDP: there is no sharded step of it to simulate.) Loading (the plan's `loading:` line)
+A reward model's step (its score head) is refused too. Loading (the plan's `loading:` line)
 is not simulated either: the simulation starts from the model as placed.
 """
 
@@ -102,6 +102,8 @@ def refusal(cfg: RunConfig, devices: int) -> str | None:
                 "(FSDP's auto) to simulate a 4-bit base")
     if cfg.distributed.sequence_parallel > 1:
         return "sequence parallelism is not simulated yet"
+    if cfg.train.objective == "reward":
+        return "a reward model's step (its score head) is not simulated"
     if cfg.train.objective == "grpo" and cfg.grpo.environment:
         return "simulates GRPO's single-turn step; an environment's episodes (grpo.environment) are not simulated"
     d = cfg.distill
