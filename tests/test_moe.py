@@ -53,10 +53,14 @@ def _peft_on_eager_experts(model_dir, ours):
     return theirs.train()
 
 
+@pytest.mark.parametrize("chunk", [experts.CHUNK, 96])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_grouped_expert_lora_equals_peft_on_the_librarys_eager_experts(family_dirs, family):
+def test_grouped_expert_lora_equals_peft_on_the_librarys_eager_experts(family_dirs, monkeypatch, family, chunk):
     """Loss and every LoRA gradient (attention, experts, shared experts) of our grouped expert path equal
-    peft's on the eager experts, over packed and unpacked rows; the routers carry no adapter."""
+    peft's on the eager experts, over packed and unpacked rows; the routers carry no adapter. With CHUNK at 96 values
+    every chunked loop of the experts' path (the LoRA's product added, the tokens' gradients summed, the routed outputs
+    combined) takes one to a few rows at a time."""
+    monkeypatch.setattr(experts, "CHUNK", chunk)
     ours = _adapted(family_dirs(family))
     assert ours.config._experts_implementation == experts.IMPLEMENTATION
     theirs = _peft_on_eager_experts(family_dirs(family), ours)
@@ -375,6 +379,9 @@ def test_quantized_experts_dequantized_chunk_by_chunk_compute_what_the_whole_sta
     grad = torch.randn(x.shape[0], cols if transposed else rows, generator=generator)
     expected = x.clone().requires_grad_()
     torch.nn.functional.grouped_mm(expected, stack if transposed else stack.transpose(-2, -1), offs=offsets).backward(grad)
+    # routed copies gathered from 40 tokens: the input's gradient summed per token, as autograd's gather sums it
+    copies = torch.randint(0, 40, (x.shape[0],), generator=generator)
+    summed = torch.zeros(40, x.shape[1]).index_put_((copies,), expected.grad, accumulate=True)
     for chunk in (rows * cols, 3 * rows * cols, experts.CHUNK):
         monkeypatch.setattr(experts, "CHUNK", chunk)
         mine = x.clone().requires_grad_()
@@ -382,6 +389,9 @@ def test_quantized_experts_dequantized_chunk_by_chunk_compute_what_the_whole_sta
         out.backward(grad)
         assert torch.equal(out, torch.nn.functional.grouped_mm(x, stack if transposed else stack.transpose(-2, -1), offs=offsets)), chunk
         assert torch.equal(mine.grad, expected.grad), chunk
+        tokens = torch.zeros_like(summed, requires_grad=True)  # only its shape and dtype are read
+        experts.FrozenGrouped.apply(x, experts.Stack(weight, count, scales), offsets, offsets.tolist(), transposed, tokens, copies).backward(grad)
+        assert torch.allclose(tokens.grad, summed, rtol=0, atol=1e-5 * summed.abs().max().item()), chunk
 
 
 def test_a_4bit_moe_run_killed_resumes_with_the_same_losses(family_dirs, tmp_path):

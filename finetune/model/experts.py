@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from contextvars import ContextVar
+from typing import NamedTuple
 
 import torch
 
@@ -92,18 +93,22 @@ def grouped_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor
     else:
         offsets = torch.cumsum(torch.bincount(expert_ids, minlength=self.num_experts), dim=0, dtype=torch.int32)
         ends = offsets.tolist() if any(quantized(w) for w in self.parameters(recurse=False)) else None  # one host sync, quantized stacks only
-    # the routed copies of the tokens live only while their projection computes (passed, not named here)
-    up = project(self, "gate_up_proj" if self.has_gate else "up_proj", hidden_states[rows], offsets, ends, expert_ids, (_gather, (hidden_states, rows)))
+    first = "gate_up_proj" if self.has_gate else "up_proj"
+    if getattr(self, first).requires_grad:  # full fine-tuning: autograd's gather, and grouped_mm's weight gradient
+        up = project(self, first, hidden_states[rows], offsets, ends, expert_ids)
+    else:  # the routed copies made outside autograd, and only while their projection computes
+        up = project(self, first, hidden_states.detach()[rows], offsets, ends, expert_ids, Gathered(hidden_states, rows))
     up = self._apply_gate(up) if self.has_gate else self.act_fn(up)
     weights = top_k_weights.reshape(-1)[order].unsqueeze(-1)
-    if folds_routing(self):  # w·(W u) = W (w·u): the down projection's input is scaled, not its hidden-wide output
+    folded = folds_routing(self)
+    if folded:  # w·(W u) = W (w·u): the down projection's input is scaled, not its hidden-wide output
         weights = weights.to(up.dtype)
         out = project(self, "down_proj", up * weights, offsets, ends, expert_ids, (torch.mul, (up, weights)))
     else:
         out = project(self, "down_proj", up, offsets, ends, expert_ids)
     if self.has_post_expert_norm:
         out = self.post_expert_norm(out)
-    if not folds_routing(self):
+    if not folded:
         out = out * weights.to(out.dtype)
     inverse = torch.empty_like(order).scatter_(0, order, torch.arange(len(order), device=order.device))
     return Combined.apply(out, inverse, rows, tokens).to(hidden_states.dtype)
@@ -112,12 +117,18 @@ def grouped_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor
 class Combined(torch.autograd.Function):
     """Each token's routed outputs summed in a fixed order (transformers' deterministic sum: `out` is sorted by expert, out[i]
     token rows[i]'s). The backward hands each routed copy its token's gradient with one gather, where autograd's own
-    (of a gather and a sum) builds two tensors of the routed copies' size, and keeps `out` for neither."""
+    (of a gather and a sum) builds two tensors of the routed copies' size, and keeps `out` for neither. The forward gathers
+    CHUNK values at a time: the sum of a chunk of tokens is the sum of them all, bit for bit."""
 
     @staticmethod
     def forward(ctx, out, inverse, rows, tokens):
         ctx.save_for_backward(rows)
-        return out[inverse].view(tokens, -1, out.shape[-1]).sum(dim=1)
+        copies = inverse.view(tokens, -1)
+        summed, step = out.new_empty(tokens, out.shape[-1]), max(1, CHUNK // out[:copies.shape[1]].numel())
+        for first in range(0, tokens, step):
+            part = copies[first:first + step]
+            summed[first:first + step] = out[part.reshape(-1)].view(part.shape[0], -1, out.shape[-1]).sum(dim=1)
+        return summed
 
     @staticmethod
     def backward(ctx, grad):
@@ -125,8 +136,12 @@ class Combined(torch.autograd.Function):
         return grad.index_select(0, rows), None, None, None
 
 
-def _gather(hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    return hidden[rows]
+class Gathered(NamedTuple):
+    """The source of routed copies x = hidden[rows] made outside autograd: a projection that reads them hands its input's
+    gradient to `hidden`, each token's copies summed a chunk of rows at a time, where autograd's own gather takes each
+    reader's (the base weight's, the LoRA's) for all the routed copies at once: two tensors of the routed copies' size."""
+    hidden: torch.Tensor
+    rows: torch.Tensor
 
 
 def folds_routing(experts: torch.nn.Module) -> bool:
@@ -147,13 +162,16 @@ def balanced_routing():
 
 
 def project(experts: torch.nn.Module, name: str, x: torch.Tensor, offsets: torch.Tensor, ends: list[int] | None,
-            expert_ids: torch.Tensor, source: tuple | None = None) -> torch.Tensor:
+            expert_ids: torch.Tensor, source: Gathered | tuple | None = None) -> torch.Tensor:
     """One projection of the routed tokens `x` (sorted by expert, `offsets` ending each expert's rows, `ends` the
     same as numbers where a 4-bit stack needs them): the base weight's, its bias, and the LoRA of every active
-    adapter on it. source: (build, inputs) with x = build(*inputs), for the LoRA to rebuild x in its backward."""
+    adapter on it. source: Gathered (x made outside autograd: the input's gradient goes to the tokens), or (build, inputs)
+    with x = build(*inputs), for the LoRA to make x again in its backward."""
     weight = getattr(experts, name)
-    if quantized(weight):
-        out = FrozenGrouped.apply(x, Stack.of(experts, name), offsets, ends, experts.is_transposed)
+    gathered = source if isinstance(source, Gathered) else ()
+    if quantized(weight) or gathered:  # a quantized stack computes in x's dtype (as torchao's linear_nf4), one kept as loaded in its own
+        out = FrozenGrouped.apply(x if quantized(weight) else x.to(weight.dtype), Stack.of(experts, name), offsets, ends, experts.is_transposed,
+                                  *gathered)
     else:
         out = torch.nn.functional.grouped_mm(x.to(weight.dtype), weight if experts.is_transposed else weight.transpose(-2, -1), offs=offsets)
     if experts.has_bias:
@@ -161,13 +179,13 @@ def project(experts: torch.nn.Module, name: str, x: torch.Tensor, offsets: torch
     wrapper = experts.__dict__.get(LORA, {}).get(name)
     if wrapper is not None and not wrapper.disable_adapters and not wrapper.merged:
         for adapter in (a for a in wrapper.active_adapters if a in wrapper.lora_A):
-            out = out.add_(lora_delta(wrapper, adapter, x, offsets, source).to(out.dtype))  # in place: no backward keeps `out`
+            out = add_lora(out, wrapper, adapter, x, offsets, source)
     return out
 
 
-def lora_delta(wrapper, adapter: str, x: torch.Tensor, offsets: torch.Tensor,
-               source: tuple | None = None) -> torch.Tensor:
-    """scaling · (x·A_eᵀ)·B_eᵀ for each routed token's expert e, in peft's layout: lora_A (E·r, in) holds
+def add_lora(out: torch.Tensor, wrapper, adapter: str, x: torch.Tensor, offsets: torch.Tensor,
+             source: Gathered | tuple | None = None) -> torch.Tensor:
+    """out += scaling · (x·A_eᵀ)·B_eᵀ for each routed token's expert e, in peft's layout: lora_A (E·r, in) holds
     A_e in rows e·r..(e+1)·r, lora_B (out, r·E) holds B_e in columns e, e+E, e+2E, ...
     Under autocast in the autocast's dtype, as the dense layers' LoRA computes there (loading.adapter_input_casting_off;
     torch's autocast leaves grouped_mm alone): the adapter's weights cast, not a copy of every routed token in fp32."""
@@ -180,32 +198,77 @@ def lora_delta(wrapper, adapter: str, x: torch.Tensor, offsets: torch.Tensor,
         a, b = torch.nn.functional.pad(a, (0, pad)), torch.nn.functional.pad(b, (0, 0, 0, pad))
     if source is None:
         low = torch.nn.functional.grouped_mm(x.to(dtype), a, offs=offsets)
+    elif isinstance(source, Gathered):
+        low = RebuiltLow.apply(x.to(dtype), a, offsets, lambda h, rows: h[rows].to(dtype), True, *source)
     else:
         build, inputs = source
-        low = RebuiltLow.apply(x.to(dtype), a, offsets, lambda *t: build(*t).to(dtype), *inputs)
-    return torch.nn.functional.grouped_mm(low, b, offs=offsets)
+        low = RebuiltLow.apply(x.to(dtype), a, offsets, lambda *t: build(*t).to(dtype), False, *inputs)
+    return AddedLow.apply(out, low, b, offsets)
+
+
+class AddedLow(torch.autograd.Function):
+    """out += low·B_e per expert group, in place and CHUNK values at a time: no product the size of `out` beside it (autograd's
+    grouped_mm and add make one), and no backward keeps `out`."""
+
+    @staticmethod
+    def forward(ctx, out, low, b, offsets):
+        ctx.mark_dirty(out)
+        ctx.save_for_backward(low, b, offsets)
+        step = max(1, CHUNK // out.shape[-1])
+        for first in range(0, out.shape[0], step):
+            last = min(first + step, out.shape[0])
+            out[first:last] += torch.nn.functional.grouped_mm(low[first:last], b, offs=(offsets - first).clamp_(0, last - first)).to(out.dtype)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        low, b, offsets = ctx.saved_tensors
+        grad_low = grad_b = None
+        if ctx.needs_input_grad[1]:
+            grad_low = torch.nn.functional.grouped_mm(grad.to(b.dtype).contiguous(), b.transpose(-2, -1), offs=offsets)
+        if ctx.needs_input_grad[2]:
+            grad_b = torch.nn.functional.grouped_mm(low.transpose(0, 1), grad.to(low.dtype).contiguous(), offs=offsets)
+        return grad, grad_low, grad_b, None
 
 
 class RebuiltLow(torch.autograd.Function):
     """x·A_e per expert group (grouped_mm), keeping for the backward, instead of x, the tensors x = build(*inputs) is made of
-    and the layer keeps anyway: its input and the row index (x: the routed copies, top_k of each token), or the gated
-    product and the routing weights (x: their product). x is made again there for A's gradient."""
+    and the layer keeps anyway: its input and the row index (x: the routed copies, top_k of each token; gathered: their
+    gradient goes to the input, summed per token), or the gated product and the routing weights (x: their product).
+    x is made again there for A's gradient."""
 
     @staticmethod
-    def forward(ctx, x, a, offsets, build, *inputs):
-        ctx.build = build
+    def forward(ctx, x, a, offsets, build, gathered, *inputs):
+        ctx.build, ctx.gathered = build, gathered
         ctx.save_for_backward(a, offsets, *inputs)
         return torch.nn.functional.grouped_mm(x, a, offs=offsets)
 
     @staticmethod
     def backward(ctx, grad):
         a, offsets, *inputs = ctx.saved_tensors
-        grad, grad_x, grad_a = grad.contiguous(), None, None
+        grad, grad_x, grad_a, grad_hidden = grad.contiguous(), None, None, None
         if ctx.needs_input_grad[0]:
             grad_x = torch.nn.functional.grouped_mm(grad, a.transpose(-2, -1), offs=offsets)
+        if ctx.gathered and ctx.needs_input_grad[5]:
+            hidden, rows = inputs
+            grad_hidden = per_token(lambda first, last, offs: torch.nn.functional.grouped_mm(grad[first:last], a.transpose(-2, -1), offs=offs),
+                                    rows, offsets, (hidden.shape, hidden.dtype))
         if ctx.needs_input_grad[1]:
             grad_a = torch.nn.functional.grouped_mm(ctx.build(*inputs).transpose(0, 1), grad, offs=offsets)
-        return (grad_x, grad_a, None, None, *(None for _ in inputs))
+        return (grad_x, grad_a, None, None, None, grad_hidden, *(None for _ in inputs[1:]))
+
+
+def per_token(product, rows: torch.Tensor, offsets: torch.Tensor, tokens: tuple) -> torch.Tensor:
+    """Each token's sum over its routed copies of a grouped matmul's rows, made CHUNK values at a time: product(first, last,
+    offs) the rows first..last (offs: the expert groups' ends among them), summed in routed order (index_put_ accumulating,
+    as autograd's gather does) into a tensor of the tokens' (shape, dtype)."""
+    out = offsets.new_zeros(tokens[0], dtype=tokens[1])
+    step = max(1, CHUNK // out.shape[-1])
+    for first in range(0, len(rows), step):
+        last = min(first + step, len(rows))
+        part = product(first, last, (offsets - first).clamp_(0, last - first))
+        out.index_put_((rows[first:last],), part.to(out.dtype), accumulate=True)
+    return out
 
 
 CHUNK = 1 << 24  # expert weights dequantized at a time (64 MiB in bf16 with rows_of's index beside them)
@@ -217,23 +280,27 @@ def quantized(weight: torch.Tensor) -> bool:
 
 
 class Stack:
-    """A quantized expert stack stored (E·d1, d2): `rows(first, last)` dequantizes rows first..last (torchao's NF4, or
-    bitsandbytes' int8 codes times their row scales), `step` experts at a time fit CHUNK (whole double-quantization
-    groups for NF4)."""
+    """An expert stack stored (E·d1, d2): `rows(first, last)` gives rows first..last as values (a quantized stack dequantized:
+    torchao's NF4, or bitsandbytes' int8 codes times their row scales), `step` experts at a time fit CHUNK (whole
+    double-quantization groups for NF4). A stack kept in 16 or 32 bits is one step: its rows are views."""
 
     def __init__(self, weight: torch.Tensor, experts: int, scales: torch.Tensor | None = None):
         self.weight, self.experts, self.scales = weight, experts, scales
         self.per_expert, self.width = weight.shape[0] // experts, weight.shape[1]
-        step = max(1, CHUNK // (self.per_expert * self.width))
-        if scales is None and not slices_evenly(weight, self.per_expert * step):
+        step = max(1, CHUNK // (self.per_expert * self.width)) if quantized(weight) else experts
+        if nf4.is_nf4(weight) and not slices_evenly(weight, self.per_expert * step):
             step = experts  # a tiny NF4 stack whose scale groups straddle experts: whole
         self.step = step
 
     @classmethod
     def of(cls, module: torch.nn.Module, name: str) -> Stack:
-        return cls(getattr(module, name), module.num_experts, module.__dict__.get(SCALES, {}).get(name))
+        weight = getattr(module, name)
+        weight = weight if quantized(weight) else weight.detach().view(-1, weight.shape[-1])
+        return cls(weight, module.num_experts, module.__dict__.get(SCALES, {}).get(name))
 
     def rows(self, first: int, last: int) -> torch.Tensor:
+        if not quantized(self.weight):
+            return self.weight[first:last]
         if self.scales is None:
             return rows_of(self.weight, first, last)
         from bitsandbytes.functional import int8_vectorwise_dequant
@@ -242,37 +309,56 @@ class Stack:
 
 
 class FrozenGrouped(torch.autograd.Function):
-    """x @ W_eᵀ per expert group for a frozen quantized expert stack: dequantized a few experts at a time (CHUNK
+    """x @ W_eᵀ per expert group for a frozen expert stack. A quantized one is dequantized a few experts at a time (CHUNK
     weights), in the forward and again for the input's gradient, so a layer's whole dequantized stack is never held, and
-    experts no token reached are skipped."""
+    experts no token reached are skipped. Given the tokens and the row index x was gathered by (Gathered), the input's
+    gradient goes to the tokens, each token's copies summed chunk by chunk (per_token)."""
 
     @staticmethod
-    def forward(ctx, x, stack, offsets, ends, transposed):
+    def forward(ctx, x, stack, offsets, ends, transposed, hidden=None, rows=None):
         ctx.stack, ctx.ends, ctx.transposed = stack, ends, transposed
-        ctx.save_for_backward(offsets)
+        ctx.tokens = None if hidden is None else (hidden.shape, hidden.dtype)  # not the tensor: checkpointing frees it
+        ctx.save_for_backward(offsets, rows)
         return _chunked(x, stack, offsets, ends, lambda w: w if transposed else w.transpose(-2, -1))
 
     @staticmethod
     def backward(ctx, grad):
-        (offsets,) = ctx.saved_tensors
-        grad_x = _chunked(grad.contiguous(), ctx.stack, offsets, ctx.ends, lambda w: w.transpose(-2, -1) if ctx.transposed else w)
-        return grad_x, None, None, None, None
+        offsets, rows = ctx.saved_tensors
+        oriented = (lambda w: w.transpose(-2, -1)) if ctx.transposed else (lambda w: w)
+        grad_x = grad_hidden = None
+        if rows is None:
+            grad_x = _chunked(grad.contiguous(), ctx.stack, offsets, ctx.ends, oriented)
+        else:
+            grad_hidden = _chunked(grad.contiguous(), ctx.stack, offsets, ctx.ends, oriented, rows, ctx.tokens)
+        return grad_x, None, None, None, None, grad_hidden, None
 
 
-def _chunked(x: torch.Tensor, stack: Stack, offsets: torch.Tensor, ends: list[int], oriented) -> torch.Tensor:
+def _chunked(x: torch.Tensor, stack: Stack, offsets: torch.Tensor, ends: list[int] | None, oriented,
+             rows: torch.Tensor | None = None, tokens: tuple | None = None) -> torch.Tensor:
     """grouped_mm of x's expert groups with `oriented(W_e)`, the stack dequantized chunk by chunk (in x's dtype,
     as torchao's linear_nf4 computes), each chunk's weights freed before the next chunk's are made and its products
-    written into the one output."""
-    rows = stack.per_expert
-    out = x.new_empty(x.shape[0], oriented(torch.empty(1, rows, stack.width, device="meta")).shape[-1])
+    written into the one output; or, given the row index x was gathered by, each token's rows summed into a tensor of
+    the tokens' (shape, dtype) (per_token's order)."""
+    if stack.step >= stack.experts:  # one step: no host-side ends needed
+        whole = oriented(stack.rows(0, stack.weight.shape[0]).view(stack.experts, stack.per_expert, -1).to(x.dtype))
+        if rows is None:
+            return torch.nn.functional.grouped_mm(x, whole, offs=offsets)
+        return per_token(lambda first, last, offs: torch.nn.functional.grouped_mm(x[first:last], whole, offs=offs), rows, offsets, tokens)
+    per = stack.per_expert
+    shape = (x.shape[0], oriented(torch.empty(1, per, stack.width, device="meta")).shape[-1])
+    out = x.new_empty(shape) if rows is None else x.new_zeros(tokens[0], dtype=tokens[1])
     for first in range(0, stack.experts, stack.step):
         last = min(first + stack.step, stack.experts)
         start, stop = (ends[first - 1] if first else 0), ends[last - 1]
         if stop == start:
             continue
-        w = stack.rows(first * rows, last * rows).view(last - first, rows, -1).to(x.dtype)
-        out[start:stop] = torch.nn.functional.grouped_mm(x[start:stop], oriented(w), offs=offsets[first:last] - start)
+        w = stack.rows(first * per, last * per).view(last - first, per, -1).to(x.dtype)
+        part = torch.nn.functional.grouped_mm(x[start:stop], oriented(w), offs=offsets[first:last] - start)
         del w
+        if rows is None:
+            out[start:stop] = part
+        else:
+            out.index_put_((rows[start:stop],), part.to(out.dtype), accumulate=True)
     return out
 
 

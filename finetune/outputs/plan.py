@@ -318,9 +318,11 @@ def routed_outputs(shape: Shape) -> float:
 
 def routed_gradients(shape: Shape) -> float:
     """What a MoE layer's backward holds a token beside its saved values (model/experts.py): the gradient of each routed copy's
-    output, and of each routed copy's input before each token's copies are summed, hidden-wide both (the one-process
-    simulation of Qwen3-30B-A3B's widths: 0.85 GiB of activations at a layer's backward, where the plan without them said 0.63)."""
-    return 2 * shape.hidden * routed_copies(shape)
+    output, hidden-wide, while the down projection's backward reads it. The routed copies' input gradients are summed into
+    the tokens' a chunk at a time (experts.per_token), and the LoRA's product added a chunk at a time (experts.AddedLow): the
+    one-process simulation of Qwen3-30B-A3B's widths peaks there, 0.84 GiB of activations and temporaries in two layers, where
+    counting those two hidden-wide as well said 0.89)."""
+    return shape.hidden * routed_copies(shape)
 
 
 def adapter_outputs(shape: Shape, cfg: RunConfig, s: Setup) -> float:

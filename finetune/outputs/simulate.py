@@ -138,7 +138,7 @@ def simulate(cfg: RunConfig, devices: int, fake: bool = True) -> Simulated:
             _to_empty(model)  # rank 0's model as loaded
             if beside is not None:
                 _to_empty(beside)
-            tracker, optimizer = _placed(model, beside, cfg, devices, settings, split, fake)
+            tracker, optimizer = _placed(model, beside, cfg, devices, settings, split, fake, sharded)
             counted = _Collectives(settings["mesh"].size() if sharded else 1, split.size() if split else 1)
             with tracker, counted, experts.balanced_routing(), _autocast(cfg, sharded):  # balanced: fake tensors hold no router choices
                 _forward_again(model, tracker)  # inside: the tracker puts FSDP's own hooks first as it starts
@@ -155,7 +155,7 @@ def simulate(cfg: RunConfig, devices: int, fake: bool = True) -> Simulated:
     return Simulated(devices, by_role, total, calls, time.perf_counter() - started)
 
 
-def _placed(model, beside, cfg: RunConfig, devices: int, settings: dict, split, fake: bool):
+def _placed(model, beside, cfg: RunConfig, devices: int, settings: dict, split, fake: bool, sharded: bool):
     """The model placed as training places it, the optimizer midway through the run, and the memory tracker over
     them: FSDP's sharded (each layer quantized first where the base is 4-bit), or one process's whole model (its
     4-bit parts quantized once the adapter is on, as engines.Engine.prepare does); `beside` (DPO's frozen copy, the
@@ -163,7 +163,6 @@ def _placed(model, beside, cfg: RunConfig, devices: int, settings: dict, split, 
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    sharded = cfg.distributed.strategy == "fsdp"
     if not sharded and nf4.after_adapter(cfg.model):
         quantize_layers(model, cfg.model)
     elif sharded and nf4.used(cfg.model):  # each layer quantized, then sharded, as in training
