@@ -324,6 +324,54 @@ def _grouped_equals_dequantized(model) -> None:
     assert all(torch.allclose(results[0][1][k], g, rtol=0, atol=1e-6 * g.abs().max().item() + 1e-12) for k, g in results[1][1].items())
 
 
+@pytest.mark.parametrize("family, backend, bits", [("qwen3-moe", "bitsandbytes", 4), ("gpt-oss", "bitsandbytes", 4),
+                                                    ("qwen3-moe", "bitsandbytes", 8), ("qwen3-moe", "torchao", 4)])
+def test_experts_quantized_as_they_load_train_as_those_quantized_once_the_adapter_is_on(family_dirs, family, backend, bits):
+    """The policy's expert stacks quantized as transformers sets them (experts.quantized_as_loaded): the loaded model holds
+    each stack's codes, not its values, with no more than two stacks' values alive at once while it loads (4 here); the
+    adapter sized from their own shapes; then loss and every gradient bit for bit those of the same stacks quantized once
+    the adapter is on (gpt-oss: biases, unfolded routing)."""
+    import weakref
+
+    cfg = ModelConfig(name_or_path=str(family_dirs(family)), quantization=QuantizationConfig(bits=bits, backend=backend, compute_dtype="bfloat16"))
+    alive, most = [], 0
+
+    def seen(module, name, param):  # registered before finetune's: each stack as transformers sets it
+        nonlocal most
+        if param is not None and param.dim() == 3 and param.device.type != "meta" and hasattr(module, "num_experts"):
+            alive.append(weakref.ref(param))
+            most = max(most, sum(ref() is not None for ref in alive))
+
+    handle = torch.nn.modules.module.register_module_parameter_registration_hook(seen)
+    try:
+        early = load_model(cfg, say=lambda _: None, experts_as_loaded=True)
+    finally:
+        handle.remove()
+    stacks = [p for name, p in early.named_parameters() if ".experts." in name and name.endswith(("_proj", "gate_up_proj"))]
+    assert len(alive) == 4 and 1 <= most <= 2, (len(alive), most)
+    assert stacks and all(p.dim() == 2 and (nf4.is_nf4(p) if bits == 4 else p.dtype == torch.int8) for p in stacks)
+    models = []
+    for model in (early, load_model(cfg, say=lambda _: None)):
+        torch.manual_seed(0)  # the same LoRA A drawn
+        model = apply_adapter(model, AdapterConfig(r=4, dropout=0.0), False, say=lambda _: None)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0, 0.05, generator=torch.Generator().manual_seed(len(name)))
+        quantize_layers(model, cfg)
+        models.append(model.train())
+    shapes = [{n: p.shape for n, p in m.named_parameters()} for m in models]
+    assert shapes[0] == shapes[1]
+    batch = samples_batch(textbook_samples(models[0].config.vocab_size), packed=True)
+    results = []
+    for model in models:
+        value = loss.token_loss_sum(model, batch)
+        value.backward()
+        results.append((value.item(), trained_grads(model)))
+    assert results[0][0] == results[1][0]
+    assert results[0][1].keys() == results[1][1].keys() and all(torch.equal(g, results[1][1][k]) for k, g in results[0][1].items())
+
+
 def test_8bit_experts_compute_what_their_dequantized_values_do(family_dirs, tmp_path):
     """An 8-bit base (bitsandbytes' int8 linear layers) quantizes the experts' fused weights too, as bitsandbytes'
     LLM.int8 row-wise quantization (int8 codes, an absmax scale a row; the router stays as loaded): each stack is int8

@@ -35,8 +35,12 @@ _BALANCED = ContextVar("finetune_balanced_routing", default=False)
 def named_fused_experts(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     """The experts modules whose weights are fused 3-D tensors that transformers dispatches through
     its ExpertsInterface (the ones `experts_implementation` switches), by name."""
-    return [(name, m) for name, m in model.named_modules() if hasattr(m, "is_transposed") and hasattr(m, "num_experts") and any(
-        p.dim() == 3 for p in m.parameters(recurse=False))]
+    return [(name, m) for name, m in model.named_modules() if is_experts(m) and any(p.dim() == 3 for p in m.parameters(recurse=False))]
+
+
+def is_experts(module: torch.nn.Module) -> bool:
+    """Whether transformers dispatches this module through its ExpertsInterface (what `experts_implementation` switches)."""
+    return hasattr(module, "is_transposed") and hasattr(module, "num_experts")
 
 
 def fused_experts(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -382,28 +386,73 @@ def rows_of(weight: torch.Tensor, first: int, last: int) -> torch.Tensor:
 
 
 def quantize(module: torch.nn.Module, dtype: torch.dtype, shards: int = 1, bits: int = 4) -> int:
-    """Every frozen fused expert weight (E, d1, d2) under `module` as its (E·d1, d2) rows quantized: 4 bits, torchao's
-    NF4 of the weight cast to `dtype` (the compute dtype), in blocks `shards` processes can split; 8 bits, bitsandbytes'
-    int8 codes with a scale a row of the weight as loaded (its LLM.int8 row-wise quantization, no outliers kept apart).
-    Only experts that `group` runs: no other forward reads the 2-D form. Returns how many were replaced."""
+    """Every frozen fused expert weight (E, d1, d2) under `module` as its (E·d1, d2) rows quantized (`codes`), in blocks
+    `shards` processes can split. Only experts that `group` runs: no other forward reads the 2-D form. Stacks quantized as
+    they loaded (quantized_as_loaded) are 2-D already. Returns how many were replaced."""
     chosen = [(m, name, w) for m in module.modules() if LORA in m.__dict__ for name, w in m.named_parameters(recurse=False)
               if w.dim() == 3 and not w.requires_grad and (bits == 8 or w.numel() % nf4.BLOCK == 0)]
     why = nf4.uneven_rows({f"experts.{name}": w.shape[0] * w.shape[1] for _, name, w in chosen}, shards) if bits == 4 else None
     if why:
         raise UserError(why)
     for m, name, w in chosen:
-        rows = w.detach().to(dtype if bits == 4 else w.dtype).reshape(-1, w.shape[-1])
-        m.__dict__.setdefault(nf4.SHAPES, {})[name] = tuple(w.shape)
-        if bits == 4:
-            from torchao.quantization import to_nf4
-
-            codes = to_nf4(rows, nf4.BLOCK, nf4.scaler_block(rows.numel(), shards))
-        else:
-            from bitsandbytes.functional import int8_vectorwise_quant
-
-            codes, m.__dict__.setdefault(SCALES, {})[name], _ = int8_vectorwise_quant(rows)
-        setattr(m, name, torch.nn.Parameter(codes, requires_grad=False))
+        setattr(m, name, codes(m, name, w, dtype, shards, bits))
     return len(chosen)
+
+
+def codes(module: torch.nn.Module, name: str, weight: torch.Tensor, dtype: torch.dtype, shards: int, bits: int) -> torch.nn.Parameter:
+    """An expert stack (E, d1, d2) of `module` as its (E·d1, d2) rows quantized, its shape (and 8-bit scales) kept on the
+    module: 4 bits, torchao's NF4 of the weight cast to `dtype` (the compute dtype); 8 bits, bitsandbytes' int8 codes with a
+    scale a row of the weight as loaded (its LLM.int8 row-wise quantization, no outliers kept apart)."""
+    rows = weight.detach().to(dtype if bits == 4 else weight.dtype).reshape(-1, weight.shape[-1])
+    module.__dict__.setdefault(nf4.SHAPES, {})[name] = tuple(weight.shape)
+    if bits == 4:
+        from torchao.quantization import to_nf4
+
+        stored = to_nf4(rows, nf4.BLOCK, nf4.scaler_block(rows.numel(), shards))
+    else:
+        from bitsandbytes.functional import int8_vectorwise_quant
+
+        stored, module.__dict__.setdefault(SCALES, {})[name], _ = int8_vectorwise_quant(rows)
+    return torch.nn.Parameter(stored, requires_grad=False)
+
+
+@contextmanager
+def quantized_as_loaded(dtype: torch.dtype, bits: int):
+    """Each fused expert stack quantized (`codes`) as transformers sets it on its module while loading, through torch's
+    parameter-registration hook: the process holds a stack or two of the experts in the model's dtype at a time, not all of
+    them (where they would be quantized once the adapter is on: a 4-bit base on one GPU held them all there in bf16). The
+    model's experts then run grouped (`group`); the adapter sees their own shapes (shaped_for_peft)."""
+    def quantized_stack(module, name, param):
+        if param is None or param.dim() != 3 or param.device.type == "meta" or not is_experts(module) or (bits == 4 and param.numel() % nf4.BLOCK):
+            return None
+        stored = codes(module, name, param, dtype, 1, bits)
+        stored._is_hf_initialized = True  # transformers initializes the parameters a checkpoint lacked: this one it had
+        return stored
+
+    handle = torch.nn.modules.module.register_module_parameter_registration_hook(quantized_stack)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+@contextmanager
+def shaped_for_peft(model: torch.nn.Module):
+    """peft reads a fused expert weight's shape (and dtype: it casts the new LoRA to it) to make its LoRA: each stack
+    quantized as it loaded is, meanwhile, a placeholder of its own shape in the model's dtype as loaded (one value,
+    repeated: no memory), then its codes again."""
+    swapped, dtype = [], model.get_input_embeddings().weight.dtype
+    for module in model.modules():
+        for name, shape in module.__dict__.get(nf4.SHAPES, {}).items():
+            stored = getattr(module, name, None)
+            if stored is not None and stored.dim() == 2 and len(shape) == 3:
+                setattr(module, name, torch.nn.Parameter(torch.zeros((), dtype=dtype, device=stored.device).expand(shape), requires_grad=False))
+                swapped.append((module, name, stored))
+    try:
+        yield
+    finally:
+        for module, name, stored in swapped:
+            setattr(module, name, stored)
 
 
 def dequantized(module: torch.nn.Module, name: str) -> torch.Tensor:

@@ -182,7 +182,8 @@ def auto_class(config):
     return AutoModelForImageTextToText if vision.is_vision(config.to_dict()) else AutoModelForCausalLM
 
 
-def load_model(cfg: ModelConfig, device: torch.device | str = "cpu", skeleton: str | None = None, say=print, head: str = "causal"):
+def load_model(cfg: ModelConfig, device: torch.device | str = "cpu", skeleton: str | None = None, say=print, head: str = "causal",
+               experts_as_loaded: bool = False):
     """The base model. A quantized base is placed on `device` while loading (bitsandbytes quantizes
     as it places); a plain one is moved later by accelerate.
 
@@ -191,7 +192,10 @@ def load_model(cfg: ModelConfig, device: torch.device | str = "cpu", skeleton: s
     pages the kernel only provides once written (FSDP's rank 0 when it streams the weights from the
     files: peft then creates and initializes the adapter on real tensors, as it would on a loaded model).
     head: "causal" (the LM head), or "score" (a reward model: AutoModelForSequenceClassification with one
-    label, its score head initialized as transformers does)."""
+    label, its score head initialized as transformers does).
+    experts_as_loaded: a quantized base's fused expert stacks quantized as they load (experts.quantized_as_loaded), not
+    once the adapter is on; the whole model in one process only (a ZeRO-3 base is partitioned as it loads; FSDP2 quantizes
+    each layer in blocks its processes split)."""
     config = model_config(cfg)
     if head == "score":
         return _reward_model(cfg, config)
@@ -208,16 +212,17 @@ def load_model(cfg: ModelConfig, device: torch.device | str = "cpu", skeleton: s
         model.config.use_cache = False
         mixers.register(model)
         return model
-    extra = _dequantized_on_load(cfg, say)
-    if cfg.quantization is not None and not nf4.used(cfg):  # torchao's: the weights are quantized after the adapter is applied
-        from transformers.integrations import is_deepspeed_zero3_enabled
+    from transformers.integrations import is_deepspeed_zero3_enabled
 
-        partitioned = is_deepspeed_zero3_enabled()  # ZeRO-3 places the weights itself: no device_map
+    extra, q, partitioned = _dequantized_on_load(cfg, say), cfg.quantization, is_deepspeed_zero3_enabled()
+    if q is not None and not nf4.used(cfg):  # torchao's: the weights are quantized after the adapter is applied
         extra = {"quantization_config": quantization_config(cfg, partitioned, vision.is_vision(config.to_dict()))}
-        if not partitioned:
+        if not partitioned:  # ZeRO-3 places the weights itself: no device_map
             extra["device_map"] = {"": str(device)}
+    as_loaded = experts_as_loaded and q is not None and not partitioned
     try:
-        with _weights_read_on_demand(cfg, config) as (cls, name, state):
+        with _weights_read_on_demand(cfg, config) as (cls, name, state), \
+                experts.quantized_as_loaded(DTYPES[q.compute_dtype], q.bits) if as_loaded else nullcontext():
             model = cls.from_pretrained(
                 name,
                 config=config,
@@ -231,6 +236,8 @@ def load_model(cfg: ModelConfig, device: torch.device | str = "cpu", skeleton: s
             )
         if state is not None:
             _as_if_read_from(model, Path(cfg.name_or_path))
+        if as_loaded:
+            experts.group(model)
     except Exception as err:  # noqa: BLE001 - missing, truncated, garbage or mis-shaped weights: the folder's fault, said in one line
         why = "its weights have other shapes than its config.json says" if "mismatched_sizes" in str(err) else first_line(err)
         raise UserError(f"model.name_or_path: cannot load '{cfg.name_or_path}': {why}") from None
@@ -354,7 +361,8 @@ def _own_unquantized_weights(model) -> None:
     import bitsandbytes as bnb
 
     for param in model.parameters():
-        if param.is_floating_point() and not isinstance(param, (bnb.nn.Params4bit, bnb.nn.Int8Params)) and not hasattr(param, "ds_id"):
+        if param.is_floating_point() and not isinstance(param, (bnb.nn.Params4bit, bnb.nn.Int8Params)) and not hasattr(param, "ds_id") \
+                and not nf4.is_nf4(param):  # an expert stack quantized as it loaded: its own tensors
             param.data = param.data.clone()  # ZeRO-3 owns its shards (ds_id)
 
 
@@ -379,7 +387,13 @@ def quantize_layer(layer: torch.nn.Module, cfg: ModelConfig, shards: int = 1) ->
 
 
 def apply_adapter(model, cfg: AdapterConfig, gradient_checkpointing: bool, say=print):
-    """Wrap the model for the chosen method. Returns the model to train."""
+    """Wrap the model for the chosen method. Returns the model to train. Expert stacks quantized as they loaded show peft
+    (and the targets chosen for it) their own shapes meanwhile."""
+    with experts.shaped_for_peft(model):
+        return _wrapped(model, cfg, gradient_checkpointing, say)
+
+
+def _wrapped(model, cfg: AdapterConfig, gradient_checkpointing: bool, say):
     if gradient_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     if cfg.method == "full":
@@ -556,7 +570,7 @@ def describe(model) -> dict:
             trainable += numel
     info = {"total_params": total, "trainable_params": trainable, "param_bytes": nbytes}
     quantized, kept, dtypes = 0, {}, set()
-    stacks = {id(m) for m in experts.fused_experts(model)}  # a quantized base's, quantized once the adapter is on (nf4.after_adapter)
+    stacks = {id(m) for m in model.modules() if experts.is_experts(m)}  # a quantized base's: quantized by model/experts.py
     for name, module in model.named_modules():
         if not any(True for _ in module.parameters(recurse=False)) or "lora_" in name or "magnitude" in name or id(module) in stacks:
             continue  # containers, the adapter itself, and the expert stacks

@@ -37,8 +37,9 @@ def used(cfg: ModelConfig) -> bool:
 
 
 def after_adapter(cfg: ModelConfig) -> bool:
-    """Whether weights are quantized once the adapter is on: a torchao base's linear layers, and any quantized base's
-    fused expert weights, which bitsandbytes leaves as they are (model/experts.py: 4-bit NF4, or 8-bit int8 codes)."""
+    """Whether weights are quantized after transformers loads the base: a torchao base's linear layers once the adapter is
+    on, and any quantized base's fused expert weights, which bitsandbytes leaves as they are (model/experts.py: 4-bit NF4,
+    or 8-bit int8 codes; the policy's as they load where it loads whole, else once the adapter is on)."""
     return used(cfg) or cfg.quantization is not None
 
 

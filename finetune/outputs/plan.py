@@ -572,27 +572,32 @@ def make_plan(cfg: RunConfig, devices: int = 1, strategy: str | None = None, gpu
 
 
 def load_peak(shape: Shape, cfg: RunConfig, s: Setup) -> tuple[float, bool]:
-    """(What a process holds while a quantized base loads, on the host or not), where weights are quantized once the
-    adapter is on (nf4.after_adapter) rather than as transformers loads them: a 4-bit or 8-bit base's expert stacks, which
-    bitsandbytes places on the device in the model's dtype (model/experts.py), and a torchao base's linear layers too,
-    loaded on the host (it quantizes there; accelerate then moves the 4-bit model). Until the last layer is quantized the
-    base holds them as loaded, with the adapter, and quantizing the largest of them holds its copy in the compute dtype and
-    torchao's to_nf4 (3.7x that copy's bytes, measured in bf16 and fp32; docs/platform-notes.md). No training has run yet:
-    a CPU process has not grown by CPU_RUNTIME. Sharded loads (FSDP, ZeRO-3) go layer by layer: (0, False)."""
+    """(What a process holds while a quantized base loads, on the host or not), where it is not quantized layer by layer
+    as transformers loads it. The expert stacks of a 4-bit or 8-bit base are quantized as they load
+    (experts.quantized_as_loaded: the largest held in the model's dtype with its quantizing copies beside the quantized
+    rest); a torchao base's linear layers are quantized once the adapter is on, on the host (accelerate then moves the 4-bit
+    model): until then the base holds them as loaded, with the adapter, and quantizing the largest holds its copy in the
+    compute dtype and torchao's to_nf4 (3.7x that copy's bytes, measured in bf16 and fp32; docs/platform-notes.md).
+    Under DeepSpeed (ZeRO-2) the stacks load as stored and stay so. No training has run yet: a CPU process has not grown by
+    CPU_RUNTIME. Sharded loads (FSDP, ZeRO-3) go layer by layer: (0, False)."""
     q = cfg.model.quantization
     if q is None or s.shards_weights:
         return 0.0, False
-    torchao = torchao_base(cfg, s)
-    late = [l for l in shape.linears if not l.router and (l.expert or (torchao and l in shape.quantized(q.bits)))]
-    if not late:
+    torchao, stored = torchao_base(cfg, s), s.run_as.deepspeed
+    late = [l for l in shape.linears if not l.router and ((torchao and not l.expert and l in shape.quantized(q.bits)) or (stored and l.expert))]
+    stacks = [l for l in shape.linears if l.expert and not stored]
+    if not late and not stacks:
         return 0.0, False
-    late_params = sum(l.params for l in late)
     quantized_bytes = 0.5 + (1 / BNB_BLOCK + 4 / (BNB_BLOCK * 256) if q.double_quant else 4 / BNB_BLOCK) if q.bits == 4 else 1
-    compute = DTYPE_BYTES[q.compute_dtype]
-    largest = max(l.fan_in * l.fan_out * (max(1, families.num_experts(shape.config)) if l.expert else 1) for l in late)
-    quantizing = largest * compute * (3.7 + (1 if compute != s.weight_bytes else 0))
-    base = base_weights(shape, q, s) + late_params * (s.weight_bytes - quantized_bytes)
-    return base + trainable_params(shape, cfg) * 4 + quantizing, torchao
+    compute, experts = DTYPE_BYTES[q.compute_dtype], max(1, families.num_experts(shape.config))
+
+    def quantizing(layers: list) -> float:
+        largest = max((l.fan_in * l.fan_out * (experts if l.expert else 1) for l in layers), default=0)
+        return largest * compute * (3.7 + (1 if compute != s.weight_bytes else 0))
+
+    held = base_weights(shape, q, s) + sum(l.params for l in late) * (s.weight_bytes - quantized_bytes)
+    adapting = held + trainable_params(shape, cfg) * 4 + quantizing(late) if late else 0.0
+    return max(held + quantizing(stacks), adapting), torchao
 
 
 def split_shape(shape: Shape, size: int) -> Shape:
@@ -730,8 +735,8 @@ def render(plan: Plan, budget: float, where: str, alts: list[tuple[str, Plan]]) 
                      " and expert parameters stay unquantized (8-bit quantizes linear layers; a 4-bit base its experts too)"))
     if plan.loading > (0 if plan.loads_on_host else plan.total):
         where_loaded = "of CPU RAM (torchao quantizes on the host, then the 4-bit model moves to the GPU)" if plan.loads_on_host else "per device"
-        lines.append(f"loading: {plan.loading / GiB:.2f} GiB {where_loaded} while the base loads: what is quantized once the "
-                     "adapter is on (expert stacks; a torchao base's linear layers) is held as loaded until then")
+        lines.append(f"loading: {plan.loading / GiB:.2f} GiB {where_loaded} while the base loads: each expert stack is quantized as "
+                     "it loads, the largest held in the model's dtype meanwhile (a torchao base's linear layers: as loaded until the adapter is on)")
     fits = max(plan.total, 0 if plan.loads_on_host else plan.loading) <= budget
     if plan.refused:
         lines += ["", f"{where}: {budget / GiB:.1f} GiB per device -> finetune train refuses this setup: {plan.refused}"]

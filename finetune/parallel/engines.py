@@ -60,8 +60,11 @@ class Engine:
         self.model = self.optimizer = self.scheduler = self.checkpointer = None
         self.params: list[torch.nn.Parameter] = []  # the trained ones, as this rank holds them (after prepare)
 
-    def load(self, model_cfg: ModelConfig, say) -> torch.nn.Module:
-        return load_model(model_cfg, self.accelerator.device, say=say, head="score" if self.cfg.train.objective == "reward" else "causal")
+    def load(self, model_cfg: ModelConfig, say, policy: bool = False) -> torch.nn.Module:
+        """The base as loaded (policy: the model trained, whose quantized expert stacks are quantized as they load: not a
+        reference or teacher, which has an adapter merged into it first)."""
+        return load_model(model_cfg, self.accelerator.device, say=say, head="score" if self.cfg.train.objective == "reward" else "causal",
+                          experts_as_loaded=policy)
 
     def prepare(self, model: torch.nn.Module, total_steps: int) -> None:
         """Wrap the model, then build the optimizer on what this rank holds, and the LR schedule on that
@@ -117,7 +120,7 @@ class FSDP(Engine):
 
     autocast = False
 
-    def load(self, model_cfg: ModelConfig, say) -> torch.nn.Module:
+    def load(self, model_cfg: ModelConfig, say, policy: bool = False) -> torch.nn.Module:
         self.stream_from = stream_source(self.cfg.model_copy(update={"model": model_cfg}), say)
         skeleton = "meta" if self.rank != 0 else "empty" if self.stream_from else None
         return load_model(model_cfg, self.accelerator.device, skeleton=skeleton, say=say)
@@ -154,7 +157,7 @@ class Zero(Engine):
         super().__init__(cfg, accelerator, strategy)
         self.partitioning = zero3_loading(cfg, self.world)  # ZeRO-3: weights partitioned as they load, while this lives
 
-    def load(self, model_cfg: ModelConfig, say) -> torch.nn.Module:
+    def load(self, model_cfg: ModelConfig, say, policy: bool = False) -> torch.nn.Module:
         """ZeRO-3 builds each module for real before partitioning it, where a plain load builds it on the meta device:
         a module that draws its own weights (CLIP's class embedding) would move the random generators, and with them
         the adapter's initial weights, drawn next. They are put back after the load."""

@@ -68,7 +68,7 @@ def load_model(state: RunState) -> None:
     if state.engine.gathers or nf4.after_adapter(cfg.model):  # gathered layers; or weights cast and quantized one by one after loading
         runtime.map_large_blocks()
     state.rss_before_model, state.anonymous_before_model = runtime.current_rss(), runtime.current_anonymous()
-    model = state.engine.load(state.model_cfg, state.say)
+    model = state.engine.load(state.model_cfg, state.say, policy=True)
     # Saved configs name the source, not a RAM copy; a local one by its absolute path, so that the adapter
     # loads from any directory (AutoPeftModelForCausalLM reads it); hub ids stay as they are.
     state.base = str(Path(cfg.model.name_or_path).expanduser().resolve()) if looks_local(cfg.model.name_or_path) else cfg.model.name_or_path
@@ -121,7 +121,7 @@ def say_model(state: RunState, model) -> None:
         f"{info['param_bytes'] / 2**20:.1f} MiB of weights"
     )
     if "unquantized" in info:
-        stacks = f" and {info['expert_modules']} experts modules' weight stacks (once the adapter is on)" if info["expert_modules"] else ""
+        stacks = f" and {info['expert_modules']} experts modules' weight stacks" if info["expert_modules"] else ""
         state.say(f"quantized: {info['quantized_linears']} linear layers{stacks}; kept in {info['unquantized_dtype']}: {info['unquantized']}")
     data_world, sp = state.row_share.data_world(world), state.row_share
     shared = f" (of {world}: {sp.size} share each row" + ("" if sp.cut else ", each holding a share of the weights") + ")" if sp.size > 1 else ""
