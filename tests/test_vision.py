@@ -544,14 +544,7 @@ def test_a_gemma3_exports_to_gguf_with_a_projector_file_that_llama_cpp_reads(tmp
     and projector as llama.cpp's gemma3 clip file (the tower's post-layernorm, the patches pooled 2 x 2 where the releases
     pool 4 x 4, the soft-embedding norm's 1 + weight), whose embeddings of a picture in llama.cpp's mtmd are the model's."""
     out = tmp_path / "m.gguf"
-    result = finetune_in_process("export", "--model", str(llava("gemma3-gemma3")), "--out", str(out), "--type", "f16")
-    assert result.returncode == 0, result.stderr[-2000:]
-    line = next(line for line in result.stdout.splitlines() if line.startswith("projector file"))
-    assert "(f16) in llama.cpp itself (mtmd)" in line and float(line.split("embeddings within ")[1].split()[0]) < 1e-2, line
-    from gguf import GGUFReader
-
-    read = GGUFReader(tmp_path / "mmproj-m.gguf")
-    fields = {name: field.contents() for name, field in read.fields.items()}
+    read, fields = _exported_in_f16(llava("gemma3-gemma3"), out)
     assert fields["clip.projector_type"] == "gemma3" and fields["clip.vision.projector.scale_factor"] == 2
     assert {"mm.input_projection.weight", "mm.soft_emb_norm.weight", "v.post_ln.weight"} <= {t.name for t in read.tensors}
     # The same file with its position embedding in f16 makes llama.cpp abort (a GGML assertion ends its process): the
@@ -571,6 +564,31 @@ def test_a_gemma3_exports_to_gguf_with_a_projector_file_that_llama_cpp_reads(tmp
                                       r"binary_op: unsupported types") as stopped:
         mmproj.check(model, processor, out, tmp_path / "bad.gguf", mmproj._picture(56))
     assert stopped.value.exit_code == EXIT_MERGE_CHECK
+
+
+@pytest.mark.parametrize("family", ["idefics3", "smolvlm"])
+def test_an_idefics3_exports_to_gguf_with_a_projector_file_that_llama_cpp_reads(tmp_path, llava, family):
+    """Idefics3 and SmolVLM2 with Llama 3's tokenizer (npm) exported in f16: the language model (its text_model) read by
+    llama.cpp itself, the tower and
+    projector as llama.cpp's idefics3 clip file (the tower's post-layernorm, the patches shuffled scale_factor x
+    scale_factor into one token, one matrix), whose embeddings of a picture the tower's size in llama.cpp's mtmd are the
+    model's features of that picture as one crop."""
+    read, fields = _exported_in_f16(llava(f"{family}-llama3"), tmp_path / "m.gguf")
+    assert fields["clip.projector_type"] == "idefics3" and fields["clip.vision.projector.scale_factor"] == 2
+    assert {"mm.model.fc.weight", "v.post_ln.weight", "v.blk.1.ffn_down.weight"} <= {t.name for t in read.tensors}
+
+
+def _exported_in_f16(model_dir, out):
+    """`finetune export` of a vision-language model in f16 to `out`: the projector file checked in llama.cpp's mtmd within
+    1e-2; its reader (gguf's own: the file is small) and header fields."""
+    from gguf import GGUFReader
+
+    result = finetune_in_process("export", "--model", str(model_dir), "--out", str(out), "--type", "f16")
+    assert result.returncode == 0, result.stderr[-2000:]
+    line = next(line for line in result.stdout.splitlines() if line.startswith("projector file"))
+    assert "(f16) in llama.cpp itself (mtmd)" in line and float(line.split("embeddings within ")[1].split()[0]) < 1e-2, line
+    read = GGUFReader(out.with_name(f"mmproj-{out.name}"))
+    return read, {name: field.contents() for name, field in read.fields.items()}
 
 
 def _with_f16_positions(read, path):
@@ -593,12 +611,14 @@ def _with_f16_positions(read, path):
 
 
 def test_export_refuses_what_it_does_not_write_in_one_line(tmp_path, vision_run, llava):
-    """A CLIP tower's LLaVA (llama.cpp hands its class token on in place of the first patch) and a Qwen2.5-VL are not exported:
-    one line each, exit 2, nothing written."""
+    """A CLIP tower's LLaVA (llama.cpp hands its class token on in place of the first patch), a Qwen2.5-VL and a Mllama (llama.cpp
+    reads no Mllama projector) are not exported: one line each, exit 2, nothing written."""
     out, _ = vision_run
     for args, key in [(("export", "--adapter", str(out), "--out", str(tmp_path / "m.gguf")), "--format gguf: its vision tower is CLIP's"),
                       (("export", "--model", str(llava("qwen2_5_vl")), "--out", str(tmp_path / "m.gguf")),
-                       "--format gguf: qwen2_5_vl is a vision-language model whose projector file (mmproj) finetune does not write")]:
+                       "--format gguf: qwen2_5_vl is a vision-language model whose projector file (mmproj) finetune does not write"),
+                      (("export", "--model", str(llava("mllama")), "--out", str(tmp_path / "m.gguf")),
+                       "--format gguf: llama.cpp's multimodal library reads no Mllama projector")]:
         result = finetune_in_process(*args)
         assert result.returncode == 2 and key in result.stderr.strip().splitlines()[-1], result.stderr[-1000:]
     assert sorted(p.name for p in tmp_path.iterdir()) == []

@@ -24,19 +24,24 @@ import torch
 from finetune.config.errors import EXIT_MERGE_CHECK, Stopped, UserError
 
 # model_type -> llama.cpp's projector type (LLaVA: a tower, two linear layers with a GELU between; Gemma 3: the tower's last
-# layer normed, its patches average-pooled to mm_tokens_per_image, an RMS norm and one matrix)
-FAMILIES = {"llava": "mlp", "gemma3": "gemma3"}
+# layer normed, its patches average-pooled to mm_tokens_per_image, an RMS norm and one matrix; Idefics3 and SmolVLM: the
+# tower's last layer normed, its patches shuffled scale_factor x scale_factor into one, one matrix)
+FAMILIES = {"llava": "mlp", "gemma3": "gemma3", "idefics3": "idefics3", "smolvlm": "idefics3"}
+SHUFFLED = ("idefics3", "smolvlm")  # a tower of their own, SigLIP's layers
 GEMMA3_POOLING = 4  # llama.cpp's pooling of Gemma 3's patches when the file names none (64 x 64 patches into 16 x 16 tokens)
 TOLERANCE = {"f32": 1e-3, "f16": 1e-2}  # largest |embedding difference| published, over the largest |embedding|
 # Towers written: SigLIP's. llama.cpp's LLaVA graph (llama-cpp-python 0.3.36) puts a CLIP tower's class token after the
 # patches and hands it on in place of the first patch, so no file of a CLIP tower gives the model's embeddings
 # (docs/platform-notes.md).
-TOWERS = ("siglip_vision_model",)
+TOWERS = ("siglip_vision_model", "idefics3_vision", "smolvlm_vision")
 
 
 def refusal(config: dict) -> str | None:
     """Why this vision-language model's projector file is not written, or None."""
     family = config.get("model_type")
+    if family == "mllama":
+        return ("llama.cpp's multimodal library reads no Mllama projector (its cross-attention layers have no place in its graphs); "
+                "finetune merge writes the folder transformers and vLLM load")
     if family not in FAMILIES:
         return (f"{family} is a vision-language model whose projector file (mmproj) finetune does not write; it writes "
                 f"{', '.join(sorted(FAMILIES))} (finetune merge writes the folder transformers and vLLM load)")
@@ -56,7 +61,7 @@ def text_folder(model, tokenizer, out: Path) -> Path:
     from transformers import AutoModelForCausalLM
 
     text = AutoModelForCausalLM.from_config(model.config.get_text_config(), dtype=torch.float32)
-    weights = {f"model.{k}": v for k, v in model.model.language_model.state_dict().items()}
+    weights = {f"model.{k}": v for k, v in _language_model(model).state_dict().items()}
     weights["lm_head.weight"] = model.lm_head.weight
     text.load_state_dict(weights, strict=True)
     text.save_pretrained(out)
@@ -64,8 +69,18 @@ def text_folder(model, tokenizer, out: Path) -> Path:
     return out
 
 
+def _language_model(model):
+    return model.model.text_model if model.config.model_type in SHUFFLED else model.model.language_model
+
+
+def _tower(model):
+    if model.config.model_type in SHUFFLED:
+        return model.model.vision_model
+    return getattr(model.model.vision_tower, "vision_model", model.model.vision_tower)
+
+
 def write(model, processor, path: Path, kind: str) -> None:
-    """The tower and projector of `model` (LLaVA, Gemma 3) as llama.cpp's clip file at `path`."""
+    """The tower and projector of `model` (LLaVA, Gemma 3, Idefics3, SmolVLM2) as llama.cpp's clip file at `path`."""
     import gguf
 
     config, vision = model.config, model.config.vision_config
@@ -91,6 +106,8 @@ def write(model, processor, path: Path, kind: str) -> None:
     if config.model_type == "llava":
         # the hidden states LLaVA reads: transformers' index (0: the encoder's input), as llama.cpp counts its feature layers
         writer.add_array("clip.vision.feature_layer", [config.vision_feature_layer % (layers + 1)])
+    elif config.model_type in SHUFFLED:  # each scale_factor x scale_factor patches shuffled into one token
+        writer.add_uint32(gguf.Keys.ClipVision.Projector.SCALE_FACTOR, config.scale_factor)
     else:  # Gemma 3: each side's patches pooled by this factor into the side of mm_tokens_per_image
         pooling = vision.image_size // vision.patch_size // round(config.mm_tokens_per_image ** 0.5)
         if pooling != GEMMA3_POOLING:
@@ -107,8 +124,8 @@ def write(model, processor, path: Path, kind: str) -> None:
 
 def _tensors(model, layers: int) -> dict[str, torch.Tensor]:
     """The tower's and projector's weights under llama.cpp's clip names (LLaVA: the tower's last layers past the one it
-    reads are written too, llama.cpp stops at the feature layer as transformers' LLaVA does, no post-layernorm; Gemma 3
-    reads the last layer through the post-layernorm)."""
+    reads are written too, llama.cpp stops at the feature layer as transformers' LLaVA does, no post-layernorm; Gemma 3,
+    Idefics3 and SmolVLM2 read the last layer through the post-layernorm)."""
     import gguf
 
     def name(kind, bid=None) -> str:
@@ -116,7 +133,7 @@ def _tensors(model, layers: int) -> dict[str, torch.Tensor]:
         return text.format(bid=bid) if bid is not None else text
 
     T = gguf.MODEL_TENSOR
-    tower = getattr(model.model.vision_tower, "vision_model", model.model.vision_tower)
+    tower = _tower(model)
     embeddings = tower.embeddings
     out = {f"{name(T.V_ENC_EMBD_PATCH)}.weight": embeddings.patch_embedding.weight,
            f"{name(T.V_ENC_EMBD_POS)}.weight": embeddings.position_embedding.weight}
@@ -129,6 +146,8 @@ def _tensors(model, layers: int) -> dict[str, torch.Tensor]:
         layer = tower.encoder.layers[i]
         for kind, module in parts.items():
             out |= _pair(name(kind, i), layer.get_submodule(module))
+    if model.config.model_type in SHUFFLED:
+        return out | _pair(name(T.V_POST_NORM), tower.post_layernorm) | _pair(name(T.V_MMPROJ_FC), model.model.connector.modality_projection.proj)
     projector = model.model.multi_modal_projector
     if model.config.model_type == "gemma3":
         out |= _pair(name(T.V_POST_NORM), tower.post_layernorm)
@@ -160,9 +179,12 @@ def check(model, processor, text_gguf: Path, mmproj: Path, picture) -> float:
     projector file over the text file, and the model's own features for it, over their largest |value|. llama.cpp runs in
     a child process: where it aborts on a file (a GGML assertion ends its process), the export ends in one line and
     removes what it wrote, instead of dying with it."""
-    pixels = processor.image_processor(images=[picture], return_tensors="pt")["pixel_values"]
-    chosen = {} if model.config.model_type == "gemma3" else {"vision_feature_layer": model.config.vision_feature_layer,
-                                                             "vision_feature_select_strategy": model.config.vision_feature_select_strategy}
+    family = model.config.model_type
+    # Idefics3 / SmolVLM: the picture as one crop of the tower's size (llama.cpp's encoding of a picture that size)
+    whole = {"do_image_splitting": False, "size": {"longest_edge": picture.width}} if family in SHUFFLED else {}
+    pixels = processor.image_processor(images=[picture], return_tensors="pt", **whole)["pixel_values"]
+    chosen = {} if family in ("gemma3", *SHUFFLED) else {"vision_feature_layer": model.config.vision_feature_layer,
+                                                         "vision_feature_select_strategy": model.config.vision_feature_select_strategy}
     ours = model.model.get_image_features(pixel_values=pixels, **chosen)
     ours = torch.cat(list(ours.pooler_output if hasattr(ours, "pooler_output") else ours)).float()
     theirs = _llama_cpp_embeddings(text_gguf, mmproj, picture)
