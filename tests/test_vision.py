@@ -544,7 +544,7 @@ def test_a_gemma3_exports_to_gguf_with_a_projector_file_that_llama_cpp_reads(tmp
     and projector as llama.cpp's gemma3 clip file (the tower's post-layernorm, the patches pooled 2 x 2 where the releases
     pool 4 x 4, the soft-embedding norm's 1 + weight), whose embeddings of a picture in llama.cpp's mtmd are the model's."""
     out = tmp_path / "m.gguf"
-    read, fields = _exported_in_f16(llava("gemma3-gemma3"), out)
+    read, fields = _exported(llava("gemma3-gemma3"), out)
     assert fields["clip.projector_type"] == "gemma3" and fields["clip.vision.projector.scale_factor"] == 2
     assert {"mm.input_projection.weight", "mm.soft_emb_norm.weight", "v.post_ln.weight"} <= {t.name for t in read.tensors}
     # The same file with its position embedding in f16 makes llama.cpp abort (a GGML assertion ends its process): the
@@ -573,20 +573,55 @@ def test_an_idefics3_exports_to_gguf_with_a_projector_file_that_llama_cpp_reads(
     projector as llama.cpp's idefics3 clip file (the tower's post-layernorm, the patches shuffled scale_factor x
     scale_factor into one token, one matrix), whose embeddings of a picture the tower's size in llama.cpp's mtmd are the
     model's features of that picture as one crop."""
-    read, fields = _exported_in_f16(llava(f"{family}-llama3"), tmp_path / "m.gguf")
+    read, fields = _exported(llava(f"{family}-llama3"), tmp_path / "m.gguf")
     assert fields["clip.projector_type"] == "idefics3" and fields["clip.vision.projector.scale_factor"] == 2
     assert {"mm.model.fc.weight", "v.post_ln.weight", "v.blk.1.ffn_down.weight"} <= {t.name for t in read.tensors}
 
 
-def _exported_in_f16(model_dir, out):
-    """`finetune export` of a vision-language model in f16 to `out`: the projector file checked in llama.cpp's mtmd within
-    1e-2; its reader (gguf's own: the file is small) and header fields."""
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl"])
+def test_a_qwen_vl_exports_to_gguf_with_a_projector_file_that_llama_cpp_reads(tmp_path, llava, family):
+    """Qwen2-VL and Qwen2.5-VL (the releases' 112-pixel windows, every second layer over the whole picture) with Llama 3's
+    tokenizer (npm), a q8_0 language model and an f32 projector file: the language model as llama.cpp's qwen2vl (its rotary
+    sections: time, height, width) read by llama.cpp itself; the tower as llama.cpp's clip file (the 3-D patch embedding as
+    its two frames, each layer's query/key/value split, the merger), whose embeddings of a 112-pixel picture (4 x 4 tokens)
+    in llama.cpp's mtmd are the model's within 1e-3. A tower with other windows is refused in one line, nothing written."""
+    import json
+    import shutil
+
     from gguf import GGUFReader
 
-    result = finetune_in_process("export", "--model", str(model_dir), "--out", str(out), "--type", "f16")
+    model_dir = tmp_path / "model"
+    shutil.copytree(llava(f"{family}-llama3"), model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    if family == "qwen2_5_vl":  # the tiny tower's 56-pixel windows (tests/test_vision.py's packing) are not the releases'
+        config["vision_config"]["window_size"] = 112
+        (model_dir / "config.json").write_text(json.dumps(config))
+    read, fields = _exported(model_dir, tmp_path / "gguf" / "m.gguf", "q8_0")
+    assert fields["clip.projector_type"] == {"qwen2_vl": "qwen2vl_merger", "qwen2_5_vl": "qwen2.5vl_merger"}[family]
+    assert {"v.patch_embd.weight", "v.patch_embd.weight.1", "v.blk.1.attn_q.weight", "mm.2.weight"} <= {t.name for t in read.tensors}
+    text = GGUFReader(tmp_path / "gguf" / "m.gguf")
+    assert text.fields["general.architecture"].contents() == "qwen2vl" and text.fields["qwen2vl.rope.dimension_sections"].contents() == [2, 3, 3, 0]
+    if family == "qwen2_5_vl":
+        config["vision_config"]["window_size"] = 56
+        (model_dir / "config.json").write_text(json.dumps(config))
+        result = finetune_in_process("export", "--model", str(model_dir), "--out", str(tmp_path / "other.gguf"))
+        assert result.returncode == 2 and "56-pixel windows; llama.cpp's qwen2.5vl graph within the releases' 112" in result.stderr.splitlines()[-1]
+        assert not (tmp_path / "other.gguf").exists()
+
+
+def _exported(model_dir, out, kind: str = "f16"):
+    """`finetune export` of a vision-language model to `out` (`kind`: its language model's type): the projector file (f16
+    beside f16, else f32) checked in llama.cpp's mtmd within 1e-2 (f16) or 1e-3 (f32); its reader (gguf's own: the file is
+    small) and header fields."""
+    from gguf import GGUFReader
+
+    out.parent.mkdir(exist_ok=True)
+    result = finetune_in_process("export", "--model", str(model_dir), "--out", str(out), "--type", kind)
     assert result.returncode == 0, result.stderr[-2000:]
     line = next(line for line in result.stdout.splitlines() if line.startswith("projector file"))
-    assert "(f16) in llama.cpp itself (mtmd)" in line and float(line.split("embeddings within ")[1].split()[0]) < 1e-2, line
+    projector = "f16" if kind == "f16" else "f32"
+    bound = {"f16": 1e-2, "f32": 1e-3}[projector]
+    assert f"({projector}) in llama.cpp itself (mtmd)" in line and float(line.split("embeddings within ")[1].split()[0]) < bound, line
     read = GGUFReader(out.with_name(f"mmproj-{out.name}"))
     return read, {name: field.contents() for name, field in read.fields.items()}
 
@@ -611,12 +646,12 @@ def _with_f16_positions(read, path):
 
 
 def test_export_refuses_what_it_does_not_write_in_one_line(tmp_path, vision_run, llava):
-    """A CLIP tower's LLaVA (llama.cpp hands its class token on in place of the first patch), a Qwen2.5-VL and a Mllama (llama.cpp
+    """A CLIP tower's LLaVA (llama.cpp hands its class token on in place of the first patch), a Qwen3-VL and a Mllama (llama.cpp
     reads no Mllama projector) are not exported: one line each, exit 2, nothing written."""
     out, _ = vision_run
     for args, key in [(("export", "--adapter", str(out), "--out", str(tmp_path / "m.gguf")), "--format gguf: its vision tower is CLIP's"),
-                      (("export", "--model", str(llava("qwen2_5_vl")), "--out", str(tmp_path / "m.gguf")),
-                       "--format gguf: qwen2_5_vl is a vision-language model whose projector file (mmproj) finetune does not write"),
+                      (("export", "--model", str(llava("qwen3_vl")), "--out", str(tmp_path / "m.gguf")),
+                       "--format gguf: qwen3_vl is a vision-language model whose projector file (mmproj) finetune does not write"),
                       (("export", "--model", str(llava("mllama")), "--out", str(tmp_path / "m.gguf")),
                        "--format gguf: llama.cpp's multimodal library reads no Mllama projector")]:
         result = finetune_in_process(*args)

@@ -108,7 +108,7 @@ def export_gguf(model_dir: str, out: str, kind: str = "f16", say=print) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    arch, permuted = FAMILIES[family]
+    arch, permuted = ("QWEN2VL", False) if config.get("mrope_section") else FAMILIES[family]  # a Qwen2-VL's language model (mmproj.text_folder)
     arch_name = gguf.MODEL_ARCH_NAMES[getattr(gguf.MODEL_ARCH, arch)]
     written = "f16" if kind in K_QUANTS else kind
 
@@ -324,6 +324,8 @@ def _metadata(writer, config: dict, name: str, kind: str) -> None:
         writer.add_value_length(head_dim)
     rope = _rope(config)
     writer.add_rope_freq_base(float(rope["rope_theta"]))
+    if config.get("mrope_section"):  # the rotary dimensions of time, height and width (llama.cpp takes four sections)
+        writer.add_rope_dimension_sections([*config["mrope_section"], 0, 0, 0, 0][:4])
     if rope["rope_type"] == "linear":  # llama3's scaling goes in as the rope_freqs tensor
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(float(rope["factor"]))

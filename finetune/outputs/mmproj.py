@@ -26,8 +26,10 @@ from finetune.config.errors import EXIT_MERGE_CHECK, Stopped, UserError
 # model_type -> llama.cpp's projector type (LLaVA: a tower, two linear layers with a GELU between; Gemma 3: the tower's last
 # layer normed, its patches average-pooled to mm_tokens_per_image, an RMS norm and one matrix; Idefics3 and SmolVLM: the
 # tower's last layer normed, its patches shuffled scale_factor x scale_factor into one, one matrix)
-FAMILIES = {"llava": "mlp", "gemma3": "gemma3", "idefics3": "idefics3", "smolvlm": "idefics3"}
+FAMILIES = {"llava": "mlp", "gemma3": "gemma3", "idefics3": "idefics3", "smolvlm": "idefics3", "qwen2_vl": "qwen2vl_merger",
+            "qwen2_5_vl": "qwen2.5vl_merger"}
 SHUFFLED = ("idefics3", "smolvlm")  # a tower of their own, SigLIP's layers
+QWEN = ("qwen2_vl", "qwen2_5_vl")  # a tower of their own: 2-D rotary positions, 2 x 2 patches merged into one token
 GEMMA3_POOLING = 4  # llama.cpp's pooling of Gemma 3's patches when the file names none (64 x 64 patches into 16 x 16 tokens)
 TOLERANCE = {"f32": 1e-3, "f16": 1e-2}  # largest |embedding difference| published, over the largest |embedding|
 # Towers written: SigLIP's. llama.cpp's LLaVA graph (llama-cpp-python 0.3.36) puts a CLIP tower's class token after the
@@ -46,6 +48,8 @@ def refusal(config: dict) -> str | None:
         return (f"{family} is a vision-language model whose projector file (mmproj) finetune does not write; it writes "
                 f"{', '.join(sorted(FAMILIES))} (finetune merge writes the folder transformers and vLLM load)")
     tower = config["vision_config"].get("model_type")
+    if family in QWEN:
+        return _qwen_refusal(config["vision_config"]) if family == "qwen2_5_vl" else None
     if tower == "clip_vision_model":
         return ("its vision tower is CLIP's, whose class token llama.cpp's LLaVA graph hands on in place of the first patch (its "
                 "embeddings would not be the model's); the projector file is written for SigLIP towers")
@@ -56,11 +60,28 @@ def refusal(config: dict) -> str | None:
     return None
 
 
+def _qwen_refusal(vision: dict) -> str | None:
+    """What llama.cpp's qwen2.5vl graph (llama-cpp-python 0.3.36) would compute otherwise than this Qwen2.5-VL tower, or None."""
+    window, whole = vision.get("window_size", 112), list(vision.get("fullatt_block_indexes") or [])
+    if window != 112:
+        return f"its tower attends within {window}-pixel windows; llama.cpp's qwen2.5vl graph within the releases' 112"
+    every = whole[0] + 1 if whole else 0
+    if not every or whole != list(range(every - 1, vision["depth"], every)):
+        return (f"its tower's whole-picture layers ({whole}) are not every n-th layer, the pattern llama.cpp's qwen2.5vl graph takes "
+                "(the releases': 7, 15, 23, 31)")
+    return None
+
+
 def text_folder(model, tokenizer, out: Path) -> Path:
     """The language model and its head as a text model folder (its config the model's text config), for export.py."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, Qwen2Config
 
-    text = AutoModelForCausalLM.from_config(model.config.get_text_config(), dtype=torch.float32)
+    config = model.config.get_text_config()
+    if model.config.model_type in QWEN:  # transformers has no causal LM of its text config: Qwen2's, its rotary sections beside
+        values = {k: v for k, v in config.to_dict().items() if k not in ("model_type", "architectures", "rope_scaling", "rope_parameters")}
+        rope = dict(config.rope_parameters)
+        config = Qwen2Config(**values, rope_parameters={"rope_type": "default", "rope_theta": rope["rope_theta"]}, mrope_section=rope["mrope_section"])
+    text = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     weights = {f"model.{k}": v for k, v in _language_model(model).state_dict().items()}
     weights["lm_head.weight"] = model.lm_head.weight
     text.load_state_dict(weights, strict=True)
@@ -83,14 +104,33 @@ def write(model, processor, path: Path, kind: str) -> None:
     """The tower and projector of `model` (LLaVA, Gemma 3, Idefics3, SmolVLM2) as llama.cpp's clip file at `path`."""
     import gguf
 
-    config, vision = model.config, model.config.vision_config
-    layers = vision.num_hidden_layers
+    config = model.config
     dtype = np.float16 if kind == "f16" else np.float32
     writer = gguf.GGUFWriter(str(path), "clip")
     writer.add_type(gguf.GGUFType.MMPROJ)
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16 if kind == "f16" else gguf.LlamaFileType.ALL_F32)
     writer.add_bool(gguf.Keys.Clip.HAS_VISION_ENCODER, True)
     writer.add_string(gguf.Keys.Clip.PROJECTOR_TYPE, FAMILIES[config.model_type])
+    if config.model_type in QWEN:
+        tensors = _qwen_header(writer, model, processor)
+    else:
+        tensors = _header(writer, model, processor)
+    for name, tensor in tensors.items():
+        data = tensor.detach().float().numpy()
+        # norms, biases and position embeddings in f32: llama.cpp's CPU kernels add no f16 to f32 (Gemma 3's f16 file aborted there)
+        writer.add_tensor(name, data if data.ndim == 1 or ".position_embd." in name else data.astype(dtype))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def _header(writer, model, processor) -> dict[str, torch.Tensor]:
+    """A SigLIP tower's metadata (LLaVA, Gemma 3, Idefics3, SmolVLM2); its tensors."""
+    import gguf
+
+    config, vision = model.config, model.config.vision_config
+    layers = vision.num_hidden_layers
     images = processor.image_processor
     writer.add_uint32(gguf.Keys.ClipVision.IMAGE_SIZE, vision.image_size)
     writer.add_uint32(gguf.Keys.ClipVision.PATCH_SIZE, vision.patch_size)
@@ -112,14 +152,55 @@ def write(model, processor, path: Path, kind: str) -> None:
         pooling = vision.image_size // vision.patch_size // round(config.mm_tokens_per_image ** 0.5)
         if pooling != GEMMA3_POOLING:
             writer.add_uint32(gguf.Keys.ClipVision.Projector.SCALE_FACTOR, pooling)
-    for name, tensor in _tensors(model, layers).items():
-        data = tensor.detach().float().numpy()
-        # norms, biases and position embeddings in f32: llama.cpp's CPU kernels add no f16 to f32 (Gemma 3's f16 file aborted there)
-        writer.add_tensor(name, data if data.ndim == 1 or ".position_embd." in name else data.astype(dtype))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    return _tensors(model, layers)
+
+
+def _qwen_header(writer, model, processor) -> dict[str, torch.Tensor]:
+    """Qwen2-VL's and Qwen2.5-VL's tower: its metadata as llama.cpp's converter writes it; its tensors, the 3-D patch
+    embedding as two 2-D ones (its two frames), each layer's fused query/key/value split."""
+    import gguf
+
+    vision, newer = model.config.vision_config, model.config.model_type == "qwen2_5_vl"
+    tower, images = model.model.visual, processor.image_processor
+    width = vision.hidden_size if newer else vision.embed_dim
+    writer.add_uint32(gguf.Keys.ClipVision.IMAGE_SIZE, 560)  # what llama.cpp's converter writes: these towers take any size
+    writer.add_uint32(gguf.Keys.ClipVision.PATCH_SIZE, vision.patch_size)
+    writer.add_uint32(gguf.Keys.ClipVision.EMBEDDING_LENGTH, width)
+    writer.add_uint32(gguf.Keys.ClipVision.FEED_FORWARD_LENGTH, vision.intermediate_size if newer else int(width * vision.mlp_ratio))
+    writer.add_uint32(gguf.Keys.ClipVision.PROJECTION_DIM, vision.out_hidden_size if newer else vision.hidden_size)
+    writer.add_uint32(gguf.Keys.ClipVision.BLOCK_COUNT, vision.depth)
+    writer.add_uint32(gguf.Keys.ClipVision.Attention.HEAD_COUNT, vision.num_heads)
+    writer.add_float32(gguf.Keys.ClipVision.Attention.LAYERNORM_EPS, 1e-6)
+    writer.add_array(gguf.Keys.ClipVision.IMAGE_MEAN, [float(x) for x in images.image_mean])
+    writer.add_array(gguf.Keys.ClipVision.IMAGE_STD, [float(x) for x in images.image_std])
+    # the processor's bounds on a picture's pixels (llama.cpp's own default would enlarge a small picture)
+    writer.add_uint32(gguf.Keys.ClipVision.IMAGE_MIN_PIXELS, images.size.shortest_edge)  # transformers keeps min_pixels here
+    writer.add_uint32(gguf.Keys.ClipVision.IMAGE_MAX_PIXELS, images.size.longest_edge)
+    if newer:  # SiLU-gated MLPs; every n-th layer attends over the whole picture, the rest within windows
+        writer.add_bool(gguf.Keys.ClipVision.USE_SILU, True)
+        writer.add_uint32(gguf.Keys.ClipVision.N_WA_PATTERN, vision.fullatt_block_indexes[0] + 1)
+        writer.add_uint32(gguf.Keys.ClipVision.WINDOW_SIZE, vision.window_size)
+    else:
+        writer.add_bool(gguf.Keys.ClipVision.USE_GELU, True)
+
+    def name(kind, bid=None) -> str:
+        text = gguf.TENSOR_NAMES[kind]
+        return text.format(bid=bid) if bid is not None else text
+
+    T = gguf.MODEL_TENSOR
+    patches = tower.patch_embed.proj.weight  # (width, 3, frames, patch, patch)
+    out = {f"{name(T.V_ENC_EMBD_PATCH)}.weight": patches[:, :, 0], f"{name(T.V_ENC_EMBD_PATCH)}.weight.1": patches[:, :, 1]}
+    mlp = {T.V_ENC_FFN_GATE: "mlp.gate_proj", T.V_ENC_FFN_UP: "mlp.up_proj", T.V_ENC_FFN_DOWN: "mlp.down_proj"} if newer else \
+        {T.V_ENC_FFN_UP: "mlp.fc1", T.V_ENC_FFN_DOWN: "mlp.fc2"}
+    for i, block in enumerate(tower.blocks):
+        qkv = block.attn.qkv
+        for kind, w, b in zip((T.V_ENC_ATTN_Q, T.V_ENC_ATTN_K, T.V_ENC_ATTN_V), qkv.weight.chunk(3), qkv.bias.chunk(3)):
+            out |= {f"{name(kind, i)}.weight": w, f"{name(kind, i)}.bias": b}
+        parts = {T.V_ENC_ATTN_O: "attn.proj", T.V_ENC_INPUT_NORM: "norm1", T.V_ENC_POST_ATTN_NORM: "norm2", **mlp}
+        for kind, module in parts.items():
+            out |= _pair(name(kind, i), block.get_submodule(module))
+    merger = tower.merger
+    return out | _pair(name(T.V_POST_NORM), merger.ln_q) | _pair(name(T.V_MMPROJ, 0), merger.mlp[0]) | _pair(name(T.V_MMPROJ, 2), merger.mlp[2])
 
 
 def _tensors(model, layers: int) -> dict[str, torch.Tensor]:
@@ -159,7 +240,7 @@ def _tensors(model, layers: int) -> dict[str, torch.Tensor]:
 
 
 def _pair(prefix: str, module) -> dict[str, torch.Tensor]:
-    return {f"{prefix}.{key}": value for key, value in (("weight", module.weight), ("bias", module.bias)) if value is not None}
+    return {f"{prefix}.{key}": value for key in ("weight", "bias") if (value := getattr(module, key, None)) is not None}  # an RMS norm: no bias
 
 
 def has_mtmd() -> bool:
@@ -182,9 +263,10 @@ def check(model, processor, text_gguf: Path, mmproj: Path, picture) -> float:
     family = model.config.model_type
     # Idefics3 / SmolVLM: the picture as one crop of the tower's size (llama.cpp's encoding of a picture that size)
     whole = {"do_image_splitting": False, "size": {"longest_edge": picture.width}} if family in SHUFFLED else {}
-    pixels = processor.image_processor(images=[picture], return_tensors="pt", **whole)["pixel_values"]
-    chosen = {} if family in ("gemma3", *SHUFFLED) else {"vision_feature_layer": model.config.vision_feature_layer,
-                                                         "vision_feature_select_strategy": model.config.vision_feature_select_strategy}
+    inputs = processor.image_processor(images=[picture], return_tensors="pt", **whole)
+    pixels = inputs["pixel_values"]
+    chosen = {} if family in ("gemma3", *SHUFFLED) else {"image_grid_thw": inputs["image_grid_thw"]} if family in QWEN else {
+        "vision_feature_layer": model.config.vision_feature_layer, "vision_feature_select_strategy": model.config.vision_feature_select_strategy}
     ours = model.model.get_image_features(pixel_values=pixels, **chosen)
     ours = torch.cat(list(ours.pooler_output if hasattr(ours, "pooler_output") else ours)).float()
     theirs = _llama_cpp_embeddings(text_gguf, mmproj, picture)
@@ -280,7 +362,8 @@ def export_vision(folder: Path, out: Path, kind: str, export_text, say=print) ->
         write(model, processor, tmp, projector_kind)
         worst = None
         if has_mtmd():
-            worst = check(model, processor, out, tmp, _picture(model.config.vision_config.image_size))
+            vision = model.config.vision_config  # a picture of the tower's size; Qwen-VL's take any: 8 x 8 patches (4 x 4 tokens)
+            worst = check(model, processor, out, tmp, _picture(getattr(vision, "image_size", 8 * vision.patch_size)))
             say(f"projector file ({projector_kind}) in llama.cpp itself (mtmd): a picture's embeddings within {worst:.3g} of the model's "
                 "(largest difference over largest value)")
             if worst > TOLERANCE[projector_kind]:
