@@ -480,9 +480,10 @@ def test_the_plan_is_within_10_percent_of_the_simulated_step(tmp_path, model, de
     # Each role too (within 10%, or 2% of the step), where the simulation peaks at the plan's moment: not at Qwen3.5-27B's,
     # whose loss and head's forward are 1% apart (the simulation peaks at the head's forward), nor at Qwen3-8B's split
     # over 2, which peaks at the root's reduce-scatter (planned) with 1.7 GiB of activations the plan has freed by then
-    # (tensor parallel's). One process and DDP: their totals (the step under CPU autocast, whose op lists are not CUDA's; at
-    # Llama-3.1-8B's widths it holds a third more activations than the plan, within a tenth of the step: not yet traced)
-    if strategy == "fsdp" and (model, method, split, objective) not in {("qwen3.5-27b", "lora", 1, "sft"), ("qwen3-8b", "full", 2, "sft")}:
+    # (tensor parallel's). One process and DDP too: their step under CPU autocast once held a third more activations than
+    # the plan at Llama-3.1-8B's widths, peft's fp32 copy of every adapter input, which training does not make
+    # (loading.adapter_input_casting_off: the simulation takes it now)
+    if (model, method, split, objective) not in {("qwen3.5-27b", "lora", 1, "sft"), ("qwen3-8b", "full", 2, "sft")}:
         roles = by_role(sim, plan)
         assert all(ours == pytest.approx(theirs, rel=0.1, abs=0.02 * sim.total) for ours, theirs in roles.values()), roles
     planned = step_time(cfg, setup_from_config(cfg, devices), 1.0, 1.0, 0.0)

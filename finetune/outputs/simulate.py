@@ -49,7 +49,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from finetune.config.errors import UserError
 from finetune.config.schema import PRECISIONS, RunConfig
 from finetune.model import experts, nf4
-from finetune.model.loading import DTYPES, apply_adapter, load_model, quantize_layers
+from finetune.model.loading import DTYPES, adapter_input_casting_off, apply_adapter, load_model, quantize_layers
 from finetune.objectives.loss import to_device
 from finetune.parallel import tensor_parallel
 from finetune.parallel.distributed import fsdp_settings, shard_fsdp2, shard_layers
@@ -140,7 +140,8 @@ def simulate(cfg: RunConfig, devices: int, fake: bool = True) -> Simulated:
                 _to_empty(beside)
             tracker, optimizer = _placed(model, beside, cfg, devices, settings, split, fake, sharded)
             counted = _Collectives(settings["mesh"].size() if sharded else 1, split.size() if split else 1)
-            with tracker, counted, experts.balanced_routing(), _autocast(cfg, sharded):  # balanced: fake tensors hold no router choices
+            # balanced: fake tensors hold no router choices; peft's adapter inputs uncast under bf16, as train.py runs the step
+            with tracker, counted, experts.balanced_routing(), _autocast(cfg, sharded), adapter_input_casting_off(model, cfg.train.mixed_precision):
                 _forward_again(model, tracker)  # inside: the tracker puts FSDP's own hooks first as it starts
                 step(model).backward()
                 optimizer.step()
