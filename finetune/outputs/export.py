@@ -108,7 +108,8 @@ def export_gguf(model_dir: str, out: str, kind: str = "f16", say=print) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    arch, permuted = ("QWEN2VL", False) if config.get("mrope_section") else FAMILIES[family]  # a Qwen2-VL's language model (mmproj.text_folder)
+    # a Qwen-VL's language model (mmproj.text_folder): llama.cpp's qwen2vl or qwen3vl, with its rotary sections
+    arch, permuted = ({"qwen2": "QWEN2VL", "qwen3": "QWEN3VL", "qwen3_moe": "QWEN3VLMOE"}[family], False) if config.get("mrope_section") else FAMILIES[family]
     arch_name = gguf.MODEL_ARCH_NAMES[getattr(gguf.MODEL_ARCH, arch)]
     written = "f16" if kind in K_QUANTS else kind
 
@@ -326,6 +327,8 @@ def _metadata(writer, config: dict, name: str, kind: str) -> None:
     writer.add_rope_freq_base(float(rope["rope_theta"]))
     if config.get("mrope_section"):  # the rotary dimensions of time, height and width (llama.cpp takes four sections)
         writer.add_rope_dimension_sections([*config["mrope_section"], 0, 0, 0, 0][:4])
+    if "deepstack_layers" in config:  # Qwen3-VL: how many tower layers' features join the picture's
+        writer.add_num_deepstack_layers(config["deepstack_layers"])
     if rope["rope_type"] == "linear":  # llama3's scaling goes in as the rope_freqs tensor
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(float(rope["factor"]))

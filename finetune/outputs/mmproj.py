@@ -27,9 +27,9 @@ from finetune.config.errors import EXIT_MERGE_CHECK, Stopped, UserError
 # layer normed, its patches average-pooled to mm_tokens_per_image, an RMS norm and one matrix; Idefics3 and SmolVLM: the
 # tower's last layer normed, its patches shuffled scale_factor x scale_factor into one, one matrix)
 FAMILIES = {"llava": "mlp", "gemma3": "gemma3", "idefics3": "idefics3", "smolvlm": "idefics3", "qwen2_vl": "qwen2vl_merger",
-            "qwen2_5_vl": "qwen2.5vl_merger"}
+            "qwen2_5_vl": "qwen2.5vl_merger", "qwen3_vl": "qwen3vl_merger", "qwen3_vl_moe": "qwen3vl_merger"}
 SHUFFLED = ("idefics3", "smolvlm")  # a tower of their own, SigLIP's layers
-QWEN = ("qwen2_vl", "qwen2_5_vl")  # a tower of their own: 2-D rotary positions, 2 x 2 patches merged into one token
+QWEN = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")  # a tower of their own: 2-D rotary positions, 2 x 2 patches merged into one token
 GEMMA3_POOLING = 4  # llama.cpp's pooling of Gemma 3's patches when the file names none (64 x 64 patches into 16 x 16 tokens)
 TOLERANCE = {"f32": 1e-3, "f16": 1e-2}  # largest |embedding difference| published, over the largest |embedding|
 # Towers written: SigLIP's. llama.cpp's LLaVA graph (llama-cpp-python 0.3.36) puts a CLIP tower's class token after the
@@ -74,13 +74,17 @@ def _qwen_refusal(vision: dict) -> str | None:
 
 def text_folder(model, tokenizer, out: Path) -> Path:
     """The language model and its head as a text model folder (its config the model's text config), for export.py."""
-    from transformers import AutoModelForCausalLM, Qwen2Config
+    from transformers import AutoModelForCausalLM, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     config = model.config.get_text_config()
-    if model.config.model_type in QWEN:  # transformers has no causal LM of its text config: Qwen2's, its rotary sections beside
+    if model.config.model_type in QWEN:  # transformers has no causal LM of its text config: Qwen2's (Qwen3's), its rotary sections beside
         values = {k: v for k, v in config.to_dict().items() if k not in ("model_type", "architectures", "rope_scaling", "rope_parameters")}
         rope = dict(config.rope_parameters)
-        config = Qwen2Config(**values, rope_parameters={"rope_type": "default", "rope_theta": rope["rope_theta"]}, mrope_section=rope["mrope_section"])
+        kind = {"qwen3_vl": Qwen3Config, "qwen3_vl_moe": Qwen3MoeConfig}.get(model.config.model_type, Qwen2Config)
+        extra = {"deepstack_layers": len(model.config.vision_config.deepstack_visual_indexes)} if kind is not Qwen2Config else {}
+        if kind is Qwen3MoeConfig:  # Qwen3-VL-MoE's router always normalizes its chosen experts' weights
+            extra["norm_topk_prob"] = True
+        config = kind(**values, rope_parameters={"rope_type": "default", "rope_theta": rope["rope_theta"]}, mrope_section=rope["mrope_section"], **extra)
     text = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     weights = {f"model.{k}": v for k, v in _language_model(model).state_dict().items()}
     weights["lm_head.weight"] = model.lm_head.weight
@@ -111,7 +115,9 @@ def write(model, processor, path: Path, kind: str) -> None:
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16 if kind == "f16" else gguf.LlamaFileType.ALL_F32)
     writer.add_bool(gguf.Keys.Clip.HAS_VISION_ENCODER, True)
     writer.add_string(gguf.Keys.Clip.PROJECTOR_TYPE, FAMILIES[config.model_type])
-    if config.model_type in QWEN:
+    if config.model_type in ("qwen3_vl", "qwen3_vl_moe"):
+        tensors = _qwen3_header(writer, model, processor)
+    elif config.model_type in QWEN:
         tensors = _qwen_header(writer, model, processor)
     else:
         tensors = _header(writer, model, processor)
@@ -239,6 +245,43 @@ def _tensors(model, layers: int) -> dict[str, torch.Tensor]:
     return out
 
 
+def _qwen3_header(writer, model, processor) -> dict[str, torch.Tensor]:
+    """Qwen3-VL's tower: its metadata as llama.cpp's converter writes it (its learned positions' grid, the layers whose
+    features DeepStack hands on); its tensors under gguf's own names for them, the 3-D patch embedding as its two frames."""
+    import gguf
+
+    vision, tower, images = model.config.vision_config, model.model.visual, processor.image_processor
+    keys = gguf.Keys.ClipVision
+    writer.add_uint32(keys.IMAGE_SIZE, round(vision.num_position_embeddings ** 0.5) * vision.patch_size)
+    writer.add_uint32(keys.PATCH_SIZE, vision.patch_size)
+    writer.add_uint32(keys.EMBEDDING_LENGTH, vision.hidden_size)
+    writer.add_uint32(keys.FEED_FORWARD_LENGTH, vision.intermediate_size)
+    writer.add_uint32(keys.PROJECTION_DIM, vision.out_hidden_size)
+    writer.add_uint32(keys.BLOCK_COUNT, vision.depth)
+    writer.add_uint32(keys.Attention.HEAD_COUNT, vision.num_heads)
+    writer.add_float32(keys.Attention.LAYERNORM_EPS, model.config.get_text_config().rms_norm_eps)  # as llama.cpp's converter
+    writer.add_array(keys.IMAGE_MEAN, [float(x) for x in images.image_mean])
+    writer.add_array(keys.IMAGE_STD, [float(x) for x in images.image_std])
+    writer.add_bool(keys.USE_GELU, True)
+    writer.add_uint32(keys.SPATIAL_MERGE_SIZE, vision.spatial_merge_size)
+    writer.add_array(keys.IS_DEEPSTACK_LAYERS, [i in vision.deepstack_visual_indexes for i in range(vision.depth)])
+    T, names = gguf.MODEL_TENSOR, gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, vision.depth)
+    patch = gguf.TENSOR_NAMES[T.V_ENC_EMBD_PATCH]
+    weights = tower.patch_embed.proj.weight  # (width, 3, frames, patch, patch)
+    out = {f"{patch}.weight": weights[:, :, 0], f"{patch}.weight.1": weights[:, :, 1], f"{patch}.bias": tower.patch_embed.proj.bias}
+    parts = {"norm": T.V_DS_NORM, "linear_fc1": T.V_DS_FC1, "linear_fc2": T.V_DS_FC2}
+    for j, layer in enumerate(vision.deepstack_visual_indexes):
+        for part, kind in parts.items():
+            out |= _pair(gguf.TENSOR_NAMES[kind].format(bid=layer), tower.deepstack_merger_list[j].get_submodule(part))
+    out |= _pair(gguf.TENSOR_NAMES[T.V_POST_NORM], tower.merger.norm) | _pair(gguf.TENSOR_NAMES[T.V_MMPROJ].format(bid=0), tower.merger.linear_fc1) \
+        | _pair(gguf.TENSOR_NAMES[T.V_MMPROJ].format(bid=2), tower.merger.linear_fc2)
+    for name, value in tower.named_parameters():
+        if name.startswith(("blocks.", "pos_embed.")):
+            base, _, suffix = f"visual.{name}".rpartition(".")
+            out[f"{names.get_name(base)}.{suffix}"] = value
+    return out
+
+
 def _pair(prefix: str, module) -> dict[str, torch.Tensor]:
     return {f"{prefix}.{key}": value for key in ("weight", "bias") if (value := getattr(module, key, None)) is not None}  # an RMS norm: no bias
 
@@ -267,8 +310,10 @@ def check(model, processor, text_gguf: Path, mmproj: Path, picture) -> float:
     pixels = inputs["pixel_values"]
     chosen = {} if family in ("gemma3", *SHUFFLED) else {"image_grid_thw": inputs["image_grid_thw"]} if family in QWEN else {
         "vision_feature_layer": model.config.vision_feature_layer, "vision_feature_select_strategy": model.config.vision_feature_select_strategy}
-    ours = model.model.get_image_features(pixel_values=pixels, **chosen)
-    ours = torch.cat(list(ours.pooler_output if hasattr(ours, "pooler_output") else ours)).float()
+    features = model.model.get_image_features(pixel_values=pixels, **chosen)
+    ours = torch.cat(list(features.pooler_output if hasattr(features, "pooler_output") else features)).float()
+    # Qwen3-VL: each DeepStack layer's features beside the picture's, as llama.cpp hands them on (n_embd_inp wide)
+    ours = torch.cat([ours, *(torch.cat(list(layer)).float() for layer in getattr(features, "deepstack_features", None) or [])], dim=-1)
     theirs = _llama_cpp_embeddings(text_gguf, mmproj, picture)
     if theirs.shape != ours.shape:
         raise Stopped(f"GGUF check failed: llama.cpp makes {tuple(theirs.shape)} embeddings of a picture, the model {tuple(ours.shape)}",
@@ -311,7 +356,7 @@ def _embeddings_here(text_gguf: str, mmproj: str, image: str, out: str) -> int:
         if not ctx:
             print(f"error: llama.cpp does not load the projector file {Path(mmproj).name}", file=sys.stderr)
             return 1
-        np.save(out, _embeddings(mtmd, ctx, Image.open(image), llama_cpp.llama_model_n_embd(text)))
+        np.save(out, _embeddings(mtmd, ctx, Image.open(image), llama_cpp.llama_model_n_embd_inp(text)))
         return 0
     finally:
         if ctx:
