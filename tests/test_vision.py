@@ -566,16 +566,23 @@ def test_a_gemma3_exports_to_gguf_with_a_projector_file_that_llama_cpp_reads(tmp
     assert stopped.value.exit_code == EXIT_MERGE_CHECK
 
 
-@pytest.mark.parametrize("family", ["idefics3", "smolvlm"])
-def test_an_idefics3_exports_to_gguf_with_a_projector_file_that_llama_cpp_reads(tmp_path, llava, family):
-    """Idefics3 and SmolVLM2 with Llama 3's tokenizer (npm) exported in f16: the language model (its text_model) read by
-    llama.cpp itself, the tower and
-    projector as llama.cpp's idefics3 clip file (the tower's post-layernorm, the patches shuffled scale_factor x
-    scale_factor into one token, one matrix), whose embeddings of a picture the tower's size in llama.cpp's mtmd are the
+# family -> (llama.cpp's projector type, the projector file's scale factor, tensors it holds)
+CROP_EXPORTS = {"idefics3": ("idefics3", 2, {"mm.model.fc.weight", "v.post_ln.weight", "v.blk.1.ffn_down.weight"}),
+                "smolvlm": ("idefics3", 2, {"mm.model.fc.weight", "v.post_ln.weight", "v.blk.1.ffn_down.weight"}),
+                "internvl": ("internvl", 2, {"v.class_embd", "v.blk.1.ls1.weight", "mm.model.mlp.0.weight", "mm.model.mlp.3.weight"})}
+
+
+@pytest.mark.parametrize("family", list(CROP_EXPORTS))
+def test_a_one_crop_family_exports_to_gguf_with_a_projector_file_that_llama_cpp_reads(tmp_path, llava, family):
+    """Idefics3, SmolVLM2 and InternVL with Llama 3's tokenizer (npm) exported in f16: the language model read by llama.cpp
+    itself, the tower and projector as llama.cpp's idefics3 clip file (the tower's post-layernorm, the patches shuffled
+    scale_factor x scale_factor into one token, one matrix) or internvl (a class token kept in f32, layer scales, a norm
+    and two matrices after the shuffle), whose embeddings of a picture the tower's size in llama.cpp's mtmd are the
     model's features of that picture as one crop."""
     read, fields = _exported(llava(f"{family}-llama3"), tmp_path / "m.gguf")
-    assert fields["clip.projector_type"] == "idefics3" and fields["clip.vision.projector.scale_factor"] == 2
-    assert {"mm.model.fc.weight", "v.post_ln.weight", "v.blk.1.ffn_down.weight"} <= {t.name for t in read.tensors}
+    projector, scale, tensors = CROP_EXPORTS[family]
+    assert fields["clip.projector_type"] == projector and fields["clip.vision.projector.scale_factor"] == scale
+    assert tensors <= {t.name for t in read.tensors}
 
 
 # family -> (llama.cpp's projector type, its language model's architecture, tensors its projector file holds)

@@ -27,7 +27,7 @@ from finetune.config.errors import EXIT_MERGE_CHECK, Stopped, UserError
 # layer normed, its patches average-pooled to mm_tokens_per_image, an RMS norm and one matrix; Idefics3 and SmolVLM: the
 # tower's last layer normed, its patches shuffled scale_factor x scale_factor into one, one matrix)
 FAMILIES = {"llava": "mlp", "gemma3": "gemma3", "idefics3": "idefics3", "smolvlm": "idefics3", "qwen2_vl": "qwen2vl_merger",
-            "qwen2_5_vl": "qwen2.5vl_merger", "qwen3_vl": "qwen3vl_merger", "qwen3_vl_moe": "qwen3vl_merger"}
+            "qwen2_5_vl": "qwen2.5vl_merger", "qwen3_vl": "qwen3vl_merger", "qwen3_vl_moe": "qwen3vl_merger", "internvl": "internvl"}
 SHUFFLED = ("idefics3", "smolvlm")  # a tower of their own, SigLIP's layers
 QWEN = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")  # a tower of their own: 2-D rotary positions, 2 x 2 patches merged into one token
 GEMMA3_POOLING = 4  # llama.cpp's pooling of Gemma 3's patches when the file names none (64 x 64 patches into 16 x 16 tokens)
@@ -48,7 +48,7 @@ def refusal(config: dict) -> str | None:
         return (f"{family} is a vision-language model whose projector file (mmproj) finetune does not write; it writes "
                 f"{', '.join(sorted(FAMILIES))} (finetune merge writes the folder transformers and vLLM load)")
     tower = config["vision_config"].get("model_type")
-    if family in QWEN:
+    if family in (*QWEN, "internvl"):
         return _qwen_refusal(config["vision_config"]) if family == "qwen2_5_vl" else None
     if tower == "clip_vision_model":
         return ("its vision tower is CLIP's, whose class token llama.cpp's LLaVA graph hands on in place of the first patch (its "
@@ -117,14 +117,18 @@ def write(model, processor, path: Path, kind: str) -> None:
     writer.add_string(gguf.Keys.Clip.PROJECTOR_TYPE, FAMILIES[config.model_type])
     if config.model_type in ("qwen3_vl", "qwen3_vl_moe"):
         tensors = _qwen3_header(writer, model, processor)
+    elif config.model_type == "internvl":
+        tensors = _internvl_header(writer, model, processor)
     elif config.model_type in QWEN:
         tensors = _qwen_header(writer, model, processor)
     else:
         tensors = _header(writer, model, processor)
     for name, tensor in tensors.items():
         data = tensor.detach().float().numpy()
-        # norms, biases and position embeddings in f32: llama.cpp's CPU kernels add no f16 to f32 (Gemma 3's f16 file aborted there)
-        writer.add_tensor(name, data if data.ndim == 1 or ".position_embd." in name else data.astype(dtype))
+        # norms, biases, position embeddings and a class token in f32: llama.cpp's CPU kernels add (and join) no f16 to f32
+        # (Gemma 3's f16 file, and InternVL's, aborted there)
+        whole = data.ndim == 1 or ".position_embd." in name or name == gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.V_ENC_EMBD_CLS]
+        writer.add_tensor(name, data if whole else data.astype(dtype))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -282,6 +286,36 @@ def _qwen3_header(writer, model, processor) -> dict[str, torch.Tensor]:
     return out
 
 
+def _internvl_header(writer, model, processor) -> dict[str, torch.Tensor]:
+    """InternVL's tower (a class token, layer scales) and projector (patches shuffled 1 / downsample_ratio x that into one
+    token, a norm and two matrices): its metadata as llama.cpp's converter writes it; its tensors under gguf's own names."""
+    import gguf
+
+    vision, images, keys = model.config.vision_config, processor.image_processor, gguf.Keys.ClipVision
+    writer.add_uint32(keys.IMAGE_SIZE, vision.image_size[0])
+    writer.add_uint32(keys.PATCH_SIZE, vision.patch_size[0])
+    writer.add_uint32(keys.EMBEDDING_LENGTH, vision.hidden_size)
+    writer.add_uint32(keys.FEED_FORWARD_LENGTH, vision.intermediate_size)
+    writer.add_uint32(keys.PROJECTION_DIM, model.config.get_text_config().hidden_size)
+    writer.add_uint32(keys.BLOCK_COUNT, vision.num_hidden_layers)
+    writer.add_uint32(keys.Attention.HEAD_COUNT, vision.num_attention_heads)
+    writer.add_float32(keys.Attention.LAYERNORM_EPS, vision.layer_norm_eps)
+    writer.add_array(keys.IMAGE_MEAN, [float(x) for x in images.image_mean])
+    writer.add_array(keys.IMAGE_STD, [float(x) for x in images.image_std])
+    writer.add_bool(keys.USE_SILU if vision.hidden_act == "silu" else keys.USE_GELU, True)
+    writer.add_uint32(keys.Projector.SCALE_FACTOR, round(1 / model.config.downsample_ratio))
+    names, out = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, vision.num_hidden_layers), {}
+    for name, value in model.model.vision_tower.named_parameters(prefix="model.vision_tower"):
+        base, _, suffix = name.rpartition(".") if name.endswith((".weight", ".bias")) else (name, "", "weight")
+        mapped = names.get_name(base)  # the class token bare, as llama.cpp reads it; layer scales and positions as weights
+        out[mapped if mapped == gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.V_ENC_EMBD_CLS] else f"{mapped}.{suffix}"] = value
+    mlp = gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.V_MMPROJ_MLP]
+    projector = model.model.multi_modal_projector
+    for i, module in ((0, projector.layer_norm), (1, projector.linear_1), (3, projector.linear_2)):  # the releases' mlp1.0, .1, .3
+        out |= _pair(mlp.format(bid=i), module)
+    return out
+
+
 def _pair(prefix: str, module) -> dict[str, torch.Tensor]:
     return {f"{prefix}.{key}": value for key in ("weight", "bias") if (value := getattr(module, key, None)) is not None}  # an RMS norm: no bias
 
@@ -408,7 +442,8 @@ def export_vision(folder: Path, out: Path, kind: str, export_text, say=print) ->
         worst = None
         if has_mtmd():
             vision = model.config.vision_config  # a picture of the tower's size; Qwen-VL's take any: 8 x 8 patches (4 x 4 tokens)
-            worst = check(model, processor, out, tmp, _picture(getattr(vision, "image_size", 8 * vision.patch_size)))
+            side = getattr(vision, "image_size", 8 * vision.patch_size)
+            worst = check(model, processor, out, tmp, _picture(side[0] if isinstance(side, (list, tuple)) else side))
             say(f"projector file ({projector_kind}) in llama.cpp itself (mtmd): a picture's embeddings within {worst:.3g} of the model's "
                 "(largest difference over largest value)")
             if worst > TOLERANCE[projector_kind]:
