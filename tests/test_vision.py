@@ -578,11 +578,21 @@ def test_a_one_crop_family_exports_to_gguf_with_a_projector_file_that_llama_cpp_
     itself, the tower and projector as llama.cpp's idefics3 clip file (the tower's post-layernorm, the patches shuffled
     scale_factor x scale_factor into one token, one matrix) or internvl (a class token kept in f32, layer scales, a norm
     and two matrices after the shuffle), whose embeddings of a picture the tower's size in llama.cpp's mtmd are the
-    model's features of that picture as one crop."""
+    model's features of that picture as one crop. An InternVL handing on another layer than its last is refused."""
     read, fields = _exported(llava(f"{family}-llama3"), tmp_path / "m.gguf")
     projector, scale, tensors = CROP_EXPORTS[family]
     assert fields["clip.projector_type"] == projector and fields["clip.vision.projector.scale_factor"] == scale
     assert tensors <= {t.name for t in read.tensors}
+    if family == "internvl":  # a tower layer other than the last handed on: refused in one line, nothing written
+        import json
+        import shutil
+
+        shutil.copytree(llava(f"{family}-llama3"), tmp_path / "other")
+        config = json.loads((tmp_path / "other" / "config.json").read_text())
+        (tmp_path / "other" / "config.json").write_text(json.dumps({**config, "vision_feature_layer": -2}))
+        result = finetune_in_process("export", "--model", str(tmp_path / "other"), "--out", str(tmp_path / "other.gguf"))
+        assert result.returncode == 2 and "hands on a layer other than its last" in result.stderr.splitlines()[-1], result.stderr[-500:]
+        assert not (tmp_path / "other.gguf").exists()
 
 
 # family -> (llama.cpp's projector type, its language model's architecture, tensors its projector file holds)

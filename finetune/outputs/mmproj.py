@@ -48,6 +48,9 @@ def refusal(config: dict) -> str | None:
         return (f"{family} is a vision-language model whose projector file (mmproj) finetune does not write; it writes "
                 f"{', '.join(sorted(FAMILIES))} (finetune merge writes the folder transformers and vLLM load)")
     tower = config["vision_config"].get("model_type")
+    if family == "internvl" and (config["vision_config"].get("use_qk_norm") or config.get("vision_feature_layer", -1) != -1):
+        return ("its tower normalizes queries and keys, or hands on a layer other than its last: InternVL's projector file is "
+                "written (and checked) for towers that do neither, as InternViT-300M")
     if family in (*QWEN, "internvl"):
         return _qwen_refusal(config["vision_config"]) if family == "qwen2_5_vl" else None
     if tower == "clip_vision_model":
