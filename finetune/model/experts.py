@@ -128,7 +128,7 @@ class Combined(torch.autograd.Function):
     def forward(ctx, out, inverse, rows, tokens):
         ctx.save_for_backward(rows)
         copies = inverse.view(tokens, -1)
-        summed, step = out.new_empty(tokens, out.shape[-1]), max(1, CHUNK // out[:copies.shape[1]].numel())
+        summed, step = out.new_empty(tokens, out.shape[-1]), max(1, CHUNK // (copies.shape[1] * out.shape[-1]))  # tokens a chunk
         for first in range(0, tokens, step):
             part = copies[first:first + step]
             summed[first:first + step] = out[part.reshape(-1)].view(part.shape[0], -1, out.shape[-1]).sum(dim=1)
@@ -218,10 +218,8 @@ class AddedLow(torch.autograd.Function):
     def forward(ctx, out, low, b, offsets):
         ctx.mark_dirty(out)
         ctx.save_for_backward(low, b, offsets)
-        step = max(1, CHUNK // out.shape[-1])
-        for first in range(0, out.shape[0], step):
-            last = min(first + step, out.shape[0])
-            out[first:last] += torch.nn.functional.grouped_mm(low[first:last], b, offs=(offsets - first).clamp_(0, last - first)).to(out.dtype)
+        for first, last, offs in row_chunks(out.shape[0], out.shape[-1], offsets):
+            out[first:last] += torch.nn.functional.grouped_mm(low[first:last], b, offs=offs).to(out.dtype)
         return out
 
     @staticmethod
@@ -267,12 +265,18 @@ def per_token(product, rows: torch.Tensor, offsets: torch.Tensor, tokens: tuple)
     offs) the rows first..last (offs: the expert groups' ends among them), summed in routed order (index_put_ accumulating,
     as autograd's gather does) into a tensor of the tokens' (shape, dtype)."""
     out = offsets.new_zeros(tokens[0], dtype=tokens[1])
-    step = max(1, CHUNK // out.shape[-1])
-    for first in range(0, len(rows), step):
-        last = min(first + step, len(rows))
-        part = product(first, last, (offsets - first).clamp_(0, last - first))
-        out.index_put_((rows[first:last],), part.to(out.dtype), accumulate=True)
+    for first, last, offs in row_chunks(len(rows), out.shape[-1], offsets):
+        out.index_put_((rows[first:last],), product(first, last, offs).to(out.dtype), accumulate=True)
     return out
+
+
+def row_chunks(count: int, width: int, offsets: torch.Tensor):
+    """(first, last, offs) for rows first..last of `count` routed rows sorted by expert, CHUNK values `width` wide at a time:
+    offs, the expert groups' ends among those rows (clamped from `offsets`, on the device: no host sync), for grouped_mm."""
+    step = max(1, CHUNK // width)
+    for first in range(0, count, step):
+        last = min(first + step, count)
+        yield first, last, (offsets - first).clamp_(0, last - first)
 
 
 CHUNK = 1 << 24  # expert weights dequantized at a time (64 MiB in bf16 with rows_of's index beside them)

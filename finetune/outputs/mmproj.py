@@ -130,7 +130,7 @@ def write(model, processor, path: Path, kind: str) -> None:
         data = tensor.detach().float().numpy()
         # norms, biases, position embeddings and a class token in f32: llama.cpp's CPU kernels add (and join) no f16 to f32
         # (Gemma 3's f16 file, and InternVL's, aborted there)
-        whole = data.ndim == 1 or ".position_embd." in name or name == gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.V_ENC_EMBD_CLS]
+        whole = data.ndim == 1 or ".position_embd." in name or name == _name(gguf.MODEL_TENSOR.V_ENC_EMBD_CLS)
         writer.add_tensor(name, data if whole else data.astype(dtype))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -144,17 +144,8 @@ def _header(writer, model, processor) -> dict[str, torch.Tensor]:
 
     config, vision = model.config, model.config.vision_config
     layers = vision.num_hidden_layers
-    images = processor.image_processor
-    writer.add_uint32(gguf.Keys.ClipVision.IMAGE_SIZE, vision.image_size)
-    writer.add_uint32(gguf.Keys.ClipVision.PATCH_SIZE, vision.patch_size)
-    writer.add_uint32(gguf.Keys.ClipVision.EMBEDDING_LENGTH, vision.hidden_size)
-    writer.add_uint32(gguf.Keys.ClipVision.FEED_FORWARD_LENGTH, vision.intermediate_size)
-    writer.add_uint32(gguf.Keys.ClipVision.PROJECTION_DIM, config.get_text_config().hidden_size)
-    writer.add_uint32(gguf.Keys.ClipVision.BLOCK_COUNT, layers)
-    writer.add_uint32(gguf.Keys.ClipVision.Attention.HEAD_COUNT, vision.num_attention_heads)
-    writer.add_float32(gguf.Keys.ClipVision.Attention.LAYERNORM_EPS, vision.layer_norm_eps)
-    writer.add_array(gguf.Keys.ClipVision.IMAGE_MEAN, [float(x) for x in images.image_mean])
-    writer.add_array(gguf.Keys.ClipVision.IMAGE_STD, [float(x) for x in images.image_std])
+    _tower_keys(writer, processor.image_processor, vision.image_size, vision.patch_size, vision.hidden_size, vision.intermediate_size,
+                config.get_text_config().hidden_size, layers, vision.num_attention_heads, vision.layer_norm_eps)
     writer.add_bool(gguf.Keys.ClipVision.USE_GELU, True)  # SigLIP's tanh GELU (llama.cpp's default is CLIP's quick GELU)
     if config.model_type == "llava":
         # the hidden states LLaVA reads: transformers' index (0: the encoder's input), as llama.cpp counts its feature layers
@@ -176,16 +167,9 @@ def _qwen_header(writer, model, processor) -> dict[str, torch.Tensor]:
     vision, newer = model.config.vision_config, model.config.model_type == "qwen2_5_vl"
     tower, images = model.model.visual, processor.image_processor
     width = vision.hidden_size if newer else vision.embed_dim
-    writer.add_uint32(gguf.Keys.ClipVision.IMAGE_SIZE, 560)  # what llama.cpp's converter writes: these towers take any size
-    writer.add_uint32(gguf.Keys.ClipVision.PATCH_SIZE, vision.patch_size)
-    writer.add_uint32(gguf.Keys.ClipVision.EMBEDDING_LENGTH, width)
-    writer.add_uint32(gguf.Keys.ClipVision.FEED_FORWARD_LENGTH, vision.intermediate_size if newer else int(width * vision.mlp_ratio))
-    writer.add_uint32(gguf.Keys.ClipVision.PROJECTION_DIM, vision.out_hidden_size if newer else vision.hidden_size)
-    writer.add_uint32(gguf.Keys.ClipVision.BLOCK_COUNT, vision.depth)
-    writer.add_uint32(gguf.Keys.ClipVision.Attention.HEAD_COUNT, vision.num_heads)
-    writer.add_float32(gguf.Keys.ClipVision.Attention.LAYERNORM_EPS, 1e-6)
-    writer.add_array(gguf.Keys.ClipVision.IMAGE_MEAN, [float(x) for x in images.image_mean])
-    writer.add_array(gguf.Keys.ClipVision.IMAGE_STD, [float(x) for x in images.image_std])
+    # image size 560 and eps 1e-6, as llama.cpp's converter writes them: these towers take pictures of any size
+    _tower_keys(writer, images, 560, vision.patch_size, width, vision.intermediate_size if newer else int(width * vision.mlp_ratio),
+                vision.out_hidden_size if newer else vision.hidden_size, vision.depth, vision.num_heads, 1e-6)
     # the processor's bounds on a picture's pixels (llama.cpp's own default would enlarge a small picture)
     writer.add_uint32(gguf.Keys.ClipVision.IMAGE_MIN_PIXELS, images.size.shortest_edge)  # transformers keeps min_pixels here
     writer.add_uint32(gguf.Keys.ClipVision.IMAGE_MAX_PIXELS, images.size.longest_edge)
@@ -195,12 +179,7 @@ def _qwen_header(writer, model, processor) -> dict[str, torch.Tensor]:
         writer.add_uint32(gguf.Keys.ClipVision.WINDOW_SIZE, vision.window_size)
     else:
         writer.add_bool(gguf.Keys.ClipVision.USE_GELU, True)
-
-    def name(kind, bid=None) -> str:
-        text = gguf.TENSOR_NAMES[kind]
-        return text.format(bid=bid) if bid is not None else text
-
-    T = gguf.MODEL_TENSOR
+    T, name = gguf.MODEL_TENSOR, _name
     patches = tower.patch_embed.proj.weight  # (width, 3, frames, patch, patch)
     out = {f"{name(T.V_ENC_EMBD_PATCH)}.weight": patches[:, :, 0], f"{name(T.V_ENC_EMBD_PATCH)}.weight.1": patches[:, :, 1]}
     mlp = {T.V_ENC_FFN_GATE: "mlp.gate_proj", T.V_ENC_FFN_UP: "mlp.up_proj", T.V_ENC_FFN_DOWN: "mlp.down_proj"} if newer else \
@@ -222,12 +201,7 @@ def _tensors(model, layers: int) -> dict[str, torch.Tensor]:
     Idefics3 and SmolVLM2 read the last layer through the post-layernorm)."""
     import gguf
 
-    def name(kind, bid=None) -> str:
-        text = gguf.TENSOR_NAMES[kind]
-        return text.format(bid=bid) if bid is not None else text
-
-    T = gguf.MODEL_TENSOR
-    tower = _tower(model)
+    T, name, tower = gguf.MODEL_TENSOR, _name, _tower(model)
     embeddings = tower.embeddings
     out = {f"{name(T.V_ENC_EMBD_PATCH)}.weight": embeddings.patch_embedding.weight,
            f"{name(T.V_ENC_EMBD_POS)}.weight": embeddings.position_embedding.weight}
@@ -259,29 +233,22 @@ def _qwen3_header(writer, model, processor) -> dict[str, torch.Tensor]:
 
     vision, tower, images = model.config.vision_config, model.model.visual, processor.image_processor
     keys = gguf.Keys.ClipVision
-    writer.add_uint32(keys.IMAGE_SIZE, round(vision.num_position_embeddings ** 0.5) * vision.patch_size)
-    writer.add_uint32(keys.PATCH_SIZE, vision.patch_size)
-    writer.add_uint32(keys.EMBEDDING_LENGTH, vision.hidden_size)
-    writer.add_uint32(keys.FEED_FORWARD_LENGTH, vision.intermediate_size)
-    writer.add_uint32(keys.PROJECTION_DIM, vision.out_hidden_size)
-    writer.add_uint32(keys.BLOCK_COUNT, vision.depth)
-    writer.add_uint32(keys.Attention.HEAD_COUNT, vision.num_heads)
-    writer.add_float32(keys.Attention.LAYERNORM_EPS, model.config.get_text_config().rms_norm_eps)  # as llama.cpp's converter
-    writer.add_array(keys.IMAGE_MEAN, [float(x) for x in images.image_mean])
-    writer.add_array(keys.IMAGE_STD, [float(x) for x in images.image_std])
+    _tower_keys(writer, images, round(vision.num_position_embeddings ** 0.5) * vision.patch_size, vision.patch_size, vision.hidden_size,
+                vision.intermediate_size, vision.out_hidden_size, vision.depth, vision.num_heads,
+                model.config.get_text_config().rms_norm_eps)  # the text's eps, as llama.cpp's converter writes it
     writer.add_bool(keys.USE_GELU, True)
     writer.add_uint32(keys.SPATIAL_MERGE_SIZE, vision.spatial_merge_size)
     writer.add_array(keys.IS_DEEPSTACK_LAYERS, [i in vision.deepstack_visual_indexes for i in range(vision.depth)])
     T, names = gguf.MODEL_TENSOR, gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, vision.depth)
-    patch = gguf.TENSOR_NAMES[T.V_ENC_EMBD_PATCH]
+    patch = _name(T.V_ENC_EMBD_PATCH)
     weights = tower.patch_embed.proj.weight  # (width, 3, frames, patch, patch)
     out = {f"{patch}.weight": weights[:, :, 0], f"{patch}.weight.1": weights[:, :, 1], f"{patch}.bias": tower.patch_embed.proj.bias}
     parts = {"norm": T.V_DS_NORM, "linear_fc1": T.V_DS_FC1, "linear_fc2": T.V_DS_FC2}
     for j, layer in enumerate(vision.deepstack_visual_indexes):
         for part, kind in parts.items():
-            out |= _pair(gguf.TENSOR_NAMES[kind].format(bid=layer), tower.deepstack_merger_list[j].get_submodule(part))
-    out |= _pair(gguf.TENSOR_NAMES[T.V_POST_NORM], tower.merger.norm) | _pair(gguf.TENSOR_NAMES[T.V_MMPROJ].format(bid=0), tower.merger.linear_fc1) \
-        | _pair(gguf.TENSOR_NAMES[T.V_MMPROJ].format(bid=2), tower.merger.linear_fc2)
+            out |= _pair(_name(kind, layer), tower.deepstack_merger_list[j].get_submodule(part))
+    out |= _pair(_name(T.V_POST_NORM), tower.merger.norm) | _pair(_name(T.V_MMPROJ, 0), tower.merger.linear_fc1) \
+        | _pair(_name(T.V_MMPROJ, 2), tower.merger.linear_fc2)
     for name, value in tower.named_parameters():
         if name.startswith(("blocks.", "pos_embed.")):
             base, _, suffix = f"visual.{name}".rpartition(".")
@@ -294,29 +261,41 @@ def _internvl_header(writer, model, processor) -> dict[str, torch.Tensor]:
     token, a norm and two matrices): its metadata as llama.cpp's converter writes it; its tensors under gguf's own names."""
     import gguf
 
-    vision, images, keys = model.config.vision_config, processor.image_processor, gguf.Keys.ClipVision
-    writer.add_uint32(keys.IMAGE_SIZE, vision.image_size[0])
-    writer.add_uint32(keys.PATCH_SIZE, vision.patch_size[0])
-    writer.add_uint32(keys.EMBEDDING_LENGTH, vision.hidden_size)
-    writer.add_uint32(keys.FEED_FORWARD_LENGTH, vision.intermediate_size)
-    writer.add_uint32(keys.PROJECTION_DIM, model.config.get_text_config().hidden_size)
-    writer.add_uint32(keys.BLOCK_COUNT, vision.num_hidden_layers)
-    writer.add_uint32(keys.Attention.HEAD_COUNT, vision.num_attention_heads)
-    writer.add_float32(keys.Attention.LAYERNORM_EPS, vision.layer_norm_eps)
-    writer.add_array(keys.IMAGE_MEAN, [float(x) for x in images.image_mean])
-    writer.add_array(keys.IMAGE_STD, [float(x) for x in images.image_std])
+    vision, keys = model.config.vision_config, gguf.Keys.ClipVision
+    _tower_keys(writer, processor.image_processor, vision.image_size[0], vision.patch_size[0], vision.hidden_size, vision.intermediate_size,
+                model.config.get_text_config().hidden_size, vision.num_hidden_layers, vision.num_attention_heads, vision.layer_norm_eps)
     writer.add_bool(keys.USE_SILU if vision.hidden_act == "silu" else keys.USE_GELU, True)
     writer.add_uint32(keys.Projector.SCALE_FACTOR, round(1 / model.config.downsample_ratio))
     names, out = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, vision.num_hidden_layers), {}
     for name, value in model.model.vision_tower.named_parameters(prefix="model.vision_tower"):
         base, _, suffix = name.rpartition(".") if name.endswith((".weight", ".bias")) else (name, "", "weight")
         mapped = names.get_name(base)  # the class token bare, as llama.cpp reads it; layer scales and positions as weights
-        out[mapped if mapped == gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.V_ENC_EMBD_CLS] else f"{mapped}.{suffix}"] = value
-    mlp = gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.V_MMPROJ_MLP]
+        out[mapped if mapped == _name(gguf.MODEL_TENSOR.V_ENC_EMBD_CLS) else f"{mapped}.{suffix}"] = value
     projector = model.model.multi_modal_projector
     for i, module in ((0, projector.layer_norm), (1, projector.linear_1), (3, projector.linear_2)):  # the releases' mlp1.0, .1, .3
-        out |= _pair(mlp.format(bid=i), module)
+        out |= _pair(_name(gguf.MODEL_TENSOR.V_MMPROJ_MLP, i), module)
     return out
+
+
+def _tower_keys(writer, images, size: int, patch: int, width: int, ffn: int, projection: int, depth: int, heads: int, eps: float) -> None:
+    """The keys every clip file carries: the tower's shape, and the processor's normalization of a picture."""
+    import gguf
+
+    keys = gguf.Keys.ClipVision
+    for key, value in ((keys.IMAGE_SIZE, size), (keys.PATCH_SIZE, patch), (keys.EMBEDDING_LENGTH, width), (keys.FEED_FORWARD_LENGTH, ffn),
+                       (keys.PROJECTION_DIM, projection), (keys.BLOCK_COUNT, depth), (keys.Attention.HEAD_COUNT, heads)):
+        writer.add_uint32(key, value)
+    writer.add_float32(keys.Attention.LAYERNORM_EPS, eps)
+    writer.add_array(keys.IMAGE_MEAN, [float(x) for x in images.image_mean])
+    writer.add_array(keys.IMAGE_STD, [float(x) for x in images.image_std])
+
+
+def _name(kind, bid: int | None = None) -> str:
+    """gguf's own name for a tensor kind (of tower layer `bid`)."""
+    import gguf
+
+    text = gguf.TENSOR_NAMES[kind]
+    return text.format(bid=bid) if bid is not None else text
 
 
 def _pair(prefix: str, module) -> dict[str, torch.Tensor]:
