@@ -8,6 +8,7 @@ from conftest import base_config, finetune_in_process, read_jsonl, run_ranks, to
 
 from finetune.config.schema import validate_config
 from finetune.data.datasets import load_data
+from finetune.model import nf4
 from finetune.model.loading import load_model, load_tokenizer
 from finetune.train import run
 
@@ -211,6 +212,24 @@ def test_qlora_under_fsdp_matches_one_process_shards_the_4bit_base_resumes_and_m
     report = merge(str(out), str(tmp_path / "merged"), dtype="fp32")
     assert report["passed"] and report["qlora_base"] == "dequantized", report
     assert report["merged_vs_tuned"]["max"] < report["adapter_effect"]["max"] / 10, report
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_nf4_made_a_chunk_at_a_time_is_torchaos_nf4_bit_for_bit(dtype):
+    """nf4.to_nf4 quantizes a weight CHUNK values at a time (a torchao call holds 3.7 times a weight's bytes): on weights
+    of several chunks, with a zero block and scale groups split for 1 and 4 processes, every part of the NF4 tensor (codes,
+    scales, their factors and mean, the code book) and its dequantized values equal torchao's to_nf4 of the whole."""
+    from torchao.quantization import to_nf4
+
+    torch.manual_seed(0)
+    weight = (torch.randn(nf4.CHUNK * 5 // 1536, 1536) * 0.02).to(dtype)  # 5 chunks, and 1,536 not a power of two
+    weight[7, :64] = 0
+    for shards in (1, 4):
+        ours, theirs = nf4.to_nf4(weight, shards), to_nf4(weight, nf4.BLOCK, nf4.scaler_block(weight.numel(), shards))
+        for part in ("quantized_data", "quantized_scalers", "quantization_factor", "scaler_mean", "nf4"):
+            assert torch.equal(getattr(ours, part), getattr(theirs, part)), part
+        assert (ours.shape, ours.dtype, ours.n_blocks, ours.scaler_block_size) == (theirs.shape, theirs.dtype, theirs.n_blocks, theirs.scaler_block_size)
+        assert torch.equal(ours.get_original_weight(), theirs.get_original_weight())
 
 
 def test_torchaos_nf4_is_bitsandbytes_nf4_but_for_neighbouring_codes():

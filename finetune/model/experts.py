@@ -410,9 +410,7 @@ def codes(module: torch.nn.Module, name: str, weight: torch.Tensor, dtype: torch
     rows = weight.detach().to(dtype if bits == 4 else weight.dtype).reshape(-1, weight.shape[-1])
     module.__dict__.setdefault(nf4.SHAPES, {})[name] = tuple(weight.shape)
     if bits == 4:
-        from torchao.quantization import to_nf4
-
-        stored = to_nf4(rows, nf4.BLOCK, nf4.scaler_block(rows.numel(), shards))
+        stored = nf4.to_nf4(rows, shards)
     else:
         from bitsandbytes.functional import int8_vectorwise_quant
 

@@ -82,16 +82,44 @@ def quantize_frozen_linears(module: torch.nn.Module, dtype: torch.dtype, skip: l
     """Replace the weight of every frozen linear layer under `module` with its NF4 form, from the weight cast
     to `dtype` (the compute dtype: what the 4-bit matmul dequantizes to), in blocks `shards` processes
     can split. Returns how many were replaced."""
-    from torchao.quantization import to_nf4
-
     chosen = [(name, layer) for name, layer in module.named_modules() if quantizable(layer, tuple(skip or ()), name)]
     why = uneven_rows({name.replace(".base_layer", ""): layer.weight.shape[0] for name, layer in chosen}, shards)  # peft's wrapping left out
     if why:
         raise UserError(why)
     for _, layer in chosen:
         weight = layer.weight.detach().to(dtype)
-        layer.weight = torch.nn.Parameter(to_nf4(weight, BLOCK, scaler_block(weight.numel(), shards)), requires_grad=False)
+        layer.weight = torch.nn.Parameter(to_nf4(weight, shards), requires_grad=False)
     return len(chosen)
+
+
+def to_nf4(weight: torch.Tensor, shards: int = 1) -> torch.Tensor:
+    """torchao's `to_nf4` of a 2-D weight in blocks `shards` processes can split, bit for bit, made CHUNK values at a time
+    with torchao's own steps: each block's absmax and its 4-bit codes depend on that block alone, and the absmax values'
+    double quantization (one mean over all of them) runs once on the whole vector of them. torchao's own call holds 3.7
+    times the weight's bytes while it quantizes (docs/platform-notes.md); this one the codes and a chunk's copies."""
+    from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import NF4Tensor, SubclassTensorArgs, get_block_absmax
+
+    flat, size = weight.detach().reshape(-1), scaler_block(weight.numel(), shards)
+    step, blocks = CHUNK - CHUNK % BLOCK, weight.numel() // BLOCK
+    absmax = torch.cat([get_block_absmax(flat[first:first + step], BLOCK) for first in range(0, flat.numel(), step)])
+    scalers, factors, mean = NF4Tensor.double_quantize_scalers(absmax, 1, size)  # absmax of blocks of one: the values themselves
+    table = NF4Tensor.from_tensor(weight.new_zeros(BLOCK * size), BLOCK, size).nf4  # torchao's code book, in the weight's dtype
+    data = torch.empty(flat.numel() // 2, dtype=torch.uint8, device=weight.device)
+    for first in range(0, flat.numel(), step):
+        part = flat[first:first + step]
+        data[first // 2:(first + part.numel()) // 2] = NF4Tensor.convert_to_norm_float_weight(part, part.numel() // BLOCK, BLOCK, table)
+    meta = SubclassTensorArgs(weight.size(), weight.stride(), weight.storage_offset(), weight.dtype, weight.device, False)
+    return NF4Tensor(meta, BLOCK, blocks, size, scalers, factors, mean, data, table)
+
+
+CHUNK = 1 << 22  # weights quantized at a time
+
+
+def quantizing_bytes(numel: int, dtype_bytes: int) -> float:
+    """What `to_nf4` holds beside a weight of `numel` values while it quantizes it: the codes with their scales, and a
+    chunk's copies (its absmax and scaled values, its one-byte codes, and the distances to the 16 levels torchao's nearest
+    step takes for 2**20 values at a time). 128M weights: 142 MiB in bf16, 219 in fp32 (docs/platform-notes.md)."""
+    return numel * (0.5 + dtype_bytes / BLOCK) + CHUNK * (2 * dtype_bytes + 1) + 2 * 16 * 2**20 * dtype_bytes
 
 
 def is_nf4(tensor: torch.Tensor | None) -> bool:

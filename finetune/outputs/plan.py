@@ -577,7 +577,7 @@ def load_peak(shape: Shape, cfg: RunConfig, s: Setup) -> tuple[float, bool]:
     (experts.quantized_as_loaded: the largest held in the model's dtype with its quantizing copies beside the quantized
     rest); a torchao base's linear layers are quantized once the adapter is on, on the host (accelerate then moves the 4-bit
     model): until then the base holds them as loaded, with the adapter, and quantizing the largest holds its copy in the
-    compute dtype and torchao's to_nf4 (3.7x that copy's bytes, measured in bf16 and fp32; docs/platform-notes.md).
+    compute dtype and what nf4.to_nf4 holds beside it.
     Under DeepSpeed (ZeRO-2) the stacks load as stored and stay so. No training has run yet: a CPU process has not grown by
     CPU_RUNTIME. Sharded loads (FSDP, ZeRO-3) go layer by layer: (0, False)."""
     q = cfg.model.quantization
@@ -591,13 +591,16 @@ def load_peak(shape: Shape, cfg: RunConfig, s: Setup) -> tuple[float, bool]:
     quantized_bytes = 0.5 + (1 / BNB_BLOCK + 4 / (BNB_BLOCK * 256) if q.double_quant else 4 / BNB_BLOCK) if q.bits == 4 else 1
     compute, experts = DTYPE_BYTES[q.compute_dtype], max(1, families.num_experts(shape.config))
 
-    def quantizing(layers: list) -> float:
+    def quantizing(layers: list, loaded: float) -> float:
+        """The largest of `layers` quantized: `loaded` bytes a weight more than `held` counts, its copy in the compute dtype
+        and what 4-bit quantizing holds beside it, or bitsandbytes' 8-bit (8 bytes a weight, bf16 or fp32: platform-notes)."""
         largest = max((l.fan_in * l.fan_out * (experts if l.expert else 1) for l in layers), default=0)
-        return largest * compute * (3.7 + (1 if compute != s.weight_bytes else 0))
+        beside = 8 * largest if q.bits == 8 else largest * (compute if compute != s.weight_bytes else 0) + nf4.quantizing_bytes(largest, compute)
+        return largest * loaded + beside if largest else 0.0
 
     held = base_weights(shape, q, s) + sum(l.params for l in late) * (s.weight_bytes - quantized_bytes)
-    adapting = held + trainable_params(shape, cfg) * 4 + quantizing(late) if late else 0.0
-    return max(held + quantizing(stacks), adapting), torchao
+    adapting = held + trainable_params(shape, cfg) * 4 + quantizing(late, 0) if late else 0.0
+    return max(held + quantizing(stacks, s.weight_bytes - quantized_bytes), adapting), torchao
 
 
 def split_shape(shape: Shape, size: int) -> Shape:
