@@ -16,18 +16,20 @@ memory: `finetune train` on the qwen3-moe shape (LoRA in fp32; QLoRA with torcha
 the experts), 1 x 1024 tokens, 3 steps, a process each, glibc's heap set to hand large blocks back
 (MALLOC_MMAP_THRESHOLD_, as tests/test_plan.py measures); measured = peak anonymous RSS - anonymous RSS before the model
 loaded (bench/large.py's sampling), the load included; planned = `finetune plan`'s total for the same config, or what
-it plans while the base loads where that is more (the 4-bit run: its experts are quantized once the adapter is on).
+it plans while the base loads where that is more.
 
 plan: `finetune plan` for the released shapes (docs/examples/NAME/config.json), configs/qlora.yaml and configs/lora.yaml
 as shipped (LoRA r 16 on every linear layer and the experts; QLoRA: 4-bit NF4 linear layers and experts) with one row of
 4,096 tokens a micro-batch and activation checkpointing, on 80 GiB GPUs: one GPU, or FSDP2 over 8 and 64 (torchao's NF4 and AdamW, which it shards).
-On one GPU bitsandbytes places the expert stacks there as stored and they are quantized once the adapter is on: what the GPU
-holds while the base loads is its own column (FSDP2 loads layer by layer: -).
+On one GPU each expert stack is quantized as transformers sets it on its module: what the GPU holds while the base loads is
+its own column (FSDP2 loads layer by layer: -).
 
 parallel: the same configs' step time under FSDP2 (`finetune plan --bandwidth --tflops`) against what expert parallelism
 (not built) would send in place of the experts' gathers, and `finetune plan --simulate` of Qwen3-30B-A3B over 8.
 
-Usage: python bench/moe.py [--steps 3] [--only speed,memory,plan,parallel]   (make bench-moe, ~8 min)
+quantizing: what quantizing one 128M-weight tensor to NF4 holds beside it, torchao's to_nf4 against model/nf4.py's.
+
+Usage: python bench/moe.py [--steps 3] [--only speed,memory,plan,quantizing,parallel]   (make bench-moe, ~8 min)
 Prints the tables and writes them to bench/results/moe.md.
 """
 
@@ -171,6 +173,41 @@ def plans() -> list[str]:
     return lines
 
 
+QUANTIZE = """
+import re, sys, torch
+from finetune.model import nf4
+from torchao.quantization import to_nf4
+
+def held():
+    status = open("/proc/self/status").read()
+    return [int(re.search(key + r":\\s+(\\d+)", status).group(1)) * 1024 for key in ("VmHWM", "VmRSS")]
+
+dtype, ours = getattr(torch, sys.argv[1]), sys.argv[2] == "ours"
+quantize = nf4.to_nf4 if ours else (lambda w: to_nf4(w, nf4.BLOCK, nf4.SCALER_BLOCK))
+quantize(torch.randn(nf4.BLOCK * nf4.SCALER_BLOCK, 64).to(dtype))  # the first call's one-off allocations
+weight = torch.randn(65536, 2048).to(dtype)
+start = held()[1]
+open("/proc/self/clear_refs", "w").write("5")  # the peak from here
+codes = quantize(weight)
+print(held()[0] - start)
+"""
+
+
+def quantizing() -> list[str]:
+    """What quantizing one 128M-weight tensor to NF4 holds beside it at its peak: torchao's to_nf4 against nf4.to_nf4 (the
+    same tensor, made a chunk at a time), each in a fresh process."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072")
+    rows = []
+    for dtype in ("bfloat16", "float32"):
+        beside = [int(subprocess.run([sys.executable, "-c", QUANTIZE, dtype, who], env=env, capture_output=True, text=True, check=True).stdout.split()[-1])
+                  for who in ("torchao", "ours")]
+        rows.append(f"| {dtype} | {beside[0] / 2**20:,.0f} | {beside[1] / 2**20:,.0f} | {beside[0] / beside[1]:.2f} |")
+    return rows
+
+
 # (shape, GPUs, GB/s a GPU): one node's NVLink, and one 400 Gb/s NIC a GPU across nodes
 PARALLEL = [("qwen3-30b-a3b", 8, 400), ("qwen3-30b-a3b", 16, 50), ("qwen3-235b-a22b", 8, 400), ("qwen3-235b-a22b", 64, 50)]
 TFLOPS, MFU = 989, 0.4  # an H100's dense bf16, at the planner's default utilisation
@@ -200,7 +237,7 @@ def parallel() -> list[str]:
 
 
 def main() -> None:
-    args, wanted = steps_and_parts(__doc__, 3, "speed, memory, plan, parallel")
+    args, wanted = steps_and_parts(__doc__, 3, "speed, memory, plan, quantizing, parallel")
     lines = [f"{cpu()}, commit {head_commit()}, {time.strftime('%Y-%m-%d')}"]
     if wanted("speed"):
         lines += ["", f"fp32, LoRA r 16 on attention and experts, 1 x {TOKENS} tokens, forward + backward, {args.steps} steps timed after 1", "",
@@ -219,6 +256,10 @@ def main() -> None:
         lines += ["", "`finetune plan`, configs/qlora.yaml and configs/lora.yaml, 1 x 4096 tokens a micro-batch, checkpointing on, 80 GiB GPUs "
                   "(FSDP2 over more than one), GiB per GPU at the step's peak", "",
                   "| model | GPUs | QLoRA (GiB) | QLoRA while loading (GiB) | LoRA (GiB) |", "| --- | --- | --- | --- | --- |", *plans()]
+    if wanted("quantizing"):
+        lines += ["", "Quantizing one 65,536 x 2,048 tensor (128M weights) to NF4: MiB held beside it at the peak (VmHWM over the start, "
+                  "MALLOC_MMAP_THRESHOLD_=131072, a fresh process each); nf4.to_nf4 makes torchao's tensor, bit for bit, 4M weights at a time", "",
+                  "| dtype | torchao to_nf4 (MiB) | nf4.to_nf4 (MiB) | torchao / ours |", "| --- | --- | --- | --- |", *quantizing()]
     if wanted("parallel"):
         lines += ["", f"`finetune plan` step time, the same configs under FSDP2, {TFLOPS} TFLOP/s x MFU {MFU}, a step of grad_accum micro-batches: "
                   "FSDP2's collectives, of them the experts' gathers, and expert parallelism's all-to-all of the routed tokens in their place "
