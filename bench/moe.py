@@ -25,7 +25,8 @@ On one GPU each expert stack is quantized as transformers sets it on its module:
 its own column (FSDP2 loads layer by layer: -).
 
 parallel: the same configs' step time under FSDP2 (`finetune plan --bandwidth --tflops`) against what expert parallelism
-(not built) would send in place of the experts' gathers, and `finetune plan --simulate` of Qwen3-30B-A3B over 8.
+would send in place of the experts' gathers; under DDP with the experts spread over the GPUs (distributed.expert_parallel,
+built under DDP), the plan and the step time; and `finetune plan --simulate` of Qwen3-30B-A3B over 8.
 
 quantizing: what quantizing one 128M-weight tensor to NF4 holds beside it, torchao's to_nf4 against model/nf4.py's.
 
@@ -141,9 +142,10 @@ PLANS = [("qwen3-30b-a3b", 1), ("gpt-oss-20b", 1), ("glm-4.5-air", 1), ("gpt-oss
          ("deepseek-v3", 8), ("deepseek-v3", 64)]
 
 
-def shipped(name: str, method: str, gpus: int):
+def shipped(name: str, method: str, gpus: int, experts_split: bool = False):
     """configs/METHOD.yaml as shipped on the released shape, one 4,096-token row a micro-batch, checkpointing; over more
-    than one GPU what FSDP2 shards (torchao's 4-bit base, AdamW's states, not bitsandbytes' paged ones)."""
+    than one GPU what FSDP2 shards (torchao's 4-bit base, AdamW's states, not bitsandbytes' paged ones), or with
+    experts_split DDP with the experts spread over the GPUs (distributed.expert_parallel: GPUs)."""
     import yaml
 
     from finetune.config.schema import validate_config
@@ -154,7 +156,9 @@ def shipped(name: str, method: str, gpus: int):
     cfg["data"].pop("eval", None)
     cfg["train"].update(micro_batch_size=1, gradient_checkpointing=True)  # lora.yaml's is off: 94 layers' activations would not fit
     cfg.setdefault("distributed", {})["strategy"] = "fsdp" if gpus > 1 else "none"
-    if gpus > 1:
+    if experts_split:
+        cfg["distributed"].update(strategy="ddp", expert_parallel=gpus)
+    elif gpus > 1:
         cfg["train"]["optimizer"] = "adamw"
         if method == "qlora":
             cfg["model"]["quantization"]["backend"] = "torchao"
@@ -216,18 +220,21 @@ TFLOPS, MFU = 989, 0.4  # an H100's dense bf16, at the planner's default utilisa
 def parallel() -> list[str]:
     """FSDP2's step against expert parallelism's traffic (steptime.expert_traffic), and the simulated step's collectives
     (rank 0 on fake tensors, balanced routing) beside the planned ones for Qwen3-30B-A3B over 8."""
-    from finetune.outputs.plan import make_plan
+    from finetune.outputs.plan import GiB, make_plan
     from finetune.outputs.simulate import simulate
     from finetune.outputs.steptime import step_time
 
     lines = []
     for name, gpus, bandwidth in PARALLEL:
         for method in ("qlora", "lora"):
-            cfg = shipped(name, method, gpus)
-            t = step_time(cfg, make_plan(cfg, devices=gpus, gpu=True).setup, TFLOPS, MFU, bandwidth * 1e9)
+            cfg, split = shipped(name, method, gpus), shipped(name, method, gpus, experts_split=True)
+            plan, split_plan = make_plan(cfg, devices=gpus, gpu=True), make_plan(split, devices=gpus, gpu=True)
+            t = step_time(cfg, plan.setup, TFLOPS, MFU, bandwidth * 1e9)
+            ep = step_time(split, split_plan.setup, TFLOPS, MFU, bandwidth * 1e9)
             instead = (t.comm_bytes - t.experts_gathered + t.all_to_all) / bandwidth / 1e9
-            lines.append(f"| {name} | {method} | {gpus} | {bandwidth} | {t.compute_s:.2f} | {t.comm_bytes / 1e9:.1f} | {t.comm_s:.2f} | "
-                         f"{t.experts_gathered / 1e9:.1f} | {t.all_to_all / 1e9:.1f} | {instead:.2f} |")
+            lines.append(f"| {name} | {method} | {gpus} | {bandwidth} | {t.compute_s:.2f} | {plan.total / GiB:.2f} | {t.comm_bytes / 1e9:.1f} | "
+                         f"{t.comm_s:.2f} | {t.experts_gathered / 1e9:.1f} | {t.all_to_all / 1e9:.1f} | {instead:.2f} | {split_plan.total / GiB:.2f} | "
+                         f"{ep.comm_bytes / 1e9:.1f} | {ep.comm_s:.2f} |")
             print(lines[-1], flush=True)
     cfg = shipped("qwen3-30b-a3b", "qlora", 8)
     cfg.train.grad_accum = 1  # as `plan --simulate` takes it: one micro-batch a step (more repeat its gathers)
@@ -261,11 +268,13 @@ def main() -> None:
                   "MALLOC_MMAP_THRESHOLD_=131072, a fresh process each); nf4.to_nf4 makes torchao's tensor, bit for bit, 4M weights at a time", "",
                   "| dtype | torchao to_nf4 (MiB) | nf4.to_nf4 (MiB) | torchao / ours |", "| --- | --- | --- | --- |", *quantizing()]
     if wanted("parallel"):
-        lines += ["", f"`finetune plan` step time, the same configs under FSDP2, {TFLOPS} TFLOP/s x MFU {MFU}, a step of grad_accum micro-batches: "
-                  "FSDP2's collectives, of them the experts' gathers, and expert parallelism's all-to-all of the routed tokens in their place "
-                  "(not built: planned only)", "",
-                  "| model | method | GPUs | GB/s | compute (s) | FSDP2 (GB) | FSDP2 (s) | experts' gathers (GB) | all-to-all instead (GB) | "
-                  "with expert parallelism (s) |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |", *parallel()]
+        lines += ["", f"`finetune plan` step time, the same configs, {TFLOPS} TFLOP/s x MFU {MFU}, a step of grad_accum micro-batches: under FSDP2, "
+                  "its collectives, of them the experts' gathers, and expert parallelism's all-to-all of the routed tokens in their place "
+                  "(FSDP2 with experts spread: planned only); under DDP with the experts spread over the GPUs (distributed.expert_parallel: "
+                  "the GPUs; bitsandbytes' 4-bit base), GiB per GPU and its collectives (the LoRA's all-reduce, the all-to-alls)", "",
+                  "| model | method | GPUs | GB/s | compute (s) | FSDP2 (GiB) | FSDP2 (GB) | FSDP2 (s) | experts' gathers (GB) | all-to-all instead (GB) | "
+                  "FSDP2 with experts spread (s) | DDP, experts spread (GiB) | DDP, experts spread (GB) | DDP, experts spread (s) |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |", *parallel()]
     report("moe", lines)
 
 

@@ -5,6 +5,8 @@ dense layers; a 4-bit MoE run resumes bitwise after kill -9."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from conftest import (
@@ -531,3 +533,72 @@ def test_gpt_oss_with_its_harmony_template_keeps_chat_samples_apart(tmp_path):
     trained = [tok.decode([t for t, label in zip(ids, labels) if label != -100]) for ids, labels in samples]
     assert trained[0] == "<|channel|>analysis<|message|>Add the two.<|end|><|start|>assistant<|channel|>final<|message|>5<|return|>", trained
     assert_equal_to_each_sample_alone(model, samples)
+
+
+@pytest.mark.parametrize("quantized", [False, True], ids=["bf16-base", "4bit-experts"])
+def test_experts_split_over_two_processes_train_as_ddp_does(tmp_path, family_dirs, quantized):
+    """distributed.expert_parallel: 2 under DDP: each process holds half of every layer's experts (a 4-bit base quantizes
+    only its half), the routed tokens go to their expert's process and back (all-to-all). The losses and the saved adapter
+    are DDP's over the same 2 processes holding every expert (1e-5), and one process's on the same rows (1e-4). The adapter's
+    values: DDP's within 1e-3 of each tensor's largest; one process's within 5e-2 (rows summed in another order: Adam makes
+    that rounding an update's size where a gradient is near zero), DDP's too (its start once broadcast rank 0's 4-bit
+    experts, which quantized them again: 0.15 off)."""
+    from conftest import train_strategy
+    from safetensors.torch import load_file
+
+    sections = {"adapter": {"dropout": 0.0}}
+    if quantized:  # bitsandbytes' linear layers (DDP broadcasts them; not torchao's), the experts in NF4; fp32 compute: bf16's
+        sections["model"] = {"quantization": {"bits": 4, "compute_dtype": "float32"}}  # rounding would depend on the rows' order
+    model = family_dirs("qwen3-moe", moe_intermediate_size=128)  # stacks whose 4-bit scale groups two processes split as one does
+    alone, one, _ = train_strategy(tmp_path, "one", model, "lora", 1, "none", **sections)
+    ddp, whole, whole_summary = train_strategy(tmp_path, "ddp", model, "lora", 2, "ddp", **sections)
+    split, apart, summary = train_strategy(tmp_path, "split", model, "lora", 2, "ddp", distributed={"strategy": "ddp", "expert_parallel": 2}, **sections)
+    assert apart == pytest.approx(whole, rel=1e-5, abs=1e-6), (whole, apart)
+    assert apart == pytest.approx(one, rel=1e-4), (one, apart)
+    assert apart[-1] < apart[0], apart
+    first, *two = (load_file(folder / "adapter_model.safetensors") for folder in (alone, ddp, split))
+    assert all(other.keys() == first.keys() for other in two) and any(".experts." in key for key in first)
+    for key, value in first.items():
+        assert (two[1][key] - two[0][key]).abs().max() <= 1e-3 * value.abs().max(), key
+        assert all((other[key] - value).abs().max() <= 5e-2 * value.abs().max() for other in two), key
+    counts = [int(re.search(r"trainable of ([\d,]+) params", (folder / "console.log").read_text()).group(1).replace(",", "")) for folder in (ddp, split)]
+    assert counts[1] < counts[0] and "experts: each process holds 1/2 of every layer's" in (split / "console.log").read_text(), counts
+    if quantized:  # each process's 4-bit codes: half of the experts'
+        held, every = summary["nf4_bytes_per_rank"], whole_summary["nf4_bytes_per_rank"]
+        assert held[0] == held[1] and abs(2 * held[0] - every[0]) < 0.01 * every[0], (held, every)
+        _resumed_and_merged(tmp_path, model, split, sections)
+
+
+def _resumed_and_merged(tmp_path, model, split, sections) -> None:
+    """The expert-parallel run again, rank 1 SIGKILLed at step 3 and restarted by torchrun: it resumes from step 2 and ends
+    with the uninterrupted run's adapter, bit for bit; that adapter (every expert's LoRA) merges into a checked model."""
+    import os
+    import subprocess
+
+    from conftest import REPO, strategy_config, torchrun, write_config
+    from safetensors.torch import load_file
+
+    from finetune.outputs.merge import merge
+
+    killed = tmp_path / "killed"
+    cfg = strategy_config(model, killed, "lora", 2, "ddp", distributed={"strategy": "ddp", "expert_parallel": 2}, **sections)
+    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "FINETUNE_FAULT": "kill@3:rank=1"}
+    job = subprocess.run([*torchrun(2), "--max-restarts", "1", "finetune/train.py", "--config", str(write_config(tmp_path / "killed.yaml", cfg)),
+                          "--save-every", "2"], cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+    assert job.returncode == 0 and "resum" in job.stdout + job.stderr, job.stderr[-3000:]
+    adapters = [load_file(folder / "adapter_model.safetensors") for folder in (split, killed)]
+    assert adapters[0].keys() == adapters[1].keys() and all(torch.equal(adapters[0][k], adapters[1][k]) for k in adapters[0])
+    report = merge(str(split), str(tmp_path / "merged"), dtype="fp32")
+    assert report["passed"] and report["merged_vs_tuned"]["max"] < report["adapter_effect"]["max"] / 10, report
+
+
+def test_experts_split_over_processes_are_refused_in_one_line_where_the_model_does_not_allow_it():
+    """distributed.expert_parallel on a dense model, or over a count that does not divide the experts: one line, before any
+    weight is read (the strategies, objectives and methods it does not run with: tests/test_bad_input.py)."""
+    from finetune.config.errors import UserError
+    from finetune.parallel import expert_parallel
+
+    for config, why in (({"model_type": "llama"}, "2: the model has no experts to split"),
+                        ({"model_type": "qwen3_moe", "num_experts": 6}, "4: 4 does not divide the model's 6 experts")):
+        with pytest.raises(UserError, match=f"distributed.expert_parallel: {why}"):
+            expert_parallel.check(config, 4 if "6" in why else 2)

@@ -478,6 +478,10 @@ class DistributedConfig(_Section):
                                  "tensor-parallel plan of the family on torch's DTensor: attention heads and MLP columns), FSDP2 sharding "
                                  "over the rest on a 2-D mesh; those processes see the same rows. fsdp, sft, LoRA or full fine-tuning "
                                  "of a 16/32-bit dense model; it must divide the process count and the model's heads.")
+    expert_parallel: int = Field(1, ge=1, description="Split each mixture-of-experts layer's frozen base experts over this many "
+                                 "processes (consecutive ranks): each holds num_experts / N of them and computes the routed tokens sent to it "
+                                 "(all-to-all), the experts' LoRA whole on every process. ddp, sft, LoRA (4-bit or 8-bit experts too); it "
+                                 "must divide the process count and the experts.")
     collective_timeout: float = Field(1800.0, gt=0, description="Seconds a collective (gloo's or NCCL's) waits for the other processes "
                                       "before it fails the run (torch's process-group timeout). A stuck step usually meets the hang "
                                       "watchdog first (watchdog.min_seconds); keep this above it, and above the longest save or eval.")
@@ -504,6 +508,19 @@ def _teacher_quantization_refused(q: QuantizationConfig, strategy: str) -> str |
     if q.chosen_backend == "torchao" and (q.bits != 4 or q.quant_type != "nf4"):
         return "backend torchao with bits 8 or fp4 (it has 4-bit NF4)"
     return None
+
+
+def _expert_parallel_refusal(cfg) -> None:
+    """What distributed.expert_parallel does not run with (a ValueError naming it)."""
+    d = cfg.distributed
+    why = ("distributed.strategy ddp (FSDP2 and DeepSpeed would gather each split stack whole)" if d.strategy != "ddp"
+           else f"train.objective sft (not {cfg.train.objective})" if cfg.train.objective != "sft"
+           else "adapter.method lora (the base experts it splits are frozen)" if cfg.adapter.method != "lora"
+           else "sequence_parallel 1" if d.sequence_parallel > 1
+           else "eval.generate_samples 0 (the main process generates alone, and every process holds a part of the experts)"
+           if cfg.eval.generate_samples else None)
+    if why:
+        raise ValueError(f"distributed.expert_parallel: {d.expert_parallel} runs with {why}; set it to 1, or change that")
 
 
 def _tensor_parallel_refusal(cfg) -> None:
@@ -593,6 +610,8 @@ class RunConfig(_Section):
         strategy = asked.name
         if self.distributed.tensor_parallel > 1:
             _tensor_parallel_refusal(self)
+        if self.distributed.expert_parallel > 1:
+            _expert_parallel_refusal(self)
         if asked.shards_weights and self.eval.generate_samples:
             raise ValueError(f"eval.generate_samples: not available with distributed.strategy {strategy} (the parameters are sharded); set it to 0")
         if asked.shards_states and self.train.mixed_precision in ("fp16", "fp8"):

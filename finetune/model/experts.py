@@ -29,13 +29,15 @@ from finetune.model.attention import compute_dtype
 IMPLEMENTATION = "finetune_grouped"  # the name registered in transformers' ExpertsInterface
 SCALES = "_int8_scales"  # an experts module's {parameter name: per-row scales} of its 8-bit stacks
 LORA = "_finetune_lora"  # an experts module's {parameter name: peft wrapper}, kept outside its submodules
+SPLIT = "_finetune_expert_split"  # an experts module's Split where its experts are spread over processes
 _BALANCED = ContextVar("finetune_balanced_routing", default=False)
 
 
 def named_fused_experts(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     """The experts modules whose weights are fused 3-D tensors that transformers dispatches through
-    its ExpertsInterface (the ones `experts_implementation` switches), by name."""
-    return [(name, m) for name, m in model.named_modules() if is_experts(m) and any(p.dim() == 3 for p in m.parameters(recurse=False))]
+    its ExpertsInterface (the ones `experts_implementation` switches), by name; stacks quantized as they loaded included."""
+    return [(name, m) for name, m in model.named_modules()
+            if is_experts(m) and (any(p.dim() == 3 for p in m.parameters(recurse=False)) or m.__dict__.get(nf4.SHAPES))]
 
 
 def is_experts(module: torch.nn.Module) -> bool:
@@ -84,10 +86,28 @@ def _grouped_wrapper(cls: type) -> type:
     return _WRAPPERS[cls]
 
 
+class Split(NamedTuple):
+    """Where an experts module's experts are spread over processes (parallel/expert_parallel.py): this process holds experts
+    first..first+count of them, its stacks sliced so; `group` the processes that together hold them all, `size` of them."""
+    group: object
+    size: int
+    first: int
+    count: int
+
+
+def local_experts(module: torch.nn.Module) -> int:
+    """How many experts of `module` this process holds."""
+    split = module.__dict__.get(SPLIT)
+    return module.num_experts if split is None else split.count
+
+
 def grouped_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
     """transformers' grouped experts forward (its grouped_mm_experts_forward: tokens sorted by expert, one
     grouped matmul per projection, the routing weights applied, summed per token), with each projection's
     LoRA and 4-bit weights as `project` computes them."""
+    split = self.__dict__.get(SPLIT)
+    if split is not None:
+        return routed_apart(self, hidden_states, top_k_index, top_k_weights, split)
     tokens, top_k = hidden_states.shape[0], top_k_index.shape[-1]
     expert_ids, order = torch.sort(top_k_index.reshape(-1))
     rows = order // top_k
@@ -112,6 +132,46 @@ def grouped_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor
         out = project(self, "down_proj", up, offsets, ends, expert_ids)
     if self.has_post_expert_norm:
         out = self.post_expert_norm(out)
+    if not folded:
+        out = out * weights.to(out.dtype)
+    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(len(order), device=order.device))
+    return Combined.apply(out, inverse, rows, tokens).to(hidden_states.dtype)
+
+
+def routed_apart(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, split: Split) -> torch.Tensor:
+    """grouped_forward with the experts spread over `split.group`: each routed copy of a token sent to the process holding
+    its expert (torch's all-to-all, whose backward sends the gradients back), the experts there run on what they received
+    (their stacks' share, the adapter's LoRA of those experts), the outputs sent back, weighted and summed per token."""
+    import torch.distributed as dist
+    from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
+
+    tokens, top_k = hidden_states.shape[0], top_k_index.shape[-1]
+    expert_ids, order = torch.sort(top_k_index.reshape(-1))
+    rows, owner = order // top_k, expert_ids // split.count
+    counts = torch.bincount(owner, minlength=split.size)
+    received = torch.empty_like(counts)
+    dist.all_to_all_single(received, counts, group=split.group)
+    sent, got = counts.tolist(), received.tolist()  # the split sizes: one host sync a layer
+
+    def exchanged(x: torch.Tensor, back: bool = False) -> torch.Tensor:
+        return wait_tensor(all_to_all_single_autograd(x, sent if back else got, got if back else sent, split.group))
+
+    here = torch.empty(sum(got), dtype=expert_ids.dtype, device=expert_ids.device)
+    dist.all_to_all_single(here, expert_ids - owner * split.count, got, sent, group=split.group)
+    local, regroup = torch.sort(here, stable=True)  # what came, from each process sorted by expert: sorted by expert again
+    offsets = torch.cumsum(torch.bincount(local, minlength=split.count), dim=0, dtype=torch.int32)
+    ends = offsets.tolist() if any(quantized(w) for w in self.parameters(recurse=False)) else None
+    x = exchanged(hidden_states[rows])[regroup]
+    weights = top_k_weights.reshape(-1)[order].unsqueeze(-1)
+    folded = folds_routing(self)
+    if folded:  # as grouped_forward: the weights travel with their tokens and scale the down projection's input
+        weights = exchanged(weights)[regroup]
+    up = project(self, "gate_up_proj" if self.has_gate else "up_proj", x, offsets, ends, local)
+    up = self._apply_gate(up) if self.has_gate else self.act_fn(up)
+    out = project(self, "down_proj", up * weights.to(up.dtype) if folded else up, offsets, ends, local)
+    if self.has_post_expert_norm:
+        out = self.post_expert_norm(out)
+    out = exchanged(out[torch.empty_like(regroup).scatter_(0, regroup, torch.arange(len(regroup), device=regroup.device))], back=True)
     if not folded:
         out = out * weights.to(out.dtype)
     inverse = torch.empty_like(order).scatter_(0, order, torch.arange(len(order), device=order.device))
@@ -195,8 +255,10 @@ def add_lora(out: torch.Tensor, wrapper, adapter: str, x: torch.Tensor, offsets:
     torch's autocast leaves grouped_mm alone): the adapter's weights cast, not a copy of every routed token in fp32."""
     a, b = wrapper.lora_A[adapter].weight, wrapper.lora_B[adapter].weight
     experts, dtype = wrapper.num_experts, compute_dtype(a)
-    a = a.view(experts, -1, a.shape[-1]).transpose(-2, -1).to(dtype).contiguous()  # (E, in, r)
-    b = (b.view(b.shape[0], -1, experts).permute(2, 1, 0) * wrapper.scaling[adapter]).to(dtype).contiguous()  # (E, r, out), scaled here: r·out, not tokens·out
+    split = wrapper.get_base_layer().__dict__.get(SPLIT)
+    held = slice(None) if split is None else slice(split.first, split.first + split.count)  # the experts this process computes
+    a = a.view(experts, -1, a.shape[-1])[held].transpose(-2, -1).to(dtype).contiguous()  # (E, in, r)
+    b = (b.view(b.shape[0], -1, experts).permute(2, 1, 0)[held] * wrapper.scaling[adapter]).to(dtype).contiguous()  # (E, r, out), scaled: r·out
     pad = -a.shape[-1] % (16 // a.element_size())  # grouped_mm takes strides of whole 16 bytes: r 4 in bf16 gets 4 zeros
     if pad:
         a, b = torch.nn.functional.pad(a, (0, pad)), torch.nn.functional.pad(b, (0, 0, 0, pad))
@@ -304,7 +366,7 @@ class Stack:
     def of(cls, module: torch.nn.Module, name: str) -> Stack:
         weight = getattr(module, name)
         weight = weight if quantized(weight) else weight.detach().view(-1, weight.shape[-1])
-        return cls(weight, module.num_experts, module.__dict__.get(SCALES, {}).get(name))
+        return cls(weight, local_experts(module), module.__dict__.get(SCALES, {}).get(name))
 
     def rows(self, first: int, last: int) -> torch.Tensor:
         if not quantized(self.weight):
@@ -419,15 +481,22 @@ def codes(module: torch.nn.Module, name: str, weight: torch.Tensor, dtype: torch
 
 
 @contextmanager
-def quantized_as_loaded(dtype: torch.dtype, bits: int):
+def quantized_as_loaded(dtype: torch.dtype, bits: int | None, share: tuple[int, int] | None = None):
     """Each fused expert stack quantized (`codes`) as transformers sets it on its module while loading, through torch's
     parameter-registration hook: the process holds a stack or two of the experts in the model's dtype at a time, not all of
     them (where they would be quantized once the adapter is on: a 4-bit base on one GPU held them all there in bf16). The
-    model's experts then run grouped (`group`); the adapter sees their own shapes (shaped_for_peft)."""
+    model's experts then run grouped (`group`); the adapter sees their own shapes (shaped_for_peft). share (index, size):
+    expert parallelism's (parallel/expert_parallel.py), only this process's share of each stack kept, then quantized
+    (bits None: kept as loaded)."""
     def quantized_stack(module, name, param):
-        if param is None or param.dim() != 3 or param.device.type == "meta" or not is_experts(module) or (bits == 4 and param.numel() % nf4.BLOCK):
+        if param is None or param.dim() != 3 or param.device.type == "meta" or not is_experts(module):
             return None
-        stored = codes(module, name, param, dtype, 1, bits)
+        if bits is None or (bits == 4 and param.numel() % nf4.BLOCK):
+            stored = torch.nn.Parameter(param.detach()[_held(module.num_experts, *share)].clone() if share else param, requires_grad=False)
+        else:  # the whole stack quantized (in blocks the processes split), then this process's share: the codes one process has
+            stored = codes(module, name, param, dtype, share[1] if share else 1, bits)
+            if share:
+                stored = _codes_share(module, name, stored, *share)
         stored._is_hf_initialized = True  # transformers initializes the parameters a checkpoint lacked: this one it had
         return stored
 
@@ -438,17 +507,41 @@ def quantized_as_loaded(dtype: torch.dtype, bits: int):
         handle.remove()
 
 
+def _codes_share(module: torch.nn.Module, name: str, stored: torch.nn.Parameter, index: int, size: int) -> torch.nn.Parameter:
+    """This process's experts of a quantized stack (`codes`): rows index/size of its NF4 codes, or of its int8 codes and
+    their row scales; its shape on the module, that share's."""
+    shape = module.__dict__[nf4.SHAPES][name]
+    held = _held(shape[0], index, size)
+    module.__dict__[nf4.SHAPES][name] = (held.stop - held.start, *shape[1:])
+    if nf4.is_nf4(stored):
+        return torch.nn.Parameter(nf4.share(stored, index, size), requires_grad=False)
+    rows = slice(held.start * shape[1], held.stop * shape[1])
+    module.__dict__[SCALES][name] = module.__dict__[SCALES][name][rows].clone()
+    return torch.nn.Parameter(stored.detach()[rows].clone(), requires_grad=False)
+
+
+def _held(total: int, index: int, size: int) -> slice:
+    """The experts process `index` of `size` holds, of `total`."""
+    if total % size:
+        raise UserError(f"distributed.expert_parallel: {size} does not divide the model's {total} experts; choose a divisor")
+    return slice(index * total // size, (index + 1) * total // size)
+
+
 @contextmanager
 def shaped_for_peft(model: torch.nn.Module):
     """peft reads a fused expert weight's shape (and dtype: it casts the new LoRA to it) to make its LoRA: each stack
     quantized as it loaded is, meanwhile, a placeholder of its own shape in the model's dtype as loaded (one value,
-    repeated: no memory), then its codes again."""
+    repeated: no memory), then its codes again. A stack split over processes (expert parallelism) is one of all the
+    experts' shape: the adapter is every expert's, on every process."""
     swapped, dtype = [], model.get_input_embeddings().weight.dtype
     for module in model.modules():
-        for name, shape in module.__dict__.get(nf4.SHAPES, {}).items():
-            stored = getattr(module, name, None)
-            if stored is not None and stored.dim() == 2 and len(shape) == 3:
-                setattr(module, name, torch.nn.Parameter(torch.zeros((), dtype=dtype, device=stored.device).expand(shape), requires_grad=False))
+        shapes = module.__dict__.get(nf4.SHAPES, {})
+        for name, stored in list(module.named_parameters(recurse=False)) if is_experts(module) else []:
+            shape = shapes.get(name, tuple(stored.shape)) if stored.dim() == 2 else tuple(stored.shape)
+            if len(shape) == 3 and (stored.dim() == 2 or shape[0] != module.num_experts):
+                whole = (module.num_experts, *shape[1:])
+                held = stored.dtype if stored.dim() == 3 else dtype
+                setattr(module, name, torch.nn.Parameter(torch.zeros((), dtype=held, device=stored.device).expand(whole), requires_grad=False))
                 swapped.append((module, name, stored))
     try:
         yield

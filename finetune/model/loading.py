@@ -183,7 +183,7 @@ def auto_class(config):
 
 
 def load_model(cfg: ModelConfig, device: torch.device | str = "cpu", skeleton: str | None = None, say=print, head: str = "causal",
-               experts_as_loaded: bool = False):
+               experts_as_loaded: bool = False, expert_share: tuple[int, int] | None = None):
     """The base model. A quantized base is placed on `device` while loading (bitsandbytes quantizes
     as it places); a plain one is moved later by accelerate.
 
@@ -195,7 +195,8 @@ def load_model(cfg: ModelConfig, device: torch.device | str = "cpu", skeleton: s
     label, its score head initialized as transformers does).
     experts_as_loaded: a quantized base's fused expert stacks quantized as they load (experts.quantized_as_loaded), not
     once the adapter is on; the whole model in one process only (a ZeRO-3 base is partitioned as it loads; FSDP2 quantizes
-    each layer in blocks its processes split)."""
+    each layer in blocks its processes split). expert_share (index, size): only this process's share of each expert stack
+    kept as it loads (expert parallelism), then quantized where the base is."""
     config = model_config(cfg)
     if head == "score":
         return _reward_model(cfg, config)
@@ -219,10 +220,10 @@ def load_model(cfg: ModelConfig, device: torch.device | str = "cpu", skeleton: s
         extra = {"quantization_config": quantization_config(cfg, partitioned, vision.is_vision(config.to_dict()))}
         if not partitioned:  # ZeRO-3 places the weights itself: no device_map
             extra["device_map"] = {"": str(device)}
-    as_loaded = experts_as_loaded and q is not None and not partitioned
+    as_loaded = (experts_as_loaded and q is not None and not partitioned) or expert_share is not None
     try:
         with _weights_read_on_demand(cfg, config) as (cls, name, state), \
-                experts.quantized_as_loaded(DTYPES[q.compute_dtype], q.bits) if as_loaded else nullcontext():
+                experts.quantized_as_loaded(q and DTYPES[q.compute_dtype], q and q.bits, expert_share) if as_loaded else nullcontext():
             model = cls.from_pretrained(
                 name,
                 config=config,

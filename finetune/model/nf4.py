@@ -115,6 +115,17 @@ def to_nf4(weight: torch.Tensor, shards: int = 1) -> torch.Tensor:
 CHUNK = 1 << 22  # weights quantized at a time
 
 
+def share(weight: torch.Tensor, index: int, size: int) -> torch.Tensor:
+    """Rows index/size of an NF4 weight quantized in blocks `size` processes split (to_nf4's shards): torchao's own chunk
+    of it, its codes and scales copied out so that the whole weight's are freed."""
+    from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import NF4Tensor, SubclassTensorArgs
+
+    part = torch.chunk(weight, size)[index]
+    meta = SubclassTensorArgs(part.size(), part.stride(), 0, part.dtype, part.device, False)
+    return NF4Tensor(meta, part.block_size, part.n_blocks, part.scaler_block_size, part.quantized_scalers.clone(),
+                     part.quantization_factor.clone(), part.scaler_mean, part.quantized_data.clone(), part.nf4)
+
+
 def quantizing_bytes(numel: int, dtype_bytes: int) -> float:
     """What `to_nf4` holds beside a weight of `numel` values while it quantizes it: the codes with their scales, and a
     chunk's copies (its absmax and scaled values, its one-byte codes, and the distances to the 16 levels torchao's nearest

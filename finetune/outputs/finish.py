@@ -35,7 +35,8 @@ def finish(state: RunState) -> RunResult:
     accelerator.wait_for_everyone()
     unwrapped = engine.unwrap()
     summary["param_numel_per_rank"] = accelerator.gather(torch.tensor([local_numel(engine.model, engine.params)], device=accelerator.device)).tolist()
-    if nf4.used(cfg.model):  # the 4-bit codes and scales each rank holds: its shards of them under fsdp
+    if cfg.model.quantization is not None and cfg.model.quantization.bits == 4:  # the NF4 codes and scales each rank holds (torchao's
+        # weights, any 4-bit base's expert stacks): its shards of them under fsdp, its experts' under expert parallelism
         summary["nf4_bytes_per_rank"] = accelerator.gather(torch.tensor([nf4.packed_bytes(engine.model)], device=accelerator.device)).tolist()
     summary["replicas_identical"] = replicas_identical(engine.params, accelerator) if engine.replicated else None
     # Sharded weights are gathered into one ordinary state dict (all ranks take part), saved by rank 0.

@@ -53,6 +53,7 @@ class Setup:
     sequence_parallel: int = 1  # distributed.sequence_parallel: processes sharing each row
     tensor_parallel: int = 1  # distributed.tensor_parallel: processes splitting each layer (of `devices`)
     tiled_mlp: int = 1  # model.tiled_mlp: chunks each MLP runs over
+    expert_parallel: int = 1  # distributed.expert_parallel: processes splitting each layer's frozen experts
     accelerator: bool = False  # planned for GPUs (make_plan's gpu): the attention kernels chosen there
 
     @property
@@ -89,7 +90,7 @@ def setup_from_config(cfg: RunConfig, devices: int, strategy: str | None = None)
         checkpointing=cfg.train.gradient_checkpointing, devices=devices,
         strategy=Strategy.of(strategy or cfg.distributed.strategy, devices).name,  # one process runs unsharded
         fsdp_cpu_offload=cfg.distributed.fsdp_cpu_offload, sequence_parallel=cfg.distributed.sequence_parallel, tiled_mlp=cfg.model.tiled_mlp,
-        tensor_parallel=cfg.distributed.tensor_parallel,
+        tensor_parallel=cfg.distributed.tensor_parallel, expert_parallel=cfg.distributed.expert_parallel,
     )
 
 
@@ -195,7 +196,9 @@ def vision_rows(v: VisionShape, cfg: RunConfig, s: Setup) -> tuple[float, float]
 
 def base_weights(shape: Shape, q: QuantizationConfig | None, s: Setup) -> float:
     """A frozen base's weights, quantized by `q` (the rest in the model's dtype: model/loading.py leaves it as loaded) or
-    all in the model's dtype, with its buffers."""
+    all in the model's dtype, with its buffers; under expert parallelism this process's share of the experts."""
+    if s.expert_parallel > 1:
+        shape = replace(shape, linears=tuple(replace(l, copies=l.copies // s.expert_parallel) if l.expert else l for l in shape.linears))
     if q is None:
         return (shape.linear_params + shape.other_params) * s.weight_bytes + shape.buffers(s.weight_bytes)
     packed = shape.quantized_params(q.bits)
@@ -721,6 +724,7 @@ def render(plan: Plan, budget: float, where: str, alts: list[tuple[str, Plan]]) 
         f"checkpointing {'on' if s.checkpointing else 'off'}, strategy {s.strategy} over {s.devices} device(s)"
         + (f", each row over {s.sequence_parallel} of them (sequence parallel)" if s.sequence_parallel > 1 else "")
         + (f", each layer split over {s.tensor_parallel} of them (tensor parallel)" if s.tensor_parallel > 1 else "")
+        + (f", each layer's experts split over {s.expert_parallel} of them (expert parallel)" if s.expert_parallel > 1 else "")
         + (f", MLPs tiled x{s.tiled_mlp}" if s.tiled_mlp > 1 else ""),
         "",
         f"per device, at the step's peak ({plan.moment}):",

@@ -27,7 +27,7 @@ distillation's (the teacher sharded as the policy, its forward and the divergenc
 expert taking an equal share of the routed tokens; tensor parallelism's split layers on the 2-D mesh.
 Not simulated, each refused in one line: ZeRO (DeepSpeed's engine does not run on fake tensors: bench/scale.py checks
 the plan against DeepSpeed's own estimator), a bitsandbytes base (its kernels take no fake tensors), sequence
-parallelism, GRPO's environment episodes, and distillation's on-policy, sequence-level, cross-tokenizer or
+parallelism, expert parallelism, GRPO's environment episodes, and distillation's on-policy, sequence-level, cross-tokenizer or
 quantized-teacher variants. GRPO's sampling (its key/value cache, a moment of the plan's) is not simulated: the step is.
 A reward model's step (its score head) is refused too. Loading (the plan's `loading:` line)
 is not simulated either: the simulation starts from the model as placed.
@@ -102,6 +102,8 @@ def refusal(cfg: RunConfig, devices: int) -> str | None:
                 "(FSDP's auto) to simulate a 4-bit base")
     if cfg.distributed.sequence_parallel > 1:
         return "sequence parallelism is not simulated yet"
+    if cfg.distributed.expert_parallel > 1:
+        return "expert parallelism is not simulated (its all-to-alls are planned: finetune plan --bandwidth)"
     if cfg.train.objective == "reward":
         return "a reward model's step (its score head) is not simulated"
     if cfg.train.objective == "grpo" and cfg.grpo.environment:

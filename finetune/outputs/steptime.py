@@ -21,7 +21,7 @@ class StepTime:
     comm_bytes: float  # sent per device per step
     comm_s: float
     experts_gathered: float = 0.0  # of comm_bytes, the experts' weights gathered (FSDP/ZeRO-3 over a mixture of experts)
-    all_to_all: float = 0.0  # what expert parallelism over the devices would send instead: the routed tokens (not built)
+    all_to_all: float = 0.0  # what expert parallelism over the devices would send instead: the routed tokens
 
     @property
     def overlapped_s(self) -> float:
@@ -82,6 +82,8 @@ def step_time(cfg: RunConfig, s: Setup, tflops: float, mfu: float, bandwidth: fl
         style = list(styles(shape.config).values())
         per_layer = style.count("rowwise") * (2 if s.checkpointing else 1) + style.count("colwise")
         sent += 2 * (t - 1) / t * tokens * shape.hidden * s.activation_bytes * per_layer * shape.layers
+    if s.expert_parallel > 1:  # the routed tokens to their experts' processes and back
+        sent += routed_exchange(shape, s, tokens, s.expert_parallel)
     experts_gathered, all_to_all = expert_traffic(shape, cfg, s, tokens) if s.shards_weights and d > 1 else (0.0, 0.0)
     # a tensor-parallel group computes its rows together: each device's share of the tokens is 1/t of them
     return StepTime(flops, tokens // t, tokens * flops / (tflops * 1e12 * mfu), sent, sent / bandwidth if bandwidth else 0.0, experts_gathered, all_to_all)
@@ -100,9 +102,16 @@ def expert_traffic(shape, cfg: RunConfig, s: Setup, tokens: int) -> tuple[float,
     params = sum(layer.params for layer in routed)
     held = params * (0.5 + 1 / BNB_BLOCK) if s.bits == 4 else params * s.weight_bytes  # 8-bit bases keep the experts as loaded
     gathered = share * 2 * held * cfg.train.grad_accum
-    copies = routed[0].active  # routed copies of a token over all layers (top-k x the routed layers)
+    return gathered, routed_exchange(shape, s, tokens, s.devices)
+
+
+def routed_exchange(shape, s: Setup, tokens: int, size: int) -> float:
+    """The bytes a device sends with the experts spread over `size` devices (distributed.expert_parallel): each routed copy of
+    a token to its expert's device and its output back, in the activations' dtype, in the forward, the backward and the
+    checkpointed forward again, (size-1)/size of them leaving the device under balanced routing."""
+    copies = next((layer.active for layer in shape.linears if layer.expert), 0)  # routed copies of a token over all layers (top-k x the routed layers)
     passes = 2 + (1 if s.checkpointing else 0)
-    return gathered, share * tokens * copies * shape.hidden * s.activation_bytes * 2 * passes
+    return (size - 1) / size * tokens * copies * shape.hidden * s.activation_bytes * 2 * passes
 
 
 def render_time(t: StepTime, tflops: float, mfu: float, bandwidth: float) -> str:
@@ -112,4 +121,4 @@ def render_time(t: StepTime, tflops: float, mfu: float, bandwidth: float) -> str
             + f"; step {t.overlapped_s:.2f} s overlapped ({t.compute_s + t.comm_s:.2f} s if not), "
             f"{t.tokens / t.overlapped_s:,.0f} tokens/s per device"
             + (f"\nexperts: {t.experts_gathered / 1e9:.1f} GB of that communication gathers the experts' weights; expert parallelism "
-               f"(not built) would send {t.all_to_all / 1e9:.1f} GB of routed tokens instead" if t.experts_gathered else ""))
+               f"(distributed.expert_parallel, under ddp) would send {t.all_to_all / 1e9:.1f} GB of routed tokens instead" if t.experts_gathered else ""))

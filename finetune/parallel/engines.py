@@ -37,8 +37,10 @@ from finetune.checkpoint.checkpointers import Checkpointer, DcpCheckpointer, Dee
 from finetune.config.schema import ModelConfig, RunConfig
 from finetune.config.strategy import Strategy
 from finetune.model import nf4
+from finetune.model.configs import model_config
 from finetune.model.loading import load_model, quantize_layers
 from finetune.model.teacher import frozen, merged
+from finetune.parallel import expert_parallel
 from finetune.parallel.distributed import clip_sharded, full_state_dict, gathered_trainable_state, init_deepspeed, shard_fsdp2, stream_source, zero3_loading
 from finetune.parallel.optim import build_optimizer, build_scheduler, loraplus_params
 
@@ -63,14 +65,21 @@ class Engine:
     def load(self, model_cfg: ModelConfig, say, policy: bool = False) -> torch.nn.Module:
         """The base as loaded (policy: the model trained, whose quantized expert stacks are quantized as they load: not a
         reference or teacher, which has an adapter merged into it first)."""
+        size = self.cfg.distributed.expert_parallel
+        if policy and size > 1:
+            expert_parallel.check(model_config(model_cfg).to_dict(), size)
         return load_model(model_cfg, self.accelerator.device, say=say, head="score" if self.cfg.train.objective == "reward" else "causal",
-                          experts_as_loaded=policy)
+                          experts_as_loaded=policy, expert_share=(self.rank % size, size) if policy and size > 1 else None)
 
     def prepare(self, model: torch.nn.Module, total_steps: int) -> None:
         """Wrap the model, then build the optimizer on what this rank holds, and the LR schedule on that
         optimizer before any wrapper (it then drives the groups a wrapper holds too)."""
+        split = expert_parallel.split(model, self.cfg.distributed.expert_parallel, self.rank, self.world) if self.cfg.distributed.expert_parallel > 1 else []
         if nf4.after_adapter(self.cfg.model):  # before accelerate places it: the device only ever holds the 4-bit weights
             quantize_layers(model, self.cfg.model)
+        # DDP broadcasts rank 0's weights at the start: not each process's share of the experts, nor NF4 weights (its copy
+        # into one quantizes the values again: other codes), which every process loaded and quantized the same
+        model._ddp_params_and_buffers_to_ignore = split + [name for name, p in model.named_parameters() if nf4.is_nf4(p)]
         self.model = self.accelerator.prepare(model)
         self.params = trained(self.model)
         optimizer = build_optimizer(self.params, self.cfg.train, fast=loraplus_params(self.model, self.cfg.train))

@@ -123,6 +123,9 @@ def say_model(state: RunState, model) -> None:
     if "unquantized" in info:
         stacks = f" and {info['expert_modules']} experts modules' weight stacks" if info["expert_modules"] else ""
         state.say(f"quantized: {info['quantized_linears']} linear layers{stacks}; kept in {info['unquantized_dtype']}: {info['unquantized']}")
+    if cfg.distributed.expert_parallel > 1:
+        state.say(f"experts: each process holds 1/{cfg.distributed.expert_parallel} of every layer's (expert parallelism: the routed "
+                  "tokens go to their expert's process and back), the adapter's LoRA of all of them")
     data_world, sp = state.row_share.data_world(world), state.row_share
     shared = f" (of {world}: {sp.size} share each row" + ("" if sp.cut else ", each holding a share of the weights") + ")" if sp.size > 1 else ""
     state.say(

@@ -76,12 +76,13 @@ def model_json(cfg: RunConfig, warn=None) -> dict:
 
 def check_long_context(cfg: RunConfig, launched: bool, config: dict | None = None) -> None:
     """distributed.sequence_parallel against the model's heads and, once
-    launched (train, or validate under a launcher), the process count (tensor_parallel's too); both it and model.tiled_mlp need DeepSpeed."""
+    launched (train, or validate under a launcher), the process count (tensor_parallel's and expert_parallel's too); both it and
+    model.tiled_mlp need DeepSpeed."""
     from finetune.config.strategy import Strategy
     from finetune.parallel import sequence_parallel
 
     size, world = cfg.distributed.sequence_parallel, int(os.environ.get("WORLD_SIZE", "1"))
-    for key in ("tensor_parallel", "sequence_parallel") if launched else ():
+    for key in ("tensor_parallel", "sequence_parallel", "expert_parallel") if launched else ():
         check_group(key, getattr(cfg.distributed, key), world)
     if cfg.model.tiled_mlp > 1:
         if importlib.util.find_spec("deepspeed") is None:

@@ -1,0 +1,68 @@
+"""Expert parallelism: each mixture-of-experts layer's frozen base experts split over `distributed.expert_parallel`
+processes (consecutive ranks), the routed tokens sent to the process that holds their expert.
+
+Under DDP every process would hold every expert stack; with expert parallelism over N, each holds num_experts / N of
+them: each stack is sliced as transformers loads it, then quantized where the base is (a 4-bit or 8-bit base quantizes
+only its share, its scales over that share), so no process ever holds the others' experts. The forward
+(model/experts.py `routed_apart`) sends each routed copy of a token to its expert's process with torch's all-to-all,
+computes there, and sends the outputs back; the all-to-all's backward sends the gradients the other way, so each
+process's experts see every process's tokens.
+
+The adapter is left whole on every process: peft builds the experts' LoRA for all of them (the saved adapter is one
+process's), a process computes the LoRA of its own experts only, and DDP's all-reduce of the LoRA's gradients (zero
+for the experts a process does not hold) gives every process the whole gradient, as without the split. DDP does
+not broadcast the split stacks (each process's are its own); the all-to-alls run in a process group of their own,
+apart from DDP's."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from finetune.config.errors import UserError
+from finetune.model import experts, families
+
+
+def check(config: dict, size: int) -> None:
+    """Refuse, in one line, a split the model does not allow (before its weights are read; the process count is
+    preflight's check_group)."""
+    total = families.num_experts(config)
+    why = ("the model has no experts to split (not a mixture of experts)" if not total
+           else f"{size} does not divide the model's {total} experts" if total % size else None)
+    if why:
+        raise UserError(f"distributed.expert_parallel: {size}: {why}; set it to a divisor, or to 1")
+
+
+def split(model: torch.nn.Module, size: int, rank: int, world: int) -> list[str]:
+    """Mark every fused experts module as split (its stacks hold this process's share since they loaded:
+    loading.load_model's expert_share) and keep its biases' share; returns the names of the parameters split, which DDP
+    must leave alone."""
+    group, index = _group(size, world, rank)
+    named, names = experts.named_fused_experts(model), []
+    if not named:
+        raise UserError("distributed.expert_parallel: the model's experts are not fused 3-D stacks (transformers' experts "
+                        "modules) to split; set it to 1")
+    for name, module in named:
+        total = module.num_experts
+        count = total // size
+        first = index * count
+        for key, param in list(module.named_parameters(recurse=False)):
+            if param.dim() == 2 and not experts.quantized(param) and param.shape[0] == total:  # biases (E, d): the stacks split as they loaded
+                setattr(module, key, torch.nn.Parameter(param.detach()[first:first + count].clone(), requires_grad=False))
+            elif param.dim() == 3 and param.shape[0] != count:
+                raise UserError(f"distributed.expert_parallel: {name}.{key} holds {param.shape[0]} experts, not this process's {count}")
+            names.append(f"{name}.{key}")
+        module.__dict__[experts.SPLIT] = experts.Split(group, size, first, count)
+    return names
+
+
+def _group(size: int, world: int, rank: int):
+    """This process's group of `size` consecutive ranks and its place in it. Every process makes every group (torch's
+    new_group is collective); a group of its own even where it is the whole world, so that the all-to-alls never
+    interleave with DDP's all-reduces in one queue."""
+    mine = None
+    for start in range(0, world, size):
+        group = dist.new_group(list(range(start, start + size)))
+        if start <= rank < start + size:
+            mine = (group, rank - start)
+    return mine
