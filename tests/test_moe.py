@@ -602,3 +602,17 @@ def test_experts_split_over_processes_are_refused_in_one_line_where_the_model_do
                         ({"model_type": "qwen3_moe", "num_experts": 6}, "4: 4 does not divide the model's 6 experts")):
         with pytest.raises(UserError, match=f"distributed.expert_parallel: {why}"):
             expert_parallel.check(config, 4 if "6" in why else 2)
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_experts_split_over_four_processes_train_as_ddp_does(tmp_path, family_dirs, trained, size):
+    """Four processes with the experts over 2 (two groups: ranks 0-1 and 2-3, each holding all experts between them) or
+    over all 4 (one expert each): DDP's losses over the same 4 holding every expert (1e-5)."""
+    from conftest import train_strategy
+
+    model = family_dirs("qwen3-moe", moe_intermediate_size=128)
+    _, whole, _ = trained(model, "lora", 4, "ddp", adapter={"dropout": 0.0})
+    split, apart, _ = train_strategy(tmp_path, "split", model, "lora", 4, "ddp", adapter={"dropout": 0.0},
+                                     distributed={"strategy": "ddp", "expert_parallel": size})
+    assert apart == pytest.approx(whole, rel=1e-5, abs=1e-6), (whole, apart)
+    assert f"experts: each process holds 1/{size} of every layer's" in (split / "console.log").read_text()
