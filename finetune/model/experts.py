@@ -486,8 +486,8 @@ def quantized_as_loaded(dtype: torch.dtype, bits: int | None, share: tuple[int, 
     parameter-registration hook: the process holds a stack or two of the experts in the model's dtype at a time, not all of
     them (where they would be quantized once the adapter is on: a 4-bit base on one GPU held them all there in bf16). The
     model's experts then run grouped (`group`); the adapter sees their own shapes (shaped_for_peft). share (index, size):
-    expert parallelism's (parallel/expert_parallel.py), only this process's share of each stack kept, then quantized
-    (bits None: kept as loaded)."""
+    expert parallelism's (parallel/expert_parallel.py), only this process's share of each stack kept: quantized whole in
+    blocks the processes split, then its share of the codes (the codes one process holds), or its share as loaded (bits None)."""
     def quantized_stack(module, name, param):
         if param is None or param.dim() != 3 or param.device.type == "meta" or not is_experts(module):
             return None
@@ -521,9 +521,7 @@ def _codes_share(module: torch.nn.Module, name: str, stored: torch.nn.Parameter,
 
 
 def _held(total: int, index: int, size: int) -> slice:
-    """The experts process `index` of `size` holds, of `total`."""
-    if total % size:
-        raise UserError(f"distributed.expert_parallel: {size} does not divide the model's {total} experts; choose a divisor")
+    """The experts process `index` of `size` holds, of `total` (a multiple of `size`: expert_parallel.check)."""
     return slice(index * total // size, (index + 1) * total // size)
 
 

@@ -95,8 +95,8 @@ def quantize_frozen_linears(module: torch.nn.Module, dtype: torch.dtype, skip: l
 def to_nf4(weight: torch.Tensor, shards: int = 1) -> torch.Tensor:
     """torchao's `to_nf4` of a 2-D weight in blocks `shards` processes can split, bit for bit, made CHUNK values at a time
     with torchao's own steps: each block's absmax and its 4-bit codes depend on that block alone, and the absmax values'
-    double quantization (one mean over all of them) runs once on the whole vector of them. torchao's own call holds 3.7
-    times the weight's bytes while it quantizes (docs/platform-notes.md); this one the codes and a chunk's copies."""
+    double quantization (one mean over all of them) runs once on the whole vector of them. torchao's own call holds a few
+    times the weight's bytes beside it while it quantizes; this one the codes and a chunk's copies (bench/results/moe.md)."""
     from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import NF4Tensor, SubclassTensorArgs, get_block_absmax
 
     flat, size = weight.detach().reshape(-1), scaler_block(weight.numel(), shards)
@@ -129,7 +129,7 @@ def share(weight: torch.Tensor, index: int, size: int) -> torch.Tensor:
 def quantizing_bytes(numel: int, dtype_bytes: int) -> float:
     """What `to_nf4` holds beside a weight of `numel` values while it quantizes it: the codes with their scales, and a
     chunk's copies (its absmax and scaled values, its one-byte codes, and the distances to the 16 levels torchao's nearest
-    step takes for 2**20 values at a time). 128M weights: 142 MiB in bf16, 219 in fp32 (docs/platform-notes.md)."""
+    step takes for 2**20 values at a time), as measured for a 128M-weight tensor (bench/results/moe.md)."""
     return numel * (0.5 + dtype_bytes / BLOCK) + CHUNK * (2 * dtype_bytes + 1) + 2 * 16 * 2**20 * dtype_bytes
 
 

@@ -2,8 +2,9 @@
 processes (consecutive ranks), the routed tokens sent to the process that holds their expert.
 
 Under DDP every process would hold every expert stack; with expert parallelism over N, each holds num_experts / N of
-them: each stack is sliced as transformers loads it, then quantized where the base is (a 4-bit or 8-bit base quantizes
-only its share, its scales over that share), so no process ever holds the others' experts. The forward
+them: each stack is sliced as transformers loads it (a 4-bit or 8-bit base quantizes the whole stack in blocks the
+processes split and keeps its share of the codes: those one process would hold), so a process holds the others' experts
+only one stack at a time, while it loads. The forward
 (model/experts.py `routed_apart`) sends each routed copy of a token to its expert's process with torch's all-to-all,
 computes there, and sends the outputs back; the all-to-all's backward sends the gradients the other way, so each
 process's experts see every process's tokens.
