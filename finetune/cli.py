@@ -21,7 +21,8 @@ from finetune.config.strategy import NAMES as STRATEGIES
 # Flags that are shorthands for schema keys (they are applied as --set overrides, after the file).
 SHORTHANDS = {"output_dir": "train.output_dir", "max_steps": "train.max_steps", "model": "model.name_or_path",
               "overfit_batch": "train.overfit_batch", "save_every": "checkpoint.save_every", "resume": "checkpoint.resume",
-              "seq_len": "data.max_seq_len", "sequence_parallel": "distributed.sequence_parallel", "tensor_parallel": "distributed.tensor_parallel"}
+              "seq_len": "data.max_seq_len", "sequence_parallel": "distributed.sequence_parallel", "tensor_parallel": "distributed.tensor_parallel",
+              "expert_parallel": "distributed.expert_parallel"}
 
 
 def _run_options(p: argparse.ArgumentParser) -> None:
@@ -192,6 +193,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="each row's tokens over N of the --gpus devices (same as --set distributed.sequence_parallel=N)")
     p.add_argument("--tensor-parallel", type=_number(int, 1, "at least 1"), metavar="N",
                    help="each decoder layer split over N of the --gpus devices, FSDP over the rest (same as --set distributed.tensor_parallel=N)")
+    p.add_argument("--expert-parallel", type=_number(int, 1, "at least 1"), metavar="N",
+                   help="each mixture-of-experts layer's experts split over N of the --gpus devices, under ddp "
+                        "(same as --set distributed.expert_parallel=N)")
     p.add_argument("--strategy", choices=STRATEGIES, default=None,
                    help="as distributed.strategy (default: the config's): none/ddp: every device holds the whole model; fsdp: "
                         "weights, gradients and optimizer split over devices; zero2 (DeepSpeed): gradients and optimizer split; "
@@ -317,9 +321,14 @@ def plan(args: argparse.Namespace) -> None:
     cfg = resolve_config(args, check_paths=False)  # a plan reads the model's shape alone
     gpu = args.gpu_mem is not None or __import__("torch").cuda.is_available()
     budget, where = (plan.parse_size(args.gpu_mem, "--gpu-mem"), "GPU") if args.gpu_mem else plan.available_memory()
-    for flag, size in (("--sequence-parallel", cfg.distributed.sequence_parallel), ("--tensor-parallel", cfg.distributed.tensor_parallel)):
+    d = cfg.distributed
+    for flag, size in (("--sequence-parallel", d.sequence_parallel), ("--tensor-parallel", d.tensor_parallel), ("--expert-parallel", d.expert_parallel)):
         if args.gpus % size:
             raise UserError(f"{flag} {size}: does not divide --gpus {args.gpus}")
+    if d.expert_parallel > 1:
+        from finetune.parallel import expert_parallel
+
+        expert_parallel.check(preflight.model_json(cfg), d.expert_parallel)
     preflight.check_long_context(cfg, launched=False)  # the model's heads against the sequence-parallel size
     result = plan.checked_plan(cfg, devices=args.gpus, strategy=args.strategy, gpu=gpu)
     print(plan.render(result, budget, where, plan.alternatives(cfg, result, gpu)))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from conftest import DEMO_DATA, REPO, base_config, finetune_cli, run_cli, run_ranks, write_config
@@ -253,6 +254,32 @@ def test_a_base_whose_experts_are_quantized_as_they_load_is_planned_while_it_loa
     fsdp = ["--gpus", "8", "--strategy", "fsdp", "--set", "model.quantization.backend=torchao", "--set", "train.optimizer=adamw"]
     out = finetune_cli(capsys, *args, "--gpu-mem", "40GiB", *fsdp).stdout
     assert "loading:" not in out and "-> fits" in out, out
+
+
+def test_a_plan_with_the_experts_split_over_the_gpus_holds_their_share(capsys):
+    """`finetune plan --expert-parallel 8` (DDP) on Qwen3-30B-A3B's shape: each GPU holds an eighth of the experts' 4-bit
+    codes beside the whole dense part, and sends the routed tokens (the all-to-alls) beside the adapter's all-reduce; a
+    dense model, or a count that does not divide the GPUs, is refused in one line."""
+    args = ["plan", "--config", "configs/qlora.yaml", "--model", "docs/examples/qwen3-30b-a3b", "--seq-len", "4096", "--gpus", "8",
+            "--gpu-mem", "80GiB", "--set", "train.micro_batch_size=1", "--tflops", "989", "--bandwidth", "400GB"]
+    whole, split = (finetune_cli(capsys, *args, *extra) for extra in ((), ("--expert-parallel", "8")))
+    assert whole.returncode == split.returncode == 0, split.stderr
+    assert "each layer's experts split over 8 of them (expert parallel)" in split.stdout
+
+    def gib(out: str, row: str) -> float:
+        return float(re.search(rf"\| {row} +\| +([\d.]+) \|", out).group(1))
+
+    def sent(out: str) -> float:
+        return float(re.search(r"communication ([\d.]+) GB per device", out).group(1))
+
+    experts = 48 * 128 * 3 * 2048 * 768 * (0.5 + 1 / 64 + 4 / (64 * 256)) / GiB  # the 4-bit stacks, as base_weights counts them
+    assert gib(whole.stdout, "weights") - gib(split.stdout, "weights") == pytest.approx(experts * 7 / 8, abs=0.02)
+    routed = 7 / 8 * 2 * 4096 * 48 * 8 * 2048 * 2 * 2 * 3 / 1e9  # a step's 2 micro-batches' routed copies there and back, 3 passes
+    assert sent(split.stdout) - sent(whole.stdout) == pytest.approx(routed, abs=0.2)
+    dense = finetune_cli(capsys, "plan", "--config", "configs/qlora.yaml", "--model", "docs/examples/llama-3.1-8b", "--gpus", "8", "--expert-parallel", "8")
+    assert dense.returncode == 2 and "distributed.expert_parallel: 8: the model has no experts to split" in dense.stderr
+    odd = finetune_cli(capsys, *args[:5], "--gpus", "6", "--expert-parallel", "4")
+    assert odd.returncode == 2 and "--expert-parallel 4: does not divide --gpus 6" in odd.stderr
 
 
 def test_plan_of_long_rows_splits_them_over_devices_and_tiles_the_mlp(capsys):

@@ -28,10 +28,10 @@ def check(config: dict, size: int) -> None:
     """Refuse, in one line, a split the model does not allow (before its weights are read; the process count is
     preflight's check_group)."""
     total = families.num_experts(config)
-    why = ("the model has no experts to split (not a mixture of experts)" if not total
-           else f"{size} does not divide the model's {total} experts" if total % size else None)
-    if why:
-        raise UserError(f"distributed.expert_parallel: {size}: {why}; set it to a divisor, or to 1")
+    if not total:
+        raise UserError(f"distributed.expert_parallel: {size}: the model has no experts to split (not a mixture of experts); set it to 1")
+    if total % size:
+        raise UserError(f"distributed.expert_parallel: {size}: {size} does not divide the model's {total} experts; set it to a divisor, or to 1")
 
 
 def split(model: torch.nn.Module, size: int, rank: int, world: int) -> list[str]:
