@@ -116,7 +116,7 @@ def grouped_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor
         offsets = torch.tensor(ends, dtype=torch.int32, device=hidden_states.device)
     else:
         offsets = torch.cumsum(torch.bincount(expert_ids, minlength=self.num_experts), dim=0, dtype=torch.int32)
-        ends = offsets.tolist() if any(quantized(w) for w in self.parameters(recurse=False)) else None  # one host sync, quantized stacks only
+        ends = offsets.tolist() if holds_quantized(self) else None  # one host sync, quantized stacks only
     first = "gate_up_proj" if self.has_gate else "up_proj"
     if getattr(self, first).requires_grad:  # full fine-tuning: autograd's gather, and grouped_mm's weight gradient
         up = project(self, first, hidden_states[rows], offsets, ends, expert_ids)
@@ -134,7 +134,7 @@ def grouped_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor
         out = self.post_expert_norm(out)
     if not folded:
         out = out * weights.to(out.dtype)
-    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(len(order), device=order.device))
+    inverse = _inverse(order)
     return Combined.apply(out, inverse, rows, tokens).to(hidden_states.dtype)
 
 
@@ -160,7 +160,7 @@ def routed_apart(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, t
     dist.all_to_all_single(here, expert_ids - owner * split.count, got, sent, group=split.group)
     local, regroup = torch.sort(here, stable=True)  # what came, from each process sorted by expert: sorted by expert again
     offsets = torch.cumsum(torch.bincount(local, minlength=split.count), dim=0, dtype=torch.int32)
-    ends = offsets.tolist() if any(quantized(w) for w in self.parameters(recurse=False)) else None
+    ends = offsets.tolist() if holds_quantized(self) else None
     x = exchanged(hidden_states[rows])[regroup]
     weights = top_k_weights.reshape(-1)[order].unsqueeze(-1)
     folded = folds_routing(self)
@@ -171,11 +171,21 @@ def routed_apart(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, t
     out = project(self, "down_proj", up * weights.to(up.dtype) if folded else up, offsets, ends, local)
     if self.has_post_expert_norm:
         out = self.post_expert_norm(out)
-    out = exchanged(out[torch.empty_like(regroup).scatter_(0, regroup, torch.arange(len(regroup), device=regroup.device))], back=True)
+    out = exchanged(out[_inverse(regroup)], back=True)
     if not folded:
         out = out * weights.to(out.dtype)
-    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(len(order), device=order.device))
+    inverse = _inverse(order)
     return Combined.apply(out, inverse, rows, tokens).to(hidden_states.dtype)
+
+
+def _inverse(order: torch.Tensor) -> torch.Tensor:
+    """The permutation that undoes `order` (where each element of the original went)."""
+    return torch.empty_like(order).scatter_(0, order, torch.arange(len(order), device=order.device))
+
+
+def holds_quantized(experts: torch.nn.Module) -> bool:
+    """Whether any of the module's stacks is stored quantized (its chunked dequantization needs the groups' ends as numbers)."""
+    return any(quantized(w) for w in experts.parameters(recurse=False))
 
 
 class Combined(torch.autograd.Function):
