@@ -43,7 +43,7 @@ SHAPES = {
     "llama-3.2-1b": "llama3", "llama-3.2-3b": "llama3", "llama-3.1-8b": "llama3",
     "qwen2.5-0.5b": "qwen3", "qwen2.5-7b": "qwen3", "qwen3-0.6b": "qwen3", "qwen3-8b": "qwen3", "qwen3-30b-a3b": "qwen3",
     "gemma-3-1b": "gemma3", "gemma-3-4b": "gemma3",
-    "gpt-oss-20b": "gptoss",
+    "gpt-oss-20b": "gptoss", "qwen3.5-27b": "qwen3",  # Qwen3.5's text side (npm has no Qwen3.5 tokenizer: Qwen3's)
     "mistral-7b-v0.3": "llama2", "phi-3-mini-4k": "llama2", "smollm2-1.7b": "llama2",
 }
 
@@ -150,7 +150,8 @@ def model_config(name: str, **changes):
     """A released model's config (docs/examples/NAME), scaled down, with `changes`: a transformers config."""
     from transformers import AutoConfig
 
-    values = scaled(released_config(name))
+    released = released_config(name)
+    values = scaled(released.get("text_config") or released)  # a vision-language release: its language model
     values.update(changes)
     kind = values.pop("model_type")
     return AutoConfig.for_model(kind, **{k: v for k, v in values.items() if not k.startswith("_") and k not in ("architectures", "transformers_version")})

@@ -31,6 +31,7 @@ CASES = [("llama-3.2-1b", "f16", LLAMA3_ROPE), ("qwen2.5-0.5b", "f16", {}), ("qw
                                                                             original_max_position_embeddings=16))),
          ("deepseek-v3", "f16", {**LLAMA3, **LATENT, "q_lora_rank": None, "rope_interleave": False,
                                  "rope_parameters": {"rope_type": "default", "rope_theta": 5e4}}),
+         ("qwen3.5-27b", "f16", {}),
          ("glm-4.5-air", "f16", dict(LLAMA3, n_routed_experts=16, num_experts_per_tok=4, moe_intermediate_size=32, head_dim=16, use_qk_norm=True,
                                      pad_token_id=None, eos_token_id=128009))]
 LLAMA_CPP = importlib.util.find_spec("llama_cpp") is not None
@@ -49,7 +50,9 @@ def test_a_model_round_trips_through_gguf_and_llama_cpp_reads_it_as_transformers
     reordered as Llama's; Llama 3's tokenizer, as Mistral's above), DeepSeek-V3 (latent attention split into llama.cpp's
     k_b/v_b, yarn as released acting within the texts, 16 experts in 8 groups, the router's score correction drawn
     random) and its Moonlight shape (one q_proj, rotary dims not interleaved: their rows reordered into pairs; without
-    that, 7.8e-3), GLM-4.5 (partial rotary, q/k norms, biases): llama.cpp's deepseek2 and glm4moe, within 6e-4 in f16.
+    that, 7.8e-3), GLM-4.5 (partial rotary, q/k norms, biases): llama.cpp's deepseek2 and glm4moe, within 6e-4 in f16;
+    Qwen3.5's text side (16 key and 48 value heads in its Gated DeltaNet layers: every value-head axis reordered into
+    llama.cpp's tiled order; 0.05 without that on a 2-key, 4-value-head model): llama.cpp's qwen35, within 7e-4 in f16.
     Read by llama.cpp itself (where llama-cpp-python is
     installed, as make test does; else read back by transformers' GGUF loader): the same token ids as transformers on
     12 hard strings, the special tokens, a text starting with a space and a chat turn, logits within 5e-3 (f16) and
@@ -64,6 +67,42 @@ def test_a_model_round_trips_through_gguf_and_llama_cpp_reads_it_as_transformers
     assert not LLAMA_CPP or "the same token ids as transformers on 15 strings" in line, line
     assert float(line.split("logits within max ")[1].split()[0]) < (2e-2 if "a3b" in name else 5e-3 if kind == "f16" else 5e-2), line
     assert read_header(out)[0]["tokenizer.ggml.pre"] == ("qwen2" if name.startswith("qwen") else "default" if name.startswith("gemma-3") else "llama-bpe")
+
+
+@pytest.mark.skipif(not LLAMA_CPP, reason="llama.cpp's gemma4 architecture is read back by llama.cpp only")
+def test_a_gemma4_with_experts_is_written_as_llama_cpps_gemma4(tmp_path, capsys):
+    """Gemma 4's text side (tests/conftest.py's: experts beside the dense MLP, per-layer inputs, the last two layers reading
+    earlier layers' keys and values, alternating windows) with Gemma 3's tokenizer (npm), its full layers' heads of 32 and
+    one key/value head whose keys are its values (attention_k_eq_v, as 31B), the logits soft-capped: llama.cpp's gemma4
+    reads it with transformers' tokens, logits within 3e-2 in f16 (1.1e-2 measured). Its attention does not scale the unit-RMS queries and
+    keys (scale 1), which sharpens the softmax: ggml's own rounding comes out 3-5x Gemma 3's (f32 weights: 1.6e-2 on the
+    45-token text; 1.7e-3 with the q/k norms' weights at 0.3), enough to swap near-tied greedy tokens of a random model.
+    A per-layer embedding of another vocabulary than the model's is refused in one line."""
+    import json
+    import shutil
+
+    from conftest import with_released_tokenizer
+    from gguf import GGUFReader
+
+    model = with_released_tokenizer("gemma4", "gemma3", tmp_path / "model", vocab_size_per_layer_input=262145, global_head_dim=32,
+                                    attention_k_eq_v=True, num_global_key_value_heads=1, final_logit_softcapping=30.0)
+    out = tmp_path / "out" / "m.gguf"
+    out.parent.mkdir()
+    result = finetune_cli(capsys, "export", "--model", str(model), "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    line = next(line for line in result.stdout.splitlines() if "in llama.cpp itself" in line)
+    assert "the same token ids as transformers on 15 strings" in line and float(line.split("logits within max ")[1].split()[0]) < 3e-2, line
+    fields = {name: field.contents() for name, field in GGUFReader(out).fields.items()}
+    assert fields["general.architecture"] == "gemma4" and fields["gemma4.attention.key_length"] == 32
+    assert fields["gemma4.attention.key_length_swa"] == 16 and fields["gemma4.attention.head_count_kv"] == [2, 1, 2, 1]
+    assert fields["gemma4.attention.shared_kv_layers"] == 2 and fields["gemma4.expert_count"] == 4
+    other = tmp_path / "other"  # per-layer inputs for 1,024 tokens of 262,145
+    shutil.copytree(model, other)
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps(dict(config, vocab_size_per_layer_input=1024)))
+    result = finetune_cli(capsys, "export", "--model", str(other), "--out", str(tmp_path / "other.gguf"))
+    assert result.returncode == 2 and "per-layer embeddings cover 1024 tokens" in result.stderr.splitlines()[-1], result.stderr
+    assert not (tmp_path / "other.gguf").exists()
 
 
 def test_the_tokenizers_split_is_what_llama_cpp_is_told(demo_tokenizer_dir):

@@ -599,15 +599,17 @@ def test_a_one_crop_family_exports_to_gguf_with_a_projector_file_that_llama_cpp_
 QWEN_EXPORTS = {"qwen2_vl": ("qwen2vl_merger", "qwen2vl", {"v.blk.1.attn_q.weight", "mm.2.weight"}),
                 "qwen2_5_vl": ("qwen2.5vl_merger", "qwen2vl", {"v.blk.1.attn_q.weight", "v.blk.1.ffn_gate.weight", "mm.2.weight"}),
                 "qwen3_vl": ("qwen3vl_merger", "qwen3vl", {"v.blk.1.attn_qkv.weight", "v.position_embd.weight", "v.deepstack.0.fc1.weight"}),
-                "qwen3_vl_moe": ("qwen3vl_merger", "qwen3vlmoe", {"v.blk.1.attn_qkv.weight", "v.deepstack.0.fc2.weight"})}
+                "qwen3_vl_moe": ("qwen3vl_merger", "qwen3vlmoe", {"v.blk.1.attn_qkv.weight", "v.deepstack.0.fc2.weight"}),
+                "qwen3_5_moe": ("qwen3vl_merger", "qwen35moe", {"v.blk.1.attn_qkv.weight", "v.position_embd.weight", "mm.2.weight"})}
 
 
 @pytest.mark.parametrize("family", list(QWEN_EXPORTS))
 def test_a_qwen_vl_exports_to_gguf_with_a_projector_file_that_llama_cpp_reads(tmp_path, llava, family):
-    """Qwen2-VL, Qwen2.5-VL (the releases' 112-pixel windows, every second layer over the whole picture), Qwen3-VL and
-    Qwen3-VL-MoE (DeepStack: a tower layer's features handed on beside the picture's; learned positions interpolated) with
+    """Qwen2-VL, Qwen2.5-VL (the releases' 112-pixel windows, every second layer over the whole picture), Qwen3-VL,
+    Qwen3-VL-MoE (DeepStack: a tower layer's features handed on beside the picture's; learned positions interpolated) and
+    Qwen3.5-MoE (Qwen3-VL's tower without DeepStack; Gated DeltaNet layers and experts in its language model) with
     Llama 3's tokenizer (npm), a q8_0 language model and an f32 projector file: the language model as llama.cpp's qwen2vl,
-    qwen3vl or qwen3vlmoe (its rotary sections: time, height, width) read by llama.cpp itself; the tower as llama.cpp's
+    qwen3vl, qwen3vlmoe or qwen35moe (its rotary sections: time, height, width) read by llama.cpp itself; the tower as llama.cpp's
     clip file (the 3-D patch embedding as its two frames), whose embeddings of a picture of 8 x 8 patches (4 x 4 tokens)
     in llama.cpp's mtmd, DeepStack's beside them, are the model's within 1e-3. A Qwen2.5-VL tower with other windows is
     refused in one line, nothing written."""
@@ -627,7 +629,7 @@ def test_a_qwen_vl_exports_to_gguf_with_a_projector_file_that_llama_cpp_reads(tm
     assert fields["clip.projector_type"] == projector and {"v.patch_embd.weight", "v.patch_embd.weight.1"} | tensors <= {t.name for t in read.tensors}
     text = GGUFReader(tmp_path / "gguf" / "m.gguf")
     assert text.fields["general.architecture"].contents() == arch and text.fields[f"{arch}.rope.dimension_sections"].contents() == [2, 3, 3, 0]
-    if family.startswith("qwen3"):
+    if family in ("qwen3_vl", "qwen3_vl_moe"):
         assert text.fields[f"{arch}.n_deepstack_layers"].contents() == 1 and fields["clip.vision.is_deepstack_layers"] == [True, False]
     if family == "qwen2_5_vl":
         config["vision_config"]["window_size"] = 56
@@ -674,12 +676,12 @@ def _with_f16_positions(read, path):
 
 
 def test_export_refuses_what_it_does_not_write_in_one_line(tmp_path, vision_run, llava):
-    """A CLIP tower's LLaVA (llama.cpp hands its class token on in place of the first patch), a Qwen3.5 and a Mllama (llama.cpp
+    """A CLIP tower's LLaVA (llama.cpp hands its class token on in place of the first patch), a LLaVA-OneVision and a Mllama (llama.cpp
     reads no Mllama projector) are not exported: one line each, exit 2, nothing written."""
     out, _ = vision_run
     for args, key in [(("export", "--adapter", str(out), "--out", str(tmp_path / "m.gguf")), "--format gguf: its vision tower is CLIP's"),
-                      (("export", "--model", str(llava("qwen3_5")), "--out", str(tmp_path / "m.gguf")),
-                       "--format gguf: qwen3_5 is a vision-language model whose projector file (mmproj) finetune does not write"),
+                      (("export", "--model", str(llava("llava_onevision")), "--out", str(tmp_path / "m.gguf")),
+                       "--format gguf: llava_onevision is a vision-language model whose projector file (mmproj) finetune does not write"),
                       (("export", "--model", str(llava("mllama")), "--out", str(tmp_path / "m.gguf")),
                        "--format gguf: llama.cpp's multimodal library reads no Mllama projector")]:
         result = finetune_in_process(*args)

@@ -37,9 +37,11 @@ from finetune.outputs.gguf_vocab import check_in_llama_cpp, quiet_stderr, write_
 FAMILIES = {"llama": ("LLAMA", True), "mistral": ("LLAMA", True), "qwen2": ("QWEN2", False), "qwen3": ("QWEN3", False),
             "gemma2": ("GEMMA2", False), "gemma3_text": ("GEMMA3", False), "qwen3_moe": ("QWEN3MOE", False), "gpt_oss": ("GPT_OSS", False),
             "mixtral": ("LLAMA", True),  # llama.cpp's llama architecture with experts, as its converter writes Mixtral
-            "deepseek_v3": ("DEEPSEEK2", False), "glm4_moe": ("GLM4_MOE", False)}
+            "deepseek_v3": ("DEEPSEEK2", False), "glm4_moe": ("GLM4_MOE", False),
+            "qwen3_5_text": ("QWEN35", False), "qwen3_5_moe_text": ("QWEN35MOE", False), "gemma4_text": ("GEMMA4", False)}
+LINEAR_ATTENTION = ("qwen3_5_text", "qwen3_5_moe_text")  # Gated DeltaNet layers beside gated full attention
 # families transformers' GGUF reader does not read back: checked in llama.cpp itself or not written
-LLAMA_CPP_ONLY = ("deepseek_v3", "glm4_moe")
+LLAMA_CPP_ONLY = ("deepseek_v3", "glm4_moe", *LINEAR_ATTENTION)
 GEMMAS = ("gemma2", "gemma3_text")  # norms that scale by (1 + weight), heads scaled by query_pre_attn_scalar
 # families not written, and llama.cpp's reason
 NOT_WRITTEN = {"phi3": "llama.cpp's phi3 turns Phi-3-mini-4k's 2,047-token sliding window off, and Phi-3.5/4's longrope would need "
@@ -185,11 +187,21 @@ def _refuse_unwritable(config: dict, folder: Path) -> None:
     if family == "gpt_oss" and (config.get("swiglu_alpha"), config.get("swiglu_limit")) != (1.702, 7.0):
         raise UserError(f"--model: {folder}'s experts gate with alpha {config.get('swiglu_alpha')} and limit {config.get('swiglu_limit')}; "
                         "llama.cpp's gpt-oss architecture has the releases' 1.702 and 7.0 built in")
+    if family == "gemma4_text" and config.get("hidden_size_per_layer_input") and config.get("vocab_size_per_layer_input") != config["vocab_size"]:
+        raise UserError(f"--model: {folder}'s per-layer embeddings cover {config.get('vocab_size_per_layer_input')} tokens of its "
+                        f"{config['vocab_size']}; llama.cpp's gemma4 architecture takes one per token (as the releases)")
+    kinds = config.get("layer_types") or []
+    if family in LINEAR_ATTENTION and "full_attention" in kinds:
+        every = kinds.index("full_attention") + 1
+        if kinds != ["full_attention" if (i + 1) % every == 0 else "linear_attention" for i in range(len(kinds))]:
+            raise UserError(f"--model: {folder}'s full-attention layers are not every n-th layer, the pattern llama.cpp's qwen35 architecture "
+                            "takes (the releases': every 4th)")
     if family in LLAMA_CPP_ONLY and importlib.util.find_spec("llama_cpp") is None:
         raise UserError(f"--model: {folder} is a {family} model, which only llama.cpp itself reads back to check the file; "
                         "pip install llama-cpp-python (make install does)")
     scaling = _rope(config).get("rope_type", "default")
-    if scaling not in ("default", "llama3", "linear") and not (scaling == "yarn" and family in ("gpt_oss", "deepseek_v3")):
+    if scaling not in ("default", "llama3", "linear") and not (scaling == "yarn" and family in ("gpt_oss", "deepseek_v3")) \
+            and not (scaling == "proportional" and family == "gemma4_text"):
         raise UserError(f"--model: {folder} scales rope as {scaling}; GGUF export writes llama3 and linear scaling (and gpt-oss's and DeepSeek-V3's yarn)")
 
 
@@ -314,10 +326,13 @@ def _metadata(writer, config: dict, name: str, kind: str) -> None:
     writer.add_context_length(config["max_position_embeddings"])
     writer.add_embedding_length(config["hidden_size"])
     writer.add_block_count(config["num_hidden_layers"])
-    writer.add_feed_forward_length(config["intermediate_size"])
+    if not config.get("use_double_wide_mlp"):  # Gemma 4's, per layer
+        writer.add_feed_forward_length(config["intermediate_size"])
     writer.add_head_count(heads)
     if config.get("model_type") == "deepseek_v3":
         _latent_attention(writer, config)
+    elif config.get("model_type") == "gemma4_text":
+        _gemma4(writer, config)
     else:
         writer.add_head_count_kv(config.get("num_key_value_heads") or heads)
         writer.add_rope_dimension_count(int(head_dim * _rope(config).get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))))
@@ -327,6 +342,8 @@ def _metadata(writer, config: dict, name: str, kind: str) -> None:
     writer.add_rope_freq_base(float(rope["rope_theta"]))
     if config.get("mrope_section"):  # the rotary dimensions of time, height and width (llama.cpp takes four sections)
         writer.add_rope_dimension_sections([*config["mrope_section"], 0, 0, 0, 0][:4])
+    if config.get("model_type") in LINEAR_ATTENTION:
+        _delta_net(writer, config)
     if "deepstack_layers" in config:  # Qwen3-VL: how many tower layers' features join the picture's
         writer.add_num_deepstack_layers(config["deepstack_layers"])
     if rope["rope_type"] == "linear":  # llama3's scaling goes in as the rope_freqs tensor
@@ -360,6 +377,11 @@ def _metadata(writer, config: dict, name: str, kind: str) -> None:
         writer.add_expert_used_count(config["num_experts_per_tok"])
     if config.get("model_type") in ("deepseek_v3", "glm4_moe"):
         _routed_experts(writer, config)
+    if config.get("model_type") == "qwen3_5_moe_text":
+        writer.add_expert_count(config["num_experts"])
+        writer.add_expert_used_count(config["num_experts_per_tok"])
+        writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+        writer.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
     writer.add_vocab_size(config["vocab_size"])
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16 if kind == "f16" else gguf.LlamaFileType.MOSTLY_Q8_0)
 
@@ -378,6 +400,88 @@ def _latent_attention(writer, config: dict) -> None:
     rope = _rope(config)
     if rope["rope_type"] == "yarn" and rope.get("mscale_all_dim"):  # the softmax scale's mscale², as llama.cpp's converter writes it
         writer.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
+
+
+def _gemma4(writer, config: dict) -> None:
+    """Gemma 4 as llama.cpp's gemma4 reads it: heads of global_head_dim on the full layers and head_dim on the sliding
+    ones (key/value heads per layer where the full layers have their own count), the full layers' partial rotary dims
+    given as rope_freqs (the rest held still), their own rope bases, the last layers reading earlier layers' keys and
+    values, per-layer inputs, MLPs twice as wide on the sharing layers where the config says so, the logits' soft cap."""
+    kinds, layers = config["layer_types"], config["num_hidden_layers"]
+    heads = _gemma4_heads(config)
+    full, sliding = (next(size for (size, _), kind in zip(heads, kinds) if kind == want) for want in ("full_attention", "sliding_attention"))
+    writer.add_key_length(full)
+    writer.add_value_length(full)
+    writer.add_key_length_swa(sliding)
+    writer.add_value_length_swa(sliding)
+    counts = [kv for _, kv in heads]
+    writer.add_head_count_kv(counts if len(set(counts)) > 1 else counts[0])
+    writer.add_rope_dimension_count(full)
+    writer.add_rope_dimension_count_swa(int(sliding * _rope(config, "sliding_attention").get("partial_rotary_factor", 1.0)))
+    writer.add_rope_freq_base_swa(float(_rope(config, "sliding_attention")["rope_theta"]))
+    writer.add_sliding_window(config["sliding_window"])
+    writer.add_sliding_window_pattern([kind == "sliding_attention" for kind in kinds])
+    writer.add_shared_kv_layers(config.get("num_kv_shared_layers") or 0)
+    writer.add_embedding_length_per_layer_input(config.get("hidden_size_per_layer_input") or 0)
+    if config.get("final_logit_softcapping"):
+        writer.add_final_logit_softcapping(config["final_logit_softcapping"])
+    if config.get("use_double_wide_mlp"):
+        first_sharing = layers - (config.get("num_kv_shared_layers") or 0)
+        writer.add_feed_forward_length([config["intermediate_size"] * (2 if i >= first_sharing else 1) for i in range(layers)])
+    if config.get("enable_moe_block"):
+        writer.add_expert_count(config["num_experts"])
+        writer.add_expert_used_count(config["top_k_experts"])
+        writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+
+
+def _gemma4_heads(config: dict) -> list[tuple[int, int]]:
+    """Each layer's (head size, key/value heads): the full layers' own, from transformers 5's per_layer_config or the
+    releases' global_head_dim and num_global_key_value_heads (where attention_k_eq_v says the keys are the values)."""
+    size, kv = config["head_dim"], config.get("num_key_value_heads") or config["num_attention_heads"]
+    per_layer = {int(i): values for i, values in (config.get("per_layer_config") or {}).items()}
+    if not per_layer:
+        wide = {"head_dim": config.get("global_head_dim") or 512}
+        if config.get("attention_k_eq_v") and config.get("num_global_key_value_heads"):
+            wide["num_key_value_heads"] = config["num_global_key_value_heads"]
+        per_layer = {i: wide for i, kind in enumerate(config["layer_types"]) if kind == "full_attention"}
+    return [(per_layer.get(i, {}).get("head_dim", size), per_layer.get(i, {}).get("num_key_value_heads", kv)) for i in range(config["num_hidden_layers"])]
+
+
+def _gemma4_weights(state: dict) -> dict:
+    """Gemma 4's experts as llama.cpp's gemma4 reads them: gate and up kept as one tensor (ffn_gate_up_exps), the router's
+    input scale and each expert's output scale as scales of the router and the experts' down projection."""
+    renamed = {".experts.gate_up_proj": ".experts.gate_up_proj.weight", ".router.scale": ".router.proj.scale",
+               ".router.per_expert_scale": ".experts.down_proj.scale"}
+    out = {}
+    for name, tensor in state.items():
+        ending = next((end for end in renamed if name.endswith(end)), None)
+        out[name.removesuffix(ending) + renamed[ending] if ending else name] = tensor
+    return out
+
+
+def _gemma4_rope_factors(config: dict) -> np.ndarray:
+    """Gemma 4's full layers rotate the first partial_rotary_factor of each half-head and leave the rest: llama.cpp's
+    rotary factors, 1 for a rotated pair and 1e30 (no rotation) for the others, as its converter writes them."""
+    full = next(size for (size, _), kind in zip(_gemma4_heads(config), config["layer_types"]) if kind == "full_attention")
+    turned = int(full * _rope(config).get("partial_rotary_factor", 1.0) / 2)
+    return np.array([1.0] * turned + [1e30] * (full // 2 - turned), dtype=np.float32)
+
+
+def _delta_net(writer, config: dict) -> None:
+    """Qwen3.5's Gated DeltaNet layers as llama.cpp's qwen35 reads them (its ssm keys), every n-th layer full attention,
+    and the rotary sections of time, height and width (a text's three positions are equal; the sections need only cover
+    the rotary dims, in the releases' 11 : 11 : 10 where the config names none)."""
+    writer.add_ssm_conv_kernel(config["linear_conv_kernel_dim"])
+    writer.add_ssm_state_size(config["linear_key_head_dim"])
+    writer.add_ssm_group_count(config["linear_num_key_heads"])
+    writer.add_ssm_time_step_rank(config["linear_num_value_heads"])
+    writer.add_ssm_inner_size(config["linear_value_head_dim"] * config["linear_num_value_heads"])
+    kinds = config["layer_types"]
+    writer.add_full_attention_interval(kinds.index("full_attention") + 1)
+    rope = _rope(config)
+    pairs = int(config["head_dim"] * rope.get("partial_rotary_factor", 1.0)) // 2
+    sections = rope.get("mrope_section") or [pairs * 11 // 32, pairs * 11 // 32, pairs - 2 * (pairs * 11 // 32)]
+    writer.add_rope_dimension_sections([*sections, 0][:4])
 
 
 def _routed_experts(writer, config: dict) -> None:
@@ -430,11 +534,18 @@ def _tensors(writer, model, config: dict, arch, permuted: bool, kind: str) -> No
 
     names = gguf.get_tensor_name_map(arch, config["num_hidden_layers"])
     heads, kv = config["num_attention_heads"], config.get("num_key_value_heads") or config["num_attention_heads"]
-    state = _split_experts(model.state_dict(), interleaved=config.get("model_type") == "gpt_oss")
-    for name, tensor in (_latent_heads(state, config) if config.get("model_type") == "deepseek_v3" else state).items():
+    state = model.state_dict()
+    if config.get("model_type") == "gemma4_text":
+        state = _gemma4_weights(state)
+    state = _split_experts(state, interleaved=config.get("model_type") == "gpt_oss")
+    if config.get("model_type") == "deepseek_v3":
+        state = _latent_heads(state, config)
+    if config.get("model_type") in LINEAR_ATTENTION:
+        state = _delta_net_weights(state, config)
+    for name, tensor in state.items():
         if name == "lm_head.weight" and config.get("tie_word_embeddings"):
             continue  # llama.cpp ties the output to token_embd when output.weight is missing
-        target = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        target = names.get_name(name, try_suffixes=(".weight", ".bias", ".scale"))
         if target is None:
             raise UserError(f"--model: no GGUF name for the tensor {name}")
         data = tensor.float().numpy()
@@ -442,7 +553,8 @@ def _tensors(writer, model, config: dict, arch, permuted: bool, kind: str) -> No
             data = _rotary_rows(data, heads if "q_proj" in name else kv)
         if config.get("model_type") in GEMMAS and name.endswith("norm.weight"):
             data = data + 1  # Gemma's norms scale by (1 + weight); llama.cpp's by the weight stored
-        if data.ndim == 1 or target.endswith(".bias"):  # llama.cpp adds biases in f32 (gpt-oss's experts' are 2-D)
+        # llama.cpp adds biases in f32 (gpt-oss's experts' are 2-D) and runs a short convolution's kernels in f32 only
+        if data.ndim == 1 or target.endswith(".bias") or ".ssm_conv1d." in target:
             writer.add_tensor(target, data.astype(np.float32))
         elif kind == "f16":
             writer.add_tensor(target, data.astype(np.float16))
@@ -450,6 +562,8 @@ def _tensors(writer, model, config: dict, arch, permuted: bool, kind: str) -> No
             writer.add_tensor(target, gguf.quants.quantize(data, gguf.GGMLQuantizationType.Q8_0), raw_dtype=gguf.GGMLQuantizationType.Q8_0)
     if _rope(config)["rope_type"] == "llama3":
         writer.add_tensor(gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight", _llama3_rope_factors(model, config))
+    if config.get("model_type") == "gemma4_text":
+        writer.add_tensor(gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight", _gemma4_rope_factors(config))
 
 
 def _split_experts(state: dict, interleaved: bool = False) -> dict:
@@ -470,7 +584,7 @@ def _split_experts(state: dict, interleaved: bool = False) -> dict:
         elif name.endswith(("experts.down_proj_bias", "gate.e_score_correction_bias")):  # the router's correction: exp_probs_b
             out[name.removesuffix("_bias") + ".bias"] = tensor
         else:
-            out[name + (".weight" if name.endswith(("experts.down_proj", "self_attn.sinks")) else "")] = tensor
+            out[name + (".weight" if name.endswith(("experts.down_proj", "self_attn.sinks", "layer_scalar")) else "")] = tensor
     return out
 
 
@@ -490,6 +604,38 @@ def _latent_heads(state: dict, config: dict) -> dict:
             rows = tensor.unflatten(0, (heads, -1)).clone() if "q_" in name else tensor.clone()[None]
             rows[:, -rope:] = torch.from_numpy(_rotary_rows(rows[:, -rope:].flatten(0, 1).numpy(), len(rows))).unflatten(0, (len(rows), -1))
             tensor = rows.flatten(0, 1)
+        out[name] = tensor
+    return out
+
+
+def _delta_net_weights(state: dict, config: dict) -> dict:
+    """Qwen3.5's weights as llama.cpp's qwen35 reads them: its norms' (1 + weight) stored whole (the gated norm inside the
+    DeltaNet scales by its weight as it is), the decay as -exp(A_log), dt_bias as the time step's bias, the short
+    convolution's kernels (channels, width). Where value heads outnumber key heads, transformers keeps each key head's
+    value heads together and llama.cpp takes them tiled (each key head's first value head, then each one's second): every
+    value-head axis reordered so (without it, logits 0.05 apart on a 2-key, 4-value-head model)."""
+    keys, values = config["linear_num_key_heads"], config["linear_num_value_heads"]
+    key_width, value_width = keys * config["linear_key_head_dim"], config["linear_value_head_dim"]
+
+    def tiled(tensor, dim: int = 0, width: int = value_width):  # (keys, values per key, width) -> (values per key, keys, width)
+        return tensor.unflatten(dim, (keys, values // keys, width)).transpose(dim, dim + 1).flatten(dim, dim + 2)
+
+    out = {}
+    for name, tensor in state.items():
+        if name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
+            tensor = tensor + 1
+        elif name.endswith(".A_log"):
+            tensor = -torch.exp(tiled(tensor, width=1))
+        elif name.endswith(".dt_bias"):
+            name, tensor = name.removesuffix("dt_bias") + "dt_proj.bias", tiled(tensor, width=1)
+        elif name.endswith(("in_proj_qkv.weight", "conv1d.weight")):  # queries and keys, then the value heads
+            tensor = torch.cat([tensor[:2 * key_width], tiled(tensor[2 * key_width:])]).squeeze(1)
+        elif name.endswith("in_proj_z.weight"):
+            tensor = tiled(tensor)
+        elif name.endswith(("in_proj_a.weight", "in_proj_b.weight")):
+            tensor = tiled(tensor, width=1)
+        elif name.endswith("linear_attn.out_proj.weight"):
+            tensor = tiled(tensor, dim=1)
         out[name] = tensor
     return out
 

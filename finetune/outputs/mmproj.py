@@ -27,9 +27,11 @@ from finetune.config.errors import EXIT_MERGE_CHECK, Stopped, UserError
 # layer normed, its patches average-pooled to mm_tokens_per_image, an RMS norm and one matrix; Idefics3 and SmolVLM: the
 # tower's last layer normed, its patches shuffled scale_factor x scale_factor into one, one matrix)
 FAMILIES = {"llava": "mlp", "gemma3": "gemma3", "idefics3": "idefics3", "smolvlm": "idefics3", "qwen2_vl": "qwen2vl_merger",
-            "qwen2_5_vl": "qwen2.5vl_merger", "qwen3_vl": "qwen3vl_merger", "qwen3_vl_moe": "qwen3vl_merger", "internvl": "internvl"}
+            "qwen2_5_vl": "qwen2.5vl_merger", "qwen3_vl": "qwen3vl_merger", "qwen3_vl_moe": "qwen3vl_merger", "internvl": "internvl",
+            "qwen3_5": "qwen3vl_merger", "qwen3_5_moe": "qwen3vl_merger"}
 SHUFFLED = ("idefics3", "smolvlm")  # a tower of their own, SigLIP's layers
 QWEN = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")  # a tower of their own: 2-D rotary positions, 2 x 2 patches merged into one token
+QWEN35 = ("qwen3_5", "qwen3_5_moe")  # Qwen3-VL's tower without DeepStack; a language model transformers has a causal LM of
 GEMMA3_POOLING = 4  # llama.cpp's pooling of Gemma 3's patches when the file names none (64 x 64 patches into 16 x 16 tokens)
 TOLERANCE = {"f32": 1e-3, "f16": 1e-2}  # largest |embedding difference| published, over the largest |embedding|
 # Towers written: SigLIP's. llama.cpp's LLaVA graph (llama-cpp-python 0.3.36) puts a CLIP tower's class token after the
@@ -51,7 +53,7 @@ def refusal(config: dict) -> str | None:
     if family == "internvl" and (config["vision_config"].get("use_qk_norm") or config.get("vision_feature_layer", -1) != -1):
         return ("its tower normalizes queries and keys, or hands on a layer other than its last: InternVL's projector file is "
                 "written (and checked) for towers that do neither, as InternViT-300M")
-    if family in (*QWEN, "internvl"):
+    if family in (*QWEN, *QWEN35, "internvl"):
         return _qwen_refusal(config["vision_config"]) if family == "qwen2_5_vl" else None
     if tower == "clip_vision_model":
         return ("its vision tower is CLIP's, whose class token llama.cpp's LLaVA graph hands on in place of the first patch (its "
@@ -118,7 +120,7 @@ def write(model, processor, path: Path, kind: str) -> None:
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16 if kind == "f16" else gguf.LlamaFileType.ALL_F32)
     writer.add_bool(gguf.Keys.Clip.HAS_VISION_ENCODER, True)
     writer.add_string(gguf.Keys.Clip.PROJECTOR_TYPE, FAMILIES[config.model_type])
-    if config.model_type in ("qwen3_vl", "qwen3_vl_moe"):
+    if config.model_type in ("qwen3_vl", "qwen3_vl_moe", *QWEN35):
         tensors = _qwen3_header(writer, model, processor)
     elif config.model_type == "internvl":
         tensors = _internvl_header(writer, model, processor)
@@ -324,7 +326,7 @@ def check(model, processor, text_gguf: Path, mmproj: Path, picture) -> float:
     whole = {"do_image_splitting": False, "size": {"longest_edge": picture.width}} if family in SHUFFLED else {}
     inputs = processor.image_processor(images=[picture], return_tensors="pt", **whole)
     pixels = inputs["pixel_values"]
-    chosen = {} if family in ("gemma3", *SHUFFLED) else {"image_grid_thw": inputs["image_grid_thw"]} if family in QWEN else {
+    chosen = {} if family in ("gemma3", *SHUFFLED) else {"image_grid_thw": inputs["image_grid_thw"]} if family in (*QWEN, *QWEN35) else {
         "vision_feature_layer": model.config.vision_feature_layer, "vision_feature_select_strategy": model.config.vision_feature_select_strategy}
     features = model.model.get_image_features(pixel_values=pixels, **chosen)
     ours = torch.cat(list(features.pooler_output if hasattr(features, "pooler_output") else features)).float()
