@@ -481,17 +481,16 @@ def family_dirs(tmp_path_factory, demo_tokenizer_dir):
     return get
 
 
-def with_released_tokenizer(name: str, family: str, out: Path, **changes) -> Path:
-    """OTHERS[name]'s tiny random model (its config with `changes`) with a released family's real tokenizer
-    (tests/released.py: its vocabulary, special ids and chat template), saved at `out`."""
+def with_released_tokenizer(name: str, family: str, out: Path) -> Path:
+    """OTHERS[name]'s tiny random model with a released family's real tokenizer (tests/released.py: its vocabulary,
+    special ids and chat template), saved at `out`."""
     import torch
     from released import tokenizer_dir
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tokenizer_dir(family))
     kind, extra = OTHERS[name]
-    config = AutoConfig.for_model(kind, **{**extra, "vocab_size": len(tok), "pad_token_id": tok.pad_token_id, "eos_token_id": tok.eos_token_id,
-                                           **changes})
+    config = AutoConfig.for_model(kind, **{**extra, "vocab_size": len(tok), "pad_token_id": tok.pad_token_id, "eos_token_id": tok.eos_token_id})
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(out)
     tok.save_pretrained(out)

@@ -566,6 +566,59 @@ def test_a_gemma3_exports_to_gguf_with_a_projector_file_that_llama_cpp_reads(tmp
     assert stopped.value.exit_code == EXIT_MERGE_CHECK
 
 
+def test_a_gemma4_exports_to_gguf_with_a_projector_file_that_llama_cpp_reads(tmp_path):
+    """Gemma 4 with Gemma 3's tokenizer (npm; npm ships none of Gemma 4's), exported in f16. Its language model as
+    llama.cpp's gemma4, read by llama.cpp itself within 3e-2: experts beside the dense MLP, per-layer inputs, the last two
+    layers reading earlier layers' keys and values, full layers with heads of 32 and one key/value head whose keys are its
+    values (attention_k_eq_v, as 31B), soft-capped logits. Its attention does not scale the unit-RMS queries and keys,
+    which sharpens the softmax: ggml's own rounding comes out 3-5x Gemma 3's (f32 weights: 1.6e-2 on the longest check
+    text; 1.7e-3 with the q/k norms' weights at 0.3), enough to swap a random model's near-tied greedy tokens. Its tower
+    and projector as llama.cpp's gemma4v clip file, with the clipped linears' bounds (drawn to 0.05, so that they clip)
+    and the standardization's bias and scale (drawn): a 480 x 336 picture's embeddings (10 x 7 tokens: the processor's
+    most at its smallest setting, llama.cpp's fewest) in llama.cpp's mtmd within 1e-2 of the model's (without the
+    standardization's tensors, 0.40)."""
+    import torch
+    from gguf import GGUFReader
+    from released import tokenizer_dir
+    from transformers import AutoModelForImageTextToText, AutoTokenizer
+
+    from finetune.model.tiny import build_vision_model
+
+    language = dict(num_hidden_layers=4, layer_types=["sliding_attention", "full_attention"] * 2, num_kv_shared_layers=2, global_head_dim=32,
+                    attention_k_eq_v=True, num_global_key_value_heads=1, final_logit_softcapping=30.0, enable_moe_block=True, num_experts=4,
+                    top_k_experts=2, moe_intermediate_size=32)
+    model_dir = build_vision_model(tmp_path / "model", AutoTokenizer.from_pretrained(tokenizer_dir("gemma3")), "gemma4", language=language)
+    config = json.loads((model_dir / "config.json").read_text())
+    config["vision_config"].update(use_clipped_linears=True, standardize=True)
+    (model_dir / "config.json").write_text(json.dumps(config))
+    model = AutoModelForImageTextToText.from_pretrained(model_dir)
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name.endswith(("_min", "_max")):
+                buffer.fill_(0.05 if name.endswith("_max") else -0.05)
+            elif "std_" in name:
+                buffer.normal_(0.5, 0.2)
+        for name, weight in model.named_parameters():
+            if name.endswith("router.proj.weight"):  # routers' margins wide: f16's rounding then picks the experts f32 does
+                weight.mul_(20)
+    model.save_pretrained(model_dir)
+    out = tmp_path / "gguf" / "m.gguf"
+    out.parent.mkdir()
+    result = finetune_in_process("export", "--model", str(model_dir), "--out", str(out))
+    assert result.returncode == 0, result.stderr[-2000:]
+    text = next(line for line in result.stdout.splitlines() if "in llama.cpp itself" in line)
+    assert "the same token ids as transformers on 15 strings" in text and float(text.split("logits within max ")[1].split()[0]) < 3e-2, text
+    line = next(line for line in result.stdout.splitlines() if line.startswith("projector file"))
+    assert "(f16) in llama.cpp itself (mtmd)" in line and float(line.split("embeddings within ")[1].split()[0]) < 1e-2, line
+    fields = {name: field.contents() for name, field in GGUFReader(out).fields.items()}
+    assert fields["general.architecture"] == "gemma4" and fields["gemma4.attention.key_length"] == 32
+    assert fields["gemma4.attention.key_length_swa"] == 16 and fields["gemma4.attention.head_count_kv"] == [2, 1, 2, 1]
+    assert fields["gemma4.attention.shared_kv_layers"] == 2 and fields["gemma4.expert_count"] == 4
+    projector = GGUFReader(out.with_name("mmproj-m.gguf"))
+    assert projector.fields["clip.projector_type"].contents() == "gemma4v"
+    assert {"v.std_bias", "v.std_scale", "v.blk.1.attn_q.input_max", "mm.input_projection.weight"} <= {t.name for t in projector.tensors}
+
+
 # family -> (llama.cpp's projector type, the projector file's scale factor, tensors it holds)
 CROP_EXPORTS = {"idefics3": ("idefics3", 2, {"mm.model.fc.weight", "v.post_ln.weight", "v.blk.1.ffn_down.weight"}),
                 "smolvlm": ("idefics3", 2, {"mm.model.fc.weight", "v.post_ln.weight", "v.blk.1.ffn_down.weight"}),

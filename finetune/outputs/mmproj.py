@@ -28,7 +28,7 @@ from finetune.config.errors import EXIT_MERGE_CHECK, Stopped, UserError
 # tower's last layer normed, its patches shuffled scale_factor x scale_factor into one, one matrix)
 FAMILIES = {"llava": "mlp", "gemma3": "gemma3", "idefics3": "idefics3", "smolvlm": "idefics3", "qwen2_vl": "qwen2vl_merger",
             "qwen2_5_vl": "qwen2.5vl_merger", "qwen3_vl": "qwen3vl_merger", "qwen3_vl_moe": "qwen3vl_merger", "internvl": "internvl",
-            "qwen3_5": "qwen3vl_merger", "qwen3_5_moe": "qwen3vl_merger"}
+            "qwen3_5": "qwen3vl_merger", "qwen3_5_moe": "qwen3vl_merger", "gemma4": "gemma4v"}
 SHUFFLED = ("idefics3", "smolvlm")  # a tower of their own, SigLIP's layers
 QWEN = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")  # a tower of their own: 2-D rotary positions, 2 x 2 patches merged into one token
 QWEN35 = ("qwen3_5", "qwen3_5_moe")  # Qwen3-VL's tower without DeepStack; a language model transformers has a causal LM of
@@ -53,7 +53,7 @@ def refusal(config: dict) -> str | None:
     if family == "internvl" and (config["vision_config"].get("use_qk_norm") or config.get("vision_feature_layer", -1) != -1):
         return ("its tower normalizes queries and keys, or hands on a layer other than its last: InternVL's projector file is "
                 "written (and checked) for towers that do neither, as InternViT-300M")
-    if family in (*QWEN, *QWEN35, "internvl"):
+    if family in (*QWEN, *QWEN35, "internvl", "gemma4"):
         return _qwen_refusal(config["vision_config"]) if family == "qwen2_5_vl" else None
     if tower == "clip_vision_model":
         return ("its vision tower is CLIP's, whose class token llama.cpp's LLaVA graph hands on in place of the first patch (its "
@@ -124,6 +124,8 @@ def write(model, processor, path: Path, kind: str) -> None:
         tensors = _qwen3_header(writer, model, processor)
     elif config.model_type == "internvl":
         tensors = _internvl_header(writer, model, processor)
+    elif config.model_type == "gemma4":
+        tensors = _gemma4_header(writer, model, processor)
     elif config.model_type in QWEN:
         tensors = _qwen_header(writer, model, processor)
     else:
@@ -279,6 +281,37 @@ def _internvl_header(writer, model, processor) -> dict[str, torch.Tensor]:
     return out
 
 
+def _gemma4_header(writer, model, processor) -> dict[str, torch.Tensor]:
+    """Gemma 4's tower (2-D rotary positions and a learned table for each axis, each kernel x kernel patches averaged into
+    one token) and its projector (a norm and one matrix): its metadata as llama.cpp's converter writes it (the picture
+    size is not read); its tensors under gguf's own names, the patch embedding's (row, column, colour) columns as a
+    convolution's kernels, the clipped linears' bounds as 1-element tensors beside their weights, the standardization's
+    bias and scale where the tower has them."""
+    import gguf
+
+    vision, tower = model.config.vision_config, model.model.vision_tower
+    _tower_keys(writer, processor.image_processor, 224, vision.patch_size, vision.hidden_size, vision.intermediate_size,
+                model.config.get_text_config().hidden_size, vision.num_hidden_layers, vision.num_attention_heads, vision.rms_norm_eps)
+    writer.add_bool(gguf.Keys.ClipVision.USE_GELU, True)
+    if vision.pooling_kernel_size != 3:  # llama.cpp's default, the releases'
+        writer.add_uint32(gguf.Keys.ClipVision.Projector.SCALE_FACTOR, vision.pooling_kernel_size)
+    names, out = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, vision.num_hidden_layers), {}
+    bounds = (".input_max", ".input_min", ".output_max", ".output_min")
+    kept = [(name, value) for name, value in tower.named_buffers(prefix="model.vision_tower") if name.endswith((*bounds, "std_bias", "std_scale"))]
+    for name, value in [*tower.named_parameters(prefix="model.vision_tower"), *kept, *model.model.embed_vision.named_parameters(prefix="model.embed_vision")]:
+        name = name.replace("model.vision_tower.encoder.", "vision_model.model.").replace(".linear.weight", ".weight")
+        if name.endswith(("layer_scalar", "position_embedding_table")):
+            name += ".weight"
+        if name.endswith("patch_embedder.input_proj.weight"):  # (width, row * column * colour) -> (width, colour, row, column)
+            side = vision.patch_size
+            value = value.unflatten(1, (side, side, 3)).permute(0, 3, 1, 2)
+        mapped = names.get_name(name, try_suffixes=(".weight", ".bias", *bounds))
+        if mapped is None:
+            raise UserError(f"--model: no GGUF name for Gemma 4's tower tensor {name}")
+        out[mapped] = value.reshape(1) if name.endswith(bounds) else value
+    return out
+
+
 def _tower_keys(writer, images, size: int, patch: int, width: int, ffn: int, projection: int, depth: int, heads: int, eps: float) -> None:
     """The keys every clip file carries: the tower's shape, and the processor's normalization of a picture."""
     import gguf
@@ -327,6 +360,7 @@ def check(model, processor, text_gguf: Path, mmproj: Path, picture) -> float:
     inputs = processor.image_processor(images=[picture], return_tensors="pt", **whole)
     pixels = inputs["pixel_values"]
     chosen = {} if family in ("gemma3", *SHUFFLED) else {"image_grid_thw": inputs["image_grid_thw"]} if family in (*QWEN, *QWEN35) else {
+        "image_position_ids": inputs["image_position_ids"]} if family == "gemma4" else {
         "vision_feature_layer": model.config.vision_feature_layer, "vision_feature_select_strategy": model.config.vision_feature_select_strategy}
     features = model.model.get_image_features(pixel_values=pixels, **chosen)
     ours = torch.cat(list(features.pooler_output if hasattr(features, "pooler_output") else features)).float()
@@ -425,9 +459,7 @@ def export_vision(folder: Path, out: Path, kind: str, export_text, say=print) ->
         write(model, processor, tmp, projector_kind)
         worst = None
         if has_mtmd():
-            vision = model.config.vision_config  # a picture of the tower's size; Qwen-VL's take any: 8 x 8 patches (4 x 4 tokens)
-            side = getattr(vision, "image_size", 8 * vision.patch_size)
-            worst = check(model, processor, out, tmp, _picture(side[0] if isinstance(side, (list, tuple)) else side))
+            worst = check(model, processor, out, tmp, _picture(*_check_size(model.config, processor.image_processor)))
             say(f"projector file ({projector_kind}) in llama.cpp itself (mtmd): a picture's embeddings within {worst:.3g} of the model's "
                 "(largest difference over largest value)")
             if worst > TOLERANCE[projector_kind]:
@@ -452,12 +484,27 @@ def projector_path(out: Path) -> Path:
     return path
 
 
-def _picture(side: int):
-    """A picture of the tower's size with structure in it (two gradients and a checkerboard), for the check."""
+def _check_size(config, images) -> tuple[int, int]:
+    """The check picture's width and height: the tower's size; Qwen-VL's take any: 8 x 8 patches (4 x 4 tokens); Gemma 4's
+    the processor's most tokens (10 x 7 pooled cells for its smallest setting, 70) and llama.cpp's fewest (70), so that
+    neither resizes it."""
+    vision = config.vision_config
+    if config.model_type == "gemma4":
+        cell = vision.patch_size * vision.pooling_kernel_size
+        across = next(n for n in range(round(images.max_soft_tokens ** 0.5), images.max_soft_tokens + 1) if images.max_soft_tokens % n == 0)
+        return cell * across, cell * (images.max_soft_tokens // across)
+    side = getattr(vision, "image_size", 8 * vision.patch_size)
+    side = side[0] if isinstance(side, (list, tuple)) else side
+    return side, side
+
+
+def _picture(width: int, height: int | None = None):
+    """A picture of that size with structure in it (two gradients and a checkerboard), for the check."""
     from PIL import Image
 
-    y, x = np.mgrid[0:side, 0:side]
-    rgb = np.stack([x * 255 // side, y * 255 // side, ((x // 8 + y // 8) % 2) * 255], axis=-1).astype(np.uint8)
+    height = height or width
+    y, x = np.mgrid[0:height, 0:width]
+    rgb = np.stack([x * 255 // width, y * 255 // height, ((x // 8 + y // 8) % 2) * 255], axis=-1).astype(np.uint8)
     return Image.fromarray(rgb)
 
 
