@@ -734,7 +734,7 @@ def test_export_refuses_what_it_does_not_write_in_one_line(tmp_path, vision_run,
     out, _ = vision_run
     for args, key in [(("export", "--adapter", str(out), "--out", str(tmp_path / "m.gguf")), "--format gguf: its vision tower is CLIP's"),
                       (("export", "--model", str(llava("llava_onevision")), "--out", str(tmp_path / "m.gguf")),
-                       "--format gguf: llava_onevision is a vision-language model whose projector file (mmproj) finetune does not write"),
+                       "--format gguf: llama.cpp's converter writes no LLaVA-OneVision projector"),
                       (("export", "--model", str(llava("mllama")), "--out", str(tmp_path / "m.gguf")),
                        "--format gguf: llama.cpp's multimodal library reads no Mllama projector")]:
         result = finetune_in_process(*args)

@@ -46,6 +46,10 @@ def refusal(config: dict) -> str | None:
     if family == "mllama":
         return ("llama.cpp's multimodal library reads no Mllama projector (its cross-attention layers have no place in its graphs); "
                 "finetune merge writes the folder transformers and vLLM load")
+    if family == "llava_onevision":
+        return ("llama.cpp's converter writes no LLaVA-OneVision projector, and its LLaVA projector (mlp with grid pinpoints) encodes the "
+                "tiles as pictures of their own, without the newline feature after each row of the unpadded grid; finetune merge "
+                "writes the folder transformers and vLLM load")
     if family not in FAMILIES:
         return (f"{family} is a vision-language model whose projector file (mmproj) finetune does not write; it writes "
                 f"{', '.join(sorted(FAMILIES))} (finetune merge writes the folder transformers and vLLM load)")
