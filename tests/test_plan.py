@@ -259,12 +259,14 @@ def test_a_base_whose_experts_are_quantized_as_they_load_is_planned_while_it_loa
 def test_a_plan_with_the_experts_split_over_the_gpus_holds_their_share(capsys):
     """`finetune plan --expert-parallel 8` (DDP) on Qwen3-30B-A3B's shape: each GPU holds an eighth of the experts' 4-bit
     codes beside the whole dense part, and sends the routed tokens (the all-to-alls) beside the adapter's all-reduce; a
-    dense model, or a count that does not divide the GPUs, is refused in one line."""
+    dense model, or a count that does not divide the GPUs, is refused in one line. No tiled MLP is offered for experts
+    (model.tiled_mlp refuses them)."""
     args = ["plan", "--config", "configs/qlora.yaml", "--model", "docs/examples/qwen3-30b-a3b", "--seq-len", "4096", "--gpus", "8",
             "--gpu-mem", "80GiB", "--set", "train.micro_batch_size=1", "--tflops", "989", "--bandwidth", "400GB"]
     whole, split = (finetune_cli(capsys, *args, *extra) for extra in ((), ("--expert-parallel", "8")))
     assert whole.returncode == split.returncode == 0, split.stderr
     assert "each layer's experts split over 8 of them (expert parallel)" in split.stdout
+    assert "(model.tiled_mlp tiles dense MLPs only, not experts)" in whole.stdout and "with the MLP tiled" not in whole.stdout
 
     def gib(out: str, row: str) -> float:
         return float(re.search(rf"\| {row} +\| +([\d.]+) \|", out).group(1))

@@ -671,8 +671,12 @@ def alternatives(cfg: RunConfig, plan: Plan, gpu: bool) -> list[tuple[str, Plan]
 
 def render_rows(cfg: RunConfig, plan: Plan, budget: float, gpu: bool) -> str:
     """Long rows: the activations with and without a tiled MLP, and the longest row that fits a device
-    as planned, with the MLP tiled, and (several devices) with each row over all of them."""
+    as planned, with the MLP tiled, and (several devices) with each row over all of them. A mixture of experts has no
+    tiled line: model.tiled_mlp tiles dense MLPs only."""
     s = plan.setup
+    if plan.active_params < plan.total_params:
+        return (f"activations per device: {plan.activations / GiB:.2f} GiB (model.tiled_mlp tiles dense MLPs only, not experts)\n"
+                f"longest row that fits a device, one row a micro-batch: {longest_row(cfg, s, budget, gpu):,} tokens as planned")
     tiled = s if s.tiled_mlp > 1 else replace(s, tiled_mlp=4)
     other = make_plan(cfg, gpu=gpu, setup=replace(s, tiled_mlp=1) if s.tiled_mlp > 1 else tiled)
     pair = (plan, other) if s.tiled_mlp > 1 else (other, plan)
