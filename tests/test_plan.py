@@ -540,3 +540,12 @@ def test_fsdp_qlora_whose_rows_do_not_split_over_the_processes_is_refused_in_one
     assert "refuses" not in finetune_cli(capsys, *args, "--gpus", "128").stdout
     simulated = finetune_cli(capsys, *args, "--gpus", "512", "--simulate")
     assert simulated.returncode == 2 and simulated.stderr.strip() == "error: " + line.format("mlp."), simulated.stderr
+
+
+def test_a_checkpoints_multi_token_prediction_layers_are_said_to_be_left_out(capsys):
+    """Qwen3.5-27B's config names one multi-token-prediction layer (mtp.*), which transformers does not load: the plan
+    says so in one line instead of counting it; a model without one gets no such line."""
+    args = ("plan", "--config", "configs/lora.yaml", "--gpus", "1", "--gpu-mem", "80GiB", "--model")
+    qwen35 = finetune_cli(capsys, *args, "docs/examples/qwen3.5-27b")
+    assert qwen35.returncode == 0 and "note: the checkpoint's 1 multi-token-prediction layer(s) (mtp.*) are not counted" in qwen35.stdout
+    assert "multi-token-prediction" not in finetune_cli(capsys, *args, "docs/examples/qwen3-8b").stdout

@@ -530,6 +530,7 @@ class Plan:
     activations: float = 0.0  # the peak moment's activations, or (it holds none: DeepSpeed's step) the largest moment's that holds some
     loading: float = 0.0  # what a process holds while its base loads, where that is more than the base (load_peak), or 0
     loads_on_host: bool = False  # that load is in CPU RAM, not on the GPU (a torchao base: quantized on the host, then moved)
+    unloaded_mtp: int = 0  # the checkpoint's multi-token-prediction layers (Qwen3.5's mtp.*), which transformers does not load
 
 
 def refusal(cfg: RunConfig, s: Setup) -> str | None:
@@ -571,7 +572,8 @@ def make_plan(cfg: RunConfig, devices: int = 1, strategy: str | None = None, gpu
         loading += GPU_RESERVE
     return Plan(rows, sum(rows.values()), setup, trainable_params(whole, cfg), whole.linear_params + whole.other_params + pictures,
                 whole.active_params + pictures, whole.linear_params - whole.quantized_params(setup.bits or 16), host, moment=moment,
-                activations=activations, loading=loading, loads_on_host=on_host and gpu)
+                activations=activations, loading=loading, loads_on_host=on_host and gpu,
+                unloaded_mtp=int(families.text_config(shape.config).get("mtp_num_hidden_layers") or 0))
 
 
 def load_peak(shape: Shape, cfg: RunConfig, s: Setup) -> tuple[float, bool]:
@@ -744,6 +746,9 @@ def render(plan: Plan, budget: float, where: str, alts: list[tuple[str, Plan]]) 
     if s.bits and plan.unquantized_experts:
         lines.append(f"note: {plan.unquantized_experts:,} router" + (" parameters stay unquantized" if s.bits == 4 else
                      " and expert parameters stay unquantized (8-bit quantizes linear layers; a 4-bit base its experts too)"))
+    if plan.unloaded_mtp:
+        lines.append(f"note: the checkpoint's {plan.unloaded_mtp} multi-token-prediction layer(s) (mtp.*) are not counted: transformers does not "
+                     "load them, so finetune neither holds nor trains them (and its merge and GGUF export leave them out)")
     if plan.loading > (0 if plan.loads_on_host else plan.total):
         where_loaded = "of CPU RAM (torchao quantizes on the host, then the 4-bit model moves to the GPU)" if plan.loads_on_host else "per device"
         lines.append(f"loading: {plan.loading / GiB:.2f} GiB {where_loaded} while the base loads: each expert stack is quantized as "
