@@ -132,14 +132,7 @@ def test_an_adapter_alone_as_a_gguf_lora_file_that_llama_cpp_applies(tmp_path, r
     """The Llama 3.2 shape's LoRA adapter (query/key rows of B in llama.cpp's rotary order) as a GGUF LoRA file:
     llama.cpp running the base's f16 GGUF with it gives base + adapter's logits (the adapter moves them 100x more
     than the difference). A DoRA adapter is refused in one line."""
-    out = tmp_path / "run"
-    cfg = base_config(released("llama-3.2-1b"), out, data={"eval": None}, train={"max_steps": 4, "lr": 1e-2})
-    assert finetune_cli(capsys, "train", "--config", str(write_config(tmp_path / "c.yaml", cfg))).returncode == 0
-    result = finetune_cli(capsys, "export", "--adapter", str(out), "--lora", "--out", str(tmp_path / "adapter.gguf"))
-    assert result.returncode == 0, result.stderr
-    line = next(line for line in result.stdout.splitlines() if "applied by llama.cpp" in line)
-    worst, effect = float(line.split("within max ")[1].split()[0]), float(line.split("moves them by max ")[1].rstrip(")"))
-    assert worst < 5e-3 and effect > 100 * worst, line
+    cfg = _lora_file_checked(tmp_path, capsys, released("llama-3.2-1b"))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter.gguf", "c.yaml", "run"]  # the base's GGUF was temporary
     fields, types = read_header(tmp_path / "adapter.gguf")
     assert fields["general.type"] == "adapter" and fields["adapter.lora.alpha"] == 16.0
@@ -154,6 +147,29 @@ def test_an_adapter_alone_as_a_gguf_lora_file_that_llama_cpp_applies(tmp_path, r
     assert finetune_cli(capsys, "train", "--config", str(write_config(tmp_path / "d.yaml", cfg))).returncode == 0
     refused = finetune_cli(capsys, "export", "--adapter", str(tmp_path / "dora"), "--lora", "--out", str(tmp_path / "dora.gguf"))
     assert refused.returncode == 2 and "set with use_dora; GGUF LoRA files carry plain LoRA" in refused.stderr, refused.stderr
+
+
+@pytest.mark.skipif(not LLAMA_CPP, reason="llama.cpp's qwen35 is read back by llama.cpp only")
+def test_a_qwen35_adapter_as_a_gguf_lora_file_keeps_llama_cpps_value_head_order(tmp_path, released, capsys):
+    """Qwen3.5's text side (16 key and 48 value heads in its Gated DeltaNet layers) with LoRA on every linear layer: the
+    GGUF LoRA file's B rows of the DeltaNet's input projections and A columns of its output projection in llama.cpp's
+    tiled value-head order, as its weights: llama.cpp gives base + adapter's logits, the adapter moving them 100x more
+    than the difference (in transformers' order: 0.24 for a move of 0.80, under the f16 bound of 0.25 that publishing
+    checks, so this test holds the order)."""
+    _lora_file_checked(tmp_path, capsys, released("qwen3.5-27b"))
+
+
+def _lora_file_checked(tmp_path, capsys, model) -> dict:
+    """A LoRA adapter trained 4 steps on `model` (at tmp_path/run) written as tmp_path/adapter.gguf with --lora: llama.cpp's
+    logits with it applied within 5e-3 of base + adapter's, the adapter moving them 100x more. Returns the run's config."""
+    cfg = base_config(model, tmp_path / "run", data={"eval": None}, train={"max_steps": 4, "lr": 1e-2})
+    assert finetune_cli(capsys, "train", "--config", str(write_config(tmp_path / "c.yaml", cfg))).returncode == 0
+    result = finetune_cli(capsys, "export", "--adapter", str(tmp_path / "run"), "--lora", "--out", str(tmp_path / "adapter.gguf"))
+    assert result.returncode == 0, result.stderr
+    line = next(line for line in result.stdout.splitlines() if "applied by llama.cpp" in line)
+    worst, effect = float(line.split("within max ")[1].split()[0]), float(line.split("moves them by max ")[1].rstrip(")"))
+    assert worst < 5e-3 and effect > 100 * worst, line
+    return cfg
 
 
 @pytest.mark.skipif(not LLAMA_CPP, reason="llama-cpp-python is not installed (make test installs it)")

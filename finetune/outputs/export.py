@@ -253,7 +253,8 @@ def export_lora(adapter_path: str, out: str, say=print) -> dict:
 
 def _lora_tensors(writer, weights: dict, config: dict, arch, permuted: bool) -> None:
     """Each adapted layer's A (r x in) and B (out x r) under its GGUF name + .lora_a / .lora_b; B's rows of a query or
-    key projection in llama.cpp's rotary order, as the base's weight."""
+    key projection in llama.cpp's rotary order, and of a Gated DeltaNet projection (A's columns of its output
+    projection) in llama.cpp's value-head order, as the base's weight."""
     import gguf
 
     names = gguf.get_tensor_name_map(arch, config["num_hidden_layers"])
@@ -266,7 +267,13 @@ def _lora_tensors(writer, weights: dict, config: dict, arch, permuted: bool) -> 
         name = names.get_name(layer, try_suffixes=(".weight",))
         if name is None:
             raise UserError(f"--adapter: no GGUF name for the adapted layer {layer}")
-        a, b = weights[key].float().numpy(), weights[key.replace(".lora_A.", ".lora_B.")].float().numpy()
+        a, b = weights[key].float(), weights[key.replace(".lora_A.", ".lora_B.")].float()
+        if config.get("model_type") in LINEAR_ATTENTION and ".linear_attn." in layer:  # B's rows (out_proj: A's columns) as the weight's
+            if layer.endswith("out_proj.weight"):
+                a = _delta_net_weights({layer: a}, config)[layer]
+            else:
+                b = _delta_net_weights({layer: b}, config)[layer]
+        a, b = a.numpy(), b.numpy()
         if permuted and layer.endswith(("q_proj.weight", "k_proj.weight")):
             b = _rotary_rows(b, heads if "q_proj" in layer else kv)
         writer.add_tensor(f"{name}.lora_a", a)
@@ -629,7 +636,8 @@ def _delta_net_weights(state: dict, config: dict) -> dict:
         elif name.endswith(".dt_bias"):
             name, tensor = name.removesuffix("dt_bias") + "dt_proj.bias", tiled(tensor, width=1)
         elif name.endswith(("in_proj_qkv.weight", "conv1d.weight")):  # queries and keys, then the value heads
-            tensor = torch.cat([tensor[:2 * key_width], tiled(tensor[2 * key_width:])]).squeeze(1)
+            tensor = torch.cat([tensor[:2 * key_width], tiled(tensor[2 * key_width:])])
+            tensor = tensor.squeeze(1) if name.endswith("conv1d.weight") else tensor
         elif name.endswith("in_proj_z.weight"):
             tensor = tiled(tensor)
         elif name.endswith(("in_proj_a.weight", "in_proj_b.weight")):
