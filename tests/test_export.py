@@ -159,6 +159,20 @@ def test_a_qwen35_adapter_as_a_gguf_lora_file_keeps_llama_cpps_value_head_order(
     _lora_file_checked(tmp_path, capsys, released("qwen3.5-27b"))
 
 
+def test_what_llama_cpp_applies_no_adapter_to_is_refused_as_a_gguf_lora_file(tmp_path, family_dirs, capsys):
+    """A Gemma 4 adapter on its experts' fused weights, or on the per-layer inputs' model projection (which llama.cpp's gemma4
+    multiplies with no adapter: 0.36 off base + adapter's where it went in), is refused as a GGUF LoRA file in one line
+    (merge and export instead), nothing written."""
+    for targets, said in ((["q_proj", "experts"], "its LoRA on model.layers.0.experts, the experts' fused weights, is not written"),
+                          (["q_proj", "per_layer_model_projection"], "its LoRA on model.per_layer_model_projection cannot go in a GGUF LoRA file")):
+        out = tmp_path / targets[-1]
+        cfg = base_config(family_dirs("gemma4"), out, adapter={"target_modules": targets}, data={"eval": None}, train={"max_steps": 1})
+        assert finetune_cli(capsys, "train", "--config", str(write_config(tmp_path / "c.yaml", cfg))).returncode == 0
+        result = finetune_cli(capsys, "export", "--adapter", str(out), "--lora", "--out", str(tmp_path / "a.gguf"))
+        assert result.returncode == 2 and said in result.stderr.splitlines()[-1], result.stderr[-500:]
+        assert not (tmp_path / "a.gguf").exists()
+
+
 def _lora_file_checked(tmp_path, capsys, model) -> dict:
     """A LoRA adapter trained 4 steps on `model` (at tmp_path/run) written as tmp_path/adapter.gguf with --lora: llama.cpp's
     logits with it applied within 5e-3 of base + adapter's, the adapter moving them 100x more. Returns the run's config."""

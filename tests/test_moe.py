@@ -152,11 +152,16 @@ def test_latent_attention_partial_rotary_and_sink_moes_pack_exactly(family_dirs,
 
 
 def test_the_router_takes_no_adapter_and_dropout_stays_on_the_dense_layers(family_dirs):
-    """Naming the router is refused in one line; the default dropout applies to the dense layers' LoRA
-    and not the experts' (peft's takes none), said once."""
+    """Naming the router is refused in one line; all-linear leaves it out, Gemma 4's too (a linear layer `proj` inside
+    its `router`); the default dropout applies to the dense layers' LoRA and not the experts' (peft's takes none), said
+    once."""
     model_dir = family_dirs("qwen3-moe")
     with pytest.raises(UserError, match=r"^adapter.target_modules: gate is this qwen3_moe model's router, which takes no LoRA"):
         _adapted(model_dir, target_modules=["q_proj", "gate"])
+    gemma4 = _adapted(family_dirs("gemma4"))
+    assert [n for n, _ in gemma4.named_modules() if n.endswith("lora_A")] and not [n for n, _ in gemma4.named_modules() if ".router." in n and "lora" in n]
+    with pytest.raises(UserError, match=r"^adapter.target_modules: proj is this gemma4_text model's router, which takes no LoRA"):
+        _adapted(family_dirs("gemma4"), target_modules=["q_proj", "proj"])
     said = []
     model = _adapted(model_dir, say=said.append, dropout=0.05)
     dropouts = {name.split(".lora_dropout")[0].replace(".base_layer", "").rsplit(".", 1)[-1]: type(m).__name__

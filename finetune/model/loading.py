@@ -518,6 +518,13 @@ def linear_like(module) -> bool:
     return isinstance(module, (torch.nn.Linear, Conv1D))
 
 
+def router_names(model) -> set[str]:
+    """The names (last parts) of an MoE model's layers that pick experts: the routers by name, and a linear layer inside
+    a router (Gemma 4's router.proj)."""
+    return ROUTERS | {name.rsplit(".", 1)[-1] for name, m in model.named_modules()
+                      if linear_like(m) and name.count(".") and name.split(".")[-2] in ROUTERS}
+
+
 def lora_targets(model, wanted: str | list[str]) -> tuple[str | list[str], list[str]]:
     """(target_modules, target_parameters) for peft.
 
@@ -529,10 +536,11 @@ def lora_targets(model, wanted: str | list[str]) -> tuple[str | list[str], list[
     linears = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if linear_like(m) and m is not head}
     stacks = sorted({f"{module.rsplit('.', 1)[-1]}.{p}" for module, m in experts.named_fused_experts(model)
                      for p, w in m.named_parameters(recurse=False) if w.dim() == 3})
+    picking = router_names(model) if stacks else set()
     if wanted == "all-linear":
-        return (sorted(linears - ROUTERS), stacks) if stacks else ("all-linear", [])
+        return (sorted(linears - picking), stacks) if stacks else ("all-linear", [])
     named = [t for t in wanted if t != "experts"]
-    routers = [t for t in named if stacks and t.rsplit(".", 1)[-1] in ROUTERS]
+    routers = [t for t in named if t.rsplit(".", 1)[-1] in picking]
     if routers:
         raise UserError(f"adapter.target_modules: {', '.join(routers)} is this {model.config.model_type} model's router, which takes no LoRA "
                         "(a changed routing undoes what the experts learned); name the experts, attention or shared-expert layers")

@@ -261,6 +261,12 @@ def _lora_tensors(writer, weights: dict, config: dict, arch, permuted: bool) -> 
     heads, kv = config["num_attention_heads"], config.get("num_key_value_heads") or config["num_attention_heads"]
     for key in sorted(k for k in weights if ".lora_A." in k):
         layer = key.removeprefix("base_model.model.").replace(".lora_A.weight", ".weight")
+        if ".experts." in layer:
+            raise UserError(f"--adapter: its LoRA on {layer.split('.experts.')[0]}.experts, the experts' fused weights, is not written as a GGUF LoRA "
+                            "file here; export the merged model instead (without --lora)")
+        if layer == "model.per_layer_model_projection.weight":
+            raise UserError("--adapter: its LoRA on model.per_layer_model_projection cannot go in a GGUF LoRA file: llama.cpp's gemma4 "
+                            "multiplies that weight with no adapter; export the merged model instead (without --lora)")
         if layer.endswith("kv_b_proj.weight"):
             raise UserError(f"--adapter: its LoRA on {layer.removesuffix('.weight')} cannot go in a GGUF LoRA file: llama.cpp's deepseek2 splits that "
                             "weight per head into k_b (transposed) and v_b; export the merged model instead (without --lora)")

@@ -145,7 +145,7 @@ def skeleton_shape(folder: Path) -> Shape:
     import torch
 
     from finetune.config.schema import ModelConfig
-    from finetune.model.loading import ROUTERS, linear_like, load_model
+    from finetune.model.loading import linear_like, load_model, router_names
 
     try:
         model = load_model(ModelConfig(name_or_path=str(folder)), skeleton="meta", say=lambda _: None)
@@ -173,7 +173,8 @@ def skeleton_shape(folder: Path) -> Shape:
                     copies[key] += weight.shape[0]
                     active[key] += min(routed, weight.shape[0])
     moe = any(expert for *_, expert in copies)  # routers are told apart in mixture-of-experts models only, as model.lora_targets does
-    linears = [Linear(name, fan_in, fan_out, n, active[name, fan_in, fan_out, expert], expert=expert, router=moe and not expert and name in ROUTERS)
+    routers = router_names(model)
+    linears = [Linear(name, fan_in, fan_out, n, active[name, fan_in, fan_out, expert], expert=expert, router=moe and not expert and name in routers)
                for (name, fan_in, fan_out, expert), n in copies.items()]
     vocab, hidden = embed.weight.shape
     tied = head is not None and head.weight is embed.weight
