@@ -12,6 +12,7 @@ import gguf
 V = gguf.GGUFValueType
 SCALARS = {V.UINT8: "<B", V.INT8: "<b", V.UINT16: "<H", V.INT16: "<h", V.UINT32: "<I", V.INT32: "<i", V.FLOAT32: "<f", V.BOOL: "<?",
            V.UINT64: "<Q", V.INT64: "<q", V.FLOAT64: "<d"}
+SHORT = 64  # arrays of per-layer values and sections are read; vocabularies are not
 
 
 class _Header:
@@ -29,12 +30,15 @@ class _Header:
         return bytes(self.data[self.pos - n:self.pos]).decode()
 
     def value(self, kind: V):
-        """A scalar or a string; an array is read past, and stands for its length."""
+        """A scalar or a string; an array of at most SHORT numbers as a list of them; a longer one, or one of strings,
+        read past and standing for its length."""
         if kind == V.STRING:
             return self.string()
         if kind != V.ARRAY:
             return self.take(SCALARS[kind])
         inner, n = V(self.take("<I")), self.take("<Q")
+        if inner in SCALARS and n <= SHORT:
+            return [self.take(SCALARS[inner]) for _ in range(n)]
         if inner in SCALARS:
             self.pos += n * struct.calcsize(SCALARS[inner])
         elif inner == V.STRING:  # not decoded: a vocabulary's byte tokens are no UTF-8 of their own
