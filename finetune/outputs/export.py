@@ -421,13 +421,12 @@ def _gemma4(writer, config: dict) -> None:
     given as rope_freqs (the rest held still), their own rope bases, the last layers reading earlier layers' keys and
     values, per-layer inputs, MLPs twice as wide on the sharing layers where the config says so, the logits' soft cap."""
     kinds, layers = config["layer_types"], config["num_hidden_layers"]
-    heads = _gemma4_heads(config)
-    full, sliding = (next(size for (size, _), kind in zip(heads, kinds) if kind == want) for want in ("full_attention", "sliding_attention"))
+    full, sliding = _gemma4_head_size(config, "full_attention"), _gemma4_head_size(config, "sliding_attention")
     writer.add_key_length(full)
     writer.add_value_length(full)
     writer.add_key_length_swa(sliding)
     writer.add_value_length_swa(sliding)
-    counts = [kv for _, kv in heads]
+    counts = [kv for _, kv in _gemma4_heads(config)]
     writer.add_head_count_kv(counts if len(set(counts)) > 1 else counts[0])
     writer.add_rope_dimension_count(full)
     writer.add_rope_dimension_count_swa(int(sliding * _rope(config, "sliding_attention").get("partial_rotary_factor", 1.0)))
@@ -460,6 +459,11 @@ def _gemma4_heads(config: dict) -> list[tuple[int, int]]:
     return [(per_layer.get(i, {}).get("head_dim", size), per_layer.get(i, {}).get("num_key_value_heads", kv)) for i in range(config["num_hidden_layers"])]
 
 
+def _gemma4_head_size(config: dict, kind: str) -> int:
+    """The head size of Gemma 4's layers of one kind (llama.cpp takes one per kind)."""
+    return next(size for (size, _), layer in zip(_gemma4_heads(config), config["layer_types"]) if layer == kind)
+
+
 def _gemma4_weights(state: dict) -> dict:
     """Gemma 4's experts as llama.cpp's gemma4 reads them: gate and up kept as one tensor (ffn_gate_up_exps), the router's
     input scale and each expert's output scale as scales of the router and the experts' down projection."""
@@ -475,7 +479,7 @@ def _gemma4_weights(state: dict) -> dict:
 def _gemma4_rope_factors(config: dict) -> np.ndarray:
     """Gemma 4's full layers rotate the first partial_rotary_factor of each half-head and leave the rest: llama.cpp's
     rotary factors, 1 for a rotated pair and 1e30 (no rotation) for the others, as its converter writes them."""
-    full = next(size for (size, _), kind in zip(_gemma4_heads(config), config["layer_types"]) if kind == "full_attention")
+    full = _gemma4_head_size(config, "full_attention")
     turned = int(full * _rope(config).get("partial_rotary_factor", 1.0) / 2)
     return np.array([1.0] * turned + [1e30] * (full // 2 - turned), dtype=np.float32)
 

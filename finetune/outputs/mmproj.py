@@ -363,10 +363,7 @@ def check(model, processor, text_gguf: Path, mmproj: Path, picture) -> float:
     whole = {"do_image_splitting": False, "size": {"longest_edge": picture.width}} if family in SHUFFLED else {}
     inputs = processor.image_processor(images=[picture], return_tensors="pt", **whole)
     pixels = inputs["pixel_values"]
-    chosen = {} if family in ("gemma3", *SHUFFLED) else {"image_grid_thw": inputs["image_grid_thw"]} if family in (*QWEN, *QWEN35) else {
-        "image_position_ids": inputs["image_position_ids"]} if family == "gemma4" else {
-        "vision_feature_layer": model.config.vision_feature_layer, "vision_feature_select_strategy": model.config.vision_feature_select_strategy}
-    features = model.model.get_image_features(pixel_values=pixels, **chosen)
+    features = model.model.get_image_features(pixel_values=pixels, **_feature_arguments(model.config, inputs))
     ours = torch.cat(list(features.pooler_output if hasattr(features, "pooler_output") else features)).float()
     # Qwen3-VL: each DeepStack layer's features beside the picture's, as llama.cpp hands them on (n_embd_inp wide)
     ours = torch.cat([ours, *(torch.cat(list(layer)).float() for layer in getattr(features, "deepstack_features", None) or [])], dim=-1)
@@ -375,6 +372,18 @@ def check(model, processor, text_gguf: Path, mmproj: Path, picture) -> float:
         raise Stopped(f"GGUF check failed: llama.cpp makes {tuple(theirs.shape)} embeddings of a picture, the model {tuple(ours.shape)}",
                       exit_code=EXIT_MERGE_CHECK)
     return (theirs - ours).abs().max().item() / ours.abs().max().item()
+
+
+def _feature_arguments(config, inputs) -> dict:
+    """What the family's get_image_features takes beside the pixels: Qwen-VL's picture grid, Gemma 4's patch places,
+    LLaVA's and InternVL's feature layer; Gemma 3's and Idefics3's nothing."""
+    if config.model_type in ("gemma3", *SHUFFLED):
+        return {}
+    if config.model_type in (*QWEN, *QWEN35):
+        return {"image_grid_thw": inputs["image_grid_thw"]}
+    if config.model_type == "gemma4":
+        return {"image_position_ids": inputs["image_position_ids"]}
+    return {"vision_feature_layer": config.vision_feature_layer, "vision_feature_select_strategy": config.vision_feature_select_strategy}
 
 
 def _llama_cpp_embeddings(text_gguf: Path, mmproj: Path, picture) -> torch.Tensor:
