@@ -84,16 +84,22 @@ def test_grouped_expert_lora_equals_peft_on_the_librarys_eager_experts(family_di
 
 
 @pytest.mark.parametrize("r", [4, 8])
-def test_expert_lora_under_bf16_autocast_keeps_no_routed_copy_of_the_tokens_hidden_wide(family_dirs, r):
+def test_expert_lora_under_bf16_autocast_keeps_no_routed_copy_of_the_tokens_hidden_wide(family_dirs, monkeypatch, r):
     """A layer's experts, bf16 (a 4-bit base's unquantized parts as loaded), under bf16 autocast as accelerate runs them: their fp32
-    LoRA computes in bf16 as the dense layers' does there, and the backward keeps the layer's input once in bf16, the down
-    projection's input with the routing weight folded in, and no tensor of tokens x top_k x hidden in any dtype (256 MiB a
-    layer in bf16 at Qwen3-30B-A3B's widths and 4,096 tokens: the routed copies of the input, or the experts' outputs);
-    output and LoRA gradients within bf16's rounding of the fp32 layer's on the same routing, r 4 included (grouped_mm takes
-    bf16 rows of 8 values or more)."""
+    LoRA computes in bf16 as the dense layers' does there. Of the routed copies (tokens x top_k rows) the backward keeps
+    only the first projection's output and the routing weights (beside the layer's input once in bf16), and no tensor of
+    tokens x top_k x hidden is made, in the backward at all, in the forward but once (the routed copies of the input while
+    the first projection computes): at Qwen3-30B-A3B's widths and 4,096 tokens each is 128 MiB in bf16 (the copies'
+    outputs, and their gradient). Output and LoRA gradients within bf16's rounding of the fp32 layer's on the same
+    routing, r 4 included (grouped_mm takes bf16 rows of 8 values or more). The experts 40 wide: no routed tensor is
+    hidden-wide by chance; CHUNK at 16 rows of the hidden width, where 96 are routed."""
     import copy
 
-    model = _adapted(family_dirs("qwen3-moe"), r=r)
+    from torch.utils import _pytree as pytree
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    model = _adapted(family_dirs("qwen3-moe", moe_intermediate_size=40), r=r)
+    monkeypatch.setattr(experts, "CHUNK", 16 * model.config.hidden_size)
     exact = model.base_model.model.model.layers[0].mlp.experts
     ours = copy.deepcopy(exact)
     for p in ours.parameters():
@@ -104,20 +110,34 @@ def test_expert_lora_under_bf16_autocast_keeps_no_routed_copy_of_the_tokens_hidd
     x = torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16)
     chosen = torch.rand(tokens, model.config.num_experts, generator=gen).topk(top_k).indices
     weights, grad = torch.rand(tokens, top_k, generator=gen).softmax(-1), torch.randn(tokens, hidden, generator=gen)
-    saved = []
+    saved, made = [], {"forward": [], "backward": []}
 
     def keep(t):
         saved.append((t.dtype, tuple(t.shape)))
         return t
 
-    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t), torch.autocast("cpu", torch.bfloat16):
+    class Made(TorchDispatchMode):
+        def __init__(self, phase):
+            super().__init__()
+            self.phase = phase
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            made[self.phase] += [tuple(t.shape) for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+            return out
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t), torch.autocast("cpu", torch.bfloat16), Made("forward"):
         out = ours(x, chosen, weights)
-    (out.float() * grad).sum().backward()
+    with Made("backward"):
+        (out.float() * grad).sum().backward()
     reference = exact(x.float(), chosen, weights)
     (reference * grad).sum().backward()
-    width = model.config.moe_intermediate_size
-    assert not any(shape == (tokens * top_k, hidden) for _, shape in saved), saved
-    assert (torch.bfloat16, (tokens, hidden)) in saved and (torch.bfloat16, (tokens * top_k, width)) in saved, saved
+    width, routed = model.config.moe_intermediate_size, tokens * top_k
+    kept = {shape for dtype, shape in saved if dtype.is_floating_point and shape[0] == routed}  # beside the LoRA's rank-wide product
+    assert kept - {(routed, max(r, 8))} == {(routed, 2 * width), (routed, 1)}, saved
+    assert (torch.bfloat16, (tokens, hidden)) in saved, saved
+    assert made["backward"] and (routed, hidden) not in made["backward"]
+    assert made["forward"].count((routed, hidden)) == 1, made["forward"]
     assert (out.float() - reference).norm() < 2e-2 * reference.norm()
     trained = {n: p for n, p in exact.named_parameters() if p.requires_grad}
     assert len(trained) == 4  # lora_A and lora_B of gate_up_proj and down_proj

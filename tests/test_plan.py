@@ -26,9 +26,10 @@ def test_7b_full_finetune_matches_the_hand_computed_figures():
     assert plan.rows["weights"] == 4 * N + BUFFERS  # fp32
     assert plan.rows["gradients"] == 4 * N
     assert plan.rows["optimizer states"] == 8 * N  # AdamW: two fp32 moments -> 16 bytes/param in all
-    tokens, layer = 2048, (6 * 4096 + 2 * 4096 + 4 * 11008) * 2 * 2048  # bf16 activations
+    # bf16 activations: a Llama block's values (the attention's output twice), its two norms' inputs in fp32 (their other 2 bytes)
+    tokens, layer = 2048, (7 * 4096 + 2 * 4096 + 4 * 11008) * 2 * 2048 + 2 * 4096 * 2 * 2048
     fused_loss = 2 * tokens * 4096 * 2 + 3 * 2**22 * 4  # final hidden states and their gradient; one chunk's logits (fp32) thrice
-    mlp_grads = 3 * 11008 * 2 * tokens  # the MLP's input gradients forming in a rebuilt layer's backward
+    mlp_grads = 2 * 11008 * 2 * tokens  # the MLP's input gradients forming in a rebuilt layer's backward (its product freed)
     # fp32 weights: an fp32 residual stream kept by each checkpoint; the peak is a layer's backward, the loss's moment holds less
     assert plan.rows["activations"] == 32 * tokens * 4096 * 4 + layer + mlp_grads and plan.moment == "a layer's backward"
     assert 32 * tokens * 4096 * 4 + fused_loss < plan.rows["activations"]
@@ -51,9 +52,9 @@ def test_7b_qlora_matches_the_hand_computed_figures():
     assert plan.rows["optimizer states"] == lora * 2  # 8-bit AdamW: two 1-byte moments
     # activations as full fine-tuning's, the residual stream in bf16 (model.dtype, the unquantized parts as loaded), plus
     # LoRA dropout's (0.05 by default): one rebuilt layer's dropped inputs of its seven adapted layers (bf16) and their 1-byte masks
-    tokens, layer = 2048, (6 * 4096 + 2 * 4096 + 4 * 11008) * 2 * 2048
+    tokens, layer = 2048, (7 * 4096 + 2 * 4096 + 4 * 11008) * 2 * 2048 + 2 * 4096 * 2 * 2048
     dropped = (4 * 4096 + 2 * 4096 + 11008) * tokens * (2 + 1)
-    assert plan.rows["activations"] == 32 * tokens * 4096 * 2 + layer + 3 * 11008 * 2 * tokens + dropped
+    assert plan.rows["activations"] == 32 * tokens * 4096 * 2 + layer + 2 * 11008 * 2 * tokens + dropped
     gpu = make_plan(load_config(REPO / "docs/examples/plan-7b-qlora.yaml", check_model=False), gpu=True)
     assert round(gpu.total / GiB, 2) == 6.35  # docs/planning.md's worked example
 
@@ -305,7 +306,7 @@ def test_plan_of_long_rows_splits_them_over_devices_and_tiles_the_mlp(capsys):
     assert one.moment == split.moment == "a layer's backward"  # not the loss's (whose fused chunk is the same whatever the tokens)
     assert split.rows["activations"] == pytest.approx(one.rows["activations"] / 8)
     tiled = make_plan(cfg, devices=8, gpu=True, setup=replace(one.setup, tiled_mlp=4))
-    mlp = (4 + 3) * 11008 * 2 * 4096  # the rebuilt layer's MLP share and its input gradients forming, bf16
+    mlp = (4 + 2) * 11008 * 2 * 4096  # the rebuilt layer's MLP share and its input gradients forming, bf16
     assert one.rows["activations"] - tiled.rows["activations"] == pytest.approx(mlp * 3 / 4)
     budget = 80 * GiB
     assert longest_row(cfg, replace(one.setup, sequence_parallel=8), budget, True) > 7 * longest_row(cfg, one.setup, budget, True)

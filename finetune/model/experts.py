@@ -122,12 +122,15 @@ def grouped_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor
         up = project(self, first, hidden_states[rows], offsets, ends, expert_ids)
     else:  # the routed copies made outside autograd, and only while their projection computes
         up = project(self, first, hidden_states.detach()[rows], offsets, ends, expert_ids, Gathered(hidden_states, rows))
-    up = self._apply_gate(up) if self.has_gate else self.act_fn(up)
     weights = top_k_weights.reshape(-1)[order].unsqueeze(-1)
     folded = folds_routing(self)
+    if folded and not self.down_proj.requires_grad:  # frozen: the rest of the layer a chunk of rows at a time (RoutedDown)
+        lora = [t for wrapper, adapter in active_loras(self, "down_proj") for t in lora_weights(wrapper, adapter)]
+        summed = RoutedDown.apply(up, weights.to(up.dtype), self, Stack.of(self, "down_proj"), offsets, ends, rows, tokens, *lora)
+        return summed.to(hidden_states.dtype)
+    up = activated(self, up)
     if folded:  # w·(W u) = W (w·u): the down projection's input is scaled, not its hidden-wide output
-        weights = weights.to(up.dtype)
-        out = project(self, "down_proj", up * weights, offsets, ends, expert_ids, (torch.mul, (up, weights)))
+        out = project(self, "down_proj", up * weights.to(up.dtype), offsets, ends, expert_ids)
     else:
         out = project(self, "down_proj", up, offsets, ends, expert_ids)
     if self.has_post_expert_norm:
@@ -166,8 +169,7 @@ def routed_apart(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, t
     folded = folds_routing(self)
     if folded:  # as grouped_forward: the weights travel with their tokens and scale the down projection's input
         weights = exchanged(weights)[regroup]
-    up = project(self, "gate_up_proj" if self.has_gate else "up_proj", x, offsets, ends, local)
-    up = self._apply_gate(up) if self.has_gate else self.act_fn(up)
+    up = activated(self, project(self, "gate_up_proj" if self.has_gate else "up_proj", x, offsets, ends, local))
     out = project(self, "down_proj", up * weights.to(up.dtype) if folded else up, offsets, ends, local)
     if self.has_post_expert_norm:
         out = self.post_expert_norm(out)
@@ -210,6 +212,98 @@ class Combined(torch.autograd.Function):
         return grad.index_select(0, rows), None, None, None
 
 
+class RoutedDown(torch.autograd.Function):
+    """What a MoE layer does once its first projection is made (`up`, routed copies sorted by expert: rows[i] the token of
+    up[i]), where the experts are frozen and the routing weight folds into the down projection's input (folds_routing):
+    the gate (activated), the routing weight, the down projection with its LoRAs (each an (a, b) of lora_weights), each
+    token's outputs summed. A chunk of rows at a time, in the forward and again in the backward, where autograd takes
+    each chunk's gate and LoRA (the frozen weight's input gradient is one grouped matmul, as before): it keeps `up` and
+    the routing weights, where the same ops whole keep three more tensors of the routed copies and make two hidden-wide
+    ones (their outputs, and in the backward their gradient: 128 MiB each at Qwen3-30B-A3B's widths and 4,096 tokens in
+    bf16). The sums gather in fp32, cast once: each token's outputs, and the LoRA's gradients over the chunks."""
+
+    @staticmethod
+    def forward(ctx, up, weights, experts, stack, offsets, ends, rows, tokens, *lora):
+        ctx.experts, ctx.stack, ctx.ends = experts, stack, ends
+        ctx.save_for_backward(up, weights, rows, offsets, *lora)
+        summed = up.new_zeros(tokens, stack.width if experts.is_transposed else stack.per_expert, dtype=torch.float32)
+        lora = [t.detach() for t in lora]
+        for w, first, last, offs, every in _down_pieces(stack, offsets, ends, len(rows), _compute(stack, up)):
+            x = activated(experts, up.detach()[first:last]) * weights.detach()[first:last]
+            part = torch.nn.functional.grouped_mm(x.to(w.dtype), w if experts.is_transposed else w.transpose(-2, -1), offs=offs)
+            if lora:
+                part += _lora_part(x, lora, every).to(part.dtype)
+            add_rows(summed, rows[first:last], part)
+            del w, x, part  # the generator's is the weights' only reference left: freed before the next piece's are made
+        return summed.to(_compute(stack, up))
+
+    @staticmethod
+    def backward(ctx, grad):
+        up, weights, rows, offsets, *lora = ctx.saved_tensors
+        grad_up, grad_weights = torch.empty_like(up), torch.empty_like(weights)
+        sums = [torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in lora]
+        for w, first, last, offs, every in _down_pieces(ctx.stack, offsets, ctx.ends, len(rows), _compute(ctx.stack, up)):
+            g = grad.index_select(0, rows[first:last])
+            with torch.enable_grad():
+                u, r = up[first:last].detach().requires_grad_(), weights[first:last].detach().requires_grad_()
+                leaves = [t.detach().requires_grad_() for t in lora]
+                x = activated(ctx.experts, u) * r
+                outputs, grads = [x], [torch.nn.functional.grouped_mm(g.to(w.dtype), w.transpose(-2, -1) if ctx.experts.is_transposed else w,
+                                                                      offs=offs).to(x.dtype)]
+                if leaves:
+                    outputs.append(_lora_part(x, leaves, every))
+                    grads.append(g.to(outputs[-1].dtype))
+                torch.autograd.backward(outputs, grads)
+            grad_up[first:last], grad_weights[first:last] = u.grad, r.grad
+            for total, leaf in zip(sums, leaves):
+                total.add_(leaf.grad)
+            del w, g, u, r, x, leaves, outputs, grads
+        return (grad_up, grad_weights, None, None, None, None, None, None, *(total.to(t.dtype) for total, t in zip(sums, lora)))
+
+
+def _lora_part(x: torch.Tensor, lora: list[torch.Tensor], every: torch.Tensor) -> torch.Tensor:
+    """The LoRAs' share of a down projection's outputs for routed rows x: (x·A_e)·B_e summed over the (a, b) pairs in `lora`."""
+    parts = [torch.nn.functional.grouped_mm(torch.nn.functional.grouped_mm(x.to(a.dtype), a, offs=every), b, offs=every)
+             for a, b in zip(lora[0::2], lora[1::2])]
+    return sum(parts[1:], parts[0])
+
+
+def _compute(stack: Stack, x: torch.Tensor) -> torch.dtype:
+    """The dtype a stack's grouped matmul computes in: the input's for a quantized stack (as torchao's linear_nf4), else its own."""
+    return x.dtype if quantized(stack.weight) else stack.weight.dtype
+
+
+def activated(experts: torch.nn.Module, up: torch.Tensor) -> torch.Tensor:
+    """The first projection's outputs through the experts' gate (or their activation, where they have none)."""
+    return experts._apply_gate(up) if experts.has_gate else experts.act_fn(up)
+
+
+def _down_pieces(stack: Stack, offsets: torch.Tensor, ends: list[int] | None, count: int, dtype: torch.dtype):
+    """(w, first, last, offs, every) for rows first..last of `count` routed rows sorted by expert, CHUNK values of the
+    stack's widest row at a time, within its dequantization steps: w the step's experts' weights (E', d1, d2) in `dtype`,
+    offs their groups' ends among those rows and `every` all the experts' (for the LoRA)."""
+    per, step = stack.per_expert, max(1, CHUNK // max(stack.per_expert, stack.width))
+    for first_expert, last_expert, start, stop in _steps(stack, ends, count):
+        w = stack.rows(first_expert * per, last_expert * per).view(last_expert - first_expert, per, -1).to(dtype)
+        for first in range(start, stop, step):
+            last = min(first + step, stop)
+            yield w, first, last, (offsets[first_expert:last_expert] - first).clamp(0, last - first), (offsets - first).clamp(0, last - first)
+        del w
+
+
+def _steps(stack: Stack, ends: list[int] | None, count: int):
+    """(first, last, start, stop): the experts first..last a dequantization step of `stack` holds, and the routed rows
+    start..stop they take of `count` (`ends`: each expert's rows' end; steps no token reached skipped)."""
+    if stack.step >= stack.experts:
+        yield 0, stack.experts, 0, count
+        return
+    for first in range(0, stack.experts, stack.step):
+        last = min(first + stack.step, stack.experts)
+        start, stop = (ends[first - 1] if first else 0), ends[last - 1]
+        if stop > start:
+            yield first, last, start, stop
+
+
 class Gathered(NamedTuple):
     """The source of routed copies x = hidden[rows] made outside autograd: a projection that reads them hands its input's
     gradient to `hidden`, each token's copies summed a chunk of rows at a time, where autograd's own gather takes each
@@ -236,13 +330,12 @@ def balanced_routing():
 
 
 def project(experts: torch.nn.Module, name: str, x: torch.Tensor, offsets: torch.Tensor, ends: list[int] | None,
-            expert_ids: torch.Tensor, source: Gathered | tuple | None = None) -> torch.Tensor:
+            expert_ids: torch.Tensor, source: Gathered | None = None) -> torch.Tensor:
     """One projection of the routed tokens `x` (sorted by expert, `offsets` ending each expert's rows, `ends` the
     same as numbers where a 4-bit stack needs them): the base weight's, its bias, and the LoRA of every active
-    adapter on it. source: Gathered (x made outside autograd: the input's gradient goes to the tokens), or (build, inputs)
-    with x = build(*inputs), for the LoRA to make x again in its backward."""
+    adapter on it. source: x made outside autograd (the input's gradient goes to the tokens)."""
     weight = getattr(experts, name)
-    gathered = source if isinstance(source, Gathered) else ()
+    gathered = source or ()
     if quantized(weight) or gathered:  # a quantized stack computes in x's dtype (as torchao's linear_nf4), one kept as loaded in its own
         out = FrozenGrouped.apply(x if quantized(weight) else x.to(weight.dtype), Stack.of(experts, name), offsets, ends, experts.is_transposed,
                                   *gathered)
@@ -250,16 +343,22 @@ def project(experts: torch.nn.Module, name: str, x: torch.Tensor, offsets: torch
         out = torch.nn.functional.grouped_mm(x.to(weight.dtype), weight if experts.is_transposed else weight.transpose(-2, -1), offs=offsets)
     if experts.has_bias:
         out = out + getattr(experts, f"{name}_bias")[expert_ids]
-    wrapper = experts.__dict__.get(LORA, {}).get(name)
-    if wrapper is not None and not wrapper.disable_adapters and not wrapper.merged:
-        for adapter in (a for a in wrapper.active_adapters if a in wrapper.lora_A):
-            out = add_lora(out, wrapper, adapter, x, offsets, source)
+    for wrapper, adapter in active_loras(experts, name):
+        out = AddedLow.apply(out, *lora_low(wrapper, adapter, x, offsets, source), offsets)
     return out
 
 
-def add_lora(out: torch.Tensor, wrapper, adapter: str, x: torch.Tensor, offsets: torch.Tensor,
-             source: Gathered | tuple | None = None) -> torch.Tensor:
-    """out += scaling · (x·A_eᵀ)·B_eᵀ for each routed token's expert e, in peft's layout: lora_A (E·r, in) holds
+def active_loras(experts: torch.nn.Module, name: str) -> list[tuple[object, str]]:
+    """(peft's wrapper, adapter name) of each active LoRA on the projection `name` of an experts module."""
+    wrapper = experts.__dict__.get(LORA, {}).get(name)
+    if wrapper is None or wrapper.disable_adapters or wrapper.merged:
+        return []
+    return [(wrapper, adapter) for adapter in wrapper.active_adapters if adapter in wrapper.lora_A]
+
+
+def lora_weights(wrapper, adapter: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(A_eᵀ stacked (E, in, r), scaling · B_eᵀ stacked (E, r, out)) of the experts this process computes: with them a
+    projection's LoRA adds scaling · (x·A_eᵀ)·B_eᵀ for each routed token's expert e. peft's layout: lora_A (E·r, in) holds
     A_e in rows e·r..(e+1)·r, lora_B (out, r·E) holds B_e in columns e, e+E, e+2E, ...
     Under autocast in the autocast's dtype, as the dense layers' LoRA computes there (loading.adapter_input_casting_off;
     torch's autocast leaves grouped_mm alone): the adapter's weights cast, not a copy of every routed token in fp32."""
@@ -272,14 +371,15 @@ def add_lora(out: torch.Tensor, wrapper, adapter: str, x: torch.Tensor, offsets:
     pad = -a.shape[-1] % (16 // a.element_size())  # grouped_mm takes strides of whole 16 bytes: r 4 in bf16 gets 4 zeros
     if pad:
         a, b = torch.nn.functional.pad(a, (0, pad)), torch.nn.functional.pad(b, (0, 0, 0, pad))
+    return a, b
+
+
+def lora_low(wrapper, adapter: str, x: torch.Tensor, offsets: torch.Tensor, source: Gathered | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x·A_eᵀ, scaling · B_eᵀ stacked): lora_weights, and x through the first."""
+    a, b = lora_weights(wrapper, adapter)
     if source is None:
-        low = torch.nn.functional.grouped_mm(x.to(dtype), a, offs=offsets)
-    elif isinstance(source, Gathered):
-        low = RebuiltLow.apply(x.to(dtype), a, offsets, lambda h, rows: h[rows].to(dtype), True, *source)
-    else:
-        build, inputs = source
-        low = RebuiltLow.apply(x.to(dtype), a, offsets, lambda *t: build(*t).to(dtype), False, *inputs)
-    return AddedLow.apply(out, low, b, offsets)
+        return torch.nn.functional.grouped_mm(x.to(a.dtype), a, offs=offsets), b
+    return RebuiltLow.apply(x.to(a.dtype), a, offsets, *source), b
 
 
 class AddedLow(torch.autograd.Function):
@@ -306,40 +406,49 @@ class AddedLow(torch.autograd.Function):
 
 
 class RebuiltLow(torch.autograd.Function):
-    """x·A_e per expert group (grouped_mm), keeping for the backward, instead of x, the tensors x = build(*inputs) is made of
-    and the layer keeps anyway: its input and the row index (x: the routed copies, top_k of each token; gathered: their
-    gradient goes to the input, summed per token), or the gated product and the routing weights (x: their product).
-    x is made again there for A's gradient."""
+    """x·A_e per expert group (grouped_mm) for routed copies x = hidden[rows] made outside autograd (Gathered), keeping
+    for the backward, instead of x (top_k copies of each token), the layer's input and the row index: x's gradient goes
+    to the input, summed per token, and x is made again there for A's gradient, CHUNK values at a time, A's gradient
+    summed over the chunks in fp32."""
 
     @staticmethod
-    def forward(ctx, x, a, offsets, build, gathered, *inputs):
-        ctx.build, ctx.gathered = build, gathered
-        ctx.save_for_backward(a, offsets, *inputs)
+    def forward(ctx, x, a, offsets, hidden, rows):
+        ctx.save_for_backward(a, offsets, hidden, rows)
         return torch.nn.functional.grouped_mm(x, a, offs=offsets)
 
     @staticmethod
     def backward(ctx, grad):
-        a, offsets, *inputs = ctx.saved_tensors
-        grad, grad_x, grad_a, grad_hidden = grad.contiguous(), None, None, None
-        if ctx.needs_input_grad[0]:
-            grad_x = torch.nn.functional.grouped_mm(grad, a.transpose(-2, -1), offs=offsets)
-        if ctx.gathered and ctx.needs_input_grad[5]:
-            hidden, rows = inputs
+        a, offsets, hidden, rows = ctx.saved_tensors
+        grad, grad_a, grad_hidden = grad.contiguous(), None, None
+        if ctx.needs_input_grad[3]:
             grad_hidden = per_token(lambda first, last, offs: torch.nn.functional.grouped_mm(grad[first:last], a.transpose(-2, -1), offs=offs),
                                     rows, offsets, (hidden.shape, hidden.dtype))
         if ctx.needs_input_grad[1]:
-            grad_a = torch.nn.functional.grouped_mm(ctx.build(*inputs).transpose(0, 1), grad, offs=offsets)
-        return (grad_x, grad_a, None, None, None, grad_hidden, *(None for _ in inputs[1:]))
+            sums = torch.zeros(a.shape, dtype=torch.float32, device=a.device)
+            for first, last, offs in row_chunks(len(grad), a.shape[1], offsets):
+                sums += torch.nn.functional.grouped_mm(hidden[rows[first:last]].to(a.dtype).transpose(0, 1), grad[first:last], offs=offs)
+            grad_a = sums.to(a.dtype)
+        return None, grad_a, None, grad_hidden, None
 
 
 def per_token(product, rows: torch.Tensor, offsets: torch.Tensor, tokens: tuple) -> torch.Tensor:
     """Each token's sum over its routed copies of a grouped matmul's rows, made CHUNK values at a time: product(first, last,
-    offs) the rows first..last (offs: the expert groups' ends among them), summed in routed order (index_put_ accumulating,
-    as autograd's gather does) into a tensor of the tokens' (shape, dtype)."""
-    out = offsets.new_zeros(tokens[0], dtype=tokens[1])
+    offs) the rows first..last (offs: the expert groups' ends among them), summed in fp32 (add_rows) into a tensor of the
+    tokens' (shape, dtype)."""
+    out = offsets.new_zeros(tokens[0], dtype=torch.float32)
     for first, last, offs in row_chunks(len(rows), out.shape[-1], offsets):
-        out.index_put_((rows[first:last],), product(first, last, offs).to(out.dtype), accumulate=True)
-    return out
+        add_rows(out, rows[first:last], product(first, last, offs))
+    return out.to(tokens[1])
+
+
+def add_rows(out: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> None:
+    """out[rows] += values, rows repeated summed in order, in out's dtype: index_add_ on a CPU (index_put_'s accumulation
+    runs serially there: 11 ms against 0.3 for 8,192 rows of 512), index_put_ elsewhere (its sorted accumulation is
+    deterministic where CUDA's index_add_ takes atomics)."""
+    if out.device.type == "cpu":
+        out.index_add_(0, rows, values.to(out.dtype))
+    else:
+        out.index_put_((rows,), values.to(out.dtype), accumulate=True)
 
 
 def row_chunks(count: int, width: int, offsets: torch.Tensor):
@@ -418,7 +527,7 @@ def _chunked(x: torch.Tensor, stack: Stack, offsets: torch.Tensor, ends: list[in
     """grouped_mm of x's expert groups with `oriented(W_e)`, the stack dequantized chunk by chunk (in x's dtype,
     as torchao's linear_nf4 computes), each chunk's weights freed before the next chunk's are made and its products
     written into the one output; or, given the row index x was gathered by, each token's rows summed into a tensor of
-    the tokens' (shape, dtype) (per_token's order)."""
+    the tokens' (shape, dtype) (as per_token)."""
     if stack.step >= stack.experts:  # one step: no host-side ends needed
         whole = oriented(stack.rows(0, stack.weight.shape[0]).view(stack.experts, stack.per_expert, -1).to(x.dtype))
         if rows is None:
@@ -426,20 +535,16 @@ def _chunked(x: torch.Tensor, stack: Stack, offsets: torch.Tensor, ends: list[in
         return per_token(lambda first, last, offs: torch.nn.functional.grouped_mm(x[first:last], whole, offs=offs), rows, offsets, tokens)
     per = stack.per_expert
     shape = (x.shape[0], oriented(torch.empty(1, per, stack.width, device="meta")).shape[-1])
-    out = x.new_empty(shape) if rows is None else x.new_zeros(tokens[0], dtype=tokens[1])
-    for first in range(0, stack.experts, stack.step):
-        last = min(first + stack.step, stack.experts)
-        start, stop = (ends[first - 1] if first else 0), ends[last - 1]
-        if stop == start:
-            continue
+    out = x.new_empty(shape) if rows is None else x.new_zeros(tokens[0], dtype=torch.float32)
+    for first, last, start, stop in _steps(stack, ends, x.shape[0]):
         w = stack.rows(first * per, last * per).view(last - first, per, -1).to(x.dtype)
         part = torch.nn.functional.grouped_mm(x[start:stop], oriented(w), offs=offsets[first:last] - start)
         del w
         if rows is None:
             out[start:stop] = part
         else:
-            out.index_put_((rows[start:stop],), part.to(out.dtype), accumulate=True)
-    return out
+            add_rows(out, rows[start:stop], part)
+    return out if rows is None else out.to(tokens[1])
 
 
 def slices_evenly(weight: torch.Tensor, rows: int) -> bool:

@@ -134,16 +134,34 @@ def buffer_bytes(config: dict, weight_bytes: int) -> int:
     return (2 if kind == "gemma3_text" else 1) * 2 * frequencies * 4 + (weight_bytes if kind in ("gemma2", "gemma3_text") else 0)
 
 
+QK_NORMS = ("qwen3", "qwen3_moe", "gemma3_text")  # families that norm each head's query and key
+
+
 def saved_attention_values(config: dict) -> int:
     """Values a decoder layer keeps per token for its backward outside the MLP: each norm's input and output,
-    the rotated query, key and value and the attention output (queries and output are heads x head size wide,
-    which Qwen3 and Gemma 3 set apart from the width), and the q/k norms' inputs."""
+    the rotated query, key and value and the attention output twice (the kernel's, and the output projection's input
+    in its own layout; queries and output are heads x head size wide, which Qwen3 and Gemma 3 set apart from the
+    width), and the q/k norms' inputs. The norms keep their inputs in fp32 (norm_inputs)."""
     c = text_config(config)
     kind, h, heads = c.get("model_type"), c["hidden_size"], c["num_attention_heads"]
     head_dim = c.get("head_dim") or h // heads
     q, kv = heads * head_dim, (c.get("num_key_value_heads") or heads) * head_dim
-    norms = 4 if kind in ("gemma2", "gemma3_text") else 2
-    return 2 * h * norms + 2 * q + 2 * kv + (q + kv if kind in ("qwen3", "qwen3_moe", "gemma3_text") else 0)
+    return 2 * h * _norms(kind) + 3 * q + 2 * kv + (q + kv if kind in QK_NORMS else 0)
+
+
+def _norms(kind: str | None) -> int:
+    return 4 if kind in ("gemma2", "gemma3_text") else 2
+
+
+def norm_inputs(config: dict) -> int:
+    """Of saved_attention_values, the norms' inputs (the q/k norms' too): RMSNorm casts its input to fp32 and keeps that,
+    whatever the activations' dtype (Qwen3-30B-A3B's widths, bf16: 104 of a layer's 276 MiB at 4,096 tokens, by the
+    simulation's tensors)."""
+    c = text_config(config)
+    kind, h, heads = c.get("model_type"), c["hidden_size"], c["num_attention_heads"]
+    head_dim = c.get("head_dim") or h // heads
+    q, kv = heads * head_dim, (c.get("num_key_value_heads") or heads) * head_dim
+    return h * _norms(kind) + (q + kv if kind in QK_NORMS else 0)
 
 
 # Qwen3-Next's and Qwen3.5's layers: Gated DeltaNet (linear attention) in most, gated attention in the others, both

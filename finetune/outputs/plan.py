@@ -303,9 +303,11 @@ def layer_activations(shape: Shape, s: Setup) -> float:
     the shared one's), its MLP's share for one chunk where the MLP is tiled. Sequence parallelism: a
     device holds 1/N of each row's tokens (and, inside attention, the whole row for 1/N of the heads:
     as many values). With experts (model/experts.py) the routed copies of a token are not kept (their LoRA makes them
-    again in the backward), but where the routing weight scales each expert's output (UNFOLDED_ROUTING) that output is."""
-    values = shape.attention_values + 4 * shape.mlp_width / s.tiled_mlp + routed_outputs(shape)
-    return values * s.activation_bytes * s.tokens + shape.fp32_values * 4 * s.tokens + sink_attention(shape, s)[0]
+    again in the backward), but where the routing weight scales each expert's output (UNFOLDED_ROUTING) that output is;
+    where the rest of the layer runs a chunk of rows at a time (runs_chunked) only the first projection's 2 of their 4."""
+    values = shape.attention_values + 4 * shape.mlp_width / s.tiled_mlp + routed_outputs(shape) - 2 * chunked_width(shape, s)
+    fp32 = shape.fp32_values * 4 + shape.norm_inputs * max(0, 4 - s.activation_bytes)  # the norms' inputs: the rest of fp32's bytes
+    return values * s.activation_bytes * s.tokens + fp32 * s.tokens + sink_attention(shape, s)[0]
 
 
 def routed_copies(shape: Shape) -> float:
@@ -319,13 +321,24 @@ def routed_outputs(shape: Shape) -> float:
     return shape.hidden * routed_copies(shape) if unfolded else 0.0
 
 
-def routed_gradients(shape: Shape) -> float:
-    """What a MoE layer's backward holds a token beside its saved values (model/experts.py): the gradient of each routed copy's
-    output, hidden-wide, while the down projection's backward reads it. The routed copies' input gradients are summed into
-    the tokens' a chunk at a time (experts.per_token), and the LoRA's product added a chunk at a time (experts.AddedLow): the
-    one-process simulation of Qwen3-30B-A3B's widths peaks there, 0.84 GiB of activations and temporaries in two layers, where
-    counting those two hidden-wide as well said 0.89)."""
-    return shape.hidden * routed_copies(shape)
+def chunked_width(shape: Shape, s: Setup) -> float:
+    """The experts' width a token passes through (top_k times each one's) where the rest of a MoE layer runs a chunk of
+    routed rows at a time (experts.RoutedDown: frozen experts whose routing weight folds into the down projection's input),
+    else 0."""
+    unfolded = families.text_config(shape.config).get("model_type") in families.UNFOLDED_ROUTING
+    if s.method == "full" or unfolded:
+        return 0.0
+    ups = [layer for layer in shape.linears if layer.expert and layer.name.endswith("up_proj")]
+    return sum(layer.fan_out // (2 if "gate_up" in layer.name else 1) * layer.active for layer in ups) / shape.layers
+
+
+def routed_backward(shape: Shape, s: Setup) -> float:
+    """What a MoE layer's backward holds a token beyond a dense MLP's (model/experts.py): where the rest of the layer runs
+    chunked (chunked_width) nothing, the first projection's output gradient being two of the experts' width, the rest a
+    chunk's; else the gradient of each routed copy's output, hidden-wide, while the down projection's backward reads it.
+    The routed copies' input gradients are summed into the tokens' a chunk at a time (experts.per_token), and the LoRA's
+    product added a chunk at a time (experts.AddedLow)."""
+    return 0.0 if chunked_width(shape, s) else shape.hidden * routed_copies(shape)
 
 
 def adapter_outputs(shape: Shape, cfg: RunConfig, s: Setup) -> float:
@@ -389,14 +402,14 @@ def step_moments(shape: Shape, cfg: RunConfig, s: Setup) -> dict[str, Moment]:
     is gathered while the loss runs. Measured against `finetune plan --simulate` (docs/planning.md).
 
     With checkpointing each layer keeps its input (the residual stream) until its backward; a layer's
-    backward rebuilds that layer's saved tensors and, while the MLP's input gradients form, three more
-    of its intermediates (3*i values a token; the simulation of Llama-3.1-8B and 70B: 0.99 and 1.96 GiB
-    beside this formula's 0.97 and 1.93 at 4k tokens). A tiled MLP keeps only its input, and holds its
+    backward rebuilds that layer's saved tensors and, while the MLP's input gradients form, two more
+    of its intermediates (2*i values a token: its product is freed by then, as the simulation's tensors show at
+    Llama-3.1-8B's widths). A tiled MLP keeps only its input, and holds its
     intermediates for one chunk at a time, in the backward."""
     full = s.method == "full"
     per_layer, dropped = layer_activations(shape, s), dropped_inputs(shape, cfg, s)
     # what a layer's backward holds beside its saved tensors: the MLP's input gradients, and sink attention's chunk
-    in_backward = (3 * shape.mlp_width / s.tiled_mlp + routed_gradients(shape)) * s.activation_bytes * s.tokens + sink_attention(shape, s)[1]
+    in_backward = (2 * shape.mlp_width / s.tiled_mlp + routed_backward(shape, s)) * s.activation_bytes * s.tokens + sink_attention(shape, s)[1]
     if s.checkpointing:
         saved, rebuilt = shape.layers * s.tokens * shape.hidden * s.weight_bytes, per_layer + dropped + in_backward
     else:

@@ -49,6 +49,7 @@ class Shape:
     meta_buffers: int | None = None  # buffer bytes of the model built on the meta device (architectures outside the table)
     vision: VisionShape | None = None  # a vision-language model's tower and projector
     fp32_values: float = 0.0  # what a layer keeps per token in fp32 whatever the activations' dtype (families.saved_hybrid_values)
+    norm_inputs: float = 0.0  # of attention_values, the norms' inputs: kept in fp32 whatever the activations' dtype (families.norm_inputs)
 
     def buffers(self, weight_bytes: int) -> int:
         return self.meta_buffers if self.meta_buffers is not None else families.buffer_bytes(self.config, weight_bytes)
@@ -127,6 +128,7 @@ def _model_shape(path: Path, config: dict) -> Shape:
         width = sum(layer.fan_out // (2 if "gate_up" in layer.name else 1) * layer.active for layer in ups) // c["num_hidden_layers"]
         return Shape(vocab=c["vocab_size"], hidden=c["hidden_size"], layers=c["num_hidden_layers"],
                      kv_dim=(c.get("num_key_value_heads") or heads) * head_dim, mlp_width=width, attention_values=families.saved_attention_values(config),
+                     norm_inputs=families.norm_inputs(config),
                      tied=bool(c.get("tie_word_embeddings", False)), linears=tuple(linears), norms_and_biases=families.small_params(config),
                      config=config)
     except KeyError as err:
@@ -183,8 +185,9 @@ def skeleton_shape(folder: Path) -> Shape:
     language = [p for name, p in model.named_parameters() if not name.startswith(pictures)]
     other = sum(p.numel() for p in language) - sum(layer.params for layer in linears) - vocab * hidden * (1 if tied else 2)
     kv_dim = (getattr(config, "num_key_value_heads", None) or heads) * (hidden // heads) if heads else 0
-    values, fp32_values = families.saved_hybrid_values(config.to_dict()) or (6 * hidden + 2 * kv_dim, 0.0)
-    return Shape(vocab=vocab, hidden=hidden, layers=config.num_hidden_layers, kv_dim=kv_dim, fp32_values=fp32_values,
+    hybrid = families.saved_hybrid_values(config.to_dict())  # else a Llama block's (saved_attention_values), its two norms' inputs in fp32
+    values, fp32_values = hybrid or (7 * hidden + 2 * kv_dim, 0.0)
+    return Shape(vocab=vocab, hidden=hidden, layers=config.num_hidden_layers, kv_dim=kv_dim, fp32_values=fp32_values, norm_inputs=0 if hybrid else 2 * hidden,
                  mlp_width=width, attention_values=values, tied=tied, linears=tuple(linears), norms_and_biases=other,
                  config=config.to_dict(),
                  meta_buffers=sum(b.numel() * b.element_size() for b in model.buffers()),
