@@ -155,8 +155,7 @@ def _norms(kind: str | None) -> int:
 
 def norm_inputs(config: dict) -> int:
     """Of saved_attention_values, the norms' inputs (the q/k norms' too): RMSNorm casts its input to fp32 and keeps that,
-    whatever the activations' dtype (Qwen3-30B-A3B's widths, bf16: 104 of a layer's 276 MiB at 4,096 tokens, by the
-    simulation's tensors)."""
+    whatever the activations' dtype (read from `plan --simulate`'s tensors at Qwen3-30B-A3B's and Llama-3.1-8B's widths)."""
     c = text_config(config)
     kind, h, heads = c.get("model_type"), c["hidden_size"], c["num_attention_heads"]
     head_dim = c.get("head_dim") or h // heads

@@ -304,7 +304,7 @@ def layer_activations(shape: Shape, s: Setup) -> float:
     device holds 1/N of each row's tokens (and, inside attention, the whole row for 1/N of the heads:
     as many values). With experts (model/experts.py) the routed copies of a token are not kept (their LoRA makes them
     again in the backward), but where the routing weight scales each expert's output (UNFOLDED_ROUTING) that output is;
-    where the rest of the layer runs a chunk of rows at a time (runs_chunked) only the first projection's 2 of their 4."""
+    where the rest of the layer runs a chunk of rows at a time (chunked_width) only the first projection's 2 of their 4."""
     values = shape.attention_values + 4 * shape.mlp_width / s.tiled_mlp + routed_outputs(shape) - 2 * chunked_width(shape, s)
     fp32 = shape.fp32_values * 4 + shape.norm_inputs * max(0, 4 - s.activation_bytes)  # the norms' inputs: the rest of fp32's bytes
     return values * s.activation_bytes * s.tokens + fp32 * s.tokens + sink_attention(shape, s)[0]
