@@ -18,7 +18,7 @@ from finetune.config.schema import DTYPE_BYTES, QuantizationConfig, RunConfig
 from finetune.config.strategy import Strategy
 from finetune.model import experts, families, nf4
 from finetune.model.families import Linear
-from finetune.outputs.shape import Shape, VisionShape, read_shape
+from finetune.outputs.shape import Shape, VisionShape, read_shape, up_width
 from finetune.parallel.runtime import LONG_ROWS, glibc_tuned_by_user
 
 GiB = 2**30
@@ -317,19 +317,21 @@ def routed_copies(shape: Shape) -> float:
 
 def routed_outputs(shape: Shape) -> float:
     """The experts' outputs a MoE layer keeps a token, for the routing weights' gradient: where they scale the outputs."""
-    unfolded = families.text_config(shape.config).get("model_type") in families.UNFOLDED_ROUTING
-    return shape.hidden * routed_copies(shape) if unfolded else 0.0
+    return shape.hidden * routed_copies(shape) if unfolded(shape) else 0.0
+
+
+def unfolded(shape: Shape) -> bool:
+    """Whether the routing weight scales each expert's output rather than the down projection's input (UNFOLDED_ROUTING)."""
+    return families.text_config(shape.config).get("model_type") in families.UNFOLDED_ROUTING
 
 
 def chunked_width(shape: Shape, s: Setup) -> float:
     """The experts' width a token passes through (top_k times each one's) where the rest of a MoE layer runs a chunk of
     routed rows at a time (experts.RoutedDown: frozen experts whose routing weight folds into the down projection's input),
     else 0."""
-    unfolded = families.text_config(shape.config).get("model_type") in families.UNFOLDED_ROUTING
-    if s.method == "full" or unfolded:
+    if s.method == "full" or unfolded(shape):
         return 0.0
-    ups = [layer for layer in shape.linears if layer.expert and layer.name.endswith("up_proj")]
-    return sum(layer.fan_out // (2 if "gate_up" in layer.name else 1) * layer.active for layer in ups) / shape.layers
+    return up_width([layer for layer in shape.linears if layer.expert]) / shape.layers
 
 
 def routed_backward(shape: Shape, s: Setup) -> float:

@@ -114,6 +114,12 @@ def vision_shape(model, folder: Path, config: dict) -> VisionShape:
     return VisionShape(sum(seen.values()), hidden, intermediate, v.get("num_hidden_layers") or v.get("depth") or 0, patches, patch)
 
 
+def up_width(linears) -> int:
+    """The intermediate width a token passes through the up projections of `linears`, over all layers (a fused gate_up
+    counted once, each expert stack top_k times)."""
+    return sum(layer.fan_out // (2 if "gate_up" in layer.name else 1) * layer.active for layer in linears if layer.name.endswith("up_proj"))
+
+
 def _model_shape(path: Path, config: dict) -> Shape:
     c = families.text_config(config)
     if not c.get("model_type"):
@@ -124,8 +130,7 @@ def _model_shape(path: Path, config: dict) -> Shape:
         linears = families.linear_layers(config)
         heads = c["num_attention_heads"]
         head_dim = c.get("head_dim") or c["hidden_size"] // heads
-        ups = [layer for layer in linears if layer.name.endswith("up_proj")]
-        width = sum(layer.fan_out // (2 if "gate_up" in layer.name else 1) * layer.active for layer in ups) // c["num_hidden_layers"]
+        width = up_width(linears) // c["num_hidden_layers"]
         return Shape(vocab=c["vocab_size"], hidden=c["hidden_size"], layers=c["num_hidden_layers"],
                      kv_dim=(c.get("num_key_value_heads") or heads) * head_dim, mlp_width=width, attention_values=families.saved_attention_values(config),
                      norm_inputs=families.norm_inputs(config),
