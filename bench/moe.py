@@ -145,10 +145,10 @@ PLANS = [("qwen3-30b-a3b", 1), ("gpt-oss-20b", 1), ("glm-4.5-air", 1), ("gpt-oss
          ("deepseek-v3", 8), ("deepseek-v3", 64)]
 
 
-def shipped(name: str, method: str, gpus: int, experts_split: bool = False):
+def shipped(name: str, method: str, gpus: int, experts_split: str | None = None):
     """configs/METHOD.yaml as shipped on the released shape, one 4,096-token row a micro-batch, checkpointing; over more
     than one GPU what FSDP2 shards (torchao's 4-bit base, AdamW's states, not bitsandbytes' paged ones), or with
-    experts_split DDP with the experts spread over the GPUs (distributed.expert_parallel: GPUs)."""
+    experts_split ("ddp" or "fsdp") that strategy with the experts spread over the GPUs (distributed.expert_parallel: GPUs)."""
     import yaml
 
     from finetune.config.schema import validate_config
@@ -160,8 +160,8 @@ def shipped(name: str, method: str, gpus: int, experts_split: bool = False):
     cfg["train"].update(micro_batch_size=1, gradient_checkpointing=True)  # lora.yaml's is off: 94 layers' activations would not fit
     cfg.setdefault("distributed", {})["strategy"] = "fsdp" if gpus > 1 else "none"
     if experts_split:
-        cfg["distributed"].update(strategy="ddp", expert_parallel=gpus)
-    elif gpus > 1:
+        cfg["distributed"].update(strategy=experts_split, expert_parallel=gpus)
+    if gpus > 1 and experts_split != "ddp":
         cfg["train"]["optimizer"] = "adamw"
         if method == "qlora":
             cfg["model"]["quantization"]["backend"] = "torchao"
@@ -227,17 +227,20 @@ def parallel() -> list[str]:
     from finetune.outputs.simulate import simulate
     from finetune.outputs.steptime import step_time
 
+    def planned(cfg) -> list[str]:
+        plan = make_plan(cfg, devices=gpus, gpu=True)
+        t = step_time(cfg, plan.setup, TFLOPS, MFU, bandwidth * 1e9)
+        return [f"{plan.total / GiB:.2f}", f"{t.comm_bytes / 1e9:.1f}", f"{t.comm_s:.2f}"]
+
     lines = []
     for name, gpus, bandwidth in PARALLEL:
         for method in ("qlora", "lora"):
-            cfg, split = shipped(name, method, gpus), shipped(name, method, gpus, experts_split=True)
-            plan, split_plan = make_plan(cfg, devices=gpus, gpu=True), make_plan(split, devices=gpus, gpu=True)
-            t = step_time(cfg, plan.setup, TFLOPS, MFU, bandwidth * 1e9)
-            ep = step_time(split, split_plan.setup, TFLOPS, MFU, bandwidth * 1e9)
-            instead = (t.comm_bytes - t.experts_gathered + t.all_to_all) / bandwidth / 1e9
-            lines.append(f"| {name} | {method} | {gpus} | {bandwidth} | {t.compute_s:.2f} | {plan.total / GiB:.2f} | {t.comm_bytes / 1e9:.1f} | "
-                         f"{t.comm_s:.2f} | {t.experts_gathered / 1e9:.1f} | {t.all_to_all / 1e9:.1f} | {instead:.2f} | {split_plan.total / GiB:.2f} | "
-                         f"{ep.comm_bytes / 1e9:.1f} | {ep.comm_s:.2f} |")
+            cfg = shipped(name, method, gpus)
+            t = step_time(cfg, make_plan(cfg, devices=gpus, gpu=True).setup, TFLOPS, MFU, bandwidth * 1e9)
+            fsdp_split = planned(shipped(name, method, gpus, "fsdp")) if method == "lora" else ["-"] * 3  # 16-bit experts only
+            row = [name, method, gpus, bandwidth, f"{t.compute_s:.2f}", *planned(cfg), f"{t.experts_gathered / 1e9:.1f}", f"{t.all_to_all / 1e9:.1f}",
+                   *fsdp_split, *planned(shipped(name, method, gpus, "ddp"))]
+            lines.append("| " + " | ".join(map(str, row)) + " |")
             print(lines[-1], flush=True)
     cfg = shipped("qwen3-30b-a3b", "qlora", 8)
     cfg.train.grad_accum = 1  # as `plan --simulate` takes it: one micro-batch a step (more repeat its gathers)
@@ -295,12 +298,14 @@ def main() -> None:
                   "| dtype | torchao to_nf4 (MiB) | nf4.to_nf4 (MiB) | torchao / ours |", "| --- | --- | --- | --- |", *quantizing()]
     if wanted("parallel"):
         lines += ["", f"`finetune plan` step time, the same configs, {TFLOPS} TFLOP/s x MFU {MFU}, a step of grad_accum micro-batches: under FSDP2, "
-                  "its collectives, of them the experts' gathers, and expert parallelism's all-to-all of the routed tokens in their place "
-                  "(FSDP2 with experts spread: planned only); under DDP with the experts spread over the GPUs (distributed.expert_parallel: "
-                  "the GPUs; bitsandbytes' 4-bit base), GiB per GPU and its collectives (the LoRA's all-reduce, the all-to-alls)", "",
+                  "its collectives, of them the experts' gathers, and expert parallelism's all-to-all of the routed tokens in their place; "
+                  "with the experts spread over the GPUs (distributed.expert_parallel: the GPUs) under FSDP2 (16-bit experts: LoRA only) and "
+                  "under DDP (bitsandbytes' 4-bit base), GiB per GPU and the collectives (FSDP2's gathers of the rest, the all-to-alls; DDP's "
+                  "all-reduce of the LoRA)", "",
                   "| model | method | GPUs | GB/s | compute (s) | FSDP2 (GiB) | FSDP2 (GB) | FSDP2 (s) | experts' gathers (GB) | all-to-all instead (GB) | "
-                  "FSDP2 with experts spread (s) | DDP, experts spread (GiB) | DDP, experts spread (GB) | DDP, experts spread (s) |",
-                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |", *parallel()]
+                  "FSDP2, experts spread (GiB) | FSDP2, experts spread (GB) | FSDP2, experts spread (s) | DDP, experts spread (GiB) | "
+                  "DDP, experts spread (GB) | DDP, experts spread (s) |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |", *parallel()]
     report("moe", lines)
 
 

@@ -264,8 +264,10 @@ def _cases():
     add("guard-backoff-two", lambda k: k.train(guard={"lr_backoff": 2}), "guard.lr_backoff: Input should be less than or equal to 1")
     add("watchdog-factor-one", lambda k: k.train(watchdog={"factor": 1}), "watchdog.factor: Input should be greater than 1")
     add("strategy-bogus", lambda k: k.train(distributed={"strategy": "zero4"}), "distributed.strategy: Input should be")
-    add("expert-parallel-fsdp", lambda k: k.train(distributed={"strategy": "fsdp", "expert_parallel": 2}),
-        "distributed.expert_parallel: 2 runs with distributed.strategy ddp")
+    add("expert-parallel-zero3", lambda k: k.train(distributed={"strategy": "zero3", "expert_parallel": 2}),
+        "distributed.expert_parallel: 2 runs with distributed.strategy ddp or fsdp")
+    add("expert-parallel-fsdp-4bit", lambda k: k.train(model={"quantization": {"bits": 4}}, distributed={"strategy": "fsdp", "expert_parallel": 2}),
+        "distributed.expert_parallel: 2 runs with a 16-bit base under distributed.strategy fsdp")
     add("expert-parallel-full", lambda k: k.train(adapter={"method": "full"}, distributed={"expert_parallel": 2}),
         "distributed.expert_parallel: 2 runs with adapter.method lora")
     add("expert-parallel-one-process", lambda k: k.train(distributed={"expert_parallel": 2}), "distributed.expert_parallel: 2 does not divide the 1 processes")

@@ -498,6 +498,7 @@ def test_4bit_experts_under_fsdp2_match_one_process(tmp_path, family_dirs):
     assert one[-1] < one[0], one
     held = summary["nf4_bytes_per_rank"]
     assert held[0] == held[1] and abs(2 * held[0] - single["nf4_bytes_per_rank"][0]) < 0.01 * single["nf4_bytes_per_rank"][0], (held, single)
+    assert summary["experts_held_per_rank"] == [0, 0] and single["experts_held_per_rank"] == [8], summary  # FSDP2's shards: no expert whole
 
 
 @pytest.mark.parametrize("path", ["cpu-sdpa", "gpu-sdpa"])
@@ -567,7 +568,9 @@ def test_experts_split_over_two_processes_train_as_ddp_does(tmp_path, family_dir
     are DDP's over the same 2 processes holding every expert (1e-5), and one process's on the same rows (1e-4). The adapter's
     values: DDP's within 1e-3 of each tensor's largest; one process's within 5e-2 (rows summed in another order: Adam makes
     that rounding an update's size where a gradient is near zero), DDP's too (its start once broadcast rank 0's 4-bit
-    experts, which quantized them again: 0.15 off). 16-bit, 4-bit (NF4) and 8-bit (int8) experts."""
+    experts, which quantized them again: 0.15 off). 16-bit, 4-bit (NF4) and 8-bit (int8) experts. With 16-bit experts,
+    the same split under FSDP2 (rank 0 sends each stack whole, each process keeps its half outside FSDP2's shards) gives
+    the DDP split's losses and adapter."""
     from conftest import train_strategy
     from safetensors.torch import load_file
 
@@ -590,6 +593,14 @@ def test_experts_split_over_two_processes_train_as_ddp_does(tmp_path, family_dir
         assert quantized == 8 or all((other[key] - value).abs().max() <= 5e-2 * value.abs().max() for other in two), key
     counts = [int(re.search(r"trainable of ([\d,]+) params", (folder / "console.log").read_text()).group(1).replace(",", "")) for folder in (ddp, split)]
     assert counts[1] < counts[0] and "experts: each process holds 1/2 of every layer's" in (split / "console.log").read_text(), counts
+    every = whole_summary["experts_held_per_rank"]
+    assert summary["experts_held_per_rank"] == [every[0] // 2] * 2 and every[0] == 2 * 4, (every, summary)  # 2 layers of 4
+    if not quantized:
+        sharded, spread, fsdp_summary = train_strategy(tmp_path, "fsdp", model, "lora", 2, "fsdp", distributed={"strategy": "fsdp", "expert_parallel": 2},
+                                                       **sections)
+        assert spread == pytest.approx(apart, rel=1e-5, abs=1e-6) and fsdp_summary["experts_held_per_rank"] == [every[0] // 2] * 2, (apart, spread)
+        theirs = load_file(sharded / "adapter_model.safetensors")
+        assert all((theirs[key] - value).abs().max() <= 1e-3 * value.abs().max() for key, value in two[1].items())
     if quantized == 4:  # each process's 4-bit codes: half of the experts'
         held, every = summary["nf4_bytes_per_rank"], whole_summary["nf4_bytes_per_rank"]
         assert held[0] == held[1] and abs(2 * held[0] - every[0]) < 0.01 * every[0], (held, every)
@@ -631,15 +642,17 @@ def test_experts_split_over_processes_are_refused_in_one_line_where_the_model_do
             expert_parallel.check(config, 4 if "6" in why else 2)
 
 
-@pytest.mark.parametrize("size", [2, 4])
-def test_experts_split_over_four_processes_train_as_ddp_does(tmp_path, family_dirs, trained, size):
-    """Four processes with the experts over 2 (two groups: ranks 0-1 and 2-3, each holding all experts between them) or
-    over all 4 (one expert each): DDP's losses over the same 4 holding every expert (1e-5)."""
+@pytest.mark.parametrize("strategy,size", [("fsdp", 2), ("ddp", 4)])
+def test_experts_split_over_four_processes_train_as_ddp_does(tmp_path, family_dirs, trained, strategy, size):
+    """Four processes with the experts over 2 under FSDP2 (two groups: ranks 0-1 and 2-3, each holding all experts between
+    them, the rest sharded over all 4) or over all 4 under DDP (one expert each): DDP's losses over the same 4 holding every
+    expert (1e-5)."""
     from conftest import train_strategy
 
     model = family_dirs("qwen3-moe", moe_intermediate_size=128)
     _, whole, _ = trained(model, "lora", 4, "ddp", adapter={"dropout": 0.0})
-    split, apart, _ = train_strategy(tmp_path, "split", model, "lora", 4, "ddp", adapter={"dropout": 0.0},
-                                     distributed={"strategy": "ddp", "expert_parallel": size})
+    split, apart, summary = train_strategy(tmp_path, "split", model, "lora", 4, strategy, adapter={"dropout": 0.0},
+                                           distributed={"strategy": strategy, "expert_parallel": size})
     assert apart == pytest.approx(whole, rel=1e-5, abs=1e-6), (whole, apart)
+    assert summary["experts_held_per_rank"] == [2 * 4 // size] * 4, summary  # 2 layers of 4 experts
     assert f"experts: each process holds 1/{size} of every layer's" in (split / "console.log").read_text()

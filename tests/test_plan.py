@@ -259,8 +259,9 @@ def test_a_base_whose_experts_are_quantized_as_they_load_is_planned_while_it_loa
 
 def test_a_plan_with_the_experts_split_over_the_gpus_holds_their_share(capsys):
     """`finetune plan --expert-parallel 8` (DDP) on Qwen3-30B-A3B's shape: each GPU holds an eighth of the experts' 4-bit
-    codes beside the whole dense part, and sends the routed tokens (the all-to-alls) beside the adapter's all-reduce; a
-    dense model, or a count that does not divide the GPUs, is refused in one line. No tiled MLP is offered for experts
+    codes beside the whole dense part, and sends the routed tokens (the all-to-alls) beside the adapter's all-reduce; under
+    FSDP2 over 4 of them, a quarter of the 16-bit experts whole beside the rest's shards, the all-to-alls in place of the
+    experts' gathers; a dense model, or a count that does not divide the GPUs, is refused in one line. No tiled MLP is offered for experts
     (model.tiled_mlp refuses them)."""
     args = ["plan", "--config", "configs/qlora.yaml", "--model", "docs/examples/qwen3-30b-a3b", "--seq-len", "4096", "--gpus", "8",
             "--gpu-mem", "80GiB", "--set", "train.micro_batch_size=1", "--tflops", "989", "--bandwidth", "400GB"]
@@ -279,6 +280,15 @@ def test_a_plan_with_the_experts_split_over_the_gpus_holds_their_share(capsys):
     assert gib(whole.stdout, "weights") - gib(split.stdout, "weights") == pytest.approx(experts * 7 / 8, abs=0.02)
     routed = 7 / 8 * 2 * 4096 * 48 * 8 * 2048 * 2 * 2 * 3 / 1e9  # a step's 2 micro-batches' routed copies there and back, 3 passes
     assert sent(split.stdout) - sent(whole.stdout) == pytest.approx(routed, abs=0.2)
+    # Under FSDP2 (configs/lora.yaml: 16-bit experts) over 4 of the 8: each GPU keeps a quarter of the experts whole, not an
+    # eighth as shards, and gathers the rest of each layer only: its gathers of the experts give way to the all-to-alls
+    lora = ["plan", "--config", "configs/lora.yaml", *args[3:], "--strategy", "fsdp"]
+    sharded, spread = (finetune_cli(capsys, *lora, *extra) for extra in ((), ("--expert-parallel", "4")))
+    experts = 48 * 128 * 3 * 2048 * 768 * 2  # bytes of the 16-bit stacks
+    assert gib(spread.stdout, "weights") - gib(sharded.stdout, "weights") == pytest.approx(experts * (1 / 4 - 1 / 8) / GiB, abs=0.02)
+    gathers = float(re.search(r"experts: ([\d.]+) GB of that communication gathers", sharded.stdout).group(1))
+    routed = 3 / 4 * 2 * 4096 * 48 * 8 * 2048 * 2 * 2 * 2 / 1e9  # its 2 micro-batches, checkpointing off: 2 passes
+    assert sent(spread.stdout) == pytest.approx(sent(sharded.stdout) - gathers + routed, abs=0.2) and "experts:" not in spread.stdout
     dense = finetune_cli(capsys, "plan", "--config", "configs/qlora.yaml", "--model", "docs/examples/llama-3.1-8b", "--gpus", "8", "--expert-parallel", "8")
     assert dense.returncode == 2 and "distributed.expert_parallel: 8: the model has no experts to split" in dense.stderr
     odd = finetune_cli(capsys, *args[:5], "--gpus", "6", "--expert-parallel", "4")

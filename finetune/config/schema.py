@@ -480,8 +480,8 @@ class DistributedConfig(_Section):
                                  "of a 16/32-bit dense model; it must divide the process count and the model's heads.")
     expert_parallel: int = Field(1, ge=1, description="Split each mixture-of-experts layer's frozen base experts over this many "
                                  "processes (consecutive ranks): each holds num_experts / N of them and computes the routed tokens sent to it "
-                                 "(all-to-all), the experts' LoRA whole on every process. ddp, sft, LoRA (4-bit or 8-bit experts too); it "
-                                 "must divide the process count and the experts.")
+                                 "(all-to-all), the experts' LoRA whole on every process. ddp (4-bit or 8-bit experts too) or fsdp (16-bit: "
+                                 "FSDP2 shards the rest), sft, LoRA; it must divide the process count and the experts.")
     collective_timeout: float = Field(1800.0, gt=0, description="Seconds a collective (gloo's or NCCL's) waits for the other processes "
                                       "before it fails the run (torch's process-group timeout). A stuck step usually meets the hang "
                                       "watchdog first (watchdog.min_seconds); keep this above it, and above the longest save or eval.")
@@ -513,7 +513,10 @@ def _teacher_quantization_refused(q: QuantizationConfig, strategy: str) -> str |
 def _expert_parallel_refusal(cfg) -> None:
     """What distributed.expert_parallel does not run with (a ValueError naming it)."""
     d = cfg.distributed
-    why = ("distributed.strategy ddp (FSDP2 and DeepSpeed would gather each split stack whole)" if d.strategy != "ddp"
+    why = ("distributed.strategy ddp or fsdp (DeepSpeed would gather each split stack whole)" if d.strategy not in ("ddp", "fsdp")
+           else "a 16-bit base under distributed.strategy fsdp (its 4-bit experts are sharded as they are quantized; under "
+                "ddp they split)" if d.strategy == "fsdp" and cfg.model.quantization is not None
+           else "distributed.tensor_parallel 1" if d.tensor_parallel > 1
            else f"train.objective sft (not {cfg.train.objective})" if cfg.train.objective != "sft"
            else "adapter.method lora (the base experts it splits are frozen)" if cfg.adapter.method != "lora"
            else "sequence_parallel 1" if d.sequence_parallel > 1

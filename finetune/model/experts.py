@@ -101,6 +101,12 @@ def local_experts(module: torch.nn.Module) -> int:
     return module.num_experts if split is None else split.count
 
 
+def held_whole(model: torch.nn.Module) -> int:
+    """Experts, over all layers, whose stacks this process holds whole: all of them in one process or under DDP, its share
+    under expert parallelism, none where FSDP2 shards them."""
+    return sum(local_experts(m) for m in fused_experts(model) if not any(hasattr(p, "to_local") for p in m.parameters(recurse=False)))
+
+
 def grouped_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
     """transformers' grouped experts forward (its grouped_mm_experts_forward: tokens sorted by expert, one
     grouped matmul per projection, the routing weights applied, summed per token), with each projection's
@@ -607,7 +613,7 @@ def quantized_as_loaded(dtype: torch.dtype, bits: int | None, share: tuple[int, 
         if param is None or param.dim() != 3 or param.device.type == "meta" or not is_experts(module):
             return None
         if bits is None or (bits == 4 and param.numel() % nf4.BLOCK):
-            stored = torch.nn.Parameter(param.detach()[_held(module.num_experts, *share)].clone() if share else param, requires_grad=False)
+            stored = torch.nn.Parameter(param.detach()[share_slice(module.num_experts, *share)].clone() if share else param, requires_grad=False)
         else:  # the whole stack quantized (in blocks the processes split), then this process's share: the codes one process has
             stored = codes(module, name, param, dtype, share[1] if share else 1, bits)
             if share:
@@ -626,16 +632,16 @@ def _codes_share(module: torch.nn.Module, name: str, stored: torch.nn.Parameter,
     """This process's experts of a quantized stack (`codes`): rows index/size of its NF4 codes, or of its int8 codes and
     their row scales; its shape on the module, that share's."""
     shape = module.__dict__[nf4.SHAPES][name]
-    held = _held(shape[0], index, size)
-    module.__dict__[nf4.SHAPES][name] = (held.stop - held.start, *shape[1:])
+    kept = share_slice(shape[0], index, size)
+    module.__dict__[nf4.SHAPES][name] = (kept.stop - kept.start, *shape[1:])
     if nf4.is_nf4(stored):
         return torch.nn.Parameter(nf4.share(stored, index, size), requires_grad=False)
-    rows = slice(held.start * shape[1], held.stop * shape[1])
+    rows = slice(kept.start * shape[1], kept.stop * shape[1])
     module.__dict__[SCALES][name] = module.__dict__[SCALES][name][rows].clone()
     return torch.nn.Parameter(stored.detach()[rows].clone(), requires_grad=False)
 
 
-def _held(total: int, index: int, size: int) -> slice:
+def share_slice(total: int, index: int, size: int) -> slice:
     """The experts process `index` of `size` holds, of `total` (a multiple of `size`: expert_parallel.check)."""
     return slice(index * total // size, (index + 1) * total // size)
 

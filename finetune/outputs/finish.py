@@ -17,7 +17,7 @@ from finetune.checkpoint.resume import clear_starts
 from finetune.config.errors import EXIT_DIVERGED, Stopped
 from finetune.config.files import job_key
 from finetune.config.schema import MUTATED_INITS, SUMMARY_FILE
-from finetune.model import nf4
+from finetune.model import experts, nf4
 from finetune.objectives.evaluate import eval_loss, exact_match_after
 from finetune.outputs import model_card
 from finetune.outputs.serving import check_vllm
@@ -35,6 +35,8 @@ def finish(state: RunState) -> RunResult:
     accelerator.wait_for_everyone()
     unwrapped = engine.unwrap()
     summary["param_numel_per_rank"] = accelerator.gather(torch.tensor([local_numel(engine.model, engine.params)], device=accelerator.device)).tolist()
+    if experts.fused_experts(unwrapped):
+        summary["experts_held_per_rank"] = accelerator.gather(torch.tensor([experts.held_whole(unwrapped)], device=accelerator.device)).tolist()
     if cfg.model.quantization is not None and cfg.model.quantization.bits == 4:  # the NF4 codes and scales each rank holds (torchao's
         # weights, any 4-bit base's expert stacks): its shards of them under fsdp, its experts' under expert parallelism
         summary["nf4_bytes_per_rank"] = accelerator.gather(torch.tensor([nf4.packed_bytes(engine.model)], device=accelerator.device)).tolist()

@@ -162,7 +162,8 @@ def estimate(shape: Shape, cfg: RunConfig, s: Setup) -> tuple[dict[str, float], 
     moment, peak = max(moments.items(), key=lambda item: item[1].total)
     rows = {"weights": weights, "gradients": grads, "optimizer states": optimizer, "activations": peak.activations}
     if s.shards_weights:
-        rows["weights"] = weights / s.devices
+        whole = spread_experts(shape, s)  # each device's share of the experts, outside FSDP2's shards
+        rows["weights"] = (weights - whole) / s.devices + whole
         rows["gathered for compute"] = peak.gathered
     if s.run_as.deepspeed:  # DeepSpeed's optimizer keeps an fp32 copy of its partition, even of fp32 weights
         rows["fp32 master weights (DeepSpeed)"] = n_train * 4 / s.devices
@@ -192,6 +193,14 @@ def vision_rows(v: VisionShape, cfg: RunConfig, s: Setup) -> tuple[float, float]
     trained = v.params * (s.weight_bytes + 4 + 8) if cfg.adapter.vision == "full" else 0  # gradients and AdamW's two fp32 states
     patches = v.patches_of(cfg.model.processor)
     return v.params * s.weight_bytes + trained, s.micro_batch * patches * (6 * v.hidden + 4 * v.intermediate) * s.activation_bytes * layers
+
+
+def spread_experts(shape: Shape, s: Setup) -> float:
+    """FSDP2 with the experts spread (distributed.expert_parallel, a 16-bit base): the bytes of this device's share of the
+    expert stacks, held whole outside FSDP2's shards and never gathered; 0 otherwise."""
+    if not (s.shards_weights and s.expert_parallel > 1):
+        return 0.0
+    return sum(l.params for l in shape.linears if l.expert) / s.expert_parallel * s.weight_bytes
 
 
 def base_weights(shape: Shape, q: QuantizationConfig | None, s: Setup) -> float:
@@ -472,7 +481,8 @@ def gathered_weights(shape: Shape, cfg: RunConfig, s: Setup) -> tuple[float, flo
     if s.bits:
         packed = shape.quantized_params(s.bits)
         return shape.other_params * s.weight_bytes, (packed * (0.5 if s.bits == 4 else 1) + (shape.linear_params - packed) * s.weight_bytes) / shape.layers
-    return shape.other_params * s.weight_bytes, shape.linear_params / shape.layers * s.weight_bytes
+    spread = sum(l.params for l in shape.linears if l.expert) if s.expert_parallel > 1 else 0  # the experts stay where they are
+    return shape.other_params * s.weight_bytes, (shape.linear_params - spread) / shape.layers * s.weight_bytes
 
 
 def torchao_base(cfg: RunConfig, s: Setup) -> bool:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from finetune.config.schema import RunConfig
-from finetune.outputs.plan import BNB_BLOCK, Setup, estimate, head_width, run_shape, split_shape, teacher_rows, teacher_shape, trainable_params
+from finetune.outputs.plan import BNB_BLOCK, Setup, estimate, head_width, run_shape, split_shape, spread_experts, teacher_rows, teacher_shape, trainable_params
 from finetune.parallel.tensor_parallel import styles
 
 
@@ -57,7 +57,8 @@ def step_time(cfg: RunConfig, s: Setup, tflops: float, mfu: float, bandwidth: fl
     attention = shape.layers * 2 * span * q_dim * (1 + 2 + (1 if s.checkpointing else 0) + frozen_forwards)
     flops = per_weight * matmul + attention
     tokens = s.tokens * cfg.train.grad_accum
-    weight_bytes = estimate(shape, cfg, replace(s, strategy="none", devices=1))[0]["weights"]  # the whole model as held, gathered
+    # the whole model as held, gathered (not the experts' shares, where they are spread under FSDP2)
+    weight_bytes = estimate(shape, cfg, replace(s, strategy="none", devices=1))[0]["weights"] - spread_experts(shape, s)
     teacher_bytes = 0.0
     if cfg.train.objective == "distill" and cfg.distill.teacher:  # its forward, and its weights as held, gathered for it
         teacher = teacher_shape(cfg)
@@ -84,7 +85,7 @@ def step_time(cfg: RunConfig, s: Setup, tflops: float, mfu: float, bandwidth: fl
         sent += 2 * (t - 1) / t * tokens * shape.hidden * s.activation_bytes * per_layer * shape.layers
     if s.expert_parallel > 1:  # the routed tokens to their experts' processes and back
         sent += routed_exchange(shape, s, tokens, s.expert_parallel)
-    experts_gathered, all_to_all = expert_traffic(shape, cfg, s, tokens) if s.shards_weights and d > 1 else (0.0, 0.0)
+    experts_gathered, all_to_all = expert_traffic(shape, cfg, s, tokens) if s.shards_weights and d > 1 and s.expert_parallel == 1 else (0.0, 0.0)
     # a tensor-parallel group computes its rows together: each device's share of the tokens is 1/t of them
     return StepTime(flops, tokens // t, tokens * flops / (tflops * 1e12 * mfu), sent, sent / bandwidth if bandwidth else 0.0, experts_gathered, all_to_all)
 
@@ -121,4 +122,4 @@ def render_time(t: StepTime, tflops: float, mfu: float, bandwidth: float) -> str
             + f"; step {t.overlapped_s:.2f} s overlapped ({t.compute_s + t.comm_s:.2f} s if not), "
             f"{t.tokens / t.overlapped_s:,.0f} tokens/s per device"
             + (f"\nexperts: {t.experts_gathered / 1e9:.1f} GB of that communication gathers the experts' weights; expert parallelism "
-               f"(distributed.expert_parallel, under ddp) would send {t.all_to_all / 1e9:.1f} GB of routed tokens instead" if t.experts_gathered else ""))
+               f"(distributed.expert_parallel) would send {t.all_to_all / 1e9:.1f} GB of routed tokens instead" if t.experts_gathered else ""))

@@ -19,7 +19,7 @@ from finetune.config.schema import PRECISIONS, RunConfig
 from finetune.config.strategy import Strategy
 from finetune.model import experts, nf4, vision
 from finetune.model.loading import DTYPES, decoder_layers, quantize_layer
-from finetune.parallel import tensor_parallel
+from finetune.parallel import expert_parallel, tensor_parallel
 
 
 def stream_source(cfg: RunConfig, say) -> Path | None:
@@ -47,6 +47,8 @@ def streaming_refusal(cfg: RunConfig, folder: Path) -> str | None:
         return "adapter.modules_to_save copies loaded weights"
     if cfg.distributed.tensor_parallel > 1:
         return "distributed.tensor_parallel (streaming by layers is built for a 1-D mesh)"
+    if cfg.distributed.expert_parallel > 1:
+        return "distributed.expert_parallel (rank 0 sends each expert stack whole, for every process to keep its share)"
     files = weight_files(folder) if folder.is_dir() else {}
     if not files:
         return f"{folder} holds no safetensors files"
@@ -82,9 +84,12 @@ def shard_fsdp2(model: torch.nn.Module, cfg: RunConfig, device: torch.device, wo
 
     kwargs = dict(settings or fsdp_settings(cfg, device.type, world))
     tp_mesh = kwargs.pop("tensor_parallel", None)
-    rank0 = dist.get_rank() == 0
-    if stream_from is None:
-        full = model.state_dict() if rank0 and not nf4.used(cfg.model) else {}  # keeps rank 0's full weights alive until sent
+    rank0, spread = dist.get_rank() == 0, cfg.distributed.expert_parallel
+    stacks = expert_parallel.shares_from_rank0(model, spread, dist.get_rank()) if spread > 1 else {}
+    if stacks:  # each process's share of the experts, whole: fully_shard leaves them alone
+        kwargs["ignored_params"] = expert_parallel.local_stacks(model)
+    if stream_from is None:  # keeps rank 0's full weights alive until sent
+        full = {k: v for k, v in model.state_dict().items() if k not in stacks} if rank0 and not nf4.used(cfg.model) else {}
     else:  # the adapter's initial values (small), before sharding splits them
         full = {name: p.detach().clone() for name, p in model.named_parameters() if p.requires_grad and rank0 and cfg.adapter.method != "full"}
     if nf4.used(cfg.model):
@@ -100,6 +105,9 @@ def shard_fsdp2(model: torch.nn.Module, cfg: RunConfig, device: torch.device, wo
     else:
         _stream(model, stream_from, full)
     del full
+    if stacks:
+        expert_parallel.send_shares(model, stacks, spread, device, kwargs["mp_policy"].param_dtype)
+        expert_parallel.split(model, spread, dist.get_rank(), world)
     for buffer in model.buffers():  # not in the state dict when non-persistent (rotary frequencies)
         dist.broadcast(buffer, src=0)
     return model

@@ -13,7 +13,11 @@ The adapter is left whole on every process: peft builds the experts' LoRA for al
 process's), a process computes the LoRA of its own experts only, and DDP's all-reduce of the LoRA's gradients (zero
 for the experts a process does not hold) gives every process the whole gradient, as without the split. DDP does
 not broadcast the split stacks (each process's are its own); the all-to-alls run in a process group of their own,
-apart from DDP's."""
+apart from DDP's.
+
+Under FSDP2 the stacks are parameters fully_shard leaves alone (`ignored_params`): rank 0 loads the model and sends each
+stack whole, one at a time, and each process keeps its share (`shares_from_rank0`, `send_shares`); FSDP2 shards the rest
+and the adapter, and its reduce-scatter sums the LoRA's gradients as DDP's all-reduce does."""
 
 from __future__ import annotations
 
@@ -55,6 +59,39 @@ def split(model: torch.nn.Module, size: int, rank: int, world: int) -> list[str]
             names.append(f"{name}.{key}")
         module.__dict__[experts.SPLIT] = experts.Split(group, size, first, count)
     return names
+
+
+def shares_from_rank0(model: torch.nn.Module, size: int, rank: int) -> dict[str, torch.Tensor]:
+    """FSDP2, before fully_shard: each fused experts stack set to this process's share, rank 0's a view of what it loaded,
+    the other processes' a meta tensor (no memory); returns each stack and bias by its state-dict name, as rank 0 holds it
+    whole (a meta tensor elsewhere), for send_shares once the model is sharded."""
+    whole = {}
+    for name, module in experts.named_fused_experts(model):
+        kept = experts.share_slice(module.num_experts, rank % size, size)
+        for key, param in list(module.named_parameters(recurse=False)):
+            whole[f"{name}.{key}"] = param.detach()
+            if param.dim() == 3:
+                share = param.detach()[kept] if rank == 0 else torch.empty((kept.stop - kept.start, *param.shape[1:]), dtype=param.dtype, device="meta")
+                setattr(module, key, torch.nn.Parameter(share, requires_grad=False))
+    return whole
+
+
+def send_shares(model: torch.nn.Module, whole: dict[str, torch.Tensor], size: int, device: torch.device, dtype: torch.dtype | None) -> None:
+    """Rank 0 sends each stack (and bias) whole, one at a time; every process keeps its share of the stack (split() then
+    takes the biases'), in `dtype` where given (FSDP2's compute dtype: frozen, they need no other copy)."""
+    rank = dist.get_rank()
+    for name, values in whole.items():
+        module, key = model.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2]
+        held = values.to(device, dtype or values.dtype) if rank == 0 else torch.empty(values.shape, dtype=dtype or values.dtype, device=device)
+        dist.broadcast(held, src=0)
+        if held.dim() == 3:
+            held = held[experts.share_slice(module.num_experts, rank % size, size)].clone()
+        setattr(module, key, torch.nn.Parameter(held, requires_grad=False))
+
+
+def local_stacks(model: torch.nn.Module) -> set[torch.nn.Parameter]:
+    """The fused experts modules' own parameters: what fully_shard leaves to each process under expert parallelism."""
+    return {p for module in experts.fused_experts(model) for p in module.parameters(recurse=False)}
 
 
 def _group(size: int, world: int, rank: int):
