@@ -27,7 +27,7 @@ from common import REPO, loss_and_grads, report
 FAMILIES = {"LLaVA, CLIP tower": "clip", "LLaVA, SigLIP tower": "siglip", "Gemma 3": "gemma3", "Idefics3 / SmolVLM": "idefics3",
             "SmolVLM2": "smolvlm", "Mllama": "mllama", "Qwen2-VL": "qwen2_vl", "Qwen2.5-VL": "qwen2_5_vl", "Qwen3-VL": "qwen3_vl",
             "Qwen3-VL-MoE": "qwen3_vl_moe", "Qwen3.5": "qwen3_5", "Qwen3.5-MoE": "qwen3_5_moe", "Gemma 4": "gemma4",
-            "LLaVA-OneVision": "llava_onevision", "InternVL": "internvl",
+            "LLaVA-OneVision": "llava_onevision", "InternVL": "internvl", "Mistral 3 (Pixtral)": "mistral3",
             "Gemma 4, use_bidirectional_attention: vision": ("gemma4", {"use_bidirectional_attention": "vision"})}
 QUESTION = "What shape is in the picture?"
 UNPACKED = {"gemma3": "a picture's tokens attend to each other both ways", "mllama": "a row's pictures are cross-attended, not tokens in it",

@@ -141,7 +141,8 @@ def _tuned_model(model):
 TOWERS = {"clip": ("<image>", 16), "clip-llama2": ("<image>", 16), "siglip": ("<image>", 16), "gemma3": ("<image_soft_token>", 4),
           "idefics3": ("<image>", 20), "smolvlm": ("<image>", 20), "mllama": ("<|image|>", 1), "qwen2_vl": ("<|image_pad|>", 4),
           "qwen2_5_vl": ("<|image_pad|>", 4), "qwen3_vl": ("<|image_pad|>", 4), "qwen3_vl_moe": ("<|image_pad|>", 4), "qwen3_5": ("<|image_pad|>", 4),
-          "qwen3_5_moe": ("<|image_pad|>", 4), "gemma4": ("<|image|>", 64), "llava_onevision": ("<image>", 36), "internvl": ("<IMG_CONTEXT>", 4)}
+          "qwen3_5_moe": ("<|image_pad|>", 4), "gemma4": ("<|image|>", 64), "llava_onevision": ("<image>", 36), "internvl": ("<IMG_CONTEXT>", 4),
+          "mistral3": ("[IMG]", 4)}
 
 
 @pytest.mark.parametrize("tower", sorted(TOWERS))
@@ -205,7 +206,7 @@ def test_loss_and_gradients_equal_the_models_own_forward(llava, picture_data, tm
 
 
 @pytest.mark.parametrize("tower", ["clip", "siglip", "idefics3", "smolvlm", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5",
-                                   "qwen3_5_moe", "gemma4", "llava_onevision", "internvl"])
+                                   "qwen3_5_moe", "gemma4", "llava_onevision", "internvl", "mistral3"])
 def test_packed_picture_rows_equal_one_sample_a_row(llava, picture_data, tmp_path, tower):
     """LLaVA packs: its language model keeps the samples of a packed row apart by their restarting positions,
     the pictures' features go to their tokens in order; loss and LoRA gradients equal the unpacked rows'. Qwen-VL's
@@ -244,6 +245,31 @@ def test_packed_picture_rows_equal_one_sample_a_row(llava, picture_data, tmp_pat
                                                                  attention_mask=alone["attention_mask"])[0][:, 0, : int(alone["attention_mask"].sum())]
             assert torch.equal(together[:, start : start + mine.shape[1]], mine)
             assert not torch.equal(mine[1], mine[2])  # a picture's tokens: rows and columns of its grid, not a text's one line
+
+
+def test_mistral3_pictures_of_other_sizes_in_one_batch_give_each_its_own_features(llava):
+    """Mistral 3 (Pixtral's tower) takes a batch's pictures padded to the largest, with each one's size: each picture's
+    features in a batch of three sizes equal its features alone (its tower crops each to its size, attends within it)."""
+    from PIL import Image
+    from transformers import AutoModelForImageTextToText
+
+    from finetune.config.schema import ModelConfig
+    from finetune.model import vision
+
+    processor = vision.processor_for(ModelConfig(name_or_path=str(llava("mistral3"))))
+    model = AutoModelForImageTextToText.from_pretrained(llava("mistral3")).eval()
+    rng = np.random.default_rng(0)
+    pictures = [Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8)) for h, w in ((56, 56), (30, 50), (50, 28))]
+
+    def features(shown):
+        inputs = processor.image_processor(images=shown, return_tensors="pt")
+        with torch.no_grad():
+            return model.get_image_features(pixel_values=inputs["pixel_values"], image_sizes=inputs["image_sizes"]).pooler_output
+
+    together = features(pictures)
+    assert [len(f) for f in together] == [4, 2, 2]
+    for picture, mine in zip(pictures, together, strict=True):
+        torch.testing.assert_close(features([picture])[0], mine, atol=1e-6, rtol=0)
 
 
 @pytest.fixture(scope="session")
@@ -352,7 +378,7 @@ def test_merge_loads_in_transformers_and_generates_from_a_picture(tmp_path, visi
 
 
 @pytest.mark.parametrize(("tower", "language", "packing"), [("idefics3", ".text_model.", True), ("smolvlm", ".text_model.", True),
-                                                           ("mllama", ".language_model.", False)])
+                                                           ("mllama", ".language_model.", False), ("mistral3", ".language_model.", True)])
 def test_a_family_trains_merges_and_answers_a_picture(tmp_path, llava, picture_data, tower, language, packing):
     """Idefics3 (SmolVLM's first version) and SmolVLM2 (packed rows of pictures in 2 x 2 crops and the whole; SmolVLM2's
     processor for pictures only here, without torchvision) and Mllama (one row a
@@ -489,11 +515,15 @@ def test_what_vision_models_do_not_do_yet_is_refused_in_one_line(tmp_path, llava
     other = tmp_path / "paligemma"  # a family not built (PaliGemma): its config is enough to refuse it
     other.mkdir()
     (other / "config.json").write_text(json.dumps({"model_type": "paligemma", "vision_config": {}, "text_config": {}}))
+    llama4 = tmp_path / "llama4"  # its image processor is torchvision's only: refused with that reason
+    llama4.mkdir()
+    (llama4 / "config.json").write_text(json.dumps({"model_type": "llama4", "vision_config": {}, "text_config": {}}))
     both_ways = shutil.copytree(llava("gemma4"), tmp_path / "gemma4")  # its pictures' tokens see each other both ways: not packed
     config = json.loads((both_ways / "config.json").read_text())
     config["text_config"]["use_bidirectional_attention"] = "vision"
     (both_ways / "config.json").write_text(json.dumps(config))
     for change, key in [({"model": {"name_or_path": str(other)}}, "model: paligemma is a vision-language model finetune does not fine-tune yet"),
+                        ({"model": {"name_or_path": str(llama4)}}, "model: llama4 (Llama 4) is not fine-tuned with pictures: transformers has"),
                         ({"data": {"packing": True}, "model": {"name_or_path": str(llava("gemma3"))}}, "data.packing"),
                         ({"data": {"packing": True}, "model": {"name_or_path": str(both_ways)}}, "data.packing: gemma4's rows with pictures"),
                         ({"train": {"objective": "kto"}, "data": {"format": "unpaired"}}, "train.objective"),

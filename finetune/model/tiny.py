@@ -186,6 +186,8 @@ def build_vision_model(out: Path, tokenizer, tower: str = "clip", language: dict
         return _llava_onevision(out, tokenizer, language, seed)
     if tower == "internvl":
         return _internvl(out, tokenizer, language, seed)
+    if tower == "mistral3":
+        return _mistral3(out, tokenizer, language, seed)
     if tower in QWEN_VISION:
         return _qwen_vl(out, tokenizer, tower, language, seed)
     tokenizer.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN]})
@@ -356,6 +358,33 @@ def _internvl(out: Path, tokenizer, language: dict | None, seed: int) -> Path:
     processor = vision.pictures_only_class("internvl") or InternVLProcessor
     processor(image_processor=GotOcr2ImageProcessorPil(size={"height": 56, "width": 56}), tokenizer=tokenizer, image_seq_length=4,
               chat_template=template).save_pretrained(out)
+    return out
+
+
+def _mistral3(out: Path, tokenizer, language: dict | None, seed: int) -> Path:
+    """Mistral 3's way (Pixtral's): `[IMG]` in the text, which its processor widens to the picture's rows of patches, 2 x 2 of
+    14 pixels merged into one token, each row ended by `[IMG_BREAK]` and the last by `[IMG_END]` (a 56-pixel picture: 2 rows
+    of 2). A Mistral language model; its processor is built without torchvision as vision.load_processor builds it."""
+    import torch
+    from transformers import AutoConfig, AutoModelForImageTextToText
+    from transformers.models.pixtral.image_processing_pil_pixtral import PixtralImageProcessorPil
+
+    from finetune.model import vision
+
+    tokenizer.add_special_tokens({"additional_special_tokens": ["[IMG]", "[IMG_BREAK]", "[IMG_END]"]})
+    template = VISION_TEMPLATE.replace(IMAGE_TOKEN, "[IMG]")
+    tokenizer.chat_template = template
+    text = dict(model_type="mistral", vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, max_position_embeddings=512, tie_word_embeddings=False, bos_token_id=tokenizer.bos_token_id,
+                eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    config = AutoConfig.for_model("mistral3", text_config={**text, **(language or {})}, spatial_merge_size=2, vision_feature_layer=-1,
+                                  image_token_index=tokenizer.convert_tokens_to_ids("[IMG]"), tie_word_embeddings=False,
+                                  vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, head_dim=16,
+                                                     image_size=56, patch_size=14))
+    torch.manual_seed(seed)
+    AutoModelForImageTextToText.from_config(config).save_pretrained(out)
+    vision.pixtral_processor()(image_processor=PixtralImageProcessorPil(size={"longest_edge": 56}, patch_size=14), tokenizer=tokenizer, patch_size=14,
+              spatial_merge_size=2, chat_template=template).save_pretrained(out)
     return out
 
 

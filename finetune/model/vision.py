@@ -16,19 +16,19 @@ from finetune.config.errors import UserError
 from finetune.config.schema import AdapterConfig, ModelConfig
 from finetune.model.configs import model_config
 
-# The families whose batches are their processor's (tests/test_vision.py: LLaVA with a CLIP or SigLIP tower, Gemma 3,
+# The families whose batches are their processor's (tests/test_vision.py: LLaVA with a CLIP or SigLIP tower, Gemma 3, Mistral 3,
 # Idefics3 (SmolVLM's first version is one) and SmolVLM2 with their grid of crops, Mllama with its cross-attention masks, Qwen2-VL and
 # Qwen2.5-VL with their 3-D positions; without torchvision, their processor for pictures only: pictures_only_class); others
 # are refused in one line.
 FAMILIES = {"llava": "LLaVA", "gemma3": "Gemma 3", "qwen2_vl": "Qwen2-VL", "qwen2_5_vl": "Qwen2.5-VL", "idefics3": "Idefics3 / SmolVLM",
             "smolvlm": "SmolVLM2", "mllama": "Mllama", "qwen3_vl": "Qwen3-VL", "qwen3_vl_moe": "Qwen3-VL-MoE",
             "qwen3_5": "Qwen3.5", "qwen3_5_moe": "Qwen3.5-MoE", "gemma4": "Gemma 4",
-            "llava_onevision": "LLaVA-OneVision", "internvl": "InternVL"}
+            "llava_onevision": "LLaVA-OneVision", "internvl": "InternVL", "mistral3": "Mistral 3 (Pixtral)"}
 # Those whose packed rows are exact (tests/test_vision.py: packed equals one sample a row): the language model takes
 # restarting positions as a text model does (Qwen-VL: its 3-D positions each sample's own, attention.packed_positions), the
 # pictures' features fill their tokens in order. Gemma 3's picture-wide attention and Mllama's per-row pictures
 # (cross-attended) are not packed; Gemma 4 packs where its pictures' attention is causal (packable).
-PACKABLE = {"llava", "llava_onevision", "internvl", "idefics3", "smolvlm", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5",
+PACKABLE = {"llava", "llava_onevision", "internvl", "mistral3", "idefics3", "smolvlm", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5",
             "qwen3_5_moe", "gemma4"}
 # Towers FSDP2 shards as units of their own (tests/test_vision.py: Qwen-VL, 2 processes equal 1). LLaVA's stays in the
 # root unit: it reads the tower's hidden states through transformers' output capture, which came back empty from a
@@ -54,6 +54,9 @@ def refusal(config: dict) -> str | None:
     kind = config.get("model_type")
     if kind in FAMILIES:
         return None
+    if kind == "llama4":
+        return ("model: llama4 (Llama 4) is not fine-tuned with pictures: transformers has its image processor for torchvision only, "
+                "which has no build for the CPU torch finetune is tested on, so no Llama 4 processor was ever run here (docs/vision.md)")
     return (f"model: {kind} is a vision-language model finetune does not fine-tune yet; it fine-tunes "
             f"{', '.join(FAMILIES.values())} (docs/vision.md)")
 
@@ -73,7 +76,7 @@ def load_processor(cfg: ModelConfig, model_type: str | None = None):
         return AutoProcessor.from_pretrained(cfg.name_or_path, **settings)
     except Exception as err:  # noqa: BLE001 - a missing file, a bad setting or a missing library (torchvision): one line
         failed = err
-    pictures_only = pictures_only_class(model_type)
+    pictures_only = pixtral_processor() if model_type == "mistral3" else pictures_only_class(model_type)
     if pictures_only is not None:
         try:
             processor = pictures_only.from_pretrained(cfg.name_or_path, **settings)
@@ -104,6 +107,29 @@ def pictures_only_class(model_type: str | None) -> type | None:
         "__init__": _video_optional(family.__init__),
         "get_attributes": classmethod(lambda cls: [a for a in family.get_attributes() if a != "video_processor"]),
         "save_pretrained": _save_with_video_settings})
+
+
+def pixtral_processor() -> type:
+    """Mistral 3's processor class (Pixtral's). transformers declares it torchvision's, and its module imports one helper from
+    the torchvision image processor's, though the class itself uses none; without torchvision, the module is imported with
+    that helper taken from the PIL image processor's module (the same function), and the PIL image processor serves it."""
+    import importlib
+    import sys
+    import types
+
+    from transformers.utils import is_torchvision_available
+
+    name = "transformers.models.pixtral.processing_pixtral"
+    if is_torchvision_available() or name in sys.modules:
+        return importlib.import_module(name).PixtralProcessor
+    from transformers.models.pixtral import image_processing_pil_pixtral as pil
+
+    helper = "transformers.models.pixtral.image_processing_pixtral"
+    sys.modules[helper] = types.SimpleNamespace(get_resize_output_image_size=pil.get_resize_output_image_size)
+    try:
+        return importlib.import_module(name).PixtralProcessor
+    finally:
+        del sys.modules[helper]
 
 
 def _without_video() -> type:
