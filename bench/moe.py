@@ -11,7 +11,8 @@ model's own loss per step (3 timed after 1, in 3 rounds taken in turn, the best 
 transformers' default experts path (grouped_mm) with peft's `target_parameters` LoRA (each expert weight parametrized
 as W + B·A); "ours" is the same adapter through finetune's load and adapter (model/experts.py: the LoRA on the routed
 tokens only). Same weights, same adapter values, the same attention (finetune's, which its load registers): the first
-losses must agree.
+losses must agree. The MoE block alone: the first layer's router, experts (and shared expert) forward and backward on
+the same random hidden states, on each side, what the two expert paths differ in without the rest of the model.
 
 memory: `finetune train` on the qwen3-moe shape (LoRA in fp32; QLoRA with torchao's NF4 on the linear layers and
 the experts), 1 x 1024 tokens, 3 steps, a process each, glibc's heap set to hand large blocks back
@@ -26,8 +27,8 @@ On one GPU each expert stack is quantized as transformers sets it on its module:
 its own column (FSDP2 loads layer by layer: -).
 
 parallel: the same configs' step time under FSDP2 (`finetune plan --bandwidth --tflops`) against what expert parallelism
-would send in place of the experts' gathers; under DDP with the experts spread over the GPUs (distributed.expert_parallel,
-built under DDP), the plan and the step time; and `finetune plan --simulate` of Qwen3-30B-A3B over 8.
+would send in place of the experts' gathers; with the experts spread over the GPUs (distributed.expert_parallel) under
+FSDP2 (LoRA) and under DDP, the plan and the step time; and `finetune plan --simulate` of Qwen3-30B-A3B over 8.
 
 quantizing: what quantizing one 128M-weight tensor to NF4 holds beside it, torchao's to_nf4 against model/nf4.py's.
 
@@ -92,12 +93,24 @@ def timed(model, ids, steps: int) -> tuple[float, float]:
     return steps * ids.numel() / (time.perf_counter() - began), first
 
 
+def block_timed(block, hidden, steps: int) -> float:
+    """Tokens/s of one mixture-of-experts block (its router, experts and shared expert) alone, forward and backward on
+    the same hidden states (taking their gradient too, as a step does), `steps` timed after one untimed."""
+    for step in range(steps + 1):
+        if step == 1:
+            began = time.perf_counter()
+        out = block(hidden)
+        (out[0] if isinstance(out, tuple) else out).pow(2).mean().backward()
+    return steps * hidden.shape[1] / (time.perf_counter() - began)
+
+
 def speed(name: str, steps: int) -> str:
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     from finetune.config.schema import AdapterConfig, ModelConfig
+    from finetune.model import experts
     from finetune.model.loading import apply_adapter, load_model
 
     folder = model(name)
@@ -115,8 +128,14 @@ def speed(name: str, steps: int) -> str:
     ids = torch.randint(0, ours.config.vocab_size, (1, TOKENS), generator=torch.Generator().manual_seed(0))
     rounds = [(timed(theirs.train(), ids, steps), timed(ours.train(), ids, steps)) for _ in range(ROUNDS)]  # taken in turn
     (peer, peer_loss), (mine, my_loss) = (max(r[0][0] for r in rounds), rounds[0][0][1]), (max(r[1][0] for r in rounds), rounds[0][1][1])
+    stack = experts.named_fused_experts(ours)[0][0]  # the first layer's experts (peft may wrap them): their MoE block
+    block = stack[: stack.index(".experts")]
+    hidden = torch.randn(1, TOKENS, ours.config.hidden_size, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    alone = [(block_timed(theirs.get_submodule(block), hidden, steps), block_timed(ours.get_submodule(block), hidden, steps)) for _ in range(ROUNDS)]
+    peer_block, my_block = max(r[0] for r in alone), max(r[1] for r in alone)
     trainable = sum(p.numel() for p in ours.parameters() if p.requires_grad)
-    return f"| {name} | {trainable / 1e6:.1f}M | {peer:,.0f} | {mine:,.0f} | {mine / peer:.2f}x | {peer_loss:.6f} | {my_loss:.6f} |"
+    return (f"| {name} | {trainable / 1e6:.1f}M | {peer:,.0f} | {mine:,.0f} | {mine / peer:.2f}x | {peer_block:,.0f} | {my_block:,.0f} | "
+            f"{my_block / peer_block:.2f}x | {peer_loss:.6f} | {my_loss:.6f} |")
 
 
 def memory(run: str, steps: int) -> str:
@@ -277,8 +296,9 @@ def main() -> None:
     if wanted("speed"):
         lines += ["", f"fp32, LoRA r 16 on attention and experts, 1 x {TOKENS} tokens, forward + backward, {args.steps} steps timed after 1, "
                   f"best of {ROUNDS} rounds taken in turn", "",
-                  "| shape | LoRA params | HF + peft (tokens/s) | ours (tokens/s) | speed-up | HF + peft first loss | ours first loss |",
-                  "| --- | --- | --- | --- | --- | --- | --- |"]
+                  "| shape | LoRA params | HF + peft (tokens/s) | ours (tokens/s) | speed-up | HF + peft, MoE block alone (tokens/s) | "
+                  "ours, MoE block alone (tokens/s) | MoE block speed-up | HF + peft first loss | ours first loss |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         for name in SHAPES:
             lines.append(speed(name, args.steps))
             print(lines[-1], flush=True)
