@@ -194,7 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tensor-parallel", type=_number(int, 1, "at least 1"), metavar="N",
                    help="each decoder layer split over N of the --gpus devices, FSDP over the rest (same as --set distributed.tensor_parallel=N)")
     p.add_argument("--expert-parallel", type=_number(int, 1, "at least 1"), metavar="N",
-                   help="each mixture-of-experts layer's experts split over N of the --gpus devices, under ddp "
+                   help="each mixture-of-experts layer's experts split over N of the --gpus devices, under ddp or fsdp "
                         "(same as --set distributed.expert_parallel=N)")
     p.add_argument("--strategy", choices=STRATEGIES, default=None,
                    help="as distributed.strategy (default: the config's): none/ddp: every device holds the whole model; fsdp: "

@@ -381,8 +381,8 @@ def test_merge_loads_in_transformers_and_generates_from_a_picture(tmp_path, visi
                                                            ("mllama", ".language_model.", False), ("mistral3", ".language_model.", True)])
 def test_a_family_trains_merges_and_answers_a_picture(tmp_path, llava, picture_data, tower, language, packing):
     """Idefics3 (SmolVLM's first version) and SmolVLM2 (packed rows of pictures in 2 x 2 crops and the whole; SmolVLM2's
-    processor for pictures only here, without torchvision) and Mllama (one row a
-    sample, its pictures cross-attended) end to end: LoRA on the language model only, merged into a folder transformers
+    processor for pictures only here, without torchvision), Mllama (one row a sample, its pictures cross-attended) and
+    Mistral 3 (packed; Pixtral's processor imported without torchvision) end to end: LoRA on the language model only, merged into a folder transformers
     loads, which answers a picture as base + adapter does."""
     from transformers import AutoModelForImageTextToText
 

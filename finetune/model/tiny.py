@@ -383,7 +383,8 @@ def _mistral3(out: Path, tokenizer, language: dict | None, seed: int) -> Path:
                                                      image_size=56, patch_size=14))
     torch.manual_seed(seed)
     AutoModelForImageTextToText.from_config(config).save_pretrained(out)
-    vision.pixtral_processor()(image_processor=PixtralImageProcessorPil(size={"longest_edge": 56}, patch_size=14), tokenizer=tokenizer, patch_size=14,
+    processor = vision.pixtral_processor()
+    processor(image_processor=PixtralImageProcessorPil(size={"longest_edge": 56}, patch_size=14), tokenizer=tokenizer, patch_size=14,
               spatial_merge_size=2, chat_template=template).save_pretrained(out)
     return out
 
