@@ -200,7 +200,7 @@ def spread_experts(shape: Shape, s: Setup) -> float:
     expert stacks, held whole outside FSDP2's shards and never gathered; 0 otherwise."""
     if not (s.shards_weights and s.expert_parallel > 1):
         return 0.0
-    return sum(l.params for l in shape.linears if l.expert) / s.expert_parallel * s.weight_bytes
+    return shape.expert_params / s.expert_parallel * s.weight_bytes
 
 
 def base_weights(shape: Shape, q: QuantizationConfig | None, s: Setup) -> float:
@@ -481,7 +481,7 @@ def gathered_weights(shape: Shape, cfg: RunConfig, s: Setup) -> tuple[float, flo
     if s.bits:
         packed = shape.quantized_params(s.bits)
         return shape.other_params * s.weight_bytes, (packed * (0.5 if s.bits == 4 else 1) + (shape.linear_params - packed) * s.weight_bytes) / shape.layers
-    spread = sum(l.params for l in shape.linears if l.expert) if s.expert_parallel > 1 else 0  # the experts stay where they are
+    spread = shape.expert_params if s.expert_parallel > 1 else 0  # the experts stay where they are
     return shape.other_params * s.weight_bytes, (shape.linear_params - spread) / shape.layers * s.weight_bytes
 
 

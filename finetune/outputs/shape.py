@@ -59,6 +59,11 @@ class Shape:
         return sum(layer.params for layer in self.linears)
 
     @property
+    def expert_params(self) -> int:
+        """The experts' fused stacks' parameters (0 in a dense model)."""
+        return sum(layer.params for layer in self.linears if layer.expert)
+
+    @property
     def active_params(self) -> int:
         """Parameters a token passes through: with experts, only the routed ones."""
         return sum(layer.fan_in * layer.fan_out * layer.active for layer in self.linears) + self.other_params

@@ -96,11 +96,10 @@ def expert_traffic(shape, cfg: RunConfig, s: Setup, tokens: int) -> tuple[float,
     what an expert-parallel layout (each device keeping 1/d of the experts whole) would send instead: each routed copy
     of a token to its expert's device and its output back, in the activations' dtype, in the forward, the backward and
     the checkpointed forward again, (d-1)/d of them leaving the device under balanced routing."""
-    routed = [layer for layer in shape.linears if layer.expert]
-    if not routed:
+    params = shape.expert_params
+    if not params:
         return 0.0, 0.0
     share = (s.devices - 1) / s.devices
-    params = sum(layer.params for layer in routed)
     held = params * (0.5 + 1 / BNB_BLOCK) if s.bits == 4 else params * s.weight_bytes  # 8-bit bases keep the experts as loaded
     gathered = share * 2 * held * cfg.train.grad_accum
     return gathered, routed_exchange(shape, s, tokens, s.devices)
