@@ -723,6 +723,37 @@ def test_a_qwen_vl_exports_to_gguf_with_a_projector_file_that_llama_cpp_reads(tm
         assert not (tmp_path / "other.gguf").exists()
 
 
+def test_a_mistral3_exports_to_gguf_with_a_projector_file_that_llama_cpp_reads(tmp_path, llava):
+    """Mistral 3 (Pixtral's tower) with Llama 3's tokenizer (npm), a q8_0 language model and an f32 projector file: the tower
+    and projector as llama.cpp's pixtral clip file (RMS norms, SiLU-gated MLPs, 2-D rotary positions with the queries' and
+    keys' rows in llama.cpp's order, the projector's norm and 2 x 2 patch merger, the `[IMG_BREAK]` token's embedding),
+    whose embeddings of a 112-pixel picture (4 rows of 4 tokens, a break after each row but the last) in llama.cpp's mtmd are
+    the model's within 1e-3. The tower's queries and keys are drawn 40x larger, so that attention is sharp enough for the
+    positions to count (the rows in transformers' order came out 1.8e-3). A tower with another rotary base is refused in one line."""
+
+    from transformers import AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(llava("mistral3-llama3"))
+    with torch.no_grad():
+        for name, weight in model.model.vision_tower.named_parameters():
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
+                weight.mul_(40)
+    model_dir = tmp_path / "model"
+    model.save_pretrained(model_dir)
+    for name in ("tokenizer.json", "tokenizer_config.json", "processor_config.json", "chat_template.jinja"):
+        shutil.copy(llava("mistral3-llama3") / name, model_dir)
+    read, fields = _exported(model_dir, tmp_path / "gguf" / "m.gguf", "q8_0")
+    assert fields["clip.projector_type"] == "pixtral" and fields["clip.vision.spatial_merge_size"] == 2 and fields["clip.use_silu"]
+    assert {"v.token_embd.img_break", "mm.patch_merger.weight", "mm.input_norm.weight", "mm.2.weight", "v.blk.1.attn_q.weight"} <= \
+        {t.name for t in read.tensors}
+    config = json.loads((model_dir / "config.json").read_text())
+    config["vision_config"]["rope_parameters"]["rope_theta"] = 1e6
+    (model_dir / "config.json").write_text(json.dumps(config))
+    result = finetune_in_process("export", "--model", str(model_dir), "--out", str(tmp_path / "other.gguf"))
+    assert result.returncode == 2 and "rotary base is 1e+06; llama.cpp's pixtral graph takes the releases' 10000" in result.stderr.splitlines()[-1]
+    assert not (tmp_path / "other.gguf").exists()
+
+
 def _exported(model_dir, out, kind: str = "f16"):
     """`finetune export` of a vision-language model to `out` (`kind`: its language model's type): the projector file (f16
     beside f16, else f32) checked in llama.cpp's mtmd within 1e-2 (f16) or 1e-3 (f32); its reader (gguf's own: the file is

@@ -364,7 +364,8 @@ def _internvl(out: Path, tokenizer, language: dict | None, seed: int) -> Path:
 def _mistral3(out: Path, tokenizer, language: dict | None, seed: int) -> Path:
     """Mistral 3's way (Pixtral's): `[IMG]` in the text, which its processor widens to the picture's rows of patches, 2 x 2 of
     14 pixels merged into one token, each row ended by `[IMG_BREAK]` and the last by `[IMG_END]` (a 56-pixel picture: 2 rows
-    of 2). A Mistral language model; its processor is built without torchvision as vision.load_processor builds it."""
+    of 2; pictures up to 112 pixels, 16 tokens, at least the 8 llama.cpp's pixtral graph takes). A Mistral language model;
+    its processor is built without torchvision as vision.load_processor builds it."""
     import torch
     from transformers import AutoConfig, AutoModelForImageTextToText
     from transformers.models.pixtral.image_processing_pil_pixtral import PixtralImageProcessorPil
@@ -380,11 +381,11 @@ def _mistral3(out: Path, tokenizer, language: dict | None, seed: int) -> Path:
     config = AutoConfig.for_model("mistral3", text_config={**text, **(language or {})}, spatial_merge_size=2, vision_feature_layer=-1,
                                   image_token_index=tokenizer.convert_tokens_to_ids("[IMG]"), tie_word_embeddings=False,
                                   vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, head_dim=16,
-                                                     image_size=56, patch_size=14))
+                                                     image_size=112, patch_size=14, hidden_act="silu"))
     torch.manual_seed(seed)
     AutoModelForImageTextToText.from_config(config).save_pretrained(out)
     processor = vision.pixtral_processor()
-    processor(image_processor=PixtralImageProcessorPil(size={"longest_edge": 56}, patch_size=14), tokenizer=tokenizer, patch_size=14,
+    processor(image_processor=PixtralImageProcessorPil(size={"longest_edge": 112}, patch_size=14), tokenizer=tokenizer, patch_size=14,
               spatial_merge_size=2, chat_template=template).save_pretrained(out)
     return out
 

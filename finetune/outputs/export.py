@@ -281,7 +281,7 @@ def _lora_tensors(writer, weights: dict, config: dict, arch, permuted: bool) -> 
                 b = _delta_net_weights({layer: b}, config)[layer]
         a, b = a.numpy(), b.numpy()
         if permuted and layer.endswith(("q_proj.weight", "k_proj.weight")):
-            b = _rotary_rows(b, heads if "q_proj" in layer else kv)
+            b = mmproj.rotary_rows(b, heads if "q_proj" in layer else kv)
         writer.add_tensor(f"{name}.lora_a", a)
         writer.add_tensor(f"{name}.lora_b", b)
 
@@ -567,7 +567,7 @@ def _tensors(writer, model, config: dict, arch, permuted: bool, kind: str) -> No
             raise UserError(f"--model: no GGUF name for the tensor {name}")
         data = tensor.float().numpy()
         if permuted and name.endswith(("q_proj.weight", "k_proj.weight")):
-            data = _rotary_rows(data, heads if "q_proj" in name else kv)
+            data = mmproj.rotary_rows(data, heads if "q_proj" in name else kv)
         if config.get("model_type") in GEMMAS and name.endswith("norm.weight"):
             data = data + 1  # Gemma's norms scale by (1 + weight); llama.cpp's by the weight stored
         # llama.cpp adds biases in f32 (gpt-oss's experts' are 2-D) and runs a short convolution's kernels in f32 only
@@ -619,7 +619,7 @@ def _latent_heads(state: dict, config: dict) -> dict:
             continue
         if not config.get("rope_interleave", True) and name.endswith(("q_b_proj.weight", "q_proj.weight", "kv_a_proj_with_mqa.weight")):
             rows = tensor.unflatten(0, (heads, -1)).clone() if "q_" in name else tensor.clone()[None]
-            rows[:, -rope:] = torch.from_numpy(_rotary_rows(rows[:, -rope:].flatten(0, 1).numpy(), len(rows))).unflatten(0, (len(rows), -1))
+            rows[:, -rope:] = torch.from_numpy(mmproj.rotary_rows(rows[:, -rope:].flatten(0, 1).numpy(), len(rows))).unflatten(0, (len(rows), -1))
             tensor = rows.flatten(0, 1)
         out[name] = tensor
     return out
@@ -664,12 +664,6 @@ def _llama3_rope_factors(model, config: dict) -> np.ndarray:
     dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     plain = 1.0 / (_rope(config)["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
     return (plain / model.model.rotary_emb.inv_freq.double()).float().numpy()
-
-
-def _rotary_rows(weight: np.ndarray, heads: int) -> np.ndarray:
-    """Llama's query/key rows in llama.cpp's order: within each head the two rotary halves interleaved
-    (as convert_hf_to_gguf.py permutes them; transformers' GGUF loader undoes it)."""
-    return weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
 def _quantize(source: Path, out: Path, kind: str) -> None:

@@ -28,10 +28,11 @@ from finetune.config.errors import EXIT_MERGE_CHECK, Stopped, UserError
 # tower's last layer normed, its patches shuffled scale_factor x scale_factor into one, one matrix)
 FAMILIES = {"llava": "mlp", "gemma3": "gemma3", "idefics3": "idefics3", "smolvlm": "idefics3", "qwen2_vl": "qwen2vl_merger",
             "qwen2_5_vl": "qwen2.5vl_merger", "qwen3_vl": "qwen3vl_merger", "qwen3_vl_moe": "qwen3vl_merger", "internvl": "internvl",
-            "qwen3_5": "qwen3vl_merger", "qwen3_5_moe": "qwen3vl_merger", "gemma4": "gemma4v"}
+            "qwen3_5": "qwen3vl_merger", "qwen3_5_moe": "qwen3vl_merger", "gemma4": "gemma4v", "mistral3": "pixtral"}
 SHUFFLED = ("idefics3", "smolvlm")  # a tower of their own, SigLIP's layers
 QWEN = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")  # a tower of their own: 2-D rotary positions, 2 x 2 patches merged into one token
 QWEN35 = ("qwen3_5", "qwen3_5_moe")  # Qwen3-VL's tower without DeepStack; a language model transformers has a causal LM of
+PIXTRAL_TOKENS = (8, 1024)  # llama.cpp's pixtral graph: a picture resized to have this many tokens at least and at most
 GEMMA3_POOLING = 4  # llama.cpp's pooling of Gemma 3's patches when the file names none (64 x 64 patches into 16 x 16 tokens)
 TOLERANCE = {"f32": 1e-3, "f16": 1e-2}  # largest |embedding difference| published, over the largest |embedding|
 # Towers written: SigLIP's. llama.cpp's LLaVA graph (llama-cpp-python 0.3.36) puts a CLIP tower's class token after the
@@ -57,6 +58,8 @@ def refusal(config: dict) -> str | None:
     if family == "internvl" and (config["vision_config"].get("use_qk_norm") or config.get("vision_feature_layer", -1) != -1):
         return ("its tower normalizes queries and keys, or hands on a layer other than its last: InternVL's projector file is "
                 "written (and checked) for towers that do neither, as InternViT-300M")
+    if family == "mistral3":
+        return _pixtral_refusal(config)
     if family in (*QWEN, *QWEN35, "internvl", "gemma4"):
         return _qwen_refusal(config["vision_config"]) if family == "qwen2_5_vl" else None
     if tower == "clip_vision_model":
@@ -66,6 +69,21 @@ def refusal(config: dict) -> str | None:
         return f"its vision tower is {tower}; the projector file is written for {', '.join(TOWERS)}"
     if family == "llava" and not isinstance(config.get("vision_feature_layer", -2), int):
         return "it reads several tower layers (a list in vision_feature_layer); llama.cpp's LLaVA projector reads one"
+    return None
+
+
+def _pixtral_refusal(config: dict) -> str | None:
+    """What llama.cpp's pixtral graph (llama-cpp-python 0.3.36) would compute otherwise than this Mistral 3, or None."""
+    vision = config["vision_config"]
+    theta = (vision.get("rope_parameters") or {}).get("rope_theta", vision.get("rope_theta", 10000.0))
+    if theta != 10000.0:
+        return f"its tower's rotary base is {theta:g}; llama.cpp's pixtral graph takes the releases' 10000"
+    if config.get("vision_feature_layer", -1) != -1:
+        return "it hands on a tower layer other than its last; llama.cpp's pixtral graph hands on the last"
+    most = vision["image_size"] // (vision["patch_size"] * config.get("spatial_merge_size", 2))
+    if most ** 2 < PIXTRAL_TOKENS[0]:
+        return (f"its pictures have {most ** 2} tokens at most, fewer than llama.cpp's pixtral graph enlarges every picture to "
+                f"({PIXTRAL_TOKENS[0]}); its embeddings would be of another picture")
     return None
 
 
@@ -114,7 +132,7 @@ def _tower(model):
 
 
 def write(model, processor, path: Path, kind: str) -> None:
-    """The tower and projector of `model` (LLaVA, Gemma 3, Idefics3, SmolVLM2) as llama.cpp's clip file at `path`."""
+    """The tower and projector of `model` (a family in FAMILIES) as llama.cpp's clip file at `path`."""
     import gguf
 
     config = model.config
@@ -130,6 +148,8 @@ def write(model, processor, path: Path, kind: str) -> None:
         tensors = _internvl_header(writer, model, processor)
     elif config.model_type == "gemma4":
         tensors = _gemma4_header(writer, model, processor)
+    elif config.model_type == "mistral3":
+        tensors = _pixtral_header(writer, model, processor)
     elif config.model_type in QWEN:
         tensors = _qwen_header(writer, model, processor)
     else:
@@ -316,6 +336,36 @@ def _gemma4_header(writer, model, processor) -> dict[str, torch.Tensor]:
     return out
 
 
+def _pixtral_header(writer, model, processor) -> dict[str, torch.Tensor]:
+    """Mistral 3's tower (Pixtral's: RMS norms, SiLU- or GELU-gated MLPs, 2-D rotary positions) and projector (a norm, each
+    2 x 2 patches merged by one matrix, two matrices): its metadata as llama.cpp's converter writes it; its tensors under
+    gguf's own names, the queries' and keys' rows in llama.cpp's rotary order, and the `[IMG_BREAK]` token's embedding,
+    which llama.cpp puts after each row of a picture's tokens as the processor puts the token."""
+    import gguf
+
+    vision, config = model.config.vision_config, model.config
+    _tower_keys(writer, processor.image_processor, vision.image_size, vision.patch_size, vision.hidden_size, vision.intermediate_size,
+                config.get_text_config().hidden_size, vision.num_hidden_layers, vision.num_attention_heads, 1e-5)  # Pixtral's norms' eps
+    writer.add_bool(gguf.Keys.ClipVision.USE_SILU if vision.hidden_act == "silu" else gguf.Keys.ClipVision.USE_GELU, True)
+    writer.add_uint32(gguf.Keys.ClipVision.SPATIAL_MERGE_SIZE, config.spatial_merge_size)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, max(vision.num_hidden_layers, 3))  # the projector's linear_2 counts as a block
+    out = {}
+    for name, value in [*model.model.vision_tower.named_parameters(prefix="vision_tower"),
+                        *model.model.multi_modal_projector.named_parameters(prefix="multi_modal_projector")]:
+        base, _, suffix = name.rpartition(".")
+        if base.endswith(("q_proj", "k_proj")):
+            value = torch.from_numpy(rotary_rows(value.detach().float().numpy(), vision.num_attention_heads))
+        out[f"{names.get_name(base)}.{suffix}"] = value
+    return out | {_name(gguf.MODEL_TENSOR.V_TOK_EMBD_IMG_BREAK): model.get_input_embeddings().weight[processor.image_break_token_id]}
+
+
+def rotary_rows(weight: np.ndarray, heads: int) -> np.ndarray:
+    """Llama's query/key rows in llama.cpp's order: within each head the two rotary halves interleaved
+    (as convert_hf_to_gguf.py permutes them; transformers' GGUF loader undoes it). A Llama-style language model's (export.py)
+    and Pixtral's tower's."""
+    return weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
 def _tower_keys(writer, images, size: int, patch: int, width: int, ffn: int, projection: int, depth: int, heads: int, eps: float) -> None:
     """The keys every clip file carries: the tower's shape, and the processor's normalization of a picture."""
     import gguf
@@ -367,11 +417,22 @@ def check(model, processor, text_gguf: Path, mmproj: Path, picture) -> float:
     ours = torch.cat(list(features.pooler_output if hasattr(features, "pooler_output") else features)).float()
     # Qwen3-VL: each DeepStack layer's features beside the picture's, as llama.cpp hands them on (n_embd_inp wide)
     ours = torch.cat([ours, *(torch.cat(list(layer)).float() for layer in getattr(features, "deepstack_features", None) or [])], dim=-1)
+    if family == "mistral3":
+        ours = _with_row_breaks(model, processor, ours, inputs["image_sizes"][0])
     theirs = _llama_cpp_embeddings(text_gguf, mmproj, picture)
     if theirs.shape != ours.shape:
         raise Stopped(f"GGUF check failed: llama.cpp makes {tuple(theirs.shape)} embeddings of a picture, the model {tuple(ours.shape)}",
                       exit_code=EXIT_MERGE_CHECK)
     return (theirs - ours).abs().max().item() / ours.abs().max().item()
+
+
+def _with_row_breaks(model, processor, features: torch.Tensor, size) -> torch.Tensor:
+    """Mistral 3's picture as its language model reads it, and llama.cpp hands it on: the `[IMG_BREAK]` token's embedding
+    after each row of the picture's tokens but the last (the processor's `[IMG_END]` after the last is text to llama.cpp)."""
+    across = int(size[1]) // (model.config.vision_config.patch_size * model.config.spatial_merge_size)
+    token = model.get_input_embeddings().weight[processor.image_break_token_id].float()
+    rows = [torch.cat([row, token[None]]) for row in features.split(across)]
+    return torch.cat(rows)[:-1]
 
 
 def _feature_arguments(config, inputs) -> dict:
@@ -383,6 +444,8 @@ def _feature_arguments(config, inputs) -> dict:
         return {"image_grid_thw": inputs["image_grid_thw"]}
     if config.model_type == "gemma4":
         return {"image_position_ids": inputs["image_position_ids"]}
+    if config.model_type == "mistral3":
+        return {"image_sizes": inputs["image_sizes"], "vision_feature_layer": config.vision_feature_layer}
     return {"vision_feature_layer": config.vision_feature_layer, "vision_feature_select_strategy": config.vision_feature_select_strategy}
 
 
@@ -498,14 +561,19 @@ def projector_path(out: Path) -> Path:
 
 
 def _check_size(config, images) -> tuple[int, int]:
-    """The check picture's width and height: the tower's size; Qwen-VL's take any: 8 x 8 patches (4 x 4 tokens); Gemma 4's
-    the processor's most tokens (10 x 7 pooled cells for its smallest setting, 70) and llama.cpp's fewest (70), so that
-    neither resizes it."""
+    """The check picture's width and height, which neither the processor nor llama.cpp resizes: the tower's size; Qwen-VL's
+    take any: 8 x 8 patches (4 x 4 tokens); Mistral 3's its processor's longest side, at most 16 x 16 tokens (llama.cpp's
+    pixtral graph takes 8 to 1,024); Gemma 4's the processor's most tokens (10 x 7 pooled cells for its smallest setting,
+    70) and llama.cpp's fewest (70)."""
     vision = config.vision_config
     if config.model_type == "gemma4":
         cell = vision.patch_size * vision.pooling_kernel_size
         across = next(n for n in range(round(images.max_soft_tokens ** 0.5), images.max_soft_tokens + 1) if images.max_soft_tokens % n == 0)
         return cell * across, cell * (images.max_soft_tokens // across)
+    if config.model_type == "mistral3":
+        cell = vision.patch_size * config.spatial_merge_size
+        side = cell * min(images.size["longest_edge"] // cell, 16)
+        return side, side
     side = getattr(vision, "image_size", 8 * vision.patch_size)
     side = side[0] if isinstance(side, (list, tuple)) else side
     return side, side
