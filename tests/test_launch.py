@@ -1,4 +1,4 @@
-"""The launch scripts: real torchrun processes, two 'nodes' on loopback."""
+"""The launch scripts: real torchrun processes, two 'nodes' on loopback (tests/test_network.py: in namespaces of their own)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 
+import netns
 import pytest
 from conftest import REPO, base_config, free_port, wait_for, write_config
 
@@ -40,7 +41,9 @@ def test_single_node_script_starts_two_processes(tmp_path, tiny_model_dir, launc
     assert result.stdout.count("done: 3 steps") == 1  # only rank 0 reports
 
 
+@pytest.mark.skipif(netns.refusal() is None, reason="tests/test_network.py launches two nodes with multi_node.sh over network stacks of their own")
 def test_two_nodes_on_loopback_train_together(tmp_path, tiny_model_dir):
+    """Where this machine makes no network namespaces: two nodes of multi_node.sh on loopback train together."""
     port, config = free_port(), _config(tmp_path, tiny_model_dir)
     cmd = ["bash", "launch/multi_node.sh", "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-host", "127.0.0.1",
            "--rdzv-port", str(port), "--rdzv-id", f"test-{port}", "--", "--config", config]
