@@ -18,7 +18,7 @@ loaded through finetune's own loader. Per architecture:
                  (where fp32's rounding exceeds the bounds, again in fp64: rounding, or packing?)
 
 The families of tests/test_families.py (and GPT-2, OPT, GPT-J, Bloom, Falcon, Qwen3-Next, Qwen3.5, LFM2, Jamba,
-Bamba, GraniteMoE-Hybrid, Mamba, RecurrentGemma, Gemma 4) are tested in `make test`; this sweep covers the rest. About 3 minutes on 2 CPU cores.
+Bamba, GraniteMoE-Hybrid, Mamba, RecurrentGemma, Gemma 4, Llama 4) are tested in `make test`; this sweep covers the rest. About 3 minutes on 2 CPU cores.
 
 usage: python bench/families.py [--only gpt2,opt]   (results: bench/results/families.md)
 """

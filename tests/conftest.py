@@ -451,6 +451,10 @@ OTHERS = {
     "gemma4": ("gemma4_text", dict(TINY, num_hidden_layers=4, head_dim=16, sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"] * 2,
                                    hidden_size_per_layer_input=8, vocab_size_per_layer_input=1024, num_kv_shared_layers=2, enable_moe_block=True,
                                    num_experts=4, top_k_experts=2, moe_intermediate_size=32)),
+    # Llama 4's text side: chunked layers (each token sees its chunk of attention_chunk_size positions) beside a full one without
+    # rotary positions, whose queries take a temperature by their place in the row from floor_scale tokens on (the releases': 8192)
+    "llama4": ("llama4_text", dict(TINY, head_dim=16, intermediate_size=32, intermediate_size_mlp=128, num_local_experts=4, num_experts_per_tok=1,
+                                   attention_chunk_size=WINDOW, layer_types=["chunked_attention", "full_attention"], no_rope_layers=[1, 0])),
 }
 MOE_OTHERS = ["deepseek-v3", "glm4-moe", "gpt-oss"]
 

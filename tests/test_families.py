@@ -93,14 +93,15 @@ def assert_equal_to_each_sample_alone(model, samples) -> None:
                                           ("gptj", "eager"),
                                           ("qwen3-next", "sdpa"), ("qwen3.5", "sdpa"), ("lfm2", attention.PACKED_SDPA), ("jamba", "sdpa"),
                                           ("bamba", "sdpa"), ("granite-hybrid", attention.PACKED_SDPA), ("mamba", "eager"),
-                                          ("gemma4", attention.PACKED_SDPA)])
+                                          ("gemma4", attention.PACKED_SDPA), ("llama4", attention.PACKED_SDPA)])
 def test_other_architectures_keep_packed_samples_apart(family_dirs, family, attn):
     """GPT-2 and OPT (learned positions; OPT's own masks ignore where position_ids restart) take
     finetune's packed attention, which keeps samples apart in eval too; so does GPT-BigCode (StarCoder 1), whose
     layers hand its attention no position ids: it reads the samples the model was handed (model/mixers); GPT-J has no sdpa in
     transformers and loads with eager attention, said in one line. The hybrids (Qwen3-Next and Qwen3.5's
     Gated DeltaNet, LFM2's short convolution, Jamba's Mamba, Bamba's and GraniteMoE-Hybrid's Mamba2) and Mamba
-    alone: their mixers run each packed sample from a zero state (model/mixers)."""
+    alone: their mixers run each packed sample from a zero state (model/mixers). Llama 4's chunked layers attend within
+    each sample's own chunks (rows longer than a chunk here)."""
     said = []
     model = load_model(ModelConfig(name_or_path=str(family_dirs(family))), say=said.append).train()
     assert model.config._attn_implementation == attn
@@ -108,6 +109,23 @@ def test_other_architectures_keep_packed_samples_apart(family_dirs, family, attn
     assert mixers.unhandled(model) is None
     assert attention.leak(model, model.config.vocab_size, "cpu") < 1e-4
     assert_equal_to_each_sample_alone(model, textbook_samples(model.config.vocab_size))
+
+
+def test_a_llama4_packs_only_rows_shorter_than_its_temperature_floor(family_dirs, tmp_path):
+    """Llama 4 scales the queries of its layers without rotary positions by their place in the row (transformers reads
+    cache_position) from floor_scale tokens on: packed rows that long are refused in one line, shorter ones train."""
+    from finetune.config.errors import UserError
+
+    model_dir = family_dirs("llama4", floor_scale=32)
+    sections = dict(train={"overfit_batch": 8, "lr": 1e-2, "scheduler": "constant", "micro_batch_size": 2}, data={"eval": None, "max_seq_len": 32})
+    with pytest.raises(UserError, match=r"^data.packing: llama4_text scales the queries of its layers without rotary positions by their place in "
+                                        r"the row from token 32 on \(floor_scale\), not in their sample; rows of 32 tokens reach it \(data.max_seq_len "
+                                        r"below 32 packs it\); set data.packing: false$"):
+        run(validate_config(base_config(model_dir, tmp_path / "long", **sections), "test"))
+    sections["data"]["max_seq_len"] = 31
+    run(validate_config(base_config(model_dir, tmp_path / "short", **sections), "test"))
+    rows = [r["loss"] for r in read_jsonl(tmp_path / "short" / "metrics.jsonl") if "loss" in r]
+    assert len(rows) == 8 and rows[-1] < 0.92 * rows[0], rows
 
 
 SEE_EACH_OTHER = r"lets the samples of a packed row see each other \(measured at the start: .*\)"
@@ -200,8 +218,8 @@ def test_a_hybrid_packed_over_two_fsdp_processes_trains_as_one_and_zero3_is_refu
     two = trained(model_dir, "lora", 2, "fsdp", data={"packing": True})[1]
     assert two == pytest.approx(one, rel=1e-5), (one, two)
     model = load_model(ModelConfig(name_or_path=str(model_dir)), say=lambda _: None)
-    assert packed_samples_meet(model, model, "cpu", contextlib.nullcontext) == ""
-    assert packed_samples_meet(model, model, "cpu", contextlib.nullcontext, gathered_per_call=True).startswith(
+    assert packed_samples_meet(model, model, "cpu", contextlib.nullcontext, 64) == ""
+    assert packed_samples_meet(model, model, "cpu", contextlib.nullcontext, 64, gathered_per_call=True).startswith(
         "qwen3_5_text (sdpa attention) runs its Qwen3_5GatedDeltaNet layers once per packed sample, and ZeRO-3 gathers")
 
 

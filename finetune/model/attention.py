@@ -236,6 +236,25 @@ def with_bounds(position_ids: torch.Tensor, host: torch.Tensor) -> torch.Tensor:
 
 
 @torch.compiler.disable  # its loop follows where samples start (a host sync): under model.compile it runs eagerly between graphs
+def _chunk(module) -> int | None:
+    """The chunk a layer's tokens attend within (Llama 4's chunked layers: attention_chunk_size positions), or None."""
+    config, layer = getattr(module, "config", None), getattr(module, "layer_idx", None)
+    kinds = getattr(config, "layer_types", None) or []
+    return config.attention_chunk_size if layer is not None and layer < len(kinds) and kinds[layer] == "chunked_attention" else None
+
+
+def row_places(config, row_tokens: int) -> str:
+    """Why packed rows of `row_tokens` would train otherwise than their samples alone in a model that reads a token's place
+    in the row, not in its sample ("" where none does): Llama 4 scales the queries of its layers without rotary positions
+    by a temperature of the place in the row, 1 for the first floor_scale - 1 tokens."""
+    text = config.get_text_config()
+    if getattr(text, "attn_temperature_tuning", False) and not all(getattr(text, "no_rope_layers", None) or [1]) and row_tokens >= text.floor_scale:
+        return (f"{config.model_type} scales the queries of its layers without rotary positions by their place in the row from token "
+                f"{text.floor_scale} on (floor_scale), not in their sample; rows of {row_tokens} tokens reach it (data.max_seq_len below "
+                f"{text.floor_scale} packs it)")
+    return ""
+
+
 def packed_sdpa_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None, **kwargs):
     """query (B, H, L, D), key/value (B, H_kv, L, D) -> (B, L, H, D), as transformers' sdpa returns."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -262,6 +281,9 @@ def packed_sdpa_forward(module, query, key, value, attention_mask, dropout: floa
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     if position_ids.shape[0] != query.shape[0]:
         position_ids = position_ids.expand(query.shape[0], -1)
+    chunk = _chunk(module)
+    if chunk:  # Llama 4's chunked layers: each chunk of a sample's positions attends as a sample of its own
+        position_ids = position_ids % chunk
     if sinks is not None:
         if dropout:
             raise NotImplementedError(f"{PACKED_SDPA}: attention dropout with sinks")

@@ -25,7 +25,7 @@ import inspect
 
 import torch
 
-from finetune.model.attention import LEAK_TOLERANCE, PACKED_SDPA, PACKED_SINKS, SEGMENTS, in_packed_rows, leak, sample_bounds
+from finetune.model.attention import LEAK_TOLERANCE, PACKED_SDPA, PACKED_SINKS, SEGMENTS, in_packed_rows, leak, row_places, sample_bounds
 
 # The model types whose mixers were measured exact packed (bench/families.py; tests/test_families.py tests some)
 FAMILIES = {"qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "lfm2", "lfm2_moe", "jamba", "bamba",
@@ -54,13 +54,17 @@ def unhandled(model: torch.nn.Module) -> str | None:
     return None
 
 
-def packed_samples_meet(model, prepared, device, autocast, gathered_per_call: bool = False) -> str:
-    """Why the samples of a packed row would see each other in `model` ("" where they stay apart): a layer that mixes
-    tokens outside attention unhandled, a Mamba whose recomputation would not know the samples, else attention's
-    `leak` measured on `prepared` (the model as the strategy wraps it; every process at once) under `autocast`, the
-    training forward's. gathered_per_call: the strategy gathers a layer's weights at each call (ZeRO-3), where a mixer
-    run once per sample would make the processes' collectives differ in number."""
+def packed_samples_meet(model, prepared, device, autocast, row_tokens: int, gathered_per_call: bool = False) -> str:
+    """Why the samples of a packed row would see each other in `model` ("" where they stay apart): a place in rows of
+    `row_tokens` that the model reads (attention.row_places), a layer that mixes tokens outside attention unhandled, a
+    Mamba whose recomputation would not know the samples, else attention's `leak` measured on `prepared` (the model as
+    the strategy wraps it; every process at once) under `autocast`, the training forward's. gathered_per_call: the
+    strategy gathers a layer's weights at each call (ZeRO-3), where a mixer run once per sample would make the
+    processes' collectives differ in number."""
     kind = f"{model.config.model_type} ({model.config._attn_implementation} attention)"
+    placed = row_places(model.config, row_tokens)
+    if placed:
+        return placed
     mixer = unhandled(model)
     if mixer:
         return f"{kind} mixes tokens outside attention ({mixer}), carrying a state from one packed sample into the next"

@@ -184,7 +184,8 @@ def skeleton_shape(folder: Path) -> Shape:
                     key = (f"experts.{weight_name}", weight.shape[1], weight.shape[2], True)
                     copies[key] += weight.shape[0]
                     active[key] += min(routed, weight.shape[0])
-    moe = any(expert for *_, expert in copies)  # routers are told apart in mixture-of-experts models only, as model.lora_targets does
+    # routers are told apart in mixture-of-experts models only, as model.lora_targets does
+    moe = any(expert for *_, expert in copies) or bool(families.num_experts(config.to_dict()))
     routers = router_names(model)
     linears = [Linear(name, fan_in, fan_out, n, active[name, fan_in, fan_out, expert], expert=expert, router=moe and not expert and name in routers)
                for (name, fan_in, fan_out, expert), n in copies.items()]

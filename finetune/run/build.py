@@ -158,10 +158,13 @@ def check_packed_rows(state: RunState) -> None:
     """Refuse a model that lets the samples of a packed row see each other: it would train and evaluate
     on other samples' context without a sign."""
     zero3 = Strategy.of(state.cfg.distributed.strategy, state.accelerator.num_processes).zero_stage == 3
-    how = packed_samples_meet(state.engine.unwrap(), state.engine.model, state.accelerator.device, state.accelerator.autocast, zero3)
+    cfg, objective = state.cfg, state.cfg.train.objective
+    # the longest row the objective packs: a sample; a pair's two sides; a prompt written once before its group's completions
+    row = {"sft": cfg.data.max_seq_len, "grpo": cfg.data.max_seq_len + cfg.grpo.num_generations * cfg.grpo.max_completion_length}
+    how = packed_samples_meet(state.engine.unwrap(), state.engine.model, state.accelerator.device, state.accelerator.autocast,
+                              row.get(objective, 2 * cfg.data.max_seq_len), zero3)
     if not how:
         return
-    objective = state.cfg.train.objective
     if objective == "sft":
         raise UserError(f"data.packing: {how}; set data.packing: false")
     what = {"grpo": "each prompt's completions", "kto": "its examples"}.get(objective, "each pair's chosen and rejected sequences")
