@@ -235,7 +235,6 @@ def with_bounds(position_ids: torch.Tensor, host: torch.Tensor) -> torch.Tensor:
     return position_ids
 
 
-@torch.compiler.disable  # its loop follows where samples start (a host sync): under model.compile it runs eagerly between graphs
 def _chunk(module) -> int | None:
     """The chunk a layer's tokens attend within (Llama 4's chunked layers: attention_chunk_size positions), or None."""
     config, layer = getattr(module, "config", None), getattr(module, "layer_idx", None)
@@ -255,6 +254,7 @@ def row_places(config, row_tokens: int) -> str:
     return ""
 
 
+@torch.compiler.disable  # its loop follows where samples start (a host sync): under model.compile it runs eagerly between graphs
 def packed_sdpa_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None, **kwargs):
     """query (B, H, L, D), key/value (B, H_kv, L, D) -> (B, L, H, D), as transformers' sdpa returns."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
