@@ -113,7 +113,8 @@ def test_other_architectures_keep_packed_samples_apart(family_dirs, family, attn
 
 def test_a_llama4_packs_only_rows_shorter_than_its_temperature_floor(family_dirs, tmp_path):
     """Llama 4 scales the queries of its layers without rotary positions by their place in the row (transformers reads
-    cache_position) from floor_scale tokens on: packed rows that long are refused in one line, shorter ones train."""
+    cache_position) from floor_scale tokens on: packed rows that long are refused in one line, shorter ones train, with
+    LoRA on attention, the shared expert and the experts (peft's own: every expert computes every token), none on the router."""
     from finetune.config.errors import UserError
 
     model_dir = family_dirs("llama4", floor_scale=32)
@@ -126,6 +127,11 @@ def test_a_llama4_packs_only_rows_shorter_than_its_temperature_floor(family_dirs
     run(validate_config(base_config(model_dir, tmp_path / "short", **sections), "test"))
     rows = [r["loss"] for r in read_jsonl(tmp_path / "short" / "metrics.jsonl") if "loss" in r]
     assert len(rows) == 8 and rows[-1] < 0.92 * rows[0], rows
+    from safetensors import safe_open
+
+    with safe_open(tmp_path / "short" / "adapter_model.safetensors", "pt") as adapter:  # peft's own LoRA on its experts; none on its router
+        names = list(adapter.keys())
+    assert any(".experts." in n for n in names) and any(".shared_expert." in n for n in names) and not any(".router." in n for n in names)
 
 
 SEE_EACH_OTHER = r"lets the samples of a packed row see each other \(measured at the start: .*\)"
@@ -355,7 +361,7 @@ def test_plan_counts_what_the_model_holds(family_dirs, tmp_path, family):
         assert plan.trainable == sum(p.numel() for p in model.parameters() if p.requires_grad), method
         if method == "full":
             assert plan.total_params == sum(p.numel() for p in model.parameters())
-    assert (plan.active_params < plan.total_params) == (family in [*MOE, *MOE_OTHERS, "jamba", "granite-hybrid", "gemma4"])
+    assert (plan.active_params < plan.total_params) == (family in [*MOE, *MOE_OTHERS, "jamba", "granite-hybrid", "gemma4", "llama4"])
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))

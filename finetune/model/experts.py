@@ -40,6 +40,16 @@ def named_fused_experts(model: torch.nn.Module) -> list[tuple[str, torch.nn.Modu
             if is_experts(m) and (any(p.dim() == 3 for p in m.parameters(recurse=False)) or m.__dict__.get(nf4.SHAPES))]
 
 
+def adapted_experts(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """The experts modules whose fused 3-D weights take LoRA, by name: named_fused_experts', which grouped_forward runs, and
+    Llama 4's, whose every expert computes every token (the router's score scales the input), which peft's own LoRA
+    adapts as they run."""
+    grouped = named_fused_experts(model)
+    ids = {id(m) for _, m in grouped}
+    return grouped + [(name, m) for name, m in model.named_modules()
+                      if id(m) not in ids and name.endswith("experts") and any(p.dim() == 3 for p in m.parameters(recurse=False))]
+
+
 def is_experts(module: torch.nn.Module) -> bool:
     """Whether transformers dispatches this module through its ExpertsInterface (what `experts_implementation` switches)."""
     return hasattr(module, "is_transposed") and hasattr(module, "num_experts")

@@ -425,9 +425,6 @@ def _wrapped(model, cfg: AdapterConfig, gradient_checkpointing: bool, say):
             raise UserError("adapter.target_modules: DoRA cannot adapt fused expert weights (peft); use adapter.method: lora for the experts")
         say("adapter: DoRA cannot adapt the experts' fused weights (peft): the experts stay frozen; adapter.method: lora adapts them")
         parameters = []
-    if not parameters and cfg.target_modules == "all-linear" and any(w.dim() == 3 for n, w in model.named_parameters() if ".experts." in n):
-        say(f"adapter: this {model.config.model_type} model's experts are not fused weights finetune adapts (model/experts.py): LoRA on "
-            "attention and the shared expert, the experts and routers frozen")
     if parameters and cfg.dropout:
         say(f"adapter: dropout {cfg.dropout} on the dense layers' LoRA, none on the experts' (peft's LoRA on fused expert weights takes none)")
     lora = LoraConfig(
@@ -533,12 +530,11 @@ def lora_targets(model, wanted: str | list[str]) -> tuple[str | list[str], list[
 
     all-linear: peft's own, except in mixture-of-experts models, where peft's choice varies by family
     (Mixtral's router and experts but Qwen2-MoE's shared-expert gate and no experts): there every
-    linear layer but the head and the routers, and the experts' fused 3-D weights where finetune adapts them
-    (model/experts.py; Llama 4's, which every expert computes for every token, it does not). In a list, the name
+    linear layer but the head and the routers, and the experts' fused 3-D weights (experts.adapted_experts). In a list, the name
     `experts` stands for those expert weights; any other name must match some linear layer."""
     head = model.get_output_embeddings()
     linears = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if linear_like(m) and m is not head}
-    stacks = sorted({f"{module.rsplit('.', 1)[-1]}.{p}" for module, m in experts.named_fused_experts(model)
+    stacks = sorted({f"{module.rsplit('.', 1)[-1]}.{p}" for module, m in experts.adapted_experts(model)
                      for p, w in m.named_parameters(recurse=False) if w.dim() == 3})
     picking = router_names(model) if stacks or families.num_experts(model.config.to_dict()) else set()
     if wanted == "all-linear":

@@ -169,7 +169,7 @@ def skeleton_shape(folder: Path) -> Shape:
     routed = getattr(config, "num_experts_per_tok", None) or 1
     copies, active = Counter(), Counter()  # by (name, fan_in, fan_out, expert)
     pictures = tuple(f"{name}." for role, name in vision.part_names(model).items() if role != "language")  # counted by vision_shape
-    stacks = {id(m) for _, m in experts.named_fused_experts(model)}
+    stacks = {id(m) for _, m in experts.adapted_experts(model)}
     for name, module in model.named_modules():
         if name.startswith(pictures):
             continue
@@ -184,8 +184,7 @@ def skeleton_shape(folder: Path) -> Shape:
                     key = (f"experts.{weight_name}", weight.shape[1], weight.shape[2], True)
                     copies[key] += weight.shape[0]
                     active[key] += min(routed, weight.shape[0])
-    # routers are told apart in mixture-of-experts models only, as model.lora_targets does
-    moe = any(expert for *_, expert in copies) or bool(families.num_experts(config.to_dict()))
+    moe = any(expert for *_, expert in copies) or bool(families.num_experts(config.to_dict()))  # as model.lora_targets tells routers apart
     routers = router_names(model)
     linears = [Linear(name, fan_in, fan_out, n, active[name, fan_in, fan_out, expert], expert=expert, router=moe and not expert and name in routers)
                for (name, fan_in, fan_out, expert), n in copies.items()]
