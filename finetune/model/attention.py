@@ -282,8 +282,8 @@ def packed_sdpa_forward(module, query, key, value, attention_mask, dropout: floa
     if position_ids.shape[0] != query.shape[0]:
         position_ids = position_ids.expand(query.shape[0], -1)
     chunk = _chunk(module)
-    if chunk:  # Llama 4's chunked layers: each chunk of a sample's positions attends as a sample of its own
-        position_ids = position_ids % chunk
+    if chunk and position_ids.shape[-1] > chunk:  # Llama 4's chunked layers: each chunk of a sample's positions attends as a
+        position_ids = position_ids % chunk  # sample of its own (a new tensor: its bounds found again, a host sync on a GPU)
     if sinks is not None:
         if dropout:
             raise NotImplementedError(f"{PACKED_SDPA}: attention dropout with sinks")

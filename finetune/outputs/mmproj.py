@@ -32,7 +32,7 @@ FAMILIES = {"llava": "mlp", "gemma3": "gemma3", "idefics3": "idefics3", "smolvlm
 SHUFFLED = ("idefics3", "smolvlm")  # a tower of their own, SigLIP's layers
 QWEN = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")  # a tower of their own: 2-D rotary positions, 2 x 2 patches merged into one token
 QWEN35 = ("qwen3_5", "qwen3_5_moe")  # Qwen3-VL's tower without DeepStack; a language model transformers has a causal LM of
-PIXTRAL_TOKENS = (8, 1024)  # llama.cpp's pixtral graph: a picture resized to have this many tokens at least and at most
+PIXTRAL_FEWEST = 8  # llama.cpp's pixtral graph enlarges a picture of fewer tokens (and shrinks one of over 1,024)
 GEMMA3_POOLING = 4  # llama.cpp's pooling of Gemma 3's patches when the file names none (64 x 64 patches into 16 x 16 tokens)
 TOLERANCE = {"f32": 1e-3, "f16": 1e-2}  # largest |embedding difference| published, over the largest |embedding|
 # Towers written: SigLIP's. llama.cpp's LLaVA graph (llama-cpp-python 0.3.36) puts a CLIP tower's class token after the
@@ -81,9 +81,9 @@ def _pixtral_refusal(config: dict) -> str | None:
     if config.get("vision_feature_layer", -1) != -1:
         return "it hands on a tower layer other than its last; llama.cpp's pixtral graph hands on the last"
     most = vision["image_size"] // (vision["patch_size"] * config.get("spatial_merge_size", 2))
-    if most ** 2 < PIXTRAL_TOKENS[0]:
+    if most ** 2 < PIXTRAL_FEWEST:
         return (f"its pictures have {most ** 2} tokens at most, fewer than llama.cpp's pixtral graph enlarges every picture to "
-                f"({PIXTRAL_TOKENS[0]}); its embeddings would be of another picture")
+                f"({PIXTRAL_FEWEST}); its embeddings would be of another picture")
     return None
 
 
