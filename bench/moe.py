@@ -1,18 +1,21 @@
 """Mixture-of-experts models on this machine: our grouped expert LoRA against HF + peft, and the plan against the peak.
 
-Three scaled-down released shapes (the expert count, top-k and the expert-to-hidden ratio kept; hidden 512, 2 layers;
+Four scaled-down released shapes (the expert count, top-k and the expert-to-hidden ratio kept; hidden 512, 2 layers;
 random weights, the demo tokenizer):
   - qwen3-moe: Qwen3-30B-A3B's 128 experts, 8 routed, MoE width 3/8 of hidden
   - gpt-oss: gpt-oss-20b's 32 experts, 4 routed, biased experts stored (E, in, out), attention sinks
   - deepseek-v3: DeepSeek-V3's latent attention, a dense first layer, 64 routed experts of 8 (scaled from 256), a shared one
+  - llama4: Llama 4 Scout's 16 experts, 1 routed, MoE width 1.6 x hidden, a shared expert; transformers runs every expert
+    on every token (the router's score scaling the input), finetune the chosen one (model/experts.py)
 
-speed: one process, fp32, LoRA r 16 on attention and experts, 1 x 1024 tokens, a forward and backward of the
-model's own loss per step (3 timed after 1, in 3 rounds taken in turn, the best of each side's). "HF + peft" is
-transformers' default experts path (grouped_mm) with peft's `target_parameters` LoRA (each expert weight parametrized
-as W + B·A); "ours" is the same adapter through finetune's load and adapter (model/experts.py: the LoRA on the routed
-tokens only). Same weights, same adapter values, the same attention (finetune's, which its load registers): the first
-losses must agree. The MoE block alone: the first layer's router, experts (and shared expert) forward and backward on
-the same random hidden states, on each side, what the two expert paths differ in without the rest of the model.
+speed: one process, fp32, LoRA r 16 on attention and experts, 1 x 1024 tokens, a forward and backward of the model's
+own loss per step (3 timed after 1, in 3 rounds taken in turn, the best of each side's). "HF + peft" is transformers'
+default experts path (grouped_mm; Llama 4: its own, every expert on every token) with peft's `target_parameters` LoRA
+(each expert weight parametrized as W + B·A); "ours" is the same adapter through finetune's load and adapter
+(model/experts.py: the LoRA on the routed tokens only). Same weights, same adapter values, the same attention
+(finetune's, which its load registers): the first losses must agree. The MoE block alone: the first layer's router,
+experts (and shared expert) forward and backward on the same random hidden states, on each side, what the two expert
+paths differ in without the rest of the model.
 
 memory: `finetune train` on the qwen3-moe shape (LoRA in fp32; QLoRA with torchao's NF4 on the linear layers and
 the experts), 1 x 1024 tokens, 3 steps, a process each, glibc's heap set to hand large blocks back
@@ -20,7 +23,8 @@ the experts), 1 x 1024 tokens, 3 steps, a process each, glibc's heap set to hand
 loaded (bench/large.py's sampling), the load included; planned = `finetune plan`'s total for the same config, or what
 it plans while the base loads where that is more.
 
-plan: `finetune plan` for the released shapes (docs/examples/NAME/config.json), configs/qlora.yaml and configs/lora.yaml
+plan: `finetune plan` for the released shapes (docs/examples/NAME/config.json; llama-4-scout-text: Llama 4 Scout's text
+side, as finetune trains it: llama4_text), configs/qlora.yaml and configs/lora.yaml
 as shipped (LoRA r 16 on every linear layer and the experts; QLoRA: 4-bit NF4 linear layers and experts) with one row of
 4,096 tokens a micro-batch and activation checkpointing, on 80 GiB GPUs: one GPU, or FSDP2 over 8 and 64 (torchao's NF4 and AdamW, which it shards).
 On one GPU each expert stack is quantized as transformers sets it on its module: what the GPU holds while the base loads is
@@ -58,6 +62,8 @@ SHAPES = {
     "deepseek-v3": ("deepseek_v3", dict(num_key_value_heads=8, head_dim=32, intermediate_size=1536, kv_lora_rank=128, q_lora_rank=192, qk_rope_head_dim=32,
                                         qk_nope_head_dim=64, v_head_dim=64, n_routed_experts=64, num_experts_per_tok=8, n_group=8, topk_group=4,
                                         moe_intermediate_size=256, n_shared_experts=1, first_k_dense_replace=1)),
+    # Scout's ratios: 16 experts of 1.6 x the width, one chosen, a shared expert beside them; HF computes every expert for every token
+    "llama4": ("llama4_text", dict(intermediate_size=768, intermediate_size_mlp=1536, num_local_experts=16, num_experts_per_tok=1)),
 }
 
 
@@ -161,7 +167,7 @@ def memory(run: str, steps: int) -> str:
 
 
 PLANS = [("qwen3-30b-a3b", 1), ("gpt-oss-20b", 1), ("glm-4.5-air", 1), ("gpt-oss-120b", 1), ("qwen3-235b-a22b", 8), ("qwen3-235b-a22b", 64),
-         ("deepseek-v3", 8), ("deepseek-v3", 64)]
+         ("deepseek-v3", 8), ("deepseek-v3", 64), ("llama-4-scout-text", 1)]
 
 
 def shipped(name: str, method: str, gpus: int, experts_split: str | None = None):

@@ -14,6 +14,7 @@ from conftest import (
     OTHERS,
     REPO,
     base_config,
+    finetune_cli,
     gpu_branch_on_cpu,
     read_jsonl,
     samples_batch,
@@ -111,10 +112,13 @@ def test_other_architectures_keep_packed_samples_apart(family_dirs, family, attn
     assert_equal_to_each_sample_alone(model, textbook_samples(model.config.vocab_size))
 
 
-def test_a_llama4_packs_only_rows_shorter_than_its_temperature_floor(family_dirs, tmp_path):
+def test_a_llama4_packs_only_rows_shorter_than_its_temperature_floor(family_dirs, tmp_path, capsys):
     """Llama 4 scales the queries of its layers without rotary positions by their place in the row (transformers reads
     cache_position) from floor_scale tokens on: packed rows that long are refused in one line, shorter ones train, with
-    LoRA on attention, the shared expert and the experts (peft's own: every expert computes every token), none on the router."""
+    LoRA on attention, the shared expert and the experts (run grouped, model/experts.py), none on the router. The adapter
+    loads in plain peft on transformers' own model (every expert computing every token), whose logits the merged model's equal."""
+    from peft import PeftModel
+
     from finetune.config.errors import UserError
 
     model_dir = family_dirs("llama4", floor_scale=32)
@@ -132,6 +136,13 @@ def test_a_llama4_packs_only_rows_shorter_than_its_temperature_floor(family_dirs
     with safe_open(tmp_path / "short" / "adapter_model.safetensors", "pt") as adapter:  # peft's own LoRA on its experts; none on its router
         names = list(adapter.keys())
     assert any(".experts." in n for n in names) and any(".shared_expert." in n for n in names) and not any(".router." in n for n in names)
+    assert finetune_cli(capsys, "merge", "--adapter", str(tmp_path / "short"), "--out", str(tmp_path / "merged")).returncode == 0
+    ids = torch.arange(3, 33).unsqueeze(0)
+    with torch.no_grad():
+        theirs = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir), tmp_path / "short")(ids).logits
+        merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32)(ids).logits
+        base = AutoModelForCausalLM.from_pretrained(model_dir)(ids).logits
+    assert (merged - theirs).abs().max() < 1e-5 * theirs.abs().max() < (base - theirs).abs().max(), (merged - theirs).abs().max()
 
 
 SEE_EACH_OTHER = r"lets the samples of a packed row see each other \(measured at the start: .*\)"

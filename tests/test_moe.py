@@ -29,7 +29,7 @@ from finetune.model.loading import apply_adapter, load_model, quantize_layers
 from finetune.objectives import loss
 from finetune.train import run
 
-FAMILIES = [*MOE, *MOE_OTHERS]
+FAMILIES = [*MOE, *MOE_OTHERS, "llama4"]
 
 
 def _adapted(model_dir, say=lambda _: None, **adapter):
@@ -64,7 +64,8 @@ def test_grouped_expert_lora_equals_peft_on_the_librarys_eager_experts(family_di
     combined) takes one to a few rows at a time."""
     monkeypatch.setattr(experts, "CHUNK", chunk)
     ours = _adapted(family_dirs(family))
-    assert ours.config._experts_implementation == experts.IMPLEMENTATION
+    grouped = [type(m).__name__ == "GroupedLlama4TextExperts" for m in experts.fused_experts(ours)]  # Llama 4's: outside transformers' switch
+    assert all(grouped) if family == "llama4" else ours.config._experts_implementation == experts.IMPLEMENTATION and not any(grouped)
     theirs = _peft_on_eager_experts(family_dirs(family), ours)
     trained = {name for name, p in ours.named_parameters() if p.requires_grad}
     assert any(".experts." in n for n in trained) and not any(f".{router}." in n for n in trained for router in ("gate", "router"))
@@ -305,15 +306,15 @@ def test_dense_and_shared_expert_layers_peft_leaves_unadapted_are_said(family_di
     assert deepseek.peft_config["default"].rank_pattern == {}  # the experts keep rank r (peft doubles it beside those names)
 
 
-@pytest.mark.parametrize("backend", ["torchao", "bitsandbytes"])
-def test_4bit_experts_compute_what_their_dequantized_values_do(family_dirs, backend):
+@pytest.mark.parametrize("family, backend", [("qwen3-moe", "torchao"), ("qwen3-moe", "bitsandbytes"), ("llama4", "bitsandbytes")])
+def test_4bit_experts_compute_what_their_dequantized_values_do(family_dirs, family, backend):
     """A 4-bit base quantizes the experts' fused weights too (torchao's NF4, with either backend; the router
     stays as loaded): each stack is stored 2-D at half a byte a weight plus scales, dequantizes to
     torchao's own values, and the grouped path's loss and gradients equal those of the same model with
     the dequantized values put back."""
     from torchao.quantization import to_nf4
 
-    model_dir = family_dirs("qwen3-moe")
+    model_dir = family_dirs(family)
     cfg = ModelConfig(name_or_path=str(model_dir), quantization=QuantizationConfig(bits=4, backend=backend, compute_dtype="bfloat16"))
     model = apply_adapter(load_model(cfg, say=lambda _: None), AdapterConfig(r=4, dropout=0.0), False, say=lambda _: None)
     with torch.no_grad():
@@ -324,7 +325,9 @@ def test_4bit_experts_compute_what_their_dequantized_values_do(family_dirs, back
     quantize_layers(model, cfg)
     stacks = {name: p for name, p in model.named_parameters() if nf4.is_nf4(p)}
     assert sum(name.endswith(("gate_up_proj", "down_proj")) and ".experts." in name for name in stacks) == 4  # two layers, two stacks each
-    assert not any(".gate." in name for name in stacks)
+    assert not any(".gate." in name or ".router." in name for name in stacks)
+    routers = [m.weight for name, m in model.named_modules() if name.endswith((".gate", ".router"))]
+    assert len(routers) == 2 and all(w.dtype == torch.float32 for w in routers)  # as loaded
     name, weight = next(iter(original.items()))
     theirs = to_nf4(weight.to(torch.bfloat16).reshape(-1, weight.shape[-1]), nf4.BLOCK, nf4.scaler_block(weight.numel()))
     assert torch.equal(stacks[name].get_original_weight(), theirs.get_original_weight())
@@ -352,12 +355,12 @@ def _grouped_equals_dequantized(model) -> None:
 
 
 @pytest.mark.parametrize("family, backend, bits", [("qwen3-moe", "bitsandbytes", 4), ("gpt-oss", "bitsandbytes", 4),
-                                                    ("qwen3-moe", "bitsandbytes", 8), ("qwen3-moe", "torchao", 4)])
+                                                    ("qwen3-moe", "bitsandbytes", 8), ("qwen3-moe", "torchao", 4), ("llama4", "bitsandbytes", 8)])
 def test_experts_quantized_as_they_load_train_as_those_quantized_once_the_adapter_is_on(family_dirs, family, backend, bits):
     """The policy's expert stacks quantized as transformers sets them (experts.quantized_as_loaded): the loaded model holds
     each stack's codes, not its values, with no more than two stacks' values alive at once while it loads (4 here); the
     adapter sized from their own shapes; then loss and every gradient bit for bit those of the same stacks quantized once
-    the adapter is on (gpt-oss: biases, unfolded routing)."""
+    the adapter is on (gpt-oss: biases, unfolded routing; Llama 4: experts outside transformers' switch, run grouped by finetune)."""
     import weakref
 
     cfg = ModelConfig(name_or_path=str(family_dirs(family)), quantization=QuantizationConfig(bits=bits, backend=backend, compute_dtype="bfloat16"))
@@ -605,6 +608,21 @@ def test_experts_split_over_two_processes_train_as_ddp_does(tmp_path, family_dir
         held, every = summary["nf4_bytes_per_rank"], whole_summary["nf4_bytes_per_rank"]
         assert held[0] == held[1] and abs(2 * held[0] - every[0]) < 0.01 * every[0], (held, every)
         _resumed_and_merged(tmp_path, model, split, sections)
+
+
+def test_llama4s_experts_sharded_or_spread_over_two_processes_train_as_ddp_does(tmp_path, family_dirs):
+    """Llama 4's experts, which finetune runs grouped outside transformers' switch (model/experts.py), under FSDP2 (rank 0
+    reads each layer from the files, its experts' stacks under peft's two wrappers included, and sends the shards) and
+    spread over the 2 processes under DDP (each holding 2 of a layer's 4): DDP's losses over the same 2 (1e-5)."""
+    from conftest import train_strategy
+
+    model, sections = family_dirs("llama4"), {"adapter": {"dropout": 0.0}}
+    _, whole, every = train_strategy(tmp_path, "ddp", model, "lora", 2, "ddp", **sections)
+    for strategy, spread in (("fsdp", {}), ("ddp", {"expert_parallel": 2})):
+        _, losses, summary = train_strategy(tmp_path, f"{strategy}-{bool(spread)}", model, "lora", 2, strategy,
+                                            distributed={"strategy": strategy, **spread}, **sections)
+        assert losses == pytest.approx(whole, rel=1e-5, abs=1e-6) and losses[-1] < losses[0], (strategy, whole, losses)
+        assert summary["experts_held_per_rank"] == ([4, 4] if spread else [0, 0]) and every["experts_held_per_rank"] == [8, 8], summary
 
 
 def _resumed_and_merged(tmp_path, model, split, sections) -> None:

@@ -40,19 +40,22 @@ def named_fused_experts(model: torch.nn.Module) -> list[tuple[str, torch.nn.Modu
             if is_experts(m) and (any(p.dim() == 3 for p in m.parameters(recurse=False)) or m.__dict__.get(nf4.SHAPES))]
 
 
-def adapted_experts(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
-    """The experts modules whose fused 3-D weights take LoRA, by name: named_fused_experts', which grouped_forward runs, and
-    Llama 4's, whose every expert computes every token (the router's score scales the input), which peft's own LoRA
-    adapts as they run."""
-    grouped = named_fused_experts(model)
-    ids = {id(m) for _, m in grouped}
-    return grouped + [(name, m) for name, m in model.named_modules()
-                      if id(m) not in ids and name.endswith("experts") and any(p.dim() == 3 for p in m.parameters(recurse=False))]
-
-
 def is_experts(module: torch.nn.Module) -> bool:
-    """Whether transformers dispatches this module through its ExpertsInterface (what `experts_implementation` switches)."""
-    return hasattr(module, "is_transposed") and hasattr(module, "num_experts")
+    """Whether this module holds a layer's experts as fused stacks that `group` runs grouped: one transformers dispatches
+    through its ExpertsInterface (what `experts_implementation` switches), or Llama 4's (LLAMA4)."""
+    return (hasattr(module, "is_transposed") and hasattr(module, "num_experts")) or any(c.__name__ == LLAMA4[0] for c in type(module).__mro__)
+
+
+def transposed(experts: torch.nn.Module) -> bool:
+    """Whether an experts module computes x @ W_e, its stacks (E, in, out): transformers' flag, or Llama 4's, which holds none."""
+    return getattr(experts, "is_transposed", True)
+
+
+# transformers' Llama 4 experts and their layer, outside its ExpertsInterface: every expert computes every token, its input
+# scaled by the router's sigmoid score (zero for the experts not chosen). Their stacks are (E, in, out), gate before up,
+# no bias, no norm after: `group` runs them as grouped_forward on each token's chosen experts (_scaled_routing_forward).
+# peft reads no `is_transposed` on them and lays their LoRA out as (E, out, in) (lora_weights turns it round).
+LLAMA4 = ("Llama4TextExperts", "Llama4TextMoe")
 
 
 def fused_experts(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -71,13 +74,58 @@ def group(model: torch.nn.Module) -> int:
     ALL_EXPERTS_FUNCTIONS.register(IMPLEMENTATION, grouped_forward)
     for module in experts:
         module.__dict__[LORA] = {}
+        if not hasattr(module, "is_transposed"):  # Llama 4's
+            module.__class__ = _grouped_class(type(module), _Llama4Experts)
+    for module in model.modules():
+        if type(module).__name__ == LLAMA4[1]:
+            module.__class__ = _grouped_class(type(module), _ScaledRouting)
     for module in model.modules():
         if isinstance(module, ParamWrapper) and LORA in module.get_base_layer().__dict__:
             module.get_base_layer().__dict__[LORA][module.parameter_name] = module
             module.__class__ = _grouped_wrapper(type(module))
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    base.set_experts_implementation(IMPLEMENTATION)
+    if any(hasattr(m, "is_transposed") for m in experts):
+        base.set_experts_implementation(IMPLEMENTATION)
     return len(experts)
+
+
+class _Llama4Experts:
+    """What grouped_forward reads of an experts module, for Llama 4's: one stack of gate then up projections, no bias, no norm after."""
+    has_gate, has_bias, has_post_expert_norm, grouped = True, False, False, True
+
+    def _apply_gate(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.act_fn(gate) * up
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        return grouped_forward(self, hidden_states, top_k_index, top_k_weights)
+
+
+class _ScaledRouting:
+    """Llama 4's MoE layer with its experts run on each token's chosen ones only: each chosen expert's copy of the token
+    scaled by the router's score, as the model scales every expert's (the others' by zero, adding nothing), computed
+    grouped with a routing weight of one, the copies summed, the shared expert's output added. Returns what the layer's own
+    forward does (the output, the router's logits)."""
+    grouped = True
+
+    def forward(self, hidden_states: torch.Tensor):
+        hidden_states = hidden_states.reshape(-1, self.hidden_dim)
+        scores, logits = self.router(hidden_states)
+        chosen = torch.topk(logits, self.top_k, dim=1).indices  # the router's own choice (its scores are zero elsewhere)
+        copies = (hidden_states.unsqueeze(1) * scores.gather(1, chosen).unsqueeze(-1)).reshape(-1, self.hidden_dim)
+        routed = self.experts(copies, chosen.reshape(-1, 1), torch.ones(len(copies), 1, dtype=copies.dtype, device=copies.device))
+        out = self.shared_expert(hidden_states)
+        out.add_(routed.view(-1, self.top_k, routed.shape[-1]).sum(dim=1))
+        return out, logits
+
+
+def _grouped_class(cls: type, layout: type) -> type:
+    """cls with `layout`'s attributes and forward first (once a class; a class already so, as it is)."""
+    if getattr(cls, "grouped", False):
+        return cls
+    if cls not in _WRAPPERS:
+        _WRAPPERS[cls] = type(f"Grouped{cls.__name__}", (layout, cls), {})
+    return _WRAPPERS[cls]
 
 
 _WRAPPERS: dict[type, type] = {}
@@ -242,11 +290,11 @@ class RoutedDown(torch.autograd.Function):
     def forward(ctx, up, weights, experts, stack, offsets, ends, rows, tokens, *lora):
         ctx.experts, ctx.stack, ctx.ends = experts, stack, ends
         ctx.save_for_backward(up, weights, rows, offsets, *lora)
-        summed = up.new_zeros(tokens, stack.width if experts.is_transposed else stack.per_expert, dtype=torch.float32)
+        summed = up.new_zeros(tokens, stack.width if transposed(experts) else stack.per_expert, dtype=torch.float32)
         lora = [t.detach() for t in lora]
         for w, first, last, offs, every in _down_pieces(stack, offsets, ends, len(rows), _compute(stack, up)):
             x = activated(experts, up.detach()[first:last]) * weights.detach()[first:last]
-            part = torch.nn.functional.grouped_mm(x.to(w.dtype), w if experts.is_transposed else w.transpose(-2, -1), offs=offs)
+            part = torch.nn.functional.grouped_mm(x.to(w.dtype), w if transposed(experts) else w.transpose(-2, -1), offs=offs)
             if lora:
                 part += _lora_part(x, lora, every).to(part.dtype)
             add_rows(summed, rows[first:last], part)
@@ -264,7 +312,7 @@ class RoutedDown(torch.autograd.Function):
                 u, r = up[first:last].detach().requires_grad_(), weights[first:last].detach().requires_grad_()
                 leaves = [t.detach().requires_grad_() for t in lora]
                 x = activated(ctx.experts, u) * r
-                outputs, grads = [x], [torch.nn.functional.grouped_mm(g.to(w.dtype), w.transpose(-2, -1) if ctx.experts.is_transposed else w,
+                outputs, grads = [x], [torch.nn.functional.grouped_mm(g.to(w.dtype), w.transpose(-2, -1) if transposed(ctx.experts) else w,
                                                                       offs=offs).to(x.dtype)]
                 if leaves:
                     outputs.append(_lora_part(x, leaves, every))
@@ -353,10 +401,10 @@ def project(experts: torch.nn.Module, name: str, x: torch.Tensor, offsets: torch
     weight = getattr(experts, name)
     gathered = source or ()
     if quantized(weight) or gathered:  # a quantized stack computes in x's dtype (as torchao's linear_nf4), one kept as loaded in its own
-        out = FrozenGrouped.apply(x if quantized(weight) else x.to(weight.dtype), Stack.of(experts, name), offsets, ends, experts.is_transposed,
+        out = FrozenGrouped.apply(x if quantized(weight) else x.to(weight.dtype), Stack.of(experts, name), offsets, ends, transposed(experts),
                                   *gathered)
     else:
-        out = torch.nn.functional.grouped_mm(x.to(weight.dtype), weight if experts.is_transposed else weight.transpose(-2, -1), offs=offsets)
+        out = torch.nn.functional.grouped_mm(x.to(weight.dtype), weight if transposed(experts) else weight.transpose(-2, -1), offs=offsets)
     if experts.has_bias:
         out = out + getattr(experts, f"{name}_bias")[expert_ids]
     for wrapper, adapter in active_loras(experts, name):
@@ -384,6 +432,8 @@ def lora_weights(wrapper, adapter: str) -> tuple[torch.Tensor, torch.Tensor]:
     held = slice(None) if split is None else slice(split.first, split.first + split.count)  # the experts this process computes
     a = a.view(experts, -1, a.shape[-1])[held].transpose(-2, -1).to(dtype).contiguous()  # (E, in, r)
     b = (b.view(b.shape[0], -1, experts).permute(2, 1, 0)[held] * wrapper.scaling[adapter]).to(dtype).contiguous()  # (E, r, out), scaled: r·out
+    if wrapper._did_swap_in_out_features and transposed(wrapper.get_base_layer()):  # Llama 4's: peft's (E, out, in) of a stack computed x @ W_e
+        a, b = b.transpose(-2, -1).contiguous(), a.transpose(-2, -1).contiguous()
     pad = -a.shape[-1] % (16 // a.element_size())  # grouped_mm takes strides of whole 16 bytes: r 4 in bf16 gets 4 zeros
     if pad:
         a, b = torch.nn.functional.pad(a, (0, pad)), torch.nn.functional.pad(b, (0, 0, 0, pad))

@@ -530,11 +530,11 @@ def lora_targets(model, wanted: str | list[str]) -> tuple[str | list[str], list[
 
     all-linear: peft's own, except in mixture-of-experts models, where peft's choice varies by family
     (Mixtral's router and experts but Qwen2-MoE's shared-expert gate and no experts): there every
-    linear layer but the head and the routers, and the experts' fused 3-D weights (experts.adapted_experts). In a list, the name
+    linear layer but the head and the routers, and the experts' fused 3-D weights (experts.named_fused_experts). In a list, the name
     `experts` stands for those expert weights; any other name must match some linear layer."""
     head = model.get_output_embeddings()
     linears = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if linear_like(m) and m is not head}
-    stacks = sorted({f"{module.rsplit('.', 1)[-1]}.{p}" for module, m in experts.adapted_experts(model)
+    stacks = sorted({f"{module.rsplit('.', 1)[-1]}.{p}" for module, m in experts.named_fused_experts(model)
                      for p, w in m.named_parameters(recurse=False) if w.dim() == 3})
     picking = router_names(model) if stacks or families.num_experts(model.config.to_dict()) else set()
     if wanted == "all-linear":

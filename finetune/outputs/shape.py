@@ -169,7 +169,7 @@ def skeleton_shape(folder: Path) -> Shape:
     routed = getattr(config, "num_experts_per_tok", None) or 1
     copies, active = Counter(), Counter()  # by (name, fan_in, fan_out, expert)
     pictures = tuple(f"{name}." for role, name in vision.part_names(model).items() if role != "language")  # counted by vision_shape
-    stacks = {id(m) for _, m in experts.adapted_experts(model)}
+    stacks = {id(m) for _, m in experts.named_fused_experts(model)}
     for name, module in model.named_modules():
         if name.startswith(pictures):
             continue

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 from pathlib import Path
 
 import torch
@@ -260,8 +261,9 @@ def _reader(model: torch.nn.Module, folder: Path, adapter: dict[str, torch.Tenso
 
 
 def _stored_key(name: str) -> str:
-    """The file's name for a state-dict entry of the model as trained (peft's wrapping taken off)."""
-    return name.removeprefix("base_model.model.").replace(".base_layer.", ".")
+    """The file's name for a state-dict entry of the model as trained (peft's wrapping taken off: an experts module with
+    LoRA on two stacks is wrapped twice, `.base_layer.base_layer.`)."""
+    return re.sub(r"\.base_layer(?=\.)", "", name.removeprefix("base_model.model."))
 
 
 def clip_sharded(params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
