@@ -145,6 +145,46 @@ def test_a_llama4_packs_only_rows_shorter_than_its_temperature_floor(family_dirs
     assert (merged - theirs).abs().max() < 1e-5 * theirs.abs().max() < (base - theirs).abs().max(), (merged - theirs).abs().max()
 
 
+def test_a_released_llama4_trains_its_language_model_on_text_and_refuses_pictures_in_one_line(family_dirs, tmp_path, capsys):
+    """A Llama 4 checkpoint as released (the language model beside a vision tower, model_type llama4): its language model
+    trains alone on text rows, said in one line (no Llama 4 image processor runs here: docs/vision.md); the adapter loads in
+    plain peft on transformers' causal LM from the same folder, whose logits the merged model's equal; the plan counts the
+    language model as the text-only folder's; rows with a picture stop in one line."""
+    import json
+    import shutil
+
+    from peft import PeftModel
+    from transformers import AutoConfig, Llama4Config, Llama4ForConditionalGeneration
+
+    from finetune.config.errors import UserError
+    from finetune.outputs.shape import read_shape
+
+    text_dir, released = family_dirs("llama4"), tmp_path / "released"
+    vision = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, image_size=56, patch_size=14,
+                  vision_output_dim=64, projector_input_dim=64, projector_output_dim=64)
+    text = AutoConfig.from_pretrained(text_dir).to_dict()
+    torch.manual_seed(0)
+    Llama4ForConditionalGeneration(Llama4Config(text_config=text, vision_config=vision)).save_pretrained(released)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(text_dir / name, released / name)
+    sections = dict(train={"max_steps": 4, "lr": 1e-2}, data={"eval": None, "max_seq_len": 256})
+    run(validate_config(base_config(released, tmp_path / "run", **sections), "test"))
+    assert "model: llama4 (Llama 4): its language model trains alone, on text (llama4_text)" in capsys.readouterr().out
+    assert finetune_cli(capsys, "merge", "--adapter", str(tmp_path / "run"), "--out", str(tmp_path / "merged")).returncode == 0
+    ids = torch.arange(3, 33).unsqueeze(0)
+    with torch.no_grad():
+        theirs = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(released), tmp_path / "run")(ids).logits
+        merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32)(ids).logits
+    assert (merged - theirs).abs().max() < 1e-5 * theirs.abs().max(), (merged - theirs).abs().max()
+    assert read_shape(str(released)) == read_shape(str(text_dir))
+    (tmp_path / "pictures.jsonl").write_text(json.dumps({"messages": [
+        {"role": "user", "content": [{"type": "image", "path": "cat.png"}, {"type": "text", "text": "What is it?"}]},
+        {"role": "assistant", "content": "A cat."}]}) + "\n")
+    sections["data"].update(train=str(tmp_path / "pictures.jsonl"), format="chat", chat_template="alpaca")
+    with pytest.raises(UserError, match=r"pictures.jsonl:1: the row has pictures, but the model takes none: it trains on text only "):
+        run(validate_config(base_config(released, tmp_path / "pictures", **sections), "test"))
+
+
 SEE_EACH_OTHER = r"lets the samples of a packed row see each other \(measured at the start: .*\)"
 MIXES = r"mixes tokens outside attention \({}\), carrying a state from one packed sample into the next"
 

@@ -139,7 +139,7 @@ def row_pictures(rows: list[dict], processor) -> list[list[bytes] | str]:
         if not has_images(row):
             out.append([])
         elif processor is None:
-            out.append("data: the row has pictures, but the model takes none (a vision-language model's config.json has a vision_config)")
+            out.append("data: the row has pictures, but the model takes none: it trains on text only (the families that take pictures: docs/vision.md)")
         else:
             data, problem = read(row["images"])
             out.append(f"data: {problem}" if problem else data)

@@ -168,6 +168,14 @@ def _features(datasets):
                               "problem": datasets.Value("string"), "images": datasets.Sequence(datasets.Value("binary"))})
 
 
+def _unless_refused(tokenize, rows: list[dict], tokenizer, fmt: str, pictures: list) -> list:
+    """tokenize(rows, tokenizer, fmt)'s results for the rows whose pictures were not refused (images.row_pictures); the
+    others get the reason, unrendered: a text model's chat template may not take a message's picture parts."""
+    kept = [i for i, p in enumerate(pictures) if not isinstance(p, str)]
+    done = iter(tokenize([rows[i] for i in kept], tokenizer, fmt) if kept else [])
+    return [p if isinstance(p, str) else next(done) for p in pictures]
+
+
 def _tokenize_batch(batch, tokenizer, fmt: str, train_on_prompt: bool, max_seq_len: int, processor=None):
     """datasets.map's function, on Arrow batches: rows -> token columns built from flat numpy arrays
     (no per-token Python lists for Arrow to convert). A preference pair is one sample: the chosen
@@ -180,7 +188,7 @@ def _tokenize_batch(batch, tokenizer, fmt: str, train_on_prompt: bool, max_seq_l
     pictures = images.row_pictures(rows, processor) if fmt in ("chat", "preference", "prompt") else [[] for _ in rows]
     results = (tokenize_pairs(rows, tokenizer, max_seq_len, processor, pictures) if fmt == "preference"
                else tokenize_prompts(rows, tokenizer, processor, pictures) if fmt == "prompt"
-               else tokenize_unpaired(rows, tokenizer, max_seq_len) if fmt == "unpaired" else tokenize_rows(rows, tokenizer, fmt))
+               else tokenize_unpaired(rows, tokenizer, max_seq_len) if fmt == "unpaired" else _unless_refused(tokenize_rows, rows, tokenizer, fmt, pictures))
     if fmt == "chat":
         results = images.expand_rows(rows, results, tokenizer, processor, pictures, max_seq_len)
     problems = [r if isinstance(r, str) else None for r in results]

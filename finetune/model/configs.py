@@ -10,10 +10,21 @@ from finetune.config.errors import UserError
 from finetune.config.files import read_model_config
 from finetune.config.schema import ModelConfig, looks_local
 
+# Families whose released checkpoints finetune reads as their language model alone, as transformers' causal-LM class loads
+# it from them (the tower's weights left unread): Llama 4, whose image processor transformers has for torchvision only,
+# which has no build for the CPU torch here (docs/platform-notes.md), so no Llama 4 picture was ever processed here.
+LANGUAGE_ONLY = {"llama4": "Llama 4"}
 
-def model_config(cfg: ModelConfig, key: str = "model.name_or_path"):
+
+def language_only(config: dict) -> dict:
+    """A config.json's dict as finetune reads the model: a LANGUAGE_ONLY family's language model's config."""
+    return config["text_config"] if config.get("model_type") in LANGUAGE_ONLY and config.get("text_config") else config
+
+
+def model_config(cfg: ModelConfig, key: str = "model.name_or_path", say=None):
     """The model's config as loading reads it (a local folder, or a hub id from the cache or the hub, at model.revision),
-    with model.config_overrides applied; one line naming `key` if it cannot be read."""
+    a LANGUAGE_ONLY family's language model's (said through `say`), with model.config_overrides applied; one line naming
+    `key` if it cannot be read."""
     from huggingface_hub.errors import StrictDataclassError
     from transformers import AutoConfig
 
@@ -23,6 +34,13 @@ def model_config(cfg: ModelConfig, key: str = "model.name_or_path"):
         config = AutoConfig.from_pretrained(cfg.name_or_path, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
     except (OSError, ValueError, StrictDataclassError) as err:  # the last: a config whose fields disagree (num_hidden_layers, layer_types)
         raise UserError(f"{key}: cannot read the config of '{cfg.name_or_path}': {first_line(err)}") from None
+    kind = config.model_type
+    if kind in LANGUAGE_ONLY:
+        config = config.get_text_config()
+        if say:
+            say(f"model: {kind} ({LANGUAGE_ONLY[kind]}): its language model trains alone, on text ({config.model_type}); its vision tower "
+                "is not read: transformers has its image processor for torchvision only, which has no build for the CPU torch finetune "
+                "is tested on (docs/vision.md)")
     override_config(config, cfg.config_overrides)
     return config
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import json
+import re
 from contextlib import contextmanager, nullcontext
 from importlib.metadata import version
 from pathlib import Path
@@ -19,7 +20,7 @@ from finetune.config.files import read_model_config
 from finetune.config.schema import DTYPE_BYTES, AdapterConfig, ModelConfig, RunConfig, looks_local
 from finetune.model import experts, families, mixers, nf4, vision
 from finetune.model.attention import register as register_packed_sdpa
-from finetune.model.configs import first_line, model_config
+from finetune.model.configs import LANGUAGE_ONLY, first_line, model_config
 
 DTYPES = {**{name: getattr(torch, name) for name in DTYPE_BYTES}, "auto": "auto"}  # model.dtype -> torch
 
@@ -197,7 +198,7 @@ def load_model(cfg: ModelConfig, device: torch.device | str = "cpu", skeleton: s
     once the adapter is on; the whole model in one process only (a ZeRO-3 base is partitioned as it loads; FSDP2 quantizes
     each layer in blocks its processes split). expert_share (index, size): only this process's share of each expert stack
     kept as it loads (expert parallelism), then quantized where the base is."""
-    config = model_config(cfg)
+    config = model_config(cfg, say=say)
     if head == "score":
         return _reward_model(cfg, config)
     attn, notice = attention_for(cfg, config)
@@ -222,7 +223,7 @@ def load_model(cfg: ModelConfig, device: torch.device | str = "cpu", skeleton: s
             extra["device_map"] = {"": str(device)}
     as_loaded = (experts_as_loaded and q is not None and not partitioned) or expert_share is not None
     try:
-        with _weights_read_on_demand(cfg, config) as (cls, name, state), \
+        with _weights_read_on_demand(cfg, config) as (cls, name, state), _tower_left_unread(config), \
                 experts.quantized_as_loaded(q and DTYPES[q.compute_dtype], q and q.bits, expert_share) if as_loaded else nullcontext():
             model = cls.from_pretrained(
                 name,
@@ -315,6 +316,26 @@ def _weights_read_on_demand(cfg: ModelConfig, config):
     finally:
         for handle in handles:
             handle.__exit__(None, None, None)
+
+
+@contextmanager
+def _tower_left_unread(config):
+    """A LANGUAGE_ONLY family's causal LM loading from its released checkpoint (model/configs.py): the tower's and projector's
+    weights, which it leaves unread by design, kept out of transformers' load report (a line for each of them), which still
+    names any other weight left unread or missing."""
+    cls = _causal_lm_class(config) if config.model_type.removesuffix("_text") in LANGUAGE_ONLY else None
+    if cls is None:
+        yield
+        return
+    before = cls.__dict__.get("_keys_to_ignore_on_load_unexpected")
+    cls._keys_to_ignore_on_load_unexpected = [*(before or []), *(rf"^{re.escape(part)}\." for part in (*vision.TOWERS, *vision.PROJECTORS))]
+    try:
+        yield
+    finally:
+        if before is None:
+            del cls._keys_to_ignore_on_load_unexpected
+        else:
+            cls._keys_to_ignore_on_load_unexpected = before
 
 
 def _as_if_read_from(model, folder: Path) -> None:

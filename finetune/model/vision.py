@@ -54,9 +54,6 @@ def refusal(config: dict) -> str | None:
     kind = config.get("model_type")
     if kind in FAMILIES:
         return None
-    if kind == "llama4":
-        return ("model: llama4 (Llama 4) is not fine-tuned with pictures: transformers has its image processor for torchvision only, "
-                "which has no build for the CPU torch finetune is tested on, so no Llama 4 processor was ever run here (docs/vision.md)")
     return (f"model: {kind} is a vision-language model finetune does not fine-tune yet; it fine-tunes "
             f"{', '.join(FAMILIES.values())} (docs/vision.md)")
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from finetune.config.errors import UserError
 from finetune.config.files import read_model_config
 from finetune.model import experts, families, vision
+from finetune.model.configs import language_only
 from finetune.model.families import Linear
 
 QWEN_VL_MAX_PIXELS = 12845056  # Qwen2-VL's image processor's default largest picture (16,384 merged tokens)
@@ -94,7 +95,7 @@ def read_shape(model_path: str) -> Shape:
 
 @functools.lru_cache(maxsize=32)
 def _read_shape(path: Path, version: int) -> Shape:
-    return _model_shape(path, read_model_config(path.parent, "plan"))
+    return _model_shape(path, language_only(read_model_config(path.parent, "plan")))
 
 
 def vision_shape(model, folder: Path, config: dict) -> VisionShape:
