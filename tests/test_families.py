@@ -165,7 +165,7 @@ def test_a_released_llama4_trains_its_language_model_on_text_and_refuses_picture
     text = AutoConfig.from_pretrained(text_dir).to_dict()
     torch.manual_seed(0)
     Llama4ForConditionalGeneration(Llama4Config(text_config=text, vision_config=vision)).save_pretrained(released)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         shutil.copy(text_dir / name, released / name)
     sections = dict(train={"max_steps": 4, "lr": 1e-2}, data={"eval": None, "max_seq_len": 256})
     run(validate_config(base_config(released, tmp_path / "run", **sections), "test"))
