@@ -42,8 +42,8 @@ def named_fused_experts(model: torch.nn.Module) -> list[tuple[str, torch.nn.Modu
 
 def is_experts(module: torch.nn.Module) -> bool:
     """Whether this module holds a layer's experts as fused stacks that `group` runs grouped: one transformers dispatches
-    through its ExpertsInterface (what `experts_implementation` switches), or Llama 4's (LLAMA4)."""
-    return (hasattr(module, "is_transposed") and hasattr(module, "num_experts")) or any(c.__name__ == LLAMA4[0] for c in type(module).__mro__)
+    through its ExpertsInterface (what `experts_implementation` switches), or Llama 4's (LLAMA4_EXPERTS)."""
+    return (hasattr(module, "is_transposed") and hasattr(module, "num_experts")) or any(c.__name__ == LLAMA4_EXPERTS for c in type(module).__mro__)
 
 
 def transposed(experts: torch.nn.Module) -> bool:
@@ -53,9 +53,9 @@ def transposed(experts: torch.nn.Module) -> bool:
 
 # transformers' Llama 4 experts and their layer, outside its ExpertsInterface: every expert computes every token, its input
 # scaled by the router's sigmoid score (zero for the experts not chosen). Their stacks are (E, in, out), gate before up,
-# no bias, no norm after: `group` runs them as grouped_forward on each token's chosen experts (_scaled_routing_forward).
+# no bias, no norm after: `group` runs them as grouped_forward on each token's chosen experts (_ScaledRouting).
 # peft reads no `is_transposed` on them and lays their LoRA out as (E, out, in) (lora_weights turns it round).
-LLAMA4 = ("Llama4TextExperts", "Llama4TextMoe")
+LLAMA4_EXPERTS, LLAMA4_MOE = "Llama4TextExperts", "Llama4TextMoe"
 
 
 def fused_experts(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -77,7 +77,7 @@ def group(model: torch.nn.Module) -> int:
         if not hasattr(module, "is_transposed"):  # Llama 4's
             module.__class__ = _grouped_class(type(module), _Llama4Experts)
     for module in model.modules():
-        if type(module).__name__ == LLAMA4[1]:
+        if type(module).__name__ == LLAMA4_MOE:
             module.__class__ = _grouped_class(type(module), _ScaledRouting)
     for module in model.modules():
         if isinstance(module, ParamWrapper) and LORA in module.get_base_layer().__dict__:
