@@ -14,11 +14,14 @@ default experts path (grouped_mm; Llama 4: its own, every expert on every token)
 (each expert weight parametrized as W + B·A); "ours" is the same adapter through finetune's load and adapter
 (model/experts.py: the LoRA on the routed tokens only). Same weights, same adapter values, the same attention
 (finetune's, which its load registers): the first losses must agree. The MoE block alone: the first layer's router,
-experts (and shared expert) forward and backward on the same random hidden states, on each side, what the two expert
-paths differ in without the rest of the model.
+experts (and shared expert) forward and backward on the same random hidden states, on each side (5 times the steps),
+what the two expert paths differ in without the rest of the model. The matrix products' FLOPs of a step and of the block on each side
+(torch.profiler's count of every mm, those inside grouped_mm included): what bounds the speed-up where both sides
+multiply as fast. HF + peft's experts make each weight's gradient (W + B·A takes one) beside the input's: three products of
+the routed tokens to our two, and B·A for every expert.
 
 memory: `finetune train` on the qwen3-moe shape (LoRA in fp32; QLoRA with torchao's NF4 on the linear layers and
-the experts), 1 x 1024 tokens, 3 steps, a process each, glibc's heap set to hand large blocks back
+the experts), 1 x 1024 tokens, 3 steps, a process each, two runs of each (the higher peak kept), glibc's heap set to hand large blocks back
 (MALLOC_MMAP_THRESHOLD_, as tests/test_plan.py measures); measured = peak anonymous RSS - anonymous RSS before the model
 loaded (bench/large.py's sampling), the load included; planned = `finetune plan`'s total for the same config, or what
 it plans while the base loads where that is more.
@@ -53,7 +56,9 @@ from large import train
 
 CACHE = Path(os.environ.get("FINETUNE_CACHE", REPO / ".cache" / "finetune")) / "bench-moe"
 TOKENS = 1024
-ROUNDS = 3  # speed: each side timed in turn this many times, its best kept (a 2-core machine's runs vary by a fifth)
+RUNS = 2  # memory: runs of each, the highest peak kept
+BLOCK_STEPS = 5  # speed: the MoE block alone, a fraction of a step, timed over this many times the steps
+ROUNDS = 5  # speed: each side timed in turn this many times, its best kept (a 2-core machine's runs vary by a fifth)
 COMMON = dict(hidden_size=512, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4, head_dim=64, max_position_embeddings=4096)
 SHAPES = {
     "qwen3-moe": ("qwen3_moe", dict(intermediate_size=1536, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=192)),
@@ -87,27 +92,39 @@ def model(name: str) -> Path:
     return out
 
 
-def timed(model, ids, steps: int) -> tuple[float, float]:
-    """(tokens/s over `steps` forward-backward steps after one untimed, the first loss)."""
-    first = None
-    for step in range(steps + 1):
-        if step == 1:
-            began = time.perf_counter()
-        out = model(input_ids=ids, labels=ids)
-        out.loss.backward()
-        first = out.loss.item() if first is None else first
-    return steps * ids.numel() / (time.perf_counter() - began), first
+def model_step(model, ids):
+    """One forward and backward of the model's own loss; its loss."""
+    out = model(input_ids=ids, labels=ids)
+    out.loss.backward()
+    return out.loss.item()
 
 
-def block_timed(block, hidden, steps: int) -> float:
-    """Tokens/s of one mixture-of-experts block (its router, experts and shared expert) alone, forward and backward on
-    the same hidden states (taking their gradient too, as a step does), `steps` timed after one untimed."""
-    for step in range(steps + 1):
-        if step == 1:
-            began = time.perf_counter()
-        out = block(hidden)
-        (out[0] if isinstance(out, tuple) else out).pow(2).mean().backward()
-    return steps * hidden.shape[1] / (time.perf_counter() - began)
+def block_step(block, hidden) -> None:
+    """One forward and backward of a mixture-of-experts block (its router, experts and shared expert) on `hidden`, taking
+    the hidden states' gradient too, as a step does."""
+    out = block(hidden)
+    (out[0] if isinstance(out, tuple) else out).pow(2).mean().backward()
+
+
+def timed(step, tokens: int, steps: int) -> tuple[float, object]:
+    """(tokens/s over `steps` calls of step() after one untimed, what the first call returned)."""
+    first = step()
+    began = time.perf_counter()
+    for _ in range(steps):
+        step()
+    return steps * tokens / (time.perf_counter() - began), first
+
+
+PRODUCTS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm"}
+
+
+def products(step) -> float:
+    """The matrix products' FLOPs in one call of step() (torch.profiler's count: every mm, grouped_mm's per-group ones too)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], with_flops=True) as prof:
+        step()
+    return sum(e.flops for e in prof.key_averages() if e.key in PRODUCTS)
 
 
 def speed(name: str, steps: int) -> str:
@@ -132,16 +149,21 @@ def speed(name: str, steps: int) -> str:
         **config.to_dict(), "target_modules": sorted(config.target_modules), "target_parameters": sorted(config.target_parameters)}))
     theirs.load_state_dict(ours.state_dict())
     ids = torch.randint(0, ours.config.vocab_size, (1, TOKENS), generator=torch.Generator().manual_seed(0))
-    rounds = [(timed(theirs.train(), ids, steps), timed(ours.train(), ids, steps)) for _ in range(ROUNDS)]  # taken in turn
-    (peer, peer_loss), (mine, my_loss) = (max(r[0][0] for r in rounds), rounds[0][0][1]), (max(r[1][0] for r in rounds), rounds[0][1][1])
+    steps_of = [lambda m=m: model_step(m, ids) for m in (theirs.train(), ours.train())]
+    rounds = [[timed(step, TOKENS, steps) for step in steps_of] for _ in range(ROUNDS)]  # taken in turn
+    peer, mine = (max(r[i][0] for r in rounds) for i in (0, 1))
+    peer_loss, my_loss = (rounds[0][i][1] for i in (0, 1))  # the first losses
     stack = experts.named_fused_experts(ours)[0][0]  # the first layer's experts (peft may wrap them): their MoE block
     block = stack[: stack.index(".experts")]
     hidden = torch.randn(1, TOKENS, ours.config.hidden_size, generator=torch.Generator().manual_seed(1), requires_grad=True)
-    alone = [(block_timed(theirs.get_submodule(block), hidden, steps), block_timed(ours.get_submodule(block), hidden, steps)) for _ in range(ROUNDS)]
-    peer_block, my_block = max(r[0] for r in alone), max(r[1] for r in alone)
+    blocks_of = [lambda m=m: block_step(m.get_submodule(block), hidden) for m in (theirs, ours)]
+    alone = [[timed(step, TOKENS, BLOCK_STEPS * steps)[0] for step in blocks_of] for _ in range(ROUNDS)]
+    peer_block, my_block = (max(r[i] for r in alone) for i in (0, 1))
+    flops = [[products(step) / 1e9 for step in pair] for pair in (steps_of, blocks_of)]  # (step, block) x (theirs, ours)
     trainable = sum(p.numel() for p in ours.parameters() if p.requires_grad)
     return (f"| {name} | {trainable / 1e6:.1f}M | {peer:,.0f} | {mine:,.0f} | {mine / peer:.2f}x | {peer_block:,.0f} | {my_block:,.0f} | "
-            f"{my_block / peer_block:.2f}x | {peer_loss:.6f} | {my_loss:.6f} |")
+            f"{my_block / peer_block:.2f}x | " + " | ".join(f"{t:.1f} / {o:.1f} ({t / o:.2f}x)" for t, o in flops) +
+            f" | {peer_loss:.6f} | {my_loss:.6f} |")
 
 
 def memory(run: str, steps: int) -> str:
@@ -153,14 +175,16 @@ def memory(run: str, steps: int) -> str:
            "logging": {"report_to": [], "progress_bar": False, "plot": False}, "checkpoint": {"save_every": 0}}
     if run == "qlora":
         cfg["model"]["quantization"] = {"bits": 4, "backend": "torchao", "compute_dtype": "bfloat16"}
-    shutil.rmtree(cfg["train"]["output_dir"], ignore_errors=True)  # this bench's own run of last time
-    result = train(work, run, 1, cfg, env={"MALLOC_MMAP_THRESHOLD_": "131072"})
-    if result["code"] != 0:
-        return f"| qwen3-moe {run} | exit {result['code']}: {result['console'].strip().splitlines()[-1][:120]} | | |"
+    measured = 0.0
+    for _ in range(RUNS):  # the sampler (every 0.25 s) can miss the peak, never overshoot it: the highest run's
+        shutil.rmtree(cfg["train"]["output_dir"], ignore_errors=True)  # this bench's own run of last time
+        result = train(work, run, 1, cfg, env={"MALLOC_MMAP_THRESHOLD_": "131072"})
+        if result["code"] != 0:
+            return f"| qwen3-moe {run} | exit {result['code']}: {result['console'].strip().splitlines()[-1][:120]} | | |"
+        measured = max(measured, result["anon"][0] - result["summary"]["anonymous_before_model_mib"])
     from finetune.config.schema import validate_config
     from finetune.outputs.plan import make_plan
 
-    measured = result["anon"][0] - result["summary"]["anonymous_before_model_mib"]
     plan = make_plan(validate_config(cfg, "bench"), devices=1, strategy="none")
     peak, moment = max((plan.total, "the step"), (plan.loading, "loading"))
     return f"| qwen3-moe {run} | {peak / 2**20:,.0f} ({moment}) | {measured:,.0f} | {peak / 2**20 / measured:.2f} |"
@@ -300,16 +324,18 @@ def main() -> None:
     args, wanted = steps_and_parts(__doc__, 3, "speed, memory, plan, quantizing, parallel")
     lines = [f"{cpu()}, commit {head_commit()}, {time.strftime('%Y-%m-%d')}"]
     if wanted("speed"):
-        lines += ["", f"fp32, LoRA r 16 on attention and experts, 1 x {TOKENS} tokens, forward + backward, {args.steps} steps timed after 1, "
-                  f"best of {ROUNDS} rounds taken in turn", "",
+        lines += ["", f"fp32, LoRA r 16 on attention and experts, 1 x {TOKENS} tokens, forward + backward, {args.steps} steps timed after 1 "
+                  f"(the MoE block alone: {BLOCK_STEPS * args.steps}), best of {ROUNDS} rounds taken in turn", "",
                   "| shape | LoRA params | HF + peft (tokens/s) | ours (tokens/s) | speed-up | HF + peft, MoE block alone (tokens/s) | "
-                  "ours, MoE block alone (tokens/s) | MoE block speed-up | HF + peft first loss | ours first loss |",
-                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+                  "ours, MoE block alone (tokens/s) | MoE block speed-up | matrix products a step, HF + peft / ours (GFLOP) | "
+                  "the MoE block's (GFLOP) | HF + peft first loss | ours first loss |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         for name in SHAPES:
             lines.append(speed(name, args.steps))
             print(lines[-1], flush=True)
     if wanted("memory"):
-        lines += ["", f"`finetune train`, LoRA r 16 in fp32 (QLoRA: torchao NF4 linear layers and experts), 1 x {TOKENS} tokens, {args.steps} steps", "",
+        lines += ["", f"`finetune train`, LoRA r 16 in fp32 (QLoRA: torchao NF4 linear layers and experts), 1 x {TOKENS} tokens, {args.steps} steps, "
+                  f"the higher peak of {RUNS} runs", "",
                   "| run | planned (MiB) | measured (MiB) | planned / measured |", "| --- | --- | --- | --- |"]
         for run in ("lora", "qlora"):
             lines.append(memory(run, args.steps))

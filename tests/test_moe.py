@@ -30,6 +30,7 @@ from finetune.objectives import loss
 from finetune.train import run
 
 FAMILIES = [*MOE, *MOE_OTHERS, "llama4"]
+VARIANTS = {"llama4-top2": ("llama4", dict(num_experts_per_tok=2, interleave_moe_layer_step=2))}  # two chosen, MoE on the second layer only
 
 
 def _adapted(model_dir, say=lambda _: None, **adapter):
@@ -56,17 +57,18 @@ def _peft_on_eager_experts(model_dir, ours):
 
 
 @pytest.mark.parametrize("chunk", [experts.CHUNK, 96])
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", [*FAMILIES, *VARIANTS])
 def test_grouped_expert_lora_equals_peft_on_the_librarys_eager_experts(family_dirs, monkeypatch, family, chunk):
     """Loss and every LoRA gradient (attention, experts, shared experts) of our grouped expert path equal
     peft's on the eager experts, over packed and unpacked rows; the routers carry no adapter. With CHUNK at 96 values
     every chunked loop of the experts' path (the LoRA's product added, the tokens' gradients summed, the routed outputs
     combined) takes one to a few rows at a time."""
     monkeypatch.setattr(experts, "CHUNK", chunk)
-    ours = _adapted(family_dirs(family))
+    family, extra = VARIANTS.get(family, (family, {}))
+    ours = _adapted(family_dirs(family, **extra))
     grouped = [type(m).__name__ == "GroupedLlama4TextExperts" for m in experts.fused_experts(ours)]  # Llama 4's: outside transformers' switch
-    assert all(grouped) if family == "llama4" else ours.config._experts_implementation == experts.IMPLEMENTATION and not any(grouped)
-    theirs = _peft_on_eager_experts(family_dirs(family), ours)
+    assert grouped and (all(grouped) if family == "llama4" else ours.config._experts_implementation == experts.IMPLEMENTATION and not any(grouped))
+    theirs = _peft_on_eager_experts(family_dirs(family, **extra), ours)
     trained = {name for name, p in ours.named_parameters() if p.requires_grad}
     assert any(".experts." in n for n in trained) and not any(f".{router}." in n for n in trained for router in ("gate", "router"))
     samples = textbook_samples(ours.config.vocab_size)

@@ -115,9 +115,12 @@ def export_gguf(model_dir: str, out: str, kind: str = "f16", say=print) -> dict:
     arch_name = gguf.MODEL_ARCH_NAMES[getattr(gguf.MODEL_ARCH, arch)]
     written = "f16" if kind in K_QUANTS else kind
 
+    made = gguf.GGUFWriter(None, arch_name)  # the metadata and vocabulary, made once for the token check's file and the export's
+    _metadata(made, config, folder.name, written)
+    write_vocabulary(made, tokenizer, folder, config.get("vocab_size") or 0)
+
     def header(writer) -> None:
-        _metadata(writer, config, folder.name, written)
-        write_vocabulary(writer, tokenizer, folder, config.get("vocab_size") or 0)
+        writer.kv_data[0].update(made.kv_data[0])
 
     in_llama_cpp = importlib.util.find_spec("llama_cpp") is not None  # the client the file is for
     token_checks = check_in_llama_cpp(arch_name, header, tokenizer, folder, config["vocab_size"]) if in_llama_cpp else 0
