@@ -38,10 +38,14 @@ FAMILIES = {"llama": ("LLAMA", True), "mistral": ("LLAMA", True), "qwen2": ("QWE
             "gemma2": ("GEMMA2", False), "gemma3_text": ("GEMMA3", False), "qwen3_moe": ("QWEN3MOE", False), "gpt_oss": ("GPT_OSS", False),
             "mixtral": ("LLAMA", True),  # llama.cpp's llama architecture with experts, as its converter writes Mixtral
             "deepseek_v3": ("DEEPSEEK2", False), "glm4_moe": ("GLM4_MOE", False),
-            "qwen3_5_text": ("QWEN35", False), "qwen3_5_moe_text": ("QWEN35MOE", False), "gemma4_text": ("GEMMA4", False)}
+            "qwen3_5_text": ("QWEN35", False), "qwen3_5_moe_text": ("QWEN35MOE", False), "gemma4_text": ("GEMMA4", False),
+            "llama4_text": ("LLAMA4", False)}
 LINEAR_ATTENTION = ("qwen3_5_text", "qwen3_5_moe_text")  # Gated DeltaNet layers beside gated full attention
 # families transformers' GGUF reader does not read back: checked in llama.cpp itself or not written
-LLAMA_CPP_ONLY = ("deepseek_v3", "glm4_moe", *LINEAR_ATTENTION)
+LLAMA_CPP_ONLY = ("deepseek_v3", "glm4_moe", "llama4_text", *LINEAR_ATTENTION)
+# what llama.cpp's llama4 builds in, as the releases set it: chunks of 8,192 positions, and from 8,192 tokens on a temperature
+# on the queries of the layers without rotary positions (every 4th: no_rope_layers)
+LLAMA4_BUILT_IN = {"attention_chunk_size": 8192, "floor_scale": 8192, "attn_scale": 0.1, "attn_temperature_tuning": True}
 GEMMAS = ("gemma2", "gemma3_text")  # norms that scale by (1 + weight), heads scaled by query_pre_attn_scalar
 # families not written, and llama.cpp's reason
 NOT_WRITTEN = {"phi3": "llama.cpp's phi3 turns Phi-3-mini-4k's 2,047-token sliding window off, and Phi-3.5/4's longrope would need "
@@ -199,6 +203,8 @@ def _refuse_unwritable(config: dict, folder: Path) -> None:
         if kinds != ["full_attention" if (i + 1) % every == 0 else "linear_attention" for i in range(len(kinds))]:
             raise UserError(f"--model: {folder}'s full-attention layers are not every n-th layer, the pattern llama.cpp's qwen35 architecture "
                             "takes (the releases': every 4th)")
+    if family == "llama4_text":
+        _refuse_unlike_llama4(config, folder)
     if family in LLAMA_CPP_ONLY and importlib.util.find_spec("llama_cpp") is None:
         raise UserError(f"--model: {folder} is a {family} model, which only llama.cpp itself reads back to check the file; "
                         "pip install llama-cpp-python (make install does)")
@@ -333,6 +339,25 @@ def check_out(out: str) -> Path:
     return target
 
 
+def _refuse_unlike_llama4(config: dict, folder: Path) -> None:
+    """One line for a Llama 4 whose attention llama.cpp's llama4 would run otherwise (LLAMA4_BUILT_IN, its layers without
+    rotary positions every 4th, its experts every interleave_moe_layer_step-th layer, its queries and keys normed unless
+    it has 128 experts: Scout's and Maverick's, told apart by that count)."""
+    layers, step = config["num_hidden_layers"], config.get("interleave_moe_layer_step") or 1
+    seen = {key: config.get(key) for key in LLAMA4_BUILT_IN} | {"no_rope_layers": config.get("no_rope_layers") or None,
+                                                               "use_qk_norm": config.get("use_qk_norm", True)}
+    built_in = LLAMA4_BUILT_IN | {"no_rope_layers": [int((i + 1) % 4 != 0) for i in range(layers)],
+                                  "use_qk_norm": config.get("num_local_experts") != 128}
+    if seen["no_rope_layers"] is None:  # transformers' default: every 4th layer without
+        seen["no_rope_layers"] = built_in["no_rope_layers"]
+    if config.get("moe_layers") not in (None, list(range(step - 1, layers, step))):
+        seen["moe_layers"], built_in["moe_layers"] = config["moe_layers"], list(range(step - 1, layers, step))
+    for key, value in seen.items():
+        if value != built_in[key]:
+            raise UserError(f"--model: {folder} sets {key} {value}; llama.cpp's llama4 architecture has {built_in[key]} built in "
+                            f"(the releases'{', with its ' + str(config.get('num_local_experts')) + ' experts' if key == 'use_qk_norm' else ''})")
+
+
 def _metadata(writer, config: dict, name: str, kind: str) -> None:
     import gguf
 
@@ -342,8 +367,8 @@ def _metadata(writer, config: dict, name: str, kind: str) -> None:
     writer.add_context_length(config["max_position_embeddings"])
     writer.add_embedding_length(config["hidden_size"])
     writer.add_block_count(config["num_hidden_layers"])
-    if not config.get("use_double_wide_mlp"):  # Gemma 4's, per layer
-        writer.add_feed_forward_length(config["intermediate_size"])
+    if not config.get("use_double_wide_mlp"):  # Gemma 4's, per layer; Llama 4's dense layers', its experts' apart
+        writer.add_feed_forward_length(config.get("intermediate_size_mlp") or config["intermediate_size"])
     writer.add_head_count(heads)
     if config.get("model_type") == "deepseek_v3":
         _latent_attention(writer, config)
@@ -393,6 +418,11 @@ def _metadata(writer, config: dict, name: str, kind: str) -> None:
         writer.add_expert_used_count(config["num_experts_per_tok"])
     if config.get("model_type") in ("deepseek_v3", "glm4_moe"):
         _routed_experts(writer, config)
+    if config.get("model_type") == "llama4_text":  # experts (and a shared one) every interleave_moe_layer_step-th layer
+        writer.add_expert_count(config["num_local_experts"])
+        writer.add_expert_used_count(config["num_experts_per_tok"])
+        writer.add_expert_feed_forward_length(config["intermediate_size"])
+        writer.add_interleave_moe_layer_step(config.get("interleave_moe_layer_step") or 1)
     if config.get("model_type") == "qwen3_5_moe_text":
         writer.add_expert_count(config["num_experts"])
         writer.add_expert_used_count(config["num_experts_per_tok"])
@@ -557,7 +587,7 @@ def _tensors(writer, model, config: dict, arch, permuted: bool, kind: str) -> No
     state = model.state_dict()
     if config.get("model_type") == "gemma4_text":
         state = _gemma4_weights(state)
-    state = _split_experts(state, interleaved=config.get("model_type") == "gpt_oss")
+    state = _split_experts(state, config.get("model_type") in ("gpt_oss", "llama4_text"), interleaved=config.get("model_type") == "gpt_oss")
     if config.get("model_type") == "deepseek_v3":
         state = _latent_heads(state, config)
     if config.get("model_type") in LINEAR_ATTENTION:
@@ -586,14 +616,15 @@ def _tensors(writer, model, config: dict, arch, permuted: bool, kind: str) -> No
         writer.add_tensor(gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight", _gemma4_rope_factors(config))
 
 
-def _split_experts(state: dict, interleaved: bool = False) -> dict:
+def _split_experts(state: dict, transposed: bool = False, interleaved: bool = False) -> dict:
     """transformers' fused expert weights as GGUF holds them: gate_up_proj (E, 2m, h) as gate_proj and up_proj
     (E, m, h) each (llama.cpp's ffn_gate_exps and ffn_up_exps); down_proj (E, h, m) as it is; each named as a weight.
-    gpt-oss stores them (E, in, out) with gate and up columns interleaved, and biases beside them (its sinks too are
-    named as weights). DeepSeek-V3's and GLM-4.5's routers' score corrections are named as biases."""
+    gpt-oss and Llama 4 store them (E, in, out) (transposed), gpt-oss with gate and up columns interleaved, and biases
+    beside them (its sinks too are named as weights). DeepSeek-V3's and GLM-4.5's routers' score corrections are named
+    as biases."""
     out = {}
     for name, tensor in state.items():
-        if interleaved and name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+        if transposed and name.endswith(("experts.gate_up_proj", "experts.down_proj")):
             tensor = tensor.transpose(-1, -2)
         if name.endswith(("experts.gate_up_proj", "experts.gate_up_proj_bias")):
             axis = -2 if tensor.dim() == 3 else -1  # a weight's output rows, a bias's entries
