@@ -68,7 +68,67 @@ def test_grouped_expert_lora_equals_peft_on_the_librarys_eager_experts(family_di
     ours = _adapted(family_dirs(family, **extra))
     grouped = [type(m).__name__ == "GroupedLlama4TextExperts" for m in experts.fused_experts(ours)]  # Llama 4's: outside transformers' switch
     assert grouped and (all(grouped) if family == "llama4" else ours.config._experts_implementation == experts.IMPLEMENTATION and not any(grouped))
-    theirs = _peft_on_eager_experts(family_dirs(family, **extra), ours)
+    _equal_to_peft(ours, _peft_on_eager_experts(family_dirs(family, **extra), ours))
+
+
+# The other families transformers 5 holds with their experts in its experts modules, each a tiny config: DeepSeek-V2's latent
+# attention, OLMoE and FlexOlmo, ERNIE 4.5's shared experts from its second layer, MiniMax, dots.llm1, EXAONE's MoE,
+# GLM-4.7-Flash (glm4_moe_lite), Granite's MoE, AFMoE, Cohere's MoE, and PhiMoE, whose router samples its choice in training
+SHIPPED = {"deepseek_v2": dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1,
+                               kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, n_group=1, topk_group=1),
+           "olmoe": dict(num_experts=4, num_experts_per_tok=2), "flex_olmo": dict(num_experts=4, num_experts_per_tok=2),
+           "ernie4_5_moe": dict(moe_num_experts=4, moe_k=2, moe_intermediate_size=32, moe_num_shared_experts=1, moe_layer_start_index=1),
+           "minimax": dict(num_local_experts=4, num_experts_per_tok=2, layer_types=["full_attention"] * 2),
+           "dots1": dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1, n_group=1,
+                         topk_group=1),
+           "exaone_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32),
+           "glm4_moe_lite": dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1,
+                                 n_group=1, topk_group=1),
+           "granitemoe": dict(num_local_experts=4, num_experts_per_tok=2), "afmoe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32),
+           "cohere2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32), "phimoe": dict(num_local_experts=4, num_experts_per_tok=2)}
+
+
+def _tiny(kind: str, folder, tokenizer_dir, **extra):
+    """A tiny random model of `kind` (conftest's TINY widths) with the demo tokenizer, saved in `folder`."""
+    from conftest import TINY
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    ids = dict(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(AutoConfig.for_model(kind, **{"vocab_size": len(tok), **TINY, **ids, **extra})).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("kind", list(SHIPPED))
+def test_every_other_family_with_fused_experts_trains_grouped_as_peft_on_its_eager_experts(tmp_path, demo_tokenizer_dir, kind):
+    """Each family above: its experts grouped (transformers' switch set to ours), loss and every LoRA gradient equal to
+    peft's on its eager experts, packed and unpacked, as the families of the test before."""
+    folder = _tiny(kind, tmp_path, demo_tokenizer_dir, **SHIPPED[kind])
+    ours = _adapted(folder)
+    assert experts.fused_experts(ours) and ours.config._experts_implementation == experts.IMPLEMENTATION
+    _equal_to_peft(ours, _peft_on_eager_experts(folder, ours))
+
+
+def test_experts_outside_transformers_experts_modules_are_refused_in_one_line(tmp_path, demo_tokenizer_dir):
+    """JetMoE's experts (its attention's too) and LongCat-Flash's (beside its identity experts) are 3-D weights in modules of
+    their own, which LoRA here does not reach: adapting every layer (or naming the experts) stops in one line naming them and
+    what to list instead; naming other layers trains those, the experts frozen."""
+    for kind, extra, where in (("jetmoe", dict(num_local_experts=4, num_experts_per_tok=2), "model.layers.0.mlp.input_linear, JetMoeParallelExperts"),
+                               ("longcat_flash", dict(n_routed_experts=4, moe_topk=2, expert_ffn_hidden_size=32),
+                                "model.layers.0.mlp.experts, LongcatFlashExperts")):
+        folder = _tiny(kind, tmp_path / kind, demo_tokenizer_dir, **extra)
+        for targets in ("all-linear", ["experts"]):
+            with pytest.raises(UserError, match=rf"^adapter.target_modules: this {kind} model's experts \({where}\) are 3-D weights outside "):
+                _adapted(folder, target_modules=targets)
+    adapted = _adapted(folder, target_modules=["q_b_proj", "o_proj"])
+    assert {n.split(".")[-4] for n, p in adapted.named_parameters() if p.requires_grad} == {"q_b_proj", "o_proj"}
+
+
+def _equal_to_peft(ours, theirs) -> None:
+    """Loss and every LoRA gradient of `ours` equal `theirs`' (1e-5 / 1e-4), over packed and unpacked rows; the routers
+    carry no adapter. The same random draws on both sides (PhiMoE's router samples its choice in training)."""
     trained = {name for name, p in ours.named_parameters() if p.requires_grad}
     assert any(".experts." in n for n in trained) and not any(f".{router}." in n for n in trained for router in ("gate", "router"))
     samples = textbook_samples(ours.config.vocab_size)
@@ -76,6 +136,7 @@ def test_grouped_expert_lora_equals_peft_on_the_librarys_eager_experts(family_di
         results = []
         for model in (ours, theirs):
             model.zero_grad()
+            torch.manual_seed(0)
             value = loss.token_loss_sum(model, samples_batch(samples, packed))
             value.backward()
             results.append((value.item(), trained_grads(model)))

@@ -555,6 +555,8 @@ def lora_targets(model, wanted: str | list[str]) -> tuple[str | list[str], list[
     `experts` stands for those expert weights; any other name must match some linear layer."""
     head = model.get_output_embeddings()
     linears = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if linear_like(m) and m is not head}
+    if wanted == "all-linear" or "experts" in wanted:
+        _refuse_other_experts(model, linears)
     stacks = sorted({f"{module.rsplit('.', 1)[-1]}.{p}" for module, m in experts.named_fused_experts(model)
                      for p, w in m.named_parameters(recurse=False) if w.dim() == 3})
     picking = router_names(model) if stacks or families.num_experts(model.config.to_dict()) else set()
@@ -573,6 +575,19 @@ def lora_targets(model, wanted: str | list[str]) -> tuple[str | list[str], list[
                                                            " (experts, if it has any, are not fused 3-D weights)" if "experts" in wanted else "")
                         + (" (Phi-3 fuses q/k/v into qkv_proj and gate/up into gate_up_proj)" if kind == "phi3" else ""))
     return named, stacks if "experts" in wanted else []
+
+
+def _refuse_other_experts(model, linears: set[str]) -> None:
+    """One line for experts held as 3-D weights outside transformers' experts modules (JetMoE's, LongCat-Flash's with its
+    identity experts): neither peft's LoRA nor the grouped path (experts.named_fused_experts) reaches them, so the
+    adapter would leave them frozen without a word."""
+    fused = {id(m) for _, m in experts.named_fused_experts(model)}
+    other = [(name, type(m).__name__) for name, m in model.named_modules() if id(m) not in fused and "xpert" in type(m).__name__
+             and any(p.dim() == 3 for p in m.parameters(recurse=False))]
+    if other:
+        raise UserError(f"adapter.target_modules: this {model.config.model_type} model's experts ({other[0][0]}, {other[0][1]}) are 3-D weights "
+                        "outside transformers' experts modules, which LoRA here does not reach; to train the rest with them frozen, "
+                        f"list the layers to adapt (its linear layers: {', '.join(sorted(linears))})")
 
 
 def adapter_input_casting_off(model, mixed_precision: str):
