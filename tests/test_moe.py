@@ -75,7 +75,8 @@ def test_grouped_expert_lora_equals_peft_on_the_librarys_eager_experts(family_di
 # attention, OLMoE and FlexOlmo, ERNIE 4.5's shared experts from its second layer, MiniMax, dots.llm1, EXAONE's MoE,
 # GLM-4.7-Flash (glm4_moe_lite), Granite's MoE, AFMoE, Cohere's MoE, and PhiMoE, whose router samples its choice in training
 SHIPPED = {"deepseek_v2": dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1,
-                               kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, n_group=1, topk_group=1),
+                               kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, n_group=1, topk_group=1,
+                               num_key_value_heads=4),  # latent attention: a key and value for every head
            "olmoe": dict(num_experts=4, num_experts_per_tok=2), "flex_olmo": dict(num_experts=4, num_experts_per_tok=2),
            "ernie4_5_moe": dict(moe_num_experts=4, moe_k=2, moe_intermediate_size=32, moe_num_shared_experts=1, moe_layer_start_index=1),
            "minimax": dict(num_local_experts=4, num_experts_per_tok=2, layer_types=["full_attention"] * 2),
@@ -83,7 +84,7 @@ SHIPPED = {"deepseek_v2": dict(n_routed_experts=4, num_experts_per_tok=2, moe_in
                          topk_group=1),
            "exaone_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32),
            "glm4_moe_lite": dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1,
-                                 n_group=1, topk_group=1),
+                                 n_group=1, topk_group=1, num_key_value_heads=4),
            "granitemoe": dict(num_local_experts=4, num_experts_per_tok=2), "afmoe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32),
            "cohere2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32), "phimoe": dict(num_local_experts=4, num_experts_per_tok=2)}
 
@@ -104,11 +105,14 @@ def _tiny(kind: str, folder, tokenizer_dir, **extra):
 @pytest.mark.parametrize("kind", list(SHIPPED))
 def test_every_other_family_with_fused_experts_trains_grouped_as_peft_on_its_eager_experts(tmp_path, demo_tokenizer_dir, kind):
     """Each family above: its experts grouped (transformers' switch set to ours), loss and every LoRA gradient equal to
-    peft's on its eager experts, packed and unpacked, as the families of the test before."""
+    peft's on its eager experts, packed and unpacked, as the families of the test before; and packed rows exact (each
+    sample as alone in transformers' eager attention; not PhiMoE, whose router draws anew in each forward)."""
     folder = _tiny(kind, tmp_path, demo_tokenizer_dir, **SHIPPED[kind])
     ours = _adapted(folder)
     assert experts.fused_experts(ours) and ours.config._experts_implementation == experts.IMPLEMENTATION
     _equal_to_peft(ours, _peft_on_eager_experts(folder, ours))
+    if kind != "phimoe":
+        assert_equal_to_each_sample_alone(ours, textbook_samples(ours.config.vocab_size))
 
 
 def test_experts_outside_transformers_experts_modules_are_refused_in_one_line(tmp_path, demo_tokenizer_dir):
