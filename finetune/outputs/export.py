@@ -341,13 +341,15 @@ def check_out(out: str) -> Path:
 
 def _refuse_unlike_llama4(config: dict, folder: Path) -> None:
     """One line for a Llama 4 whose attention llama.cpp's llama4 would run otherwise (LLAMA4_BUILT_IN, its layers without
-    rotary positions every 4th, its experts every interleave_moe_layer_step-th layer, its queries and keys normed unless
+    rotary positions every 4th and the others chunked, its experts every interleave_moe_layer_step-th layer, its queries and keys normed unless
     it has 128 experts: Scout's and Maverick's, told apart by that count)."""
     layers, step = config["num_hidden_layers"], config.get("interleave_moe_layer_step") or 1
     seen = {key: config.get(key) for key in LLAMA4_BUILT_IN} | {"no_rope_layers": config.get("no_rope_layers") or None,
                                                                "use_qk_norm": config.get("use_qk_norm", True)}
     built_in = LLAMA4_BUILT_IN | {"no_rope_layers": [int((i + 1) % 4 != 0) for i in range(layers)],
                                   "use_qk_norm": config.get("num_local_experts") != 128}
+    built_in["layer_types"] = ["chunked_attention" if rope else "full_attention" for rope in built_in["no_rope_layers"]]
+    seen["layer_types"] = config.get("layer_types") or built_in["layer_types"]  # transformers' defaults where unset
     if seen["no_rope_layers"] is None:  # transformers' default: every 4th layer without
         seen["no_rope_layers"] = built_in["no_rope_layers"]
     if config.get("moe_layers") not in (None, list(range(step - 1, layers, step))):
